@@ -1,0 +1,116 @@
+"""Chunking and chained chunk keys.
+
+A chunk's digest is `h_i = SHA-256(h_{i-1} || tokens_i)` with tokens encoded as little-endian
+uint32 and `h_{-1} = SHA-256(b"kvtier/v1" || salt)`. The digest of a chunk therefore names its
+whole prefix, and is the same in every process and on every machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+__all__ = ["ChunkKey", "KeyBuilder", "encode_tokens", "KEY_VERSION"]
+
+KEY_VERSION = "kvtier/v1"
+_U32_MAX = 2**32 - 1
+
+
+class ChunkKey(NamedTuple):
+    """One chunk of a token sequence and the key it is stored under."""
+
+    key: str  # kvtier/v1/{model}/{fingerprint}/{rank}of{world}/{hex digest}
+    start: int  # first token index of the chunk in the sequence
+    end: int  # one past the last token index
+    tokens: bytes  # the chunk's own token ids, little-endian uint32
+    prev: str | None  # the previous chunk's key, None for the first chunk
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+def encode_tokens(token_ids: torch.Tensor | Sequence[int] | np.ndarray) -> bytes:
+    """Token ids as little-endian uint32 bytes; `ValueError` names `token_ids` when invalid."""
+    if isinstance(token_ids, torch.Tensor):
+        if token_ids.dim() != 1:
+            raise ValueError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
+        if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex or \
+                token_ids.dtype == torch.bool:
+            raise ValueError(f"token_ids must be an integer tensor, got {token_ids.dtype}")
+        arr = token_ids.detach().cpu().numpy()
+    else:
+        try:
+            arr = np.asarray(token_ids)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"token_ids must be a sequence of ints: {exc}") from None
+        if arr.size == 0:
+            arr = arr.astype(np.int64)
+        if arr.ndim != 1:
+            raise ValueError(f"token_ids must be 1-D, got shape {arr.shape}")
+        if arr.dtype.kind not in "iu":
+            raise ValueError(f"token_ids must hold ints, got dtype {arr.dtype}")
+    if arr.size and (arr.min() < 0 or arr.max() > _U32_MAX):
+        raise ValueError(
+            f"token_ids must lie in [0, 2**32), got range [{arr.min()}, {arr.max()}]"
+        )
+    return arr.astype("<u4", copy=False).tobytes()
+
+
+class KeyBuilder:
+    """Cuts token sequences into chunks and names them for one (model, layout, rank) namespace."""
+
+    def __init__(
+        self,
+        *,
+        model: str,
+        fingerprint: str,
+        chunk_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        salt: str = "",
+        save_unfull_chunk: bool = False,
+    ):
+        if not model or any(c in model for c in " \n\t"):
+            raise ValueError(f"model must be a non-empty name without whitespace, got {model!r}")
+        if chunk_size <= 0:
+            raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must lie in [0, world_size={world_size}), got {rank}")
+        self.chunk_size = chunk_size
+        self.save_unfull_chunk = save_unfull_chunk
+        self.prefix = f"{KEY_VERSION}/{model}/{fingerprint}/{rank}of{world_size}/"
+        self._root = hashlib.sha256(KEY_VERSION.encode() + salt.encode()).digest()
+
+    def num_keyed_tokens(self, num_tokens: int) -> int:
+        """How many leading tokens of a `num_tokens` sequence are covered by keys."""
+        if self.save_unfull_chunk:
+            return num_tokens
+        return num_tokens - num_tokens % self.chunk_size
+
+    def keys(self, token_ids: torch.Tensor | Sequence[int] | np.ndarray) -> list[ChunkKey]:
+        """The chunk keys of `token_ids` in order (a trailing partial chunk per config)."""
+        data = encode_tokens(token_ids)
+        return self.keys_from_bytes(data)
+
+    def keys_from_bytes(self, data: bytes) -> list[ChunkKey]:
+        n = len(data) // 4
+        end_all = self.num_keyed_tokens(n)
+        step = self.chunk_size * 4
+        sha256 = hashlib.sha256
+        prefix = self.prefix
+        h = self._root
+        prev: str | None = None
+        out: list[ChunkKey] = []
+        for start in range(0, end_all * 4, step):
+            stop = min(start + step, end_all * 4)
+            tokens = data[start:stop]
+            h = sha256(h + tokens).digest()
+            key = prefix + h.hex()
+            out.append(ChunkKey(key, start // 4, stop // 4, tokens, prev))
+            prev = key
+        return out
