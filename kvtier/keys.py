@@ -34,7 +34,7 @@ class ChunkKey(NamedTuple):
         return self.end - self.start
 
 
-def encode_tokens(token_ids: torch.Tensor | Sequence[int] | np.ndarray) -> bytes:
+def encode_tokens(token_ids: torch.Tensor | Sequence[int] | np.ndarray) -> memoryview:
     """Token ids as little-endian uint32 bytes; `ValueError` names `token_ids` when invalid."""
     if isinstance(token_ids, torch.Tensor):
         if token_ids.dim() != 1:
@@ -58,7 +58,8 @@ def encode_tokens(token_ids: torch.Tensor | Sequence[int] | np.ndarray) -> bytes
         raise ValueError(
             f"token_ids must lie in [0, 2**32), got range [{arr.min()}, {arr.max()}]"
         )
-    return arr.astype("<u4", copy=False).tobytes()
+    # A memoryview, not bytes: `tobytes()` would copy (and page-fault) the whole buffer again.
+    return memoryview(np.ascontiguousarray(arr, dtype="<u4")).cast("B")
 
 
 class KeyBuilder:
@@ -97,7 +98,9 @@ class KeyBuilder:
         data = encode_tokens(token_ids)
         return self.keys_from_bytes(data)
 
-    def keys_from_bytes(self, data: bytes) -> list[ChunkKey]:
+    def keys_from_bytes(self, data: bytes | memoryview) -> list[ChunkKey]:
+        """Keys of a sequence given as little-endian uint32 bytes (see `encode_tokens`)."""
+        data = memoryview(data).cast("B") if not isinstance(data, memoryview) else data
         n = len(data) // 4
         end_all = self.num_keyed_tokens(n)
         step = self.chunk_size * 4
@@ -109,8 +112,10 @@ class KeyBuilder:
         for start in range(0, end_all * 4, step):
             stop = min(start + step, end_all * 4)
             tokens = data[start:stop]
-            h = sha256(h + tokens).digest()
+            d = sha256(h)  # update() instead of `h + tokens`: no 1 KiB concatenation per chunk
+            d.update(tokens)
+            h = d.digest()
             key = prefix + h.hex()
-            out.append(ChunkKey(key, start // 4, stop // 4, tokens, prev))
+            out.append(ChunkKey(key, start // 4, stop // 4, bytes(tokens), prev))
             prev = key
         return out

@@ -116,7 +116,8 @@ class KVLayout:
 class MemoryObj:
     """One chunk of KV: `tensor` is a `[planes, layers, tokens, hidden]` view into the arena."""
 
-    __slots__ = ("tensor", "fmt", "num_tokens", "offset", "nbytes", "_refs", "_arena", "__weakref__")
+    __slots__ = ("tensor", "fmt", "num_tokens", "offset", "nbytes", "_refs", "_arena",
+                 "__weakref__")
 
     def __init__(self, arena: MemoryAllocator, offset: int, layout: KVLayout, num_tokens: int):
         self._arena = arena

@@ -44,7 +44,11 @@ class StorageBackend(ABC):
 
     @abstractmethod
     def batch_contains(self, keys: Sequence[ChunkKey]) -> int:
-        """The number of leading `keys` this tier holds (stops at the first miss)."""
+        """The number of leading `keys` this tier holds (stops at the first miss).
+
+        Looks at key strings only (`ChunkKey.key`): callers may pass keys whose other fields
+        are empty when only the key string is known.
+        """
 
     @abstractmethod
     def batch_get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:

@@ -1,0 +1,121 @@
+"""The hot tier: memory objects resident in the arena, LRU by chunk.
+
+Recency is arranged so that eviction takes suffixes first: a batch is touched from its last
+chunk to its first, so within a prefix the deeper chunks are always older than the shallower
+ones, and a lookup after memory pressure still finds a usable prefix rather than holes.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from kvtier.backends.base import BackendContext, StorageBackend
+from kvtier.keys import ChunkKey
+from kvtier.memory import MemoryObj
+
+__all__ = ["CPUBackend"]
+
+
+class CPUBackend(StorageBackend):
+    """Holds one reference to every stored object; `pop_lru` hands references back."""
+
+    name = "cpu"
+
+    def __init__(self, ctx: BackendContext):
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[str, tuple[ChunkKey, MemoryObj]] = OrderedDict()  # LRU first
+        self._bytes = 0
+        self._hits = self._misses = self._puts = self._evictions = 0
+        self._closed = False
+
+    def batch_contains(self, keys: Sequence[ChunkKey]) -> int:
+        with self._lock:
+            n = 0
+            for k in keys:
+                if k.key not in self._entries:
+                    break
+                n += 1
+            return n
+
+    def batch_get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
+        with self._lock:
+            out: list[MemoryObj] = []
+            for k in keys:
+                entry = self._entries.get(k.key)
+                # Same key string but other tokens can only be a digest collision: a miss.
+                if entry is None or entry[0].tokens != k.tokens:
+                    self._misses += 1
+                    break
+                out.append(entry[1].retain())
+            self._hits += len(out)
+            for k in reversed(keys[: len(out)]):
+                self._entries.move_to_end(k.key)
+            return out
+
+    def batch_put(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]) -> int:
+        if len(keys) != len(objs):
+            raise ValueError(f"keys and objs differ in length: {len(keys)} != {len(objs)}")
+        with self._lock:
+            if self._closed:
+                return 0
+            for k, obj in zip(reversed(keys), reversed(objs)):
+                old = self._entries.pop(k.key, None)
+                if old is not None:
+                    self._bytes -= old[1].nbytes
+                    old[1].release()
+                self._entries[k.key] = (k, obj.retain())
+                self._bytes += obj.nbytes
+            self._puts += len(keys)
+            return len(keys)
+
+    def touch(self, keys: Sequence[ChunkKey]) -> None:
+        """Mark `keys` (a prefix in order) as just used, deepest oldest."""
+        with self._lock:
+            for k in reversed(keys):
+                if k.key in self._entries:
+                    self._entries.move_to_end(k.key)
+
+    def pop_lru(self, nbytes: int) -> list[tuple[ChunkKey, MemoryObj]]:
+        """Remove least recently used entries that nobody else references, until at least
+        `nbytes` are reclaimable; the caller receives the tier's reference to each."""
+        out: list[tuple[ChunkKey, MemoryObj]] = []
+        freed = 0
+        with self._lock:
+            for name in list(self._entries):
+                if freed >= nbytes:
+                    break
+                key, obj = self._entries[name]
+                if obj.refs > 1:  # being read or written right now: keep it
+                    continue
+                del self._entries[name]
+                self._bytes -= obj.nbytes
+                freed += obj.nbytes
+                out.append((key, obj))
+            self._evictions += len(out)
+        return out
+
+    def remove(self, keys: Sequence[ChunkKey]) -> int:
+        with self._lock:
+            n = 0
+            for k in keys:
+                entry = self._entries.pop(k.key, None)
+                if entry is not None:
+                    self._bytes -= entry[1].nbytes
+                    entry[1].release()
+                    n += 1
+            return n
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            return {"entries": len(self._entries), "bytes": self._bytes, "hits": self._hits,
+                    "misses": self._misses, "puts": self._puts, "evictions": self._evictions}
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            entries, self._entries = self._entries, OrderedDict()
+            self._bytes = 0
+        for _, obj in entries.values():
+            obj.release()

@@ -1,0 +1,110 @@
+"""The `kvtier` command: check-config, info, bench."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import logging
+import platform
+import sys
+from pathlib import Path
+
+import yaml
+
+from kvtier.config import load_config
+from kvtier.errors import KVTierError
+
+__all__ = ["main"]
+
+
+def _check_config(args: argparse.Namespace) -> int:
+    cfg = load_config(args.file)
+    print(yaml.safe_dump(cfg.redacted(), sort_keys=True), end="")
+    print(f"# tiers: {' -> '.join(cfg.tiers)}")
+    return 0
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def _info(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvtier.backends import BackendContext, create_backend
+    from kvtier.connectors import ops
+    from kvtier.memory import KVLayout, MemoryAllocator
+
+    cfg = load_config(args.file)
+    rows = [("kvtier", _version("kvtier")), ("python", platform.python_version()),
+            ("torch", torch.__version__), ("cuda", str(torch.cuda.is_available())),
+            ("redis-py", _version("redis")), ("sglang", _version("sglang")),
+            ("copy kernel", ops.kernel_name())]
+    # Reachability: build each lower tier against a tiny arena and ask it for its stats.
+    alloc = MemoryAllocator(1 << 20, pin=False)
+    ctx = BackendContext(cfg, KVLayout.mha(1, 1, 16, torch.float16), alloc)
+    for name in cfg.tiers:
+        try:
+            tier = create_backend(name, ctx)
+            stats = tier.stats()
+            tier.close()
+            status = "ok " + ", ".join(f"{k}={v:g}" for k, v in sorted(stats.items())[:4])
+        except (KVTierError, OSError) as exc:
+            status = f"UNAVAILABLE: {exc}"
+        rows.append((f"tier {name}", status))
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from kvtier.bench import run_bench
+
+    result = run_bench(load_config(args.file), prompts=args.prompts, tokens=args.tokens,
+                       progress=not args.quiet)
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvtier", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("check-config", help="validate a config and print the effective values")
+    p.add_argument("file", nargs="?", help="YAML file (default: KVTIER_CONFIG_FILE, "
+                   "LMCACHE_CONFIG_FILE, built-in defaults)")
+    p.set_defaults(func=_check_config)
+    p = sub.add_parser("info", help="versions, copy kernel and tier reachability")
+    p.add_argument("file", nargs="?")
+    p.set_defaults(func=_info)
+    p = sub.add_parser("bench", help="throughput of connectors and tiers on a Llama-3-8B shape")
+    p.add_argument("file", nargs="?")
+    p.add_argument("--prompts", type=int, default=8, help="prompts stored and loaded")
+    p.add_argument("--tokens", type=int, default=2048, help="tokens per prompt")
+    p.add_argument("--json", default="benchmarks/results/bench.json", help="JSON output path")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args))
+    except KVTierError as exc:
+        print(f"kvtier: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

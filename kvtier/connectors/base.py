@@ -1,0 +1,85 @@
+"""The contract between a serving engine's paged KV pool and kvtier's memory objects."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+import torch
+
+from kvtier.memory import KVLayout, MemoryObj
+
+__all__ = ["KVConnector"]
+
+
+class KVConnector(ABC):
+    """Moves chunks between a paged KV pool and memory objects.
+
+    `slots` are 1-D int64 tensors on the pool's device holding one pool row per token. Gather
+    needs every slot valid; scatter skips `-1` slots. Implementations check arguments and raise
+    `ValueError` naming the argument before a byte is read or written.
+    """
+
+    layout: KVLayout
+    num_slots: int
+    device: torch.device
+
+    @abstractmethod
+    def gather(self, slots: torch.Tensor, out: MemoryObj) -> None:
+        """Copy the KV of `slots` (all layers) into `out` (`out.num_tokens == len(slots)`)."""
+
+    @abstractmethod
+    def scatter(self, obj: MemoryObj, slots: torch.Tensor) -> None:
+        """Copy `obj` into the pool rows `slots`; `-1` slots are left untouched."""
+
+    def batch_gather(self, slots: Sequence[torch.Tensor], outs: Sequence[MemoryObj]) -> None:
+        for s, o in zip(slots, outs, strict=True):
+            self.gather(s, o)
+
+    def batch_scatter(self, objs: Sequence[MemoryObj], slots: Sequence[torch.Tensor]) -> None:
+        for o, s in zip(objs, slots, strict=True):
+            self.scatter(o, s)
+
+    def check_slots(self, slots: torch.Tensor, *, name: str = "slots",
+                    allow_skip: bool = True) -> None:
+        """`ValueError` naming `name` unless `slots` is a valid slot vector for this pool."""
+        if not isinstance(slots, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(slots).__name__}")
+        if slots.dim() != 1 or slots.dtype != torch.int64:
+            raise ValueError(f"{name} must be a 1-D int64 tensor, got {slots.dtype} "
+                             f"of shape {tuple(slots.shape)}")
+        if slots.device != self.device:
+            raise ValueError(f"{name} is on {slots.device}, the KV pool is on {self.device}")
+        if slots.numel():
+            lo, hi = int(slots.min()), int(slots.max())
+            low_ok = -1 if allow_skip else 0
+            if lo < low_ok or hi >= self.num_slots:
+                raise ValueError(f"{name} out of range: values in [{lo}, {hi}], pool has "
+                                 f"{self.num_slots} slots" + (" (-1 = skip)" if allow_skip
+                                                              else ""))
+
+    def check_obj(self, obj: MemoryObj, num_tokens: int, *, name: str) -> None:
+        want = self.layout.shape(num_tokens)
+        if obj.fmt is not self.layout.fmt or tuple(obj.tensor.shape) != want or \
+                obj.tensor.dtype != self.layout.dtype:
+            raise ValueError(f"{name} is {obj.fmt.name} {tuple(obj.tensor.shape)} "
+                             f"{obj.tensor.dtype}, expected {self.layout.fmt.name} {want} "
+                             f"{self.layout.dtype}")
+
+
+def check_layer_buffers(buffers: Sequence[torch.Tensor], name: str) -> list[torch.Tensor]:
+    """Validate per-layer `[slots, heads, dim]` buffers; return them as `[slots, hidden]` views."""
+    if not isinstance(buffers, (list, tuple)) or not buffers:
+        raise ValueError(f"{name} must be a non-empty list of per-layer tensors")
+    first = buffers[0]
+    flat = []
+    for i, buf in enumerate(buffers):
+        if not isinstance(buf, torch.Tensor) or buf.dim() != 3:
+            raise ValueError(f"{name}[{i}] must be a 3-D [slots, heads, dim] tensor")
+        if buf.shape != first.shape or buf.dtype != first.dtype or buf.device != first.device:
+            raise ValueError(f"{name}[{i}] is {tuple(buf.shape)} {buf.dtype} on {buf.device}, "
+                             f"{name}[0] is {tuple(first.shape)} {first.dtype} on {first.device}")
+        if not buf.is_contiguous():
+            raise ValueError(f"{name}[{i}] must be contiguous")
+        flat.append(buf.view(buf.shape[0], -1))
+    return flat

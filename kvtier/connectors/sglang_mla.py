@@ -1,0 +1,48 @@
+"""SGLang MLA pools: per-layer latent buffers of shape `[slots, 1, kv_lora_rank + rope_dim]`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from kvtier.connectors import ops
+from kvtier.connectors.base import KVConnector, check_layer_buffers
+from kvtier.memory import KVLayout, MemoryObj
+
+__all__ = ["SGLangMLAConnector", "MLAPool"]
+
+
+class MLAPool(Protocol):
+    """The part of SGLang's `MLATokenToKVPool` kvtier reads."""
+
+    kv_buffer: list[torch.Tensor]
+
+
+class SGLangMLAConnector(KVConnector):
+    """Chunks as `KV_MLA` objects: `[1, layers, tokens, kv_dim]`."""
+
+    def __init__(self, kv_buffers: Sequence[torch.Tensor]):
+        flat = check_layer_buffers(kv_buffers, "kv_buffers")
+        if kv_buffers[0].shape[1] != 1:
+            raise ValueError(f"kv_buffers[0] must be [slots, 1, kv_dim] for MLA, got "
+                             f"{tuple(kv_buffers[0].shape)}")
+        self.layout = KVLayout.mla(len(flat), flat[0].shape[1], flat[0].dtype)
+        self.num_slots = flat[0].shape[0]
+        self.device = flat[0].device
+        self._layers = flat
+
+    @classmethod
+    def from_pool(cls, pool: MLAPool) -> SGLangMLAConnector:
+        return cls(pool.kv_buffer)
+
+    def gather(self, slots: torch.Tensor, out: MemoryObj) -> None:
+        self.check_slots(slots, allow_skip=False)
+        self.check_obj(out, slots.numel(), name="out")
+        ops.gather(self._layers, slots, out.tensor[0])
+
+    def scatter(self, obj: MemoryObj, slots: torch.Tensor) -> None:
+        self.check_slots(slots)
+        self.check_obj(obj, slots.numel(), name="obj")
+        ops.scatter(obj.tensor[0], slots, self._layers)

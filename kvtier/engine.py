@@ -1,0 +1,165 @@
+"""CacheEngine: the API a serving engine calls to store and load KV by token prefix."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from kvtier.config import Config
+from kvtier.connectors.base import KVConnector
+from kvtier.keys import ChunkKey, KeyBuilder
+from kvtier.memory import KVLayout, MemoryFormat, MemoryObj, lease
+from kvtier.storage import StorageManager
+
+__all__ = ["CacheEngine"]
+
+logger = logging.getLogger(__name__)
+
+TokenIds = torch.Tensor | Sequence[int] | np.ndarray
+
+
+class CacheEngine:
+    """Stores and retrieves the KV of token prefixes for one model on one TP rank.
+
+    Args:
+        config: from `load_config()`.
+        model_name: namespaces keys; engines with the same name and layout share entries.
+        layout: the KV layout (must match the connector's pool).
+        connector: moves chunks between the serving engine's KV pool and memory objects.
+        world_size, rank: tensor-parallel position; MHA keys carry the rank, MLA keys do not
+            (MLA KV is replicated on every rank, so only rank 0 stores and every rank loads).
+        storage: share one StorageManager between engines (default: build one from config).
+
+    Raises:
+        ValueError: the layout does not match the connector, or bad rank/world_size.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        *,
+        model_name: str,
+        layout: KVLayout,
+        connector: KVConnector,
+        world_size: int = 1,
+        rank: int = 0,
+        storage: StorageManager | None = None,
+    ):
+        if connector.layout != layout:
+            raise ValueError(f"layout {layout} does not match the connector's pool "
+                             f"{connector.layout}")
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        if not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise ValueError(f"rank must lie in [0, {world_size}), got {rank!r}")
+        self.config = config
+        self.layout = layout
+        self.connector = connector
+        mla = layout.fmt is MemoryFormat.KV_MLA
+        self._stores = not mla or rank == 0
+        self.keys = KeyBuilder(
+            model=model_name, fingerprint=layout.fingerprint(config.chunk_size),
+            chunk_size=config.chunk_size, rank=0 if mla else rank,
+            world_size=1 if mla else world_size, salt=config.hash_salt,
+            save_unfull_chunk=config.save_unfull_chunk)
+        self.storage = storage or StorageManager(config, layout)
+        self._owns_storage = storage is None
+        self._closed = False
+
+    def store(self, token_ids: TokenIds, slot_mapping: torch.Tensor) -> int:
+        """Save the KV of `token_ids` (in pool rows `slot_mapping`) chunk by chunk.
+
+        Chunks already cached are skipped; storing stops at the first chunk that has a `-1`
+        slot or finds no memory. Returns the number of tokens newly stored.
+        """
+        keys, slots = self._prepare(token_ids, slot_mapping)
+        if not self._stores or self._closed or not keys:
+            return 0
+        first = self.storage.contains(keys)
+        objs: list[MemoryObj] = []
+        with lease(objs):
+            for key in keys[first:]:
+                chunk_slots = slots[key.start:key.end]
+                if bool((chunk_slots < 0).any()):
+                    break
+                obj = self.storage.allocator.allocate(self.layout, key.num_tokens)
+                if obj is None:
+                    self.storage.counters.inc("store_no_memory")
+                    break
+                objs.append(obj)
+                self.connector.gather(chunk_slots, obj)
+            stored = keys[first:first + len(objs)]
+            self.storage.put(stored, objs)
+        n = sum(k.num_tokens for k in stored)
+        self.storage.counters.inc("tokens_stored", n)
+        return n
+
+    def retrieve(self, token_ids: TokenIds, slot_mapping: torch.Tensor, skip: int = 0) -> int:
+        """Load cached KV of the longest cached prefix of `token_ids` into `slot_mapping`.
+
+        Tokens before `skip` are already in the pool and are not written; `-1` slots are not
+        written. Stops at the first chunk no tier has. Returns the number of leading tokens
+        now in the pool (at least `skip`).
+        """
+        keys, slots = self._prepare(token_ids, slot_mapping)
+        if not isinstance(skip, int) or not 0 <= skip <= slots.numel():
+            raise ValueError(f"skip must be an int in [0, {slots.numel()}], got {skip!r}")
+        wanted = [k for k in keys if k.end > skip]
+        if self._closed or not wanted:
+            return skip
+        with self.storage.get(wanted) as objs:
+            for key, obj in zip(wanted, objs):
+                chunk_slots = slots[key.start:key.end]
+                if key.start < skip:
+                    chunk_slots = chunk_slots.clone()
+                    chunk_slots[: skip - key.start] = -1
+                self.connector.scatter(obj, chunk_slots)
+            loaded = wanted[len(objs) - 1].end if objs else skip
+        self.storage.counters.inc("tokens_loaded", loaded - skip)
+        self.storage.counters.inc("tokens_requested", slots.numel() - skip)
+        return loaded
+
+    def lookup(self, token_ids: TokenIds) -> int:
+        """How many leading tokens of `token_ids` some tier could load (no data moves)."""
+        keys = self.keys.keys(token_ids)
+        if self._closed:
+            return 0
+        n = self.storage.contains(keys)
+        return keys[n - 1].end if n else 0
+
+    def prefetch(self, token_ids: TokenIds) -> None:
+        """Start moving lower-tier chunks of `token_ids` into CPU memory (per prefetch_policy)."""
+        if not self._closed:
+            self.storage.prefetch(self.keys.keys(token_ids))
+
+    def chunk_keys(self, token_ids: TokenIds) -> list[ChunkKey]:
+        return self.keys.keys(token_ids)
+
+    def stats(self) -> dict[str, float]:
+        return self.storage.stats()
+
+    def close(self) -> None:
+        """Drain background writes, then release the tiers and the arena. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._owns_storage:
+            self.storage.close()
+
+    def __enter__(self) -> CacheEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _prepare(self, token_ids: TokenIds,
+                 slot_mapping: torch.Tensor) -> tuple[list[ChunkKey], torch.Tensor]:
+        keys = self.keys.keys(token_ids)
+        self.connector.check_slots(slot_mapping, name="slot_mapping")
+        n = len(token_ids)
+        if slot_mapping.numel() != n:
+            raise ValueError(f"slot_mapping has {slot_mapping.numel()} entries, token_ids has {n}")
+        return keys, slot_mapping

@@ -1,0 +1,176 @@
+"""Background writes to one lower tier: a bounded queue and one worker thread.
+
+The serving thread never waits on a lower tier: `submit` either queues a chunk or drops it
+(counted). The worker keeps the prefix invariant: a chunk is written only when its predecessor
+is reachable (written by this worker, already in the tier, or per `reachable`), so a lower tier
+never holds a chunk that `retrieve` could not get to.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+from kvtier.backends.base import StorageBackend
+from kvtier.keys import ChunkKey
+from kvtier.memory import MemoryObj
+from kvtier.metrics import Counters, RateLimitedLog
+
+__all__ = ["TierWriter"]
+
+logger = logging.getLogger(__name__)
+_RECENT = 65536  # how many written keys to remember for the predecessor check
+_BATCH = 16  # chunks per backend call
+
+
+class TierWriter:
+    """Owns the references of queued objects and releases each once written or dropped."""
+
+    def __init__(
+        self,
+        backend: StorageBackend,
+        capacity: int,
+        counters: Counters,
+        warn: RateLimitedLog,
+        reachable: Callable[[str], bool] = lambda key: False,
+    ):
+        self.backend = backend
+        self._queue: queue.Queue[tuple[ChunkKey, MemoryObj] | None] = queue.Queue(capacity)
+        self._counters = counters
+        self._warn = warn
+        self._reachable = reachable
+        self._recent: OrderedDict[str, None] = OrderedDict()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"kvtier-writer-{backend.name}",
+                                         daemon=True)
+        self._thread.start()
+
+    def submit(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]) -> int:
+        """Queue `keys` in order (takes one new reference per queued object); returns how many
+        were queued. Stops at the first chunk that does not fit: later ones would be orphans."""
+        name = self.backend.name
+        for i, (key, obj) in enumerate(zip(keys, objs, strict=True)):
+            if self._closed:
+                return i
+            obj.retain()
+            try:
+                self._queue.put_nowait((key, obj))
+            except queue.Full:
+                obj.release()
+                self._counters.inc(f"{name}.write_dropped", len(keys) - i)
+                self._warn.warning(f"queue-{name}", "kvtier: %s write queue full; dropping "
+                                   "writes (the tier is slower than the store rate)", name)
+                return i
+        return len(keys)
+
+    def pending(self) -> int:
+        return self._queue.qsize()
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until everything queued so far is written; False if `timeout` ran out."""
+        deadline = time.monotonic() + timeout
+        done = self._queue.all_tasks_done
+        with done:
+            while self._queue.unfinished_tasks:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not self._thread.is_alive():
+                    return False
+                done.wait(remaining)
+        return True
+
+    def close(self, timeout: float) -> None:
+        """Write what is queued (up to `timeout` seconds), then stop the worker."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._queue.put(None, timeout=timeout)
+        except queue.Full:
+            pass
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("kvtier: %s writer did not drain within %.1fs; %d writes lost",
+                           self.backend.name, timeout, self._queue.qsize())
+        self._discard_queued()
+
+    def _discard_queued(self) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None:
+                item[1].release()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                self._queue.task_done()
+                return
+            batch = [item]
+            stop = False
+            while len(batch) < _BATCH:
+                try:
+                    nxt = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._queue.task_done()
+                    stop = True
+                    break
+                batch.append(nxt)
+            self._write(batch)
+            for _ in batch:
+                self._queue.task_done()
+            if stop:
+                return
+
+    def _write(self, batch: list[tuple[ChunkKey, MemoryObj]]) -> None:
+        name = self.backend.name
+        try:
+            keys, objs = self._orderly(batch)
+            if keys:
+                written = self.backend.batch_put(keys, objs)
+                self._counters.inc(f"{name}.writes", written)
+                for key in keys[:written]:
+                    self._remember(key.key)
+        except Exception as exc:  # a tier failure must not kill the writer
+            self._counters.inc(f"{name}.write_errors", len(batch))
+            self._warn.warning(f"write-{name}", "kvtier: %s write failed: %r", name, exc)
+        finally:
+            for _, obj in batch:
+                obj.release()
+
+    def _orderly(
+        self, batch: list[tuple[ChunkKey, MemoryObj]]
+    ) -> tuple[list[ChunkKey], list[MemoryObj]]:
+        """The chunks of `batch` whose predecessor is reachable (checked in order)."""
+        keys: list[ChunkKey] = []
+        objs: list[MemoryObj] = []
+        ok: set[str] = set()
+        for key, obj in batch:
+            prev = key.prev
+            if prev is None or prev in ok or prev in self._recent or self._reachable(prev) \
+                    or self.backend.batch_contains([_stub(prev)]) == 1:
+                keys.append(key)
+                objs.append(obj)
+                ok.add(key.key)
+            else:
+                self._counters.inc(f"{self.backend.name}.write_orphans")
+        return keys, objs
+
+    def _remember(self, key: str) -> None:
+        self._recent[key] = None
+        self._recent.move_to_end(key)
+        if len(self._recent) > _RECENT:
+            self._recent.popitem(last=False)
+
+
+def _stub(key: str) -> ChunkKey:
+    """A key to ask `batch_contains` about a chunk known only by its key string."""
+    return ChunkKey(key, 0, 0, b"", None)

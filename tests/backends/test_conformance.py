@@ -1,0 +1,107 @@
+"""Behaviour every storage tier must share (run once per backend)."""
+
+from __future__ import annotations
+
+from kvtier.backends import BackendContext, StorageBackend
+from kvtier.keys import ChunkKey
+from kvtier.memory import MemoryObj, lease
+from tests.helpers import make_keys, make_obj, same_bytes
+
+
+def _put(backend: StorageBackend, ctx: BackendContext, keys: list[ChunkKey],
+         seed: int = 0) -> list[MemoryObj]:
+    """Put fresh objects for `keys`; return clones of their tensors' owners (released)."""
+    objs = [make_obj(ctx.allocator, ctx.layout, k.num_tokens, seed + i) for i, k in
+            enumerate(keys)]
+    expected = [o.tensor.clone() for o in objs]
+    with lease(objs):
+        assert backend.batch_put(keys, objs) == len(keys)
+    return expected  # type: ignore[return-value]
+
+
+def test_round_trip_is_byte_exact(backend_ctx: tuple[StorageBackend, BackendContext]) -> None:
+    backend, ctx = backend_ctx
+    keys = make_keys(40)  # 16 + 16 + a partial chunk of 8
+    expected = _put(backend, ctx, keys)
+    assert backend.batch_contains(keys) == 3
+    with lease(backend.batch_get(keys)) as got:
+        assert len(got) == 3
+        for obj, want, key in zip(got, expected, keys):
+            assert obj.num_tokens == key.num_tokens
+            assert same_bytes(obj.tensor, want)
+
+
+def test_prefix_semantics_stop_at_first_miss(
+    backend_ctx: tuple[StorageBackend, BackendContext],
+) -> None:
+    backend, ctx = backend_ctx
+    keys = make_keys(64)
+    _put(backend, ctx, [keys[0], keys[1], keys[3]])
+    assert backend.batch_contains(keys) == 2
+    with lease(backend.batch_get(keys)) as got:
+        assert len(got) == 2
+    assert backend.batch_contains(keys[2:]) == 0
+    assert backend.batch_get(keys[2:]) == []
+    assert backend.batch_contains(keys[3:]) == 1
+
+
+def test_other_prompt_and_other_model_miss(
+    backend_ctx: tuple[StorageBackend, BackendContext],
+) -> None:
+    backend, ctx = backend_ctx
+    _put(backend, ctx, make_keys(32))
+    assert backend.batch_contains(make_keys(32, seed=1)) == 0
+    assert backend.batch_contains(make_keys(32, model="other-model")) == 0
+
+
+def test_same_key_other_tokens_is_a_miss(
+    backend_ctx: tuple[StorageBackend, BackendContext],
+) -> None:
+    backend, ctx = backend_ctx
+    keys = make_keys(16)
+    _put(backend, ctx, keys)
+    forged = keys[0]._replace(tokens=bytes(len(keys[0].tokens)))
+    assert backend.batch_get([forged]) == []
+
+
+def test_remove(backend_ctx: tuple[StorageBackend, BackendContext]) -> None:
+    backend, ctx = backend_ctx
+    keys = make_keys(48)
+    _put(backend, ctx, keys)
+    assert backend.remove(keys[1:2]) == 1
+    assert backend.remove(keys[1:2]) == 0
+    assert backend.batch_contains(keys) == 1
+    assert backend.batch_contains(keys[2:]) == 1
+
+
+def test_overwrite_keeps_latest(backend_ctx: tuple[StorageBackend, BackendContext]) -> None:
+    backend, ctx = backend_ctx
+    keys = make_keys(16)
+    _put(backend, ctx, keys, seed=1)
+    expected = _put(backend, ctx, keys, seed=2)
+    with lease(backend.batch_get(keys)) as got:
+        assert same_bytes(got[0].tensor, expected[0])
+
+
+def test_close_is_idempotent_and_then_misses(
+    backend_ctx: tuple[StorageBackend, BackendContext],
+) -> None:
+    backend, ctx = backend_ctx
+    keys = make_keys(32)
+    _put(backend, ctx, keys)
+    backend.close()
+    backend.close()
+    assert backend.batch_get(keys) == []
+    obj = make_obj(ctx.allocator, ctx.layout, 16, 0)
+    with lease([obj]):
+        assert backend.batch_put(keys[:1], [obj]) == 0
+
+
+def test_stats_count_hits(backend_ctx: tuple[StorageBackend, BackendContext]) -> None:
+    backend, ctx = backend_ctx
+    keys = make_keys(32)
+    _put(backend, ctx, keys)
+    with lease(backend.batch_get(keys)):
+        pass
+    stats = backend.stats()
+    assert stats["hits"] >= 2

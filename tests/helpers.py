@@ -1,0 +1,44 @@
+"""Small builders shared by the tests (no fixtures here; see conftest.py)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvtier.keys import ChunkKey, KeyBuilder
+from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj
+
+SMALL_MHA = KVLayout.mha(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+SMALL_MLA = KVLayout.mla(num_layers=3, kv_dim=24, dtype=torch.float16)
+
+
+def make_keys(
+    num_tokens: int,
+    *,
+    chunk_size: int = 16,
+    layout: KVLayout = SMALL_MHA,
+    model: str = "test-model",
+    seed: int = 0,
+    save_unfull_chunk: bool = True,
+) -> list[ChunkKey]:
+    """Keys of a random prompt of `num_tokens` tokens (same seed, same prompt)."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 50_000, (num_tokens,), generator=gen)
+    kb = KeyBuilder(model=model, fingerprint=layout.fingerprint(chunk_size),
+                    chunk_size=chunk_size, save_unfull_chunk=save_unfull_chunk)
+    return kb.keys(tokens)
+
+
+def make_obj(alloc: MemoryAllocator, layout: KVLayout, num_tokens: int, seed: int) -> MemoryObj:
+    """A freshly allocated object filled with random bytes derived from `seed`."""
+    obj = alloc.allocate(layout, num_tokens)
+    assert obj is not None, "arena full"
+    gen = torch.Generator().manual_seed(seed)
+    obj.tensor.view(torch.uint8).copy_(
+        torch.randint(0, 256, obj.tensor.view(torch.uint8).shape, dtype=torch.uint8,
+                      generator=gen))
+    return obj
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))

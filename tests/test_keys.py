@@ -1,0 +1,86 @@
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.keys import KeyBuilder, encode_tokens
+
+
+def _builder(**kw: object) -> KeyBuilder:
+    args: dict = {"model": "m", "fingerprint": "fp", "chunk_size": 16}
+    args.update(kw)
+    return KeyBuilder(**args)
+
+
+def test_chained_digest_matches_the_spec() -> None:
+    tokens = list(range(40))
+    keys = _builder(salt="tenant", save_unfull_chunk=True).keys(tokens)
+    h = hashlib.sha256(b"kvtier/v1" + b"tenant").digest()
+    for key, (a, b) in zip(keys, [(0, 16), (16, 32), (32, 40)]):
+        h = hashlib.sha256(h + np.arange(a, b, dtype="<u4").tobytes()).digest()
+        assert key.key == f"kvtier/v1/m/fp/0of1/{h.hex()}"
+        assert (key.start, key.end) == (a, b)
+    assert keys[0].prev is None and keys[2].prev == keys[1].key
+
+
+def test_list_tensor_and_array_agree() -> None:
+    tokens = [5, 1, 2**31 + 7, 0] * 10
+    kb = _builder()
+    assert kb.keys(tokens) == kb.keys(torch.tensor(tokens)) == kb.keys(np.array(tokens))
+    small = [t % 50_000 for t in tokens]
+    assert kb.keys(torch.tensor(small, dtype=torch.int32)) == kb.keys(small)
+
+
+def test_partial_chunk_only_when_configured() -> None:
+    tokens = list(range(40))
+    assert [k.end for k in _builder().keys(tokens)] == [16, 32]
+    full = _builder(save_unfull_chunk=True).keys(tokens)
+    assert [k.end for k in full] == [16, 32, 40]
+    # A partial chunk never shares a key with a full chunk over the same start.
+    longer = _builder(save_unfull_chunk=True).keys(list(range(48)))
+    assert full[2].key != longer[2].key
+
+
+def test_namespace_changes_every_key() -> None:
+    tokens = list(range(32))
+    base = _builder().keys(tokens)
+    for other in (_builder(model="m2"), _builder(fingerprint="fp2"), _builder(salt="s"),
+                  _builder(rank=1, world_size=2)):
+        assert {k.key for k in other.keys(tokens)}.isdisjoint({k.key for k in base})
+
+
+def test_prefix_sharing() -> None:
+    kb = _builder()
+    a = kb.keys(list(range(64)))
+    b = kb.keys(list(range(32)) + [9] * 32)
+    assert a[:2] == b[:2] and a[2].key != b[2].key
+
+
+@pytest.mark.parametrize("bad", [[[1, 2]], [1.5, 2.0], [-1, 3], [2**32], "abc",
+                                 torch.zeros(2, 2, dtype=torch.long), torch.zeros(3)])
+def test_bad_tokens_raise_value_error_naming_the_argument(bad: object) -> None:
+    with pytest.raises(ValueError, match="token_ids"):
+        _builder().keys(bad)  # type: ignore[arg-type]
+
+
+def test_empty_input_has_no_keys() -> None:
+    assert _builder().keys([]) == []
+    assert bytes(encode_tokens(torch.tensor([], dtype=torch.long))) == b""
+
+
+def test_keys_identical_across_interpreters() -> None:
+    code = ("from kvtier.keys import KeyBuilder; import torch;"
+            "kb = KeyBuilder(model='m', fingerprint='fp', chunk_size=16, salt='s');"
+            "print(','.join(k.key for k in kb.keys(torch.arange(100) * 7919 % 50000)))")
+    outs = []
+    for seed in ("1", "12345"):
+        env = {**os.environ, "PYTHONHASHSEED": seed}
+        outs.append(subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                                   capture_output=True, text=True).stdout)
+    assert outs[0] == outs[1] and outs[0].count("kvtier/v1") == 6
