@@ -218,7 +218,8 @@ class StorageManager:
             return 0
         popped = self.cpu.pop_lru(nbytes)
         freed = 0
-        for key, obj in popped:
+        # Leaves come first; write-back hands parents down first so no child is an orphan.
+        for key, obj in reversed(popped):
             freed += obj.nbytes
             if self.config.write_policy == "write_back":
                 for writer in self._writers:

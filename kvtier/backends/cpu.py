@@ -1,8 +1,9 @@
 """The hot tier: memory objects resident in the arena, LRU by chunk.
 
-Recency is arranged so that eviction takes suffixes first: a batch is touched from its last
-chunk to its first, so within a prefix the deeper chunks are always older than the shallower
-ones, and a lookup after memory pressure still finds a usable prefix rather than holes.
+Eviction takes suffixes first, so a lookup after memory pressure still finds a usable prefix
+rather than holes: a batch is touched from its last chunk to its first (within a prefix the
+deeper chunks are older), and only leaves are evicted: a chunk whose child is cached stays until
+the child is gone, however the chunks were put (one call or many).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ class CPUBackend(StorageBackend):
     def __init__(self, ctx: BackendContext):
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, tuple[ChunkKey, MemoryObj]] = OrderedDict()  # LRU first
+        self._children: dict[str, int] = {}  # key -> number of cached chunks whose prev it is
         self._bytes = 0
         self._hits = self._misses = self._puts = self._evictions = 0
         self._closed = False
@@ -61,12 +63,13 @@ class CPUBackend(StorageBackend):
             if self._closed:
                 return 0
             for k, obj in zip(reversed(keys), reversed(objs)):
-                old = self._entries.pop(k.key, None)
+                old = self._drop_locked(k.key)
                 if old is not None:
-                    self._bytes -= old[1].nbytes
                     old[1].release()
                 self._entries[k.key] = (k, obj.retain())
                 self._bytes += obj.nbytes
+                if k.prev is not None:
+                    self._children[k.prev] = self._children.get(k.prev, 0) + 1
             self._puts += len(keys)
             return len(keys)
 
@@ -83,16 +86,20 @@ class CPUBackend(StorageBackend):
         out: list[tuple[ChunkKey, MemoryObj]] = []
         freed = 0
         with self._lock:
-            for name in list(self._entries):
-                if freed >= nbytes:
-                    break
-                key, obj = self._entries[name]
-                if obj.refs > 1:  # being read or written right now: keep it
-                    continue
-                del self._entries[name]
-                self._bytes -= obj.nbytes
-                freed += obj.nbytes
-                out.append((key, obj))
+            progress = True
+            while freed < nbytes and progress:  # evicting a leaf can make its parent a leaf
+                progress = False
+                for name in list(self._entries):
+                    if freed >= nbytes:
+                        break
+                    key, obj = self._entries[name]
+                    # Keep chunks with cached children (no holes) and chunks in use right now.
+                    if self._children.get(name) or obj.refs > 1:
+                        continue
+                    self._drop_locked(name)
+                    freed += obj.nbytes
+                    out.append((key, obj))
+                    progress = True
             self._evictions += len(out)
         return out
 
@@ -100,12 +107,25 @@ class CPUBackend(StorageBackend):
         with self._lock:
             n = 0
             for k in keys:
-                entry = self._entries.pop(k.key, None)
+                entry = self._drop_locked(k.key)
                 if entry is not None:
-                    self._bytes -= entry[1].nbytes
                     entry[1].release()
                     n += 1
             return n
+
+    def _drop_locked(self, name: str) -> tuple[ChunkKey, MemoryObj] | None:
+        """Unlink an entry; the caller gets the tier's reference."""
+        entry = self._entries.pop(name, None)
+        if entry is not None:
+            self._bytes -= entry[1].nbytes
+            prev = entry[0].prev
+            if prev is not None:
+                left = self._children[prev] - 1
+                if left:
+                    self._children[prev] = left
+                else:
+                    del self._children[prev]
+        return entry
 
     def stats(self) -> dict[str, float]:
         with self._lock:
@@ -116,6 +136,7 @@ class CPUBackend(StorageBackend):
         with self._lock:
             self._closed = True
             entries, self._entries = self._entries, OrderedDict()
+            self._children.clear()
             self._bytes = 0
         for _, obj in entries.values():
             obj.release()
