@@ -1,0 +1,322 @@
+"""The disk tier: one checksummed record file per chunk, persistent across restarts.
+
+Files and their format are `recordfile.py`'s business; this module keeps the index (key ->
+size, in LRU order), the size cap and the counters.
+
+- Persistence: the index is rebuilt at start-up from directory entries (mtime = recency), so a
+  restarted process hits what an earlier one stored. A miss in the index is checked against the
+  filesystem, so a second process sharing the directory sees new records without a restart.
+- Recency: each put or hit stamps its batch so that the first chunk is the newest; LRU
+  eviction (here and after a restart) therefore takes suffixes before prefixes. A record being
+  read is never evicted. Processes sharing a directory each enforce the cap over the records
+  they know, so together they may exceed it by what the others wrote.
+- Durability: no fsync. A killed process loses nothing the kernel already has; a power loss may
+  leave a torn or empty file, which the record checksums turn into a counted miss. A cache can
+  trade that for write speed (an fsync per chunk costs a device flush).
+- Failures never raise: a write that fails (ENOSPC, EIO, ...) is dropped and counted; a corrupt
+  record is counted, deleted and a miss; a file removed behind the tier's back is a miss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvtier.backends import recordfile as rf
+from kvtier.backends.base import BackendContext, StorageBackend
+from kvtier.backends.record import expected_header_len
+from kvtier.errors import ConfigError, CorruptEntry
+from kvtier.keys import ChunkKey
+from kvtier.memory import MemoryObj
+from kvtier.metrics import RateLimitedLog
+
+__all__ = ["DiskBackend"]
+
+logger = logging.getLogger(__name__)
+
+_COUNTERS = ("hits", "misses", "puts", "put_bytes", "evictions", "corrupt", "vanished",
+             "adopted", "write_errors", "write_dropped", "read_errors", "alloc_failed",
+             "stale_tmp_removed")
+
+
+class DiskBackend(StorageBackend):
+    """Chunks as files under `config.local_disk`, at most `max_local_disk_size` GB in total."""
+
+    name = "disk"
+
+    def __init__(self, ctx: BackendContext):
+        root = ctx.config.local_disk_path
+        if root is None:
+            raise ConfigError("local_disk: must be set to use the disk tier")
+        self.root = root
+        self.capacity = int(ctx.config.max_local_disk_size * 1e9)
+        self._ctx = ctx
+        self._lock = threading.Lock()
+        self._index: OrderedDict[str, int] = OrderedDict()  # file stem -> size, LRU first
+        self._bytes = 0
+        self._reserved = 0  # writes in flight count against the cap
+        self._readers: Counter[str] = Counter()
+        self._counts: Counter[str] = Counter()
+        self._warn = RateLimitedLog(logger)
+        self._clock = 0
+        self._closed = False
+        start = time.perf_counter()
+        try:
+            rf.probe_writable(root)
+            found, self._counts["stale_tmp_removed"] = rf.scan(root)
+        except OSError as exc:
+            raise ConfigError(f"local_disk: cannot use {root}: {exc.strerror}") from None
+        for mtime, name, size in found:
+            self._index[name] = size
+            self._bytes += size
+            self._clock = mtime
+        with self._lock:
+            self._make_room_locked(0)  # the cap may have shrunk since the last run
+        logger.info("kvtier disk: %s holds %d records (%.2f of %.2f GB), indexed in %.2fs",
+                    root, len(self._index), self._bytes / 1e9, self.capacity / 1e9,
+                    time.perf_counter() - start)
+
+    def path_for(self, key: str) -> Path:
+        """Where the record of key string `key` lives (whether or not it exists)."""
+        return rf.record_path(self.root, rf.file_name(key))
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self._counts[name] += 1
+
+    def _stamps(self, n: int) -> list[int]:
+        """`n` fresh, strictly decreasing mtimes (ns): a batch's first chunk is its newest."""
+        with self._lock:
+            t = max(time.time_ns(), self._clock + 1)
+            self._clock = t + n - 1
+        return [t + n - 1 - i for i in range(n)]
+
+    def _touch(self, keys: Sequence[ChunkKey], persist: bool = False) -> None:
+        """Mark `keys` (a prefix, in order) used, the first as the newest; with `persist`, in
+        the files' mtimes too, so that the order survives a restart."""
+        with self._lock:
+            for key in reversed(keys):
+                name = rf.file_name(key.key)
+                if name in self._index:
+                    self._index.move_to_end(name)
+        if persist:
+            for key, stamp in zip(keys, self._stamps(len(keys)), strict=True):
+                with contextlib.suppress(OSError):  # a file gone meanwhile does not matter
+                    os.utime(self.path_for(key.key), ns=(stamp, stamp))
+
+    def _forget_locked(self, name: str) -> None:
+        size = self._index.pop(name, None)
+        if size is not None:
+            self._bytes -= size
+
+    def _adopt_locked(self, name: str, size: int) -> None:
+        """Index a record found on disk but not in the index (another process wrote it)."""
+        if name not in self._index:
+            self._index[name] = size
+            self._bytes += size
+            self._counts["adopted"] += 1
+
+    def _make_room_locked(self, need: int) -> bool:
+        """Evict least recently used records, never one being read, until `need` bytes fit."""
+        over = self._bytes + self._reserved + need - self.capacity
+        victims = []
+        for name, size in self._index.items():
+            if over <= 0:
+                break
+            if not self._readers[name]:
+                victims.append(name)
+                over -= size
+        if over > 0:
+            return False
+        for name in victims:
+            self._forget_locked(name)
+            self._unlink(rf.record_path(self.root, name))
+        self._counts["evictions"] += len(victims)
+        return True
+
+    def _unlink(self, path: Path) -> bool:
+        try:
+            os.unlink(path)
+            return True
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            self._warn.warning("unlink", "kvtier disk: cannot delete %s: %s", path, exc)
+            return False
+
+    def batch_contains(self, keys: Sequence[ChunkKey]) -> int:
+        n = 0
+        with self._lock:
+            if self._closed:
+                return 0
+            for key in keys:
+                name = rf.file_name(key.key)
+                if name not in self._index:
+                    try:
+                        size = os.stat(rf.record_path(self.root, name)).st_size
+                    except OSError:
+                        break
+                    self._adopt_locked(name, size)
+                n += 1
+        return n
+
+    def batch_get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
+        out: list[MemoryObj] = []
+        for key in keys:
+            obj = self._get_one(key)
+            if obj is None:
+                break
+            out.append(obj)
+        with self._lock:
+            self._counts["hits"] += len(out)
+            self._counts["misses"] += len(out) < len(keys)
+        self._touch(keys[: len(out)], persist=True)
+        return out
+
+    def _get_one(self, key: ChunkKey) -> MemoryObj | None:
+        name = rf.file_name(key.key)
+        path = rf.record_path(self.root, name)
+        with self._lock:
+            if self._closed:
+                return None
+            self._readers[name] += 1  # pinned: eviction skips it
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            self._unpin(name, vanished=isinstance(exc, FileNotFoundError))
+            if not isinstance(exc, FileNotFoundError):
+                self._read_error(path, exc)
+            return None
+        try:
+            st = os.fstat(fd)
+            obj = rf.read_record(fd, st.st_size, key, self._ctx.layout, self._ctx.allocate)
+            if obj is None:
+                self._count("alloc_failed")
+            else:
+                with self._lock:
+                    self._adopt_locked(name, st.st_size)
+            return obj
+        except CorruptEntry as exc:
+            self._discard(name, path, st, exc)
+            return None
+        except OSError as exc:
+            self._read_error(path, exc)
+            return None
+        finally:
+            os.close(fd)
+            self._unpin(name)
+
+    def _unpin(self, name: str, vanished: bool = False) -> None:
+        with self._lock:
+            self._readers[name] -= 1
+            if not self._readers[name]:
+                del self._readers[name]
+            if vanished and name in self._index:  # removed behind the tier's back
+                self._forget_locked(name)
+                self._counts["vanished"] += 1
+
+    def _read_error(self, path: Path, exc: OSError) -> None:
+        self._count("read_errors")
+        self._warn.warning("read", "kvtier disk: cannot read %s: %s", path, exc)
+
+    def _discard(self, name: str, path: Path, st: os.stat_result, exc: CorruptEntry) -> None:
+        """Delete a corrupt record, unless a writer has replaced it meanwhile."""
+        with self._lock:
+            self._counts["corrupt"] += 1
+            self._forget_locked(name)
+            with contextlib.suppress(OSError):
+                now = os.stat(path)
+                if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
+                    self._unlink(path)
+        self._warn.warning("corrupt", "kvtier disk: deleted corrupt record %s: %s", path, exc)
+
+    def batch_put(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]) -> int:
+        if len(keys) != len(objs):
+            raise ValueError(f"keys and objs differ in length: {len(keys)} != {len(objs)}")
+        layout = self._ctx.layout
+        for i, (key, obj) in enumerate(zip(keys, objs, strict=True)):
+            if obj.fmt != layout.fmt or obj.num_tokens != key.num_tokens \
+                    or obj.nbytes != layout.nbytes(key.num_tokens):
+                raise ValueError(f"objs[{i}]: {obj!r} does not match the layout of keys[{i}]")
+            if len(key.tokens) != 4 * key.num_tokens:
+                raise ValueError(f"keys[{i}]: {len(key.tokens)} token bytes for "
+                                 f"{key.num_tokens} tokens")
+        stored = 0
+        # A chunk after a failed one would be unreachable: the batch stops at the first failure.
+        for key, obj, stamp in zip(keys, objs, self._stamps(len(keys)), strict=True):
+            if not self._put_one(key, obj, stamp):
+                break
+            stored += 1
+        self._touch(keys[:stored])
+        return stored
+
+    def _put_one(self, key: ChunkKey, obj: MemoryObj, stamp: int) -> bool:
+        name = rf.file_name(key.key)
+        path = rf.record_path(self.root, name)
+        size = expected_header_len(key) + obj.nbytes
+        with self._lock:
+            if self._closed:
+                return False
+            if not self._make_room_locked(size):
+                self._counts["write_dropped"] += 1
+                self._warn.warning("full", "kvtier disk: no room for %d bytes under the cap of "
+                                   "%d (records busy or too large); write dropped", size,
+                                   self.capacity)
+                return False
+            self._reserved += size
+        tmp = rf.temp_path(path)
+        committed = False
+        try:
+            rf.write_temp(tmp, key, obj, stamp)
+            with self._lock:
+                if not self._closed:
+                    os.replace(tmp, path)
+                    committed = True
+                    self._forget_locked(name)
+                    self._index[name] = size
+                    self._bytes += size
+                    self._counts["puts"] += 1
+                    self._counts["put_bytes"] += size
+        except OSError as exc:
+            self._count("write_errors")
+            self._warn.warning("write", "kvtier disk: write to %s failed, dropped: %s", tmp, exc)
+        finally:
+            with self._lock:
+                self._reserved -= size
+            if not committed:
+                self._unlink(Path(tmp))
+        return committed
+
+    def remove(self, keys: Sequence[ChunkKey]) -> int:
+        n = 0
+        with self._lock:
+            if self._closed:
+                return 0
+            for key in keys:
+                name = rf.file_name(key.key)
+                self._forget_locked(name)
+                n += self._unlink(rf.record_path(self.root, name))
+        return n
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            out: dict[str, float] = {"entries": len(self._index), "bytes": self._bytes,
+                                     "capacity_bytes": self.capacity}
+            out.update((name, self._counts[name]) for name in _COUNTERS)
+            return out
+
+    def check_integrity(self) -> None:
+        """Raise `AssertionError` unless the byte count matches the index (for tests)."""
+        with self._lock:
+            assert self._bytes == sum(self._index.values()), "byte count drifted"
+            assert self._reserved >= 0, "negative reservation"
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
