@@ -52,7 +52,9 @@ def _info(args: argparse.Namespace) -> int:
             tier = create_backend(name, ctx)
             stats = tier.stats()
             tier.close()
-            status = "ok " + ", ".join(f"{k}={v:g}" for k, v in sorted(stats.items())[:4])
+            # A tier that cannot reach its server starts "down" (and serves misses), not raises.
+            health = "DOWN (serving misses)" if stats.get("down") else "ok"
+            status = health + " " + ", ".join(f"{k}={v:g}" for k, v in sorted(stats.items())[:4])
         except (KVTierError, OSError) as exc:
             status = f"UNAVAILABLE: {exc}"
         rows.append((f"tier {name}", status))

@@ -63,7 +63,7 @@ class Config:
     write_queue_chunks: int = 256
     remote_ttl_secs: int | None = None
     remote_timeout_secs: float = 2.0
-    remote_segment_mb: float = 4.0
+    remote_segment_mb: float = 1.0  # measured: 1 MiB segments beat 4 MiB and unsegmented
     log_level: str | None = None
 
     def __post_init__(self) -> None:

@@ -57,3 +57,17 @@ def test_bench_writes_json(tmp_path: Path) -> None:
     assert result["tiers"]["cpu"]["tokens_loaded"] == 128
     assert result["stats"]["tokens_stored"] == 128
     assert "gather (connector)" in proc.stdout
+
+
+def test_info_shows_an_unreachable_redis_as_down(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"max_local_cpu_size: 0.01\nremote_url: redis://127.0.0.1:{port}/0\n")
+    assert main(["info", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    assert "tier redis" in out and "DOWN" in out

@@ -14,12 +14,20 @@ from kvtier.config import Config
 from kvtier.memory import MemoryAllocator
 from tests.helpers import SMALL_MHA
 
-BACKEND_NAMES = ["cpu"]
+BACKEND_NAMES = ["cpu", "disk", "redis"]
 
 
 def _config_for(name: str, request: pytest.FixtureRequest) -> Config:
     if name == "cpu":
         return Config(chunk_size=16, max_local_cpu_size=0.064)
+    if name == "disk":
+        tmp = request.getfixturevalue("tmp_path")
+        return Config(chunk_size=16, max_local_cpu_size=0.064, local_disk=str(tmp / "disk"),
+                      max_local_disk_size=0.01)
+    if name == "redis":
+        server = request.getfixturevalue("redis_server")
+        server.client().flushall()  # the server is shared by the session: start each test empty
+        return Config(chunk_size=16, max_local_cpu_size=0.064, remote_url=server.url)
     raise AssertionError(f"no conformance config for backend {name!r}")
 
 

@@ -1,0 +1,276 @@
+"""The Redis tier: standalone, TLS, unix socket, Sentinel and Cluster behind one backend.
+
+Configured by `remote_url` (see redis_url), `remote_ttl_secs` (on every key),
+`remote_timeout_secs` (every socket operation) and `remote_segment_mb` (larger records are
+stored in pieces of this size, written and read atomically; see redis_io). Instances sharing a
+Redis must use the same segment size to share records; a mismatch is a counted miss.
+
+Failures: a wrong password or a URL that cannot work is a `ConfigError` at start. Anything
+else (server down or unreachable at start, timeouts) marks the tier down: every call is then an
+immediate miss/no-op, counted as `skipped_down`, while redis_health probes the server with
+backoff and brings the tier back on its own. A record that fails validation is a miss,
+counted as `corrupt`, and deleted.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import redis
+from redis.exceptions import AuthenticationError, RedisClusterException, RedisError
+
+from kvtier.backends import record
+from kvtier.backends import redis_io as rio
+from kvtier.backends.base import BackendContext, StorageBackend
+from kvtier.backends.redis_health import Health
+from kvtier.backends.redis_url import Router, parse_remote_url
+from kvtier.errors import ConfigError, CorruptEntry
+from kvtier.keys import ChunkKey
+from kvtier.memory import MemoryObj
+
+__all__ = ["RedisBackend"]
+
+logger = logging.getLogger(__name__)
+
+_TIER_ERRORS = (RedisError, RedisClusterException, OSError)
+_WINDOW = 64 << 20  # reply bytes requested ahead per connection in a batch_get
+_STATS = ("hits", "misses", "puts", "put_failures", "corrupt", "segment_mismatches",
+          "alloc_failures", "errors", "skipped_down", "down_events", "bytes_read",
+          "bytes_written")
+
+_Plan = list[tuple[list[str], int]]  # per chunk: its Redis keys and its payload size
+
+
+class RedisBackend(StorageBackend):
+    """Chunks as records in Redis. Thread-safe: each call takes pooled connections per node."""
+
+    name = "redis"
+
+    def __init__(self, ctx: BackendContext):
+        cfg = ctx.config
+        if not cfg.remote_url:
+            raise ConfigError("remote_url: the redis tier needs a redis:// ... URL")
+        self._target = parse_remote_url(cfg.remote_url)
+        self._ctx = ctx
+        self._ttl = cfg.remote_ttl_secs
+        self._timeout = cfg.remote_timeout_secs
+        self._seg = max(1, int(cfg.remote_segment_mb * (1 << 20)))
+        self._router: Router | None = None
+        self._health = Health(f"redis tier {self._target.url}", self._probe, _TIER_ERRORS)
+        try:
+            self._connect()
+        except AuthenticationError as exc:
+            self.close()
+            raise ConfigError(f"remote_url {self._target.url!r}: authentication failed: "
+                              f"{exc}") from None
+        except RedisClusterException as exc:
+            if "not enabled" not in str(exc):  # "Cluster mode is not enabled on this node"
+                self._health.failed("connect", exc)
+            else:
+                self.close()
+                raise ConfigError(f"remote_url {self._target.url!r}: {exc}") from None
+        except _TIER_ERRORS as exc:
+            self._health.failed("connect", exc)
+        else:
+            logger.info("redis tier connected: %s", self._target.url)
+
+    def _connect(self) -> None:
+        router = self._router
+        if router is None:
+            router = Router(self._target, self._timeout)  # a cluster reads its slot map here
+            if self._health.closed.is_set():
+                router.close()
+                raise RedisError("tier closed")
+            self._router = router
+        router.ping()
+
+    def _probe(self) -> None:
+        if self._router is not None:
+            self._router.disconnect()  # pooled sockets to a restarted server are stale
+        try:
+            self._connect()
+        except AuthenticationError as exc:
+            self._health.warn("auth", "authentication failed while reconnecting: %s", exc)
+            raise
+
+    def _usable(self) -> Router | None:
+        router = self._router
+        if self._health.closed.is_set():
+            return None
+        if self._health.down or router is None:
+            self._health.count("skipped_down")
+            return None
+        return router
+
+    def _plan(self, keys: Sequence[ChunkKey]) -> _Plan:
+        out = []
+        for k in keys:
+            nbytes = self._ctx.layout.nbytes(k.num_tokens)
+            out.append((rio.redis_keys(k, len(rio.segments(nbytes, self._seg))), nbytes))
+        return out
+
+    @staticmethod
+    def _by_node(router: Router, rkeys: list[list[str]]) -> list[tuple[redis.Redis, list[int]]]:
+        """Indices of `rkeys` grouped by the node that owns them, in order within a node."""
+        groups: dict[int, tuple[redis.Redis, list[int]]] = {}
+        for i, names in enumerate(rkeys):
+            client = router.node_for(names[0])
+            groups.setdefault(id(client), (client, []))[1].append(i)
+        return list(groups.values())
+
+    def _reply_error(self, op: str, exc: rio.ReplyError) -> None:
+        self._health.count("errors")
+        if str(exc).startswith(("MOVED", "ASK")) and self._router is not None:
+            try:
+                self._router.refresh()
+            except _TIER_ERRORS as err:
+                self._health.failed("refresh", err)
+        self._health.warn("reply", "%s: server replied %s", op, exc)
+
+    def batch_contains(self, keys: Sequence[ChunkKey]) -> int:
+        router = self._usable()
+        if router is None or not keys:
+            return 0
+        names = [rkeys for rkeys, _ in self._plan(keys)]
+        found = [False] * len(keys)
+        try:
+            for client, idxs in self._by_node(router, names):  # one round trip per node
+                out = rio.CommandWriter()
+                for i in idxs:
+                    out.command("EXISTS", *names[i])
+                for i, (n,) in zip(idxs, rio.exchange(client, out.finish(), [1] * len(idxs))):
+                    found[i] = n == len(names[i])
+        except _TIER_ERRORS as exc:
+            self._health.failed("contains", exc)
+            return 0
+        return found.index(False) if False in found else len(found)
+
+    def batch_get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
+        router = self._usable()
+        if router is None or not keys:
+            return []
+        out: list[MemoryObj] = []
+        bad: list[tuple[redis.Redis, list[str]]] = []
+        streams: dict[int, rio.GetStream] = {}
+        try:
+            order = []
+            for rkeys, nbytes in self._plan(keys):
+                client = router.node_for(rkeys[0])
+                stream = streams.setdefault(id(client), rio.GetStream(client, _WINDOW))
+                stream.add(rkeys, nbytes)
+                order.append((stream, client, rkeys))
+            for k, (stream, client, rkeys) in zip(keys, order):
+                try:
+                    obj = rio.read_record(stream.next(), k, self._ctx.layout, len(rkeys),
+                                          self._ctx.allocate)
+                except (CorruptEntry, rio.ReplyError, rio.ArenaFull) as exc:
+                    if self._get_failed(k, exc):
+                        bad.append((client, rkeys))
+                    break
+                stream.done()
+                if obj is None:
+                    break
+                out.append(obj)
+        except _TIER_ERRORS as exc:
+            self._health.failed("get", exc)
+        finally:
+            for stream in streams.values():
+                stream.close()
+        self._health.count("hits", len(out))
+        self._health.count("misses", int(len(out) < len(keys)))
+        self._health.count("bytes_read", sum(o.nbytes for o in out))
+        self._delete(bad)
+        return out
+
+    def _get_failed(self, key: ChunkKey, exc: Exception) -> bool:
+        """Count why a read stopped; True when the stored value must be deleted."""
+        if isinstance(exc, rio.ArenaFull):
+            self._health.count("alloc_failures")
+            return False
+        if isinstance(exc, rio.SegmentMismatch):
+            self._health.count("segment_mismatches")
+            self._health.warn("segments", "%s: %s, this instance uses %d; set the same "
+                              "remote_segment_mb everywhere", key.key, exc, self._seg)
+            return False
+        if isinstance(exc, rio.ReplyError) and not str(exc).startswith("WRONGTYPE"):
+            self._reply_error("get", exc)
+            return False
+        self._health.count("corrupt")  # WRONGTYPE: a non-string value is not our record
+        self._health.warn("corrupt", "%s: %s; deleted", key.key, exc)
+        return True
+
+    def _delete(self, items: list[tuple[redis.Redis, list[str]]]) -> int:
+        """DEL each item's keys, one round trip per node; how many items existed."""
+        groups: dict[int, tuple[redis.Redis, rio.CommandWriter, list[int]]] = {}
+        for client, rkeys in items:
+            _, out, counts = groups.setdefault(id(client), (client, rio.CommandWriter(), []))
+            out.command("DEL", *rkeys)
+            counts.append(1)
+        removed = 0
+        try:
+            for client, out, counts in groups.values():
+                for (n,) in rio.exchange(client, out.finish(), counts):
+                    removed += int(isinstance(n, int) and n > 0)
+        except _TIER_ERRORS as exc:
+            self._health.failed("delete", exc)
+        return removed
+
+    def batch_put(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]) -> int:
+        if len(keys) != len(objs):
+            raise ValueError(f"keys and objs differ in length: {len(keys)} != {len(objs)}")
+        layout = self._ctx.layout
+        for i, (k, obj) in enumerate(zip(keys, objs)):
+            if obj.nbytes != layout.nbytes(k.num_tokens) or obj.fmt != layout.fmt:
+                raise ValueError(f"objs[{i}]: {obj!r} does not hold {k.num_tokens} tokens of "
+                                 "the tier's layout")
+        router = self._usable()
+        if router is None or not keys:
+            return 0
+        plan = self._plan(keys)
+        stored = written = 0
+        try:
+            # Headers (and so the checksums) first: a ValueError leaves nothing half-sent.
+            heads = [record.encode_header(k, obj, segment_bytes=self._seg if len(rk) > 1 else 0)
+                     for k, obj, (rk, _) in zip(keys, objs, plan)]
+            for client, idxs in self._by_node(router, [rk for rk, _ in plan]):
+                out = rio.CommandWriter()
+                counts = [rio.write_record(out, plan[i][0], heads[i], objs[i].byte_view(),
+                                           self._seg, self._ttl) for i in idxs]
+                for i, replies in zip(idxs, rio.exchange(client, out.finish(), counts)):
+                    last = replies[-1]
+                    if last == b"OK" or (len(replies) > 1 and isinstance(last, list)):
+                        stored += 1
+                        written += plan[i][1]
+                        continue
+                    self._health.count("put_failures")
+                    err = next((r for r in replies if isinstance(r, rio.ReplyError)), None)
+                    self._reply_error("put", err or rio.ReplyError(f"unexpected {last!r}"))
+        except _TIER_ERRORS as exc:
+            self._health.failed("put", exc)
+        self._health.count("puts", stored)
+        self._health.count("bytes_written", written)
+        return stored
+
+    def remove(self, keys: Sequence[ChunkKey]) -> int:
+        router = self._usable()
+        if router is None or not keys:
+            return 0
+        names = [rkeys for rkeys, _ in self._plan(keys)]
+        try:
+            items = [(router.node_for(rkeys[0]), rkeys) for rkeys in names]
+        except _TIER_ERRORS as exc:
+            self._health.failed("remove", exc)
+            return 0
+        return self._delete(items)
+
+    def stats(self) -> dict[str, float]:
+        out = dict.fromkeys(_STATS, 0.0) | self._health.counts()
+        out["down"] = float(self._health.down)
+        return out
+
+    def close(self) -> None:
+        self._health.close(timeout=2 * self._timeout + 1)
+        router, self._router = self._router, None
+        if router is not None:
+            router.close()

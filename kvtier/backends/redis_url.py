@@ -1,0 +1,200 @@
+"""Where the Redis tier connects: `remote_url` parsed into a target, and the clients for it.
+
+Schemes: `redis://[user:pass@]host:port[/db]`, `rediss://...` (TLS; `?ssl_ca_certs=...` etc.),
+`unix:///path[?db=N]`, `redis-sentinel://[user:pass@]h1:p1,h2:p2/service_name` and
+`redis-cluster://[user:pass@]h1:p1,h2:p2`. Credentials are for the data nodes (Sentinel itself
+is queried without them, as redis-py does by default). Parsing never touches the network; every
+problem is a `ConfigError` naming the redacted URL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qs, unquote
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.cluster import ClusterNode, RedisCluster
+from redis.connection import ConnectionPool, parse_url
+from redis.retry import Retry
+from redis.sentinel import Sentinel
+
+from kvtier.config import redact_url
+from kvtier.errors import ConfigError
+
+__all__ = ["RedisTarget", "Router", "parse_remote_url", "SCHEMES"]
+
+SCHEMES = ("redis", "rediss", "unix", "redis-sentinel", "redis-cluster")
+_TLS_PARAMS = frozenset({"ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs",
+                         "ssl_check_hostname", "ssl_ca_path"})
+_DEFAULT_PORT = {"redis-sentinel": 26379, "redis-cluster": 6379}
+
+
+@dataclass(frozen=True)
+class RedisTarget:
+    """A parsed `remote_url`. `kwargs` (credentials included) never appears in a repr."""
+
+    kind: str  # "standalone", "sentinel" or "cluster"
+    url: str  # redacted, for messages and logs
+    nodes: tuple[tuple[str, int], ...] = ()  # sentinel or cluster seed addresses
+    service: str = ""  # the sentinel service name
+    kwargs: Mapping[str, Any] = field(default_factory=dict, repr=False)
+
+
+def _bad(url: str, what: str) -> ConfigError:
+    return ConfigError(f"remote_url {redact_url(url)!r}: {what}")
+
+
+def _query(url: str, query: str, allowed: frozenset[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, values in parse_qs(query, keep_blank_values=True).items():
+        if name not in allowed:
+            raise _bad(url, f"unsupported query parameter {name!r}; supported: {sorted(allowed)} "
+                            "(timeouts come from remote_timeout_secs)")
+        out[name] = values[-1]
+    return out
+
+
+def _address(url: str, part: str, default_port: int) -> tuple[str, int]:
+    if part.startswith("["):  # [ipv6]:port
+        host, _, rest = part[1:].partition("]")
+        port_text = rest.removeprefix(":")
+    else:
+        host, _, port_text = part.partition(":")
+    if not host:
+        raise _bad(url, f"empty host in {part!r}")
+    if not port_text:
+        return host, default_port
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise _bad(url, f"port of {host!r} must be an integer in 1..65535, got {port_text!r}")
+    return host, int(port_text)
+
+
+def _multi_host(url: str, scheme: str) -> RedisTarget:
+    rest = url.split("://", 1)[1]
+    rest, _, query = rest.partition("?")
+    creds, at, rest = rest.rpartition("@")
+    hosts, _, path = rest.partition("/")
+    kwargs: dict[str, Any] = _query(url, query, frozenset({"client_name"}))
+    if at:
+        user, colon, password = creds.partition(":")
+        if user:
+            kwargs["username"] = unquote(user)
+        if colon:
+            kwargs["password"] = unquote(password)
+    if not hosts:
+        raise _bad(url, "no host:port list")
+    nodes = tuple(_address(url, h, _DEFAULT_PORT[scheme]) for h in hosts.split(","))
+    if scheme == "redis-sentinel":
+        service = unquote(path.strip("/"))
+        if not service or "/" in service:
+            raise _bad(url, "needs exactly one service name after the hosts, e.g. "
+                            "redis-sentinel://h1:26379,h2:26379/mymaster")
+        return RedisTarget("sentinel", redact_url(url), nodes, service, kwargs)
+    if path.strip("/") not in ("", "0"):
+        raise _bad(url, f"a cluster has only database 0, got path {path!r}")
+    return RedisTarget("cluster", redact_url(url), nodes, "", kwargs)
+
+
+def parse_remote_url(url: str) -> RedisTarget:
+    """Parse `url` (see the module docstring); `ConfigError` names the URL and the problem."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme not in SCHEMES:
+        raise _bad(url, f"scheme must be one of {[s + '://' for s in SCHEMES]}")
+    if scheme in _DEFAULT_PORT:
+        return _multi_host(url, scheme)
+    address, _, query = rest.partition("?")
+    allowed = frozenset({"db", "client_name"}) | (_TLS_PARAMS if scheme == "rediss" else set())
+    _query(url, query, allowed)  # reject unknown parameters before redis-py sees them
+    try:
+        kwargs = parse_url(url)
+    except ValueError as exc:  # redis-py's and urllib's messages name the field, never the URL
+        raise _bad(url, str(exc)) from None
+    if scheme == "unix":
+        if not kwargs.get("path"):
+            raise _bad(url, "unix:// needs a socket path, e.g. unix:///run/redis.sock")
+    else:
+        host_part = address.rpartition("@")[2].partition("/")[0]
+        if not kwargs.get("host") or not host_part:
+            raise _bad(url, "no host")
+        db_path = address.rpartition("@")[2].partition("/")[2]
+        if db_path and not db_path.isdigit():
+            raise _bad(url, f"database must be an integer, got {db_path!r}")
+    if not isinstance(kwargs.get("db", 0), int):
+        raise _bad(url, f"db must be an integer, got {kwargs['db']!r}")
+    return RedisTarget("standalone", redact_url(url), (), "", kwargs)
+
+
+class Router:
+    """redis-py clients for one target; `node_for` routes a key to the client of its node.
+
+    Construction touches the network only for a cluster (redis-py reads the slot map at once)
+    and raises what redis-py raises when that fails.
+    """
+
+    def __init__(self, target: RedisTarget, timeout: float):
+        common: dict[str, Any] = {
+            **target.kwargs,
+            "socket_timeout": timeout,
+            "socket_connect_timeout": timeout,
+            # RESP2 keeps replies to GET/MGET byte-for-byte predictable for the raw data path,
+            # and switches off RESP3 push messages that could land between replies.
+            "protocol": 2,
+            # One quick retry for transient errors; a dead server is the health logic's job.
+            "retry": Retry(ExponentialBackoff(cap=0.05, base=0.01), 1),
+        }
+        self.target = target
+        self._cluster: RedisCluster | None = None
+        self._sentinel: Sentinel | None = None
+        if target.kind == "standalone":
+            self._client = redis.Redis(connection_pool=ConnectionPool(**common))
+        elif target.kind == "sentinel":
+            # Sentinels are asked without the data nodes' credentials, but with our timeouts
+            # and retry (redis-py's default retry would back off for seconds).
+            queries = {k: common[k] for k in ("socket_timeout", "socket_connect_timeout",
+                                              "retry")}
+            self._sentinel = Sentinel(list(target.nodes), sentinel_kwargs=queries, **common)
+            self._client = self._sentinel.master_for(target.service)
+        else:
+            seeds = [ClusterNode(h, p) for h, p in target.nodes]
+            self._cluster = RedisCluster(startup_nodes=seeds, **common)
+
+    def node_for(self, rkey: str) -> redis.Redis:
+        """The client of the node that owns `rkey` (its slot, for a cluster)."""
+        if self._cluster is None:
+            return self._client
+        node = self._cluster.get_node_from_key(rkey)
+        return self._cluster.get_redis_connection(node)
+
+    def primaries(self) -> list[redis.Redis]:
+        if self._cluster is None:
+            return [self._client]
+        return [self._cluster.get_redis_connection(n) for n in self._cluster.get_primaries()]
+
+    def ping(self) -> None:
+        """PING every primary; raises redis-py's errors when one does not answer."""
+        if self._cluster is not None:
+            self._cluster.nodes_manager.initialize()  # a node may have moved while we were down
+        for client in self.primaries():
+            client.ping()
+
+    def refresh(self) -> None:
+        """Re-read the slot map after a MOVED/ASK reply (a no-op outside a cluster)."""
+        if self._cluster is not None:
+            self._cluster.nodes_manager.initialize()
+
+    def disconnect(self) -> None:
+        """Drop every pooled connection (they are reopened on next use)."""
+        for client in self.primaries():
+            client.connection_pool.disconnect()
+
+    def close(self) -> None:
+        if self._cluster is not None:
+            self._cluster.close()
+        else:
+            self._client.close()
+            self._client.connection_pool.disconnect()
+        if self._sentinel is not None:
+            self._sentinel.close()

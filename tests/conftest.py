@@ -1,0 +1,274 @@
+"""Shared fixtures: real redis-server processes on free loopback ports.
+
+Every server runs in its own temporary directory with persistence off, is stopped by pid, and
+never touches the system Redis on 6379. Without `redis-server` on PATH these fixtures fail
+(they never skip): install it with `apt-get install redis-server`.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+START_DEADLINE = 15.0  # seconds; a bound on a hang, not a timing expectation
+
+
+def _binary(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.fail(f"{name} not found on PATH: the Redis tests need real servers "
+                    f"(apt-get install redis-server); they fail rather than skip")
+    return path
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_port(*, cluster: bool = False) -> int:
+    """A loopback TCP port nobody listens on right now. A cluster node also needs its bus
+    port (+10000) free, and so a port of at most 55535."""
+    if not cluster:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            return sock.getsockname()[1]
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randint(20000, 32000)
+        if _bindable(port) and _bindable(port + 10000):
+            return port
+    pytest.fail("no free port pair for a cluster node")
+
+
+class RedisProcess:
+    """One redis-server (or sentinel) on 127.0.0.1:`port`; `stop()`/`start()` for fault tests.
+
+    Attributes: `port`, `pid` (None while stopped), `url` (a kvtier `remote_url`; with the
+    password when `password` is set), `workdir`, `unix_path` (a unix socket, plain servers).
+    """
+
+    def __init__(self, workdir: Path, *, args: tuple[str, ...] = (), password: str | None = None,
+                 tls_dir: Path | None = None, sentinel_conf: str | None = None):
+        self.workdir = workdir
+        self.port = free_port(cluster="--cluster-enabled" in args)
+        self.password = password
+        self.tls_dir = tls_dir
+        self.unix_path = str(workdir / "redis.sock")
+        self._args = args
+        self._sentinel_conf = sentinel_conf
+        self._proc: subprocess.Popen[bytes] | None = None
+        self.logfile = workdir / "redis.log"
+        workdir.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def url(self) -> str:
+        creds = f":{self.password}@" if self.password else ""
+        if self.tls_dir is not None:
+            return f"rediss://{creds}127.0.0.1:{self.port}?ssl_ca_certs={self.tls_dir}/ca.pem"
+        return f"redis://{creds}127.0.0.1:{self.port}"
+
+    def _command(self) -> list[str]:
+        binary = _binary("redis-server")
+        if self._sentinel_conf is not None:
+            conf = self.workdir / "sentinel.conf"
+            conf.write_text(f"port {self.port}\nbind 127.0.0.1\ndir {self.workdir}\n"
+                            f"logfile {self.logfile}\n{self._sentinel_conf}")
+            return [binary, str(conf), "--sentinel"]
+        cmd = [binary, "--bind", "127.0.0.1", "--dir", str(self.workdir), "--save", "",
+               "--appendonly", "no", "--logfile", str(self.logfile), "--daemonize", "no"]
+        if self.tls_dir is not None:
+            d = self.tls_dir
+            cmd += ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file",
+                    f"{d}/cert.pem", "--tls-key-file", f"{d}/key.pem", "--tls-ca-cert-file",
+                    f"{d}/ca.pem", "--tls-auth-clients", "no"]
+        else:
+            cmd += ["--port", str(self.port), "--unixsocket", self.unix_path,
+                    "--unixsocketperm", "700"]
+        if self.password:
+            cmd += ["--requirepass", self.password]
+        return cmd + list(self._args)
+
+    def start(self) -> None:
+        """Start the server and wait until its port accepts connections."""
+        assert self._proc is None, "already running"
+        self._proc = subprocess.Popen(self._command(), stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + START_DEADLINE
+        while True:
+            if self._proc.poll() is not None:
+                log = self.logfile.read_text()[-2000:] if self.logfile.exists() else ""
+                self._proc = None
+                pytest.fail(f"redis-server on port {self.port} exited at start:\n{log}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    pytest.fail(f"redis-server on port {self.port} did not listen in time")
+                time.sleep(0.02)
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Stop the server by pid (SIGKILL for a crash); idempotent."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            os.kill(proc.pid, sig)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+    def kill(self) -> None:
+        self.stop(signal.SIGKILL)
+
+    def client(self, **kwargs: Any) -> Any:
+        """A plain redis-py client to inspect the server from a test."""
+        import redis
+
+        if self.tls_dir is not None:
+            kwargs.update(ssl=True, ssl_ca_certs=f"{self.tls_dir}/ca.pem")
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password,
+                           protocol=2, socket_timeout=5, **kwargs)
+
+
+class RedisCluster:
+    """Three masters, no replicas, all 16384 slots assigned."""
+
+    def __init__(self, nodes: list[RedisProcess]):
+        self.nodes = nodes
+
+    @property
+    def url(self) -> str:
+        return "redis-cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+
+
+class RedisSentinel:
+    """One master and one sentinel watching it as `service`."""
+
+    def __init__(self, master: RedisProcess, sentinel: RedisProcess, service: str):
+        self.master = master
+        self.sentinel = sentinel
+        self.service = service
+
+    @property
+    def url(self) -> str:
+        return f"redis-sentinel://127.0.0.1:{self.sentinel.port}/{self.service}"
+
+
+@pytest.fixture(scope="session")
+def redis_factory(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Callable[..., RedisProcess]]:
+    """`make(**RedisProcess kwargs)` -> a started server, stopped at the end of the session."""
+    started: list[RedisProcess] = []
+
+    def make(**kwargs: Any) -> RedisProcess:
+        server = RedisProcess(tmp_path_factory.mktemp("redis"), **kwargs)
+        started.append(server)
+        server.start()
+        return server
+
+    try:
+        yield make
+    finally:
+        for server in started:
+            server.stop(signal.SIGKILL)
+
+
+@pytest.fixture(scope="session")
+def redis_server(redis_factory: Callable[..., RedisProcess]) -> RedisProcess:
+    """A plain standalone server (`.url`, `.port`, `.pid`, `.unix_path`, `.stop()/.start()`).
+
+    Shared by the session: a test that stops it must start it again.
+    """
+    return redis_factory()
+
+
+@pytest.fixture(scope="session")
+def redis_auth_server(redis_factory: Callable[..., RedisProcess]) -> RedisProcess:
+    """A server with `requirepass` and an ACL user `kvuser`/`kvpass` allowed everything."""
+    server = redis_factory(password="s3cret-pw")
+    server.client().execute_command("ACL", "SETUSER", "kvuser", "on", ">kvpass", "~*", "&*",
+                                    "+@all")
+    return server
+
+
+@pytest.fixture(scope="session")
+def redis_tls_server(
+    redis_factory: Callable[..., RedisProcess], tmp_path_factory: pytest.TempPathFactory,
+) -> RedisProcess:
+    """A TLS-only server with a self-signed certificate for localhost/127.0.0.1 made here."""
+    tls = tmp_path_factory.mktemp("tls")
+    subprocess.run(
+        [_binary("openssl"), "req", "-x509", "-newkey", "ec", "-pkeyopt",
+         "ec_paramgen_curve:prime256v1", "-nodes", "-keyout", str(tls / "key.pem"), "-out",
+         str(tls / "cert.pem"), "-days", "2", "-subj", "/CN=localhost", "-addext",
+         "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+        check=True, capture_output=True)
+    shutil.copy(tls / "cert.pem", tls / "ca.pem")
+    return redis_factory(tls_dir=tls)
+
+
+def _wait(what: str, check: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + START_DEADLINE
+    while not check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(redis_factory: Callable[..., RedisProcess]) -> RedisCluster:
+    """A 3-master cluster made with `redis-cli --cluster create`."""
+    nodes = [redis_factory(args=("--cluster-enabled", "yes", "--cluster-config-file",
+                                 "nodes.conf", "--cluster-node-timeout", "5000"))
+             for _ in range(3)]
+    subprocess.run([_binary("redis-cli"), "--cluster", "create",
+                    *[f"127.0.0.1:{n.port}" for n in nodes], "--cluster-replicas", "0",
+                    "--cluster-yes"], check=True, capture_output=True, timeout=60)
+
+    def ready() -> bool:
+        infos = [n.client().execute_command("CLUSTER", "INFO") for n in nodes]
+        return all(b"cluster_state:ok" in i and b"cluster_known_nodes:3" in i for i in infos)
+
+    _wait("cluster_state:ok on all nodes", ready)
+    return RedisCluster(nodes)
+
+
+@pytest.fixture(scope="session")
+def redis_sentinel(redis_factory: Callable[..., RedisProcess]) -> RedisSentinel:
+    """A master and one sentinel monitoring it as `kvmaster` (quorum 1)."""
+    master = redis_factory()
+    sentinel = redis_factory(sentinel_conf=(
+        f"sentinel monitor kvmaster 127.0.0.1 {master.port} 1\n"
+        "sentinel down-after-milliseconds kvmaster 5000\n"))
+
+    def knows_master() -> bool:
+        addr = sentinel.client().execute_command("SENTINEL", "get-master-addr-by-name",
+                                                 "kvmaster")
+        return addr is not None and int(addr[1]) == master.port
+
+    _wait("the sentinel to report its master", knows_master)
+    return RedisSentinel(master, sentinel, "kvmaster")
