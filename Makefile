@@ -23,10 +23,14 @@ redis-server:
 	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null || \
 		{ apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server; }
 
+# SGLang 0.5.23 for CPU, next to torch 2.13.0 (never pulls a CUDA torch; ~1.5 min cold).
+sglang-env: setup
+	bash scripts/setup_sglang.sh $(VENV)
+
 lint: setup
 	$(BIN)/ruff check kvtier tests benchmarks
 
-test: setup redis-server lint
+test: setup redis-server sglang-env lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
 clean:

@@ -1,0 +1,237 @@
+"""The bridge between one SGLang scheduler (one TP rank) and a kvtier `CacheEngine`.
+
+`SGLangKVTier` builds the engine from SGLang's device KV pool and owns the background store
+thread. It knows nothing about SGLang's radix tree: `radix_cache.KVTierRadixCache` decides what
+to load and store and hands over token ids and pool slots.
+
+Stores run on one background thread because gathering a long prefix out of the pool is a large
+memory copy the scheduler must not wait for. The slots a store reads stay valid because the
+caller pins them (a tree lock) until the store is reported done; completions are collected on
+the scheduler thread with `poll_done()`, since SGLang's tree is not thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtier.config import Config
+from kvtier.connectors import KVConnector, SGLangMHAConnector, SGLangMLAConnector
+from kvtier.errors import ConfigError
+from kvtier.memory import MemoryFormat
+
+__all__ = ["SGLangKVTier", "StoreJob", "build_connector", "model_key_name", "check_page_size"]
+
+logger = logging.getLogger(__name__)
+
+MAX_PENDING_STORES = 64
+_STOP = object()
+
+
+def check_page_size(config: Config, page_size: int) -> None:
+    """`ConfigError` unless whole chunks are whole pages (so a load never splits a page)."""
+    if page_size < 1 or config.chunk_size % page_size:
+        raise ConfigError(
+            f"chunk_size: {config.chunk_size} must be a multiple of SGLang's --page-size "
+            f"({page_size}); set chunk_size to a multiple of {page_size}")
+
+
+def model_key_name(name: str) -> str:
+    """`name` (a served model name or path) as one key component: no slashes, no spaces."""
+    cleaned = "--".join(part for part in name.replace("\\", "/").split("/") if part)
+    cleaned = "_".join(cleaned.split())
+    if not cleaned:
+        raise ConfigError(f"model name: cannot derive a key component from {name!r}")
+    return cleaned
+
+
+def build_connector(pool: Any) -> KVConnector:
+    """The kvtier connector for an SGLang device KV pool; `ConfigError` for other pools."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+
+    if isinstance(pool, MLATokenToKVPool):
+        return SGLangMLAConnector(pool.kv_buffer)
+    if isinstance(pool, MHATokenToKVPool):
+        return SGLangMHAConnector(pool.k_buffer, pool.v_buffer)
+    raise ConfigError(f"kvtier supports SGLang's MHATokenToKVPool and MLATokenToKVPool; this "
+                      f"model uses {type(pool).__name__}")
+
+
+@dataclass
+class StoreJob:
+    """One finished request's prefix to store; `handle` is what the caller pinned."""
+
+    token_ids: np.ndarray
+    slots: torch.Tensor
+    handle: Any
+    ready: Any = None  # a CUDA event the pool writes are ordered before, on GPUs
+    stored: int = 0
+    error: BaseException | None = field(default=None, repr=False)
+
+
+class SGLangKVTier:
+    """A `CacheEngine` plus the store thread, for one SGLang TP rank.
+
+    Args:
+        engine: the kvtier engine over this rank's pool.
+        page_size: SGLang's page size (loads and stores are whole pages).
+        reduce_min: all-reduces a 1-element int64 tensor with MIN across the TP group, so that
+            every rank loads the same number of tokens (ranks must agree on the tree).
+        stores: whether this rank stores (MLA KV is replicated: only rank 0 does).
+    """
+
+    def __init__(self, engine: Any, page_size: int,
+                 reduce_min: Callable[[torch.Tensor], None] | None = None, *,
+                 stores: bool = True):
+        check_page_size(engine.config, page_size)
+        self.engine = engine
+        self.stores_enabled = stores
+        self.page_size = page_size
+        self.chunk_size: int = engine.config.chunk_size
+        self._reduce_min = reduce_min
+        self._jobs: queue.Queue[Any] = queue.Queue()
+        self._done: queue.Queue[StoreJob] = queue.Queue()
+        self._pending = 0  # submitted and not yet handed back by poll_done (scheduler thread)
+        self.counters: dict[str, int] = {
+            "loads": 0, "tokens_loaded": 0, "load_misses": 0, "load_no_slots": 0,
+            "stores": 0, "tokens_stored": 0, "stores_skipped_busy": 0, "store_errors": 0,
+        }
+        self._worker = threading.Thread(target=self._run, name="kvtier-sglang-store",
+                                        daemon=True)
+        self._worker.start()
+        self._closed = False
+
+    # ---- loads (scheduler thread) ----
+
+    def loadable_end(self, num_tokens: int) -> int:
+        """The most leading tokens of a `num_tokens` prefix a load could ever provide."""
+        end = self.engine.keys.num_keyed_tokens(num_tokens)
+        return end - end % self.page_size
+
+    def lookup(self, token_ids: np.ndarray) -> int:
+        """Leading tokens of `token_ids` every rank can load, in whole pages."""
+        hit = self.engine.lookup(token_ids)
+        return self.agree_min(hit - hit % self.page_size)
+
+    def retrieve(self, token_ids: np.ndarray, slots: torch.Tensor, skip: int) -> int:
+        """Scatter cached KV into `slots` past `skip`; returns the leading tokens now valid on
+        every rank, in whole pages (at least `skip`)."""
+        got = self.engine.retrieve(token_ids, slots, skip=skip)
+        got = max(self.agree_min(got - got % self.page_size), skip)
+        if got > skip:
+            self.counters["loads"] += 1
+            self.counters["tokens_loaded"] += got - skip
+        else:
+            self.counters["load_misses"] += 1
+        return got
+
+    def agree_min(self, value: int) -> int:
+        """The minimum of `value` over the TP group (every rank must call this in step)."""
+        if self._reduce_min is None:
+            return value
+        t = torch.tensor([value], dtype=torch.int64)
+        self._reduce_min(t)
+        return int(t.item())
+
+    # ---- stores ----
+
+    def submit_store(self, token_ids: np.ndarray, slots: torch.Tensor, handle: Any) -> bool:
+        """Queue a background store of `token_ids` from pool `slots` (scheduler thread).
+
+        Returns False (and stores nothing) when the queue is full or stores are off on this
+        rank; the caller then releases `handle` itself. When True, `handle` comes back from
+        `poll_done()` once the store no longer reads the slots.
+        """
+        if self._closed or not self.stores_enabled:
+            return False
+        if self._pending >= MAX_PENDING_STORES:
+            self.counters["stores_skipped_busy"] += 1
+            return False
+        ready = None
+        if slots.device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record()
+        self._pending += 1
+        self._jobs.put(StoreJob(token_ids, slots, handle, ready))
+        return True
+
+    def poll_done(self) -> list[StoreJob]:
+        """Finished stores, whose handles the caller may now release (scheduler thread)."""
+        out: list[StoreJob] = []
+        while True:
+            try:
+                job = self._done.get_nowait()
+            except queue.Empty:
+                break
+            out.append(job)
+        self._pending -= len(out)
+        return out
+
+    def wait_all(self, timeout: float) -> list[StoreJob]:
+        """Wait until every submitted store finished (bounded); returns them all."""
+        out: list[StoreJob] = []
+        deadline = time.monotonic() + timeout
+        while self._pending - len(out) > 0:
+            try:
+                out.append(self._done.get(timeout=max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                logger.warning("kvtier: %d stores still running after %.0fs; waiting on",
+                               self._pending - len(out), timeout)
+                deadline = time.monotonic() + timeout
+        self._pending -= len(out)
+        return out
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is _STOP:
+                return
+            try:
+                if job.ready is not None:
+                    job.ready.synchronize()
+                job.stored = self.engine.store(job.token_ids, job.slots)
+                self.counters["stores"] += 1
+                self.counters["tokens_stored"] += job.stored
+                logger.debug("kvtier: stored %d new tokens of a %d-token prefix", job.stored,
+                             len(job.token_ids))
+            except Exception as exc:  # a failed store is a miss later, never a crash now
+                job.error = exc
+                self.counters["store_errors"] += 1
+                logger.warning("kvtier: background store failed: %r", exc)
+            finally:
+                self._done.put(job)
+
+    # ---- lifecycle ----
+
+    def flush(self, timeout: float) -> None:
+        """Let queued lower-tier writes land (bounded), e.g. before a device-cache flush."""
+        storage = getattr(self.engine, "storage", None)
+        if storage is not None and hasattr(storage, "flush"):
+            storage.flush(timeout)
+
+    def stats(self) -> dict[str, float]:
+        out: dict[str, float] = {f"sglang.{k}": float(v) for k, v in self.counters.items()}
+        out.update(self.engine.stats())
+        return out
+
+    def close(self) -> None:
+        """Stop the store thread after the queued stores, then close the engine. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(_STOP)
+        self._worker.join(self.engine.config.blocking_timeout_secs)
+        logger.info("kvtier: closing; %s", self.counters)
+        self.engine.close()
+
+
+def is_mla(connector: KVConnector) -> bool:
+    return connector.layout.fmt is MemoryFormat.KV_MLA

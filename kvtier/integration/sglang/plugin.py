@@ -1,0 +1,138 @@
+"""The SGLang plugin (entry point `sglang.srt.plugins: kvtier`), loaded in every SGLang process.
+
+It registers the `kvtier` radix-cache backend and adds two flags to SGLang's own argument
+parser (`python -m sglang.launch_server` and `sglang serve` load plugins before they parse):
+
+    --enable-kvtier             selects `--radix-cache-backend kvtier`
+    --kvtier-config-file FILE   kvtier's YAML config (else KVTIER_CONFIG_FILE, else
+                                LMCACHE_CONFIG_FILE, else defaults)
+
+The config is validated in the launcher, before any worker starts, and reaches the scheduler
+processes through `KVTIER_CONFIG_FILE` (they inherit the launcher's environment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+from kvtier.config import Config, load_config
+from kvtier.errors import ConfigError
+
+__all__ = ["register", "BACKEND_NAME", "build_radix_cache"]
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAME = "kvtier"
+_SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
+
+
+def register() -> None:
+    """Entry point: register the radix-cache backend and the CLI flags. Idempotent."""
+    from sglang.srt.mem_cache.registry import (
+        register_radix_cache_backend,
+        registered_radix_cache_backends,
+    )
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    if BACKEND_NAME not in registered_radix_cache_backends():
+        register_radix_cache_backend(BACKEND_NAME, build_radix_cache)
+    HookRegistry.register(f"{_SERVER_ARGS}.add_cli_args", _add_cli_args, HookType.AROUND)
+    HookRegistry.register(f"{_SERVER_ARGS}.from_cli_args", _from_cli_args, HookType.AROUND)
+
+
+def _add_cli_args(original: Callable[..., Any], parser: argparse.ArgumentParser) -> Any:
+    out = original(parser)
+    group = parser.add_argument_group("kvtier")
+    group.add_argument("--enable-kvtier", action="store_true",
+                       help="Keep KV in kvtier's CPU/disk/Redis tiers (sets "
+                            "--radix-cache-backend kvtier).")
+    group.add_argument("--kvtier-config-file", default=None,
+                       help="kvtier YAML config; default: $KVTIER_CONFIG_FILE, then "
+                            "$LMCACHE_CONFIG_FILE, then built-in defaults.")
+    return out
+
+
+def _from_cli_args(original: Callable[..., Any], cls: type, args: argparse.Namespace) -> Any:
+    enabled = bool(getattr(args, "enable_kvtier", False))
+    config_file = getattr(args, "kvtier_config_file", None)
+    if config_file and not enabled and args.radix_cache_backend != BACKEND_NAME:
+        raise ConfigError("--kvtier-config-file needs --enable-kvtier")
+    if enabled:
+        if args.radix_cache_backend not in (None, BACKEND_NAME):
+            raise ConfigError(f"--enable-kvtier conflicts with --radix-cache-backend "
+                              f"{args.radix_cache_backend}")
+        args.radix_cache_backend = BACKEND_NAME
+    if args.radix_cache_backend == BACKEND_NAME:
+        if config_file:
+            os.environ["KVTIER_CONFIG_FILE"] = os.path.abspath(config_file)
+        # Fail in the launcher, with the file and key named, not later in a worker.
+        _check_launch(load_config(), args)
+    return original(cls, args)
+
+
+def _check_launch(config: Config, args: argparse.Namespace) -> None:
+    from kvtier.integration.sglang.adapter import check_page_size
+
+    source = os.environ.get("KVTIER_CONFIG_FILE") or os.environ.get("LMCACHE_CONFIG_FILE") \
+        or "kvtier defaults"
+    try:
+        check_page_size(config, int(getattr(args, "page_size", None) or 1))
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    for flag in ("enable_hierarchical_cache", "disable_radix_cache"):
+        if getattr(args, flag, False):
+            raise ConfigError(f"--enable-kvtier cannot be combined with "
+                              f"--{flag.replace('_', '-')}")
+
+
+def build_radix_cache(ctx: Any) -> Any:
+    """The `kvtier` radix-cache factory: SGLang's unified tree plus a kvtier engine."""
+    from sglang.srt.mem_cache.registry import create_unified_radix_cache
+
+    from kvtier.engine import CacheEngine
+    from kvtier.integration.sglang.adapter import (
+        SGLangKVTier,
+        build_connector,
+        is_mla,
+        model_key_name,
+    )
+    from kvtier.integration.sglang.radix_cache import KVTierRadixCache
+
+    unsupported = [name for name in ("is_hybrid_swa", "is_hybrid_ssm", "is_dsa",
+                                     "enable_hierarchical_cache", "disable_radix_cache")
+                   if getattr(ctx, name, False)]
+    if unsupported:
+        raise ConfigError(f"kvtier does not support this configuration ({', '.join(unsupported)})")
+    params = ctx.params
+    if getattr(params, "pp_size", 1) > 1:
+        raise ConfigError("kvtier does not support pipeline parallelism (pp_size > 1)")
+    config = load_config()
+    page_size = int(params.page_size)
+    connector = build_connector(params.token_to_kv_pool_allocator.get_kvcache())
+    server_args = ctx.server_args
+    name = getattr(server_args, "served_model_name", None) or server_args.model_path
+    engine = CacheEngine(config, model_name=model_key_name(str(name)), layout=connector.layout,
+                         connector=connector, world_size=int(ctx.tp_size),
+                         rank=int(ctx.tp_rank))
+    try:
+        cache = create_unified_radix_cache(ctx, cache_class=KVTierRadixCache)
+
+        def reduce_min(t: Any) -> None:
+            import torch.distributed as dist
+
+            cache._all_reduce_attn_groups(t, dist.ReduceOp.MIN)
+
+        kvtier = SGLangKVTier(engine, page_size, reduce_min if ctx.tp_size > 1 else None,
+                              stores=not is_mla(connector) or ctx.tp_rank == 0)
+    except BaseException:
+        engine.close()
+        raise
+    cache.attach_kvtier(kvtier)
+    logger.info("kvtier enabled: model %s, layout %s, page size %d, chunk size %d, tiers %s, "
+                "TP rank %d of %d", name, connector.layout.fingerprint(config.chunk_size),
+                page_size, config.chunk_size, list(config.tiers), ctx.tp_rank, ctx.tp_size)
+    return cache

@@ -1,0 +1,152 @@
+"""Fixtures for the SGLang integration tests: tiny local models, kvtier configs, servers.
+
+These tests need the CPU SGLang environment (`scripts/setup_sglang.sh`); without it they fail
+at import, they never skip. Servers are started on free loopback ports and stopped by pid; a
+server that does not come up prints its log.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.sglang_support.models import make_deepseek_mla, make_llama
+from tests.sglang_support.server import PYTHONPATH_DIR, SGLangServer
+
+# In-process tests import SGLang's pools the way a CPU server does: CPU engine mode, which
+# imports the test-only sgl_kernel stand-in. (Set before any test module imports SGLang.)
+os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+if str(PYTHONPATH_DIR) not in sys.path:
+    sys.path.insert(0, str(PYTHONPATH_DIR))
+
+VOCAB = range(4, 430)  # ids every tiny tokenizer has (specials are 0-3)
+CHUNK = 16
+
+
+@pytest.fixture(scope="session")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(models_dir: Path) -> Path:
+    return make_llama(models_dir / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_mla(models_dir: Path) -> Path:
+    return make_deepseek_mla(models_dir / "tiny-mla")
+
+
+def write_config(path: Path, **values: Any) -> Path:
+    """A kvtier YAML config with a small chunk size and arena, plus `values`."""
+    data = {"chunk_size": CHUNK, "max_local_cpu_size": 0.05, **values}
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def prompt(seed: int, n: int = 80) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.choice(VOCAB) for _ in range(n)]
+
+
+def cold(server: SGLangServer, ids: Sequence[int]) -> list[int]:
+    """Output ids computed from scratch: a fresh `extra_key` namespaces the request away from
+    both SGLang's prefix tree and kvtier (which bypasses namespaced requests)."""
+    out = server.post("/generate", {
+        "input_ids": list(ids), "extra_key": uuid.uuid4().hex,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True},
+    })
+    assert out["meta_info"]["cached_tokens"] == 0
+    return list(out["output_ids"])
+
+
+_LIVE: list[SGLangServer] = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and _LIVE:
+        for server in _LIVE:
+            report.sections.append((f"SGLang server log {server.log_path}",
+                                    server.log()[-20000:]))
+
+
+@pytest.fixture(scope="module")
+def start_server(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Callable[..., SGLangServer]]:
+    """`start(model, config_path, *extra_args)` -> a running kvtier-enabled server; every
+    server started through it is stopped when the module's tests are done."""
+    started: list[SGLangServer] = []
+    logs = tmp_path_factory.mktemp("sglang-logs")
+
+    def start(model: Path, config: Path | None, *args: str) -> SGLangServer:
+        flags = ["--enable-kvtier", "--kvtier-config-file", str(config)] if config else []
+        server = SGLangServer(model, logs / f"server-{len(started)}.log",
+                              args=[*flags, *args])
+        started.append(server)
+        _LIVE.append(server)
+        server.start()
+        return server
+
+    try:
+        yield start
+    finally:
+        for server in started:
+            server.stop()
+            _LIVE.remove(server)
+
+
+PROMPT_LEN = 80  # five chunks; the last prompt token is never cached, so four chunks load
+FULL_HIT = (PROMPT_LEN - 1) // CHUNK * CHUNK
+
+
+def check_reload_after_flush(server: SGLangServer, seed: int) -> None:
+    """A prompt served, `/flush_cache`, served again: kvtier loads its whole chunks and the
+    greedy output equals a cold run."""
+    ids = prompt(seed, PROMPT_LEN)
+    expected = cold(server, ids)
+    first = server.generate(ids)
+    assert first["output_ids"] == expected
+    assert first["meta_info"]["cached_tokens"] == 0
+    server.flush_cache()  # also waits for kvtier's background stores
+
+    again = server.generate(ids)
+    assert again["meta_info"]["cached_tokens"] == FULL_HIT
+    assert again["output_ids"] == expected
+    assert f"kvtier: loaded {FULL_HIT} tokens" in server.log()
+
+
+def check_partial_hit(server: SGLangServer, seed: int) -> None:
+    """A prompt sharing two whole chunks (and part of a third) with a stored one loads
+    exactly those two chunks."""
+    base = prompt(seed, PROMPT_LEN)
+    server.generate(base)
+    shared = 2 * CHUNK + 8
+    ids = base[:shared] + prompt(seed + 1000, PROMPT_LEN - shared)
+    expected = cold(server, ids)
+    server.flush_cache()
+
+    got = server.generate(ids)
+    assert got["meta_info"]["cached_tokens"] == 2 * CHUNK
+    assert got["output_ids"] == expected
+
+
+def check_unrelated_miss(server: SGLangServer, seed: int) -> None:
+    server.generate(prompt(seed, PROMPT_LEN))
+    server.flush_cache()
+    ids = prompt(seed + 1000, PROMPT_LEN)
+    got = server.generate(ids)
+    assert got["meta_info"]["cached_tokens"] == 0
+    assert got["output_ids"] == cold(server, ids)

@@ -1,0 +1,74 @@
+"""The plugin's command-line flags, through SGLang's own argument parsing (in process)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+from sglang.srt.plugins import load_plugins
+from sglang.srt.server_args import ServerArgs, prepare_server_args
+
+from kvtier.errors import ConfigError
+from tests.integration.conftest import write_config
+
+pytestmark = pytest.mark.sglang
+
+
+@pytest.fixture(scope="module", autouse=True)
+def plugins_loaded() -> None:
+    load_plugins()  # what `python -m sglang.launch_server` does before it parses
+
+
+@pytest.fixture
+def config_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The flag exports KVTIER_CONFIG_FILE for SGLang's workers; keep it out of other tests.
+    monkeypatch.setenv("KVTIER_CONFIG_FILE", "")
+    monkeypatch.delenv("LMCACHE_CONFIG_FILE", raising=False)
+
+
+def parse(model: Path, *args: str) -> ServerArgs:
+    return prepare_server_args(["--model-path", str(model), "--device", "cpu", *args])
+
+
+def test_flags_are_in_sglangs_help() -> None:
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    text = parser.format_help()
+    assert "--enable-kvtier" in text and "--kvtier-config-file" in text
+
+
+def test_enable_kvtier_selects_the_radix_cache_backend(
+        config_env: None, tiny_llama: Path, tmp_path: Path) -> None:
+    config = write_config(tmp_path / "kvtier.yaml")
+    args = parse(tiny_llama, "--enable-kvtier", "--kvtier-config-file", str(config),
+                 "--page-size", "16")
+    assert args.radix_cache_backend == "kvtier"
+    assert parse(tiny_llama).radix_cache_backend is None
+
+
+def test_chunk_size_not_a_multiple_of_page_size_fails_at_launch(
+        config_env: None, tiny_llama: Path, tmp_path: Path) -> None:
+    config = write_config(tmp_path / "kvtier.yaml")  # chunk_size 16
+    with pytest.raises(ConfigError, match=r"kvtier\.yaml: chunk_size: 16 .*--page-size \(32\)"):
+        parse(tiny_llama, "--enable-kvtier", "--kvtier-config-file", str(config),
+              "--page-size", "32")
+
+
+def test_bad_config_file_fails_at_launch_naming_the_key(
+        config_env: None, tiny_llama: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("chunk_sise: 16\n")
+    with pytest.raises(ConfigError, match="chunk_sise.*chunk_size"):
+        parse(tiny_llama, "--enable-kvtier", "--kvtier-config-file", str(bad))
+
+
+def test_conflicting_flags_are_rejected(config_env: None, tiny_llama: Path,
+                                        tmp_path: Path) -> None:
+    config = write_config(tmp_path / "kvtier.yaml")
+    with pytest.raises(ConfigError, match="needs --enable-kvtier"):
+        parse(tiny_llama, "--kvtier-config-file", str(config))
+    with pytest.raises(ConfigError, match="--radix-cache-backend"):
+        parse(tiny_llama, "--enable-kvtier", "--radix-cache-backend", "flexkv")
+    with pytest.raises(ConfigError, match="--enable-hierarchical-cache"):
+        parse(tiny_llama, "--enable-kvtier", "--enable-hierarchical-cache")

@@ -1,0 +1,184 @@
+"""kvtier against SGLang's real KV pools and allocators, in process (no server).
+
+Round trips through `CacheEngine` with the SGLang connectors must be byte-exact at page sizes
+1, 4 and 16, for MHA and MLA pools, with slots handed out by SGLang's own allocators.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from sglang.srt import runtime_context
+from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+
+from kvtier import CacheEngine
+from kvtier.config import Config
+from kvtier.errors import ConfigError
+from kvtier.integration.sglang.adapter import (
+    SGLangKVTier,
+    build_connector,
+    check_page_size,
+    model_key_name,
+)
+
+pytestmark = pytest.mark.sglang
+
+POOL_TOKENS = 512
+CHUNK = 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def parallel_context() -> None:
+    # MLA pools read the TP/PP layout from SGLang's runtime context.
+    runtime_context.get_parallel().override_permanently(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_dcp_size=1, attn_dcp_rank=0)
+
+
+def make_pool(kind: str, page_size: int, dtype: torch.dtype) -> Any:
+    if kind == "mha":
+        return MHATokenToKVPool(POOL_TOKENS, page_size=page_size, dtype=dtype, head_num=2,
+                                head_dim=8, layer_num=3, device="cpu",
+                                enable_memory_saver=False)
+    return MLATokenToKVPool(POOL_TOKENS, page_size=page_size, dtype=dtype, kv_lora_rank=32,
+                            qk_rope_head_dim=8, layer_num=2, device="cpu",
+                            enable_memory_saver=False)
+
+
+def make_allocator(pool: Any, page_size: int) -> Any:
+    if page_size == 1:
+        return TokenToKVPoolAllocator(POOL_TOKENS, dtype=pool.dtype, device="cpu",
+                                      kvcache=pool, need_sort=False)
+    return PagedTokenToKVPoolAllocator(POOL_TOKENS, page_size=page_size, dtype=pool.dtype,
+                                       device="cpu", kvcache=pool, need_sort=False)
+
+
+def buffers(pool: Any) -> list[torch.Tensor]:
+    return list(pool.kv_buffer) if isinstance(pool, MLATokenToKVPool) \
+        else [*pool.k_buffer, *pool.v_buffer]
+
+
+def fill(pool: Any, slots: torch.Tensor, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for buf in buffers(pool):
+        rows = buf[slots]
+        raw = torch.randint(0, 256, rows.view(torch.uint8).shape, dtype=torch.uint8,
+                            generator=gen)
+        buf[slots] = raw.view(buf.dtype).view(rows.shape)
+
+
+def rows_bytes(pool: Any, slots: torch.Tensor) -> list[bytes]:
+    return [buf[slots].contiguous().view(torch.uint8).numpy().tobytes() for buf in buffers(pool)]
+
+
+@pytest.fixture
+def engine_for() -> Iterator[Any]:
+    engines: list[CacheEngine] = []
+
+    def make(pool: Any) -> CacheEngine:
+        conn = build_connector(pool)
+        engine = CacheEngine(Config(chunk_size=CHUNK, max_local_cpu_size=0.02),
+                             model_name="pool-test", layout=conn.layout, connector=conn)
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.close()
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("kind,dtype", [("mha", torch.bfloat16), ("mla", torch.float32)])
+def test_round_trip_is_byte_exact(engine_for: Any, kind: str, dtype: torch.dtype,
+                                  page_size: int) -> None:
+    pool = make_pool(kind, page_size, dtype)
+    alloc = make_allocator(pool, page_size)
+    engine = engine_for(pool)
+    n = 4 * CHUNK + 5  # four whole chunks and a partial one (not stored by default)
+    tokens = torch.arange(100, 100 + n)
+    src = alloc.alloc(n + (-n) % page_size)[:n].to(torch.int64)
+    fill(pool, src, seed=page_size)
+    expected = rows_bytes(pool, src[: 4 * CHUNK])
+
+    assert engine.store(tokens, src) == 4 * CHUNK
+    assert engine.lookup(tokens) == 4 * CHUNK
+
+    dst = alloc.alloc(4 * CHUNK).to(torch.int64)
+    assert not set(dst.tolist()) & set(src.tolist())
+    assert engine.retrieve(tokens[: 4 * CHUNK], dst) == 4 * CHUNK
+    assert rows_bytes(pool, dst) == expected
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_retrieve_skips_device_prefix_and_minus_one_slots(engine_for: Any,
+                                                          page_size: int) -> None:
+    pool = make_pool("mha", page_size, torch.float16)
+    alloc = make_allocator(pool, page_size)
+    engine = engine_for(pool)
+    tokens = torch.arange(3 * CHUNK)
+    src = alloc.alloc(3 * CHUNK).to(torch.int64)
+    fill(pool, src, seed=7)
+    engine.store(tokens, src)
+
+    dst = alloc.alloc(3 * CHUNK).to(torch.int64)
+    fill(pool, dst, seed=8)
+    untouched = rows_bytes(pool, dst[:CHUNK])
+    mapping = dst.clone()
+    mapping[:CHUNK] = -1
+    assert engine.retrieve(tokens, mapping, skip=CHUNK) == 3 * CHUNK
+    assert rows_bytes(pool, dst[:CHUNK]) == untouched
+    assert rows_bytes(pool, dst[CHUNK:]) == rows_bytes(pool, src[CHUNK:])
+
+
+def test_background_store_then_load_through_adapter(engine_for: Any) -> None:
+    pool = make_pool("mla", 4, torch.bfloat16)
+    alloc = make_allocator(pool, 4)
+    kv = SGLangKVTier(engine_for(pool), page_size=4)
+    try:
+        tokens = torch.arange(2 * CHUNK + 3).numpy()
+        src = alloc.alloc(2 * CHUNK + 4)[: len(tokens)].to(torch.int64)
+        fill(pool, src, seed=3)
+        assert kv.submit_store(tokens, src, handle="lock-1")
+        done = kv.wait_all(timeout=30)
+        assert [job.handle for job in done] == ["lock-1"]
+        assert done[0].stored == 2 * CHUNK and done[0].error is None
+        assert kv.lookup(tokens) == 2 * CHUNK
+        assert kv.loadable_end(len(tokens)) == 2 * CHUNK
+        dst = alloc.alloc(2 * CHUNK).to(torch.int64)
+        assert kv.retrieve(tokens[: 2 * CHUNK], dst, skip=0) == 2 * CHUNK
+        assert rows_bytes(pool, dst) == rows_bytes(pool, src[: 2 * CHUNK])
+        assert kv.stats()["sglang.tokens_loaded"] == 2 * CHUNK
+    finally:
+        kv.close()
+
+
+def test_rank_that_does_not_store_hands_the_lock_back_at_once(engine_for: Any) -> None:
+    pool = make_pool("mla", 1, torch.float32)
+    kv = SGLangKVTier(engine_for(pool), page_size=1, stores=False)
+    try:
+        assert not kv.submit_store(torch.arange(CHUNK).numpy(),
+                                   torch.arange(1, CHUNK + 1), handle="lock")
+        assert kv.poll_done() == []
+    finally:
+        kv.close()
+
+
+def test_chunk_size_must_be_a_multiple_of_the_page_size() -> None:
+    check_page_size(Config(chunk_size=64), 16)
+    with pytest.raises(ConfigError, match="chunk_size.*--page-size"):
+        check_page_size(Config(chunk_size=48), 32)
+
+
+def test_unsupported_pool_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="MHATokenToKVPool"):
+        build_connector(object())
+
+
+def test_model_names_become_one_key_component() -> None:
+    assert model_key_name("/models/meta-llama/Llama-3-8B/") == "models--meta-llama--Llama-3-8B"
+    assert model_key_name("my model") == "my_model"
+    with pytest.raises(ConfigError):
+        model_key_name("///")

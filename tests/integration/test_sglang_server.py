@@ -1,0 +1,41 @@
+"""kvtier inside real SGLang servers on CPU, CPU tier only: tiny Llama (MHA) at page size 1
+and a tiny DeepSeek-style MLA model at page size 4. (Llama at page size 4 runs in
+test_sglang_tiers.py, with the disk and Redis tiers.)"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from tests.integration.conftest import (
+    check_partial_hit,
+    check_reload_after_flush,
+    check_unrelated_miss,
+    write_config,
+)
+from tests.sglang_support.server import SGLangServer
+
+pytestmark = pytest.mark.sglang
+
+
+@pytest.fixture(scope="module", params=[("llama", 1), ("mla", 4)],
+                ids=["llama-page1", "mla-page4"])
+def server(request: pytest.FixtureRequest, start_server: Callable[..., SGLangServer],
+           tmp_path_factory: pytest.TempPathFactory) -> SGLangServer:
+    kind, page = request.param
+    model = request.getfixturevalue("tiny_llama" if kind == "llama" else "tiny_mla")
+    config = write_config(tmp_path_factory.mktemp("cfg") / "kvtier.yaml")
+    return start_server(model, config, "--page-size", str(page))
+
+
+def test_prefix_loaded_after_flush(server: SGLangServer) -> None:
+    check_reload_after_flush(server, seed=1)
+
+
+def test_partial_prefix_hit(server: SGLangServer) -> None:
+    check_partial_hit(server, seed=2)
+
+
+def test_unrelated_prompt_misses(server: SGLangServer) -> None:
+    check_unrelated_miss(server, seed=3)

@@ -1,0 +1,114 @@
+"""kvtier's lower tiers behind real SGLang servers (tiny Llama, page size 4).
+
+The servers run in order, at most two at once:
+  A: CPU + disk + Redis. The reload and partial-hit checks, then two prompts stored durably.
+  B: Redis only, beside A: loads A's prompt from Redis; then Redis goes down and B keeps
+     serving correctly with every lookup a miss.
+  C: after A stopped, on A's disk directory with the (now down) Redis configured: loads A's
+     prompt from disk, serves new prompts correctly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import RedisProcess
+from tests.integration.conftest import (
+    FULL_HIT,
+    PROMPT_LEN,
+    check_partial_hit,
+    check_reload_after_flush,
+    check_unrelated_miss,
+    cold,
+    prompt,
+    write_config,
+)
+from tests.sglang_support.server import SGLangServer
+
+pytestmark = pytest.mark.sglang
+
+RESTART_SEED, SHARED_SEED = 11, 12
+
+
+@pytest.fixture(scope="module")
+def redis(redis_factory: Callable[..., RedisProcess]) -> RedisProcess:
+    return redis_factory()
+
+
+@pytest.fixture(scope="module")
+def disk_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("kvtier-disk")
+
+
+@pytest.fixture(scope="module")
+def server_a(start_server: Callable[..., SGLangServer], tiny_llama: Path, disk_dir: Path,
+             redis: RedisProcess, tmp_path_factory: pytest.TempPathFactory) -> SGLangServer:
+    config = write_config(tmp_path_factory.mktemp("cfg-a") / "kvtier.yaml",
+                          local_disk=str(disk_dir), max_local_disk_size=0.1,
+                          remote_url=redis.url, remote_timeout_secs=0.5)
+    return start_server(tiny_llama, config, "--page-size", "4")
+
+
+@pytest.fixture(scope="module")
+def served_by_a(server_a: SGLangServer) -> dict[int, list[int]]:
+    """Cold reference outputs of the prompts A served; the flush waits for the background
+    stores and for the disk and Redis writes, so they are durable afterwards."""
+    outputs = {}
+    for seed in (RESTART_SEED, SHARED_SEED):
+        ids = prompt(seed, PROMPT_LEN)
+        outputs[seed] = cold(server_a, ids)
+        assert server_a.generate(ids)["output_ids"] == outputs[seed]
+    server_a.flush_cache()
+    return outputs
+
+
+def test_page4_prefix_loaded_after_flush(server_a: SGLangServer) -> None:
+    check_reload_after_flush(server_a, seed=21)
+
+
+def test_page4_partial_prefix_hit(server_a: SGLangServer) -> None:
+    check_partial_hit(server_a, seed=22)
+
+
+def test_page4_unrelated_prompt_misses(server_a: SGLangServer) -> None:
+    check_unrelated_miss(server_a, seed=23)
+
+
+def test_second_instance_hits_through_shared_redis_then_redis_goes_down(
+        start_server: Callable[..., SGLangServer], tiny_llama: Path, redis: RedisProcess,
+        served_by_a: dict[int, list[int]], tmp_path: Path) -> None:
+    config = write_config(tmp_path / "kvtier.yaml", local_cpu=False, remote_url=redis.url,
+                          remote_timeout_secs=0.5)
+    server_b = start_server(tiny_llama, config, "--page-size", "4")
+    got = server_b.generate(prompt(SHARED_SEED, PROMPT_LEN))
+    assert got["meta_info"]["cached_tokens"] == FULL_HIT
+    assert got["output_ids"] == served_by_a[SHARED_SEED]
+
+    redis.stop()
+    ids = prompt(31, PROMPT_LEN)
+    expected = cold(server_b, ids)
+    for _ in range(2):  # stored nowhere (Redis is B's only tier): a miss every time
+        again = server_b.generate(ids)
+        assert again["output_ids"] == expected
+        assert again["meta_info"]["cached_tokens"] == 0
+        server_b.flush_cache()
+    assert server_b.stop() is not None
+
+
+def test_restart_hits_from_disk_with_redis_down(
+        start_server: Callable[..., SGLangServer], tiny_llama: Path, disk_dir: Path,
+        redis: RedisProcess, server_a: SGLangServer, served_by_a: dict[int, list[int]],
+        tmp_path: Path) -> None:
+    assert server_a.stop() is not None
+    redis.stop()  # idempotent: C starts with Redis down
+    config = write_config(tmp_path / "kvtier.yaml", local_disk=str(disk_dir),
+                          max_local_disk_size=0.1, remote_url=redis.url,
+                          remote_timeout_secs=0.5)
+    server_c = start_server(tiny_llama, config, "--page-size", "4")
+    got = server_c.generate(prompt(RESTART_SEED, PROMPT_LEN))
+    assert got["meta_info"]["cached_tokens"] == FULL_HIT
+    assert got["output_ids"] == served_by_a[RESTART_SEED]
+    check_unrelated_miss(server_c, seed=32)

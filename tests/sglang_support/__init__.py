@@ -1,0 +1,1 @@
+"""Test-only pieces for running real SGLang servers on CPU (never part of the package)."""
