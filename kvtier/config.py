@@ -37,7 +37,8 @@ LMCACHE_KEYS = frozenset({
     "chunk_size", "local_cpu", "max_local_cpu_size", "local_disk", "max_local_disk_size",
     "remote_url", "remote_serde", "save_unfull_chunk", "blocking_timeout_secs",
 })
-_NOT_ENV_KEYS = frozenset({"KVTIER_CONFIG_FILE", "LMCACHE_CONFIG_FILE"})
+# Environment variables that are not config keys: config file paths and the kernel override.
+_NOT_ENV_KEYS = frozenset({"KVTIER_CONFIG_FILE", "LMCACHE_CONFIG_FILE", "KVTIER_KERNEL"})
 
 
 @dataclass(frozen=True)

@@ -114,3 +114,7 @@ def test_password_is_redacted() -> None:
     assert redact_url("redis://h:1") == "redis://h:1"
     cfg = Config(remote_url="redis://u:secret@h:1")
     assert "secret" not in str(cfg.redacted())
+
+
+def test_kernel_override_is_not_a_config_key() -> None:
+    assert load_config(env={"KVTIER_KERNEL": "torch"}) == Config()

@@ -1,0 +1,174 @@
+// Multi-layer gather/scatter between a paged KV pool and one contiguous chunk (CPU + dispatch).
+//
+// gather(layers, slots, out):  out[l, t] = layers[l][slots[t]]
+// scatter(src, slots, layers): layers[l][slots[t]] = src[l, t] for slots[t] != -1
+//
+// Every argument is validated before a byte is written (the Python wrapper checks the same
+// things first; these checks keep the extension safe when called directly).
+#include "kv_ops.h"
+
+#include <ATen/Parallel.h>
+#include <pybind11/stl.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstring>
+
+namespace kvtier {
+namespace {
+
+// Rows are 0.5-4 KiB in practice; give each thread at least this much to copy per task so the
+// scheduling cost stays small against the copy.
+constexpr int64_t kGrainBytes = 256 * 1024;
+
+// Asks for the whole row ahead of the copy; the hardware prefetcher only follows it once the
+// copy has started, and each row starts at a random address.
+inline void prefetch_row(const char* row, int64_t row_bytes) {
+  for (int64_t k = 0; k < row_bytes; k += 64) __builtin_prefetch(row + k);
+}
+
+// Validates layers/slots/chunk and returns the row size in bytes.
+int64_t check_args(const std::vector<at::Tensor>& layers, const at::Tensor& slots,
+                   const at::Tensor& chunk, const char* chunk_name, bool allow_skip) {
+  TORCH_CHECK_VALUE(!layers.empty(), "layers must not be empty");
+  const auto& first = layers[0];
+  TORCH_CHECK_VALUE(first.dim() == 2, "layers must be 2-D [num_slots, hidden], got ",
+                    first.sizes());
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const auto& layer = layers[i];
+    TORCH_CHECK_VALUE(layer.sizes() == first.sizes() && layer.dtype() == first.dtype() &&
+                          layer.device() == first.device(),
+                      "layers[", i, "] is ", layer.dtype(), " ", layer.sizes(), " on ",
+                      layer.device(), "; layers[0] is ", first.dtype(), " ", first.sizes(),
+                      " on ", first.device(), ": they must match");
+    TORCH_CHECK_VALUE(layer.is_contiguous(), "layers[", i, "] must be contiguous");
+  }
+  TORCH_CHECK_VALUE(slots.dim() == 1 && slots.scalar_type() == at::kLong,
+                    "slots must be a 1-D int64 tensor");
+  TORCH_CHECK_VALUE(slots.device() == first.device(), "slots must be on the layers' device");
+  TORCH_CHECK_VALUE(slots.is_contiguous(), "slots must be contiguous");
+  TORCH_CHECK_VALUE(chunk.device() == first.device() && chunk.dtype() == first.dtype(),
+                    chunk_name, " must match the layers' dtype and device");
+  TORCH_CHECK_VALUE(chunk.is_contiguous(), chunk_name, " must be contiguous");
+  const int64_t n = static_cast<int64_t>(layers.size());
+  TORCH_CHECK_VALUE(chunk.dim() == 3 && chunk.size(0) == n && chunk.size(1) == slots.numel() &&
+                        chunk.size(2) == first.size(1),
+                    chunk_name, " must have shape [", n, ", ", slots.numel(), ", ",
+                    first.size(1), "], got ", chunk.sizes());
+  if (slots.numel() > 0) {
+    // One pass on the host; on a GPU this is one reduction and one sync.
+    auto [lo_t, hi_t] = at::aminmax(slots);
+    const int64_t lo = lo_t.item<int64_t>(), hi = hi_t.item<int64_t>();
+    const int64_t min_ok = allow_skip ? kSkipSlot : 0;
+    TORCH_CHECK_VALUE(lo >= min_ok && hi < first.size(0), "slots must be in [", min_ok, ", ",
+                      first.size(0), "), got values in [", lo, ", ", hi, "]");
+  }
+  return first.size(1) * first.element_size();
+}
+
+// Runs fn(begin, end) over [0, num_rows) in tasks of about kGrainBytes, handed out dynamically:
+// when a thread is descheduled (the host is busy serving), the others take over its share instead
+// of the whole call waiting for it. A small copy runs inline on the calling thread.
+template <typename F>
+void parallel_rows(int64_t num_rows, int64_t row_bytes, const F& fn) {
+  const int64_t rows_per_task = std::max<int64_t>(1, kGrainBytes / row_bytes);
+  const int64_t num_tasks = (num_rows + rows_per_task - 1) / rows_per_task;
+  std::atomic<int64_t> next{0};
+  const auto worker = [&](int64_t, int64_t) {
+    for (int64_t t = next++; t < num_tasks; t = next++) {
+      fn(t * rows_per_task, std::min(num_rows, (t + 1) * rows_per_task));
+    }
+  };
+  at::parallel_for(0, std::min<int64_t>(num_tasks, at::get_num_threads()), 1, worker);
+}
+
+void gather_cpu(const std::vector<at::Tensor>& layers, const at::Tensor& slots, at::Tensor& out,
+                int64_t row_bytes) {
+  const int64_t num_tokens = slots.numel();
+  const int64_t num_rows = num_tokens * static_cast<int64_t>(layers.size());
+  std::vector<const char*> base;
+  for (const auto& layer : layers) base.push_back(static_cast<const char*>(layer.data_ptr()));
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  char* dst = static_cast<char*>(out.data_ptr());
+  const auto src_row = [&](int64_t r) {
+    const RowIndex i = row_index(r, num_tokens);
+    return base[i.layer] + slot_offset(slot[i.token], row_bytes);
+  };
+  parallel_rows(num_rows, row_bytes, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      if (r + 1 < num_rows) prefetch_row(src_row(r + 1), row_bytes);
+      std::memcpy(dst + chunk_offset(row_index(r, num_tokens), num_tokens, row_bytes), src_row(r),
+                  row_bytes);
+    }
+  });
+}
+
+void scatter_cpu(const at::Tensor& src, const at::Tensor& slots,
+                 const std::vector<at::Tensor>& layers, int64_t row_bytes) {
+  const int64_t num_tokens = slots.numel();
+  const int64_t num_rows = num_tokens * static_cast<int64_t>(layers.size());
+  std::vector<char*> base;
+  for (const auto& layer : layers) base.push_back(static_cast<char*>(layer.data_ptr()));
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const char* from = static_cast<const char*>(src.data_ptr());
+  parallel_rows(num_rows, row_bytes, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const RowIndex i = row_index(r, num_tokens);
+      if (slot[i.token] == kSkipSlot) continue;
+      std::memcpy(base[i.layer] + slot_offset(slot[i.token], row_bytes),
+                  from + chunk_offset(i, num_tokens, row_bytes), row_bytes);
+    }
+  });
+}
+
+}  // namespace
+
+void gather(const std::vector<at::Tensor>& layers, const at::Tensor& slots, at::Tensor out) {
+  const int64_t row_bytes = check_args(layers, slots, out, "out", /*allow_skip=*/false);
+  if (slots.numel() == 0 || row_bytes == 0) return;
+  if (out.is_cuda()) {
+#ifdef KVTIER_WITH_CUDA
+    gather_cuda(layers, slots, out, row_bytes);
+    return;
+#else
+    TORCH_CHECK_VALUE(false, "kvtier._C was built without CUDA");
+#endif
+  }
+  TORCH_CHECK_VALUE(out.is_cpu(), "out must be on the CPU or a CUDA device");
+  gather_cpu(layers, slots, out, row_bytes);
+}
+
+void scatter(const at::Tensor& src, const at::Tensor& slots,
+             const std::vector<at::Tensor>& layers) {
+  const int64_t row_bytes = check_args(layers, slots, src, "src", /*allow_skip=*/true);
+  if (slots.numel() == 0 || row_bytes == 0) return;
+  if (src.is_cuda()) {
+#ifdef KVTIER_WITH_CUDA
+    scatter_cuda(src, slots, layers, row_bytes);
+    return;
+#else
+    TORCH_CHECK_VALUE(false, "kvtier._C was built without CUDA");
+#endif
+  }
+  TORCH_CHECK_VALUE(src.is_cpu(), "src must be on the CPU or a CUDA device");
+  scatter_cpu(src, slots, layers, row_bytes);
+}
+
+}  // namespace kvtier
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "kvtier multi-layer KV gather/scatter kernels";
+#ifdef KVTIER_WITH_CUDA
+  m.attr("WITH_CUDA") = true;
+#else
+  m.attr("WITH_CUDA") = false;
+#endif
+  // The copies can take milliseconds: let other Python threads (the background writer) run.
+  m.def("gather", &kvtier::gather, "out[l, t] = layers[l][slots[t]]",
+        py::arg("layers"), py::arg("slots"), py::arg("out"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("scatter", &kvtier::scatter, "layers[l][slots[t]] = src[l, t] for slots[t] != -1",
+        py::arg("src"), py::arg("slots"), py::arg("layers"),
+        py::call_guard<py::gil_scoped_release>());
+}

@@ -1,0 +1,220 @@
+"""Multi-layer gather/scatter between a paged KV pool and one contiguous chunk.
+
+A pool is N per-layer tensors `[num_slots, hidden]`; a chunk is one contiguous `[N, T, hidden]`
+tensor. `gather` copies the rows named by `slots` out of every layer into the chunk, `scatter`
+copies them back. Implementations, in order of preference: the CUDA kernel (pool on a GPU and
+`kvtier._C` built with CUDA), the C++ CPU kernel (`kvtier._C`), the PyTorch reference. The
+reference is always available and is the oracle the kernels are tested against. Set
+`KVTIER_KERNEL=torch` to force it (`auto`, the default, picks the fastest available).
+
+The kernels copy rows of bytes, so every dtype works (fp8 included). Arguments are checked here
+before anything is written, and again in C++ (`TORCH_CHECK`) for direct callers.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from collections.abc import Sequence
+from types import ModuleType
+
+import torch
+
+from kvtier.errors import ConfigError
+
+__all__ = ["gather", "scatter", "kernel_name", "reference_gather", "reference_scatter"]
+
+logger = logging.getLogger(__name__)
+
+SKIP_SLOT = -1  # in scatter: leave this token's pool row untouched
+
+_ext: ModuleType | None = None
+_ext_error: str | None = None
+_logged: set[str] = set()
+
+
+def gather(layers: Sequence[torch.Tensor], slots: torch.Tensor, out: torch.Tensor) -> None:
+    """`out[l, t] = layers[l][slots[t]]` for every layer l and token t.
+
+    Args:
+        layers: N contiguous 2-D tensors `[num_slots, hidden]` of one dtype, shape and device.
+        slots: 1-D int64 `[T]` on the layers' device, every value in `[0, num_slots)`.
+        out: contiguous `[N, T, hidden]` of the layers' dtype and device; fully overwritten.
+
+    Raises:
+        ValueError: naming the bad argument; nothing has been written.
+    """
+    _check(layers, slots, out, "out", allow_skip=False)
+    ext = _kernel(out.device)
+    if ext is None:
+        reference_gather(layers, slots, out)
+    else:
+        ext.gather(list(layers), slots, out)
+
+
+def scatter(src: torch.Tensor, slots: torch.Tensor, layers: Sequence[torch.Tensor]) -> None:
+    """`layers[l][slots[t]] = src[l, t]` for every layer l and every token t with `slots[t] >= 0`.
+
+    Args:
+        src: contiguous `[N, T, hidden]`; never mutated.
+        slots: 1-D int64 `[T]`, each value `-1` (row not touched) or in `[0, num_slots)`.
+            When a slot repeats, which token's row lands there is unspecified.
+        layers: N contiguous 2-D tensors `[num_slots, hidden]` of src's dtype and device.
+
+    Raises:
+        ValueError: naming the bad argument; nothing has been written.
+    """
+    _check(layers, slots, src, "src", allow_skip=True)
+    ext = _kernel(src.device)
+    if ext is None:
+        reference_scatter(src, slots, layers)
+    else:
+        ext.scatter(src, slots, list(layers))
+
+
+def kernel_name() -> str:
+    """The implementation `gather`/`scatter` use for GPU pools if a GPU is present, else for CPU
+    pools: "cuda", "cpp" or "torch"."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if _kernel(device) is None:
+        return "torch"
+    return "cuda" if device.type == "cuda" else "cpp"
+
+
+def reference_gather(
+    layers: Sequence[torch.Tensor], slots: torch.Tensor, out: torch.Tensor
+) -> None:
+    """The PyTorch reference of `gather` (no argument checks: call `gather` for those)."""
+    for layer, dst in zip(layers, out, strict=True):
+        torch.index_select(_copyable(layer), 0, slots, out=_copyable(dst))
+
+
+def reference_scatter(
+    src: torch.Tensor, slots: torch.Tensor, layers: Sequence[torch.Tensor]
+) -> None:
+    """The PyTorch reference of `scatter` (no argument checks: call `scatter` for those)."""
+    keep = slots != SKIP_SLOT
+    if not bool(keep.all()):
+        # Rare (a partially loaded chunk): pay for one compacted copy of src.
+        slots, src = slots[keep], src[:, keep]
+    for layer, rows in zip(layers, src, strict=True):
+        _copyable(layer).index_copy_(0, slots, _copyable(rows))
+
+
+def _copyable(t: torch.Tensor) -> torch.Tensor:
+    # Index ops have no kernels for some 1-byte dtypes (fp8); a copy does not care about the
+    # dtype, so view those as bytes. Wider dtypes stay as they are: their kernels are faster.
+    return t if t.element_size() > 1 else t.view(torch.uint8)
+
+
+def _kernel(device: torch.device) -> ModuleType | None:
+    """The compiled extension if it should serve tensors on `device`, else None (reference)."""
+    choice = os.environ.get("KVTIER_KERNEL", "auto")
+    if choice == "torch":
+        _log_once("KVTIER_KERNEL=torch: using the PyTorch reference for gather/scatter")
+        return None
+    if choice != "auto":
+        raise ConfigError(f"environment KVTIER_KERNEL must be 'auto' or 'torch', got {choice!r}")
+    ext = _load_ext()
+    if ext is None:
+        _log_once(f"kvtier._C is not available ({_ext_error}); using the PyTorch reference")
+        return None
+    if device.type == "cuda" and not ext.WITH_CUDA:
+        _log_once("kvtier._C was built without CUDA; using the PyTorch reference on GPU")
+        return None
+    if device.type not in ("cpu", "cuda"):
+        _log_once(f"no kvtier kernel for {device.type} tensors; using the PyTorch reference")
+        return None
+    return ext
+
+
+def _load_ext() -> ModuleType | None:
+    global _ext, _ext_error
+    if _ext is None and _ext_error is None:
+        try:
+            _ext = importlib.import_module("kvtier._C")
+        except ImportError as exc:
+            _ext_error = str(exc)
+    return _ext
+
+
+def _log_once(reason: str) -> None:
+    if reason not in _logged:
+        _logged.add(reason)
+        logger.warning("%s", reason)
+
+
+def _check(
+    layers: Sequence[torch.Tensor],
+    slots: torch.Tensor,
+    chunk: torch.Tensor,
+    chunk_name: str,
+    allow_skip: bool,
+) -> None:
+    first = _check_layers(layers)
+    if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype != torch.int64:
+        raise ValueError(f"slots must be a 1-D int64 tensor, got {_describe(slots)}")
+    if slots.device != first.device:
+        raise ValueError(f"slots is on {slots.device} but layers are on {first.device}")
+    if not slots.is_contiguous():
+        raise ValueError("slots must be contiguous")
+    _check_chunk(chunk, chunk_name, first, len(layers), slots.numel())
+    if slots.numel():
+        lo, hi = torch.stack(torch.aminmax(slots)).tolist()  # one device sync, not two
+        low = SKIP_SLOT if allow_skip else 0
+        if lo < low or hi >= first.shape[0]:
+            raise ValueError(
+                f"slots must be in [{low}, {first.shape[0]}), got values in [{lo}, {hi}]"
+            )
+
+
+def _check_layers(layers: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Checks the layers agree with each other; returns the first."""
+    if isinstance(layers, torch.Tensor) or not isinstance(layers, Sequence) or not layers:
+        raise ValueError("layers must be a non-empty sequence of tensors")
+    first = layers[0]
+    if not isinstance(first, torch.Tensor) or first.dim() != 2:
+        raise ValueError(f"layers[0] must be a 2-D tensor [num_slots, hidden], got {first!r:.80}")
+    shape, dtype, device = first.shape, first.dtype, first.device
+    for i, layer in enumerate(layers):
+        # One fast test per layer (this runs on every chunk); explain only on failure.
+        if (
+            isinstance(layer, torch.Tensor)
+            and layer.dtype is dtype
+            and layer.shape == shape
+            and layer.device == device
+            and layer.is_contiguous()
+        ):
+            continue
+        if not isinstance(layer, torch.Tensor):
+            raise ValueError(f"layers[{i}] must be a tensor, got {type(layer).__name__}")
+        if not layer.is_contiguous():
+            raise ValueError(f"layers[{i}] must be contiguous")
+        raise ValueError(
+            f"layers[{i}] is {layer.dtype} {tuple(layer.shape)} on {layer.device}; layers[0] "
+            f"is {dtype} {tuple(shape)} on {device}: they must match"
+        )
+    return first
+
+
+def _check_chunk(
+    chunk: torch.Tensor, name: str, first: torch.Tensor, num_layers: int, num_tokens: int
+) -> None:
+    if not isinstance(chunk, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(chunk).__name__}")
+    if chunk.dtype != first.dtype or chunk.device != first.device:
+        raise ValueError(
+            f"{name} is {chunk.dtype} on {chunk.device}; layers are {first.dtype} on {first.device}"
+        )
+    expected = (num_layers, num_tokens, first.shape[1])
+    if tuple(chunk.shape) != expected:
+        raise ValueError(f"{name} must have shape {expected}, got {tuple(chunk.shape)}")
+    if not chunk.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} tensor of shape {tuple(value.shape)}"
+    return type(value).__name__
