@@ -131,5 +131,7 @@ def _print_table(r: dict[str, Any]) -> None:
     print(f"{'path':<34}{'GB/s':>8}{'x memcpy':>10}")
     for name, gbps in rows:
         print(f"{name:<34}{gbps:>8.2f}{gbps / memcpy:>10.2f}")
+    print(f"{'store / gather':<34}{r['store_gbps'] / r['gather_gbps']:>8.2f}  "
+          "(1.0: the CPU-tier put adds no copy)")
     print(f"{'keys from tensor':<34}{r['keys_tensor_mtok_s']:>8.1f} M tokens/s")
     print(f"{'keys from list':<34}{r['keys_list_mtok_s']:>8.1f} M tokens/s")
