@@ -60,63 +60,70 @@ def run_bench(config: Config, *, prompts: int = 8, tokens: int = 2048,
     """Run the benchmark, print a table and return the results as a JSON-ready dict."""
     chunk = config.chunk_size
     tokens = max(chunk, tokens // chunk * chunk)
-    chunk_bytes = LLAMA3_8B.nbytes(chunk)
     slots_total = tokens * 2
     bar = tqdm(total=4 + 2 * prompts, desc="kvtier bench", disable=not progress)
-    memcpy = _memcpy_gbps(chunk_bytes)
-    bar.update()
-    rates = _key_rates(chunk)
-    bar.update()
-    src_k, src_v = _pool(slots_total, 1), _pool(slots_total, 2)
-    dst_k, dst_v = _pool(slots_total, 3), _pool(slots_total, 4)
-    src = SGLangMHAConnector(src_k, src_v)
-    dst = SGLangMHAConnector(dst_k, dst_v)
-    bar.update()
+    results: dict[str, Any] = {"config": config.redacted(), "layout": LLAMA3_8B.fingerprint(chunk),
+                               "chunk_bytes": LLAMA3_8B.nbytes(chunk),
+                               "kernel": ops.kernel_name(),
+                               "memcpy_gbps": _memcpy_gbps(LLAMA3_8B.nbytes(chunk))}
+    results.update(_key_rates(chunk))
+    bar.update(2)
+    src = SGLangMHAConnector(_pool(slots_total, 1), _pool(slots_total, 2))
+    dst = SGLangMHAConnector(_pool(slots_total, 3), _pool(slots_total, 4))
     gen = torch.Generator().manual_seed(0)
     work = [(torch.randint(0, 128_000, (tokens,), generator=gen),
              torch.randperm(slots_total, generator=gen)[:tokens]) for _ in range(prompts)]
-    results: dict[str, Any] = {"config": config.redacted(), "layout": LLAMA3_8B.fingerprint(chunk),
-                               "chunk_bytes": chunk_bytes, "kernel": ops.kernel_name(),
-                               "memcpy_gbps": memcpy, **rates}
+    bar.update()
     engine = CacheEngine(config, model_name="bench", layout=LLAMA3_8B, connector=src)
     try:
-        obj = engine.storage.allocator.allocate(LLAMA3_8B, chunk)
-        assert obj is not None, "arena too small for one chunk"
-        slots = work[0][1][:chunk]
-        results["gather_gbps"] = chunk_bytes / _best_of(lambda: src.gather(slots, obj)) / 1e9
-        results["scatter_gbps"] = chunk_bytes / _best_of(lambda: dst.scatter(obj, slots)) / 1e9
-        obj.release()
+        results.update(_connector_rates(engine, src, dst, work[0][1][:chunk]))
         bar.update()
-        total = 0
         t0 = time.perf_counter()
+        stored = 0
         for toks, slots in work:
-            total += engine.store(toks, slots)
+            stored += engine.store(toks, slots)
             bar.update()
-        results["store_gbps"] = total / tokens * LLAMA3_8B.nbytes(tokens) / \
-            (time.perf_counter() - t0) / 1e9
+        results["store_gbps"] = LLAMA3_8B.nbytes(stored) / (time.perf_counter() - t0) / 1e9
         engine.storage.flush()
-        results["tiers"] = {}
-        retrieve_engine = CacheEngine(config, model_name="bench", layout=LLAMA3_8B,
-                                      connector=dst, storage=engine.storage)
-        for i, tier in enumerate(engine.storage.tiers):
-            for upper in engine.storage.tiers[:i]:
-                for toks, _ in work:
-                    upper.remove(engine.chunk_keys(toks))
-            loaded = 0
-            t0 = time.perf_counter()
-            for toks, slots in work:
-                loaded += retrieve_engine.retrieve(toks, slots)
-            seconds = time.perf_counter() - t0
-            results["tiers"][tier.name] = {"retrieve_gbps": loaded * LLAMA3_8B.nbytes(1) /
-                                           seconds / 1e9, "tokens_loaded": loaded}
-            if i == 0:
-                bar.update(prompts)
+        reader = CacheEngine(config, model_name="bench", layout=LLAMA3_8B, connector=dst,
+                             storage=engine.storage)
+        results["tiers"] = _tier_rates(engine, reader, work)
+        bar.update(prompts)
         results["stats"] = engine.stats()
     finally:
         engine.close()
         bar.close()
     _print_table(results)
     return results
+
+
+def _connector_rates(engine: CacheEngine, src: SGLangMHAConnector, dst: SGLangMHAConnector,
+                     slots: torch.Tensor) -> dict[str, float]:
+    obj = engine.storage.allocator.allocate(LLAMA3_8B, slots.numel())
+    if obj is None:
+        raise ValueError("max_local_cpu_size is too small for one benchmark chunk")
+    try:
+        return {"gather_gbps": obj.nbytes / _best_of(lambda: src.gather(slots, obj)) / 1e9,
+                "scatter_gbps": obj.nbytes / _best_of(lambda: dst.scatter(obj, slots)) / 1e9}
+    finally:
+        obj.release()
+
+
+def _tier_rates(writer: CacheEngine, reader: CacheEngine,
+                work: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, dict[str, float]]:
+    """Retrieve throughput from each tier in turn, emptying the tiers above it first."""
+    out = {}
+    tiers = writer.storage.tiers
+    for i, tier in enumerate(tiers):
+        for upper in tiers[:i]:
+            for toks, _ in work:
+                upper.remove(writer.chunk_keys(toks))
+        t0 = time.perf_counter()
+        loaded = sum(reader.retrieve(toks, slots) for toks, slots in work)
+        seconds = time.perf_counter() - t0
+        out[tier.name] = {"retrieve_gbps": LLAMA3_8B.nbytes(loaded) / seconds / 1e9,
+                          "tokens_loaded": loaded}
+    return out
 
 
 def _print_table(r: dict[str, Any]) -> None:
