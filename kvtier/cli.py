@@ -54,7 +54,8 @@ def _info(args: argparse.Namespace) -> int:
             tier.close()
             # A tier that cannot reach its server starts "down" (and serves misses), not raises.
             health = "DOWN (serving misses)" if stats.get("down") else "ok"
-            status = health + " " + ", ".join(f"{k}={v:g}" for k, v in sorted(stats.items())[:4])
+            shown = [k for k in ("entries", "bytes", "capacity_bytes") if k in stats]
+            status = health + " " + ", ".join(f"{k}={stats[k]:g}" for k in shown)
         except (KVTierError, OSError) as exc:
             status = f"UNAVAILABLE: {exc}"
         rows.append((f"tier {name}", status))

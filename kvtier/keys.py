@@ -59,7 +59,7 @@ def encode_tokens(token_ids: torch.Tensor | Sequence[int] | np.ndarray) -> memor
             f"token_ids must lie in [0, 2**32), got range [{arr.min()}, {arr.max()}]"
         )
     # A memoryview, not bytes: `tobytes()` would copy (and page-fault) the whole buffer again.
-    return memoryview(np.ascontiguousarray(arr, dtype="<u4")).cast("B")
+    return np.ascontiguousarray(arr, dtype="<u4").data.cast("B")
 
 
 class KeyBuilder:

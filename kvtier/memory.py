@@ -186,7 +186,7 @@ class MemoryAllocator:
             pin = torch.cuda.is_available()
         self.raw = torch.empty(size_bytes, dtype=torch.uint8, pin_memory=pin)
         self.raw.zero_()  # fault every page in now, not on the serving path
-        self.view = memoryview(self.raw.numpy()).cast("B")
+        self.view = self.raw.numpy().data.cast("B")
         self.size = size_bytes
         self.pinned = pin
         self.lock = threading.RLock()
