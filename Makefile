@@ -28,7 +28,8 @@ sglang-env: setup
 	bash scripts/setup_sglang.sh $(VENV)
 
 lint: setup
-	$(BIN)/ruff check kvtier tests benchmarks
+	$(BIN)/ruff check kvtier tests benchmarks examples
+	$(BIN)/mypy
 
 test: setup redis-server sglang-env lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)

@@ -10,6 +10,8 @@ Rows per size:
   payload in segments of `--segment-mb`);
 - `kvtier segments N MiB` / `kvtier unsegmented`: the same with other segment sizes or one
   value per chunk (the ablation of segmenting; `--segment-sweep`);
+- `kvtier MGET reads`: the `kvtier` row with `atomic_reads=True`: one MGET per chunk instead
+  of one GET per segment (the ablation of split reads; only on segmented chunks);
 - `redis-py`: SET/GET of `bytes` with hiredis (the default install);
 - `redis-py python packer`: redis-py with PythonRespSerializer and the hiredis parser;
 - `raw socket`: the minimal client: a hand-packed SET followed by `sendall(memoryview)`, and a
@@ -116,12 +118,12 @@ class RawClient:
 
 
 def kvtier_case(port: int, tokens: int, batch: int, segment_mb: float,
-                cleanup: list[Callable[[], None]]) -> Case:
+                cleanup: list[Callable[[], None]], atomic_reads: bool = False) -> Case:
     nbytes = LAYOUT.nbytes(tokens)
     alloc = MemoryAllocator(nbytes * batch * 2 + (16 << 20))
     cfg = Config(chunk_size=tokens, max_local_cpu_size=alloc.size / 1e9,
                  remote_url=f"redis://127.0.0.1:{port}", remote_segment_mb=segment_mb)
-    backend = RedisBackend(BackendContext(cfg, LAYOUT, alloc))
+    backend = RedisBackend(BackendContext(cfg, LAYOUT, alloc), atomic_reads=atomic_reads)
     kb = KeyBuilder(model=f"bench-s{segment_mb}", fingerprint=LAYOUT.fingerprint(tokens),
                     chunk_size=tokens)
     keys = kb.keys(torch.randint(0, 50_000, (tokens * batch,)))
@@ -224,6 +226,9 @@ def measure_size(port: int, mib: int, args: argparse.Namespace) -> dict[str, tup
     packer = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
     cleanup: list[Callable[[], None]] = []
     cases = {"kvtier": kvtier_case(port, tokens, args.batch, args.segment_mb, cleanup)}
+    if mib > args.segment_mb:
+        cases["kvtier MGET reads"] = kvtier_case(port, tokens, args.batch, args.segment_mb,
+                                                 cleanup, atomic_reads=True)
     for seg in args.segment_sweep:  # ablations: other segment sizes, 512 = unsegmented
         name = "kvtier unsegmented" if seg >= mib else f"kvtier segments {seg:g} MiB"
         if seg != args.segment_mb and mib > args.segment_mb and name not in cases:

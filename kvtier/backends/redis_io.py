@@ -11,7 +11,17 @@ A chunk is stored as a record (kvtier.backends.record): its header plus payload 
 when the payload is larger than the segment size, header + segment 0 in the main key and
 segment i in `<main>#i`. All of a chunk's keys share one hash tag (the digest), so a cluster
 keeps them in one slot, and they are written in one MULTI/EXEC (atomic, and unlike MSET it can
-carry a TTL) and read with one MGET (atomic): a reader sees the whole chunk or nothing.
+carry a TTL).
+
+Reads come in two kinds (`GetStream(split=...)`): one MGET of a chunk's keys (atomic), or one
+GET per segment, requested a few MiB ahead of the reader. Redis builds a command's whole reply
+in freshly allocated memory before sending any of it, so an MGET of a 32 MiB chunk costs the
+server 32 MiB of page-faulted buffers per read, which caps it well below loopback speed; small
+GETs kept a few MiB ahead let it reuse the same warm buffers (about 1.5x on 32 MiB chunks,
+benchmarks/bench_redis.py). Split reads are not atomic, but they never yield half a chunk:
+every record is checked against the payload checksum in its header, and the caller re-reads a
+record that fails the check with one MGET before calling it corrupt, since a concurrent
+overwrite or expiry can mix or drop the segments of a sound record.
 """
 
 from __future__ import annotations
@@ -31,7 +41,8 @@ from kvtier.keys import ChunkKey
 from kvtier.memory import KVLayout, MemoryObj
 
 __all__ = ["ArenaFull", "CommandWriter", "GetStream", "ReplyError", "ReplyReader",
-           "SegmentMismatch", "exchange", "read_record", "redis_keys", "segments", "write_record"]
+           "SegmentMismatch", "exchange", "read_atomic", "read_record", "redis_keys", "segments",
+           "write_record"]
 
 CRLF = b"\r\n"
 # Buffers below this size are copied into the send buffer: one syscall is cheaper than many.
@@ -215,27 +226,30 @@ def write_record(out: CommandWriter, rkeys: list[str], head: bytes, payload: mem
         return 1
     out.command("MULTI")
     for i, (start, end) in enumerate(pieces):
-        value = [head, payload[start:end]] if i == 0 else payload[start:end]
+        value: list[bytes | memoryview] | memoryview = (
+            [head, payload[start:end]] if i == 0 else payload[start:end])
         out.command("SET", rkeys[i], value, *ex)
     out.command("EXEC")
     return len(pieces) + 2
 
 
-def read_record(reader: ReplyReader, key: ChunkKey, layout: KVLayout, nseg: int,
+def read_record(stream: GetStream, key: ChunkKey, layout: KVLayout, nseg: int,
                 allocate: Callable[[int], MemoryObj | None]) -> MemoryObj | None:
-    """Read the reply to a GET (`nseg == 1`) or MGET of a record's keys into a new object.
+    """Read the replies to the GET, MGET or GETs of a record's `nseg` keys into a new object.
 
-    Returns None when the key is absent (the reply is fully consumed). The caller owns the
+    Returns None when the key is absent (its replies are fully consumed). The caller owns the
     returned object. Raises CorruptEntry (not a valid record for `key`, or `SegmentMismatch`),
-    ArenaFull, ReplyError or redis-py's connection errors; after any of them the reply may be
-    half-read, so the connection must be dropped.
+    ArenaFull, ReplyError or redis-py's connection errors; after any of them the replies may
+    be half-read, so the connection must be dropped.
     """
-    if nseg > 1 and reader.header(b"*") != nseg:
+    split = stream.split and nseg > 1
+    reader = stream.next()
+    if nseg > 1 and not split and reader.header(b"*") != nseg:
         raise CorruptEntry(f"MGET answered with another count than {nseg} keys")
     size = reader.header(b"$")
     if size is None:
         for _ in range(nseg - 1):  # the main key is gone; skip what is left of its segments
-            orphan = reader.header(b"$")
+            orphan = (stream.next() if split else reader).header(b"$")
             if orphan is not None:
                 reader.skip(orphan + 2)
         return None
@@ -254,16 +268,31 @@ def read_record(reader: ReplyReader, key: ChunkKey, layout: KVLayout, nseg: int,
         raise ArenaFull(key.key)
     try:
         view = obj.byte_view()
+        hasher = record.payload_hasher()
         for i, (start, end) in enumerate(pieces):
-            if i and reader.header(b"$") != end - start:
+            if i and (stream.next() if split else reader).header(b"$") != end - start:
                 raise CorruptEntry(f"segment {i} is missing or has the wrong length")
             reader.read_into(view[start:end])
             reader.end_bulk()
-        record.verify_payload(head, view)
+            hasher.update(view[start:end])  # while the segment is still in the CPU cache
+        record.verify_payload(head, view, checksum=hasher.intdigest())
     except BaseException:
         obj.release()
         raise
     return obj
+
+
+def read_atomic(client: redis.Redis, key: ChunkKey, rkeys: list[str], layout: KVLayout,
+                allocate: Callable[[int], MemoryObj | None]) -> MemoryObj | None:
+    """`read_record` of one record with one MGET (or GET) on its own pooled connection."""
+    stream = GetStream(client, 0)
+    try:
+        stream.add(rkeys, 0)
+        obj = read_record(stream, key, layout, len(rkeys), allocate)
+        stream.done()
+        return obj
+    finally:
+        stream.close()
 
 
 def _socket(conn: Any) -> socket.socket:
@@ -295,16 +324,18 @@ def exchange(client: redis.Redis, parts: list[bytes | memoryview],
 
 
 class GetStream:
-    """Pipelined GET/MGETs on one pooled connection of one node, replies read in order.
+    """Pipelined reads on one pooled connection of one node, replies read in order.
 
     At most `window` reply bytes are requested ahead of the reader, so Redis never has to
-    buffer a whole batch of large values in its output buffer.
+    buffer a whole batch of large values in its output buffer. With `split`, a record stored
+    in several keys is read with one GET per key (see the module docstring), else with one MGET.
     """
 
-    def __init__(self, client: redis.Redis, window: int):
-        self._client = client
+    def __init__(self, client: redis.Redis, window: int, split: bool = False):
+        self.client = client
+        self.split = split
         self._window = window
-        self._todo: deque[tuple[list[str], int]] = deque()
+        self._todo: deque[tuple[tuple[str, ...], int]] = deque()
         self._sent: deque[int] = deque()
         self._inflight = 0
         self._conn: Any = None
@@ -312,19 +343,26 @@ class GetStream:
         self._clean = True
 
     def add(self, rkeys: list[str], nbytes: int) -> None:
-        self._todo.append((rkeys, nbytes))
+        """Queue the read of one record of about `nbytes` payload bytes stored in `rkeys`."""
+        if len(rkeys) == 1:
+            self._todo.append((("GET", rkeys[0]), nbytes))
+        elif self.split:
+            each = -(-nbytes // len(rkeys))  # an estimate is enough to bound the window
+            self._todo.extend((("GET", k), each) for k in rkeys)
+        else:
+            self._todo.append((("MGET", *rkeys), nbytes))
 
     def next(self) -> ReplyReader:
-        """The reader, positioned at the next reply; call `done()` once it is fully read."""
-        assert self._clean, "previous reply not fully read"
+        """The reader, positioned at the next reply; call `done()` once a record's replies
+        are fully read."""
         if self._conn is None:
-            self._conn = self._client.connection_pool.get_connection()
+            self._conn = self.client.connection_pool.get_connection()
             self._reader = ReplyReader(_socket(self._conn))
         out = CommandWriter()
         while self._todo and (not self._sent or
                               self._inflight + self._todo[0][1] <= self._window):
-            rkeys, nbytes = self._todo.popleft()
-            out.command("GET" if len(rkeys) == 1 else "MGET", *rkeys)
+            command, nbytes = self._todo.popleft()
+            out.command(*command)
             self._sent.append(nbytes)
             self._inflight += nbytes
         parts = out.finish()
@@ -345,5 +383,5 @@ class GetStream:
         assert self._reader is not None
         if not (self._clean and not self._sent and self._reader.pending == 0):
             self._conn.disconnect()
-        self._client.connection_pool.release(self._conn)
+        self.client.connection_pool.release(self._conn)
         self._conn = None
