@@ -165,3 +165,37 @@ def test_full_write_queue_drops_and_never_blocks(tmp_path: Path,
         _GatedCPU.gate.set()
         sm.close()
     assert sm.allocator.used_bytes == 0
+
+
+class _SlowGetCPU(CPUBackend):
+    """A real tier whose reads wait for a gate: a stand-in for a slow network tier."""
+
+    name = "slow"
+    gate = threading.Event()
+
+    def batch_get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
+        self.gate.wait(30)
+        return super().batch_get(keys)
+
+
+def test_prefetch_timeout_policy_returns_after_its_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(BACKENDS, "disk", f"{__name__}:_SlowGetCPU")
+    _SlowGetCPU.gate.clear()
+    cfg = _config(tmp_path, prefetch_policy="timeout", prefetch_timeout_base_ms=1.0,
+                  prefetch_timeout_per_token_ms=0.0)
+    sm = StorageManager(cfg, SMALL_MHA)
+    try:
+        keys = make_keys(48)
+        _put(sm, keys)
+        assert sm.flush()
+        sm.cpu.remove(keys)
+        future = sm.prefetch(keys)  # the lower tier is stuck: returns once the budget is spent
+        assert not future.done() and sm.stats()["prefetch_timeouts"] == 1
+        _SlowGetCPU.gate.set()
+        assert future.result(timeout=30) == 3
+        assert sm.cpu.batch_contains(keys) == 3
+    finally:
+        _SlowGetCPU.gate.set()
+        sm.close()
