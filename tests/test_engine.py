@@ -298,3 +298,24 @@ def test_eight_threads_overlapping_prompts() -> None:
     engine.close()
     alloc.check_integrity()
     assert alloc.used_bytes == 0
+
+
+def test_connector_rejects_bad_slots_without_writing() -> None:
+    k, v = _mha_pool(torch.float16)
+    conn = SGLangMHAConnector(k, v)
+    before = [b.clone() for b in k + v]
+    with CacheEngine(_config(), model_name="m", layout=conn.layout, connector=conn) as eng:
+        obj = eng.storage.allocator.allocate(conn.layout, 4)
+        assert obj is not None
+        try:
+            for bad in (torch.tensor([0, 1, 2, SLOTS]), torch.tensor([0, 1, -1, 2]),
+                        [0, 1, 2, 3]):
+                with pytest.raises(ValueError, match="slots"):
+                    conn.gather(bad, obj)  # type: ignore[arg-type]
+            with pytest.raises(ValueError, match="slots"):
+                conn.scatter(obj, torch.tensor([0, 1, -2, 3]))
+            with pytest.raises(ValueError, match="obj"):
+                conn.scatter(obj, torch.tensor([0, 1, 2]))
+        finally:
+            obj.release()
+    assert all(same_bytes(a, b) for a, b in zip(before, k + v))

@@ -17,7 +17,8 @@ class KVConnector(ABC):
 
     `slots` are 1-D int64 tensors on the pool's device holding one pool row per token. Gather
     needs every slot valid; scatter skips `-1` slots. Implementations check arguments and raise
-    `ValueError` naming the argument before a byte is read or written.
+    `ValueError` naming the argument before a byte is read or written (the slot checks live in
+    `ops`, once per copy; `check_slots` is for callers validating a whole request up front).
     """
 
     layout: KVLayout
@@ -58,8 +59,11 @@ class KVConnector(ABC):
                                  f"{self.num_slots} slots" + (" (-1 = skip)" if allow_skip
                                                               else ""))
 
-    def check_obj(self, obj: MemoryObj, num_tokens: int, *, name: str) -> None:
-        want = self.layout.shape(num_tokens)
+    def check_obj(self, obj: MemoryObj, slots: torch.Tensor, *, name: str) -> None:
+        """`ValueError` unless `obj` holds one token per slot in this pool's layout."""
+        if not isinstance(slots, torch.Tensor):
+            raise ValueError(f"slots must be a torch.Tensor, got {type(slots).__name__}")
+        want = self.layout.shape(slots.numel())
         if obj.fmt is not self.layout.fmt or tuple(obj.tensor.shape) != want or \
                 obj.tensor.dtype != self.layout.dtype:
             raise ValueError(f"{name} is {obj.fmt.name} {tuple(obj.tensor.shape)} "

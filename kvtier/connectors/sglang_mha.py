@@ -47,13 +47,11 @@ class SGLangMHAConnector(KVConnector):
         return cls(pool.k_buffer, pool.v_buffer)
 
     def gather(self, slots: torch.Tensor, out: MemoryObj) -> None:
-        self.check_slots(slots, allow_skip=False)
-        self.check_obj(out, slots.numel(), name="out")
+        self.check_obj(out, slots, name="out")
         t = out.tensor
         ops.gather(self._layers, slots, t.view(2 * t.shape[1], t.shape[2], t.shape[3]))
 
     def scatter(self, obj: MemoryObj, slots: torch.Tensor) -> None:
-        self.check_slots(slots)
-        self.check_obj(obj, slots.numel(), name="obj")
+        self.check_obj(obj, slots, name="obj")
         t = obj.tensor
         ops.scatter(t.view(2 * t.shape[1], t.shape[2], t.shape[3]), slots, self._layers)

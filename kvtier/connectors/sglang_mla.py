@@ -38,11 +38,9 @@ class SGLangMLAConnector(KVConnector):
         return cls(pool.kv_buffer)
 
     def gather(self, slots: torch.Tensor, out: MemoryObj) -> None:
-        self.check_slots(slots, allow_skip=False)
-        self.check_obj(out, slots.numel(), name="out")
+        self.check_obj(out, slots, name="out")
         ops.gather(self._layers, slots, out.tensor[0])
 
     def scatter(self, obj: MemoryObj, slots: torch.Tensor) -> None:
-        self.check_slots(slots)
-        self.check_obj(obj, slots.numel(), name="obj")
+        self.check_obj(obj, slots, name="obj")
         ops.scatter(obj.tensor[0], slots, self._layers)
