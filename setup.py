@@ -1,50 +1,43 @@
-"""Builds the `kvtier._C` kernels; all package metadata lives in pyproject.toml.
+"""Package metadata lives in pyproject.toml; this file only serves the optional ahead-of-time
+build of the copy kernels.
 
-The extension is compiled against the torch that is already installed, so install with
-`pip install --no-build-isolation ...` (an isolated build would fetch a second torch). The CUDA
-kernels are added only when torch itself was built with CUDA and a CUDA toolkit is found.
+By default kvtier installs as pure Python plus the kernel sources (`kvtier/csrc/`), and the
+kernels are compiled on first use against whatever torch is installed (see
+`kvtier/connectors/build.py`): `pip install kvtier` works with build isolation. To compile at
+install time instead (e.g. for an image without a compiler at run time):
+
+    KVTIER_BUILD_EXT=1 pip install --no-build-isolation .
+
+which builds `kvtier._C` against the torch already installed (with CUDA when torch has CUDA
+and a toolkit is found).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
-from setuptools import Extension, setup
-
-try:
-    import torch
-    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
-except ImportError:  # pragma: no cover - only reached with build isolation
-    sys.exit("kvtier: building kvtier._C needs torch; use `pip install --no-build-isolation`")
-
-SOURCES = ["csrc/kv_ops.cpp"]
-DEPENDS = ["csrc/kv_ops.h"]
-# at::parallel_for is header-only: without OpenMP it silently runs on one thread. The extension
-# then links libgomp.so.1, which resolves to the copy torch has already loaded.
-CXX_FLAGS = ["-O3", "-g0", "-fopenmp"]
+from setuptools import setup
 
 
-def _extension() -> Extension:
-    # A CPU-only torch cannot load CUDA kernels even when a toolkit is installed (as here).
+def _aot_extension() -> dict[str, object]:
+    try:
+        import torch
+        from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+    except ImportError:
+        sys.exit("kvtier: KVTIER_BUILD_EXT=1 needs torch installed; use "
+                 "`pip install --no-build-isolation`")
+    sources = ["kvtier/csrc/kv_ops.cpp"]
+    flags = ["-O3", "-g0", "-fopenmp"]
     if torch.version.cuda is not None and CUDA_HOME is not None:
-        return CUDAExtension(
-            "kvtier._C",
-            [*SOURCES, "csrc/kv_ops_cuda.cu"],
-            depends=DEPENDS,
-            define_macros=[("KVTIER_WITH_CUDA", None)],
-            extra_compile_args={"cxx": CXX_FLAGS, "nvcc": ["-O3"]},
-            extra_link_args=["-fopenmp"],
-        )
-    return CppExtension(
-        "kvtier._C",
-        SOURCES,
-        depends=DEPENDS,
-        extra_compile_args={"cxx": CXX_FLAGS},
-        extra_link_args=["-fopenmp"],
-    )
+        ext = CUDAExtension("kvtier._C", [*sources, "kvtier/csrc/kv_ops_cuda.cu"],
+                            define_macros=[("KVTIER_WITH_CUDA", None)],
+                            extra_compile_args={"cxx": flags, "nvcc": ["-O3"]},
+                            extra_link_args=["-fopenmp"])
+    else:
+        ext = CppExtension("kvtier._C", sources, extra_compile_args={"cxx": flags},
+                           extra_link_args=["-fopenmp"])
+    return {"ext_modules": [ext], "cmdclass": {"build_ext": BuildExtension}}
 
 
-setup(
-    ext_modules=[_extension()],
-    cmdclass={"build_ext": BuildExtension},
-)
+setup(**(_aot_extension() if os.environ.get("KVTIER_BUILD_EXT") == "1" else {}))

@@ -3,9 +3,10 @@
 Shape: Llama-3-8B per TP rank (32 layers x K and V, 8 KV heads x 128 dims, bf16), one 256-token
 chunk = 32 MiB, random slots in a pool of 16k slots. Implementations: `ops` (the public
 `kvtier.connectors.ops` functions, checks included, with the kernel they dispatch to), `cpp`
-(kvtier._C called directly), `torch` (the reference) and `naive` (a per-layer Python loop with
-advanced indexing). The baseline is torch `copy_` of a contiguous tensor of the same size,
-measured in the same run. GB/s is the median over the rounds, `best` the fastest round.
+(the compiled kernels called directly), `torch` (the reference) and `naive` (a per-layer
+Python loop with advanced indexing). The baseline is torch `copy_` of a contiguous tensor of
+the same size, measured in the same run. GB/s is the median over the rounds, `best` the
+fastest round.
 
     .venv/bin/python benchmarks/bench_connectors.py [--rounds 20] [--pool-slots 16384]
 """
@@ -23,8 +24,9 @@ from typing import Any
 
 import torch
 
-from kvtier import _C  # fails loudly when the extension is not built
-from kvtier.connectors import ops
+from kvtier.connectors import build, ops
+
+_C = build.load()  # the compiled kernels; fails loudly when they cannot be built
 
 RESULTS = Path(__file__).parent / "results" / "connectors.json"
 

@@ -1,4 +1,5 @@
-"""The `kvtier` command: check-config, info, bench."""
+"""The `kvtier` command: check-config, migrate-config, info, bench, demo, stats, ls, purge,
+tiers."""
 
 from __future__ import annotations
 
@@ -12,17 +13,45 @@ from pathlib import Path
 
 import yaml
 
-from kvtier.config import load_config
+from kvtier.config import load_config, load_config_report
 from kvtier.errors import KVTierError
 
 __all__ = ["main"]
 
 
 def _check_config(args: argparse.Namespace) -> int:
-    cfg = load_config(args.file)
-    print(yaml.safe_dump(cfg.redacted(), sort_keys=True), end="")
-    print(f"# tiers: {' -> '.join(cfg.tiers)}")
+    """Print the three key groups and the effective config, as one YAML document."""
+    loaded = load_config_report(args.file)
+    ignored = dict(loaded.ignored)
+    ignored.update((f"{key} (value translated)", note) for key, note in loaded.notes)
+    print(f"# source: {loaded.source}")
+    print("# kvtier keys set by the file and the environment:")
+    _dump({"kvtier_keys": dict(loaded.given)})
+    print("# LMCache keys and values accepted but not implemented, and what kvtier does instead:")
+    _dump({"lmcache_not_implemented": ignored})
+    print("# the effective config:")
+    _dump({"effective": loaded.config.redacted(), "tiers": " -> ".join(loaded.config.tiers)})
     return 0
+
+
+def _migrate_config(args: argparse.Namespace) -> int:
+    """Print what each key of an LMCache file becomes, then the kvtier keys it amounts to."""
+    from kvtier.migrate import explain, kvtier_yaml
+
+    migration = explain(args.file)
+    width = max((len(r.key) for r in migration.rows), default=0)
+    for row in migration.rows:
+        print(f"{row.key:<{width}}  {row.kind:<10}  {row.note}")
+    if migration.loaded is None:
+        print(f"kvtier: error: {migration.error}", file=sys.stderr)
+        return 2
+    print("\n# kvtier keys this file amounts to (effective values, credentials masked):")
+    _dump(kvtier_yaml(migration.loaded.config, migration.rows))
+    return 0
+
+
+def _dump(data: dict[str, object]) -> None:
+    print(yaml.safe_dump(data, sort_keys=False, width=100), end="")
 
 
 def _version(dist: str) -> str:
@@ -85,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", nargs="?", help="YAML file (default: KVTIER_CONFIG_FILE, "
                    "LMCACHE_CONFIG_FILE, built-in defaults)")
     p.set_defaults(func=_check_config)
+    p = sub.add_parser("migrate-config", help="what each key of an LMCache config file "
+                       "becomes in kvtier")
+    p.add_argument("file", help="LMCache YAML file")
+    p.set_defaults(func=_migrate_config)
     p = sub.add_parser("info", help="versions, copy kernel and tier reachability")
     p.add_argument("file", nargs="?")
     p.set_defaults(func=_info)
@@ -95,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default="benchmarks/results/bench.json", help="JSON output path")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=_bench)
+    from kvtier import cli_admin, cli_tiers
+    from kvtier.demo import add_parser as add_demo_parser
+
+    add_demo_parser(sub)
+    cli_admin.add_parsers(sub)
+    cli_tiers.add_parser(sub)
     return parser
 
 

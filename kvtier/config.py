@@ -2,8 +2,10 @@
 
 Key names follow LMCache where LMCache has the concept, so an LMCache YAML file loads unchanged.
 Sources, later ones winning: defaults, the YAML file, `LMCACHE_<KEY>` (LMCache keys only), then
-`KVTIER_<KEY>`. Every value is validated; a bad one raises `ConfigError` naming its source, the
-key and, for unknown keys, the nearest valid key.
+`KVTIER_<KEY>`. A file's keys fall in three groups: kvtier's own (every field of `Config`, checked
+strictly), LMCache keys kvtier does not implement (`kvtier.lmcache_compat`: accepted, listed in
+one warning with what kvtier does instead), and unknown keys (`ConfigError` with the nearest
+valid key). Every value is validated; a bad one raises `ConfigError` naming its source and key.
 """
 
 from __future__ import annotations
@@ -11,34 +13,46 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import logging
+import math
 import os
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from kvtier import lmcache_compat as compat
+from kvtier.config_checks import (
+    PREFETCH_POLICIES,
+    REMOTE_SCHEMES,
+    TRANSFER_ARENA_GB,
+    WRITE_POLICIES,
+    physical_memory_bytes,
+    redact_url,
+    validate,
+)
 from kvtier.errors import ConfigError
 
-__all__ = ["Config", "load_config", "WRITE_POLICIES", "PREFETCH_POLICIES"]
+__all__ = ["Config", "LoadedConfig", "load_config", "load_config_report", "read_config_file",
+           "is_config_key", "nearest_key",
+           "redact_url", "shown_value",
+           "WRITE_POLICIES", "PREFETCH_POLICIES", "REMOTE_SCHEMES", "physical_memory_bytes"]
 
 logger = logging.getLogger(__name__)
 
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
-REMOTE_SERDES = ("naive",)
-CHUNK_MULTIPLE = 16
-
-# Keys LMCache defines with the same meaning; only these may come from LMCACHE_<KEY>.
+# Keys LMCache defines with the same meaning; only these may come from LMCACHE_<KEY>, and these
+# accept LMCache's value forms (numbers and booleans as strings).
 LMCACHE_KEYS = frozenset({
     "chunk_size", "local_cpu", "max_local_cpu_size", "local_disk", "max_local_disk_size",
     "remote_url", "remote_serde", "save_unfull_chunk", "blocking_timeout_secs",
 })
 # Environment variables that are not config keys: config file paths and the kernel override.
-_NOT_ENV_KEYS = frozenset({"KVTIER_CONFIG_FILE", "LMCACHE_CONFIG_FILE", "KVTIER_KERNEL"})
+_NOT_ENV_KEYS = frozenset({"KVTIER_CONFIG_FILE", "LMCACHE_CONFIG_FILE", "KVTIER_KERNEL",
+                           "KVTIER_CACHE_DIR", "KVTIER_BUILD_EXT", "KVTIER_BUILD_VERBOSE",
+                           "KVTIER_SGLANG_CPU_SHIMS"})
 
 
 @dataclass(frozen=True)
@@ -58,17 +72,22 @@ class Config:
     hash_salt: str = ""
     write_policy: str = "write_through"
     selective_write_threshold: int = 2
-    prefetch_policy: str = "best_effort"
-    prefetch_timeout_base_ms: float = 5.0
-    prefetch_timeout_per_token_ms: float = 0.01
+    # A request waits for its disk/Redis load at most base + per-token x tokens (while the
+    # running requests go on), then starts with what arrived.
+    prefetch_policy: str = "timeout"
+    prefetch_timeout_base_ms: float = 200.0
+    prefetch_timeout_per_token_ms: float = 0.02
     write_queue_chunks: int = 256
     remote_ttl_secs: int | None = None
     remote_timeout_secs: float = 2.0
     remote_segment_mb: float = 1.0  # measured: 1 MiB segments beat 4 MiB and unsegmented
+    max_session_pinned_fraction: float = 0.5
+    session_ttl_secs: float = 600.0
     log_level: str | None = None
+    metrics_port: int | None = None  # serve Prometheus metrics on this port
 
     def __post_init__(self) -> None:
-        _validate(self)
+        validate(self)
 
     @property
     def tiers(self) -> tuple[str, ...]:
@@ -83,6 +102,9 @@ class Config:
             return None
         return Path(self.local_disk.removeprefix("file://"))
 
+    def __repr__(self) -> str:  # credentials never reach a log line or a traceback
+        return "Config(" + ", ".join(f"{k}={v!r}" for k, v in self.redacted().items()) + ")"
+
     def redacted(self) -> dict[str, Any]:
         """The config as a plain dict with credentials masked (for logs and `check-config`)."""
         out = dataclasses.asdict(self)
@@ -91,57 +113,8 @@ class Config:
         return out
 
 
-def redact_url(url: str) -> str:
-    """`url` with any password replaced by `***`."""
-    scheme, sep, rest = url.partition("://")
-    if not sep or "@" not in rest:
-        return url
-    creds, _, hosts = rest.rpartition("@")
-    user, colon, _ = creds.partition(":")
-    masked = f"{user}:***" if colon else "***"
-    return f"{scheme}://{masked}@{hosts}"
-
-
 def _fail(source: str, key: str, msg: str) -> ConfigError:
     return ConfigError(f"{source}: {key}: {msg}")
-
-
-def _validate(cfg: Config) -> None:
-    src = "config"
-    if cfg.chunk_size <= 0 or cfg.chunk_size % CHUNK_MULTIPLE:
-        raise _fail(src, "chunk_size",
-                    f"must be a positive multiple of {CHUNK_MULTIPLE}, got {cfg.chunk_size}")
-    for key in ("max_local_cpu_size", "max_local_disk_size", "blocking_timeout_secs",
-                "prefetch_timeout_base_ms", "prefetch_timeout_per_token_ms"):
-        if getattr(cfg, key) < 0:
-            raise _fail(src, key, f"must not be negative, got {getattr(cfg, key)}")
-    if cfg.max_local_cpu_size * 1e9 < 4096:
-        raise _fail(src, "max_local_cpu_size",
-                    f"must be > 0 (it sizes the staging arena), got {cfg.max_local_cpu_size}")
-    if cfg.local_disk is not None:
-        if not cfg.local_disk.strip() or cfg.local_disk.startswith(("redis", "http")):
-            raise _fail(src, "local_disk", f"must be a path or file:// URL, got {cfg.local_disk!r}")
-        if cfg.max_local_disk_size <= 0:
-            raise _fail(src, "max_local_disk_size",
-                        f"must be > 0 when local_disk is set, got {cfg.max_local_disk_size}")
-    choices = (("write_policy", WRITE_POLICIES), ("prefetch_policy", PREFETCH_POLICIES),
-               ("remote_serde", REMOTE_SERDES))
-    for key, allowed in choices:
-        if getattr(cfg, key) not in allowed:
-            raise _fail(src, key, f"must be one of {list(allowed)}, got {getattr(cfg, key)!r}")
-    if cfg.selective_write_threshold < 1:
-        raise _fail(src, "selective_write_threshold",
-                    f"must be >= 1, got {cfg.selective_write_threshold}")
-    if cfg.write_queue_chunks < 1:
-        raise _fail(src, "write_queue_chunks", f"must be >= 1, got {cfg.write_queue_chunks}")
-    if cfg.remote_ttl_secs is not None and cfg.remote_ttl_secs <= 0:
-        raise _fail(src, "remote_ttl_secs", f"must be > 0, got {cfg.remote_ttl_secs}")
-    if cfg.remote_timeout_secs <= 0:
-        raise _fail(src, "remote_timeout_secs", f"must be > 0, got {cfg.remote_timeout_secs}")
-    if not 0 < cfg.remote_segment_mb <= 512:
-        raise _fail(src, "remote_segment_mb", f"must be in (0, 512], got {cfg.remote_segment_mb}")
-    if not cfg.local_cpu and not cfg.local_disk and not cfg.remote_url:
-        raise _fail(src, "local_cpu", "no tier enabled: set local_cpu, local_disk or remote_url")
 
 
 _FIELDS = {f.name: f for f in fields(Config)}
@@ -156,6 +129,22 @@ def _base_type(key: str) -> tuple[type, bool]:
     return hint, False
 
 
+def _lmcache_string(key: str, typ: type, value: str) -> Any:
+    """LMCache's forms of numbers and booleans as strings ('5', '5.0', 'False'), or the
+    string unchanged when it is not one."""
+    text = value.strip()
+    try:
+        if typ is int:
+            return int(text)
+        if typ is float:
+            return float(text)
+    except ValueError:
+        return value
+    if typ is bool and text.lower() in ("true", "1", "false", "0"):
+        return text.lower() in ("true", "1")
+    return value
+
+
 def _coerce(source: str, key: str, value: Any, from_env: bool) -> Any:
     """`value` converted to the type of `key`, or ConfigError. Env values arrive as strings."""
     typ, optional = _base_type(key)
@@ -168,6 +157,8 @@ def _coerce(source: str, key: str, value: Any, from_env: bool) -> Any:
             value = yaml.safe_load(value) if typ is not str else value
         except yaml.YAMLError:
             raise _fail(source, key, f"cannot parse {value!r}") from None
+    if key in LMCACHE_KEYS and isinstance(value, str) and typ is not str:
+        value = _lmcache_string(key, typ, value)
     if typ is bool:
         if isinstance(value, bool):
             return value
@@ -176,44 +167,104 @@ def _coerce(source: str, key: str, value: Any, from_env: bool) -> Any:
             return value
     elif typ is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            number = float(value) if abs(value) < 1e300 else math.inf  # no OverflowError
+            if not math.isfinite(number):
+                raise _fail(source, key, f"must be a finite number, got {number}")
+            return number
     elif typ is str:
         if isinstance(value, str):
             return value
         if from_env is False and isinstance(value, (int, float)) and key == "hash_salt":
             return str(value)
-    raise _fail(source, key, f"must be a {typ.__name__}, got {type(value).__name__} {value!r}")
+    shown = "***" if key == "remote_url" else repr(value)
+    raise _fail(source, key, f"must be a {typ.__name__}, got {type(value).__name__} {shown}")
+
+
+def is_config_key(key: str) -> bool:
+    """True if `key` is a kvtier config key (a field of `Config`)."""
+    return key in _FIELDS
+
+
+def nearest_key(key: str) -> str | None:
+    """The kvtier config key closest to `key` in spelling, if any is close."""
+    near = difflib.get_close_matches(key, _FIELDS, n=1, cutoff=0.5)
+    return near[0] if near else None
 
 
 def _unknown(source: str, key: str) -> ConfigError:
-    near = difflib.get_close_matches(key, _FIELDS, n=1, cutoff=0.5)
-    hint = f"; did you mean {near[0]!r}?" if near else f"; valid keys: {sorted(_FIELDS)}"
+    near = nearest_key(key)
+    if near is None:  # perhaps a misspelt LMCache key
+        lmc = difflib.get_close_matches(key, compat.UNIMPLEMENTED, n=1, cutoff=0.6)
+        if lmc:
+            return _fail(source, key, f"unknown key; did you mean {lmc[0]!r} (an LMCache key "
+                         "kvtier accepts and ignores)?")
+    hint = f"; did you mean {near!r}?" if near else f"; valid keys: {sorted(_FIELDS)}"
     return _fail(source, key, f"unknown key{hint}")
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+class _StrictLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that rejects a key given twice in one mapping (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            if isinstance(key, Hashable) and key in seen:
+                raise ConfigError(f"{self.name}: {key}: duplicate key (line "
+                                  f"{key_node.start_mark.line + 1}); give each key once")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
+                              _StrictLoader.construct_mapping)
+
+
+def shown_value(key: str, value: Any) -> Any:
+    """`value` of `key` as it may be shown to users: URLs redacted, secrets masked."""
+    if isinstance(value, str) and "://" in value:
+        return redact_url(value)
+    if compat.secret_key(key) and value is not None:
+        return "***"
+    return value
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The file's top-level mapping, keys and values as YAML gives them (strict: UTF-8, no
+    duplicate keys, string keys; `ConfigError` naming the file otherwise)."""
+    path = Path(path)
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config file: {exc.strerror}") from None
     try:
-        data = yaml.safe_load(text)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: config file is not UTF-8 text (byte {exc.start}: "
+                          f"{raw[exc.start:exc.start + 1]!r})") from None
+    try:
+        loader = _StrictLoader(text)
+        loader.name = str(path)
+        try:
+            data = loader.get_single_data()  # type: ignore[no-untyped-call]
+        finally:
+            loader.dispose()  # type: ignore[no-untyped-call]
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: invalid YAML: {exc}") from None
     if data is None:
         return {}
     if not isinstance(data, Mapping):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        if not isinstance(key, str) or key not in _FIELDS:
+    for key in data:
+        if not isinstance(key, str):
             raise _unknown(str(path), str(key))
-        out[key] = _coerce(str(path), key, value, from_env=False)
-    return out
+    return dict(data)
 
 
-def _read_env(env: Mapping[str, str]) -> dict[str, Any]:
+def _read_env(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
+    """(values by key, the variable each key came from)."""
     out: dict[str, Any] = {}
+    names: dict[str, str] = {}
     ignored = []
     for prefix in ("LMCACHE_", "KVTIER_"):  # KVTIER_ wins: applied last
         for name, raw in sorted(env.items()):
@@ -225,16 +276,131 @@ def _read_env(env: Mapping[str, str]) -> dict[str, Any]:
                 continue
             if key not in _FIELDS:
                 raise _unknown(f"environment {name}", key)
-            out[key] = _coerce(f"environment {name}", key, raw, from_env=True)
+            value = raw
+            if prefix == "LMCACHE_" and key == "remote_serde":  # LMCache's null/cachegen
+                value = compat.translate_values({key: yaml.safe_load(raw)}, None, name) \
+                    .values[key]
+            out[key] = _coerce(f"environment {name}", key, value, from_env=True)
+            names[key] = name
     if ignored:
         logger.info("ignoring LMCache settings kvtier does not use: %s", ", ".join(ignored))
-    return out
+    return out, names
+
+
+@dataclass(frozen=True)
+class LoadedConfig:
+    """A loaded config and how each key of its sources was used.
+
+    `given`: kvtier keys set by the file or the environment, with their values as shown to
+    users (credentials masked). `ignored`: LMCache keys kvtier does not implement, with what it
+    does instead. `notes`: LMCache values kvtier translated, as (key, what kvtier does).
+    """
+
+    config: Config
+    source: str
+    given: tuple[tuple[str, Any], ...]
+    ignored: tuple[tuple[str, str], ...]
+    notes: tuple[tuple[str, str], ...]
+
+    def warning(self) -> str | None:
+        """The one warning a load logs, or None when nothing was ignored or translated."""
+        lines = [f"  {key}: {instead}" for key, instead in self.ignored]
+        lines += [f"  {key}: {note}" for key, note in self.notes]
+        if not lines:
+            return None
+        return (f"kvtier config {self.source}: LMCache keys and values kvtier does not "
+                "implement (what it does instead):\n" + "\n".join(lines))
+
+
+def _split_file(data: Mapping[str, Any], source: str) -> tuple[dict[str, Any],
+                                                                list[tuple[str, str]],
+                                                                Mapping[str, Any]]:
+    """(kvtier keys, ignored LMCache keys with what kvtier does instead, extra_config)."""
+    mine: dict[str, Any] = {}
+    ignored: list[tuple[str, str]] = []
+    extra: Mapping[str, Any] = {}
+    for key, value in data.items():
+        if key in _FIELDS:
+            mine[key] = value
+            continue
+        instead = compat.instead_of(key)
+        if instead is None:
+            raise _unknown(source, key)
+        ignored.append((key, instead))
+        if key == "extra_config" and value is not None:
+            if not isinstance(value, Mapping):
+                raise _fail(source, key, f"must be a mapping, got {type(value).__name__}")
+            extra = value
+            ignored += [(name, "not used by kvtier")
+                        for name in compat.extra_config_ignored(value)]
+    return mine, ignored, extra
+
+
+def _transfer_arena(values: dict[str, Any]) -> tuple[str, str] | None:
+    """LMCache's `local_cpu: false` + `max_local_cpu_size: 0`: no CPU tier, and kvtier still
+    needs an arena to move chunks through; give it a small one."""
+    if values.get("local_cpu") is not False or values.get("max_local_cpu_size") != 0:
+        return None
+    size = min(TRANSFER_ARENA_GB, physical_memory_bytes() / 4e9)
+    values["max_local_cpu_size"] = size
+    return ("max_local_cpu_size", f"0 with local_cpu: false: no CPU tier, but kvtier still "
+            f"moves chunks to and from disk/Redis through a {size:g} GB transfer arena (set "
+            "max_local_cpu_size to size it)")
+
+
+def with_overrides(cfg: Config, values: Mapping[str, Any], source: str) -> Config:
+    """`cfg` with kvtier `values` replaced, checked as strictly as a file (`source` names
+    where they came from in errors)."""
+    for key in values:
+        if not is_config_key(key):
+            raise _unknown(source, key)
+    coerced = {k: _coerce(source, k, v, from_env=False) for k, v in values.items()}
+    try:
+        return dataclasses.replace(cfg, **coerced)
+    except ConfigError as exc:
+        raise ConfigError(str(exc).replace("config:", f"{source}:", 1)) from None
+
+
+def load_config_report(
+    path: str | os.PathLike[str] | None = None, *, env: Mapping[str, str] | None = None
+) -> LoadedConfig:
+    """Load the effective config and report how each key was used (see `load_config`)."""
+    env = os.environ if env is None else env
+    if path is None:
+        path = env.get("KVTIER_CONFIG_FILE") or env.get("LMCACHE_CONFIG_FILE") or None
+    source = "defaults"
+    raw: dict[str, Any] = {}
+    mine: dict[str, Any] = {}
+    ignored: list[tuple[str, str]] = []
+    notes: list[tuple[str, str]] = []
+    if path is not None:
+        source = str(path)
+        mine, ignored, extra = _split_file(read_config_file(path), source)
+        translated = compat.translate_values(mine, extra, source)
+        notes += translated.notes
+        raw = {k: _coerce(source, k, v, from_env=False) for k, v in translated.values.items()}
+    from_env, env_names = _read_env(env)
+    values = {**raw, **from_env}
+    given = {**mine, **from_env}
+    arena_note = _transfer_arena(values)
+    if arena_note:
+        notes.append(arena_note)
+    try:
+        cfg = Config(**values)
+    except ConfigError as exc:
+        # "config: key: ..." -> the file or variable the key's value came from
+        key = str(exc).split(": ", 2)[1] if str(exc).count(": ") >= 2 else ""
+        origin = f"environment {env_names[key]}" if key in env_names else source
+        raise ConfigError(str(exc).replace("config:", f"{origin}:", 1)) from None
+    return LoadedConfig(cfg, source, tuple((k, shown_value(k, v)) for k, v in given.items()),
+                        tuple(ignored), tuple(notes))
 
 
 def load_config(
     path: str | os.PathLike[str] | None = None, *, env: Mapping[str, str] | None = None
 ) -> Config:
-    """Load the effective config.
+    """Load the effective config; log one warning listing LMCache keys and values kvtier does
+    not implement, with what it does instead.
 
     Args:
         path: a YAML file; when None, `KVTIER_CONFIG_FILE`, else `LMCACHE_CONFIG_FILE`, else
@@ -244,18 +410,9 @@ def load_config(
     Raises:
         ConfigError: naming the file or variable and the key.
     """
-    env = os.environ if env is None else env
-    if path is None:
-        path = env.get("KVTIER_CONFIG_FILE") or env.get("LMCACHE_CONFIG_FILE") or None
-    values: dict[str, Any] = {}
-    source = "defaults"
-    if path is not None:
-        values.update(_read_yaml(Path(path)))
-        source = str(path)
-    values.update(_read_env(env))
-    try:
-        cfg = Config(**values)
-    except ConfigError as exc:
-        raise ConfigError(str(exc).replace("config:", f"{source}:", 1)) from None
-    logger.info("kvtier config (%s): %s", source, cfg.redacted())
-    return cfg
+    loaded = load_config_report(path, env=env)
+    warning = loaded.warning()
+    if warning:
+        logger.warning("%s", warning)
+    logger.info("kvtier config (%s): %s", loaded.source, loaded.config.redacted())
+    return loaded.config

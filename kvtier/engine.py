@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from contextlib import closing
 
 import numpy as np
 import torch
@@ -12,6 +13,7 @@ from kvtier.config import Config
 from kvtier.connectors.base import KVConnector
 from kvtier.keys import ChunkKey, KeyBuilder
 from kvtier.memory import KVLayout, MemoryFormat, MemoryObj, lease
+from kvtier.prefetch import Prefetch
 from kvtier.storage import StorageManager
 
 __all__ = ["CacheEngine"]
@@ -19,6 +21,17 @@ __all__ = ["CacheEngine"]
 logger = logging.getLogger(__name__)
 
 TokenIds = torch.Tensor | Sequence[int] | np.ndarray
+
+
+def _serve_metrics(port: int) -> None:
+    from kvtier import prometheus
+
+    try:
+        if not prometheus.serve(port):
+            logger.warning("kvtier: metrics_port is set but prometheus-client is not installed "
+                           "(pip install 'kvtier[metrics]'); no metrics endpoint")
+    except OSError as exc:  # a busy port must not take serving down
+        logger.warning("kvtier: cannot serve metrics on port %d: %s", port, exc)
 
 
 class CacheEngine:
@@ -55,6 +68,8 @@ class CacheEngine:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
         if not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"rank must lie in [0, {world_size}), got {rank!r}")
+        if config.log_level:
+            logging.getLogger("kvtier").setLevel(config.log_level.upper())
         self.config = config
         self.layout = layout
         self.connector = connector
@@ -67,17 +82,28 @@ class CacheEngine:
             save_unfull_chunk=config.save_unfull_chunk)
         self.storage = storage or StorageManager(config, layout)
         self._owns_storage = storage is None
+        if config.metrics_port is not None:
+            _serve_metrics(config.metrics_port + rank)
         self._closed = False
 
-    def store(self, token_ids: TokenIds, slot_mapping: torch.Tensor) -> int:
+    def store(self, token_ids: TokenIds, slot_mapping: torch.Tensor, *,
+              session_id: str | None = None) -> int:
         """Save the KV of `token_ids` (in pool rows `slot_mapping`) chunk by chunk.
 
         Chunks already cached are skipped; storing stops at the first chunk that has a `-1`
-        slot or finds no memory. Returns the number of tokens newly stored.
+        slot or finds no memory. With `session_id`, the prefix is then pinned in the CPU tier
+        as that session's latest turn (see `release_session`). Returns the number of tokens
+        newly stored.
         """
         keys, slots = self._prepare(token_ids, slot_mapping)
         if not self._stores or self._closed or not keys:
             return 0
+        stored = self._store_chunks(keys, slots)
+        if session_id is not None:
+            self.storage.pin_session(session_id, keys)
+        return stored
+
+    def _store_chunks(self, keys: list[ChunkKey], slots: torch.Tensor) -> int:
         first = self.storage.contains(keys)
         objs: list[MemoryObj] = []
         with lease(objs):
@@ -97,43 +123,71 @@ class CacheEngine:
         self.storage.counters.inc("tokens_stored", n)
         return n
 
-    def retrieve(self, token_ids: TokenIds, slot_mapping: torch.Tensor, skip: int = 0) -> int:
+    def retrieve(self, token_ids: TokenIds, slot_mapping: torch.Tensor, skip: int = 0, *,
+                 hot_only: bool = False, session_id: str | None = None) -> int:
         """Load cached KV of the longest cached prefix of `token_ids` into `slot_mapping`.
 
         Tokens before `skip` are already in the pool and are not written; `-1` slots are not
-        written. Stops at the first chunk no tier has. Returns the number of leading tokens
-        now in the pool (at least `skip`).
+        written. Stops at the first chunk no tier has (only the CPU tier is read with
+        `hot_only`). Chunks are scattered as they arrive, while later ones are still being
+        read. Returns the number of leading tokens now in the pool (at least `skip`).
         """
         keys, slots = self._prepare(token_ids, slot_mapping)
         if not isinstance(skip, int) or not 0 <= skip <= slots.numel():
             raise ValueError(f"skip must be an int in [0, {slots.numel()}], got {skip!r}")
         wanted = [k for k in keys if k.end > skip]
+        if session_id is not None:
+            self.storage.touch_session(session_id)
         if self._closed or not wanted:
             return skip
-        with self.storage.get(wanted) as objs:
-            for key, obj in zip(wanted, objs):
-                chunk_slots = slots[key.start:key.end]
-                if key.start < skip:
-                    chunk_slots = chunk_slots.clone()
-                    chunk_slots[: skip - key.start] = -1
-                self.connector.scatter(obj, chunk_slots)
-            loaded = wanted[len(objs) - 1].end if objs else skip
+        loaded = skip
+        with closing(self.storage.stream(wanted, hot_only=hot_only)) as chunks:
+            for key, obj in zip(wanted, chunks):
+                with lease([obj]):
+                    chunk_slots = slots[key.start:key.end]
+                    if key.start < skip:
+                        chunk_slots = chunk_slots.clone()
+                        chunk_slots[: skip - key.start] = -1
+                    self.connector.scatter(obj, chunk_slots)
+                loaded = key.end
         self.storage.counters.inc("tokens_loaded", loaded - skip)
         self.storage.counters.inc("tokens_requested", slots.numel() - skip)
         return loaded
 
-    def lookup(self, token_ids: TokenIds) -> int:
-        """How many leading tokens of `token_ids` some tier could load (no data moves)."""
+    def lookup(self, token_ids: TokenIds, *, hot_only: bool = False) -> int:
+        """How many leading tokens of `token_ids` some tier (only the CPU tier with
+        `hot_only`) could load; no data moves."""
         keys = self.keys.keys(token_ids)
         if self._closed:
             return 0
-        n = self.storage.contains(keys)
+        n = self.storage.contains(keys, hot_only=hot_only)
         return keys[n - 1].end if n else 0
 
-    def prefetch(self, token_ids: TokenIds) -> None:
-        """Start moving lower-tier chunks of `token_ids` into CPU memory (per prefetch_policy)."""
-        if not self._closed:
-            self.storage.prefetch(self.keys.keys(token_ids))
+    def start_prefetch(self, token_ids: TokenIds) -> Prefetch:
+        """Start moving the lower-tier chunks of `token_ids` into CPU memory in the background
+        and return at once; poll the handle's `ready()` (per `prefetch_policy`) or wait on it,
+        and `cancel()` it when the request goes away. See `StorageManager.start_prefetch`."""
+        keys = [] if self._closed else self.keys.keys(token_ids)
+        return self.storage.start_prefetch(keys)
+
+    def prefetch(self, token_ids: TokenIds) -> Prefetch:
+        """Move lower-tier chunks of `token_ids` into CPU memory, waiting as `prefetch_policy`
+        says (`best_effort`: not at all)."""
+        keys = [] if self._closed else self.keys.keys(token_ids)
+        return self.storage.prefetch(keys)
+
+    def release_session(self, session_id: str) -> bool:
+        """Unpin the chunks `store(..., session_id=)` pinned; False if the session held none.
+        Sessions idle for `session_ttl_secs` are released by themselves."""
+        return self.storage.release_session(session_id)
+
+    def attach_tier(self, name: str, config: Config | None = None) -> None:
+        """Add a lower tier (`disk`, `redis`) while serving; see `StorageManager.attach_tier`."""
+        self.storage.attach_tier(name, config)
+
+    def detach_tier(self, name: str, *, drain: bool = True, wait: bool = True) -> None:
+        """Remove a lower tier while serving; see `StorageManager.detach_tier`."""
+        self.storage.detach_tier(name, drain=drain, wait=wait)
 
     def chunk_keys(self, token_ids: TokenIds) -> list[ChunkKey]:
         return self.keys.keys(token_ids)

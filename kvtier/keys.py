@@ -16,7 +16,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["ChunkKey", "KeyBuilder", "encode_tokens", "KEY_VERSION"]
+__all__ = ["ChunkKey", "KeyBuilder", "KeyParts", "encode_tokens", "key_prefix", "parse_key",
+           "stub_key", "redis_name", "key_of_redis_name", "KEY_VERSION"]
 
 KEY_VERSION = "kvtier/v1"
 _U32_MAX = 2**32 - 1
@@ -53,6 +54,8 @@ def encode_tokens(token_ids: torch.Tensor | Sequence[int] | np.ndarray) -> memor
     if isinstance(token_ids, torch.Tensor):
         if token_ids.dim() != 1:
             raise ValueError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
+        if token_ids.is_meta:
+            raise ValueError("token_ids is a meta tensor: it has no values to key")
         if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex or \
                 token_ids.dtype == torch.bool:
             raise ValueError(f"token_ids must be an integer tensor, got {token_ids.dtype}")
@@ -74,6 +77,49 @@ def encode_tokens(token_ids: torch.Tensor | Sequence[int] | np.ndarray) -> memor
         )
     # A memoryview, not bytes: `tobytes()` would copy (and page-fault) the whole buffer again.
     return np.ascontiguousarray(arr, dtype="<u4").data.cast("B")
+
+
+class KeyParts(NamedTuple):
+    """The fields of a key string `kvtier/v1/{model}/{layout}/{rank}of{world}/{digest}`."""
+
+    model: str
+    layout: str
+    shard: str  # "{rank}of{world}"
+    digest: str
+
+
+def key_prefix(model: str, fingerprint: str, shard: str = "0of1") -> str:
+    """The key strings of one (model, layout, shard) namespace start with this; `shard` is
+    `{rank}of{world}` (the HiCache backend adds `-pp{rank}of{size}`)."""
+    return f"{KEY_VERSION}/{model}/{fingerprint}/{shard}/"
+
+
+def parse_key(key: str) -> KeyParts | None:
+    """The fields of a kvtier key string; None for anything else."""
+    parts = key.split("/")
+    if len(parts) != 6 or "/".join(parts[:2]) != KEY_VERSION:
+        return None
+    return KeyParts(parts[2], parts[3], parts[4], parts[5])
+
+
+def stub_key(key: str) -> ChunkKey:
+    """A `ChunkKey` that carries only its key string: for tier calls that look at key strings
+    alone (`batch_contains`, `remove`), when the tokens are not known."""
+    return ChunkKey(key, 0, 0, b"", None)
+
+
+def redis_name(key: str) -> str:
+    """The Redis name of a chunk's record: the digest is the hash tag (`prefix/{digest}`), so a
+    cluster keeps a record's segments (`name#1`, `name#2`, ...) in one slot."""
+    prefix, _, digest = key.rpartition("/")
+    return f"{prefix}/{{{digest}}}"
+
+
+def key_of_redis_name(name: str) -> str:
+    """The key string of a Redis record (segment suffix ignored); inverse of `redis_name`."""
+    main = name.split("#", 1)[0]
+    prefix, _, tagged = main.rpartition("/")
+    return f"{prefix}/{tagged.strip('{}')}"
 
 
 class KeyBuilder:
@@ -98,7 +144,7 @@ class KeyBuilder:
             raise ValueError(f"rank must lie in [0, world_size={world_size}), got {rank}")
         self.chunk_size = chunk_size
         self.save_unfull_chunk = save_unfull_chunk
-        self.prefix = f"{KEY_VERSION}/{model}/{fingerprint}/{rank}of{world_size}/"
+        self.prefix = key_prefix(model, fingerprint, f"{rank}of{world_size}")
         self._root = hashlib.sha256(KEY_VERSION.encode() + salt.encode()).digest()
 
     def num_keyed_tokens(self, num_tokens: int) -> int:

@@ -1,4 +1,4 @@
-"""Counters, rate-limited warnings and Prometheus exposition."""
+"""Counters and rate-limited warnings (Prometheus export: `prometheus.py`)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,8 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Mapping
 
-__all__ = ["Counters", "RateLimitedLog", "prometheus_text"]
+__all__ = ["Counters", "RateLimitedLog"]
 
 
 class Counters:
@@ -21,10 +20,6 @@ class Counters:
     def inc(self, name: str, n: int = 1) -> None:
         with self._lock:
             self._counts[name] += n
-
-    def get(self, name: str) -> int:
-        with self._lock:
-            return self._counts[name]
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
@@ -55,15 +50,3 @@ class RateLimitedLog:
             msg += " (%d similar warnings suppressed)"
             args = (*args, suppressed)
         self._logger.warning(msg, *args)
-
-
-def prometheus_text(stats: Mapping[str, float], prefix: str = "kvtier") -> str:
-    """`stats` in the Prometheus text exposition format; keys `tier.name` become labels."""
-    lines = []
-    for key in sorted(stats):
-        tier, dot, name = key.partition(".")
-        if dot:
-            lines.append(f'{prefix}_{name}{{tier="{tier}"}} {stats[key]}')
-        else:
-            lines.append(f"{prefix}_{key} {stats[key]}")
-    return "\n".join(lines) + "\n"

@@ -9,22 +9,31 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
-from contextlib import contextmanager
+import time
+from collections.abc import Generator, Iterator, Sequence
+from contextlib import closing, contextmanager
 
+from kvtier import prometheus
 from kvtier.backends import BackendContext, StorageBackend, create_backend
 from kvtier.backends.cpu import CPUBackend
 from kvtier.config import Config
-from kvtier.keys import ChunkKey
+from kvtier.keys import ChunkKey, stub_key
 from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj
 from kvtier.metrics import Counters, RateLimitedLog
+from kvtier.prefetch import Prefetch, Prefetcher
+from kvtier.sessions import SessionPins
+from kvtier.tierset import TierSet
 from kvtier.writer import TierWriter
 
 __all__ = ["StorageManager"]
 
 logger = logging.getLogger(__name__)
+
+# Chunks a prefetch claims and reads at a time: one pipelined round trip to a remote tier, and
+# the granularity at which a cancel takes effect.
+PREFETCH_WINDOW = 64
+PREFETCH_WORKERS = 2
+PREFETCH_MAX_PENDING = 256
 
 
 class StorageManager:
@@ -46,26 +55,42 @@ class StorageManager:
         self._hits: dict[str, int] = {}  # per-chunk hit counts for write_through_selective
         self._lock = threading.Lock()
         ctx = BackendContext(config=config, layout=layout, allocator=self.allocator)
-        self.tiers: list[StorageBackend] = []
+        tiers: list[StorageBackend] = []
         try:
             for name in config.tiers:
-                self.tiers.append(create_backend(name, ctx))
+                tiers.append(create_backend(name, ctx))
         except BaseException:
-            for tier in self.tiers:
+            for tier in tiers:
                 tier.close()
             raise
-        self.cpu = next((t for t in self.tiers if isinstance(t, CPUBackend)), None)
-        self._writers = [
-            TierWriter(t, config.write_queue_chunks, self.counters, self._warn,
-                       reachable=self._in_cpu if config.write_policy == "write_back" else
-                       _never)
-            for t in self.tiers if t is not self.cpu
-        ]
-        self._prefetcher = ThreadPoolExecutor(1, thread_name_prefix="kvtier-prefetch")
+        self.cpu = next((t for t in tiers if isinstance(t, CPUBackend)), None)
+        self._set = TierSet(tiers, [self._writer_for(t) for t in tiers if t is not self.cpu])
+        self.sessions = None if self.cpu is None else SessionPins(
+            self.cpu, int(config.max_session_pinned_fraction * self.allocator.size),
+            config.session_ttl_secs, self.counters)
+        self._inflight: dict[str, threading.Event] = {}  # chunk -> set when its load ends
+        self._prefetcher = Prefetcher(
+            self._prefetch_load, workers=PREFETCH_WORKERS, max_pending=PREFETCH_MAX_PENDING,
+            on_dropped=lambda: self.counters.inc("prefetch_dropped"))
         self._closed = False
         self.allocator.set_evictor(self._evict)
+        prometheus.register(self)
         logger.info("kvtier storage: tiers %s, write policy %s", [t.name for t in self.tiers],
                     config.write_policy)
+
+    @property
+    def tiers(self) -> list[StorageBackend]:
+        """The attached tiers, fastest first (a snapshot: attach/detach publish new lists)."""
+        return self._set.tiers
+
+    @property
+    def _writers(self) -> list[TierWriter]:
+        return self._set.writers
+
+    def _writer_for(self, tier: StorageBackend) -> TierWriter:
+        back = self.config.write_policy == "write_back"
+        return TierWriter(tier, self.config.write_queue_chunks, self.counters, self._warn,
+                          reachable=self._in_cpu if back else _never)
 
     # -- the serving path ------------------------------------------------------------------
 
@@ -84,21 +109,55 @@ class StorageManager:
         self.counters.inc("chunks_put", len(keys))
 
     @contextmanager
-    def get(self, keys: Sequence[ChunkKey]) -> Iterator[list[MemoryObj]]:
+    def get(self, keys: Sequence[ChunkKey], *, hot_only: bool = False,
+            ) -> Iterator[list[MemoryObj]]:
         """Lease the objects of the leading hits of `keys` for the duration of the block.
 
-        Walks the tiers in order, promotes lower-tier hits into the CPU tier, and stops at the
-        first chunk no tier has.
+        Walks the tiers in order (only the CPU tier with `hot_only`), promotes lower-tier hits
+        into the CPU tier, and stops at the first chunk no tier has.
         """
-        objs = self._fetch(keys)
+        objs: list[MemoryObj] = []
         try:
+            with closing(self.stream(keys, hot_only=hot_only)) as chunks:
+                objs.extend(chunks)
             yield objs
         finally:
             for obj in objs:
                 obj.release()
 
-    def contains(self, keys: Sequence[ChunkKey]) -> int:
-        """How many leading `keys` some tier holds (no data moves)."""
+    def stream(self, keys: Sequence[ChunkKey], *, hot_only: bool = False,
+               ) -> Generator[MemoryObj, None, None]:
+        """The objects of the leading hits of `keys`, each yielded as soon as it arrived, so
+        the caller's copy of one chunk overlaps the reads of the next ones.
+
+        The caller owns one reference to each yielded object. Close the generator (or run it
+        to the end) to stop the reads in flight.
+        """
+        n = 0
+        tiers = self.tiers if not hot_only else [self.cpu] if self.cpu is not None else []
+        selective = self.config.write_policy == "write_through_selective"
+        while n < len(keys) and not self._closed:
+            got = 0
+            for tier in tiers:
+                for obj in self._iter_tier(tier, keys[n:]):
+                    if tier is not self.cpu and self.cpu is not None:
+                        self._call(self.cpu, "batch_put", [keys[n]], [obj])  # promote
+                    if selective:
+                        self._count_hits([keys[n]], [obj])
+                    self.counters.inc(f"{tier.name}.hit_chunks")
+                    got += 1
+                    n += 1
+                    yield obj
+                if got:
+                    break
+            if not got:
+                break
+
+    def contains(self, keys: Sequence[ChunkKey], *, hot_only: bool = False) -> int:
+        """How many leading `keys` some tier (only the CPU tier with `hot_only`) holds; no
+        data moves."""
+        if hot_only:
+            return (self._call(self.cpu, "batch_contains", keys) or 0) if self.cpu else 0
         n = 0
         while n < len(keys) and not self._closed:
             for tier in self.tiers:
@@ -110,24 +169,114 @@ class StorageManager:
                 break
         return n
 
-    def prefetch(self, keys: Sequence[ChunkKey]) -> Future[int]:
-        """Start loading lower-tier chunks of `keys` into the CPU tier; waits per
-        `prefetch_policy` (`best_effort`: no wait, `wait_complete`: until loaded, `timeout`:
-        at most base + per-token budget). The future's result is the number of leading chunks
-        available."""
-        future = self._prefetcher.submit(self._prefetch_now, list(keys))
-        policy = self.config.prefetch_policy
-        if policy == "wait_complete":
-            future.result()
-        elif policy == "timeout":
-            tokens = sum(k.num_tokens for k in keys)
-            budget = (self.config.prefetch_timeout_base_ms
-                      + self.config.prefetch_timeout_per_token_ms * tokens) / 1000
-            try:
-                future.result(timeout=budget)
-            except FutureTimeout:
-                self.counters.inc("prefetch_timeouts")
-        return future
+    def start_prefetch(self, keys: Sequence[ChunkKey]) -> Prefetch:
+        """Start loading the lower-tier chunks of `keys` into the CPU tier in the background.
+
+        Never blocks. The returned handle's `ready()` answers per `prefetch_policy`
+        (`best_effort`: at once, `wait_complete`: once loaded, `timeout`: once loaded or
+        after `prefetch_timeout_base_ms` + `prefetch_timeout_per_token_ms` x tokens);
+        `cancel()` stops the load at its next chunk. Chunks being loaded by another prefetch
+        are waited for, not read twice. Without a CPU tier there is nowhere to load into: the
+        handle is done at once with 0 chunks.
+        """
+        cfg = self.config
+        tokens = sum(k.num_tokens for k in keys)
+        budget = (cfg.prefetch_timeout_base_ms + cfg.prefetch_timeout_per_token_ms * tokens) / 1e3
+        prefetch = Prefetch(keys, cfg.prefetch_policy, budget, drop=self._drop_promoted)
+        prefetch.arena_before = self.allocator.used_bytes
+        if self.cpu is None or self._closed or not keys:
+            prefetch.finish(0)
+        else:
+            self.counters.inc("prefetches")
+            self._prefetcher.submit(prefetch)
+        return prefetch
+
+    def prefetch(self, keys: Sequence[ChunkKey]) -> Prefetch:
+        """`start_prefetch`, then wait as `prefetch_policy` says (none for `best_effort`)."""
+        prefetch = self.start_prefetch(keys)
+        if not prefetch.wait() and prefetch.policy == "timeout":
+            self.counters.inc("prefetch_timeouts")
+        return prefetch
+
+    # -- sessions and tiers at run time --------------------------------------------------------
+
+    def pin_session(self, session_id: str, keys: Sequence[ChunkKey]) -> int:
+        """Pin `keys` (the session's latest prefix) in the CPU tier; see `SessionPins`."""
+        return 0 if self.sessions is None else self.sessions.pin(session_id, keys)
+
+    def touch_session(self, session_id: str) -> None:
+        if self.sessions is not None:
+            self.sessions.touch(session_id)
+
+    def release_session(self, session_id: str) -> bool:
+        """Unpin a session's chunks (it ended); False if it held none."""
+        return self.sessions is not None and self.sessions.release(session_id)
+
+    def attach_tier(self, name: str, config: Config | None = None) -> None:
+        """Add lower tier `name` while stores and loads run; it serves hits at once.
+
+        Args:
+            name: `disk` or `redis`.
+            config: the config to build it from (its `local_disk`/`remote_url` keys); default
+                the manager's own.
+
+        Raises:
+            ValueError: `name` is `cpu` or already attached.
+            ConfigError: the tier cannot be built from `config` (e.g. no `remote_url`).
+        """
+        if name == "cpu" or self._set.find(name) is not None:
+            raise ValueError(f"tier {name!r} cannot be attached: it is the CPU tier or "
+                             f"already attached ({[t.name for t in self.tiers]})")
+        ctx = BackendContext(config=config or self.config, layout=self.layout,
+                             allocator=self.allocator)
+        tier = create_backend(name, ctx)
+        writer = self._writer_for(tier)
+        try:
+            self._set.add(tier, writer)
+        except ValueError:
+            writer.close(0.0)
+            tier.close()
+            raise
+        self.counters.inc("tier_attached")
+        logger.info("kvtier: attached tier %s; tiers now %s", name, [t.name for t in self.tiers])
+
+    def detach_tier(self, name: str, *, drain: bool = True, timeout: float | None = None,
+                    wait: bool = True) -> None:
+        """Remove lower tier `name` while stores and loads run, then close it.
+
+        New calls stop using it at once; its queued writes are written (`drain`, bounded by
+        `timeout`, default `blocking_timeout_secs`) or dropped and counted; calls still running
+        on it get up to `timeout` to finish (a call cut off by the close is a counted miss).
+        Without `wait`, that draining and closing happens on a background thread.
+
+        Raises:
+            ValueError: `name` is `cpu` or not attached.
+        """
+        if name == "cpu":
+            raise ValueError("the CPU tier cannot be detached")
+        timeout = self.config.blocking_timeout_secs if timeout is None else timeout
+        tier, writer = self._set.remove(name)
+        if wait:
+            self._retire(tier, writer, drain, timeout)
+        else:
+            threading.Thread(target=self._retire, args=(tier, writer, drain, timeout),
+                             name=f"kvtier-detach-{name}", daemon=True).start()
+
+    def _retire(self, tier: StorageBackend, writer: TierWriter | None, drain: bool,
+                timeout: float) -> None:
+        """Drain or drop a detached tier's writes, let its calls finish, close it."""
+        name = tier.name
+        if writer is not None:
+            if drain:
+                writer.close(timeout)
+            else:
+                writer.cancel(timeout)
+        if not self._set.wait_unused(tier, timeout):
+            self._warn.warning(f"detach-{name}", "kvtier: calls on tier %s still running "
+                               "after %.1fs; closing it under them", name, timeout)
+        self._call(tier, "close")
+        self.counters.inc("tier_detached")
+        logger.info("kvtier: detached tier %s; tiers now %s", name, [t.name for t in self.tiers])
 
     def remove(self, keys: Sequence[ChunkKey]) -> int:
         """Delete `keys` from every tier; returns the most any one tier deleted."""
@@ -141,6 +290,9 @@ class StorageManager:
                 out[f"{tier.name}.{name}"] = value
         for writer in self._writers:
             out[f"{writer.backend.name}.write_queue"] = writer.pending()
+        out["prefetch_queue"] = self._prefetcher.pending()
+        if self.sessions is not None:
+            out.update(self.sessions.stats())
         out["arena_used_bytes"] = self.allocator.used_bytes
         out["arena_bytes"] = self.allocator.size
         return out
@@ -155,7 +307,7 @@ class StorageManager:
         """Drain background writes (bounded by `blocking_timeout_secs`), then close tiers."""
         if self._closed:
             return
-        self._prefetcher.shutdown(wait=True)
+        self._prefetcher.close(self.config.blocking_timeout_secs)
         if self.config.write_policy == "write_back" and self.cpu is not None:
             # Write-back keeps the only copy in memory: hand it down, parents first.
             for key, obj in reversed(self.cpu.pop_lru(self.allocator.size)):
@@ -165,32 +317,16 @@ class StorageManager:
         self._closed = True
         for writer in self._writers:
             writer.close(self.config.blocking_timeout_secs)
-        self._writers = []
+        self._set.writers = []
+        if self.sessions is not None:
+            self.sessions.close()
         self.allocator.set_evictor(None)
         for tier in self.tiers:
             self._call(tier, "close")
+        self.allocator.close()  # warns if a reader still holds an object (a leak)
         logger.info("kvtier storage closed: %s", self.counters.snapshot())
 
     # -- internals ---------------------------------------------------------------------------
-
-    def _fetch(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
-        objs: list[MemoryObj] = []
-        while len(objs) < len(keys) and not self._closed:
-            for tier in self.tiers:
-                got: list[MemoryObj] = self._call(tier, "batch_get", keys[len(objs):]) or []
-                if not got:
-                    continue
-                hit_keys = keys[len(objs):len(objs) + len(got)]
-                self.counters.inc(f"{tier.name}.hit_chunks", len(got))
-                if tier is not self.cpu and self.cpu is not None:
-                    self._call(self.cpu, "batch_put", hit_keys, got)  # promote
-                objs.extend(got)
-                break
-            else:
-                break
-        if self.config.write_policy == "write_through_selective" and objs:
-            self._count_hits(keys[: len(objs)], objs)
-        return objs
 
     def _count_hits(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]) -> None:
         threshold = self.config.selective_write_threshold
@@ -208,14 +344,82 @@ class StorageManager:
             for writer in self._writers:
                 writer.submit([keys[i] for i in due], [objs[i] for i in due])
 
-    def _prefetch_now(self, keys: list[ChunkKey]) -> int:
-        with self.get(keys) as objs:
-            return len(objs)
+    def _iter_tier(self, tier: StorageBackend, keys: Sequence[ChunkKey],
+                   ) -> Generator[MemoryObj, None, None]:
+        """`tier.iter_get(keys)`, with any failure turned into a counted miss."""
+        start = time.perf_counter()
+        try:
+            with self._set.using(tier), closing(tier.iter_get(keys)) as objs:
+                yield from objs
+        except Exception as exc:  # a tier must never take serving down
+            self._tier_failed(tier, "get", exc)
+        finally:
+            prometheus.observe(tier.name, "get", time.perf_counter() - start)
+
+    def _prefetch_load(self, prefetch: Prefetch) -> int:
+        """A prefetch's work (worker thread): load its chunks into the CPU tier, window by
+        window, waiting for chunks another prefetch is loading; returns the leading chunks
+        now in the CPU tier."""
+        keys = prefetch.keys
+        n = self.contains(keys, hot_only=True)
+        while n < len(keys) and not prefetch.cancelled and not self._closed:
+            with self._lock:
+                busy = self._inflight.get(keys[n].key)
+                if busy is None:
+                    mine = []
+                    for key in keys[n:n + PREFETCH_WINDOW]:
+                        if key.key in self._inflight:
+                            break
+                        mine.append(key)
+                    done = threading.Event()
+                    for key in mine:
+                        self._inflight[key.key] = done
+            if busy is not None:  # another prefetch is reading this chunk: wait, then look
+                busy.wait()
+                more = self.contains(keys[n:], hot_only=True)
+                if not more:
+                    break
+                n += more
+                continue
+            try:
+                got = self._load_lower(mine)
+            finally:
+                with self._lock:
+                    for key in mine:
+                        del self._inflight[key.key]
+                done.set()
+            prefetch.promoted.extend(mine[:got])
+            n += got
+            if got < len(mine):
+                break
+        return n
+
+    def _drop_promoted(self, prefetch: Prefetch) -> None:
+        """Remove what `prefetch` brought into the CPU tier, deepest chunk first."""
+        removed = 0
+        if self.cpu is not None and prefetch.promoted:
+            removed = self._call(self.cpu, "remove", prefetch.promoted[::-1]) or 0
+            self.counters.inc("prefetch_dropped_chunks", removed)
+        prefetch.promoted = []
+        logger.info("kvtier: dropped %d chunks of a cancelled prefetch; arena holds %d bytes "
+                    "(%d when it started)", removed, self.allocator.used_bytes,
+                    prefetch.arena_before)
+
+    def _load_lower(self, keys: Sequence[ChunkKey]) -> int:
+        """Read leading `keys` from the lower tiers into the CPU tier; returns how many."""
+        n = 0
+        with closing(self.stream(keys)) as objs:
+            for obj in objs:
+                obj.release()  # the CPU tier keeps its own reference
+                n += 1
+        return n
 
     def _evict(self, nbytes: int) -> int:
         """Arena callback: free at least `nbytes` by evicting from the CPU tier if possible."""
         if self.cpu is None:
             return 0
+        if self.sessions is not None:
+            self.sessions.expire()  # idle sessions' chunks become evictable first
         popped = self.cpu.pop_lru(nbytes)
         freed = 0
         # Leaves come first; write-back hands parents down first so no child is an orphan.
@@ -230,18 +434,26 @@ class StorageManager:
         return freed
 
     def _in_cpu(self, key: str) -> bool:
-        stub = ChunkKey(key, 0, 0, b"", None)
-        return self.cpu is not None and self.cpu.batch_contains([stub]) == 1
+        return self.cpu is not None and self.cpu.batch_contains([stub_key(key)]) == 1
 
     def _call(self, tier: StorageBackend, method: str, *args: object):  # noqa: ANN202
         """Call a tier; any failure is a counted, rate-limited miss."""
+        start = time.perf_counter()
         try:
-            return getattr(tier, method)(*args)
+            with self._set.using(tier):
+                return getattr(tier, method)(*args)
         except Exception as exc:  # a tier must never take serving down
-            self.counters.inc(f"{tier.name}.errors")
-            self._warn.warning(f"{tier.name}-{method}", "kvtier: tier %s %s failed: %r",
-                               tier.name, method, exc)
+            self._tier_failed(tier, method, exc)
             return None
+        finally:
+            if method.startswith("batch_") or method == "remove":
+                prometheus.observe(tier.name, method.removeprefix("batch_"),
+                                   time.perf_counter() - start)
+
+    def _tier_failed(self, tier: StorageBackend, method: str, exc: Exception) -> None:
+        self.counters.inc(f"{tier.name}.errors")
+        self._warn.warning(f"{tier.name}-{method}", "kvtier: tier %s %s failed: %r",
+                           tier.name, method, exc)
 
 
 def _never(key: str) -> bool:

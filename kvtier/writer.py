@@ -15,8 +15,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+from kvtier import prometheus
 from kvtier.backends.base import StorageBackend
-from kvtier.keys import ChunkKey
+from kvtier.keys import ChunkKey, stub_key
 from kvtier.memory import MemoryObj
 from kvtier.metrics import Counters, RateLimitedLog
 
@@ -97,14 +98,27 @@ class TierWriter:
                            self.backend.name, timeout, self._queue.qsize())
         self._discard_queued()
 
-    def _discard_queued(self) -> None:
+    def cancel(self, timeout: float) -> None:
+        """Drop what is queued (counted), let the write in progress finish, stop the worker."""
+        if self._closed:
+            return
+        self._closed = True
+        dropped = self._discard_queued()
+        self._counters.inc(f"{self.backend.name}.write_cancelled", dropped)
+        self._queue.put(None)  # room: the queue was just emptied and nobody adds any more
+        self._thread.join(timeout)
+
+    def _discard_queued(self) -> int:
+        n = 0
         while True:
             try:
                 item = self._queue.get_nowait()
             except queue.Empty:
-                return
+                return n
+            self._queue.task_done()
             if item is not None:
                 item[1].release()
+                n += 1
 
     def _run(self) -> None:
         while True:
@@ -135,7 +149,9 @@ class TierWriter:
         try:
             keys, objs = self._orderly(batch)
             if keys:
+                start = time.perf_counter()
                 written = self.backend.batch_put(keys, objs)
+                prometheus.observe(name, "put", time.perf_counter() - start)
                 self._counters.inc(f"{name}.writes", written)
                 for key in keys[:written]:
                     self._remember(key.key)
@@ -156,7 +172,7 @@ class TierWriter:
         for key, obj in batch:
             prev = key.prev
             if prev is None or prev in ok or prev in self._recent or self._reachable(prev) \
-                    or self.backend.batch_contains([_stub(prev)]) == 1:
+                    or self.backend.batch_contains([stub_key(prev)]) == 1:
                 keys.append(key)
                 objs.append(obj)
                 ok.add(key.key)
@@ -169,8 +185,3 @@ class TierWriter:
         self._recent.move_to_end(key)
         if len(self._recent) > _RECENT:
             self._recent.popitem(last=False)
-
-
-def _stub(key: str) -> ChunkKey:
-    """A key to ask `batch_contains` about a chunk known only by its key string."""
-    return ChunkKey(key, 0, 0, b"", None)

@@ -66,7 +66,7 @@ echo "setup_sglang: installing sglang $SGLANG_VERSION into $VENV (torch $TORCH_V
     loguru gguf "xgrammar==0.2.7" "soundfile==0.13.1" cffi pycparser
 
 # PyPI torchvision registers fake ops for kernels only its CUDA/C++ build provides.
-"$PY" "$ROOT/tests/sglang_support/fix_torchvision.py"
+"$PY" "$ROOT/sglang_cpu/fix_torchvision.py"
 
 NEW_TORCH="$("$PY" -c 'import torch; print(torch.__version__)')"
 if [[ "$NEW_TORCH" != "$TORCH_VERSION" ]]; then

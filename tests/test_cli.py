@@ -27,8 +27,62 @@ def test_check_config_prints_effective_values(tmp_path: Path,
     assert main(["check-config", str(path)]) == 0
     out = capsys.readouterr().out
     data = yaml.safe_load(out)
-    assert data["chunk_size"] == 64 and "hunter2" not in out
-    assert "cpu -> redis" in out
+    assert data["effective"]["chunk_size"] == 64 and "hunter2" not in out
+    assert data["tiers"] == "cpu -> redis"
+
+
+def test_check_config_prints_the_three_key_groups(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text("chunk_size: '64'\nuse_layerwise: true\nremote_serde: cachegen\n"
+                    "remote_url: resp://127.0.0.1:1\nextra_config:\n  password: hunter2\n"
+                    "  resp_num_threads: 8\n")
+    assert main(["check-config", str(path)]) == 0
+    out = capsys.readouterr().out
+    data = yaml.safe_load(out)
+    assert data["kvtier_keys"] == {"chunk_size": "64", "remote_url": "resp://127.0.0.1:1",
+                                   "remote_serde": "cachegen"}
+    ignored = data["lmcache_not_implemented"]
+    assert "layer-by-layer" in ignored["use_layerwise"]
+    assert ignored["extra_config.resp_num_threads"] == "not used by kvtier"
+    assert "uncompressed" in ignored["remote_serde (value translated)"]
+    assert data["effective"]["remote_url"] == "redis://:***@127.0.0.1:1"
+    assert data["effective"]["chunk_size"] == 64 and "hunter2" not in out
+
+
+@pytest.mark.parametrize("url", ["lm://localhost:65432", "mooncakestore://h:50051/",
+                                 "s3://bucket", "external://h:0/x", "redis://h:1?password=pw1"])
+def test_check_config_rejects_a_remote_url_kvtier_cannot_serve(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], url: str,
+) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(f"remote_url: '{url}'\n")
+    assert main(["check-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "remote_url" in err and "pw1" not in err
+
+
+def test_migrate_config_maps_each_key(capsys: pytest.CaptureFixture[str]) -> None:
+    corpus = ROOT / "tests" / "lmcache_configs"
+    assert main(["migrate-config", str(corpus / "resp_remote.yaml")]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split()[1] for line in out.splitlines()
+            if line and not line.startswith("#") and ":" not in line.split()[0]}
+    assert rows["chunk_size"] == "kvtier" and rows["remote_url"] == "translated"
+    assert rows["extra_config.resp_num_threads"] == "ignored"
+    assert rows["extra_config.password"] == "translated"
+    assert "kvpass" not in out
+    tail = yaml.safe_load(out.split("credentials masked):", 1)[1])
+    assert tail["remote_url"] == "redis://kvuser:***@localhost:6379"
+    assert tail["max_local_cpu_size"] == 1.0 and tail["local_cpu"] is False
+
+
+def test_migrate_config_reports_keys_then_the_error(capsys: pytest.CaptureFixture[str]) -> None:
+    corpus = ROOT / "tests" / "lmcache_configs"
+    assert main(["migrate-config", str(corpus / "mooncake.yaml")]) == 2
+    captured = capsys.readouterr()
+    assert "extra_config.metadata_server" in captured.out
+    assert "remote_url" in captured.err and "mooncakestore" in captured.err
 
 
 def test_check_config_error_exit_code(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

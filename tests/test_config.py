@@ -1,11 +1,14 @@
 from __future__ import annotations
 
 import logging
+import math
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
 
-from kvtier.config import Config, load_config, redact_url
+from kvtier.config import Config, load_config, physical_memory_bytes, redact_url
+from kvtier.config_checks import TRANSFER_ARENA_GB
 from kvtier.errors import ConfigError
 
 
@@ -22,9 +25,9 @@ def test_defaults_without_file() -> None:
 
 
 def test_lmcache_yaml_loads_unchanged(tmp_path: Path) -> None:
-    path = _write(tmp_path, "chunk_size: 64\nlocal_cpu: true\nmax_local_cpu_size: 60.0\n")
+    path = _write(tmp_path, "chunk_size: 64\nlocal_cpu: true\nmax_local_cpu_size: 6.0\n")
     cfg = load_config(path, env={})
-    assert (cfg.chunk_size, cfg.local_cpu, cfg.max_local_cpu_size) == (64, True, 60.0)
+    assert (cfg.chunk_size, cfg.local_cpu, cfg.max_local_cpu_size) == (64, True, 6.0)
 
 
 def test_file_from_env_kvtier_wins_over_lmcache(tmp_path: Path) -> None:
@@ -50,13 +53,33 @@ def test_unknown_key_names_file_key_and_nearest(tmp_path: Path) -> None:
     [
         ("chunk_size: 100\n", "chunk_size"),
         ("chunk_size: 0\n", "chunk_size"),
-        ("chunk_size: '64'\n", "chunk_size"),
+        ("chunk_size: 'sixty-four'\n", "chunk_size"),
+        ("chunk_size: '64.5'\n", "chunk_size"),
+        ("chunk_size: 2097152\n", "chunk_size"),
+        ("max_local_cpu_size: 5GB\n", "max_local_cpu_size"),
+        ("local_cpu: 'maybe'\n", "local_cpu"),
+        ("hash_salt: [1]\n", "hash_salt"),
+        ("write_queue_chunks: '8'\n", "write_queue_chunks"),  # kvtier's keys stay strict
+        ("metrics_port: 0\n", "metrics_port"),
+        ("metrics_port: 65536\n", "metrics_port"),
+        ("metrics_port: '9400'\n", "metrics_port"),
+        ("blocking_timeout_secs: 1.0e12\n", "blocking_timeout_secs"),
+        ("remote_timeout_secs: 1.0e12\n", "remote_timeout_secs"),
+        ("remote_ttl_secs: 99999999999999\n", "remote_ttl_secs"),
+        ("local_disk: 'file://'\nmax_local_disk_size: 1\n", "local_disk"),
+        ("local_disk: ''\nmax_local_disk_size: 1\n", "local_disk"),
+        ("local_disk: 'file:///a/,file:///b/'\nmax_local_disk_size: 1\n", "local_disk"),
+        ("remote_url: 'lm://h:65432'\n", "remote_url"),
+        ("remote_url: 'infinistore://h:1'\n", "remote_url"),
+        ("remote_url: 'redis://h:notaport'\n", "remote_url"),
+        ("remote_url: 'redis-sentinel://h:26379'\n", "remote_url"),
+        ("extra_config: [1, 2]\n", "extra_config"),
         ("chunk_size: true\n", "chunk_size"),
         ("max_local_cpu_size: -1\n", "max_local_cpu_size"),
         ("local_cpu: yes please\n", "local_cpu"),
         ("local_disk: /tmp/x\n", "max_local_disk_size"),
         ("write_policy: sometimes\n", "write_policy"),
-        ("remote_serde: cachegen\n", "remote_serde"),
+        ("remote_serde: zstd\n", "remote_serde"),
         ("local_cpu: false\n", "local_cpu"),
     ],
 )
@@ -114,7 +137,170 @@ def test_password_is_redacted() -> None:
     assert redact_url("redis://h:1") == "redis://h:1"
     cfg = Config(remote_url="redis://u:secret@h:1")
     assert "secret" not in str(cfg.redacted())
+    assert "secret" not in repr(cfg) and "redis://u:***@h:1" in repr(cfg)
 
 
 def test_kernel_override_is_not_a_config_key() -> None:
     assert load_config(env={"KVTIER_KERNEL": "torch"}) == Config()
+
+
+# ---- LMCache value forms --------------------------------------------------------------------
+
+def test_lmcache_numbers_and_booleans_as_strings(tmp_path: Path) -> None:
+    path = _write(tmp_path, "chunk_size: '128'\nmax_local_cpu_size: '1.5'\nlocal_cpu: 'True'\n"
+                  "save_unfull_chunk: 'false'\nblocking_timeout_secs: ' 30 '\n")
+    cfg = load_config(path, env={})
+    assert (cfg.chunk_size, cfg.max_local_cpu_size, cfg.local_cpu) == (128, 1.5, True)
+    assert (cfg.save_unfull_chunk, cfg.blocking_timeout_secs) == (False, 30.0)
+
+
+@pytest.mark.parametrize("serde", ["null", "NULL", "cachegen", "torch"])
+def test_remote_serde_lmcache_values_become_naive(tmp_path: Path, serde: str,
+                                                  caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="kvtier.config"):
+        cfg = load_config(_write(tmp_path, f"remote_serde: {serde}\n"), env={})
+    assert cfg.remote_serde == "naive"
+    assert "remote_serde" in caplog.text and "uncompressed" in caplog.text
+
+
+def test_resp_is_redis_and_extra_config_gives_credentials(tmp_path: Path) -> None:
+    path = _write(tmp_path, "remote_url: resp://h:6379\nextra_config:\n  username: u s\n"
+                  "  password: 'p@ss:w/rd'\n  resp_num_threads: 8\n")
+    cfg = load_config(path, env={})
+    assert cfg.remote_url == "redis://u%20s:p%40ss%3Aw%2Frd@h:6379"
+    from kvtier.backends.redis_url import parse_remote_url
+
+    target = parse_remote_url(cfg.remote_url)
+    assert (target.kwargs["username"], target.kwargs["password"]) == ("u s", "p@ss:w/rd")
+    assert "p@ss" not in str(cfg.redacted()) and "p%40ss" not in str(cfg.redacted())
+
+
+def test_credentials_in_url_and_extra_config_conflict(tmp_path: Path) -> None:
+    path = _write(tmp_path, "remote_url: redis://a:b@h:1\nextra_config:\n  password: c\n")
+    with pytest.raises(ConfigError, match="extra_config.password"):
+        load_config(path, env={})
+
+
+def test_local_cpu_false_with_zero_size_gets_a_transfer_arena(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    path = _write(tmp_path, f"local_cpu: False\nmax_local_cpu_size: 0\nlocal_disk: {tmp_path}\n"
+                  "max_local_disk_size: 1\n")
+    with caplog.at_level(logging.WARNING, logger="kvtier.config"):
+        cfg = load_config(path, env={})
+    assert cfg.tiers == ("disk",) and cfg.max_local_cpu_size == TRANSFER_ARENA_GB
+    assert "transfer arena" in caplog.text
+    with pytest.raises(ConfigError, match="max_local_cpu_size"):  # a CPU tier needs memory
+        load_config(_write(tmp_path, "local_cpu: true\nmax_local_cpu_size: 0\n"), env={})
+
+
+def test_metrics_port() -> None:
+    assert Config().metrics_port is None
+    assert load_config(env={"KVTIER_METRICS_PORT": "9400"}).metrics_port == 9400
+    assert load_config(env={"KVTIER_METRICS_PORT": "null"}).metrics_port is None
+
+
+# ---- bad input found in review: each a ConfigError naming the key --------------------------
+
+_FLOAT_KEYS = [f.name for f in fields(Config) if f.type in ("float", "float | None")]
+
+
+@pytest.mark.parametrize("key", _FLOAT_KEYS)
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf", "'nan'", "'inf'", "1.0e400"])
+def test_nan_and_inf_are_config_errors_in_every_numeric_key(tmp_path: Path, key: str,
+                                                             value: str) -> None:
+    path = _write(tmp_path, f"{key}: {value}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, env={})
+    assert f": {key}: " in str(err.value) and str(path) in str(err.value)
+
+
+@pytest.mark.parametrize("key", _FLOAT_KEYS)
+def test_nan_from_env_or_code_is_a_config_error(key: str) -> None:
+    with pytest.raises(ConfigError, match=f"KVTIER_{key.upper()}"):
+        load_config(env={f"KVTIER_{key.upper()}": ".nan"})
+    with pytest.raises(ConfigError, match=key):
+        Config(**{key: math.nan})  # type: ignore[arg-type]
+
+
+def test_huge_ints_in_numeric_keys_are_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="max_local_cpu_size"):
+        load_config(_write(tmp_path, f"max_local_cpu_size: {10 ** 400}\n"), env={})
+
+
+def test_more_cpu_memory_than_the_machine_has(tmp_path: Path) -> None:
+    total_gb = physical_memory_bytes() / 1e9
+    path = _write(tmp_path, f"max_local_cpu_size: {total_gb * 2:.1f}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, env={})
+    msg = str(err.value)
+    assert "max_local_cpu_size" in msg and f"{total_gb:.2f} GB available" in msg
+
+
+def test_password_in_query_string_is_redacted_everywhere(tmp_path: Path) -> None:
+    assert redact_url("redis://h:1/0?password=hunter2&db=1") == \
+        "redis://h:1/0?password=***&db=1"
+    assert "hunter2" not in redact_url("rediss://u:hunter2@h:1?ssl_ca_certs=/c&token=hunter2")
+    path = _write(tmp_path, "remote_url: 'redis://h:1/0?password=hunter2'\n")
+    with pytest.raises(ConfigError, match="remote_url") as err:
+        load_config(path, env={})
+    assert "hunter2" not in str(err.value)
+    with pytest.raises(ConfigError, match="KVTIER_REMOTE_URL") as err:
+        load_config(env={"KVTIER_REMOTE_URL": "lm://u:hunter2@h:1?password=hunter2"})
+    assert "hunter2" not in str(err.value)
+
+
+def test_config_file_that_is_not_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "latin1.yaml"
+    path.write_bytes("hash_salt: 'caf\xe9'\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match="UTF-8") as err:
+        load_config(path, env={})
+    assert str(path) in str(err.value)
+
+
+@pytest.mark.parametrize(("text", "key"), [
+    ("chunk_size: 64\nchunk_size: 128\n", "chunk_size"),
+    ("use_layerwise: true\nuse_layerwise: false\n", "use_layerwise"),
+    ("extra_config:\n  password: a\n  password: b\n", "password"),
+])
+def test_duplicate_yaml_keys(tmp_path: Path, text: str, key: str) -> None:
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError, match="duplicate key") as err:
+        load_config(path, env={})
+    assert f"{path}: {key}: " in str(err.value)
+
+
+def test_local_disk_file_url_without_path_is_not_the_current_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match="local_disk"):
+        load_config(_write(tmp_path, "local_disk: 'file://'\nmax_local_disk_size: 1\n"),
+                    env={})
+    assert list(tmp_path.iterdir()) == [tmp_path / "kvtier.yaml"]  # nothing created
+
+
+def test_unknown_lmcache_like_key_suggests_the_lmcache_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="did you mean 'enable_async_loading'"):
+        load_config(_write(tmp_path, "async_loading: false\n"), env={})
+
+
+def test_log_level_sets_kvtier_loggers_and_rejects_unknown_levels() -> None:
+    import torch
+
+    from kvtier.connectors import SGLangMHAConnector
+    from kvtier.engine import CacheEngine
+    from tests.helpers import SMALL_MHA
+
+    with pytest.raises(ConfigError, match="log_level"):
+        Config(log_level="loud")
+    pool = [torch.zeros(8, 2, 8, dtype=SMALL_MHA.dtype) for _ in range(2)]
+    logger = logging.getLogger("kvtier")
+    before = logger.level
+    try:
+        with CacheEngine(Config(chunk_size=16, max_local_cpu_size=0.001, log_level="DEBUG"),
+                         model_name="m", layout=SMALL_MHA,
+                         connector=SGLangMHAConnector(pool, pool)):
+            assert logger.level == logging.DEBUG
+    finally:
+        logger.setLevel(before)

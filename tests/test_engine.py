@@ -186,6 +186,8 @@ def test_store_stops_at_chunk_with_unknown_slot(tokens: torch.Tensor) -> None:
         (list(range(70)), torch.arange(70) - 2, "slot_mapping"),
         (list(range(70)), torch.arange(70).float(), "slot_mapping"),
         (list(range(70)), torch.arange(70, device="meta"), "slot_mapping"),
+        (list(range(70)), torch.arange(140)[::2], "slot_mapping"),
+        (torch.arange(70, device="meta"), torch.arange(70), "token_ids"),
     ],
 )
 def test_bad_input_raises_and_changes_nothing(tokens_arg: object, slots_arg: torch.Tensor,
@@ -319,3 +321,31 @@ def test_connector_rejects_bad_slots_without_writing() -> None:
         finally:
             obj.release()
     assert all(same_bytes(a, b) for a, b in zip(before, k + v))
+
+
+@pytest.mark.parametrize("bad", ["non_contiguous", "out_of_range_late", "meta_tokens"])
+def test_retrieve_failing_argument_checks_writes_no_pool_row(tokens: torch.Tensor,
+                                                             bad: str) -> None:
+    # Every chunk is cached, so a retrieve that checked lazily would write the first chunks
+    # before meeting the bad part of its arguments.
+    k, v = _mha_pool(torch.float16)
+    src = SGLangMHAConnector(k, v)
+    k2, v2 = _zeros_like(k), _zeros_like(v)
+    dst = SGLangMHAConnector(k2, v2)
+    a, b = _engines(src, dst, _config())
+    slots = _slots("random", 70)
+    assert a.store(tokens, slots) == 64
+    token_arg: object = tokens
+    if bad == "non_contiguous":
+        target = torch.stack([slots, slots]).t().reshape(-1)[::2]  # same values, stride 2
+        assert not target.is_contiguous()
+    elif bad == "out_of_range_late":
+        target = slots.clone()
+        target[60] = SLOTS + 5
+    else:
+        target, token_arg = slots, tokens.to("meta")
+    name = "token_ids" if bad == "meta_tokens" else "slot_mapping"
+    with pytest.raises(ValueError, match=name):
+        b.retrieve(token_arg, target, skip=5)  # type: ignore[arg-type]
+    assert all(not d.view(torch.uint8).any() for d in k2 + v2)  # no pool row changed
+    a.close()

@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from kvtier.metrics import Counters, RateLimitedLog, prometheus_text
+from kvtier.metrics import Counters, RateLimitedLog
 
 
 def test_rate_limited_log_counts_what_it_suppressed(caplog: pytest.LogCaptureFixture) -> None:
@@ -22,9 +22,15 @@ def test_rate_limited_log_counts_what_it_suppressed(caplog: pytest.LogCaptureFix
     assert len(caplog.records) == 2
 
 
-def test_counters_and_exposition() -> None:
+def test_counters_add_up_across_threads() -> None:
+    import threading
+
     c = Counters()
-    c.inc("chunks_put", 3)
-    c.inc("redis.errors")
-    text = prometheus_text(c.snapshot())
-    assert "kvtier_chunks_put 3" in text and 'kvtier_errors{tier="redis"} 1' in text
+    threads = [threading.Thread(target=lambda: [c.inc("x") for _ in range(1000)])
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    c.inc("redis.errors", 2)
+    assert c.snapshot() == {"x": 4000, "redis.errors": 2}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import threading
 from collections.abc import Iterator, Sequence
+from contextlib import closing
 from pathlib import Path
 
 import pytest
@@ -199,3 +200,29 @@ def test_prefetch_timeout_policy_returns_after_its_budget(
     finally:
         _SlowGetCPU.gate.set()
         sm.close()
+
+
+def test_stream_closed_early_releases_the_chunks_read_ahead(manager: StorageManager) -> None:
+    keys = make_keys(16 * 8)
+    want = _put(manager, keys)
+    assert manager.flush()
+    manager.cpu.remove(keys)
+    assert manager.allocator.used_bytes == 0
+    with closing(manager.stream(keys)) as chunks:
+        first = next(chunks)  # the disk tier reads the next chunks ahead meanwhile
+        assert same_bytes(first.tensor, want[0])
+        first.release()
+    # Only the promoted first chunk is left: whatever was read ahead went back to the arena.
+    assert manager.cpu.batch_contains(keys) == 1
+    manager.cpu.remove(keys)
+    assert manager.allocator.used_bytes == 0
+
+
+def test_stream_yields_every_chunk_in_order_from_disk(manager: StorageManager) -> None:
+    keys = make_keys(16 * 8)
+    want = _put(manager, keys)
+    assert manager.flush()
+    manager.cpu.remove(keys)
+    with closing(manager.stream(keys)) as chunks:
+        got = [(same_bytes(o.tensor, w), o.release())[0] for o, w in zip(chunks, want)]
+    assert got == [True] * 8

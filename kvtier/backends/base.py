@@ -14,7 +14,7 @@ it); only bad arguments raise.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 
 from kvtier.config import Config
@@ -57,6 +57,15 @@ class StorageBackend(ABC):
         Stops at the first miss, corrupt record or failed allocation. The caller owns one
         reference to every returned object.
         """
+
+    def iter_get(self, keys: Sequence[ChunkKey]) -> Generator[MemoryObj, None, None]:
+        """`batch_get` as a stream: each object is yielded as soon as it arrived, so a caller
+        can copy one chunk while the next ones are read. Same ownership and stop rules.
+
+        Closing the generator early releases whatever was read ahead. The default reads the
+        whole batch first; tiers with slow reads override it to pipeline.
+        """
+        yield from self.batch_get(keys)
 
     @abstractmethod
     def batch_put(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]) -> int:

@@ -9,7 +9,7 @@ the child is gone, however the chunks were put (one call or many).
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
 from kvtier.backends.base import BackendContext, StorageBackend
@@ -28,6 +28,8 @@ class CPUBackend(StorageBackend):
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, tuple[ChunkKey, MemoryObj]] = OrderedDict()  # LRU first
         self._children: dict[str, int] = {}  # key -> number of cached chunks whose prev it is
+        self._pins: Counter[str] = Counter()  # key -> number of holders pinning it
+        self._pinned_bytes = 0
         self._bytes = 0
         self._hits = self._misses = self._puts = self._evictions = 0
         self._closed = False
@@ -68,17 +70,44 @@ class CPUBackend(StorageBackend):
                     old[1].release()
                 self._entries[k.key] = (k, obj.retain())
                 self._bytes += obj.nbytes
+                if k.key in self._pins:
+                    self._pinned_bytes += obj.nbytes
                 if k.prev is not None:
                     self._children[k.prev] = self._children.get(k.prev, 0) + 1
             self._puts += len(keys)
             return len(keys)
 
-    def touch(self, keys: Sequence[ChunkKey]) -> None:
-        """Mark `keys` (a prefix in order) as just used, deepest oldest."""
+    def pin(self, keys: Sequence[ChunkKey]) -> int:
+        """Exempt the leading `keys` this tier holds from eviction (pins count per holder);
+        returns how many were pinned. Undo with `unpin(keys[:n])`."""
         with self._lock:
-            for k in reversed(keys):
-                if k.key in self._entries:
-                    self._entries.move_to_end(k.key)
+            n = 0
+            for k in keys:
+                entry = self._entries.get(k.key)
+                if entry is None:
+                    break
+                if not self._pins[k.key]:
+                    self._pinned_bytes += entry[1].nbytes
+                self._pins[k.key] += 1
+                n += 1
+            return n
+
+    def unpin(self, keys: Sequence[ChunkKey]) -> None:
+        """Drop one pin of each of `keys` (as pinned by `pin`)."""
+        with self._lock:
+            for k in keys:
+                left = self._pins[k.key] - 1
+                if left > 0:
+                    self._pins[k.key] = left
+                    continue
+                del self._pins[k.key]
+                entry = self._entries.get(k.key)
+                if entry is not None:
+                    self._pinned_bytes -= entry[1].nbytes
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self._pinned_bytes
 
     def pop_lru(self, nbytes: int) -> list[tuple[ChunkKey, MemoryObj]]:
         """Remove least recently used entries that nobody else references, until at least
@@ -93,8 +122,9 @@ class CPUBackend(StorageBackend):
                     if freed >= nbytes:
                         break
                     key, obj = self._entries[name]
-                    # Keep chunks with cached children (no holes) and chunks in use right now.
-                    if self._children.get(name) or obj.refs > 1:
+                    # Keep chunks with cached children (no holes), chunks in use right now and
+                    # pinned chunks.
+                    if self._children.get(name) or obj.refs > 1 or name in self._pins:
                         continue
                     self._drop_locked(name)
                     freed += obj.nbytes
@@ -118,6 +148,8 @@ class CPUBackend(StorageBackend):
         entry = self._entries.pop(name, None)
         if entry is not None:
             self._bytes -= entry[1].nbytes
+            if name in self._pins:  # removed while pinned: its pins now hold nothing
+                self._pinned_bytes -= entry[1].nbytes
             prev = entry[0].prev
             if prev is not None:
                 left = self._children[prev] - 1
@@ -130,7 +162,8 @@ class CPUBackend(StorageBackend):
     def stats(self) -> dict[str, float]:
         with self._lock:
             return {"entries": len(self._entries), "bytes": self._bytes, "hits": self._hits,
-                    "misses": self._misses, "puts": self._puts, "evictions": self._evictions}
+                    "misses": self._misses, "puts": self._puts, "evictions": self._evictions,
+                    "pinned_bytes": self._pinned_bytes}
 
     def close(self) -> None:
         with self._lock:

@@ -15,17 +15,23 @@ size, in LRU order), the size cap and the counters.
   trade that for write speed (an fsync per chunk costs a device flush).
 - Failures never raise: a write that fails (ENOSPC, EIO, ...) is dropped and counted; a corrupt
   record is counted, deleted and a miss; a file removed behind the tier's back is a miss.
+- Foreign files: something that is not a regular file at a record path (FIFO, device, directory,
+  symlink) is a counted miss (`not_regular`), left in place, and never opened blocking or
+  followed: records are opened with O_NONBLOCK | O_NOFOLLOW and checked with fstat.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
+import stat
 import threading
 import time
-from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections import Counter, OrderedDict, deque
+from collections.abc import Generator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from kvtier.backends import recordfile as rf
@@ -42,7 +48,12 @@ logger = logging.getLogger(__name__)
 
 _COUNTERS = ("hits", "misses", "puts", "put_bytes", "evictions", "corrupt", "vanished",
              "adopted", "write_errors", "write_dropped", "read_errors", "alloc_failed",
-             "stale_tmp_removed")
+             "stale_tmp_removed", "not_regular")
+READ_AHEAD = 4  # chunk reads in flight per batch: keeps the device queue busy while a chunk
+# is checksummed or copied on, without holding much arena for a prefix that may miss early
+# O_NONBLOCK: opening a FIFO must not wait for a writer (harmless on regular files);
+# O_NOFOLLOW: a symlink planted at a record path is not a record.
+_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW
 
 
 class DiskBackend(StorageBackend):
@@ -66,6 +77,7 @@ class DiskBackend(StorageBackend):
         self._warn = RateLimitedLog(logger)
         self._clock = 0
         self._closed = False
+        self._read_pool: ThreadPoolExecutor | None = None  # made on the first read
         start = time.perf_counter()
         try:
             rf.probe_writable(root)
@@ -159,25 +171,52 @@ class DiskBackend(StorageBackend):
                 name = rf.file_name(key.key)
                 if name not in self._index:
                     try:
-                        size = os.stat(rf.record_path(self.root, name)).st_size
+                        st = os.lstat(rf.record_path(self.root, name))
                     except OSError:
                         break
-                    self._adopt_locked(name, size)
+                    if not stat.S_ISREG(st.st_mode):
+                        self._counts["not_regular"] += 1
+                        break
+                    self._adopt_locked(name, st.st_size)
                 n += 1
         return n
 
     def batch_get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
-        out: list[MemoryObj] = []
-        for key in keys:
-            obj = self._get_one(key)
-            if obj is None:
-                break
-            out.append(obj)
+        return list(self.iter_get(keys))
+
+    def iter_get(self, keys: Sequence[ChunkKey]) -> Generator[MemoryObj, None, None]:
+        """Reads up to `READ_AHEAD` records at once on a small thread pool and yields them in
+        order. Read-ahead starts after the first hit, so a prefix that misses at once costs
+        one read."""
+        pool = self._pool()
+        ahead: deque[Future[MemoryObj | None]] = deque(
+            pool.submit(self._get_one, key) for key in keys[:1])
+        hits = 0
+        try:
+            while ahead:
+                obj = ahead.popleft().result()
+                if obj is None:
+                    break
+                hits += 1
+                while len(ahead) < READ_AHEAD and hits + len(ahead) < len(keys):
+                    ahead.append(pool.submit(self._get_one, keys[hits + len(ahead)]))
+                yield obj
+        finally:
+            for future in ahead:  # read ahead of a miss, or of a caller that stopped early
+                if not future.cancel():
+                    late = future.result()
+                    if late is not None:
+                        late.release()
+            with self._lock:
+                self._counts["hits"] += hits
+                self._counts["misses"] += hits < len(keys)
+            self._touch(keys[:hits], persist=True)
+
+    def _pool(self) -> ThreadPoolExecutor:
         with self._lock:
-            self._counts["hits"] += len(out)
-            self._counts["misses"] += len(out) < len(keys)
-        self._touch(keys[: len(out)], persist=True)
-        return out
+            if self._read_pool is None:
+                self._read_pool = ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="kvtier-disk")
+            return self._read_pool
 
     def _get_one(self, key: ChunkKey) -> MemoryObj | None:
         name = rf.file_name(key.key)
@@ -187,14 +226,19 @@ class DiskBackend(StorageBackend):
                 return None
             self._readers[name] += 1  # pinned: eviction skips it
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(path, _READ_FLAGS)
         except OSError as exc:
             self._unpin(name, vanished=isinstance(exc, FileNotFoundError))
-            if not isinstance(exc, FileNotFoundError):
+            if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink
+                self._not_regular(name, path, "a symlink")
+            elif not isinstance(exc, FileNotFoundError):
                 self._read_error(path, exc)
             return None
         try:
             st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                self._not_regular(name, path, f"mode {stat.S_IFMT(st.st_mode):o}")
+                return None
             obj = rf.read_record(fd, st.st_size, key, self._ctx.layout, self._ctx.allocate)
             if obj is None:
                 self._count("alloc_failed")
@@ -220,6 +264,15 @@ class DiskBackend(StorageBackend):
             if vanished and name in self._index:  # removed behind the tier's back
                 self._forget_locked(name)
                 self._counts["vanished"] += 1
+
+    def _not_regular(self, name: str, path: Path, what: str) -> None:
+        """A FIFO, device, directory or symlink sits at a record path: a miss; not ours to
+        delete."""
+        with self._lock:
+            self._counts["not_regular"] += 1
+            self._forget_locked(name)
+        self._warn.warning("not_regular", "kvtier disk: %s is not a regular file (%s); "
+                           "treated as a miss", path, what)
 
     def _read_error(self, path: Path, exc: OSError) -> None:
         self._count("read_errors")
@@ -320,3 +373,6 @@ class DiskBackend(StorageBackend):
     def close(self) -> None:
         with self._lock:
             self._closed = True
+            pool, self._read_pool = self._read_pool, None
+        if pool is not None:
+            pool.shutdown(wait=True)

@@ -137,6 +137,24 @@ def header_len(prefix: bytes | memoryview) -> int:
     return hlen
 
 
+def read_key(head: bytes | memoryview) -> str:
+    """The key string of the record whose header is `head` (at least `header_len` bytes),
+    after the header checksum (for listing what a tier holds without knowing its keys).
+
+    Raises:
+        CorruptEntry: a bad magic, version, length or header checksum.
+    """
+    hlen = header_len(head)
+    if len(head) < hlen:
+        raise CorruptEntry(f"short header: {len(head)} < {hlen} bytes")
+    fields = _FIXED.unpack_from(head)
+    key_len, hsum = fields[12], fields[14]
+    raw = bytes(head[:hlen])
+    if xxhash.xxh3_64_intdigest(raw[:_CHECKED] + raw[FIXED_SIZE:]) != hsum:
+        raise CorruptEntry("header checksum mismatch")
+    return raw[FIXED_SIZE:FIXED_SIZE + key_len].decode(errors="replace")
+
+
 def parse_header(buf: bytes | memoryview, key: ChunkKey, layout: KVLayout) -> RecordHeader:
     """Parse and validate the header at the start of `buf` (which may continue with payload).
 

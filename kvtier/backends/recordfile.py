@@ -167,7 +167,8 @@ def _subdirs(path: Path | str) -> list[str]:
 
 def scan(root: Path) -> tuple[list[tuple[int, str, int]], int]:
     """Every record under `root` as (mtime ns, stem, size), oldest first, from directory
-    entries and `stat` only (no file is opened); removes stale temp files on the way.
+    entries and `stat` only (no file is opened; only regular files count); removes stale temp
+    files on the way.
 
     Returns the records and how many temp files were removed.
     """
@@ -179,7 +180,9 @@ def scan(root: Path) -> tuple[list[tuple[int, str, int]], int]:
                 for entry in it:
                     try:
                         if entry.name.endswith(SUFFIX):
-                            st = entry.stat()
+                            if not entry.is_file(follow_symlinks=False):
+                                continue  # a FIFO, device, directory or symlink: not a record
+                            st = entry.stat(follow_symlinks=False)
                             found.append((st.st_mtime_ns, entry.name[: -len(SUFFIX)],
                                           st.st_size))
                         elif entry.name.endswith(".tmp") and _stale_tmp(entry):

@@ -17,7 +17,7 @@ then is a hit that ends the batch.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
 
 import redis
 from redis.exceptions import AuthenticationError, RedisClusterException, RedisError
@@ -154,10 +154,15 @@ class RedisBackend(StorageBackend):
         return found.index(False) if False in found else len(found)
 
     def batch_get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
+        return list(self.iter_get(keys))
+
+    def iter_get(self, keys: Sequence[ChunkKey]) -> Generator[MemoryObj, None, None]:
+        """Every chunk's GETs are pipelined at once (per node); each chunk is yielded as soon
+        as its record is read and verified, while later replies are still arriving."""
         router = self._usable()
         if router is None or not keys:
-            return []
-        out: list[MemoryObj] = []
+            return
+        hits = nbytes_read = 0
         bad: list[tuple[redis.Redis, list[str]]] = []
         streams: dict[int, rio.GetStream] = {}
         layout, allocate = self._ctx.layout, self._ctx.allocate
@@ -175,22 +180,23 @@ class RedisBackend(StorageBackend):
                 except (CorruptEntry, rio.ReplyError, rio.ArenaFull) as exc:
                     obj = self._after_failed_read(stream, k, rkeys, exc, bad)
                     if obj is not None:
-                        out.append(obj)
+                        hits, nbytes_read = hits + 1, nbytes_read + obj.nbytes
+                        yield obj
                     break  # the stream may be half-read
                 stream.done()
                 if obj is None:
                     break
-                out.append(obj)
+                hits, nbytes_read = hits + 1, nbytes_read + obj.nbytes
+                yield obj
         except _TIER_ERRORS as exc:
             self._health.failed("get", exc)
         finally:
             for stream in streams.values():
                 stream.close()
-        self._health.count("hits", len(out))
-        self._health.count("misses", int(len(out) < len(keys)))
-        self._health.count("bytes_read", sum(o.nbytes for o in out))
-        self._delete(bad)
-        return out
+            self._health.count("hits", hits)
+            self._health.count("misses", int(hits < len(keys)))
+            self._health.count("bytes_read", nbytes_read)
+            self._delete(bad)
 
     def _after_failed_read(self, stream: rio.GetStream, key: ChunkKey, rkeys: list[str],
                            exc: Exception, bad: list[tuple[redis.Redis, list[str]]],

@@ -37,7 +37,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvtier.backends import record
 from kvtier.errors import CorruptEntry
-from kvtier.keys import ChunkKey
+from kvtier.keys import ChunkKey, redis_name
 from kvtier.memory import KVLayout, MemoryObj
 
 __all__ = ["ArenaFull", "CommandWriter", "GetStream", "ReplyError", "ReplyReader",
@@ -67,8 +67,7 @@ class SegmentMismatch(CorruptEntry):
 
 def redis_keys(key: ChunkKey, nseg: int) -> list[str]:
     """The Redis keys of a chunk stored in `nseg` pieces; the digest is the hash tag."""
-    prefix, _, digest = key.key.rpartition("/")
-    main = f"{prefix}/{{{digest}}}"
+    main = redis_name(key.key)
     return [main] + [f"{main}#{i}" for i in range(1, nseg)]
 
 

@@ -2,7 +2,8 @@
 
 Schemes: `redis://[user:pass@]host:port[/db]`, `rediss://...` (TLS; `?ssl_ca_certs=...` etc.),
 `unix:///path[?db=N]`, `redis-sentinel://[user:pass@]h1:p1,h2:p2/service_name` and
-`redis-cluster://[user:pass@]h1:p1,h2:p2`. Credentials are for the data nodes (Sentinel itself
+`redis-cluster://[user:pass@]h1:p1,h2:p2`; `resp://` (LMCache's RESP client) is read as
+`redis://`. Credentials are for the data nodes (Sentinel itself
 is queried without them, as redis-py does by default). Parsing never touches the network; every
 problem is a `ConfigError` naming the redacted URL.
 """
@@ -21,12 +22,12 @@ from redis.connection import ConnectionPool, parse_url
 from redis.retry import Retry
 from redis.sentinel import Sentinel
 
-from kvtier.config import redact_url
+from kvtier.config import REMOTE_SCHEMES, redact_url
 from kvtier.errors import ConfigError
 
 __all__ = ["RedisTarget", "Router", "parse_remote_url", "SCHEMES"]
 
-SCHEMES = ("redis", "rediss", "unix", "redis-sentinel", "redis-cluster")
+SCHEMES = REMOTE_SCHEMES
 _TLS_PARAMS = frozenset({"ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs",
                          "ssl_check_hostname", "ssl_ca_path"})
 _DEFAULT_PORT = {"redis-sentinel": 26379, "redis-cluster": 6379}
@@ -91,7 +92,8 @@ def _multi_host(url: str, scheme: str) -> RedisTarget:
         service = unquote(path.strip("/"))
         if not service or "/" in service:
             raise _bad(url, "needs exactly one service name after the hosts, e.g. "
-                            "redis-sentinel://h1:26379,h2:26379/mymaster")
+                            "redis-sentinel://h1:26379,h2:26379/mymaster (LMCache takes it "
+                            "from REDIS_SERVICE_NAME, default 'redismaster')")
         return RedisTarget("sentinel", redact_url(url), nodes, service, kwargs)
     if path.strip("/") not in ("", "0"):
         raise _bad(url, f"a cluster has only database 0, got path {path!r}")
@@ -100,6 +102,8 @@ def _multi_host(url: str, scheme: str) -> RedisTarget:
 
 def parse_remote_url(url: str) -> RedisTarget:
     """Parse `url` (see the module docstring); `ConfigError` names the URL and the problem."""
+    if url.startswith("resp://"):
+        url = "redis://" + url[len("resp://"):]
     scheme, sep, rest = url.partition("://")
     if not sep or scheme not in SCHEMES:
         raise _bad(url, f"scheme must be one of {[s + '://' for s in SCHEMES]}")

@@ -33,17 +33,10 @@ class KVConnector(ABC):
     def scatter(self, obj: MemoryObj, slots: torch.Tensor) -> None:
         """Copy `obj` into the pool rows `slots`; `-1` slots are left untouched."""
 
-    def batch_gather(self, slots: Sequence[torch.Tensor], outs: Sequence[MemoryObj]) -> None:
-        for s, o in zip(slots, outs, strict=True):
-            self.gather(s, o)
-
-    def batch_scatter(self, objs: Sequence[MemoryObj], slots: Sequence[torch.Tensor]) -> None:
-        for o, s in zip(objs, slots, strict=True):
-            self.scatter(o, s)
-
     def check_slots(self, slots: torch.Tensor, *, name: str = "slots",
                     allow_skip: bool = True) -> None:
-        """`ValueError` naming `name` unless `slots` is a valid slot vector for this pool."""
+        """`ValueError` naming `name` unless `slots` is a valid slot vector for this pool: a
+        1-D, contiguous int64 tensor on the pool's device, every value in range."""
         if not isinstance(slots, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(slots).__name__}")
         if slots.dim() != 1 or slots.dtype != torch.int64:
@@ -51,6 +44,10 @@ class KVConnector(ABC):
                              f"of shape {tuple(slots.shape)}")
         if slots.device != self.device:
             raise ValueError(f"{name} is on {slots.device}, the KV pool is on {self.device}")
+        if not slots.is_contiguous():
+            # The copy kernels need contiguous slot vectors; finding out at the second chunk
+            # would leave the first one written.
+            raise ValueError(f"{name} must be contiguous (call .contiguous() on it)")
         if slots.numel():
             lo, hi = int(slots.min()), int(slots.max())
             low_ok = -1 if allow_skip else 0

@@ -3,9 +3,11 @@
 A pool is N per-layer tensors `[num_slots, hidden]`; a chunk is one contiguous `[N, T, hidden]`
 tensor. `gather` copies the rows named by `slots` out of every layer into the chunk, `scatter`
 copies them back. Implementations, in order of preference: the CUDA kernel (pool on a GPU and
-`kvtier._C` built with CUDA), the C++ CPU kernel (`kvtier._C`), the PyTorch reference. The
-reference is always available and is the oracle the kernels are tested against. Set
-`KVTIER_KERNEL=torch` to force it (`auto`, the default, picks the fastest available).
+the kernels built with CUDA), the C++ CPU kernel, the PyTorch reference. The kernels are built
+on first use (`build.py`); the reference is always available and is the oracle the kernels are
+tested against. `KVTIER_KERNEL=torch` forces the reference, `KVTIER_KERNEL=cpp` requires the
+compiled kernels (an error if they cannot be built), `auto` (the default) picks the fastest
+available.
 
 The kernels copy rows of bytes, so every dtype works (fp8 included). Arguments are checked here
 before anything is written, and again in C++ (`TORCH_CHECK`) for direct callers.
@@ -13,7 +15,6 @@ before anything is written, and again in C++ (`TORCH_CHECK`) for direct callers.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 from collections.abc import Sequence
@@ -114,14 +115,19 @@ def _kernel(device: torch.device) -> ModuleType | None:
     if choice == "torch":
         _log_once("KVTIER_KERNEL=torch: using the PyTorch reference for gather/scatter")
         return None
-    if choice != "auto":
-        raise ConfigError(f"environment KVTIER_KERNEL must be 'auto' or 'torch', got {choice!r}")
+    if choice not in ("auto", "cpp"):
+        raise ConfigError(f"environment KVTIER_KERNEL must be 'auto', 'cpp' or 'torch', got "
+                          f"{choice!r}")
     ext = _load_ext()
     if ext is None:
-        _log_once(f"kvtier._C is not available ({_ext_error}); using the PyTorch reference")
+        if choice == "cpp":
+            raise ConfigError(f"KVTIER_KERNEL=cpp but the C++ kernel cannot be built or loaded: "
+                              f"{_ext_error}")
+        _log_once(f"the C++ copy kernel is not available ({_ext_error}); using the PyTorch "
+                  f"reference (slower)")
         return None
     if device.type == "cuda" and not ext.WITH_CUDA:
-        _log_once("kvtier._C was built without CUDA; using the PyTorch reference on GPU")
+        _log_once("the compiled kernels have no CUDA: using the PyTorch reference on GPU")
         return None
     if device.type not in ("cpu", "cuda"):
         _log_once(f"no kvtier kernel for {device.type} tensors; using the PyTorch reference")
@@ -132,10 +138,13 @@ def _kernel(device: torch.device) -> ModuleType | None:
 def _load_ext() -> ModuleType | None:
     global _ext, _ext_error
     if _ext is None and _ext_error is None:
+        from kvtier.connectors import build
+
         try:
-            _ext = importlib.import_module("kvtier._C")
-        except ImportError as exc:
-            _ext_error = str(exc)
+            _ext = build.load()
+        except Exception as exc:  # no compiler, no headers, ...: the reference still works
+            _ext_error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}" \
+                if str(exc).strip() else type(exc).__name__
     return _ext
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
 
 import torch
 
@@ -11,14 +10,7 @@ from kvtier.connectors import ops
 from kvtier.connectors.base import KVConnector, check_layer_buffers
 from kvtier.memory import KVLayout, MemoryObj
 
-__all__ = ["SGLangMHAConnector", "MHAPool"]
-
-
-class MHAPool(Protocol):
-    """The part of SGLang's `MHATokenToKVPool` kvtier reads."""
-
-    k_buffer: list[torch.Tensor]
-    v_buffer: list[torch.Tensor]
+__all__ = ["SGLangMHAConnector"]
 
 
 class SGLangMHAConnector(KVConnector):
@@ -41,10 +33,6 @@ class SGLangMHAConnector(KVConnector):
         self.num_slots = k[0].shape[0]
         self.device = k[0].device
         self._layers = k + v  # one kernel call covers K and V of every layer
-
-    @classmethod
-    def from_pool(cls, pool: MHAPool) -> SGLangMHAConnector:
-        return cls(pool.k_buffer, pool.v_buffer)
 
     def gather(self, slots: torch.Tensor, out: MemoryObj) -> None:
         self.check_obj(out, slots, name="out")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
 
 import torch
 
@@ -11,13 +10,7 @@ from kvtier.connectors import ops
 from kvtier.connectors.base import KVConnector, check_layer_buffers
 from kvtier.memory import KVLayout, MemoryObj
 
-__all__ = ["SGLangMLAConnector", "MLAPool"]
-
-
-class MLAPool(Protocol):
-    """The part of SGLang's `MLATokenToKVPool` kvtier reads."""
-
-    kv_buffer: list[torch.Tensor]
+__all__ = ["SGLangMLAConnector"]
 
 
 class SGLangMLAConnector(KVConnector):
@@ -32,10 +25,6 @@ class SGLangMLAConnector(KVConnector):
         self.num_slots = flat[0].shape[0]
         self.device = flat[0].device
         self._layers = flat
-
-    @classmethod
-    def from_pool(cls, pool: MLAPool) -> SGLangMLAConnector:
-        return cls(pool.kv_buffer)
 
     def gather(self, slots: torch.Tensor, out: MemoryObj) -> None:
         self.check_obj(out, slots, name="out")

@@ -22,7 +22,7 @@ from kvtier.backends.disk import DiskBackend
 from kvtier.config import Config
 from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey
-from kvtier.memory import KVLayout, MemoryAllocator, lease
+from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj, lease
 from tests.helpers import SMALL_MHA, SMALL_MLA, make_keys, make_obj, same_bytes
 
 REPO = Path(__file__).resolve().parents[2]
@@ -92,7 +92,7 @@ _CHILD_PRELUDE = """
     from kvtier.backends import BackendContext
     from kvtier.backends.disk import DiskBackend
     from kvtier.config import Config
-    from kvtier.memory import KVLayout, MemoryAllocator, lease
+    from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj, lease
     from tests.helpers import SMALL_MHA, make_keys, make_obj
     import torch
     def open_disk(root, layout=SMALL_MHA):
@@ -280,6 +280,46 @@ def test_corrupt_record_is_a_counted_miss_and_deleted(
     assert stats["corrupt"] == 1 and stats["entries"] == 2
     assert disk.batch_contains(keys) == 1
     _assert_hits(disk, keys[2:], want[2:])  # neighbours untouched
+
+
+def _plant(path: Path, kind: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        path.symlink_to("/dev/zero")
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "symlink"])
+@pytest.mark.parametrize("indexed", [True, False])
+def test_non_regular_file_at_a_record_path_is_a_counted_miss(
+    open_disk: Opener, arena: MemoryAllocator, kind: str, indexed: bool,
+) -> None:
+    disk = open_disk()
+    keys = make_keys(48)
+    want = _put(disk, keys, arena)
+    victim = disk.path_for(keys[1].key)
+    if indexed:  # replaced behind the tier's back
+        victim.unlink()
+    else:  # another process sharing the directory: never indexed here
+        disk.remove(keys[1:])
+    _plant(victim, kind)
+    got: list[list[MemoryObj]] = []
+    reader = threading.Thread(target=lambda: got.append(disk.batch_get(keys)), daemon=True)
+    reader.start()
+    reader.join(60)  # a hang guard, not a timing: before the fix a FIFO blocked forever
+    if reader.is_alive():
+        os.close(os.open(victim, os.O_WRONLY | os.O_NONBLOCK))  # release the blocked open
+        pytest.fail(f"batch_get blocked on a {kind} at a record path")
+    with lease(got[0]) as objs:
+        assert len(objs) == 1 and same_bytes(objs[0].tensor, want[0])
+    assert disk.batch_contains(keys) == 1
+    assert disk.stats()["not_regular"] >= 1
+    assert victim.exists() or victim.is_symlink()  # not ours: left in place
+    # A restart does not index it either.
+    assert open_disk().stats()["entries"] == (2 if indexed else 1)
 
 
 def test_wrong_layout_record_is_a_counted_miss_and_deleted(

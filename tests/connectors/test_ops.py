@@ -1,6 +1,7 @@
 """The gather/scatter kernels against the PyTorch reference, byte for byte, and their checks.
 
-`kvtier._C` is imported unconditionally: a missing build fails these tests instead of skipping.
+The compiled kernels are loaded unconditionally (built on first use, or the ahead-of-time
+`kvtier._C`): a machine that cannot build them fails these tests instead of skipping.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kvtier import _C
-from kvtier.connectors import ops
+from kvtier.connectors import build, ops
 from kvtier.errors import ConfigError
+
+_C = build.load()
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8, torch.float8_e4m3fn]
 

@@ -18,14 +18,14 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.sglang_support.models import make_deepseek_mla, make_llama
-from tests.sglang_support.server import PYTHONPATH_DIR, SGLangServer
+from kvtier.demo.models import make_deepseek_mla, make_llama
+from tests.sglang_support.server import SHIMS_DIR, SGLangServer
 
 # In-process tests import SGLang's pools the way a CPU server does: CPU engine mode, which
-# imports the test-only sgl_kernel stand-in. (Set before any test module imports SGLang.)
+# imports the sgl_kernel stand-in in sglang_cpu/. (Set before any test module imports SGLang.)
 os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
-if str(PYTHONPATH_DIR) not in sys.path:
-    sys.path.insert(0, str(PYTHONPATH_DIR))
+if str(SHIMS_DIR) not in sys.path:
+    sys.path.insert(0, str(SHIMS_DIR))
 
 VOCAB = range(4, 430)  # ids every tiny tokenizer has (specials are 0-3)
 CHUNK = 16
@@ -47,8 +47,10 @@ def tiny_mla(models_dir: Path) -> Path:
 
 
 def write_config(path: Path, **values: Any) -> Path:
-    """A kvtier YAML config with a small chunk size and arena, plus `values`."""
-    data = {"chunk_size": CHUNK, "max_local_cpu_size": 0.05, **values}
+    """A kvtier YAML config with a small chunk size and arena, plus `values`. Requests wait
+    for their background loads (`wait_complete`), so which tokens hit is deterministic."""
+    data = {"chunk_size": CHUNK, "max_local_cpu_size": 0.05,
+            "prefetch_policy": "wait_complete", **values}
     path.write_text(yaml.safe_dump(data))
     return path
 
@@ -86,15 +88,16 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 def start_server(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Callable[..., SGLangServer]]:
-    """`start(model, config_path, *extra_args)` -> a running kvtier-enabled server; every
+    """`start(model, config_path, *extra_args, env=)` -> a running kvtier-enabled server; every
     server started through it is stopped when the module's tests are done."""
     started: list[SGLangServer] = []
     logs = tmp_path_factory.mktemp("sglang-logs")
 
-    def start(model: Path, config: Path | None, *args: str) -> SGLangServer:
+    def start(model: Path, config: Path | None, *args: str,
+              env: dict[str, str] | None = None) -> SGLangServer:
         flags = ["--enable-kvtier", "--kvtier-config-file", str(config)] if config else []
         server = SGLangServer(model, logs / f"server-{len(started)}.log",
-                              args=[*flags, *args])
+                              args=[*flags, *args], env=env)
         started.append(server)
         _LIVE.append(server)
         server.start()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import pytest
@@ -72,3 +73,23 @@ def test_conflicting_flags_are_rejected(config_env: None, tiny_llama: Path,
         parse(tiny_llama, "--enable-kvtier", "--radix-cache-backend", "flexkv")
     with pytest.raises(ConfigError, match="--enable-hierarchical-cache"):
         parse(tiny_llama, "--enable-kvtier", "--enable-hierarchical-cache")
+
+
+def test_configured_tier_without_its_package_fails_at_launch_naming_the_extra(
+        config_env: None, tiny_llama: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    config = write_config(tmp_path / "kvtier.yaml", remote_url="redis://127.0.0.1:1")
+    monkeypatch.setitem(sys.modules, "redis", None)  # as if redis-py were not installed
+    with pytest.raises(ConfigError, match=r"remote_url: .*'redis'.*pip install 'kvtier\[redis\]'"):
+        parse(tiny_llama, "--enable-kvtier", "--kvtier-config-file", str(config))
+
+
+def test_admin_routes_are_on_sglangs_http_app(config_env: None, tiny_llama: Path,
+                                              tmp_path: Path) -> None:
+    from sglang.srt.entrypoints.http_server import app
+
+    parse(tiny_llama, "--enable-kvtier", "--kvtier-config-file",
+          str(write_config(tmp_path / "kvtier.yaml")))
+    methods = {m for r in app.routes if getattr(r, "path", "") == "/kvtier/tiers"
+               for m in r.methods}
+    assert methods == {"GET", "POST"}

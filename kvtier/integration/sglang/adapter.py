@@ -4,6 +4,10 @@
 thread. It knows nothing about SGLang's radix tree: `radix_cache.KVTierRadixCache` decides what
 to load and store and hands over token ids and pool slots.
 
+Loads from disk or Redis never run on the scheduler thread: a request's prefetch moves them into
+the CPU tier in the background while SGLang keeps the request waiting (per `prefetch_policy`),
+and only the copy from the CPU tier into the pool happens at admission, at memory speed.
+
 Stores run on one background thread because gathering a long prefix out of the pool is a large
 memory copy the scheduler must not wait for. The slots a store reads stay valid because the
 caller pins them (a tree lock) until the store is reported done; completions are collected on
@@ -23,10 +27,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvtier import prometheus
 from kvtier.config import Config
 from kvtier.connectors import KVConnector, SGLangMHAConnector, SGLangMLAConnector
 from kvtier.errors import ConfigError
 from kvtier.memory import MemoryFormat
+from kvtier.prefetch import Prefetch
 
 __all__ = ["SGLangKVTier", "StoreJob", "build_connector", "model_key_name", "check_page_size"]
 
@@ -73,6 +79,7 @@ class StoreJob:
     slots: torch.Tensor
     handle: Any
     ready: Any = None  # a CUDA event the pool writes are ordered before, on GPUs
+    session_id: str | None = None  # pin the prefix for this SGLang session
     stored: int = 0
     error: BaseException | None = field(default=None, repr=False)
 
@@ -103,7 +110,19 @@ class SGLangKVTier:
         self.counters: dict[str, int] = {
             "loads": 0, "tokens_loaded": 0, "load_misses": 0, "load_no_slots": 0,
             "stores": 0, "tokens_stored": 0, "stores_skipped_busy": 0, "store_errors": 0,
+            "prefetches": 0, "prefetches_cancelled": 0, "prefetch_waits": 0,
         }
+        self._closed_sessions: set[str] = set()  # a store finishing late must not re-pin
+        # request id -> its prefetch; registered on every rank alike (scheduler thread)
+        self._prefetches: dict[str, Prefetch] = {}
+        # Without a CPU tier there is nowhere to prefetch into: loads stay synchronous.
+        self.async_loads = getattr(engine.storage, "cpu", None) is not None
+        if not self.async_loads:
+            logger.warning("kvtier: no CPU tier (local_cpu: false), so loads from disk/Redis "
+                           "run on SGLang's scheduler thread; set local_cpu: true to load them "
+                           "in the background")
+        self._exported = _AdapterStats(self.counters)
+        prometheus.register(self._exported)  # the engine's own stats are exported by storage
         self._worker = threading.Thread(target=self._run, name="kvtier-sglang-store",
                                         daemon=True)
         self._worker.start()
@@ -117,14 +136,15 @@ class SGLangKVTier:
         return end - end % self.page_size
 
     def lookup(self, token_ids: np.ndarray) -> int:
-        """Leading tokens of `token_ids` every rank can load, in whole pages."""
-        hit = self.engine.lookup(token_ids)
+        """Leading tokens of `token_ids` every rank can load now, in whole pages (metadata
+        only; with background loads, only what the CPU tier holds counts)."""
+        hit = self.engine.lookup(token_ids, hot_only=self.async_loads)
         return self.agree_min(hit - hit % self.page_size)
 
     def retrieve(self, token_ids: np.ndarray, slots: torch.Tensor, skip: int) -> int:
         """Scatter cached KV into `slots` past `skip`; returns the leading tokens now valid on
         every rank, in whole pages (at least `skip`)."""
-        got = self.engine.retrieve(token_ids, slots, skip=skip)
+        got = self.engine.retrieve(token_ids, slots, skip=skip, hot_only=self.async_loads)
         got = max(self.agree_min(got - got % self.page_size), skip)
         if got > skip:
             self.counters["loads"] += 1
@@ -132,6 +152,59 @@ class SGLangKVTier:
         else:
             self.counters["load_misses"] += 1
         return got
+
+    # ---- background loads (scheduler thread; every rank calls these in step) ----
+
+    def start_prefetch(self, rid: str, token_ids: np.ndarray) -> None:
+        """Start loading `token_ids`' lower-tier chunks into the CPU tier for request `rid`."""
+        if not self.async_loads or self._closed or rid in self._prefetches:
+            return
+        end = self.loadable_end(len(token_ids))
+        if end == 0:
+            return
+        self._prefetches[rid] = self.engine.start_prefetch(token_ids[:end])
+        self.counters["prefetches"] += 1
+
+    def prefetch_ready(self, rid: str) -> bool:
+        """Whether request `rid` may be admitted now, per `prefetch_policy`, on every rank.
+
+        Once ready, the prefetch is stopped (what arrived stays in the CPU tier, where the
+        admission's load finds it) and forgotten.
+        """
+        prefetch = self._prefetches.get(rid)
+        if prefetch is None:
+            return True
+        # One rank's load may finish later: admit only when every rank is ready.
+        if not self.agree_min(int(prefetch.ready())):
+            self.counters["prefetch_waits"] += 1
+            return False
+        del self._prefetches[rid]
+        prefetch.cancel()
+        return True
+
+    def cancel_prefetch(self, rid: str) -> None:
+        """Request `rid` went away: stop its load and drop the chunks it brought in."""
+        prefetch = self._prefetches.pop(rid, None)
+        if prefetch is None:
+            return
+        prefetch.cancel(drop=True)
+        self.counters["prefetches_cancelled"] += 1
+        logger.info("kvtier: request %s left while its prefetch %s; cancelled", rid,
+                    "was done" if prefetch.done() else "was running")
+
+    def release_session(self, session_id: str) -> None:
+        """SGLang closed the session: unpin its prefix (scheduler thread)."""
+        if len(self._closed_sessions) > 10_000:
+            self._closed_sessions.clear()
+        self._closed_sessions.add(session_id)
+        if self.engine.release_session(session_id):
+            logger.info("kvtier: session %s closed; its prefix is no longer pinned", session_id)
+
+    def pending_prefetches(self) -> int:
+        return len(self._prefetches)
+
+    def pending_stores(self) -> int:
+        return self._pending
 
     def agree_min(self, value: int) -> int:
         """The minimum of `value` over the TP group (every rank must call this in step)."""
@@ -143,7 +216,8 @@ class SGLangKVTier:
 
     # ---- stores ----
 
-    def submit_store(self, token_ids: np.ndarray, slots: torch.Tensor, handle: Any) -> bool:
+    def submit_store(self, token_ids: np.ndarray, slots: torch.Tensor, handle: Any,
+                     session_id: str | None = None) -> bool:
         """Queue a background store of `token_ids` from pool `slots` (scheduler thread).
 
         Returns False (and stores nothing) when the queue is full or stores are off on this
@@ -160,7 +234,7 @@ class SGLangKVTier:
             ready = torch.cuda.Event()
             ready.record()
         self._pending += 1
-        self._jobs.put(StoreJob(token_ids, slots, handle, ready))
+        self._jobs.put(StoreJob(token_ids, slots, handle, ready, session_id))
         return True
 
     def poll_done(self) -> list[StoreJob]:
@@ -197,7 +271,8 @@ class SGLangKVTier:
             try:
                 if job.ready is not None:
                     job.ready.synchronize()
-                job.stored = self.engine.store(job.token_ids, job.slots)
+                sid = job.session_id if job.session_id not in self._closed_sessions else None
+                job.stored = self.engine.store(job.token_ids, job.slots, session_id=sid)
                 self.counters["stores"] += 1
                 self.counters["tokens_stored"] += job.stored
                 logger.debug("kvtier: stored %d new tokens of a %d-token prefix", job.stored,
@@ -227,10 +302,23 @@ class SGLangKVTier:
         if self._closed:
             return
         self._closed = True
+        for prefetch in self._prefetches.values():
+            prefetch.cancel()
+        self._prefetches.clear()
         self._jobs.put(_STOP)
         self._worker.join(self.engine.config.blocking_timeout_secs)
         logger.info("kvtier: closing; %s", self.counters)
         self.engine.close()
+
+
+class _AdapterStats:
+    """The adapter's own counters as a metrics source (`sglang.*` keys)."""
+
+    def __init__(self, counters: dict[str, int]):
+        self._counters = counters
+
+    def stats(self) -> dict[str, float]:
+        return {f"sglang.{k}": float(v) for k, v in self._counters.items()}
 
 
 def is_mla(connector: KVConnector) -> bool:

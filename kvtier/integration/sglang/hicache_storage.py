@@ -31,7 +31,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from kvtier.config import load_config
 from kvtier.errors import ConfigError
 from kvtier.integration.sglang.adapter import model_key_name
-from kvtier.keys import KEY_VERSION, ChunkKey
+from kvtier.keys import ChunkKey, key_prefix
 from kvtier.memory import KVLayout
 from kvtier.storage import StorageManager
 
@@ -94,8 +94,8 @@ class KVTierHiCacheStorage(HiCacheStorage):
         self.layout = layout
         self.page_size = int(mem_pool_host.page_size)
         host_layout = str(getattr(mem_pool_host, "layout", "flat"))
-        self._prefix = (f"{KEY_VERSION}/{self._model}@hicache-{host_layout}/"
-                        f"{layout.fingerprint(self.page_size)}/{self._rank}/")
+        self._prefix = key_prefix(f"{self._model}@hicache-{host_layout}",
+                                  layout.fingerprint(self.page_size), self._rank)
         self.storage = StorageManager(self.config, layout)
         logger.info("kvtier HiCache storage: %s, tiers %s", self._prefix, self.config.tiers)
 

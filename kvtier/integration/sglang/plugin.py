@@ -9,6 +9,12 @@ parser (`python -m sglang.launch_server` and `sglang serve` load plugins before 
 
 The config is validated in the launcher, before any worker starts, and reaches the scheduler
 processes through `KVTIER_CONFIG_FILE` (they inherit the launcher's environment).
+
+Background loads: SGLang's scheduler calls the prefix cache's storage-prefetch hooks
+(`prefetch_from_storage`, `check_prefetch_progress`, ...) only when its `enable_lmcache` or
+HiCache-storage flag is on. Once a scheduler is built with the kvtier tree, the plugin turns
+that scheduler's own `enable_lmcache` attribute on (the server args stay untouched, so SGLang
+never builds or imports LMCache); kvtier's tree implements every call the flag gates.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "kvtier"
 _SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
+_SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+_SCHEDULER_INIT = f"{_SCHEDULER}.__init__"
 
 
 def register() -> None:
@@ -42,6 +50,14 @@ def register() -> None:
         register_radix_cache_backend(BACKEND_NAME, build_radix_cache)
     HookRegistry.register(f"{_SERVER_ARGS}.add_cli_args", _add_cli_args, HookType.AROUND)
     HookRegistry.register(f"{_SERVER_ARGS}.from_cli_args", _from_cli_args, HookType.AROUND)
+    HookRegistry.register(_SCHEDULER_INIT, _enable_prefetch_hooks, HookType.AFTER)
+    # Tier attach/detach at run time (kvtier/integration/sglang/admin.py).
+    from kvtier.integration.sglang import admin
+
+    HookRegistry.register(f"{_SCHEDULER}.attach_hicache_storage_wrapped", admin.wrap_attach,
+                          HookType.AROUND)
+    HookRegistry.register(f"{_SCHEDULER}.detach_hicache_storage_wrapped", admin.wrap_detach,
+                          HookType.AROUND)
 
 
 def _add_cli_args(original: Callable[..., Any], parser: argparse.ArgumentParser) -> Any:
@@ -71,7 +87,27 @@ def _from_cli_args(original: Callable[..., Any], cls: type, args: argparse.Names
             os.environ["KVTIER_CONFIG_FILE"] = os.path.abspath(config_file)
         # Fail in the launcher, with the file and key named, not later in a worker.
         _check_launch(load_config(), args)
+        _add_http_routes()
     return original(cls, args)
+
+
+def _add_http_routes() -> None:
+    """`/kvtier/tiers` on SGLang's HTTP app (this is the launcher, which serves it)."""
+    from sglang.srt.entrypoints import http_server
+
+    from kvtier.integration.sglang import admin
+
+    admin.add_routes(http_server.app)
+
+
+def _enable_prefetch_hooks(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    """After `Scheduler.__init__`: route the scheduler's prefetch calls to a kvtier tree."""
+    kvtier = getattr(getattr(scheduler, "tree_cache", None), "kvtier", None)
+    if kvtier is not None and kvtier.async_loads:
+        scheduler.enable_lmcache = True
+        logger.info("kvtier: loads from lower tiers run in the background (prefetch policy %s)",
+                    kvtier.engine.config.prefetch_policy)
+    return result
 
 
 def _check_launch(config: Config, args: argparse.Namespace) -> None:
@@ -79,8 +115,12 @@ def _check_launch(config: Config, args: argparse.Namespace) -> None:
 
     source = os.environ.get("KVTIER_CONFIG_FILE") or os.environ.get("LMCACHE_CONFIG_FILE") \
         or "kvtier defaults"
+    from kvtier.backends import check_dependencies
+
     try:
         check_page_size(config, int(getattr(args, "page_size", None) or 1))
+        for tier in config.tiers:
+            check_dependencies(tier)
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
     for flag in ("enable_hierarchical_cache", "disable_radix_cache"):

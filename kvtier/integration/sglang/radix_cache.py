@@ -1,7 +1,15 @@
 """SGLang's unified radix tree with kvtier underneath (`--radix-cache-backend kvtier`).
 
-Load point, `match_prefix` with a request: after the device tree has matched, kvtier is asked
-for whole chunks beyond the device hit. A hit is scattered into freshly allocated pool slots and
+Prefetch, when a request joins the waiting queue: SGLang's storage-prefetch hooks
+(`prefetch_from_storage`, `check_prefetch_progress`, `release_aborted_request`; the plugin turns
+the scheduler's gate for them on) start a background load of the request's chunks from disk or
+Redis into kvtier's CPU tier. The scheduler keeps the request waiting while
+`check_prefetch_progress` says so (per `prefetch_policy`) and runs the other requests meanwhile,
+so a slow tier never stalls a running stream.
+
+Load point, `match_prefix` with a request: after the device tree has matched, kvtier's CPU tier
+is asked for whole chunks beyond the device hit (a memory copy; nothing slower runs on the
+scheduler thread). A hit is scattered into freshly allocated pool slots and
 inserted into the tree like computed KV, then the match is repeated, so the scheduler sees an
 ordinary (longer) device prefix and needs no new code path. The loaded slots belong to the tree
 from then on: an abort, an eviction or a flush frees them the usual way.
@@ -123,6 +131,55 @@ class KVTierRadixCache(UnifiedRadixCache):
             slots = allocator.alloc(num_tokens)
         return None if slots is None else slots.to(torch.int64)
 
+    # ---- background prefetch (SGLang's storage-prefetch hooks) ----
+
+    def is_backuped(self, node_id: Any) -> bool:
+        # kvtier keys are rebuilt from token ids, so a prefetch may start from any node.
+        return True
+
+    def prefetch_from_storage(self, request: Any, last_host_node_id: Any,
+                              new_input_tokens: Any, last_hash: Any = None,
+                              prefix_keys: Any = None, matched_prefix_tokens: Any = None,
+                              extra_key: Any = None, cache_salt: Any = None,
+                              storage_hit_end: Any = None) -> None:
+        """A request joined the waiting queue: start loading its chunks in the background."""
+        kv = self.kvtier
+        if kv is None or self.disable or extra_key is not None or cache_salt \
+                or getattr(self.tree_core, "is_eagle", False):
+            return
+        tokens = np.concatenate([_token_array(matched_prefix_tokens or []),
+                                 _token_array(new_input_tokens)])
+        kv.start_prefetch(request.rid, tokens)
+
+    def check_prefetch_progress(self, request: Any) -> bool:
+        """Whether the waiting request may be admitted now (per `prefetch_policy`)."""
+        self._release_finished_stores()
+        return True if self.kvtier is None else self.kvtier.prefetch_ready(request.rid)
+
+    def pop_prefetch_loaded_span(self, request: Any) -> tuple[int, int | None]:
+        # Loaded chunks reach the pool in match_prefix and count as device hits.
+        return 0, None
+
+    def release_aborted_request(self, request: Any) -> None:
+        """The request is gone before admission: cancel its prefetch, free what it loaded."""
+        if self.kvtier is not None:
+            self.kvtier.cancel_prefetch(request.rid)
+            logger.info("kvtier: request %s aborted; the tree protects %d tokens",
+                        request.rid, self.protected_size())
+
+    def check_hicache_events(self) -> None:
+        """Called by the scheduler every step: hand back the locks of finished stores."""
+        self._release_finished_stores()
+
+    def has_pending_cache_operations(self) -> bool:
+        kv = self.kvtier
+        return kv is not None and (kv.pending_prefetches() > 0 or kv.pending_stores() > 0)
+
+    def clear_storage_backend(self) -> bool:
+        logger.warning("kvtier: clearing the storage tiers over HTTP is not supported; use "
+                       "`kvtier purge`")
+        return False
+
     # ---- store ----
 
     def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
@@ -151,13 +208,20 @@ class KVTierRadixCache(UnifiedRadixCache):
         if len(tokens) < keyed:
             return
         lock = self.lock(node)
-        if not kv.submit_store(tokens, slots[:keyed].to(torch.int64), lock):
+        session = getattr(req, "session", None)  # SGLang's session API: pin between turns
+        sid = getattr(session, "session_id", None)
+        if not kv.submit_store(tokens, slots[:keyed].to(torch.int64), lock, sid):
             self.unlock(lock)
 
     def _release_finished_stores(self) -> None:
         if self.kvtier is not None:
             for job in self.kvtier.poll_done():
                 self.unlock(job.handle)
+
+    def release_session(self, session_id: str) -> None:
+        super().release_session(session_id)
+        if self.kvtier is not None:
+            self.kvtier.release_session(session_id)
 
     # ---- eviction and reset ----
 

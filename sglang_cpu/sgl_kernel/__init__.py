@@ -1,9 +1,10 @@
-"""Test-only stand-in for SGLang's `sgl_kernel` on CPU (its CPU build is not on PyPI).
+"""A stand-in for SGLang's `sgl_kernel` on CPU (its CPU build is not on PyPI).
 
 SGLang's CPU engine imports a handful of names from `sgl_kernel` at start-up; on a CPU without
 AMX only `copy_all_layer_kv_cache_cpu` is ever called. That one is implemented here in PyTorch;
 every other name resolves to a function that raises `NotImplementedError`, so a code path that
-does need a real kernel fails loudly instead of computing garbage. Never part of the package.
+does need a real kernel fails loudly instead of computing garbage. Put on the PYTHONPATH of
+CPU servers only (never installed; a GPU machine has the real package).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 
-__version__ = "0.0.0+kvtier.test"
+__version__ = "0.0.0+kvtier.cpu"
 
 
 def copy_all_layer_kv_cache_cpu(
@@ -38,7 +39,7 @@ def copy_all_layer_kv_cache_cpu(
 
 def _missing(name: str) -> Callable[..., Any]:
     def kernel(*args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(f"sgl_kernel.{name} is not available in the CPU test stand-in")
+        raise NotImplementedError(f"sgl_kernel.{name} is not available in the CPU stand-in")
 
     kernel.__name__ = name
     return kernel

@@ -1,4 +1,4 @@
-"""Make PyPI torchvision importable beside CPU-only torch (test environment only).
+"""Make PyPI torchvision importable beside CPU-only torch (CPU SGLang environments only).
 
 `torchvision/_meta_registrations.py` registers fake kernels for `torchvision::nms` and
 `torchvision::qnms` unconditionally, while its other registrations are guarded by

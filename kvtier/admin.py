@@ -1,0 +1,170 @@
+"""What the disk and Redis tiers of a config hold, per model and layout; and deleting it.
+
+Keys name their model and layout (`kvtier/v1/{model}/{layout}/{rank}of{world}/{digest}`), so
+both tiers can be listed without a running engine: the disk tier by reading each record's
+header (its key string, checksummed), Redis by `SCAN` over the `kvtier/v1/` key space on every
+primary (never `KEYS`, which would block the server). Used by `kvtier stats | ls | purge`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvtier.backends import check_dependencies
+from kvtier.backends import recordfile as rf
+from kvtier.backends.record import FIXED_SIZE, header_len, read_key
+from kvtier.config import Config
+from kvtier.errors import CorruptEntry
+from kvtier.keys import KEY_VERSION, key_of_redis_name, parse_key
+
+__all__ = ["Entry", "Group", "entries", "groups", "purge"]
+
+KEY_SPACE = f"{KEY_VERSION}/"
+SCAN_BATCH = 1000
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One stored chunk: its tier, key string, size in bytes and where it lives."""
+
+    tier: str
+    key: str
+    nbytes: int
+    location: tuple[str, ...]  # disk: (path,); redis: its Redis keys (segments included)
+
+    @property
+    def model(self) -> str:
+        parts = parse_key(self.key)
+        return parts.model if parts else "?"
+
+    @property
+    def layout(self) -> str:
+        parts = parse_key(self.key)
+        return parts.layout if parts else "?"
+
+
+@dataclass(frozen=True)
+class Group:
+    """The chunks of one model and layout in one tier."""
+
+    tier: str
+    model: str
+    layout: str
+    chunks: int
+    nbytes: int
+
+
+def entries(config: Config, model: str | None = None) -> Iterator[Entry]:
+    """Every chunk the config's disk and Redis tiers hold (of `model`, when given)."""
+    if config.local_disk_path is not None:
+        yield from _select(_disk_entries(config.local_disk_path), model)
+    if config.remote_url is not None:
+        yield from _select(_redis_entries(config), model)
+
+
+def _select(found: Iterator[Entry], model: str | None) -> Iterator[Entry]:
+    return (e for e in found if model is None or e.model == model)
+
+
+def groups(config: Config, model: str | None = None) -> list[Group]:
+    """`entries` summed per tier, model and layout, largest first."""
+    sums: dict[tuple[str, str, str], list[int]] = {}
+    for e in entries(config, model):
+        total = sums.setdefault((e.tier, e.model, e.layout), [0, 0])
+        total[0] += 1
+        total[1] += e.nbytes
+    out = [Group(t, m, lay, c, b) for (t, m, lay), (c, b) in sums.items()]
+    return sorted(out, key=lambda g: (-g.nbytes, g.tier, g.model))
+
+
+def purge(config: Config, model: str | None = None) -> list[Group]:
+    """Delete what `entries` lists; returns what was deleted, per tier, model and layout."""
+    deleted: dict[tuple[str, str, str], list[int]] = {}
+    redis_keys: list[str] = []
+    for e in entries(config, model):
+        if e.tier == "disk":
+            try:
+                os.unlink(e.location[0])
+            except FileNotFoundError:
+                continue
+        else:
+            redis_keys.extend(e.location)
+        total = deleted.setdefault((e.tier, e.model, e.layout), [0, 0])
+        total[0] += 1
+        total[1] += e.nbytes
+    if redis_keys:
+        _redis_delete(config, redis_keys)
+    return [Group(t, m, lay, c, b) for (t, m, lay), (c, b) in deleted.items()]
+
+
+def _disk_entries(root: Path) -> Iterator[Entry]:
+    if not root.is_dir():
+        return
+    found, _ = rf.scan(root)
+    for _, name, size in found:
+        path = rf.record_path(root, name)
+        try:
+            with open(path, "rb") as f:
+                prefix = f.read(FIXED_SIZE)
+                head = prefix + f.read(max(0, header_len(prefix) - FIXED_SIZE))
+            key = read_key(head)
+        except (OSError, CorruptEntry):
+            key = "corrupt"  # listed (and purged) as model "?"
+        yield Entry("disk", key, size, (str(path),))
+
+
+def _router(config: Config):  # noqa: ANN202 - redis-py types only when the extra is there
+    check_dependencies("redis")
+    from kvtier.backends.redis_url import Router, parse_remote_url
+
+    assert config.remote_url is not None
+    return Router(parse_remote_url(config.remote_url), config.remote_timeout_secs)
+
+
+def _redis_entries(config: Config) -> Iterator[Entry]:
+    router = _router(config)
+    try:
+        for client in router.primaries():
+            yield from _scan_node(client)
+    finally:
+        router.close()
+
+
+def _scan_node(client) -> Iterator[Entry]:  # noqa: ANN001
+    segments: dict[str, list[str]] = {}
+    for raw in client.scan_iter(match=f"{KEY_SPACE}*", count=SCAN_BATCH):
+        rkey = raw.decode() if isinstance(raw, bytes) else raw
+        main = rkey.split("#", 1)[0]
+        segments.setdefault(main, []).append(rkey)
+    names = list(segments)
+    for start in range(0, len(names), SCAN_BATCH):
+        batch = names[start:start + SCAN_BATCH]
+        pipe = client.pipeline(transaction=False)
+        for main in batch:
+            for rkey in segments[main]:
+                pipe.strlen(rkey)
+        sizes = iter(pipe.execute())
+        for main in batch:
+            nbytes = sum(next(sizes) for _ in segments[main])
+            yield Entry("redis", key_of_redis_name(main), nbytes, tuple(segments[main]))
+
+
+def _redis_delete(config: Config, keys: list[str]) -> None:
+    router = _router(config)
+    try:
+        by_node: dict[int, tuple[object, list[str]]] = {}
+        for rkey in keys:  # a chunk's segments share a hash tag: one node
+            client = router.node_for(rkey)
+            by_node.setdefault(id(client), (client, []))[1].append(rkey)
+        for client, node_keys in by_node.values():
+            for start in range(0, len(node_keys), SCAN_BATCH):
+                # One DEL per key: a cluster refuses a DEL whose keys span slots.
+                pipe = client.pipeline(transaction=False)  # type: ignore[attr-defined]
+                for rkey in node_keys[start:start + SCAN_BATCH]:
+                    pipe.delete(rkey)
+                pipe.execute()
+    finally:
+        router.close()

@@ -1,0 +1,80 @@
+"""`kvtier stats | ls | purge`: what the disk and Redis tiers of a config hold."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from kvtier import admin
+from kvtier.config import load_config
+
+__all__ = ["add_parsers"]
+
+
+def _stats(args: argparse.Namespace) -> int:
+    config = load_config(args.file)
+    per_tier: dict[str, list[int]] = {t: [0, 0] for t in config.tiers if t != "cpu"}
+    models: dict[str, set[str]] = {}
+    for g in admin.groups(config):
+        per_tier.setdefault(g.tier, [0, 0])
+        per_tier[g.tier][0] += g.chunks
+        per_tier[g.tier][1] += g.nbytes
+        models.setdefault(g.tier, set()).add(g.model)
+    if not per_tier:
+        print("no disk or Redis tier in this config (the CPU tier lives in a serving process; "
+              "see its metrics)")
+        return 0
+    print(f"{'tier':<8}{'chunks':>10}{'GB':>10}{'models':>8}")
+    for tier, (chunks, nbytes) in per_tier.items():
+        print(f"{tier:<8}{chunks:>10}{nbytes / 1e9:>10.3f}{len(models.get(tier, ())):>8}")
+    return 0
+
+
+def _ls(args: argparse.Namespace) -> int:
+    rows = admin.groups(load_config(args.file), args.model)
+    if not rows:
+        print("nothing stored" + (f" for model {args.model}" if args.model else ""))
+        return 0
+    print(f"{'tier':<7}{'chunks':>9}{'GB':>10}  model / layout")
+    for g in rows:
+        print(f"{g.tier:<7}{g.chunks:>9}{g.nbytes / 1e9:>10.3f}  {g.model} / {g.layout}")
+    return 0
+
+
+def _purge(args: argparse.Namespace) -> int:
+    config = load_config(args.file)
+    what = f"model {args.model}" if args.model else "every model"
+    if not args.yes:
+        if not sys.stdin.isatty():
+            print(f"kvtier: purge would delete {what} from {', '.join(config.tiers[1:]) or '-'};"
+                  " not a terminal: pass --yes to confirm", file=sys.stderr)
+            return 2
+        rows = admin.groups(config, args.model)
+        total = sum(g.chunks for g in rows)
+        answer = input(f"delete {total} chunks of {what} from the disk/Redis tiers? [y/N] ")
+        if answer.strip().lower() not in ("y", "yes"):
+            print("nothing deleted")
+            return 1
+    deleted = admin.purge(config, args.model)
+    for g in deleted:
+        print(f"deleted {g.chunks} chunks ({g.nbytes / 1e9:.3f} GB) of {g.model} / {g.layout} "
+              f"from {g.tier}")
+    if not deleted:
+        print("nothing to delete")
+    return 0
+
+
+def add_parsers(sub: Any) -> None:
+    p = sub.add_parser("stats", help="chunks and bytes per disk/Redis tier of a config")
+    p.add_argument("file", nargs="?")
+    p.set_defaults(func=_stats)
+    p = sub.add_parser("ls", help="what the disk/Redis tiers hold, per model and layout")
+    p.add_argument("file", nargs="?")
+    p.add_argument("--model", help="only this model (the key's model name)")
+    p.set_defaults(func=_ls)
+    p = sub.add_parser("purge", help="delete what the disk/Redis tiers hold")
+    p.add_argument("file", nargs="?")
+    p.add_argument("--model", help="only this model (the key's model name)")
+    p.add_argument("--yes", action="store_true", help="do not ask")
+    p.set_defaults(func=_purge)

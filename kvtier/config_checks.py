@@ -1,0 +1,187 @@
+"""Checks of a `Config`'s values, and URL redaction for messages.
+
+Every check raises `ConfigError` naming the key ("config: key: problem"; the loader replaces
+"config" with the file or variable the value came from). Numbers must be finite; sizes must fit
+the machine; `remote_url` is parsed in full here, so a URL kvtier cannot serve fails at
+`check-config` time, not when the tier is built.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import fields
+from typing import TYPE_CHECKING
+from urllib.parse import parse_qsl
+
+from kvtier import lmcache_compat as compat
+from kvtier.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvtier.config import Config
+
+__all__ = ["validate", "redact_url", "physical_memory_bytes", "WRITE_POLICIES",
+           "PREFETCH_POLICIES", "REMOTE_SERDES", "REMOTE_SCHEMES", "TRANSFER_ARENA_GB"]
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+REMOTE_SERDES = ("naive",)
+REMOTE_SCHEMES = ("redis", "rediss", "unix", "redis-sentinel", "redis-cluster")
+CHUNK_MULTIPLE = 16
+MAX_CHUNK = 1 << 20  # tokens; a chunk is one arena object, and a prompt is far shorter
+# The arena kvtier still needs to move chunks to and from disk/Redis when LMCache's
+# `local_cpu: false` comes with `max_local_cpu_size: 0` (LMCache's "no CPU cache").
+TRANSFER_ARENA_GB = 1.0
+MAX_SECONDS = 7 * 86400.0  # longer waits are mistakes (and overflow thread/socket timeouts)
+
+
+def physical_memory_bytes() -> int:
+    """The machine's physical memory in bytes."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def redact_url(url: str) -> str:
+    """`url` with any password replaced by `***`: in the userinfo and in query parameters
+    whose name suggests a secret (`?password=...`)."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    rest, qmark, query = rest.partition("?")
+    if "@" in rest:
+        creds, _, hosts = rest.rpartition("@")
+        user, colon, _ = creds.partition(":")
+        rest = f"{user}:***@{hosts}" if colon else f"***@{hosts}"
+    if qmark:
+        parts = [f"{k}=***" if compat.secret_key(k) else f"{k}={v}"
+                 for k, v in parse_qsl(query, keep_blank_values=True)]
+        query = "&".join(parts)
+    return f"{scheme}://{rest}{qmark}{query}"
+
+
+def _fail(source: str, key: str, msg: str) -> ConfigError:
+    return ConfigError(f"{source}: {key}: {msg}")
+
+
+def validate(cfg: Config) -> None:
+    """`ConfigError` naming the first bad key of `cfg`."""
+    _validate_numbers(cfg)
+    _validate_memory(cfg)
+    _validate_choices(cfg)
+    _validate_tiers(cfg)
+
+
+def _validate_numbers(cfg: Config) -> None:
+    src = "config"
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise _fail(src, f.name, f"must be a finite number, got {value}")
+    if not 0 < cfg.chunk_size <= MAX_CHUNK or cfg.chunk_size % CHUNK_MULTIPLE:
+        raise _fail(src, "chunk_size", f"must be a positive multiple of {CHUNK_MULTIPLE} "
+                    f"up to {MAX_CHUNK}, got {cfg.chunk_size}")
+    for key in ("max_local_cpu_size", "max_local_disk_size", "blocking_timeout_secs",
+                "prefetch_timeout_base_ms", "prefetch_timeout_per_token_ms"):
+        if getattr(cfg, key) < 0:
+            raise _fail(src, key, f"must not be negative, got {getattr(cfg, key)}")
+    for key, limit in (("blocking_timeout_secs", MAX_SECONDS),
+                       ("remote_timeout_secs", MAX_SECONDS),
+                       ("prefetch_timeout_base_ms", MAX_SECONDS * 1e3),
+                       ("prefetch_timeout_per_token_ms", MAX_SECONDS * 1e3)):
+        if getattr(cfg, key) > limit:
+            raise _fail(src, key, f"must be at most {limit:g}, got {getattr(cfg, key)}")
+    if cfg.selective_write_threshold < 1:
+        raise _fail(src, "selective_write_threshold",
+                    f"must be >= 1, got {cfg.selective_write_threshold}")
+    if cfg.write_queue_chunks < 1:
+        raise _fail(src, "write_queue_chunks", f"must be >= 1, got {cfg.write_queue_chunks}")
+    if cfg.remote_ttl_secs is not None and not 0 < cfg.remote_ttl_secs <= 2**31:
+        raise _fail(src, "remote_ttl_secs", f"must be in 1..2**31, got {cfg.remote_ttl_secs}")
+    if cfg.remote_timeout_secs <= 0:
+        raise _fail(src, "remote_timeout_secs", f"must be > 0, got {cfg.remote_timeout_secs}")
+    if not 0 < cfg.remote_segment_mb <= 512:
+        raise _fail(src, "remote_segment_mb", f"must be in (0, 512], got {cfg.remote_segment_mb}")
+    if cfg.metrics_port is not None and not 1 <= cfg.metrics_port <= 65535:
+        raise _fail(src, "metrics_port", f"must be in 1..65535 or null, got {cfg.metrics_port}")
+    if not 0.0 <= cfg.max_session_pinned_fraction < 1.0:
+        raise _fail(src, "max_session_pinned_fraction",
+                    f"must lie in [0, 1), got {cfg.max_session_pinned_fraction}")
+    if not 0 < cfg.session_ttl_secs <= MAX_SECONDS:
+        raise _fail(src, "session_ttl_secs",
+                    f"must be in (0, {MAX_SECONDS:g}], got {cfg.session_ttl_secs}")
+
+
+def _validate_memory(cfg: Config) -> None:
+    if cfg.max_local_cpu_size * 1e9 < 4096:
+        raise _fail("config", "max_local_cpu_size",
+                    f"must be > 0 (it sizes the staging arena), got {cfg.max_local_cpu_size}")
+    total = physical_memory_bytes()
+    if cfg.max_local_cpu_size * 1e9 > total:
+        raise _fail("config", "max_local_cpu_size",
+                    f"{cfg.max_local_cpu_size:g} GB is more than this machine's memory "
+                    f"({total / 1e9:.2f} GB available)")
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def _validate_choices(cfg: Config) -> None:
+    if cfg.log_level is not None and cfg.log_level.lower() not in LOG_LEVELS:
+        raise _fail("config", "log_level",
+                    f"must be one of {list(LOG_LEVELS)} or null, got {cfg.log_level!r}")
+    choices = (("write_policy", WRITE_POLICIES), ("prefetch_policy", PREFETCH_POLICIES),
+               ("remote_serde", REMOTE_SERDES))
+    for key, allowed in choices:
+        if getattr(cfg, key) not in allowed:
+            raise _fail("config", key, f"must be one of {list(allowed)}, got {getattr(cfg, key)!r}")
+
+
+def _validate_tiers(cfg: Config) -> None:
+    src = "config"
+    if cfg.local_disk is not None:
+        _check_local_disk(cfg.local_disk)
+        if cfg.max_local_disk_size <= 0:
+            raise _fail(src, "max_local_disk_size",
+                        f"must be > 0 when local_disk is set, got {cfg.max_local_disk_size}")
+    if cfg.remote_url is not None:
+        _check_remote_url(cfg.remote_url)
+    if not cfg.local_cpu and not cfg.local_disk and not cfg.remote_url:
+        raise _fail(src, "local_cpu", "no tier enabled: local_cpu is false and neither "
+                    "local_disk nor remote_url is set, so kvtier would store nothing (storage "
+                    "only LMCache has, such as enable_pd/nixl_* transfer, gds_path or "
+                    "storage_plugins, is not implemented: set local_disk or a shared "
+                    "remote_url)")
+
+
+def _check_local_disk(value: str) -> None:
+    parts = [p.strip() for p in value.split(",")]
+    if len(parts) > 1 and all(p.startswith(("file://", "/")) for p in parts[1:]):
+        raise _fail("config", "local_disk",
+                    f"several disks ({value!r}) are not supported: kvtier keeps one directory "
+                    "(pick one, or put the disks behind one mount)")
+    path = value.strip().removeprefix("file://").strip()
+    if not path or value.startswith(("redis", "http")) or "://" in path:
+        raise _fail("config", "local_disk",
+                    f"must be a directory path or file:///path URL, got {value!r}")
+
+
+def _check_remote_url(url: str) -> None:
+    """Scheme first (no imports), then the full parse of the Redis tier, at config time."""
+    scheme, sep, _ = url.partition("://")
+    shown = redact_url(url)
+    supported = ", ".join(s + "://" for s in REMOTE_SCHEMES) + " (resp:// = redis://)"
+    if scheme in compat.UNSUPPORTED_SCHEMES:
+        raise _fail("config", "remote_url",
+                    f"{shown!r}: kvtier cannot serve {scheme}:// "
+                    f"({compat.UNSUPPORTED_SCHEMES[scheme]}); supported schemes: {supported}")
+    if not sep or scheme not in (*REMOTE_SCHEMES, "resp"):
+        raise _fail("config", "remote_url", f"{shown!r}: scheme must be one of {supported}")
+    try:
+        from kvtier.backends.redis_url import parse_remote_url
+    except ImportError as exc:
+        raise _fail("config", "remote_url", f"the Redis tier needs the 'redis' package "
+                    f"(redis-py), which cannot be imported ({exc}): "
+                    "pip install 'kvtier[redis]'") from None
+    try:
+        parse_remote_url(url)
+    except ConfigError as exc:
+        raise ConfigError(f"config: {exc}") from None

@@ -1,0 +1,132 @@
+"""The demo's output: one line per measured turn, a summary, JSON, and a PNG plot."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["summarize", "format_row", "format_summary", "write_results", "HEADER"]
+
+HEADER = (f"{'phase':<16} {'conv':>4} {'turn':>4} {'prompt':>7} {'without':>9} {'with':>9} "
+          f"{'ratio':>6}  {'hit tokens (tier)':<20} identical")
+_COLORS = {"cpu": "#2a9d8f", "disk": "#e9c46a", "redis": "#e76f51", "none": "#3d5a80"}
+
+
+def summarize(rows: Sequence[dict[str, Any]], system_prompt_tokens: int) -> dict[str, Any]:
+    """Medians per phase, and the headline: requests whose cached prefix covers at least the
+    system prompt (TTFT with kvtier over TTFT without)."""
+    def medians(subset: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        if not subset:
+            return {"requests": 0}
+        return {"requests": len(subset),
+                "ttft_without_s": round(statistics.median(r["ttft_without_s"] for r in subset), 4),
+                "ttft_with_s": round(statistics.median(r["ttft_with_s"] for r in subset), 4),
+                "ratio": round(statistics.median(r["ratio"] for r in subset), 4),
+                "hit_tokens": int(statistics.median(r["hit_tokens"] for r in subset))}
+
+    phases = {phase: medians([r for r in rows if r["phase"] == phase])
+              for phase in dict.fromkeys(r["phase"] for r in rows)}
+    long_hits = [r for r in rows if r["hit_tokens"] >= system_prompt_tokens]
+    tiers: dict[str, int] = {}
+    for r in rows:
+        for tier, n in r["hit_tokens_per_tier"].items():
+            tiers[tier] = tiers.get(tier, 0) + n
+    return {"all_identical": all(r["identical"] for r in rows), "phases": phases,
+            "hit_tokens_per_tier": tiers,
+            "headline": {"cached_prefix_at_least": system_prompt_tokens, **medians(long_hits)}}
+
+
+def format_row(row: dict[str, Any]) -> str:
+    hit = f"{row['hit_tokens']} ({row['tier']})"
+    ratio = "" if row["ratio"] is None else f"{row['ratio']:.2f}x"
+    return (f"{row['phase']:<16} {row['conversation']:>4} {row['turn']:>4} "
+            f"{row['prompt_tokens']:>7} {row['ttft_without_s']:>8.3f}s {row['ttft_with_s']:>8.3f}s "
+            f"{ratio:>6}  {hit:<20} {'yes' if row['identical'] else 'NO'}")
+
+
+def format_summary(results: dict[str, Any]) -> str:
+    s = results["summary"]
+    lines = []
+    head = s["headline"]
+    if head["requests"]:
+        lines.append(
+            f"TTFT for a cached prefix of >= {head['cached_prefix_at_least']} tokens "
+            f"(median of {head['requests']}): {head['ttft_with_s']:.3f}s with kvtier, "
+            f"{head['ttft_without_s']:.3f}s without ({head['ratio']:.2f}x)")
+    for phase, m in s["phases"].items():
+        if m["requests"]:
+            lines.append(f"  {phase:<16} median TTFT {m['ttft_with_s']:.3f}s vs "
+                         f"{m['ttft_without_s']:.3f}s ({m['ratio']:.2f}x), "
+                         f"median hit {m['hit_tokens']} tokens")
+    tiers = ", ".join(f"{t} {n}" for t, n in s["hit_tokens_per_tier"].items()) or "none"
+    lines.append(f"hit tokens per tier: {tiers}")
+    lines.append("outputs identical to the baseline: "
+                 + ("yes, every request" if s["all_identical"] else "NO (see rows)"))
+    return "\n".join(lines)
+
+
+def write_results(results: dict[str, Any], out_dir: Path) -> list[str]:
+    """Write `demo.json` and, when matplotlib is installed, `demo.png` into `out_dir`;
+    returns notes for the user (what was written, or why the plot was not)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "demo.json"
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    notes = [f"wrote {path}"]
+    try:
+        import matplotlib
+    except ImportError:
+        notes.append("no plot: matplotlib is not installed (pip install 'kvtier[demo]')")
+        return notes
+    matplotlib.use("Agg")
+    png = out_dir / "demo.png"
+    plot(results, png)
+    notes.append(f"wrote {png}")
+    return notes
+
+
+def plot(results: dict[str, Any], path: Path) -> None:
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    rows = results["rows"]
+    labels = [f"{_short(r['phase'])}\nc{r['conversation']} t{r['turn']}" for r in rows]
+    x = range(len(rows))
+    width = 0.4
+    fig, ax = plt.subplots(figsize=(max(7.0, 0.75 * len(rows) + 2), 4.8), dpi=120)
+    ax.bar([i - width / 2 for i in x], [r["ttft_without_s"] for r in rows], width,
+           color="#adb5bd", label="without kvtier (recompute)")
+    ax.bar([i + width / 2 for i in x], [r["ttft_with_s"] for r in rows], width,
+           color=[_COLORS.get(r["tier"], "#264653") for r in rows])
+    for i, r in enumerate(rows):
+        if r["ratio"] is not None:
+            ax.annotate(f"{r['ratio']:.2f}x", (i + width / 2, r["ttft_with_s"]),
+                        ha="center", va="bottom", fontsize=7, xytext=(0, 2),
+                        textcoords="offset points")
+    for i in range(1, len(rows)):
+        if rows[i]["phase"] != rows[i - 1]["phase"]:  # the restart / second-instance replays
+            ax.axvline(i - 0.5, color="#6c757d", linestyle="--", linewidth=0.8)
+    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set_ylabel("time to first token (s)")
+    wl = results["workload"]
+    ax.set_title(f"kvtier demo: {wl['conversations']} conversations x {wl['turns']} turns, "
+                 f"{wl['system_prompt_tokens']}-token shared system prompt\n"
+                 f"device cache flushed before every request; "
+                 f"outputs identical: {'yes' if results['summary']['all_identical'] else 'NO'}",
+                 fontsize=9)
+    used = dict.fromkeys(r["tier"] for r in rows)
+    handles = [Patch(color="#adb5bd", label="without kvtier (recompute)")]
+    handles += [Patch(color=_COLORS.get(t, "#264653"),
+                      label=f"with kvtier, hit from {t}" if t != "none" else "with kvtier, miss")
+                for t in used]
+    ax.legend(handles=handles, fontsize=8, loc="upper left")
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _short(phase: str) -> str:
+    return {"multi-turn": "turns", "second-instance": "2nd inst."}.get(phase, phase)

@@ -1,0 +1,279 @@
+"""`kvtier demo`: real SGLang servers, a multi-turn workload, TTFT with and without kvtier.
+
+Servers (all on the same locally generated model, same flags apart from kvtier):
+    baseline   no --enable-kvtier: SGLang alone
+    kvtier     --enable-kvtier, tiers cpu + disk (+ redis with --redis-url)
+    restarted  the kvtier server restarted on the same disk directory (its CPU tier is empty)
+    second     with --redis-url: another instance with tiers cpu + redis only
+
+Every measured request runs right after `/flush_cache` on its server, so nothing comes from
+SGLang's device prefix cache: the baseline recomputes the whole prompt (what serving does when a
+prefix has been evicted), and every cached token on a kvtier server was loaded from a kvtier
+tier. Which tier is known by construction: the kvtier server's CPU tier holds all it stored (the
+arena is sized for the workload), a restarted server's CPU tier is empty and its disk is first,
+and the second instance has no disk. kvtier's own log ("kvtier: loaded N tokens") confirms each
+load. The workload runs turn by turn; each turn's answer (from the baseline) extends the prompt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import sys
+import tempfile
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from kvtier.demo.models import LlamaSpec, cached_llama, make_llama
+from kvtier.demo.server import SGLangServer, cpu_shims_dir, gpu_available
+from kvtier.demo.workload import FIRST_ID, Conversation, Workload
+
+__all__ = ["DemoOptions", "run_demo", "FULL_MODEL", "SMALL_MODEL", "demo_config"]
+
+# 2K-token prefill ~1.0 s, 4K ~2.5 s on 2 cores; 27 M parameters, 54 MB on disk (bfloat16).
+FULL_MODEL = LlamaSpec(hidden=512, layers=8, heads=8, kv_heads=2, intermediate=1536,
+                       max_positions=16384, dtype="bfloat16")
+# For tests: a 1.5K-token prefill still costs several times a load.
+SMALL_MODEL = LlamaSpec(hidden=384, layers=4, heads=6, kv_heads=2, intermediate=1024,
+                        max_positions=4096, dtype="bfloat16")
+CHUNK_SIZE = 256
+_LOADED = re.compile(r"kvtier: loaded (\d+) tokens")
+
+
+@dataclass(frozen=True)
+class DemoOptions:
+    """What `kvtier demo` runs; see `kvtier demo --help`."""
+
+    workload: Workload
+    model: LlamaSpec = FULL_MODEL
+    out_dir: Path = Path("demo-results")
+    redis_url: str | None = None
+    small: bool = False
+    keep_model: bool = False
+    threads: int = 0  # per server; 0: every core
+    progress: bool = True
+
+
+def demo_config(disk_dir: Path | None, redis_url: str | None, salt: str,
+                arena_gb: float) -> str:
+    """The kvtier YAML the demo's servers run with (embedded; written to a temp file).
+
+    `prefetch_policy: wait_complete` makes a request wait for its own load from disk or Redis,
+    so its TTFT includes that load and the hit is the whole stored prefix. The salt keeps this
+    run's keys apart from anything an earlier run left in a shared Redis.
+    """
+    lines = [f"chunk_size: {CHUNK_SIZE}", "local_cpu: true",
+             f"max_local_cpu_size: {arena_gb:.3f}", "prefetch_policy: wait_complete",
+             f"hash_salt: {salt}"]
+    if disk_dir is not None:
+        lines += [f"local_disk: {json.dumps(str(disk_dir))}", "max_local_disk_size: 4.0"]
+    if redis_url:
+        lines += [f"remote_url: {json.dumps(redis_url)}", "remote_serde: naive"]
+    return "\n".join(lines) + "\n"
+
+
+class _Log:
+    """Tokens kvtier reports loading in a server log since the last call."""
+
+    def __init__(self, server: SGLangServer):
+        self.server = server
+        self.offset = 0
+
+    def loaded_since(self) -> int:
+        text = self.server.log()
+        new, self.offset = text[self.offset:], len(text)
+        return sum(int(m) for m in _LOADED.findall(new))
+
+
+class _Run:
+    """One demo run's servers and results (internal to run_demo)."""
+
+    def __init__(self, opts: DemoOptions, work: Path, model: Path):
+        self.opts = opts
+        self.work = work
+        self.model = model
+        self.salt = uuid.uuid4().hex[:12]
+        wl = opts.workload
+        self.max_tokens = max(2048, wl.max_prompt_tokens() + 512)
+        spec = opts.model  # KV bytes per token in the float32 pool: K and V, every layer
+        kv_bytes = 2 * spec.layers * spec.kv_heads * (spec.hidden // spec.heads) * 4
+        stored = wl.conversations * wl.max_prompt_tokens() * kv_bytes
+        self.arena_gb = max(0.25, 3 * stored / 1e9)
+        self.warmup = (min(wl.system_prompt_tokens, 2048), wl.vocab)  # (tokens, vocab)
+        self.baseline_outputs: dict[tuple[int, int], list[int]] = {}
+        self.baseline_ttft: dict[tuple[int, int], float] = {}
+        self.last_prompts: list[tuple[int, list[int]]] = []  # (conversation, last turn's prompt)
+        self.servers: list[SGLangServer] = []  # every server started, stopped at the end
+
+    def server(self, name: str, config: str | None) -> SGLangServer:
+        args = ["--max-total-tokens", str(self.max_tokens),
+                "--context-length", str(self.opts.model.max_positions), "--sleep-on-idle"]
+        if config is not None:
+            path = self.work / f"{name}.yaml"
+            path.write_text(config)
+            args += ["--enable-kvtier", "--kvtier-config-file", str(path)]
+        threads = self.opts.threads or os.cpu_count() or 1
+        shims = [] if gpu_available() else [cpu_shims_dir()]
+        server = SGLangServer(self.model, self.work / f"{name}.log", args=args,
+                              env={"OMP_NUM_THREADS": str(threads)}, pythonpath=shims)
+        self.servers.append(server)
+        return server
+
+    def kvtier_config(self, disk: bool) -> str:
+        return demo_config(self.work / "disk" if disk else None, self.opts.redis_url,
+                           self.salt, self.arena_gb)
+
+
+def _start(servers: Sequence[SGLangServer], warmup: tuple[int, int],
+           note: Callable[[str], None]) -> None:
+    """Start `servers` together, then warm each up: the servers skip SGLang's own warm-up,
+    and a process's first long prefill pays one-time costs no later request does."""
+    names = ", ".join(s.log_path.stem for s in servers)
+    note(f"starting SGLang ({names}); logs in {servers[0].log_path.parent}")
+    for s in servers:
+        s.launch()
+    for s in servers:
+        s.wait_ready()
+    for s in servers:
+        # Tokens no workload prompt starts with (a different seed per server), so the warm-up
+        # can never be a hit, nor leave one behind.
+        rng = random.Random(f"warmup-{s.log_path.stem}")
+        tokens, vocab = warmup
+        for _ in range(2):
+            s.flush_cache()
+            s.generate([rng.randrange(FIRST_ID, vocab) for _ in range(tokens)], 4)
+
+
+def _measure(server: SGLangServer, prompt: list[int], max_new: int) -> Any:
+    server.flush_cache()  # nothing may come from the device cache
+    return server.stream_generate(prompt, max_new)
+
+
+def _row(phase: str, tier: str, conv: int, turn: int, prompt: list[int], base_ttft: float,
+         got: Any, loaded: int, expected: list[int]) -> dict[str, Any]:
+    return {
+        "phase": phase, "conversation": conv, "turn": turn, "prompt_tokens": len(prompt),
+        "ttft_without_s": round(base_ttft, 4), "ttft_with_s": round(got.ttft_s, 4),
+        "ratio": round(got.ttft_s / base_ttft, 4) if base_ttft > 0 else None,
+        "hit_tokens": got.cached_tokens, "tier": tier if got.cached_tokens else "none",
+        "hit_tokens_per_tier": {tier: got.cached_tokens} if got.cached_tokens else {},
+        "kvtier_logged_tokens": loaded, "identical": got.output_ids == expected,
+    }
+
+
+def _multi_turn(run: _Run, base: SGLangServer, kv: SGLangServer,
+                emit: Callable[[dict[str, Any]], None], bar: Any) -> list[dict[str, Any]]:
+    wl = run.opts.workload
+    convs = [Conversation(i + 1) for i in range(wl.conversations)]
+    log = _Log(kv)
+    rows = []
+    for turn in range(1, wl.turns + 1):
+        for conv in convs:
+            prompt = conv.next_prompt(wl, turn)
+            without = _measure(base, prompt, wl.answer_tokens)
+            log.loaded_since()
+            with_kv = _measure(kv, prompt, wl.answer_tokens)
+            key = (conv.index, turn)
+            run.baseline_outputs[key], run.baseline_ttft[key] = without.output_ids, without.ttft_s
+            row = _row("multi-turn", "cpu", conv.index, turn, prompt, without.ttft_s, with_kv,
+                       log.loaded_since(), without.output_ids)
+            rows.append(row)
+            emit(row)
+            bar.update(1)
+            conv.answered(prompt, without.output_ids)
+            if turn == wl.turns:
+                run.last_prompts.append((conv.index, prompt))
+    return rows
+
+
+def _replay(run: _Run, server: SGLangServer, phase: str, tier: str,
+            emit: Callable[[dict[str, Any]], None], bar: Any) -> list[dict[str, Any]]:
+    """Each conversation's last prompt again, on a server that has not seen it."""
+    wl = run.opts.workload
+    log = _Log(server)
+    log.loaded_since()
+    rows = []
+    for conv, prompt in run.last_prompts:
+        got = _measure(server, prompt, wl.answer_tokens)
+        key = (conv, wl.turns)
+        row = _row(phase, tier, conv, wl.turns, prompt, run.baseline_ttft[key], got,
+                   log.loaded_since(), run.baseline_outputs[key])
+        rows.append(row)
+        emit(row)
+        bar.update(1)
+    return rows
+
+
+def run_demo(opts: DemoOptions, note: Callable[[str], None] | None = None,
+             emit: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Run the demo; returns the results (also what `report.write_results` saves).
+
+    `note` gets status lines, `emit` each result row as it is measured.
+    """
+    from tqdm import tqdm
+
+    say = note or (lambda msg: print(msg, file=sys.stderr))
+    show = emit or (lambda row: None)
+    with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as tmp:
+        work = Path(tmp)
+        model, built = _model(opts, work)
+        say(f"model {model} ({'built' if built else 'cached'})")
+        run = _Run(opts, work, model)
+        wl = opts.workload
+        steps = wl.turns * wl.conversations + wl.conversations * (2 if opts.redis_url else 1)
+        base, kv = run.server("baseline", None), run.server("kvtier", run.kvtier_config(True))
+        phases: dict[str, list[dict[str, Any]]] = {}
+        try:
+            _start([base, kv], run.warmup, say)
+            with tqdm(total=steps, desc="kvtier demo", unit="req", disable=not opts.progress,
+                      file=sys.stderr) as bar:
+                phases["multi-turn"] = _multi_turn(run, base, kv, show, bar)
+                kv.stop()
+                restarted = run.server("kvtier-restarted", run.kvtier_config(True))
+                _start([restarted], run.warmup, bar.write)
+                phases["restart"] = _replay(run, restarted, "restart", "disk", show, bar)
+                restarted.stop()
+                if opts.redis_url:
+                    second = run.server("second-instance", run.kvtier_config(False))
+                    _start([second], run.warmup, bar.write)
+                    phases["second-instance"] = _replay(run, second, "second-instance",
+                                                        "redis", show, bar)
+                    second.stop()
+        finally:
+            for server in run.servers:
+                server.stop()
+            _keep_logs(work, opts.out_dir / "logs")
+        return _results(opts, run, model, phases)
+
+
+def _model(opts: DemoOptions, work: Path) -> tuple[Path, bool]:
+    if opts.small and not opts.keep_model:
+        return make_llama(work / "model", spec=opts.model), True
+    return cached_llama(opts.model)
+
+
+def _keep_logs(work: Path, out_dir: Path) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for log in work.glob("*.log"):
+        (out_dir / log.name).write_bytes(log.read_bytes())
+
+
+def _results(opts: DemoOptions, run: _Run, model: Path,
+             phases: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    from kvtier.demo.report import summarize
+
+    rows = [row for phase in phases.values() for row in phase]
+    return {
+        "model": {"path": str(model), **asdict(opts.model)},
+        "workload": asdict(opts.workload),
+        "servers": {"threads": opts.threads or os.cpu_count(), "gpu": gpu_available(),
+                    "max_total_tokens": run.max_tokens},
+        "kvtier_config": run.kvtier_config(True),
+        "rows": rows,
+        "summary": summarize(rows, opts.workload.system_prompt_tokens),
+    }

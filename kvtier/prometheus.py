@@ -1,0 +1,199 @@
+"""kvtier's Prometheus metrics (prometheus-client, the `metrics` extra; optional).
+
+One naming scheme, derived from the stats every part already keeps: a stats key `name` becomes
+`kvtier_name`, a key `tier.name` becomes `kvtier_tier_name{tier="tier"}`, and an SGLang adapter
+key `sglang.name` becomes `kvtier_sglang_name`. Keys in `GAUGES` (sizes, queue depths, states)
+are gauges, every other key counts events and is a counter (`_total`). Tier calls are timed in
+`kvtier_tier_op_seconds{tier, op}` histograms.
+
+The values are live prometheus-client objects, refreshed from the sources' `stats()` once a
+second by a background thread and at every scrape of kvtier's own endpoint. Live objects are
+what SGLang's `/metrics` can show: with `--enable-metrics` SGLang runs prometheus-client in
+multiprocess mode, where values travel between processes through files and custom collectors
+are never asked. kvtier's own endpoint (`metrics_port`) serves this process's values, or all
+processes' values in multiprocess mode.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+__all__ = ["register", "observe", "serve", "sync", "GAUGES", "available"]
+
+logger = logging.getLogger(__name__)
+
+GAUGES = frozenset({
+    "entries", "bytes", "capacity_bytes", "pinned_bytes", "write_queue", "down",
+    "arena_used_bytes", "arena_bytes", "prefetch_queue", "sessions_pinned",
+    "session_pinned_bytes", "session_pinned_cap_bytes",
+})
+_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
+SYNC_INTERVAL_S = 1.0
+
+
+class _Exporter:
+    """The process's metric objects and the sources they are refreshed from."""
+
+    def __init__(self) -> None:
+        import prometheus_client as pc
+
+        self._pc = pc
+        self._lock = threading.Lock()
+        self._sources: list[weakref.ref[Any]] = []
+        self._metrics: dict[str, Any] = {}
+        # (source, metric, tier) -> the counter's value at the last sync
+        self._last: dict[tuple[int, str, str], float] = {}
+        self.op_seconds = pc.Histogram("kvtier_tier_op_seconds", "Duration of kvtier tier calls",
+                                       ["tier", "op"], buckets=_BUCKETS)
+        self._served: set[int] = set()
+        threading.Thread(target=self._run, name="kvtier-metrics", daemon=True).start()
+
+    def add(self, source: Any) -> None:
+        with self._lock:
+            self._sources.append(weakref.ref(source))
+
+    def sync(self) -> None:
+        """Refresh every metric from its source's `stats()`."""
+        with self._lock:
+            live = [s for ref in self._sources if (s := ref()) is not None]
+            self._sources = [weakref.ref(s) for s in live]
+            for source in live:
+                try:
+                    stats = source.stats()
+                except Exception as exc:  # a closed source: its last values stay
+                    logger.debug("kvtier metrics: stats() failed: %r", exc)
+                    continue
+                self._update(id(source), stats)
+
+    def _update(self, source: int, stats: Mapping[str, float]) -> None:
+        for key, value in stats.items():
+            tier, dot, name = key.rpartition(".")
+            if tier == "sglang":
+                tier, name = "", f"sglang_{name}"
+            metric = self._metric(name, labelled=bool(tier))
+            if metric is None:
+                continue
+            target = metric.labels(tier=tier) if tier else metric
+            if name in GAUGES:
+                target.set(value)
+                continue
+            last = self._last.get((source, name, tier), 0.0)
+            if value > last:
+                target.inc(value - last)
+            self._last[(source, name, tier)] = max(value, last)
+
+    def _metric(self, name: str, labelled: bool) -> Any:
+        metric = self._metrics.get(name)
+        if metric is not None and bool(metric._labelnames) != labelled:
+            return None  # the same name with and without a tier: keep the first
+        if metric is None:
+            labels = ["tier"] if labelled else []
+            doc = f"kvtier {name.replace('_', ' ')}"
+            if name in GAUGES:
+                metric = self._pc.Gauge(f"kvtier_{name}", doc, labels,
+                                        multiprocess_mode="livesum")
+            else:
+                metric = self._pc.Counter(f"kvtier_{name}", doc, labels)
+            self._metrics[name] = metric
+        return metric
+
+    def serve(self, port: int) -> None:
+        """Serve `/metrics` on `port` (all interfaces), once per port and process."""
+        with self._lock:
+            if port in self._served:
+                return
+            self._served.add(port)
+        pc = self._pc
+        registry = pc.REGISTRY
+        if "PROMETHEUS_MULTIPROC_DIR" in os.environ:
+            from prometheus_client import multiprocess
+
+            registry = pc.CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+        else:
+            registry = pc.CollectorRegistry(auto_describe=False)
+            registry.register(_SyncThenCollect(self.sync, pc.REGISTRY))
+        pc.start_http_server(port, registry=registry)
+        logger.info("kvtier: Prometheus metrics on port %d (/metrics)", port)
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(SYNC_INTERVAL_S)
+            self.sync()
+
+
+class _SyncThenCollect:
+    """Refreshes the live metrics, then yields everything in `registry`: a scrape sees the
+    values of this moment, including metrics the refresh just created."""
+
+    def __init__(self, sync: Callable[[], None], registry: Any):
+        self._sync = sync
+        self._registry = registry
+
+    def describe(self) -> list[Any]:
+        return []  # registering must not run a refresh (it would register under a lock)
+
+    def collect(self) -> Iterator[Any]:
+        self._sync()
+        yield from self._registry.collect()
+
+
+_exporter: _Exporter | None = None
+_init_lock = threading.Lock()
+_missing = False
+
+
+def _get() -> _Exporter | None:
+    global _exporter, _missing
+    if _exporter is None and not _missing:
+        with _init_lock:
+            if _exporter is None and not _missing:
+                try:
+                    _exporter = _Exporter()
+                except ImportError:
+                    _missing = True
+                    logger.info("kvtier: prometheus-client is not installed: no Prometheus "
+                                "metrics (pip install 'kvtier[metrics]')")
+    return _exporter
+
+
+def available() -> bool:
+    return _get() is not None
+
+
+def register(source: Any) -> None:
+    """Export `source.stats()` (held weakly: a closed source stops being read)."""
+    exporter = _get()
+    if exporter is not None:
+        exporter.add(source)
+
+
+def observe(tier: str, op: str, seconds: float) -> None:
+    """Record the duration of one tier call."""
+    if _exporter is not None:
+        _exporter.op_seconds.labels(tier=tier, op=op).observe(seconds)
+
+
+def serve(port: int) -> bool:
+    """Serve `/metrics` on `port`; False when prometheus-client is not installed.
+
+    Raises:
+        OSError: the port cannot be bound.
+    """
+    exporter = _get()
+    if exporter is None:
+        return False
+    exporter.serve(port)
+    return True
+
+
+def sync() -> None:
+    """Refresh the metrics now (tests; the background thread does it every second)."""
+    if _exporter is not None:
+        _exporter.sync()

@@ -1,0 +1,35 @@
+"""`KVConnector.check_slots`: the whole slot vector is validated up front, naming the argument."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.connectors import SGLangMHAConnector
+
+
+def _conn() -> SGLangMHAConnector:
+    bufs = [torch.zeros(64, 2, 8, dtype=torch.float16) for _ in range(2)]
+    return SGLangMHAConnector(bufs, [b.clone() for b in bufs])
+
+
+@pytest.mark.parametrize(("slots", "problem"), [
+    (torch.arange(40)[::2], "contiguous"),
+    (torch.arange(20, device="meta"), "meta"),
+    (torch.arange(20, dtype=torch.int32), "int64"),
+    (torch.arange(20).reshape(4, 5), "1-D"),
+    (torch.tensor([0, 1, 64]), "out of range"),
+    (torch.tensor([0, -2]), "out of range"),
+])
+def test_bad_slot_vectors_name_the_argument(slots: torch.Tensor, problem: str) -> None:
+    with pytest.raises(ValueError, match="slot_mapping") as err:
+        _conn().check_slots(slots, name="slot_mapping")
+    assert problem in str(err.value)
+
+
+def test_good_slot_vectors_pass() -> None:
+    conn = _conn()
+    conn.check_slots(torch.tensor([0, -1, 63]), name="slot_mapping")
+    conn.check_slots(torch.empty(0, dtype=torch.int64), name="slot_mapping")
+    with pytest.raises(ValueError, match="out of range"):
+        conn.check_slots(torch.tensor([0, -1]), name="slot_mapping", allow_skip=False)

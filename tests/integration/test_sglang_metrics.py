@@ -1,0 +1,47 @@
+"""kvtier's metrics on SGLang's own `/metrics` (`--enable-metrics`, multiprocess mode)."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.integration.conftest import FULL_HIT, PROMPT_LEN, prompt, write_config
+from tests.sglang_support.server import SGLangServer
+
+pytestmark = pytest.mark.sglang
+
+
+def _kvtier_samples(server: SGLangServer) -> dict[str, float]:
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.startswith("kvtier_"):
+                out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
+def test_kvtier_series_on_sglangs_metrics_endpoint(
+        start_server: Callable[..., SGLangServer], tiny_llama: Path, tmp_path: Path) -> None:
+    server = start_server(tiny_llama, write_config(tmp_path / "kvtier.yaml"), "--enable-metrics")
+    ids = prompt(40, PROMPT_LEN)
+    server.generate(ids)
+    server.flush_cache()
+    assert server.generate(ids)["meta_info"]["cached_tokens"] == FULL_HIT
+    deadline = time.monotonic() + 30
+    while True:  # kvtier refreshes its series once a second
+        samples = _kvtier_samples(server)
+        if samples.get("kvtier_tokens_loaded_total", 0) >= FULL_HIT:
+            break
+        assert time.monotonic() < deadline, sorted(samples)
+        time.sleep(0.5)
+    assert samples["kvtier_tokens_stored_total"] >= FULL_HIT
+    assert samples["kvtier_sglang_loads_total"] >= 1
+    assert samples["kvtier_arena_bytes"] > 0
+    assert samples["kvtier_tier_op_seconds_count"] > 0

@@ -1,0 +1,108 @@
+"""Sessions and run-time tiers on a real SGLang server (tiny Llama, CPU).
+
+A: a small CPU tier (pins capped at half of it). A session's prompt stays pinned while other
+   traffic evicts everything else, so its next turn is a hit; closing the session unpins it.
+B: no lower tier at start. Redis is attached over HTTP (`kvtier tiers`) while a stream runs and
+   serves what another server stored; detached again, the server keeps serving correctly.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kvtier import cli_tiers
+from kvtier.cli import main as kvtier_main
+from tests.conftest import RedisProcess
+from tests.integration.conftest import CHUNK, cold, prompt, write_config
+from tests.sglang_support.server import SGLangServer
+
+pytestmark = pytest.mark.sglang
+
+TURN = 10 * CHUNK + 5
+ADMIN = "kvtier-test-admin"
+# 2 layers x 2 KV heads x 16 dims x K,V x float32 = 512 bytes a token: 8 KiB a chunk, so an
+# arena of 60 chunks; sessions may pin 30 of them.
+ARENA_GB = 60 * 8192 / 1e9
+
+
+def _session_generate(server: SGLangServer, sid: str, ids: list[int],
+                      rid: str | None = None) -> dict:
+    params = {"id": sid, **({"rid": rid} if rid else {})}
+    return server.post("/generate", {
+        "input_ids": ids, "session_params": params,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}})
+
+
+def test_session_prefix_survives_eviction_until_the_session_closes(
+        start_server: Callable[..., SGLangServer], tiny_llama: Path, tmp_path: Path) -> None:
+    server = start_server(tiny_llama, write_config(tmp_path / "a.yaml",
+                                                   max_local_cpu_size=ARENA_GB))
+    sid = server.post("/open_session", {"capacity_of_str_len": 100_000})
+    assert isinstance(sid, str) and sid
+    turn = prompt(50, TURN)
+    first = _session_generate(server, sid, turn)
+    other = prompt(51, TURN)
+    server.generate(other)
+    for seed in range(60, 75):  # 15 prompts x 10 chunks: far more than the arena holds
+        server.generate(prompt(seed, TURN))
+    server.flush_cache()
+
+    # Not pinned: evicted. Pinned: the whole first turn loads.
+    assert server.generate(other)["meta_info"]["cached_tokens"] == 0
+    follow_up = prompt(52, 20)
+    second = _session_generate(server, sid, follow_up, rid=first["meta_info"]["id"])
+    assert second["meta_info"]["cached_tokens"] >= TURN // CHUNK * CHUNK
+    expected = cold(server, [*turn, *first["output_ids"], *follow_up])
+    assert second["output_ids"] == expected[:4]
+
+    server.post("/close_session", {"session_id": sid})
+    # The scheduler closes the session after the HTTP reply.
+    server.wait_for_log(f"kvtier: session {sid} closed; its prefix is no longer pinned")
+
+
+@pytest.fixture(scope="module")
+def redis(redis_factory: Callable[..., RedisProcess]) -> RedisProcess:
+    return redis_factory()
+
+
+def test_redis_attached_and_detached_over_http_while_serving(
+        start_server: Callable[..., SGLangServer], tiny_llama: Path, redis: RedisProcess,
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    writer = start_server(tiny_llama, write_config(tmp_path / "w.yaml", remote_url=redis.url))
+    shared = [prompt(80, TURN), prompt(81, TURN)]
+    expected = [cold(writer, ids) for ids in shared]
+    for ids in shared:
+        writer.generate(ids)
+    writer.flush_cache()
+    writer.stop()
+
+    server = start_server(tiny_llama, write_config(tmp_path / "b.yaml"), "--admin-api-key",
+                          ADMIN)
+    status, listed = cli_tiers.request(server.url, None, ADMIN)
+    assert status == 200 and listed["ranks"] == [
+        {"tiers": ["cpu"], "sessions_pinned": 0, "session_pinned_bytes": 0}]
+
+    streaming = threading.Thread(target=server.generate, args=(prompt(90, 40), 300))
+    streaming.start()  # attach and detach while a request runs
+    assert kvtier_main(["tiers", "--server", server.url, "--admin-key", ADMIN, "attach",
+                        "redis", "--set", f"remote_url={redis.url}"]) == 0
+    assert "- redis" in capsys.readouterr().out
+    got = server.generate(shared[0])
+    assert got["meta_info"]["cached_tokens"] == TURN // CHUNK * CHUNK
+    assert got["output_ids"] == expected[0]
+
+    assert kvtier_main(["tiers", "--server", server.url, "--admin-key", ADMIN, "detach",
+                        "redis"]) == 0
+    streaming.join(120)
+    got = server.generate(shared[1])  # in Redis, but Redis is no longer attached
+    assert got["meta_info"]["cached_tokens"] == 0
+    assert got["output_ids"] == expected[1]
+
+    status, answer = cli_tiers.request(server.url, {"op": "attach", "tier": "redis",
+                                                    "config": {"remote_urll": "x"}}, ADMIN)
+    assert status == 400 and "remote_urll" in answer["ranks"][0]["error"]
+    assert "remote_url" in answer["ranks"][0]["error"]  # did you mean

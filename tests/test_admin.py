@@ -1,0 +1,81 @@
+"""`kvtier stats | ls | purge` over real disk and Redis tiers (standalone and cluster)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from kvtier.cli import main
+from kvtier.config import load_config
+from kvtier.connectors import SGLangMHAConnector
+from kvtier.engine import CacheEngine
+from tests.conftest import RedisCluster, RedisProcess
+from tests.helpers import SMALL_MHA
+
+CHUNK = 16
+
+
+def _store(cfg_path: Path, model: str, seeds: range) -> None:
+    pool = [torch.randn(400, 2, 8).to(SMALL_MHA.dtype) for _ in range(4)]
+    with CacheEngine(load_config(cfg_path), model_name=model, layout=SMALL_MHA,
+                     connector=SGLangMHAConnector(pool[:2], pool[2:])) as engine:
+        for seed in seeds:
+            ids = torch.randint(0, 30_000, (64,), generator=torch.Generator().manual_seed(seed))
+            assert engine.store(ids, torch.arange(1, 65)) == 64
+        assert engine.storage.flush()
+
+
+def _config(tmp_path: Path, url: str, disk: bool = True) -> Path:
+    path = tmp_path / "kvtier.yaml"
+    data = {"chunk_size": CHUNK, "max_local_cpu_size": 0.01, "remote_url": url}
+    if disk:
+        data.update(local_disk=str(tmp_path / "disk"), max_local_disk_size=0.1)
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_ls_stats_and_purge_one_model(tmp_path: Path, redis_factory,  # noqa: ANN001
+                                      capsys: pytest.CaptureFixture[str],
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    redis: RedisProcess = redis_factory()
+    cfg = _config(tmp_path, redis.url)
+    _store(cfg, "alpha", range(2))  # 2 prompts x 4 chunks
+    _store(cfg, "beta", range(10, 13))  # 3 prompts x 4 chunks
+
+    assert main(["ls", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    rows = {(line.split()[0], line.split()[3], int(line.split()[1]))
+            for line in out.splitlines()[1:]}
+    assert rows == {("disk", "alpha", 8), ("redis", "alpha", 8), ("disk", "beta", 12),
+                    ("redis", "beta", 12)}
+    assert main(["stats", str(cfg)]) == 0
+    stats = capsys.readouterr().out
+    assert any(line.split()[:2] == ["disk", "20"] for line in stats.splitlines())
+    assert any(line.split()[:2] == ["redis", "20"] for line in stats.splitlines())
+
+    monkeypatch.setattr("sys.stdin.isatty", lambda: False)
+    assert main(["purge", str(cfg), "--model", "alpha"]) == 2  # no terminal, no --yes
+    assert "--yes" in capsys.readouterr().err
+    assert main(["purge", str(cfg), "--model", "alpha", "--yes"]) == 0
+    assert "deleted 8 chunks" in capsys.readouterr().out
+    assert main(["ls", str(cfg)]) == 0
+    left = capsys.readouterr().out
+    assert "alpha" not in left and left.count("beta") == 2
+    assert redis.client().dbsize() == 12
+
+
+def test_ls_and_purge_span_every_cluster_primary(
+        tmp_path: Path, redis_cluster: RedisCluster,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = _config(tmp_path, redis_cluster.url, disk=False)
+    _store(cfg, "gamma", range(20, 25))  # 20 chunks spread over the slots
+    assert main(["ls", str(cfg), "--model", "gamma"]) == 0
+    out = capsys.readouterr().out
+    assert [line.split()[:2] for line in out.splitlines()[1:]] == [["redis", "20"]]
+    assert main(["purge", str(cfg), "--model", "gamma", "--yes"]) == 0
+    assert "deleted 20 chunks" in capsys.readouterr().out
+    assert main(["ls", str(cfg), "--model", "gamma"]) == 0
+    assert "nothing stored" in capsys.readouterr().out

@@ -1,0 +1,49 @@
+"""`kvtier demo --small` end to end: real SGLang servers with and without kvtier.
+
+Runs the command as a user would (a subprocess) and checks the JSON it writes: later turns hit
+kvtier's tiers (CPU while the server runs, disk after its restart), every output equals the
+recomputing baseline's, and a hit makes the first token come sooner than recomputing the prefix
+(the small model's 1.5K-token prefill costs several times a load, so this holds on any machine).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.sglang
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_demo_small(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
+        "KVTIER_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvtier.cli", "demo", "--small", "--quiet", "--out", str(out)],
+        env=env, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
+    results = json.loads((out / "demo.json").read_text())
+    rows = results["rows"]
+    turns = [r for r in rows if r["phase"] == "multi-turn"]
+    assert len(turns) == 4  # 2 conversations x 2 turns
+    assert [r["tier"] for r in rows if r["phase"] == "restart"] == ["disk", "disk"]
+
+    # Only the very first request misses: everything after it shares the system prompt.
+    first, *later = turns
+    assert first["hit_tokens"] == 0
+    assert all(r["hit_tokens"] >= 1536 and r["tier"] == "cpu" for r in later)
+    hits = [r for r in rows if r["hit_tokens"] > 0]
+    assert all(r["kvtier_logged_tokens"] == r["hit_tokens"] for r in hits)
+    assert all(r["identical"] for r in rows)
+    assert results["summary"]["all_identical"]
+    # Loading the prefix beats recomputing it, from the CPU tier and from disk alike.
+    assert all(r["ttft_with_s"] < r["ttft_without_s"] for r in hits), hits
+    assert set(results["summary"]["hit_tokens_per_tier"]) == {"cpu", "disk"}
+    assert "demo.json" in proc.stdout

@@ -1,0 +1,59 @@
+"""The demo's generated models: cached by spec, rebuilt when the spec changes, deterministic."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvtier.demo.models import LlamaSpec, cached_llama
+from kvtier.demo.workload import Conversation, Workload
+
+
+def test_cached_llama_builds_once_per_spec(tmp_path: Path) -> None:
+    spec = LlamaSpec(hidden=64, layers=1)
+    path, built = cached_llama(spec, tmp_path)
+    assert built and (path / "config.json").is_file() and (path / "tokenizer.json").is_file()
+    weights = (path / "model.safetensors").read_bytes()
+    again, built_again = cached_llama(spec, tmp_path)
+    assert (again, built_again) == (path, False)
+
+    other, built_other = cached_llama(LlamaSpec(hidden=64, layers=2), tmp_path)
+    assert built_other and other != path
+    # Same spec, same bytes: a regenerated model serves KV stored from the old one.
+    rebuilt, _ = cached_llama(spec, tmp_path / "elsewhere")
+    assert (rebuilt / "model.safetensors").read_bytes() == weights
+    assert not list((tmp_path / "models").glob(".*"))  # no half-built leftovers
+
+
+@pytest.mark.parametrize("kwargs", [{"hidden": 0}, {"hidden": 96, "heads": 5},
+                                    {"heads": 4, "kv_heads": 3}, {"dtype": "int8"}])
+def test_bad_spec_names_the_field(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        LlamaSpec(**kwargs)  # type: ignore[arg-type]
+
+
+def test_turns_extend_the_conversation() -> None:
+    wl = Workload(conversations=2, turns=3, system_prompt_tokens=40, user_tokens=5,
+                  answer_tokens=2)
+    a, b = Conversation(1), Conversation(2)
+    first = a.next_prompt(wl, 1)
+    assert first[:40] == b.next_prompt(wl, 1)[:40] == wl.system_prompt()
+    assert first != b.next_prompt(wl, 1)
+    a.answered(first, [7, 8])
+    second = a.next_prompt(wl, 2)
+    assert second[:len(first) + 2] == first + [7, 8] and len(second) == 40 + 2 * 5 + 2
+    with pytest.raises(ValueError, match="system-prompt-tokens"):
+        Workload(system_prompt_tokens=0)
+
+
+def test_demo_rejects_bad_sizes_before_starting_anything(capsys: pytest.CaptureFixture[str],
+                                                         tmp_path: Path) -> None:
+    from kvtier.cli import main
+
+    out = tmp_path / "out"
+    assert main(["demo", "--turns", "0", "--out", str(out)]) == 2
+    assert "turns must be >= 1" in capsys.readouterr().err
+    assert main(["demo", "--system-prompt-tokens", "20000", "--out", str(out)]) == 2
+    assert "--system-prompt-tokens" in capsys.readouterr().err
+    assert not out.exists()

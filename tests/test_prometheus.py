@@ -1,0 +1,100 @@
+"""The Prometheus endpoint: text format, one naming scheme, series that move with the work."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvtier import prometheus
+from kvtier.config import Config
+from kvtier.connectors import SGLangMHAConnector
+from kvtier.engine import CacheEngine
+from tests.conftest import RedisProcess
+from tests.helpers import SMALL_MHA
+
+CHUNK = 16
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def scrape(port: int) -> tuple[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]]:
+    """(Content-Type, {(sample name, sorted labels): value})."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        ctype, text = resp.headers["Content-Type"], resp.read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return ctype, samples
+
+
+@pytest.fixture
+def engine(tmp_path: Path) -> Iterator[tuple[CacheEngine, int]]:
+    port = _free_port()
+    cfg = Config(chunk_size=CHUNK, max_local_cpu_size=0.01, local_disk=str(tmp_path / "d"),
+                 max_local_disk_size=0.1, metrics_port=port)
+    gen = torch.Generator().manual_seed(0)
+    pool = [torch.randn(512, 2, 8, generator=gen).to(SMALL_MHA.dtype) for _ in range(4)]
+    with CacheEngine(cfg, model_name="m", layout=SMALL_MHA,
+                     connector=SGLangMHAConnector(pool[:2], pool[2:])) as eng:
+        yield eng, port
+
+
+def test_endpoint_speaks_prometheus_text_and_series_move(
+        engine: tuple[CacheEngine, int]) -> None:
+    eng, port = engine
+    ctype, before = scrape(port)
+    assert ctype.startswith("text/plain")
+    ids = torch.arange(1000, 1064)
+    assert eng.store(ids, torch.arange(1, 65)) == 64 and eng.storage.flush()
+    eng.storage.cpu.remove(eng.chunk_keys(ids))  # type: ignore[union-attr]
+    assert eng.retrieve(ids, torch.arange(100, 164)) == 64
+    _, after = scrape(port)
+
+    def moved(name: str, by: float, **labels: str) -> bool:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0) >= by
+
+    assert moved("kvtier_tokens_stored_total", 64)
+    assert moved("kvtier_tokens_loaded_total", 64)
+    assert moved("kvtier_hit_chunks_total", 4, tier="disk")
+    assert moved("kvtier_tier_op_seconds_count", 1, tier="disk", op="put")
+    assert moved("kvtier_tier_op_seconds_count", 1, tier="disk", op="get")
+    assert after[("kvtier_arena_bytes", ())] >= eng.storage.allocator.size
+    assert ("kvtier_entries", (("tier", "disk"),)) in after
+
+
+def test_every_dashboard_query_names_an_exported_metric(
+        engine: tuple[CacheEngine, int], redis_server: RedisProcess) -> None:
+    import json
+    import re
+
+    eng, port = engine
+    eng.attach_tier("redis", dataclasses.replace(eng.config, remote_url=redis_server.url))
+    ids = torch.arange(64)
+    eng.store(ids, torch.arange(1, 65), session_id="s")
+    assert eng.storage.flush()
+    eng.storage.cpu.remove(eng.chunk_keys(ids))  # type: ignore[union-attr]
+    eng.prefetch(ids)
+    assert eng.retrieve(ids, torch.arange(100, 164)) == 64
+    prometheus.sync()
+    _, samples = scrape(port)
+    names = {name for name, _ in samples}
+    dashboard = json.loads((Path(__file__).resolve().parent.parent / "examples" /
+                            "grafana-kvtier.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert exprs
+    for expr in exprs:
+        for metric in re.findall(r"\bkvtier_[a-z_]+", expr):
+            assert metric in names or f"{metric}_total" in names, (metric, expr)
