@@ -50,8 +50,8 @@ from redis._parsers import Encoder
 from redis.connection import PythonRespSerializer
 
 from kvtier.backends import BackendContext
-from kvtier.backends import redis_io as rio
 from kvtier.backends.redis import RedisBackend
+from kvtier.backends.redis import io as rio
 from kvtier.config import Config
 from kvtier.keys import KeyBuilder
 from kvtier.memory import KVLayout, MemoryAllocator

@@ -18,11 +18,10 @@ from kvtier.backends import recordfile as rf
 from kvtier.backends.record import FIXED_SIZE, header_len, read_key
 from kvtier.config import Config
 from kvtier.errors import CorruptEntry
-from kvtier.keys import KEY_VERSION, key_of_redis_name, parse_key
+from kvtier.keys import ALL_KEYS, KeySpace, key_of_redis_name
 
 __all__ = ["Entry", "Group", "entries", "groups", "purge"]
 
-KEY_SPACE = f"{KEY_VERSION}/"
 SCAN_BATCH = 1000
 
 
@@ -37,13 +36,13 @@ class Entry:
 
     @property
     def model(self) -> str:
-        parts = parse_key(self.key)
-        return parts.model if parts else "?"
+        parsed = KeySpace.parse(self.key)
+        return parsed[0].model if parsed else "?"
 
     @property
     def layout(self) -> str:
-        parts = parse_key(self.key)
-        return parts.layout if parts else "?"
+        parsed = KeySpace.parse(self.key)
+        return parsed[0].layout if parsed else "?"
 
 
 @dataclass(frozen=True)
@@ -118,7 +117,7 @@ def _disk_entries(root: Path) -> Iterator[Entry]:
 
 def _router(config: Config):  # noqa: ANN202 - redis-py types only when the extra is there
     check_dependencies("redis")
-    from kvtier.backends.redis_url import Router, parse_remote_url
+    from kvtier.backends.redis.url import Router, parse_remote_url
 
     assert config.remote_url is not None
     return Router(parse_remote_url(config.remote_url), config.remote_timeout_secs)
@@ -134,22 +133,21 @@ def _redis_entries(config: Config) -> Iterator[Entry]:
 
 
 def _scan_node(client) -> Iterator[Entry]:  # noqa: ANN001
-    segments: dict[str, list[str]] = {}
-    for raw in client.scan_iter(match=f"{KEY_SPACE}*", count=SCAN_BATCH):
+    segments: dict[str, list[str]] = {}  # key string -> its record's Redis names
+    for raw in client.scan_iter(match=ALL_KEYS, count=SCAN_BATCH):
         rkey = raw.decode() if isinstance(raw, bytes) else raw
-        main = rkey.split("#", 1)[0]
-        segments.setdefault(main, []).append(rkey)
-    names = list(segments)
-    for start in range(0, len(names), SCAN_BATCH):
-        batch = names[start:start + SCAN_BATCH]
+        segments.setdefault(key_of_redis_name(rkey), []).append(rkey)
+    keys = list(segments)
+    for start in range(0, len(keys), SCAN_BATCH):
+        batch = keys[start:start + SCAN_BATCH]
         pipe = client.pipeline(transaction=False)
-        for main in batch:
-            for rkey in segments[main]:
+        for key in batch:
+            for rkey in segments[key]:
                 pipe.strlen(rkey)
         sizes = iter(pipe.execute())
-        for main in batch:
-            nbytes = sum(next(sizes) for _ in segments[main])
-            yield Entry("redis", key_of_redis_name(main), nbytes, tuple(segments[main]))
+        for key in batch:
+            nbytes = sum(next(sizes) for _ in segments[key])
+            yield Entry("redis", key, nbytes, tuple(segments[key]))
 
 
 def _redis_delete(config: Config, keys: list[str]) -> None:

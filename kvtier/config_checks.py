@@ -176,7 +176,7 @@ def _check_remote_url(url: str) -> None:
     if not sep or scheme not in (*REMOTE_SCHEMES, "resp"):
         raise _fail("config", "remote_url", f"{shown!r}: scheme must be one of {supported}")
     try:
-        from kvtier.backends.redis_url import parse_remote_url
+        from kvtier.backends.redis.url import parse_remote_url
     except ImportError as exc:
         raise _fail("config", "remote_url", f"the Redis tier needs the 'redis' package "
                     f"(redis-py), which cannot be imported ({exc}): "

@@ -81,6 +81,8 @@ class CacheEngine:
             world_size=1 if mla else world_size, salt=config.hash_salt,
             save_unfull_chunk=config.save_unfull_chunk)
         self.storage = storage or StorageManager(config, layout)
+        self.storage.counters.declare("tokens_stored", "tokens_loaded", "tokens_requested",
+                                      "store_no_memory")
         self._owns_storage = storage is None
         if config.metrics_port is not None:
             _serve_metrics(config.metrics_port + rank)

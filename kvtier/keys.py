@@ -16,10 +16,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["ChunkKey", "KeyBuilder", "KeyParts", "encode_tokens", "key_prefix", "parse_key",
-           "stub_key", "redis_name", "key_of_redis_name", "KEY_VERSION"]
+__all__ = ["ChunkKey", "KeyBuilder", "KeySpace", "encode_tokens", "stub_key", "redis_names",
+           "key_of_redis_name", "KEY_VERSION", "ALL_KEYS"]
 
 KEY_VERSION = "kvtier/v1"
+ALL_KEYS = f"{KEY_VERSION}/*"  # a glob (Redis SCAN MATCH) over every kvtier key
 _U32_MAX = 2**32 - 1
 _U32_CODE = next(code for code in "IL" if array.array(code).itemsize == 4)
 
@@ -79,27 +80,47 @@ def encode_tokens(token_ids: torch.Tensor | Sequence[int] | np.ndarray) -> memor
     return np.ascontiguousarray(arr, dtype="<u4").data.cast("B")
 
 
-class KeyParts(NamedTuple):
-    """The fields of a key string `kvtier/v1/{model}/{layout}/{rank}of{world}/{digest}`."""
+class KeySpace(NamedTuple):
+    """One namespace of chunk keys: `kvtier/v1/{model}/{layout}/{shard}/{digest}`.
+
+    The one place key strings are built and parsed: `KeyBuilder` and the HiCache backend name
+    chunks with it, `kvtier ls` reads model and layout back with `parse`.
+    """
 
     model: str
-    layout: str
-    shard: str  # "{rank}of{world}"
-    digest: str
+    layout: str  # the layout fingerprint (`KVLayout.fingerprint`)
+    shard: str = "0of1"  # "{rank}of{world}"; the HiCache backend adds "-pp{rank}of{size}"
 
+    @property
+    def prefix(self) -> str:
+        return f"{KEY_VERSION}/{self.model}/{self.layout}/{self.shard}/"
 
-def key_prefix(model: str, fingerprint: str, shard: str = "0of1") -> str:
-    """The key strings of one (model, layout, shard) namespace start with this; `shard` is
-    `{rank}of{world}` (the HiCache backend adds `-pp{rank}of{size}`)."""
-    return f"{KEY_VERSION}/{model}/{fingerprint}/{shard}/"
+    def key(self, digest: str) -> str:
+        return self.prefix + digest
 
+    def opaque_keys(self, digests: Sequence[str], num_tokens: int,
+                    prev: str | None = None) -> list[ChunkKey]:
+        """Keys of chunks named by digests computed elsewhere (SGLang HiCache's page hashes),
+        chained after digest `prev`. No token ids are known, so each key carries
+        `num_tokens` x 4 bytes derived from its key string instead: records still verify
+        that what they hold belongs to the key."""
+        out = []
+        prev_key = None if prev is None else self.key(prev)
+        for digest in digests:
+            key = self.key(digest)
+            seed = hashlib.sha256(key.encode()).digest()
+            tokens = (seed * (num_tokens * 4 // len(seed) + 1))[: num_tokens * 4]
+            out.append(ChunkKey(key, 0, num_tokens, tokens, prev_key))
+            prev_key = key
+        return out
 
-def parse_key(key: str) -> KeyParts | None:
-    """The fields of a kvtier key string; None for anything else."""
-    parts = key.split("/")
-    if len(parts) != 6 or "/".join(parts[:2]) != KEY_VERSION:
-        return None
-    return KeyParts(parts[2], parts[3], parts[4], parts[5])
+    @staticmethod
+    def parse(key: str) -> tuple[KeySpace, str] | None:
+        """The namespace and digest of a kvtier key string; None for anything else."""
+        parts = key.split("/")
+        if len(parts) != 6 or "/".join(parts[:2]) != KEY_VERSION:
+            return None
+        return KeySpace(parts[2], parts[3], parts[4]), parts[5]
 
 
 def stub_key(key: str) -> ChunkKey:
@@ -108,15 +129,16 @@ def stub_key(key: str) -> ChunkKey:
     return ChunkKey(key, 0, 0, b"", None)
 
 
-def redis_name(key: str) -> str:
-    """The Redis name of a chunk's record: the digest is the hash tag (`prefix/{digest}`), so a
-    cluster keeps a record's segments (`name#1`, `name#2`, ...) in one slot."""
+def redis_names(key: str, nseg: int = 1) -> list[str]:
+    """The Redis names of a chunk's record stored in `nseg` segments: `prefix/{digest}`, then
+    `prefix/{digest}#1`, ... The digest is the hash tag, so a cluster keeps them in one slot."""
     prefix, _, digest = key.rpartition("/")
-    return f"{prefix}/{{{digest}}}"
+    main = f"{prefix}/{{{digest}}}"
+    return [main] + [f"{main}#{i}" for i in range(1, nseg)]
 
 
 def key_of_redis_name(name: str) -> str:
-    """The key string of a Redis record (segment suffix ignored); inverse of `redis_name`."""
+    """The key string of a Redis record or segment name; inverse of `redis_names`."""
     main = name.split("#", 1)[0]
     prefix, _, tagged = main.rpartition("/")
     return f"{prefix}/{tagged.strip('{}')}"
@@ -144,7 +166,8 @@ class KeyBuilder:
             raise ValueError(f"rank must lie in [0, world_size={world_size}), got {rank}")
         self.chunk_size = chunk_size
         self.save_unfull_chunk = save_unfull_chunk
-        self.prefix = key_prefix(model, fingerprint, f"{rank}of{world_size}")
+        self.space = KeySpace(model, fingerprint, f"{rank}of{world_size}")
+        self.prefix = self.space.prefix
         self._root = hashlib.sha256(KEY_VERSION.encode() + salt.encode()).digest()
 
     def num_keyed_tokens(self, num_tokens: int) -> int:

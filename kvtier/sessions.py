@@ -17,7 +17,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from kvtier.backends.cpu import CPUBackend
+from kvtier.backends.base import HotTier
 from kvtier.keys import ChunkKey
 from kvtier.metrics import Counters
 
@@ -37,12 +37,13 @@ class SessionPins:
         clock: monotonic seconds (tests pass their own).
     """
 
-    def __init__(self, cpu: CPUBackend, cap_bytes: int, ttl_s: float, counters: Counters,
+    def __init__(self, cpu: HotTier, cap_bytes: int, ttl_s: float, counters: Counters,
                  clock: Callable[[], float] = time.monotonic):
         self._cpu = cpu
         self._cap = cap_bytes
         self._ttl = ttl_s
         self._counters = counters
+        counters.declare("session_releases", "session_unpins_ttl", "session_unpins_cap")
         self._clock = clock
         self._lock = threading.Lock()
         # session id -> (pinned keys in prefix order, last use); least recently used first

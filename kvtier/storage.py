@@ -1,28 +1,30 @@
-"""The storage manager: an ordered list of tiers behind one batched, prefix-aware interface.
+"""The storage manager: a hot tier and ordered lower tiers behind one batched, prefix-aware
+interface.
 
-Puts land in the CPU tier at once and reach the lower tiers in the background per the write
-policy; gets walk the tiers in order and promote lower-tier hits into the CPU tier. Every tier
-failure is turned into a miss here, counted and logged at a limited rate.
+Puts land in the hot (CPU) tier at once and reach the lower tiers in the background per the
+write policy; gets walk the tiers in order and promote lower-tier hits into the hot tier. Each
+lower tier sits behind a guard that turns its failures into counted misses (`kvtier.guard`).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Generator, Iterator, Sequence
 from contextlib import closing, contextmanager
 
 from kvtier import prometheus
-from kvtier.backends import BackendContext, StorageBackend, create_backend
-from kvtier.backends.cpu import CPUBackend
+from kvtier.backends import BackendContext, HotTier, StorageBackend, create_backend
+from kvtier.backends.cpu import NullHotTier
 from kvtier.config import Config
+from kvtier.guard import GuardedHotTier, GuardedTier
 from kvtier.keys import ChunkKey, stub_key
 from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj
 from kvtier.metrics import Counters, RateLimitedLog
+from kvtier.policy import make_write_policy
 from kvtier.prefetch import Prefetch, Prefetcher
 from kvtier.sessions import SessionPins
-from kvtier.tierset import TierSet
+from kvtier.tierset import TierSet, retire
 from kvtier.writer import TierWriter
 
 __all__ = ["StorageManager"]
@@ -34,6 +36,8 @@ logger = logging.getLogger(__name__)
 PREFETCH_WINDOW = 64
 PREFETCH_WORKERS = 2
 PREFETCH_MAX_PENDING = 256
+COUNTERS = ("chunks_put", "cpu_evictions", "prefetches", "prefetch_dropped", "prefetch_timeouts",
+            "prefetch_dropped_chunks", "tier_attached", "tier_detached")
 
 
 class StorageManager:
@@ -50,23 +54,30 @@ class StorageManager:
         self.config = config
         self.layout = layout
         self.allocator = allocator or MemoryAllocator(int(config.max_local_cpu_size * 1e9))
-        self.counters = Counters()
+        self.counters = Counters(*COUNTERS)
         self._warn = RateLimitedLog(logger)
-        self._hits: dict[str, int] = {}  # per-chunk hit counts for write_through_selective
         self._lock = threading.Lock()
-        ctx = BackendContext(config=config, layout=layout, allocator=self.allocator)
-        tiers: list[StorageBackend] = []
+        ctx = BackendContext(config, layout, self.allocator, self.counters)
+        hot: HotTier = NullHotTier()
+        if config.local_cpu:
+            cpu = create_backend("cpu", ctx)
+            assert isinstance(cpu, HotTier), cpu
+            hot = GuardedHotTier(cpu, self.counters, self._warn)
+        self.counters.declare(f"{hot.name}.hit_chunks")
+        self.hot = hot
+        self.policy = make_write_policy(config, hot)
+        self._set = TierSet()
         try:
             for name in config.tiers:
-                tiers.append(create_backend(name, ctx))
+                if name != "cpu":
+                    self._set.add(*self._guarded(create_backend(name, ctx)))
         except BaseException:
-            for tier in tiers:
-                tier.close()
+            for writer in self._writers:
+                writer.close(config.blocking_timeout_secs)  # nothing queued: returns at once
+            self._close_tiers()
             raise
-        self.cpu = next((t for t in tiers if isinstance(t, CPUBackend)), None)
-        self._set = TierSet(tiers, [self._writer_for(t) for t in tiers if t is not self.cpu])
-        self.sessions = None if self.cpu is None else SessionPins(
-            self.cpu, int(config.max_session_pinned_fraction * self.allocator.size),
+        self.sessions = SessionPins(
+            hot, int(config.max_session_pinned_fraction * self.allocator.size),
             config.session_ttl_secs, self.counters)
         self._inflight: dict[str, threading.Event] = {}  # chunk -> set when its load ends
         self._prefetcher = Prefetcher(
@@ -76,21 +87,26 @@ class StorageManager:
         self.allocator.set_evictor(self._evict)
         prometheus.register(self)
         logger.info("kvtier storage: tiers %s, write policy %s", [t.name for t in self.tiers],
-                    config.write_policy)
+                    self.policy.name)
 
     @property
     def tiers(self) -> list[StorageBackend]:
         """The attached tiers, fastest first (a snapshot: attach/detach publish new lists)."""
-        return self._set.tiers
+        lower: list[StorageBackend] = list(self._set.tiers)
+        return [self.hot, *lower] if self.hot.resident else lower
 
     @property
     def _writers(self) -> list[TierWriter]:
         return self._set.writers
 
-    def _writer_for(self, tier: StorageBackend) -> TierWriter:
-        back = self.config.write_policy == "write_back"
-        return TierWriter(tier, self.config.write_queue_chunks, self.counters, self._warn,
-                          reachable=self._in_cpu if back else _never)
+    def _guarded(self, tier: StorageBackend) -> tuple[GuardedTier, TierWriter]:
+        """`tier` behind the failure guard, and its background writer."""
+        guarded = GuardedTier(tier, self.counters, self._warn)
+        self.counters.declare(f"{tier.name}.hit_chunks")
+        reachable = self._in_hot if self.policy.holds_back else _never
+        writer = TierWriter(guarded, self.config.write_queue_chunks, self.counters, self._warn,
+                            reachable=reachable)
+        return guarded, writer
 
     # -- the serving path ------------------------------------------------------------------
 
@@ -101,11 +117,8 @@ class StorageManager:
             raise ValueError(f"keys and objs differ in length: {len(keys)} != {len(objs)}")
         if self._closed or not keys:
             return
-        if self.cpu is not None:
-            self._call(self.cpu, "batch_put", keys, objs)
-        if self.cpu is None or self.config.write_policy == "write_through":
-            for writer in self._writers:
-                writer.submit(keys, objs)
+        self.hot.batch_put(keys, objs)
+        self.policy.on_put(keys, objs, self._writers)
         self.counters.inc("chunks_put", len(keys))
 
     @contextmanager
@@ -134,20 +147,19 @@ class StorageManager:
         to the end) to stop the reads in flight.
         """
         n = 0
-        tiers = self.tiers if not hot_only else [self.cpu] if self.cpu is not None else []
-        selective = self.config.write_policy == "write_through_selective"
+        tiers = [self.hot] if hot_only else self.tiers
         while n < len(keys) and not self._closed:
             got = 0
             for tier in tiers:
-                for obj in self._iter_tier(tier, keys[n:]):
-                    if tier is not self.cpu and self.cpu is not None:
-                        self._call(self.cpu, "batch_put", [keys[n]], [obj])  # promote
-                    if selective:
-                        self._count_hits([keys[n]], [obj])
-                    self.counters.inc(f"{tier.name}.hit_chunks")
-                    got += 1
-                    n += 1
-                    yield obj
+                with closing(tier.iter_get(keys[n:])) as objs:
+                    for obj in objs:
+                        if tier is not self.hot:
+                            self.hot.batch_put([keys[n]], [obj])  # promote
+                        self.policy.on_hit(keys[n], obj, self._writers)
+                        self.counters.inc(f"{tier.name}.hit_chunks")
+                        got += 1
+                        n += 1
+                        yield obj
                 if got:
                     break
             if not got:
@@ -157,11 +169,11 @@ class StorageManager:
         """How many leading `keys` some tier (only the CPU tier with `hot_only`) holds; no
         data moves."""
         if hot_only:
-            return (self._call(self.cpu, "batch_contains", keys) or 0) if self.cpu else 0
+            return self.hot.batch_contains(keys)
         n = 0
         while n < len(keys) and not self._closed:
             for tier in self.tiers:
-                got = self._call(tier, "batch_contains", keys[n:]) or 0
+                got = tier.batch_contains(keys[n:])
                 if got:
                     n += got
                     break
@@ -184,7 +196,7 @@ class StorageManager:
         budget = (cfg.prefetch_timeout_base_ms + cfg.prefetch_timeout_per_token_ms * tokens) / 1e3
         prefetch = Prefetch(keys, cfg.prefetch_policy, budget, drop=self._drop_promoted)
         prefetch.arena_before = self.allocator.used_bytes
-        if self.cpu is None or self._closed or not keys:
+        if not self.hot.resident or self._closed or not keys:
             prefetch.finish(0)
         else:
             self.counters.inc("prefetches")
@@ -202,15 +214,14 @@ class StorageManager:
 
     def pin_session(self, session_id: str, keys: Sequence[ChunkKey]) -> int:
         """Pin `keys` (the session's latest prefix) in the CPU tier; see `SessionPins`."""
-        return 0 if self.sessions is None else self.sessions.pin(session_id, keys)
+        return self.sessions.pin(session_id, keys)
 
     def touch_session(self, session_id: str) -> None:
-        if self.sessions is not None:
-            self.sessions.touch(session_id)
+        self.sessions.touch(session_id)
 
     def release_session(self, session_id: str) -> bool:
         """Unpin a session's chunks (it ended); False if it held none."""
-        return self.sessions is not None and self.sessions.release(session_id)
+        return self.sessions.release(session_id)
 
     def attach_tier(self, name: str, config: Config | None = None) -> None:
         """Add lower tier `name` while stores and loads run; it serves hits at once.
@@ -224,13 +235,11 @@ class StorageManager:
             ValueError: `name` is `cpu` or already attached.
             ConfigError: the tier cannot be built from `config` (e.g. no `remote_url`).
         """
-        if name == "cpu" or self._set.find(name) is not None:
+        if name == "cpu" or self._set.find(name) is not None:  # checked before a build
             raise ValueError(f"tier {name!r} cannot be attached: it is the CPU tier or "
                              f"already attached ({[t.name for t in self.tiers]})")
-        ctx = BackendContext(config=config or self.config, layout=self.layout,
-                             allocator=self.allocator)
-        tier = create_backend(name, ctx)
-        writer = self._writer_for(tier)
+        ctx = BackendContext(config or self.config, self.layout, self.allocator, self.counters)
+        tier, writer = self._guarded(create_backend(name, ctx))
         try:
             self._set.add(tier, writer)
         except ValueError:
@@ -262,37 +271,27 @@ class StorageManager:
             threading.Thread(target=self._retire, args=(tier, writer, drain, timeout),
                              name=f"kvtier-detach-{name}", daemon=True).start()
 
-    def _retire(self, tier: StorageBackend, writer: TierWriter | None, drain: bool,
+    def _retire(self, tier: GuardedTier, writer: TierWriter, drain: bool,
                 timeout: float) -> None:
-        """Drain or drop a detached tier's writes, let its calls finish, close it."""
-        name = tier.name
-        if writer is not None:
-            if drain:
-                writer.close(timeout)
-            else:
-                writer.cancel(timeout)
-        if not self._set.wait_unused(tier, timeout):
-            self._warn.warning(f"detach-{name}", "kvtier: calls on tier %s still running "
-                               "after %.1fs; closing it under them", name, timeout)
-        self._call(tier, "close")
+        retire(tier, writer, drain=drain, timeout=timeout, warn=self._warn)
         self.counters.inc("tier_detached")
-        logger.info("kvtier: detached tier %s; tiers now %s", name, [t.name for t in self.tiers])
+        logger.info("kvtier: detached tier %s; tiers now %s", tier.name,
+                    [t.name for t in self.tiers])
 
     def remove(self, keys: Sequence[ChunkKey]) -> int:
         """Delete `keys` from every tier; returns the most any one tier deleted."""
-        return max((self._call(t, "remove", keys) or 0 for t in self.tiers), default=0)
+        return max((t.remove(keys) for t in self.tiers), default=0)
 
     def stats(self) -> dict[str, float]:
         """Manager counters plus every tier's stats as `tier.name` entries."""
         out: dict[str, float] = dict(self.counters.snapshot())
         for tier in self.tiers:
-            for name, value in (self._call(tier, "stats") or {}).items():
+            for name, value in tier.stats().items():
                 out[f"{tier.name}.{name}"] = value
         for writer in self._writers:
             out[f"{writer.backend.name}.write_queue"] = writer.pending()
         out["prefetch_queue"] = self._prefetcher.pending()
-        if self.sessions is not None:
-            out.update(self.sessions.stats())
+        out.update(self.sessions.stats())
         out["arena_used_bytes"] = self.allocator.used_bytes
         out["arena_bytes"] = self.allocator.size
         return out
@@ -308,53 +307,18 @@ class StorageManager:
         if self._closed:
             return
         self._prefetcher.close(self.config.blocking_timeout_secs)
-        if self.config.write_policy == "write_back" and self.cpu is not None:
-            # Write-back keeps the only copy in memory: hand it down, parents first.
-            for key, obj in reversed(self.cpu.pop_lru(self.allocator.size)):
-                for writer in self._writers:
-                    writer.submit([key], [obj])
-                obj.release()
+        self.policy.on_close(self.hot, self.allocator.size, self._writers)
         self._closed = True
         for writer in self._writers:
             writer.close(self.config.blocking_timeout_secs)
         self._set.writers = []
-        if self.sessions is not None:
-            self.sessions.close()
+        self.sessions.close()
         self.allocator.set_evictor(None)
-        for tier in self.tiers:
-            self._call(tier, "close")
+        self._close_tiers()
         self.allocator.close()  # warns if a reader still holds an object (a leak)
         logger.info("kvtier storage closed: %s", self.counters.snapshot())
 
     # -- internals ---------------------------------------------------------------------------
-
-    def _count_hits(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]) -> None:
-        threshold = self.config.selective_write_threshold
-        due: list[int] = []
-        with self._lock:
-            for i, key in enumerate(keys):
-                count = self._hits.get(key.key, 0) + 1
-                self._hits[key.key] = count
-                if count == threshold:
-                    due.append(i)
-            if len(self._hits) > 1_000_000:  # bounded: forget the oldest half
-                for name in list(self._hits)[: len(self._hits) // 2]:
-                    del self._hits[name]
-        if due:
-            for writer in self._writers:
-                writer.submit([keys[i] for i in due], [objs[i] for i in due])
-
-    def _iter_tier(self, tier: StorageBackend, keys: Sequence[ChunkKey],
-                   ) -> Generator[MemoryObj, None, None]:
-        """`tier.iter_get(keys)`, with any failure turned into a counted miss."""
-        start = time.perf_counter()
-        try:
-            with self._set.using(tier), closing(tier.iter_get(keys)) as objs:
-                yield from objs
-        except Exception as exc:  # a tier must never take serving down
-            self._tier_failed(tier, "get", exc)
-        finally:
-            prometheus.observe(tier.name, "get", time.perf_counter() - start)
 
     def _prefetch_load(self, prefetch: Prefetch) -> int:
         """A prefetch's work (worker thread): load its chunks into the CPU tier, window by
@@ -397,8 +361,8 @@ class StorageManager:
     def _drop_promoted(self, prefetch: Prefetch) -> None:
         """Remove what `prefetch` brought into the CPU tier, deepest chunk first."""
         removed = 0
-        if self.cpu is not None and prefetch.promoted:
-            removed = self._call(self.cpu, "remove", prefetch.promoted[::-1]) or 0
+        if prefetch.promoted:
+            removed = self.hot.remove(prefetch.promoted[::-1])
             self.counters.inc("prefetch_dropped_chunks", removed)
         prefetch.promoted = []
         logger.info("kvtier: dropped %d chunks of a cancelled prefetch; arena holds %d bytes "
@@ -415,45 +379,25 @@ class StorageManager:
         return n
 
     def _evict(self, nbytes: int) -> int:
-        """Arena callback: free at least `nbytes` by evicting from the CPU tier if possible."""
-        if self.cpu is None:
-            return 0
-        if self.sessions is not None:
-            self.sessions.expire()  # idle sessions' chunks become evictable first
-        popped = self.cpu.pop_lru(nbytes)
+        """Arena callback: free at least `nbytes` by evicting from the hot tier if possible."""
+        self.sessions.expire()  # idle sessions' chunks become evictable first
+        popped = self.hot.pop_lru(nbytes)
         freed = 0
-        # Leaves come first; write-back hands parents down first so no child is an orphan.
+        # Leaves come first; hand parents down first so no child is an orphan.
         for key, obj in reversed(popped):
             freed += obj.nbytes
-            if self.config.write_policy == "write_back":
-                for writer in self._writers:
-                    writer.submit([key], [obj])
+            self.policy.on_evict(key, obj, self._writers)
             obj.release()
         if popped:
             self.counters.inc("cpu_evictions", len(popped))
         return freed
 
-    def _in_cpu(self, key: str) -> bool:
-        return self.cpu is not None and self.cpu.batch_contains([stub_key(key)]) == 1
+    def _in_hot(self, key: str) -> bool:
+        return self.hot.batch_contains([stub_key(key)]) == 1
 
-    def _call(self, tier: StorageBackend, method: str, *args: object):  # noqa: ANN202
-        """Call a tier; any failure is a counted, rate-limited miss."""
-        start = time.perf_counter()
-        try:
-            with self._set.using(tier):
-                return getattr(tier, method)(*args)
-        except Exception as exc:  # a tier must never take serving down
-            self._tier_failed(tier, method, exc)
-            return None
-        finally:
-            if method.startswith("batch_") or method == "remove":
-                prometheus.observe(tier.name, method.removeprefix("batch_"),
-                                   time.perf_counter() - start)
-
-    def _tier_failed(self, tier: StorageBackend, method: str, exc: Exception) -> None:
-        self.counters.inc(f"{tier.name}.errors")
-        self._warn.warning(f"{tier.name}-{method}", "kvtier: tier %s %s failed: %r",
-                           tier.name, method, exc)
+    def _close_tiers(self) -> None:
+        for tier in [self.hot, *self._set.tiers]:
+            tier.close()
 
 
 def _never(key: str) -> bool:

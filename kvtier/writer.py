@@ -15,7 +15,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from kvtier import prometheus
 from kvtier.backends.base import StorageBackend
 from kvtier.keys import ChunkKey, stub_key
 from kvtier.memory import MemoryObj
@@ -42,6 +41,8 @@ class TierWriter:
         self.backend = backend
         self._queue: queue.Queue[tuple[ChunkKey, MemoryObj] | None] = queue.Queue(capacity)
         self._counters = counters
+        counters.declare(*(f"{backend.name}.{event}" for event in (
+            "writes", "write_dropped", "write_errors", "write_orphans", "write_cancelled")))
         self._warn = warn
         self._reachable = reachable
         self._recent: OrderedDict[str, None] = OrderedDict()
@@ -149,13 +150,11 @@ class TierWriter:
         try:
             keys, objs = self._orderly(batch)
             if keys:
-                start = time.perf_counter()
                 written = self.backend.batch_put(keys, objs)
-                prometheus.observe(name, "put", time.perf_counter() - start)
                 self._counters.inc(f"{name}.writes", written)
                 for key in keys[:written]:
                     self._remember(key.key)
-        except Exception as exc:  # a tier failure must not kill the writer
+        except Exception as exc:  # never kill the writer (tier failures are already misses)
             self._counters.inc(f"{name}.write_errors", len(batch))
             self._warn.warning(f"write-{name}", "kvtier: %s write failed: %r", name, exc)
         finally:

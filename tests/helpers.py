@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable, Iterable, Sequence
+
 import torch
 
 from kvtier.keys import ChunkKey, KeyBuilder
-from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj
+from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj, lease
 
 SMALL_MHA = KVLayout.mha(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
 SMALL_MLA = KVLayout.mla(num_layers=3, kv_dim=24, dtype=torch.float16)
@@ -42,3 +45,36 @@ def make_obj(alloc: MemoryAllocator, layout: KVLayout, num_tokens: int, seed: in
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
         a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def put_random(put: Callable[[Sequence[ChunkKey], Sequence[MemoryObj]], int | None],
+               alloc: MemoryAllocator, layout: KVLayout, keys: Sequence[ChunkKey],
+               seed: int = 0) -> list[torch.Tensor]:
+    """Put fresh random objects for `keys` through `put` (a tier's `batch_put`, which must
+    store them all, or a manager's `put`); returns copies of what was put."""
+    objs = [make_obj(alloc, layout, k.num_tokens, seed + i) for i, k in enumerate(keys)]
+    want = [o.tensor.clone() for o in objs]
+    with lease(objs):
+        assert put(keys, objs) in (None, len(keys))
+    return want
+
+
+def run_threads(target: Callable[..., None], args: Iterable[tuple], timeout: float = 300) -> None:
+    """Run `target(*a)` on a thread of its own for each `a`, all at once; re-raise the first
+    exception any of them raised (an assertion in a thread must fail the test)."""
+    errors: list[BaseException] = []
+
+    def run(*a: object) -> None:
+        try:
+            target(*a)
+        except BaseException as exc:  # handed to the caller below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=a) for a in args]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), f"threads still running after {timeout}s"
+    if errors:
+        raise errors[0]

@@ -168,7 +168,7 @@ def test_resp_is_redis_and_extra_config_gives_credentials(tmp_path: Path) -> Non
                   "  password: 'p@ss:w/rd'\n  resp_num_threads: 8\n")
     cfg = load_config(path, env={})
     assert cfg.remote_url == "redis://u%20s:p%40ss%3Aw%2Frd@h:6379"
-    from kvtier.backends.redis_url import parse_remote_url
+    from kvtier.backends.redis.url import parse_remote_url
 
     target = parse_remote_url(cfg.remote_url)
     assert (target.kwargs["username"], target.kwargs["password"]) == ("u s", "p@ss:w/rd")

@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -10,7 +8,7 @@ from kvtier.connectors import SGLangMHAConnector, SGLangMLAConnector
 from kvtier.connectors.base import KVConnector
 from kvtier.engine import CacheEngine
 from kvtier.memory import KVLayout
-from tests.helpers import same_bytes
+from tests.helpers import run_threads, same_bytes
 
 SLOTS = 512
 CHUNK = 16
@@ -255,7 +253,7 @@ def test_eviction_keeps_prefixes_usable() -> None:
         for p, hit in zip(prompts, hits):
             # What is left of each prompt is a prefix: exactly the chunks before `hit`.
             keys = eng.chunk_keys(p)
-            present = [eng.storage.cpu.batch_contains([key]) for key in keys]  # type: ignore[union-attr]
+            present = [eng.storage.hot.batch_contains([key]) for key in keys]
             assert present == [1] * (hit // CHUNK) + [0] * (len(keys) - hit // CHUNK)
         eng.storage.allocator.check_integrity()
 
@@ -266,36 +264,27 @@ def test_eight_threads_overlapping_prompts() -> None:
     base = torch.randint(0, 30_000, (64,), generator=torch.Generator().manual_seed(1))
     chunk_bytes = src.layout.nbytes(CHUNK)
     cfg = _config(max_local_cpu_size=40 * chunk_bytes / 1e9)
-    errors: list[BaseException] = []
     engine = CacheEngine(cfg, model_name="m", layout=src.layout, connector=src)
 
     def work(i: int) -> None:
-        try:
-            k2, v2 = _zeros_like(k), _zeros_like(v)
-            dst = SGLangMHAConnector(k2, v2)
-            mine = CacheEngine(cfg, model_name="m", layout=dst.layout, connector=dst,
-                               storage=engine.storage)
-            gen = torch.Generator().manual_seed(100 + i)
-            for _ in range(25):
-                tail = torch.randint(0, 30_000, (32,), generator=gen)
-                prompt = torch.cat([base, tail])
-                # Same tokens must mean same KV: the shared prefix lives in the same source rows.
-                tail_slots = 65 + torch.randperm(SLOTS - 65, generator=gen)[:32]
-                slots = torch.cat([torch.arange(1, 65), tail_slots])
-                engine.store(prompt, slots)
-                got = mine.retrieve(prompt, slots)
-                assert got % CHUNK == 0
-                for s, d in zip(k + v, k2 + v2):
-                    assert same_bytes(s[slots[:got]], d[slots[:got]])
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
+        k2, v2 = _zeros_like(k), _zeros_like(v)
+        dst = SGLangMHAConnector(k2, v2)
+        mine = CacheEngine(cfg, model_name="m", layout=dst.layout, connector=dst,
+                           storage=engine.storage)
+        gen = torch.Generator().manual_seed(100 + i)
+        for _ in range(25):
+            tail = torch.randint(0, 30_000, (32,), generator=gen)
+            prompt = torch.cat([base, tail])
+            # Same tokens must mean same KV: the shared prefix lives in the same source rows.
+            tail_slots = 65 + torch.randperm(SLOTS - 65, generator=gen)[:32]
+            slots = torch.cat([torch.arange(1, 65), tail_slots])
+            engine.store(prompt, slots)
+            got = mine.retrieve(prompt, slots)
+            assert got % CHUNK == 0
+            for s, d in zip(k + v, k2 + v2):
+                assert same_bytes(s[slots[:got]], d[slots[:got]])
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not errors, errors[0]
+    run_threads(work, [(i,) for i in range(8)])
     alloc = engine.storage.allocator
     engine.close()
     alloc.check_integrity()

@@ -87,16 +87,18 @@ def test_keys_identical_across_interpreters() -> None:
 
 
 def test_key_strings_parse_and_map_to_redis_names_and_back() -> None:
-    from kvtier.keys import key_of_redis_name, parse_key, redis_name, stub_key
+    from kvtier.keys import KeySpace, key_of_redis_name, redis_names, stub_key
 
     kb = KeyBuilder(model="llama", fingerprint="fp1", chunk_size=16, rank=1, world_size=2)
     key = kb.keys(list(range(32)))[1].key
-    parts = parse_key(key)
-    assert parts is not None and (parts.model, parts.layout, parts.shard) == ("llama", "fp1",
-                                                                             "1of2")
-    assert key.endswith("/" + parts.digest) and len(parts.digest) == 64
-    name = redis_name(key)
-    assert name.endswith("{" + parts.digest + "}")
-    assert key_of_redis_name(name) == key == key_of_redis_name(name + "#3")
-    assert parse_key("not/a/kvtier/key") is None and parse_key("kvtier/v2/a/b/c/d") is None
+    parsed = KeySpace.parse(key)
+    assert parsed is not None
+    space, digest = parsed
+    assert space == KeySpace("llama", "fp1", "1of2") == kb.space and space.key(digest) == key
+    assert key.endswith("/" + digest) and len(digest) == 64
+    names = redis_names(key, 3)
+    assert names[0].endswith("{" + digest + "}") and names[2] == names[0] + "#2"
+    assert {key_of_redis_name(name) for name in names} == {key}
+    assert KeySpace.parse("not/a/kvtier/key") is None
+    assert KeySpace.parse("kvtier/v2/a/b/c/d") is None
     assert stub_key(key).key == key and stub_key(key).num_tokens == 0

@@ -1,13 +1,12 @@
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.memory import ALIGN, KVLayout, MemoryAllocator, MemoryFormat, lease
+from tests.helpers import run_threads
 
 LAYOUT = KVLayout.mha(num_layers=2, num_kv_heads=1, head_dim=16, dtype=torch.float16)  # 128 B/tok
 
@@ -100,10 +99,6 @@ def test_threads_allocate_and_free() -> None:
                 assert bool((obj.tensor == seed).all())
                 obj.release()
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_threads(work, [(i,) for i in range(8)])
     alloc.check_integrity()
     assert alloc.used_bytes == 0

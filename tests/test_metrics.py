@@ -25,7 +25,7 @@ def test_rate_limited_log_counts_what_it_suppressed(caplog: pytest.LogCaptureFix
 def test_counters_add_up_across_threads() -> None:
     import threading
 
-    c = Counters()
+    c = Counters("x", "redis.errors")
     threads = [threading.Thread(target=lambda: [c.inc("x") for _ in range(1000)])
                for _ in range(4)]
     for t in threads:
@@ -34,3 +34,17 @@ def test_counters_add_up_across_threads() -> None:
         t.join()
     c.inc("redis.errors", 2)
     assert c.snapshot() == {"x": 4000, "redis.errors": 2}
+
+
+def test_counters_refuse_undeclared_names_and_scope_by_prefix() -> None:
+    c = Counters("chunks_put")
+    with pytest.raises(KeyError, match="chunks_putt"):
+        c.inc("chunks_putt")
+    disk = c.scope("disk", "hits", "misses")
+    disk.inc("hits", 3)
+    with pytest.raises(KeyError, match="disk.hitz"):
+        disk.inc("hitz")
+    c.inc("chunks_put")
+    assert c.snapshot() == {"disk.hits": 3, "chunks_put": 1}
+    assert disk.snapshot() == {"hits": 3}
+    assert disk.snapshot(declared=True) == {"hits": 3, "misses": 0}

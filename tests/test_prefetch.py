@@ -54,7 +54,7 @@ def gated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[StorageMa
     with lease(objs):
         sm.put(keys, objs)
     assert sm.flush()
-    sm.cpu.remove(keys)
+    sm.hot.remove(keys)
     _GatedTier.gate.clear()
     try:
         yield sm
@@ -94,7 +94,7 @@ def test_cancelled_prefetch_with_drop_gives_its_memory_back(gated: StorageManage
     prefetch.cancel(drop=True)  # while its read is in flight
     _GatedTier.gate.set()
     prefetch.result(timeout=30)
-    assert gated.cpu.batch_contains(keys) == 0
+    assert gated.hot.batch_contains(keys) == 0
     assert gated.allocator.used_bytes == start
     assert gated.stats()["prefetch_dropped_chunks"] == 3
 
@@ -108,7 +108,7 @@ def test_cancel_stops_before_the_next_window_and_keeps_what_arrived(
     prefetch.cancel()
     _GatedTier.gate.set()
     assert prefetch.result(timeout=30) == 1
-    assert gated.cpu.batch_contains(keys) == 1
+    assert gated.hot.batch_contains(keys) == 1
 
 
 def test_prefetcher_is_bounded_and_close_does_not_run_the_queue() -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import socket
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,16 +15,11 @@ from kvtier import prometheus
 from kvtier.config import Config
 from kvtier.connectors import SGLangMHAConnector
 from kvtier.engine import CacheEngine
-from tests.conftest import RedisProcess
+from tests.conftest import RedisProcess, free_port
 from tests.helpers import SMALL_MHA
 
 CHUNK = 16
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def scrape(port: int) -> tuple[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]]:
@@ -41,7 +35,7 @@ def scrape(port: int) -> tuple[str, dict[tuple[str, tuple[tuple[str, str], ...]]
 
 @pytest.fixture
 def engine(tmp_path: Path) -> Iterator[tuple[CacheEngine, int]]:
-    port = _free_port()
+    port = free_port()
     cfg = Config(chunk_size=CHUNK, max_local_cpu_size=0.01, local_disk=str(tmp_path / "d"),
                  max_local_disk_size=0.1, metrics_port=port)
     gen = torch.Generator().manual_seed(0)
@@ -58,7 +52,7 @@ def test_endpoint_speaks_prometheus_text_and_series_move(
     assert ctype.startswith("text/plain")
     ids = torch.arange(1000, 1064)
     assert eng.store(ids, torch.arange(1, 65)) == 64 and eng.storage.flush()
-    eng.storage.cpu.remove(eng.chunk_keys(ids))  # type: ignore[union-attr]
+    eng.storage.hot.remove(eng.chunk_keys(ids))
     assert eng.retrieve(ids, torch.arange(100, 164)) == 64
     _, after = scrape(port)
 
@@ -85,7 +79,7 @@ def test_every_dashboard_query_names_an_exported_metric(
     ids = torch.arange(64)
     eng.store(ids, torch.arange(1, 65), session_id="s")
     assert eng.storage.flush()
-    eng.storage.cpu.remove(eng.chunk_keys(ids))  # type: ignore[union-attr]
+    eng.storage.hot.remove(eng.chunk_keys(ids))
     eng.prefetch(ids)
     assert eng.retrieve(ids, torch.arange(100, 164)) == 64
     prometheus.sync()

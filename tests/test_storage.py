@@ -13,10 +13,11 @@ import pytest
 from kvtier.backends import BACKENDS
 from kvtier.backends.cpu import CPUBackend
 from kvtier.config import Config
+from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey
 from kvtier.memory import MemoryObj, lease
 from kvtier.storage import StorageManager
-from tests.helpers import SMALL_MHA, make_keys, make_obj, same_bytes
+from tests.helpers import SMALL_MHA, make_keys, put_random, same_bytes
 
 CHUNK = 16
 
@@ -40,11 +41,7 @@ def manager(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StorageM
 
 
 def _put(sm: StorageManager, keys: Sequence[ChunkKey], seed: int = 0) -> list:
-    objs = [make_obj(sm.allocator, SMALL_MHA, k.num_tokens, seed + i) for i, k in enumerate(keys)]
-    want = [o.tensor.clone() for o in objs]
-    with lease(objs):
-        sm.put(keys, objs)
-    return want
+    return put_random(sm.put, sm.allocator, SMALL_MHA, keys, seed)
 
 
 def _tier(sm: StorageManager, name: str):  # noqa: ANN202
@@ -55,7 +52,7 @@ def test_write_through_then_promote_from_disk(manager: StorageManager) -> None:
     keys = make_keys(64)
     want = _put(manager, keys)
     assert manager.flush()
-    disk, cpu = _tier(manager, "disk"), manager.cpu
+    disk, cpu = _tier(manager, "disk"), manager.hot
     assert disk.batch_contains(keys) == 4
     cpu.remove(keys[1:])  # chunk 0 in both, the rest on disk only
     assert manager.contains(keys) == 4
@@ -86,8 +83,8 @@ def test_write_back_writes_on_eviction_and_close(manager: StorageManager,
             manager.put([key], [obj])
     assert manager.flush()
     assert manager.stats()["cpu_evictions"] > 0
-    assert disk.batch_contains(keys) + manager.cpu.batch_contains(keys) >= 1
-    in_cpu = manager.cpu.batch_contains(others[::-1])
+    assert disk.batch_contains(keys) + manager.hot.batch_contains(keys) >= 1
+    in_cpu = manager.hot.batch_contains(others[::-1])
     manager.close()
     again = StorageManager(_config(tmp_path, local_cpu=False), SMALL_MHA)
     try:
@@ -123,7 +120,7 @@ def test_tier_failure_is_a_miss(manager: StorageManager, tmp_path: Path) -> None
     keys = make_keys(32)
     _put(manager, keys)
     assert manager.flush()
-    manager.cpu.remove(keys)
+    manager.hot.remove(keys)
     shutil.rmtree(tmp_path / "disk")  # behind the tier's back
     with manager.get(keys) as objs:
         assert objs == []
@@ -135,9 +132,9 @@ def test_prefetch_loads_into_cpu(manager: StorageManager) -> None:
     keys = make_keys(48)
     _put(manager, keys)
     assert manager.flush()
-    manager.cpu.remove(keys)
+    manager.hot.remove(keys)
     assert manager.prefetch(keys).result() == 3
-    assert manager.cpu.batch_contains(keys) == 3
+    assert manager.hot.batch_contains(keys) == 3
 
 
 class _GatedCPU(CPUBackend):
@@ -161,7 +158,7 @@ def test_full_write_queue_drops_and_never_blocks(tmp_path: Path,
         for i in range(0, 40, 4):
             _put(sm, keys[i:i + 4])  # returns at once although the lower tier is stuck
         assert sm.stats()["gated.write_dropped"] >= 30
-        assert sm.cpu.batch_contains(keys) > 0
+        assert sm.hot.batch_contains(keys) > 0
     finally:
         _GatedCPU.gate.set()
         sm.close()
@@ -191,12 +188,12 @@ def test_prefetch_timeout_policy_returns_after_its_budget(
         keys = make_keys(48)
         _put(sm, keys)
         assert sm.flush()
-        sm.cpu.remove(keys)
+        sm.hot.remove(keys)
         future = sm.prefetch(keys)  # the lower tier is stuck: returns once the budget is spent
         assert not future.done() and sm.stats()["prefetch_timeouts"] == 1
         _SlowGetCPU.gate.set()
         assert future.result(timeout=30) == 3
-        assert sm.cpu.batch_contains(keys) == 3
+        assert sm.hot.batch_contains(keys) == 3
     finally:
         _SlowGetCPU.gate.set()
         sm.close()
@@ -206,15 +203,15 @@ def test_stream_closed_early_releases_the_chunks_read_ahead(manager: StorageMana
     keys = make_keys(16 * 8)
     want = _put(manager, keys)
     assert manager.flush()
-    manager.cpu.remove(keys)
+    manager.hot.remove(keys)
     assert manager.allocator.used_bytes == 0
     with closing(manager.stream(keys)) as chunks:
         first = next(chunks)  # the disk tier reads the next chunks ahead meanwhile
         assert same_bytes(first.tensor, want[0])
         first.release()
     # Only the promoted first chunk is left: whatever was read ahead went back to the arena.
-    assert manager.cpu.batch_contains(keys) == 1
-    manager.cpu.remove(keys)
+    assert manager.hot.batch_contains(keys) == 1
+    manager.hot.remove(keys)
     assert manager.allocator.used_bytes == 0
 
 
@@ -222,7 +219,44 @@ def test_stream_yields_every_chunk_in_order_from_disk(manager: StorageManager) -
     keys = make_keys(16 * 8)
     want = _put(manager, keys)
     assert manager.flush()
-    manager.cpu.remove(keys)
+    manager.hot.remove(keys)
     with closing(manager.stream(keys)) as chunks:
         got = [(same_bytes(o.tensor, w), o.release())[0] for o, w in zip(chunks, want)]
     assert got == [True] * 8
+
+
+def test_write_policies_cover_the_config_choices() -> None:
+    from kvtier.config import WRITE_POLICIES as NAMES
+    from kvtier.policy import WRITE_POLICIES
+
+    assert sorted(WRITE_POLICIES) == sorted(NAMES)
+
+
+@pytest.mark.parametrize("policy", ["write_back", "write_through_selective"])
+def test_without_a_cpu_tier_every_policy_writes_through(tmp_path: Path, policy: str) -> None:
+    sm = StorageManager(_config(tmp_path, local_cpu=False, write_policy=policy), SMALL_MHA)
+    try:
+        assert [t.name for t in sm.tiers] == ["disk"] and sm.policy.name == "write_through"
+        keys = make_keys(48)
+        want = _put(sm, keys)
+        assert sm.flush()
+        assert sm.allocator.used_bytes == 0  # nothing held in memory
+        with sm.get(keys) as objs:
+            assert [same_bytes(o.tensor, w) for o, w in zip(objs, want)] == [True] * 3
+        assert sm.start_prefetch(keys).result(timeout=5) == 0  # nowhere to load into
+    finally:
+        sm.close()
+
+
+class _Unbuildable(CPUBackend):
+    def __init__(self, ctx: object) -> None:
+        raise ConfigError("remote_url: cannot reach the tier")
+
+
+def test_a_tier_that_cannot_be_built_leaves_nothing_running(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(BACKENDS, "redis", f"{__name__}:_Unbuildable")
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(ConfigError, match="remote_url"):
+        StorageManager(_config(tmp_path, remote_url="redis://127.0.0.1:1"), SMALL_MHA)
+    assert {t.name for t in threading.enumerate()} - before == set()  # no writer left behind

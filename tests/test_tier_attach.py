@@ -66,7 +66,7 @@ def test_attached_disk_takes_writes_and_serves_hits(cpu_only: CacheEngine, cfg: 
     assert [t.name for t in cpu_only.storage.tiers] == ["cpu", "disk"]
     want = _rows(cpu_only, slots)
     assert cpu_only.store(ids, slots) == 64 and cpu_only.storage.flush()
-    cpu_only.storage.cpu.remove(cpu_only.chunk_keys(ids))  # type: ignore[union-attr]
+    cpu_only.storage.hot.remove(cpu_only.chunk_keys(ids))
     target = torch.arange(500, 564)
     assert cpu_only.retrieve(ids, target) == 64
     assert all(torch.equal(a, b) for a, b in zip(_rows(cpu_only, target), want))

@@ -5,10 +5,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-from kvtier.backends.base import BackendContext, StorageBackend
+from kvtier.backends.base import BackendContext, HotTier, StorageBackend
 from kvtier.errors import ConfigError
 
-__all__ = ["BackendContext", "StorageBackend", "create_backend", "check_dependencies",
+__all__ = ["BackendContext", "HotTier", "StorageBackend", "create_backend", "check_dependencies",
            "BACKENDS"]
 
 # name -> "module:Class"; importing redis-py happens only when the redis tier is configured.

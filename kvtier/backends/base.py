@@ -15,22 +15,25 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvtier.config import Config
 from kvtier.keys import ChunkKey
 from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj
+from kvtier.metrics import Counters
 
-__all__ = ["BackendContext", "StorageBackend"]
+__all__ = ["BackendContext", "StorageBackend", "HotTier"]
 
 
 @dataclass(frozen=True)
 class BackendContext:
-    """What a tier needs from the engine: the config, the chunk layout and the arena."""
+    """What a tier needs from the engine: the config, the chunk layout, the arena, and the
+    counters it counts its events in (under a `scope` of its name)."""
 
     config: Config
     layout: KVLayout
     allocator: MemoryAllocator
+    counters: Counters = field(default_factory=Counters)
 
     def allocate(self, num_tokens: int) -> MemoryObj | None:
         """A fresh object for `num_tokens` tokens, or None when the arena is full."""
@@ -65,7 +68,15 @@ class StorageBackend(ABC):
         Closing the generator early releases whatever was read ahead. The default reads the
         whole batch first; tiers with slow reads override it to pipeline.
         """
-        yield from self.batch_get(keys)
+        objs = self.batch_get(keys)
+        handed = 0
+        try:
+            for obj in objs:
+                handed += 1  # before the yield: a close there leaves this one with the caller
+                yield obj
+        finally:
+            for obj in objs[handed:]:
+                obj.release()
 
     @abstractmethod
     def batch_put(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]) -> int:
@@ -81,8 +92,40 @@ class StorageBackend(ABC):
 
     @abstractmethod
     def stats(self) -> dict[str, float]:
-        """Counters and gauges for metrics and `kvtier stats` (names are snake_case)."""
+        """This tier's counters (all declared ones, zeros included) and gauges, snake_case
+        names without the tier prefix."""
 
     @abstractmethod
     def close(self) -> None:
         """Release resources; idempotent. Calls after close are misses/no-ops."""
+
+
+class HotTier(StorageBackend):
+    """The tier puts land in first and lower-tier hits are promoted into: objects resident in
+    the arena. Besides the tier calls it gives the arena eviction and sessions pinning.
+
+    `resident` is False only for the null hot tier (no CPU tier configured), which holds
+    nothing: puts are no-ops and every lookup misses.
+    """
+
+    resident: bool = True
+
+    @abstractmethod
+    def pop_lru(self, nbytes: int) -> list[tuple[ChunkKey, MemoryObj]]:
+        """Unlink least recently used leaves nobody else references and that are not pinned,
+        until at least `nbytes` are reclaimable; the caller receives the tier's reference to
+        each, in eviction order (a leaf before its parent)."""
+
+    @abstractmethod
+    def pin(self, keys: Sequence[ChunkKey]) -> int:
+        """Exempt the leading `keys` this tier holds from eviction (pins count per holder);
+        returns how many were pinned. Undo with `unpin(keys[:n])`."""
+
+    @abstractmethod
+    def unpin(self, keys: Sequence[ChunkKey]) -> None:
+        """Drop one pin of each of `keys` (as pinned by `pin`)."""
+
+    @property
+    @abstractmethod
+    def pinned_bytes(self) -> int:
+        """Bytes of the chunks that hold at least one pin."""

@@ -12,14 +12,14 @@ import threading
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
-from kvtier.backends.base import BackendContext, StorageBackend
+from kvtier.backends.base import BackendContext, HotTier
 from kvtier.keys import ChunkKey
 from kvtier.memory import MemoryObj
 
-__all__ = ["CPUBackend"]
+__all__ = ["CPUBackend", "NullHotTier"]
 
 
-class CPUBackend(StorageBackend):
+class CPUBackend(HotTier):
     """Holds one reference to every stored object; `pop_lru` hands references back."""
 
     name = "cpu"
@@ -31,7 +31,7 @@ class CPUBackend(StorageBackend):
         self._pins: Counter[str] = Counter()  # key -> number of holders pinning it
         self._pinned_bytes = 0
         self._bytes = 0
-        self._hits = self._misses = self._puts = self._evictions = 0
+        self._counts = ctx.counters.scope(self.name, "hits", "misses", "puts", "evictions")
         self._closed = False
 
     def batch_contains(self, keys: Sequence[ChunkKey]) -> int:
@@ -50,10 +50,10 @@ class CPUBackend(StorageBackend):
                 entry = self._entries.get(k.key)
                 # Same key string but other tokens can only be a digest collision: a miss.
                 if entry is None or entry[0].tokens != k.tokens:
-                    self._misses += 1
+                    self._counts.inc("misses")
                     break
                 out.append(entry[1].retain())
-            self._hits += len(out)
+            self._counts.inc("hits", len(out))
             for k in reversed(keys[: len(out)]):
                 self._entries.move_to_end(k.key)
             return out
@@ -74,12 +74,10 @@ class CPUBackend(StorageBackend):
                     self._pinned_bytes += obj.nbytes
                 if k.prev is not None:
                     self._children[k.prev] = self._children.get(k.prev, 0) + 1
-            self._puts += len(keys)
+            self._counts.inc("puts", len(keys))
             return len(keys)
 
     def pin(self, keys: Sequence[ChunkKey]) -> int:
-        """Exempt the leading `keys` this tier holds from eviction (pins count per holder);
-        returns how many were pinned. Undo with `unpin(keys[:n])`."""
         with self._lock:
             n = 0
             for k in keys:
@@ -93,7 +91,6 @@ class CPUBackend(StorageBackend):
             return n
 
     def unpin(self, keys: Sequence[ChunkKey]) -> None:
-        """Drop one pin of each of `keys` (as pinned by `pin`)."""
         with self._lock:
             for k in keys:
                 left = self._pins[k.key] - 1
@@ -110,8 +107,6 @@ class CPUBackend(StorageBackend):
         return self._pinned_bytes
 
     def pop_lru(self, nbytes: int) -> list[tuple[ChunkKey, MemoryObj]]:
-        """Remove least recently used entries that nobody else references, until at least
-        `nbytes` are reclaimable; the caller receives the tier's reference to each."""
         out: list[tuple[ChunkKey, MemoryObj]] = []
         freed = 0
         with self._lock:
@@ -130,7 +125,7 @@ class CPUBackend(StorageBackend):
                     freed += obj.nbytes
                     out.append((key, obj))
                     progress = True
-            self._evictions += len(out)
+            self._counts.inc("evictions", len(out))
         return out
 
     def remove(self, keys: Sequence[ChunkKey]) -> int:
@@ -161,9 +156,9 @@ class CPUBackend(StorageBackend):
 
     def stats(self) -> dict[str, float]:
         with self._lock:
-            return {"entries": len(self._entries), "bytes": self._bytes, "hits": self._hits,
-                    "misses": self._misses, "puts": self._puts, "evictions": self._evictions,
-                    "pinned_bytes": self._pinned_bytes}
+            gauges = {"entries": len(self._entries), "bytes": self._bytes,
+                      "pinned_bytes": self._pinned_bytes}
+        return {**self._counts.snapshot(declared=True), **gauges}
 
     def close(self) -> None:
         with self._lock:
@@ -173,3 +168,45 @@ class CPUBackend(StorageBackend):
             self._bytes = 0
         for _, obj in entries.values():
             obj.release()
+
+
+class NullHotTier(HotTier):
+    """The hot tier when `local_cpu` is off: holds nothing, so the storage manager needs no
+    special case for a missing CPU tier (puts go straight to the lower tiers)."""
+
+    name = "none"
+    resident = False
+
+    def __init__(self, ctx: BackendContext | None = None):
+        pass
+
+    def batch_contains(self, keys: Sequence[ChunkKey]) -> int:
+        return 0
+
+    def batch_get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
+        return []
+
+    def batch_put(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]) -> int:
+        return 0
+
+    def remove(self, keys: Sequence[ChunkKey]) -> int:
+        return 0
+
+    def pop_lru(self, nbytes: int) -> list[tuple[ChunkKey, MemoryObj]]:
+        return []
+
+    def pin(self, keys: Sequence[ChunkKey]) -> int:
+        return 0
+
+    def unpin(self, keys: Sequence[ChunkKey]) -> None:
+        pass
+
+    @property
+    def pinned_bytes(self) -> int:
+        return 0
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        pass

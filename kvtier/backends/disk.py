@@ -47,7 +47,7 @@ __all__ = ["DiskBackend"]
 logger = logging.getLogger(__name__)
 
 _COUNTERS = ("hits", "misses", "puts", "put_bytes", "evictions", "corrupt", "vanished",
-             "adopted", "write_errors", "write_dropped", "read_errors", "alloc_failed",
+             "adopted", "write_errors", "write_dropped", "read_errors", "alloc_failures",
              "stale_tmp_removed", "not_regular")
 READ_AHEAD = 4  # chunk reads in flight per batch: keeps the device queue busy while a chunk
 # is checksummed or copied on, without holding much arena for a prefix that may miss early
@@ -73,7 +73,7 @@ class DiskBackend(StorageBackend):
         self._bytes = 0
         self._reserved = 0  # writes in flight count against the cap
         self._readers: Counter[str] = Counter()
-        self._counts: Counter[str] = Counter()
+        self._counts = ctx.counters.scope(self.name, *_COUNTERS)
         self._warn = RateLimitedLog(logger)
         self._clock = 0
         self._closed = False
@@ -81,9 +81,10 @@ class DiskBackend(StorageBackend):
         start = time.perf_counter()
         try:
             rf.probe_writable(root)
-            found, self._counts["stale_tmp_removed"] = rf.scan(root)
+            found, stale = rf.scan(root)
         except OSError as exc:
             raise ConfigError(f"local_disk: cannot use {root}: {exc.strerror}") from None
+        self._counts.inc("stale_tmp_removed", stale)
         for mtime, name, size in found:
             self._index[name] = size
             self._bytes += size
@@ -99,8 +100,7 @@ class DiskBackend(StorageBackend):
         return rf.record_path(self.root, rf.file_name(key))
 
     def _count(self, name: str) -> None:
-        with self._lock:
-            self._counts[name] += 1
+        self._counts.inc(name)
 
     def _stamps(self, n: int) -> list[int]:
         """`n` fresh, strictly decreasing mtimes (ns): a batch's first chunk is its newest."""
@@ -132,7 +132,7 @@ class DiskBackend(StorageBackend):
         if name not in self._index:
             self._index[name] = size
             self._bytes += size
-            self._counts["adopted"] += 1
+            self._counts.inc("adopted")
 
     def _make_room_locked(self, need: int) -> bool:
         """Evict least recently used records, never one being read, until `need` bytes fit."""
@@ -149,7 +149,7 @@ class DiskBackend(StorageBackend):
         for name in victims:
             self._forget_locked(name)
             self._unlink(rf.record_path(self.root, name))
-        self._counts["evictions"] += len(victims)
+        self._counts.inc("evictions", len(victims))
         return True
 
     def _unlink(self, path: Path) -> bool:
@@ -175,7 +175,7 @@ class DiskBackend(StorageBackend):
                     except OSError:
                         break
                     if not stat.S_ISREG(st.st_mode):
-                        self._counts["not_regular"] += 1
+                        self._counts.inc("not_regular")
                         break
                     self._adopt_locked(name, st.st_size)
                 n += 1
@@ -208,8 +208,8 @@ class DiskBackend(StorageBackend):
                     if late is not None:
                         late.release()
             with self._lock:
-                self._counts["hits"] += hits
-                self._counts["misses"] += hits < len(keys)
+                self._counts.inc("hits", hits)
+                self._counts.inc("misses", int(hits < len(keys)))
             self._touch(keys[:hits], persist=True)
 
     def _pool(self) -> ThreadPoolExecutor:
@@ -241,7 +241,7 @@ class DiskBackend(StorageBackend):
                 return None
             obj = rf.read_record(fd, st.st_size, key, self._ctx.layout, self._ctx.allocate)
             if obj is None:
-                self._count("alloc_failed")
+                self._count("alloc_failures")
             else:
                 with self._lock:
                     self._adopt_locked(name, st.st_size)
@@ -263,13 +263,13 @@ class DiskBackend(StorageBackend):
                 del self._readers[name]
             if vanished and name in self._index:  # removed behind the tier's back
                 self._forget_locked(name)
-                self._counts["vanished"] += 1
+                self._counts.inc("vanished")
 
     def _not_regular(self, name: str, path: Path, what: str) -> None:
         """A FIFO, device, directory or symlink sits at a record path: a miss; not ours to
         delete."""
         with self._lock:
-            self._counts["not_regular"] += 1
+            self._counts.inc("not_regular")
             self._forget_locked(name)
         self._warn.warning("not_regular", "kvtier disk: %s is not a regular file (%s); "
                            "treated as a miss", path, what)
@@ -281,7 +281,7 @@ class DiskBackend(StorageBackend):
     def _discard(self, name: str, path: Path, st: os.stat_result, exc: CorruptEntry) -> None:
         """Delete a corrupt record, unless a writer has replaced it meanwhile."""
         with self._lock:
-            self._counts["corrupt"] += 1
+            self._counts.inc("corrupt")
             self._forget_locked(name)
             with contextlib.suppress(OSError):
                 now = os.stat(path)
@@ -317,7 +317,7 @@ class DiskBackend(StorageBackend):
             if self._closed:
                 return False
             if not self._make_room_locked(size):
-                self._counts["write_dropped"] += 1
+                self._counts.inc("write_dropped")
                 self._warn.warning("full", "kvtier disk: no room for %d bytes under the cap of "
                                    "%d (records busy or too large); write dropped", size,
                                    self.capacity)
@@ -334,8 +334,8 @@ class DiskBackend(StorageBackend):
                     self._forget_locked(name)
                     self._index[name] = size
                     self._bytes += size
-                    self._counts["puts"] += 1
-                    self._counts["put_bytes"] += size
+                    self._counts.inc("puts")
+                    self._counts.inc("put_bytes", size)
         except OSError as exc:
             self._count("write_errors")
             self._warn.warning("write", "kvtier disk: write to %s failed, dropped: %s", tmp, exc)
@@ -347,22 +347,21 @@ class DiskBackend(StorageBackend):
         return committed
 
     def remove(self, keys: Sequence[ChunkKey]) -> int:
-        n = 0
+        names = [rf.file_name(key.key) for key in keys]
+        removed = 0
+        # Unlink under the lock, so a concurrent put of the same key keeps its new file.
         with self._lock:
-            if self._closed:
-                return 0
-            for key in keys:
-                name = rf.file_name(key.key)
-                self._forget_locked(name)
-                n += self._unlink(rf.record_path(self.root, name))
-        return n
+            if not self._closed:
+                for name in names:
+                    self._forget_locked(name)
+                    removed += self._unlink(rf.record_path(self.root, name))
+        return removed
 
     def stats(self) -> dict[str, float]:
         with self._lock:
             out: dict[str, float] = {"entries": len(self._index), "bytes": self._bytes,
                                      "capacity_bytes": self.capacity}
-            out.update((name, self._counts[name]) for name in _COUNTERS)
-            return out
+        return {**self._counts.snapshot(declared=True), **out}
 
     def check_integrity(self) -> None:
         """Raise `AssertionError` unless the byte count matches the index (for tests)."""

@@ -31,7 +31,6 @@ from kvtier.memory import DTYPES, KVLayout, MemoryFormat, MemoryObj, dtype_name
 __all__ = [
     "MAGIC", "VERSION", "FIXED_SIZE", "RecordHeader", "encode_header", "header_len",
     "parse_header", "payload_checksum", "payload_hasher", "verify_payload", "expected_header_len",
-    "read_into",
 ]
 
 MAGIC = b"KVTR"
@@ -205,27 +204,3 @@ def verify_payload(header: RecordHeader, view: memoryview | bytes, *,
         raise CorruptEntry(f"payload_len: got {len(view)} bytes, expected {header.payload_len}")
     if (payload_checksum(view) if checksum is None else checksum) != header.checksum:
         raise CorruptEntry("payload checksum mismatch")
-
-
-def read_into(
-    record: bytes | memoryview, key: ChunkKey, layout: KVLayout, out: memoryview
-) -> RecordHeader:
-    """Validate a whole record held in memory and copy its payload into `out`.
-
-    `out` must be exactly `layout.nbytes(key.num_tokens)` bytes; nothing is written to it
-    unless the whole record (header, length, payload checksum) validated.
-
-    Raises:
-        CorruptEntry: any validation failure.
-        ValueError: `out` has the wrong size (a caller bug, not a corrupt record).
-    """
-    if len(out) != layout.nbytes(key.num_tokens):
-        raise ValueError(f"out: {len(out)} bytes, expected {layout.nbytes(key.num_tokens)}")
-    header = parse_header(record, key, layout)
-    if len(record) != header.header_len + header.payload_len:
-        raise CorruptEntry(f"record length {len(record)} != header + payload "
-                           f"{header.header_len + header.payload_len}")
-    payload = memoryview(record)[header.header_len:]
-    verify_payload(header, payload)
-    out[:] = payload
-    return header

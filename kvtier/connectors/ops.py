@@ -47,11 +47,9 @@ def gather(layers: Sequence[torch.Tensor], slots: torch.Tensor, out: torch.Tenso
         ValueError: naming the bad argument; nothing has been written.
     """
     _check(layers, slots, out, "out", allow_skip=False)
-    ext = _kernel(out.device)
-    if ext is None:
-        reference_gather(layers, slots, out)
-    else:
-        ext.gather(list(layers), slots, out)
+    if (ext := _kernel(out.device)) is not None:
+        return ext.gather(list(layers), slots, out)
+    reference_gather(layers, slots, out)
 
 
 def scatter(src: torch.Tensor, slots: torch.Tensor, layers: Sequence[torch.Tensor]) -> None:
@@ -67,11 +65,9 @@ def scatter(src: torch.Tensor, slots: torch.Tensor, layers: Sequence[torch.Tenso
         ValueError: naming the bad argument; nothing has been written.
     """
     _check(layers, slots, src, "src", allow_skip=True)
-    ext = _kernel(src.device)
-    if ext is None:
-        reference_scatter(src, slots, layers)
-    else:
-        ext.scatter(src, slots, list(layers))
+    if (ext := _kernel(src.device)) is not None:
+        return ext.scatter(src, slots, list(layers))
+    reference_scatter(src, slots, layers)
 
 
 def kernel_name() -> str:

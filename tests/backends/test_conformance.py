@@ -4,19 +4,14 @@ from __future__ import annotations
 
 from kvtier.backends import BackendContext, StorageBackend
 from kvtier.keys import ChunkKey
-from kvtier.memory import MemoryObj, lease
-from tests.helpers import make_keys, make_obj, same_bytes
+from kvtier.memory import lease
+from tests.helpers import make_keys, make_obj, put_random, same_bytes
 
 
 def _put(backend: StorageBackend, ctx: BackendContext, keys: list[ChunkKey],
-         seed: int = 0) -> list[MemoryObj]:
-    """Put fresh objects for `keys`; return clones of their tensors' owners (released)."""
-    objs = [make_obj(ctx.allocator, ctx.layout, k.num_tokens, seed + i) for i, k in
-            enumerate(keys)]
-    expected = [o.tensor.clone() for o in objs]
-    with lease(objs):
-        assert backend.batch_put(keys, objs) == len(keys)
-    return expected  # type: ignore[return-value]
+         seed: int = 0) -> list:
+    """Put fresh objects for `keys`; return copies of what was put."""
+    return put_random(backend.batch_put, ctx.allocator, ctx.layout, keys, seed)
 
 
 def test_round_trip_is_byte_exact(backend_ctx: tuple[StorageBackend, BackendContext]) -> None:
@@ -105,3 +100,18 @@ def test_stats_count_hits(backend_ctx: tuple[StorageBackend, BackendContext]) ->
         pass
     stats = backend.stats()
     assert stats["hits"] >= 2
+
+
+def test_iter_get_closed_early_releases_what_it_read_ahead(
+    backend_ctx: tuple[StorageBackend, BackendContext],
+) -> None:
+    backend, ctx = backend_ctx
+    keys = make_keys(64)
+    expected = _put(backend, ctx, keys)
+    held = ctx.allocator.used_bytes  # what the tier itself keeps (the CPU tier: everything)
+    stream = backend.iter_get(keys)
+    first = next(stream)
+    assert same_bytes(first.tensor, expected[0])
+    stream.close()
+    first.release()
+    assert ctx.allocator.used_bytes == held

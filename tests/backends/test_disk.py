@@ -23,7 +23,7 @@ from kvtier.config import Config
 from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey
 from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj, lease
-from tests.helpers import SMALL_MHA, SMALL_MLA, make_keys, make_obj, same_bytes
+from tests.helpers import SMALL_MHA, SMALL_MLA, make_keys, make_obj, put_random, same_bytes
 
 REPO = Path(__file__).resolve().parents[2]
 CHUNK = 16
@@ -63,11 +63,7 @@ def open_disk(tmp_path: Path, arena: MemoryAllocator) -> Iterator[Opener]:
 
 def _put(disk: DiskBackend, keys: list[ChunkKey], arena: MemoryAllocator, seed: int = 0,
          layout: KVLayout = SMALL_MHA) -> list[torch.Tensor]:
-    objs = [make_obj(arena, layout, k.num_tokens, seed + i) for i, k in enumerate(keys)]
-    want = [o.tensor.clone() for o in objs]
-    with lease(objs):
-        assert disk.batch_put(keys, objs) == len(keys)
-    return want
+    return put_random(disk.batch_put, arena, layout, keys, seed)
 
 
 def _assert_hits(disk: DiskBackend, keys: list[ChunkKey], want: list[torch.Tensor]) -> None:

@@ -15,13 +15,13 @@ import torch
 
 from kvtier.backends import BackendContext
 from kvtier.backends.redis import RedisBackend
-from kvtier.backends.redis_io import ReplyReader, redis_keys
+from kvtier.backends.redis.io import ReplyReader, redis_keys
 from kvtier.config import Config
 from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey
 from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj, lease
 from tests.conftest import RedisCluster, RedisProcess, RedisSentinel
-from tests.helpers import SMALL_MHA, make_keys, make_obj, same_bytes
+from tests.helpers import SMALL_MHA, make_keys, make_obj, put_random, run_threads, same_bytes
 
 # 16 tokens x 32 KiB: 512 KiB chunks, stored as two segments with SEGMENT_MB.
 MID = KVLayout.mha(num_layers=8, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
@@ -54,12 +54,7 @@ def make_backend() -> Iterator[Callable[..., RedisBackend]]:
 
 def _put(backend: RedisBackend, keys: list[ChunkKey], seed: int = 0) -> list[torch.Tensor]:
     ctx = backend._ctx
-    objs = [make_obj(ctx.allocator, ctx.layout, k.num_tokens, seed + i)
-            for i, k in enumerate(keys)]
-    expected = [o.tensor.clone() for o in objs]
-    with lease(objs):
-        assert backend.batch_put(keys, objs) == len(keys)
-    return expected
+    return put_random(backend.batch_put, ctx.allocator, ctx.layout, keys, seed)
 
 
 def _check(backend: RedisBackend, keys: list[ChunkKey], expected: list[torch.Tensor]) -> None:
@@ -181,22 +176,13 @@ def test_concurrent_puts_and_gets_are_byte_exact(
 ) -> None:
     backend = make_backend(redis_server.url, layout=MID, remote_segment_mb=SEGMENT_MB,
                            arena_mb=128)
-    errors: list[BaseException] = []
 
     def worker(seed: int) -> None:
-        try:
-            keys = make_keys(64, layout=MID, seed=100 + seed)
-            for _ in range(3):
-                _check(backend, keys, _put(backend, keys, seed=seed))
-        except BaseException as exc:  # collected for the main thread
-            errors.append(exc)
+        keys = make_keys(64, layout=MID, seed=100 + seed)
+        for _ in range(3):
+            _check(backend, keys, _put(backend, keys, seed=seed))
 
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    run_threads(worker, [(i,) for i in range(4)])
 
 
 def test_reads_racing_rewrites_never_mix_segments(
@@ -205,7 +191,7 @@ def test_reads_racing_rewrites_never_mix_segments(
 ) -> None:
     # Reads fetch a chunk's segments one GET at a time; a rewrite between two GETs must be
     # caught by the checksum (and re-read atomically), never served as a mix of two versions.
-    import kvtier.backends.redis as kr
+    import kvtier.backends.redis.backend as kr
 
     monkeypatch.setattr(kr, "_WINDOW", {True: 1, False: 64 << 20})  # widen the race window
     backend = make_backend(redis_server.url, layout=MID, remote_segment_mb=SEGMENT_MB / 2,
@@ -254,7 +240,7 @@ from kvtier.backends import BackendContext
 from kvtier.backends.redis import RedisBackend
 from kvtier.config import Config
 from kvtier.memory import MemoryAllocator, lease
-from tests.helpers import SMALL_MHA, make_keys, make_obj
+from tests.helpers import SMALL_MHA, make_keys, make_obj, put_random
 cfg = Config(chunk_size=16, max_local_cpu_size=0.064, remote_url={url!r})
 alloc = MemoryAllocator(int(cfg.max_local_cpu_size * 1e9))
 backend = RedisBackend(BackendContext(cfg, SMALL_MHA, alloc))

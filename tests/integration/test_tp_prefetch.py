@@ -5,7 +5,6 @@ prefetch finishes later: every readiness poll is a MIN all-reduce, so neither ra
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 import threading
 from pathlib import Path
 from typing import Any
@@ -16,16 +15,12 @@ from kvtier.config import Config
 from kvtier.connectors import SGLangMHAConnector
 from kvtier.engine import CacheEngine
 from kvtier.integration.sglang.adapter import SGLangKVTier
+from tests.conftest import free_port
 from tests.helpers import SMALL_MHA
 
 TOKENS = 64
 HOLD_POLLS = 20  # rank 1's lower tier answers only after this many readiness polls
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _rank(rank: int, port: int, root: str, out: Any) -> None:
@@ -56,7 +51,7 @@ def _rank(rank: int, port: int, root: str, out: Any) -> None:
     tokens = torch.arange(100, 100 + TOKENS)
     slots = torch.arange(1, TOKENS + 1)
     assert engine.store(tokens, slots) == TOKENS and engine.storage.flush()
-    engine.storage.cpu.remove(engine.chunk_keys(tokens))  # type: ignore[union-attr]
+    engine.storage.hot.remove(engine.chunk_keys(tokens))
 
     def reduce_min(t: torch.Tensor) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
@@ -78,7 +73,7 @@ def _rank(rank: int, port: int, root: str, out: Any) -> None:
 def test_ranks_admit_in_step_when_one_prefetch_is_late(tmp_path: Path) -> None:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, port, str(tmp_path), out)) for r in range(2)]
     for p in procs:
         p.start()

@@ -32,6 +32,7 @@ from kvtier.config import Config
 from kvtier.connectors import KVConnector, SGLangMHAConnector, SGLangMLAConnector
 from kvtier.errors import ConfigError
 from kvtier.memory import MemoryFormat
+from kvtier.metrics import Counters
 from kvtier.prefetch import Prefetch
 
 __all__ = ["SGLangKVTier", "StoreJob", "build_connector", "model_key_name", "check_page_size"]
@@ -107,16 +108,16 @@ class SGLangKVTier:
         self._jobs: queue.Queue[Any] = queue.Queue()
         self._done: queue.Queue[StoreJob] = queue.Queue()
         self._pending = 0  # submitted and not yet handed back by poll_done (scheduler thread)
-        self.counters: dict[str, int] = {
-            "loads": 0, "tokens_loaded": 0, "load_misses": 0, "load_no_slots": 0,
-            "stores": 0, "tokens_stored": 0, "stores_skipped_busy": 0, "store_errors": 0,
-            "prefetches": 0, "prefetches_cancelled": 0, "prefetch_waits": 0,
-        }
+        # Counted from the scheduler thread and the store thread: `Counters` is thread-safe.
+        self.counters = Counters(*(f"sglang.{name}" for name in (
+            "loads", "tokens_loaded", "load_misses", "load_no_slots", "stores", "tokens_stored",
+            "stores_skipped_busy", "store_errors", "prefetches", "prefetches_cancelled",
+            "prefetch_waits")))
         self._closed_sessions: set[str] = set()  # a store finishing late must not re-pin
         # request id -> its prefetch; registered on every rank alike (scheduler thread)
         self._prefetches: dict[str, Prefetch] = {}
         # Without a CPU tier there is nowhere to prefetch into: loads stay synchronous.
-        self.async_loads = getattr(engine.storage, "cpu", None) is not None
+        self.async_loads = engine.storage.hot.resident
         if not self.async_loads:
             logger.warning("kvtier: no CPU tier (local_cpu: false), so loads from disk/Redis "
                            "run on SGLang's scheduler thread; set local_cpu: true to load them "
@@ -147,10 +148,10 @@ class SGLangKVTier:
         got = self.engine.retrieve(token_ids, slots, skip=skip, hot_only=self.async_loads)
         got = max(self.agree_min(got - got % self.page_size), skip)
         if got > skip:
-            self.counters["loads"] += 1
-            self.counters["tokens_loaded"] += got - skip
+            self.counters.inc("sglang.loads")
+            self.counters.inc("sglang.tokens_loaded", got - skip)
         else:
-            self.counters["load_misses"] += 1
+            self.counters.inc("sglang.load_misses")
         return got
 
     # ---- background loads (scheduler thread; every rank calls these in step) ----
@@ -163,7 +164,7 @@ class SGLangKVTier:
         if end == 0:
             return
         self._prefetches[rid] = self.engine.start_prefetch(token_ids[:end])
-        self.counters["prefetches"] += 1
+        self.counters.inc("sglang.prefetches")
 
     def prefetch_ready(self, rid: str) -> bool:
         """Whether request `rid` may be admitted now, per `prefetch_policy`, on every rank.
@@ -176,7 +177,7 @@ class SGLangKVTier:
             return True
         # One rank's load may finish later: admit only when every rank is ready.
         if not self.agree_min(int(prefetch.ready())):
-            self.counters["prefetch_waits"] += 1
+            self.counters.inc("sglang.prefetch_waits")
             return False
         del self._prefetches[rid]
         prefetch.cancel()
@@ -188,7 +189,7 @@ class SGLangKVTier:
         if prefetch is None:
             return
         prefetch.cancel(drop=True)
-        self.counters["prefetches_cancelled"] += 1
+        self.counters.inc("sglang.prefetches_cancelled")
         logger.info("kvtier: request %s left while its prefetch %s; cancelled", rid,
                     "was done" if prefetch.done() else "was running")
 
@@ -227,7 +228,7 @@ class SGLangKVTier:
         if self._closed or not self.stores_enabled:
             return False
         if self._pending >= MAX_PENDING_STORES:
-            self.counters["stores_skipped_busy"] += 1
+            self.counters.inc("sglang.stores_skipped_busy")
             return False
         ready = None
         if slots.device.type == "cuda":
@@ -273,13 +274,13 @@ class SGLangKVTier:
                     job.ready.synchronize()
                 sid = job.session_id if job.session_id not in self._closed_sessions else None
                 job.stored = self.engine.store(job.token_ids, job.slots, session_id=sid)
-                self.counters["stores"] += 1
-                self.counters["tokens_stored"] += job.stored
+                self.counters.inc("sglang.stores")
+                self.counters.inc("sglang.tokens_stored", job.stored)
                 logger.debug("kvtier: stored %d new tokens of a %d-token prefix", job.stored,
                              len(job.token_ids))
             except Exception as exc:  # a failed store is a miss later, never a crash now
                 job.error = exc
-                self.counters["store_errors"] += 1
+                self.counters.inc("sglang.store_errors")
                 logger.warning("kvtier: background store failed: %r", exc)
             finally:
                 self._done.put(job)
@@ -293,7 +294,7 @@ class SGLangKVTier:
             storage.flush(timeout)
 
     def stats(self) -> dict[str, float]:
-        out: dict[str, float] = {f"sglang.{k}": float(v) for k, v in self.counters.items()}
+        out: dict[str, float] = dict(self.counters.snapshot(declared=True))
         out.update(self.engine.stats())
         return out
 
@@ -307,18 +308,18 @@ class SGLangKVTier:
         self._prefetches.clear()
         self._jobs.put(_STOP)
         self._worker.join(self.engine.config.blocking_timeout_secs)
-        logger.info("kvtier: closing; %s", self.counters)
+        logger.info("kvtier: closing; %s", self.counters.snapshot())
         self.engine.close()
 
 
 class _AdapterStats:
     """The adapter's own counters as a metrics source (`sglang.*` keys)."""
 
-    def __init__(self, counters: dict[str, int]):
+    def __init__(self, counters: Counters):
         self._counters = counters
 
     def stats(self) -> dict[str, float]:
-        return {f"sglang.{k}": float(v) for k, v in self._counters.items()}
+        return dict(self._counters.snapshot(declared=True))
 
 
 def is_mla(connector: KVConnector) -> bool:

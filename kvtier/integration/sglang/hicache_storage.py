@@ -16,7 +16,6 @@ write policy and failure handling are kvtier's: a tier that fails is a miss, nev
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -31,7 +30,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 from kvtier.config import load_config
 from kvtier.errors import ConfigError
 from kvtier.integration.sglang.adapter import model_key_name
-from kvtier.keys import ChunkKey, key_prefix
+from kvtier.keys import ChunkKey, KeySpace
 from kvtier.memory import KVLayout
 from kvtier.storage import StorageManager
 
@@ -81,7 +80,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         self.storage: StorageManager | None = None
         self.layout: KVLayout | None = None
         self.page_size = 0
-        self._prefix = ""
+        self._space = KeySpace("", "")
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         """Bind the host pool; builds the storage stack for its page layout."""
@@ -94,10 +93,11 @@ class KVTierHiCacheStorage(HiCacheStorage):
         self.layout = layout
         self.page_size = int(mem_pool_host.page_size)
         host_layout = str(getattr(mem_pool_host, "layout", "flat"))
-        self._prefix = key_prefix(f"{self._model}@hicache-{host_layout}",
-                                  layout.fingerprint(self.page_size), self._rank)
+        self._space = KeySpace(f"{self._model}@hicache-{host_layout}",
+                               layout.fingerprint(self.page_size), self._rank)
         self.storage = StorageManager(self.config, layout)
-        logger.info("kvtier HiCache storage: %s, tiers %s", self._prefix, self.config.tiers)
+        logger.info("kvtier HiCache storage: %s, tiers %s", self._space.prefix,
+                    self.config.tiers)
 
     # ---- keys ----
 
@@ -105,15 +105,8 @@ class KVTierHiCacheStorage(HiCacheStorage):
               extra_info: HiCacheStorageExtraInfo | None = None) -> list[ChunkKey]:
         prev = None
         if extra_info is not None and extra_info.prefix_keys:
-            prev = self._prefix + extra_info.prefix_keys[-1]
-        out = []
-        for page_hash in keys:
-            name = self._prefix + page_hash
-            digest = hashlib.sha256(name.encode()).digest()
-            tokens = (digest * (self.page_size * 4 // len(digest) + 1))[: self.page_size * 4]
-            out.append(ChunkKey(name, 0, self.page_size, tokens, prev))
-            prev = name
-        return out
+            prev = extra_info.prefix_keys[-1]
+        return self._space.opaque_keys(keys, self.page_size, prev)
 
     def _ready(self) -> StorageManager:
         if self.storage is None:

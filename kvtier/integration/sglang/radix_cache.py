@@ -90,7 +90,7 @@ class KVTierRadixCache(UnifiedRadixCache):
         tokens = _token_array(key.raw_token_ids())[:end]
         hit = kv.lookup(tokens)
         if hit <= device_len:
-            kv.counters["load_misses"] += 1
+            kv.counters.inc("sglang.load_misses")
             return 0
         # The matched prefix must survive any eviction our allocation triggers.
         lock = self.lock(result.last_device_node)
@@ -100,7 +100,7 @@ class KVTierRadixCache(UnifiedRadixCache):
             if not kv.agree_min(int(slots is not None)):
                 if slots is not None:
                     self.token_to_kv_pool_allocator.free(slots)
-                kv.counters["load_no_slots"] += 1
+                kv.counters.inc("sglang.load_no_slots")
                 return 0
             assert slots is not None
             mapping = torch.full((hit,), -1, dtype=torch.int64, device=slots.device)

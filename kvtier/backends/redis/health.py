@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter
 from collections.abc import Callable
 
 from redis.backoff import ExponentialBackoff
 
-from kvtier.metrics import RateLimitedLog
+from kvtier.metrics import Counters, RateLimitedLog
 
 __all__ = ["Health"]
 
@@ -25,29 +24,29 @@ WARN_INTERVAL = 10.0  # seconds between two warnings of one kind; the next one c
 
 
 class Health:
-    """Thread-safe bookkeeping for one tier named `name` (a redacted URL)."""
+    """Thread-safe bookkeeping for one tier named `name` (a redacted URL); events are counted
+    in `counters` (which must declare `errors` and `down_events`)."""
 
     def __init__(self, name: str, probe: Callable[[], None],
-                 probe_errors: tuple[type[BaseException], ...], *, base: float = 0.05,
-                 cap: float = 1.0):
+                 probe_errors: tuple[type[BaseException], ...], counters: Counters, *,
+                 base: float = 0.05, cap: float = 1.0):
         self.name = name
         self._probe_fn = probe
         self._probe_errors = probe_errors
         self._backoff = ExponentialBackoff(cap=cap, base=base)
         self._lock = threading.Lock()
-        self._counts: Counter[str] = Counter()
+        self._counts = counters
         self._log = RateLimitedLog(logger, WARN_INTERVAL)
         self._prober: threading.Thread | None = None
         self.closed = threading.Event()
         self.down = False
 
     def count(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self._counts[name] += n
+        self._counts.inc(name, n)
 
-    def counts(self) -> dict[str, float]:
-        with self._lock:
-            return dict(self._counts)
+    def counts(self) -> dict[str, int]:
+        """Every declared count, zeros included."""
+        return self._counts.snapshot(declared=True)
 
     def warn(self, kind: str, msg: str, *args: object) -> None:
         """Log a warning unless one of this kind was logged in the last WARN_INTERVAL s."""
@@ -56,12 +55,12 @@ class Health:
     def failed(self, op: str, exc: BaseException) -> None:
         """Record a connection-level failure of `op`: mark the tier down and start probing."""
         with self._lock:
-            self._counts["errors"] += 1
+            self._counts.inc("errors")
             if self.closed.is_set():  # calls racing close(): nothing to report or probe
                 return
             was_down, self.down = self.down, True
             if not was_down:
-                self._counts["down_events"] += 1
+                self._counts.inc("down_events")
             if self._prober is None or not self._prober.is_alive():
                 self._prober = threading.Thread(target=self._probe_loop, daemon=True,
                                                 name="kvtier-probe")

@@ -1,17 +1,6 @@
-"""The Redis tier: standalone, TLS, unix socket, Sentinel and Cluster behind one backend.
+"""RedisBackend: the tier's storage calls on url.Router, io and health.Health.
 
-Configured by `remote_url` (see redis_url), `remote_ttl_secs` (on every key),
-`remote_timeout_secs` (every socket operation) and `remote_segment_mb` (larger records are
-stored in pieces of this size, written and read atomically; see redis_io). Instances sharing a
-Redis must use the same segment size to share records; a mismatch is a counted miss.
-
-Failures: a wrong password or a URL that cannot work is a `ConfigError` at start. Anything
-else (server down or unreachable at start, timeouts) marks the tier down: every call is then an
-immediate miss/no-op, counted as `skipped_down`, while redis_health probes the server with
-backoff and brings the tier back on its own. A record that fails validation is a miss,
-counted as `corrupt`, and deleted; when it was read segment by segment (not atomic, see
-redis_io) it is first read again with one MGET (counted as `rereads`), and a record that passes
-then is a hit that ends the batch.
+Configuration, failure handling and counters are described in the package docstring.
 """
 
 from __future__ import annotations
@@ -23,10 +12,10 @@ import redis
 from redis.exceptions import AuthenticationError, RedisClusterException, RedisError
 
 from kvtier.backends import record
-from kvtier.backends import redis_io as rio
 from kvtier.backends.base import BackendContext, StorageBackend
-from kvtier.backends.redis_health import Health
-from kvtier.backends.redis_url import Router, parse_remote_url
+from kvtier.backends.redis import io as rio
+from kvtier.backends.redis.health import Health
+from kvtier.backends.redis.url import Router, parse_remote_url
 from kvtier.errors import ConfigError, CorruptEntry
 from kvtier.keys import ChunkKey
 from kvtier.memory import MemoryObj
@@ -39,7 +28,7 @@ _TIER_ERRORS = (RedisError, RedisClusterException, OSError)
 # Reply bytes requested ahead per connection in a batch_get. Split reads want a few MiB: Redis
 # then reuses warm reply buffers (2-16 MiB measured alike); MGETs want two 32 MiB chunks.
 _WINDOW = {True: 4 << 20, False: 64 << 20}
-_STATS = ("hits", "misses", "puts", "put_failures", "corrupt", "segment_mismatches",
+_STATS = ("hits", "misses", "puts", "write_errors", "corrupt", "segment_mismatches",
           "alloc_failures", "errors", "skipped_down", "down_events", "bytes_read",
           "bytes_written", "rereads")
 
@@ -53,7 +42,7 @@ class RedisBackend(StorageBackend):
 
     def __init__(self, ctx: BackendContext, *, atomic_reads: bool = False):
         """`atomic_reads`: read a segmented record with one MGET instead of one GET per
-        segment (slower on large chunks; both validate every record, see redis_io)."""
+        segment (slower on large chunks; both validate every record, see io.py)."""
         cfg = ctx.config
         self._split = not atomic_reads
         if not cfg.remote_url:
@@ -64,7 +53,8 @@ class RedisBackend(StorageBackend):
         self._timeout = cfg.remote_timeout_secs
         self._seg = max(1, int(cfg.remote_segment_mb * (1 << 20)))
         self._router: Router | None = None
-        self._health = Health(f"redis tier {self._target.url}", self._probe, _TIER_ERRORS)
+        self._health = Health(f"redis tier {self._target.url}", self._probe, _TIER_ERRORS,
+                              ctx.counters.scope(self.name, *_STATS))
         try:
             self._connect()
         except AuthenticationError as exc:
@@ -202,7 +192,7 @@ class RedisBackend(StorageBackend):
                            exc: Exception, bad: list[tuple[redis.Redis, list[str]]],
                            ) -> MemoryObj | None:
         """Handle a read that failed: the record read atomically when the failure may be a
-        race of a split read (see redis_io), else None with the failure counted and the keys
+        race of a split read (see io.py), else None with the failure counted and the keys
         added to `bad` when the stored value must be deleted."""
         if (stream.split and len(rkeys) > 1 and isinstance(exc, CorruptEntry)
                 and not isinstance(exc, rio.SegmentMismatch)):
@@ -276,7 +266,7 @@ class RedisBackend(StorageBackend):
                         stored += 1
                         written += plan[i][1]
                         continue
-                    self._health.count("put_failures")
+                    self._health.count("write_errors")
                     err = next((r for r in replies if isinstance(r, rio.ReplyError)), None)
                     self._reply_error("put", err or rio.ReplyError(f"unexpected {last!r}"))
         except _TIER_ERRORS as exc:
@@ -298,7 +288,7 @@ class RedisBackend(StorageBackend):
         return self._delete(items)
 
     def stats(self) -> dict[str, float]:
-        out = dict.fromkeys(_STATS, 0.0) | self._health.counts()
+        out: dict[str, float] = dict(self._health.counts())
         out["down"] = float(self._health.down)
         return out
 

@@ -5,7 +5,8 @@ packer copies every argument and its reply parser copies every bulk string, whic
 values well below what loopback can do (measurements in benchmarks/bench_redis.py). So records
 are written with payload memoryviews handed straight to `sendall`, and replies are read with
 `recv_into` straight into arena memory. Only connections used in lockstep are handed here, so
-redis-py's parser has nothing buffered when we take over the socket.
+redis-py's parser has nothing buffered when we take over the socket. The RESP2 framing itself
+is in kvtier.backends.redis.resp.
 
 A chunk is stored as a record (kvtier.backends.record): its header plus payload in one key, or,
 when the payload is larger than the segment size, header + segment 0 in the main key and
@@ -33,28 +34,18 @@ from typing import Any
 
 import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvtier.backends import record
+from kvtier.backends.redis.resp import CommandWriter, ReplyError, ReplyReader
 from kvtier.errors import CorruptEntry
-from kvtier.keys import ChunkKey, redis_name
+from kvtier.keys import ChunkKey, redis_names
 from kvtier.memory import KVLayout, MemoryObj
 
+# CommandWriter, ReplyReader and ReplyError are part of this module's interface (write_record
+# takes a writer, GetStream.next returns a reader, read_record raises ReplyError).
 __all__ = ["ArenaFull", "CommandWriter", "GetStream", "ReplyError", "ReplyReader",
            "SegmentMismatch", "exchange", "read_atomic", "read_record", "redis_keys", "segments",
            "write_record"]
-
-CRLF = b"\r\n"
-# Buffers below this size are copied into the send buffer: one syscall is cheaper than many.
-_INLINE = 64 * 1024
-# The read buffer for reply lines and small replies. Whatever part of a payload arrives with
-# its length line is copied from here (at most this much per value); the rest is received
-# straight into place.
-_SCRATCH = 64 * 1024
-
-
-class ReplyError(Exception):
-    """The server answered with an error reply (`-ERR ...`); the connection stays usable."""
 
 
 class ArenaFull(Exception):
@@ -67,8 +58,7 @@ class SegmentMismatch(CorruptEntry):
 
 def redis_keys(key: ChunkKey, nseg: int) -> list[str]:
     """The Redis keys of a chunk stored in `nseg` pieces; the digest is the hash tag."""
-    main = redis_name(key.key)
-    return [main] + [f"{main}#{i}" for i in range(1, nseg)]
+    return redis_names(key.key, nseg)
 
 
 def segments(payload_len: int, seg_bytes: int) -> list[tuple[int, int]]:
@@ -76,143 +66,6 @@ def segments(payload_len: int, seg_bytes: int) -> list[tuple[int, int]]:
     if payload_len <= seg_bytes:
         return [(0, payload_len)]
     return [(s, min(s + seg_bytes, payload_len)) for s in range(0, payload_len, seg_bytes)]
-
-
-class CommandWriter:
-    """Packs RESP2 commands into a list of buffers for `sendall`; large ones stay views."""
-
-    def __init__(self) -> None:
-        self.parts: list[bytes | memoryview] = []
-        self._buf = bytearray()
-
-    def command(self, *args: bytes | str | memoryview | list[bytes | memoryview]) -> None:
-        """One command; an argument given as a list of buffers is sent as their concatenation."""
-        self._buf += b"*%d\r\n" % len(args)
-        for arg in args:
-            if isinstance(arg, str):
-                arg = arg.encode()
-            pieces = arg if isinstance(arg, list) else [arg]
-            self._buf += b"$%d\r\n" % sum(len(p) for p in pieces)
-            for piece in pieces:
-                if len(piece) < _INLINE:
-                    self._buf += piece
-                else:
-                    self.parts.extend((bytes(self._buf), piece))
-                    self._buf.clear()
-            self._buf += CRLF
-
-    def finish(self) -> list[bytes | memoryview]:
-        if self._buf:
-            self.parts.append(bytes(self._buf))
-            self._buf.clear()
-        parts, self.parts = self.parts, []
-        return parts
-
-
-class ReplyReader:
-    """Reads RESP2 replies from a socket; bulk payloads can go straight into caller memory."""
-
-    def __init__(self, sock: socket.socket):
-        self._sock = sock
-        self._buf = bytearray(_SCRATCH)
-        self._view = memoryview(self._buf)
-        self._lo = self._hi = 0
-
-    @property
-    def pending(self) -> int:
-        """Bytes received but not consumed (non-zero means the connection is not reusable)."""
-        return self._hi - self._lo
-
-    def _recv_into(self, view: memoryview) -> int:
-        try:
-            n = self._sock.recv_into(view)
-        except TimeoutError:
-            raise RedisTimeoutError("timeout reading from Redis") from None
-        except OSError as exc:
-            raise RedisConnectionError(f"error reading from Redis: {exc}") from None
-        if n == 0:
-            raise RedisConnectionError("connection closed by Redis")
-        return n
-
-    def _fill(self) -> None:
-        if self._lo == self._hi:
-            self._lo = self._hi = 0
-        elif self._hi == len(self._buf):  # move a partial line to the front (a few bytes)
-            self._buf[: self.pending] = bytes(self._view[self._lo : self._hi])
-            self._lo, self._hi = 0, self.pending
-        self._hi += self._recv_into(self._view[self._hi :])
-
-    def line(self) -> bytes:
-        while True:
-            end = self._buf.find(CRLF, self._lo, self._hi)
-            if end >= 0:
-                out = bytes(self._view[self._lo : end])
-                self._lo = end + 2
-                return out
-            if self.pending == len(self._buf):
-                raise RedisConnectionError("protocol error: reply line too long")
-            self._fill()
-
-    def read_into(self, out: memoryview) -> None:
-        """Fill `out` exactly: buffered bytes first, then `recv_into` straight into it."""
-        n = min(len(out), self.pending)
-        out[:n] = self._view[self._lo : self._lo + n]
-        self._lo += n
-        while n < len(out):
-            n += self._recv_into(out[n:])
-
-    def read_bytes(self, size: int) -> bytes:
-        out = bytearray(size)
-        self.read_into(memoryview(out))
-        return bytes(out)
-
-    def skip(self, size: int) -> None:
-        while size > 0:
-            step = min(size, _SCRATCH)
-            self.read_into(memoryview(bytearray(step)))
-            size -= step
-
-    def end_bulk(self) -> None:
-        if self.read_bytes(2) != CRLF:
-            raise RedisConnectionError("protocol error: bulk string not terminated by CRLF")
-
-    def header(self, kind: bytes) -> int | None:
-        """The length of the next `$` bulk or `*` array reply; None for nil."""
-        line = self.line()
-        if line[:1] == b"-":
-            raise ReplyError(line[1:].decode(errors="replace"))
-        if line[:1] != kind:
-            raise RedisConnectionError(f"protocol error: expected {kind!r}, got {line[:20]!r}")
-        size = _number(line)
-        return None if size < 0 else size
-
-    def reply(self) -> Any:
-        """A small reply as a value: bytes, int, list, None, or a `ReplyError` (not raised)."""
-        line = self.line()
-        kind = line[:1]
-        if kind == b"+":
-            return line[1:]
-        if kind == b"-":
-            return ReplyError(line[1:].decode(errors="replace"))
-        if kind not in (b":", b"$", b"*"):
-            raise RedisConnectionError(f"protocol error: unexpected reply {line[:20]!r}")
-        n = _number(line)
-        if kind == b":":
-            return n
-        if n < 0:
-            return None
-        if kind == b"*":
-            return [self.reply() for _ in range(n)]
-        data = self.read_bytes(n)
-        self.end_bulk()
-        return data
-
-
-def _number(line: bytes) -> int:
-    try:
-        return int(line[1:])
-    except ValueError:
-        raise RedisConnectionError(f"protocol error: bad number in {line[:20]!r}") from None
 
 
 def write_record(out: CommandWriter, rkeys: list[str], head: bytes, payload: memoryview,

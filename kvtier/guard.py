@@ -1,0 +1,148 @@
+"""The failure rule, applied once around every tier: a failing call is a counted miss.
+
+A disk that fills up, a Redis that goes away or a bug in a tier must never reach serving. The
+storage manager wraps each tier it builds in a `GuardedTier` (`GuardedHotTier` for the CPU
+tier): same interface, same types, but every exception becomes the call's miss value, is
+counted as `{tier}.errors` and logged at a limited rate. The guard also times each call
+(Prometheus) and counts the calls in flight, so a detached tier is closed only after the calls
+still using it are done.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Generator, Sequence
+from contextlib import closing
+from types import TracebackType
+
+from kvtier import prometheus
+from kvtier.backends.base import HotTier, StorageBackend
+from kvtier.keys import ChunkKey
+from kvtier.memory import MemoryObj
+from kvtier.metrics import Counters, RateLimitedLog
+
+__all__ = ["GuardedTier", "GuardedHotTier"]
+
+
+class GuardedTier(StorageBackend):
+    """`inner` behind the failure rule: any exception from a call is that call's miss."""
+
+    def __init__(self, inner: StorageBackend, counters: Counters, warn: RateLimitedLog):
+        self.inner = inner
+        self.name = inner.name
+        self._counters = counters
+        counters.declare(f"{self.name}.errors")
+        self._warn = warn
+        self._active = 0
+        self._idle = threading.Condition()
+
+    def batch_contains(self, keys: Sequence[ChunkKey]) -> int:
+        with _Call(self, "contains"):
+            return self.inner.batch_contains(keys)
+        return 0
+
+    def batch_get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
+        with _Call(self, "get"):
+            return self.inner.batch_get(keys)
+        return []
+
+    def iter_get(self, keys: Sequence[ChunkKey]) -> Generator[MemoryObj, None, None]:
+        with _Call(self, "get"), closing(self.inner.iter_get(keys)) as objs:
+            yield from objs
+
+    def batch_put(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]) -> int:
+        with _Call(self, "put"):
+            return self.inner.batch_put(keys, objs)
+        return 0
+
+    def remove(self, keys: Sequence[ChunkKey]) -> int:
+        with _Call(self, "remove"):
+            return self.inner.remove(keys)
+        return 0
+
+    def stats(self) -> dict[str, float]:
+        with _Call(self, "stats", timed=False):
+            return self.inner.stats()
+        return {}
+
+    def close(self) -> None:
+        with _Call(self, "close", timed=False):
+            self.inner.close()
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Wait until no call runs on this tier; False if `timeout` ran out first."""
+        deadline = time.monotonic() + timeout
+        with self._idle:
+            while self._active:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._idle.wait(remaining)
+            return True
+
+    def _enter(self) -> None:
+        with self._idle:
+            self._active += 1
+
+    def _exit(self) -> None:
+        with self._idle:
+            self._active -= 1
+            if not self._active:
+                self._idle.notify_all()
+
+    def _failed(self, op: str, exc: BaseException) -> None:
+        self._counters.inc(f"{self.name}.errors")
+        self._warn.warning(f"{self.name}-{op}", "kvtier: tier %s %s failed: %r", self.name, op,
+                           exc)
+
+
+class GuardedHotTier(GuardedTier, HotTier):
+    """The hot tier behind the same guard; eviction and pins pass straight through (they
+    touch memory only)."""
+
+    def __init__(self, inner: HotTier, counters: Counters, warn: RateLimitedLog):
+        super().__init__(inner, counters, warn)
+        self._hot = inner
+        self.resident = inner.resident
+
+    def pop_lru(self, nbytes: int) -> list[tuple[ChunkKey, MemoryObj]]:
+        return self._hot.pop_lru(nbytes)
+
+    def pin(self, keys: Sequence[ChunkKey]) -> int:
+        return self._hot.pin(keys)
+
+    def unpin(self, keys: Sequence[ChunkKey]) -> None:
+        self._hot.unpin(keys)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self._hot.pinned_bytes
+
+
+class _Call:
+    """One call into a guarded tier: counted while it runs, timed, and its failure swallowed,
+    so the `with` block falls through to the call's miss value. (`GeneratorExit` and other
+    non-`Exception`s pass through.)"""
+
+    __slots__ = ("_tier", "_op", "_timed", "_start")
+
+    def __init__(self, tier: GuardedTier, op: str, *, timed: bool = True):
+        self._tier = tier
+        self._op = op
+        self._timed = timed
+        self._start = 0.0
+
+    def __enter__(self) -> None:
+        self._tier._enter()
+        self._start = time.perf_counter()
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> bool:
+        self._tier._exit()
+        if self._timed:
+            prometheus.observe(self._tier.name, self._op, time.perf_counter() - self._start)
+        if not isinstance(exc, Exception):
+            return False
+        self._tier._failed(self._op, exc)
+        return True
