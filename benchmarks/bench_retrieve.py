@@ -89,7 +89,7 @@ def run(chunks: int, rounds: int, workdir: Path) -> dict[str, object]:
         secs: dict[str, list[float]] = {"pipelined": [], "serial": [], "raw": []}
         for _ in range(rounds):
             for name in secs:
-                engine.storage.cpu.remove(engine.chunk_keys(tokens))  # type: ignore[union-attr]
+                engine.storage.hot.remove(engine.chunk_keys(tokens))
                 files = _drop_cache(workdir / "disk")
                 start = time.perf_counter()
                 if name == "raw":
