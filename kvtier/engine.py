@@ -102,7 +102,7 @@ class CacheEngine:
             return 0
         stored = self._store_chunks(keys, slots)
         if session_id is not None:
-            self.storage.pin_session(session_id, keys)
+            self.storage.sessions.pin(session_id, keys)
         return stored
 
     def _store_chunks(self, keys: list[ChunkKey], slots: torch.Tensor) -> int:
@@ -139,7 +139,7 @@ class CacheEngine:
             raise ValueError(f"skip must be an int in [0, {slots.numel()}], got {skip!r}")
         wanted = [k for k in keys if k.end > skip]
         if session_id is not None:
-            self.storage.touch_session(session_id)
+            self.storage.sessions.touch(session_id)
         if self._closed or not wanted:
             return skip
         loaded = skip
@@ -181,7 +181,7 @@ class CacheEngine:
     def release_session(self, session_id: str) -> bool:
         """Unpin the chunks `store(..., session_id=)` pinned; False if the session held none.
         Sessions idle for `session_ttl_secs` are released by themselves."""
-        return self.storage.release_session(session_id)
+        return self.storage.sessions.release(session_id)
 
     def attach_tier(self, name: str, config: Config | None = None) -> None:
         """Add a lower tier (`disk`, `redis`) while serving; see `StorageManager.attach_tier`."""

@@ -210,18 +210,7 @@ class StorageManager:
             self.counters.inc("prefetch_timeouts")
         return prefetch
 
-    # -- sessions and tiers at run time --------------------------------------------------------
-
-    def pin_session(self, session_id: str, keys: Sequence[ChunkKey]) -> int:
-        """Pin `keys` (the session's latest prefix) in the CPU tier; see `SessionPins`."""
-        return self.sessions.pin(session_id, keys)
-
-    def touch_session(self, session_id: str) -> None:
-        self.sessions.touch(session_id)
-
-    def release_session(self, session_id: str) -> bool:
-        """Unpin a session's chunks (it ended); False if it held none."""
-        return self.sessions.release(session_id)
+    # -- tiers at run time ---------------------------------------------------------------------
 
     def attach_tier(self, name: str, config: Config | None = None) -> None:
         """Add lower tier `name` while stores and loads run; it serves hits at once.
