@@ -22,7 +22,6 @@ import statistics
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -43,48 +42,21 @@ def _ids(seed: int, n: int) -> list[int]:
     return [rng.randrange(4, 430) for _ in range(n)]
 
 
-def _stream(url: str, ids: list[int], max_new: int, times: list[float]) -> None:
-    body = json.dumps({"input_ids": ids, "stream": True, "sampling_params": {
-        "temperature": 0.0, "max_new_tokens": max_new, "ignore_eos": True}}).encode()
-    req = urllib.request.Request(f"{url}/generate", data=body,
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        for line in resp:
-            if line.startswith(b"data:") and b"[DONE]" not in line:
-                times.append(time.monotonic())
-
-
-def _last_meta(url: str, ids: list[int]) -> tuple[float, dict[str, Any]]:
-    """TTFT and the final meta_info of a streamed greedy request."""
-    body = json.dumps({"input_ids": ids, "stream": True, "sampling_params": {
-        "temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}}).encode()
-    req = urllib.request.Request(f"{url}/generate", data=body,
-                                 headers={"Content-Type": "application/json"})
-    start = time.monotonic()
-    ttft, meta = None, {}
-    with urllib.request.urlopen(req, timeout=600) as resp:
-        for line in resp:
-            if line.startswith(b"data:") and b"[DONE]" not in line:
-                ttft = ttft or time.monotonic() - start
-                meta = json.loads(line[5:])["meta_info"]
-    assert ttft is not None
-    return ttft, meta
-
-
 def measure(server: SGLangServer, long_ids: list[int]) -> dict[str, float]:
     times: list[float] = []
-    streamer = threading.Thread(target=_stream, args=(server.url, _ids(99, 64), 1500, times))
+    streamer = threading.Thread(target=server.stream_generate, args=(_ids(99, 64), 1500),
+                                kwargs={"on_chunk": lambda: times.append(time.monotonic())})
     streamer.start()
     while len(times) < 50:
         time.sleep(0.01)
     sent = time.monotonic()
-    ttft, meta = _last_meta(server.url, long_ids)
+    long = server.stream_generate(long_ids)
     answered = time.monotonic()
     streamer.join()
     gaps = [b - a for a, b in zip(times[5:], times[6:])]
     during = [b - a for a, b in zip(times, times[1:]) if b >= sent and a <= answered]
     return {"median_gap_ms": statistics.median(gaps) * 1e3, "worst_gap_ms": max(during) * 1e3,
-            "long_ttft_ms": ttft * 1e3, "cached_tokens": meta["cached_tokens"],
+            "long_ttft_ms": long.ttft_s * 1e3, "cached_tokens": long.cached_tokens,
             "prompt_tokens": len(long_ids)}
 
 

@@ -2,8 +2,8 @@
 interface.
 
 Puts land in the hot (CPU) tier at once and reach the lower tiers in the background per the
-write policy; gets walk the tiers in order and promote lower-tier hits into the hot tier. Each
-lower tier sits behind a guard that turns its failures into counted misses (`kvtier.guard`).
+write policy; gets walk the tiers in order and promote lower-tier hits into the hot tier. Every
+tier sits behind a guard that turns its failures into counted misses (`kvtier.guard`).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -235,12 +235,14 @@ class SGLangServer:
         })
 
     def stream_generate(self, input_ids: Sequence[int], max_new_tokens: int = 8,
-                        timeout: float = 600) -> StreamResult:
+                        timeout: float = 600,
+                        on_chunk: Callable[[], None] | None = None) -> StreamResult:
         """Greedy generation through the streaming `/generate` endpoint.
 
         TTFT is the time from sending the request to the first streamed chunk that carries an
         output token: SGLang sends a chunk only once a token has been sampled, so this is the
-        prefill (plus any kvtier load) as a client sees it.
+        prefill (plus any kvtier load) as a client sees it. `on_chunk` is called as each
+        streamed chunk arrives (to time the gaps between tokens).
         """
         body = json.dumps({
             "input_ids": list(input_ids), "stream": True,
@@ -261,6 +263,8 @@ class SGLangServer:
                 line = raw.strip()
                 if not line.startswith(b"data:") or line == b"data: [DONE]":
                     continue
+                if on_chunk is not None:
+                    on_chunk()
                 chunk = json.loads(line[5:])
                 new = chunk.get("output_ids") or []
                 if new and ttft is None:

@@ -11,12 +11,10 @@ proxy that delays every reply (a remote Redis), with an empty CPU tier of their 
 
 from __future__ import annotations
 
-import json
 import re
 import statistics
 import threading
 import time
-import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -77,16 +75,12 @@ def tiny_llama4(models_dir: Path) -> Path:
 def _stream_times(server: SGLangServer, ids: list[int], n: int, started: threading.Event,
                   times: list[float]) -> None:
     """Stream `n` greedy tokens, recording when each chunk arrived."""
-    body = json.dumps({"input_ids": ids, "stream": True, "sampling_params": {
-        "temperature": 0.0, "max_new_tokens": n, "ignore_eos": True}}).encode()
-    req = urllib.request.Request(f"{server.url}/generate", data=body,
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as resp:
-        for line in resp:
-            if line.startswith(b"data:") and b"[DONE]" not in line:
-                times.append(time.monotonic())
-                if len(times) == 20:
-                    started.set()
+    def arrived() -> None:
+        times.append(time.monotonic())
+        if len(times) == 20:
+            started.set()
+
+    server.stream_generate(ids, n, timeout=300, on_chunk=arrived)
 
 
 def test_stream_keeps_its_pace_while_a_long_prefix_loads_from_slow_redis(
