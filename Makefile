@@ -17,7 +17,7 @@ $(BIN)/python:
 # under ~/.cache/kvtier); compile it now so no test or benchmark pays for it.
 setup: $(BIN)/python
 	$(BIN)/pip install -q -e '.[dev]'
-	$(BIN)/python -c "from kvtier.connectors import ops; print('kvtier copy kernel:', ops.kernel_name())"
+	$(BIN)/python -c "from kvtier.connectors import ops; print('kvtier copy kernel:', ops.prepare())"
 
 bench: setup
 	$(BIN)/kvtier bench

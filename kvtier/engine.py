@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import closing
 
 import numpy as np
 import torch
 
 from kvtier.config import Config
+from kvtier.connectors import ops
 from kvtier.connectors.base import KVConnector
 from kvtier.keys import ChunkKey, KeyBuilder
 from kvtier.memory import KVLayout, MemoryFormat, MemoryObj, lease
@@ -70,6 +71,9 @@ class CacheEngine:
             raise ValueError(f"rank must lie in [0, {world_size}), got {rank!r}")
         if config.log_level:
             logging.getLogger("kvtier").setLevel(config.log_level.upper())
+        # The copy kernel is loaded (compiled, the first time in an environment) here, before
+        # serving, never by a copy on a serving thread.
+        ops.prepare()
         self.config = config
         self.layout = layout
         self.connector = connector
@@ -89,24 +93,29 @@ class CacheEngine:
         self._closed = False
 
     def store(self, token_ids: TokenIds, slot_mapping: torch.Tensor, *,
-              session_id: str | None = None) -> int:
+              session_id: str | None = None, on_read: Callable[[], None] | None = None) -> int:
         """Save the KV of `token_ids` (in pool rows `slot_mapping`) chunk by chunk.
 
-        Chunks already cached are skipped; storing stops at the first chunk that has a `-1`
-        slot or finds no memory. With `session_id`, the prefix is then pinned in the CPU tier
-        as that session's latest turn (see `release_session`). Returns the number of tokens
-        newly stored.
+        Chunks the CPU tier already holds are skipped (lower tiers are never asked here: their
+        writers skip what they hold); storing stops at the first chunk that has a `-1` slot or
+        finds no memory. `on_read` is called as soon as the pool rows have been read, before
+        the chunks are put anywhere: the caller may reuse the rows from then on. With
+        `session_id`, the prefix is then pinned in the CPU tier as that session's latest turn
+        (see `release_session`). Returns the number of tokens newly stored.
         """
         keys, slots = self._prepare(token_ids, slot_mapping)
         if not self._stores or self._closed or not keys:
+            if on_read is not None:
+                on_read()
             return 0
-        stored = self._store_chunks(keys, slots)
+        stored = self._store_chunks(keys, slots, on_read)
         if session_id is not None:
             self.storage.sessions.pin(session_id, keys)
         return stored
 
-    def _store_chunks(self, keys: list[ChunkKey], slots: torch.Tensor) -> int:
-        first = self.storage.contains(keys)
+    def _store_chunks(self, keys: Sequence[ChunkKey], slots: torch.Tensor,
+                      on_read: Callable[[], None] | None) -> int:
+        first = self.storage.contains(keys, hot_only=True)
         objs: list[MemoryObj] = []
         with lease(objs):
             for key in keys[first:]:
@@ -119,6 +128,8 @@ class CacheEngine:
                     break
                 objs.append(obj)
                 self.connector.gather(chunk_slots, obj)
+            if on_read is not None:
+                on_read()
             stored = keys[first:first + len(objs)]
             self.storage.put(stored, objs)
         n = sum(k.num_tokens for k in stored)
@@ -126,15 +137,17 @@ class CacheEngine:
         return n
 
     def retrieve(self, token_ids: TokenIds, slot_mapping: torch.Tensor, skip: int = 0, *,
-                 hot_only: bool = False, session_id: str | None = None) -> int:
+                 hot_only: bool = False, session_id: str | None = None,
+                 keys: Sequence[ChunkKey] | None = None) -> int:
         """Load cached KV of the longest cached prefix of `token_ids` into `slot_mapping`.
 
         Tokens before `skip` are already in the pool and are not written; `-1` slots are not
         written. Stops at the first chunk no tier has (only the CPU tier is read with
         `hot_only`). Chunks are scattered as they arrive, while later ones are still being
-        read. Returns the number of leading tokens now in the pool (at least `skip`).
+        read. `keys`: `chunk_keys(token_ids)` computed earlier (a long prompt is hashed once).
+        Returns the number of leading tokens now in the pool (at least `skip`).
         """
-        keys, slots = self._prepare(token_ids, slot_mapping)
+        keys, slots = self._prepare(token_ids, slot_mapping, keys)
         if not isinstance(skip, int) or not 0 <= skip <= slots.numel():
             raise ValueError(f"skip must be an int in [0, {slots.numel()}], got {skip!r}")
         wanted = [k for k in keys if k.end > skip]
@@ -156,20 +169,26 @@ class CacheEngine:
         self.storage.counters.inc("tokens_requested", slots.numel() - skip)
         return loaded
 
-    def lookup(self, token_ids: TokenIds, *, hot_only: bool = False) -> int:
+    def lookup(self, token_ids: TokenIds, *, hot_only: bool = False,
+               keys: Sequence[ChunkKey] | None = None) -> int:
         """How many leading tokens of `token_ids` some tier (only the CPU tier with
-        `hot_only`) could load; no data moves."""
-        keys = self.keys.keys(token_ids)
+        `hot_only`) could load; no data moves. `keys`: as in `retrieve`."""
+        keys = self.keys.keys(token_ids) if keys is None else keys
         if self._closed:
             return 0
         n = self.storage.contains(keys, hot_only=hot_only)
         return keys[n - 1].end if n else 0
 
-    def start_prefetch(self, token_ids: TokenIds) -> Prefetch:
+    def start_prefetch(self, token_ids: TokenIds, *,
+                       keys: Sequence[ChunkKey] | None = None) -> Prefetch:
         """Start moving the lower-tier chunks of `token_ids` into CPU memory in the background
         and return at once; poll the handle's `ready()` (per `prefetch_policy`) or wait on it,
-        and `cancel()` it when the request goes away. See `StorageManager.start_prefetch`."""
-        keys = [] if self._closed else self.keys.keys(token_ids)
+        and `cancel()` it when the request goes away. See `StorageManager.start_prefetch`.
+        `keys`: `chunk_keys(token_ids)` computed earlier."""
+        if keys is None:
+            keys = [] if self._closed else self.keys.keys(token_ids)
+        elif self._closed:
+            keys = []
         return self.storage.start_prefetch(keys)
 
     def prefetch(self, token_ids: TokenIds) -> Prefetch:
@@ -211,11 +230,14 @@ class CacheEngine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _prepare(self, token_ids: TokenIds,
-                 slot_mapping: torch.Tensor) -> tuple[list[ChunkKey], torch.Tensor]:
-        keys = self.keys.keys(token_ids)
+    def _prepare(self, token_ids: TokenIds, slot_mapping: torch.Tensor,
+                 keys: Sequence[ChunkKey] | None = None,
+                 ) -> tuple[Sequence[ChunkKey], torch.Tensor]:
+        keys = self.keys.keys(token_ids) if keys is None else keys
         self.connector.check_slots(slot_mapping, name="slot_mapping")
         n = len(token_ids)
         if slot_mapping.numel() != n:
             raise ValueError(f"slot_mapping has {slot_mapping.numel()} entries, token_ids has {n}")
+        if keys and keys[-1].end > n:
+            raise ValueError(f"keys cover {keys[-1].end} tokens, token_ids has {n}")
         return keys, slot_mapping

@@ -4,7 +4,8 @@ One naming scheme, derived from the stats every part already keeps: a stats key 
 `kvtier_name`, a key `tier.name` becomes `kvtier_tier_name{tier="tier"}`, and an SGLang adapter
 key `sglang.name` becomes `kvtier_sglang_name`. Keys in `GAUGES` (sizes, queue depths, states)
 are gauges, every other key counts events and is a counter (`_total`). Tier calls are timed in
-`kvtier_tier_op_seconds{tier, op}` histograms.
+`kvtier_tier_op_seconds{tier, op}` histograms, kvtier's calls on SGLang's scheduler thread in
+`kvtier_scheduler_seconds{call}`.
 
 The values are live prometheus-client objects, refreshed from the sources' `stats()` once a
 second by a background thread and at every scrape of kvtier's own endpoint. Live objects are
@@ -24,7 +25,7 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-__all__ = ["register", "observe", "serve", "sync", "GAUGES", "available"]
+__all__ = ["register", "observe", "observe_scheduler", "serve", "sync", "GAUGES", "available"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,9 @@ class _Exporter:
         self._last: dict[tuple[int, str, str], float] = {}
         self.op_seconds = pc.Histogram("kvtier_tier_op_seconds", "Duration of kvtier tier calls",
                                        ["tier", "op"], buckets=_BUCKETS)
+        self.scheduler_seconds = pc.Histogram(
+            "kvtier_scheduler_seconds", "Duration of kvtier calls on the serving engine's "
+            "scheduler thread", ["call"], buckets=_BUCKETS)
         self._served: set[int] = set()
         threading.Thread(target=self._run, name="kvtier-metrics", daemon=True).start()
 
@@ -178,6 +182,12 @@ def observe(tier: str, op: str, seconds: float) -> None:
     """Record the duration of one tier call."""
     if _exporter is not None:
         _exporter.op_seconds.labels(tier=tier, op=op).observe(seconds)
+
+
+def observe_scheduler(call: str, seconds: float) -> None:
+    """Record the duration of one kvtier call on the serving engine's scheduler thread."""
+    if _exporter is not None:
+        _exporter.scheduler_seconds.labels(call=call).observe(seconds)
 
 
 def serve(port: int) -> bool:

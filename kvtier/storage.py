@@ -22,7 +22,7 @@ from kvtier.keys import ChunkKey, stub_key
 from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj
 from kvtier.metrics import Counters, RateLimitedLog
 from kvtier.policy import make_write_policy
-from kvtier.prefetch import Prefetch, Prefetcher
+from kvtier.prefetch import Prefetch, Prefetcher, PrefetchLoads
 from kvtier.sessions import SessionPins
 from kvtier.tierset import TierSet, retire
 from kvtier.writer import TierWriter
@@ -31,9 +31,6 @@ __all__ = ["StorageManager"]
 
 logger = logging.getLogger(__name__)
 
-# Chunks a prefetch claims and reads at a time: one pipelined round trip to a remote tier, and
-# the granularity at which a cancel takes effect.
-PREFETCH_WINDOW = 64
 PREFETCH_WORKERS = 2
 PREFETCH_MAX_PENDING = 256
 COUNTERS = ("chunks_put", "cpu_evictions", "prefetches", "prefetch_dropped", "prefetch_timeouts",
@@ -56,7 +53,9 @@ class StorageManager:
         self.allocator = allocator or MemoryAllocator(int(config.max_local_cpu_size * 1e9))
         self.counters = Counters(*COUNTERS)
         self._warn = RateLimitedLog(logger)
-        self._lock = threading.Lock()
+        self._closed = False
+        self._gate = threading.Condition()  # guards _closed and _active
+        self._active = 0  # put/stats/start_prefetch calls running; close() waits for them
         ctx = BackendContext(config, layout, self.allocator, self.counters)
         hot: HotTier = NullHotTier()
         if config.local_cpu:
@@ -72,18 +71,19 @@ class StorageManager:
                 if name != "cpu":
                     self._set.add(*self._guarded(create_backend(name, ctx)))
         except BaseException:
-            for writer in self._writers:
+            tiers, writers = self._set.close()
+            for writer in writers:
                 writer.close(config.blocking_timeout_secs)  # nothing queued: returns at once
-            self._close_tiers()
+            self._close_tiers(tiers)
             raise
         self.sessions = SessionPins(
             hot, int(config.max_session_pinned_fraction * self.allocator.size),
             config.session_ttl_secs, self.counters)
-        self._inflight: dict[str, threading.Event] = {}  # chunk -> set when its load ends
+        self._loads = PrefetchLoads(hot, self._load_lower, lambda: self._closed, self.counters,
+                                    lambda: self.allocator.used_bytes)
         self._prefetcher = Prefetcher(
-            self._prefetch_load, workers=PREFETCH_WORKERS, max_pending=PREFETCH_MAX_PENDING,
+            self._loads.load, workers=PREFETCH_WORKERS, max_pending=PREFETCH_MAX_PENDING,
             on_dropped=lambda: self.counters.inc("prefetch_dropped"))
-        self._closed = False
         self.allocator.set_evictor(self._evict)
         prometheus.register(self)
         logger.info("kvtier storage: tiers %s, write policy %s", [t.name for t in self.tiers],
@@ -115,11 +115,12 @@ class StorageManager:
         tier and never takes over the caller's references."""
         if len(keys) != len(objs):
             raise ValueError(f"keys and objs differ in length: {len(keys)} != {len(objs)}")
-        if self._closed or not keys:
-            return
-        self.hot.batch_put(keys, objs)
-        self.policy.on_put(keys, objs, self._writers)
-        self.counters.inc("chunks_put", len(keys))
+        with self._running() as open_:
+            if not open_ or not keys:
+                return
+            self.hot.batch_put(keys, objs)
+            self.policy.on_put(keys, objs, self._writers)
+            self.counters.inc("chunks_put", len(keys))
 
     @contextmanager
     def get(self, keys: Sequence[ChunkKey], *, hot_only: bool = False,
@@ -194,12 +195,14 @@ class StorageManager:
         cfg = self.config
         tokens = sum(k.num_tokens for k in keys)
         budget = (cfg.prefetch_timeout_base_ms + cfg.prefetch_timeout_per_token_ms * tokens) / 1e3
-        prefetch = Prefetch(keys, cfg.prefetch_policy, budget, drop=self._drop_promoted)
+        prefetch = Prefetch(keys, cfg.prefetch_policy, budget, drop=self._loads.drop)
         prefetch.arena_before = self.allocator.used_bytes
-        if not self.hot.resident or self._closed or not keys:
-            prefetch.finish(0)
-        else:
+        with self._running() as open_:
+            if not open_ or not self.hot.resident or not keys:
+                prefetch.finish(0)
+                return prefetch
             self.counters.inc("prefetches")
+            self._loads.want(prefetch)  # until cancelled; a refused submit cancels it
             self._prefetcher.submit(prefetch)
         return prefetch
 
@@ -272,15 +275,18 @@ class StorageManager:
         return max((t.remove(keys) for t in self.tiers), default=0)
 
     def stats(self) -> dict[str, float]:
-        """Manager counters plus every tier's stats as `tier.name` entries."""
+        """Manager counters plus every tier's stats as `tier.name` entries (once closing, the
+        counters only: a tier is never asked once `close()` may be closing it)."""
         out: dict[str, float] = dict(self.counters.snapshot())
-        for tier in self.tiers:
-            for name, value in tier.stats().items():
-                out[f"{tier.name}.{name}"] = value
-        for writer in self._writers:
-            out[f"{writer.backend.name}.write_queue"] = writer.pending()
+        with self._running() as open_:
+            if open_:
+                for tier in self.tiers:
+                    for name, value in tier.stats().items():
+                        out[f"{tier.name}.{name}"] = value
+                for writer in self._writers:
+                    out[f"{writer.backend.name}.write_queue"] = writer.pending()
+                out.update(self.sessions.stats())
         out["prefetch_queue"] = self._prefetcher.pending()
-        out.update(self.sessions.stats())
         out["arena_used_bytes"] = self.allocator.used_bytes
         out["arena_bytes"] = self.allocator.size
         return out
@@ -292,71 +298,47 @@ class StorageManager:
         return all(drained)
 
     def close(self) -> None:
-        """Drain background writes (bounded by `blocking_timeout_secs`), then close tiers."""
-        if self._closed:
-            return
-        self._prefetcher.close(self.config.blocking_timeout_secs)
-        self.policy.on_close(self.hot, self.allocator.size, self._writers)
-        self._closed = True
-        for writer in self._writers:
-            writer.close(self.config.blocking_timeout_secs)
-        self._set.writers = []
+        """Drain background writes (bounded by `blocking_timeout_secs`), then close tiers.
+
+        Puts, prefetches and stats' tier calls are refused from the start; those already
+        running are waited for (same bound), so the write policy's `on_close` sees every put
+        that returned and no call reaches a closed tier. Idempotent."""
+        timeout = self.config.blocking_timeout_secs
+        with self._gate:
+            if self._closed:
+                return
+            self._closed = True
+            if not self._gate.wait_for(lambda: not self._active, timeout):
+                logger.warning("kvtier: %d storage calls still running after %.1fs; closing "
+                               "under them", self._active, timeout)
+        self._prefetcher.close(timeout)
+        self.policy.on_close(self.hot, self.allocator.size, self._writers)  # writers still open
+        tiers, writers = self._set.close()
+        for writer in writers:
+            writer.close(timeout)
         self.sessions.close()
         self.allocator.set_evictor(None)
-        self._close_tiers()
+        self._close_tiers(tiers)
         self.allocator.close()  # warns if a reader still holds an object (a leak)
         logger.info("kvtier storage closed: %s", self.counters.snapshot())
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _prefetch_load(self, prefetch: Prefetch) -> int:
-        """A prefetch's work (worker thread): load its chunks into the CPU tier, window by
-        window, waiting for chunks another prefetch is loading; returns the leading chunks
-        now in the CPU tier."""
-        keys = prefetch.keys
-        n = self.contains(keys, hot_only=True)
-        while n < len(keys) and not prefetch.cancelled and not self._closed:
-            with self._lock:
-                busy = self._inflight.get(keys[n].key)
-                if busy is None:
-                    mine = []
-                    for key in keys[n:n + PREFETCH_WINDOW]:
-                        if key.key in self._inflight:
-                            break
-                        mine.append(key)
-                    done = threading.Event()
-                    for key in mine:
-                        self._inflight[key.key] = done
-            if busy is not None:  # another prefetch is reading this chunk: wait, then look
-                busy.wait()
-                more = self.contains(keys[n:], hot_only=True)
-                if not more:
-                    break
-                n += more
-                continue
-            try:
-                got = self._load_lower(mine)
-            finally:
-                with self._lock:
-                    for key in mine:
-                        del self._inflight[key.key]
-                done.set()
-            prefetch.promoted.extend(mine[:got])
-            n += got
-            if got < len(mine):
-                break
-        return n
-
-    def _drop_promoted(self, prefetch: Prefetch) -> None:
-        """Remove what `prefetch` brought into the CPU tier, deepest chunk first."""
-        removed = 0
-        if prefetch.promoted:
-            removed = self.hot.remove(prefetch.promoted[::-1])
-            self.counters.inc("prefetch_dropped_chunks", removed)
-        prefetch.promoted = []
-        logger.info("kvtier: dropped %d chunks of a cancelled prefetch; arena holds %d bytes "
-                    "(%d when it started)", removed, self.allocator.used_bytes,
-                    prefetch.arena_before)
+    @contextmanager
+    def _running(self) -> Iterator[bool]:
+        """Whether the manager is open; if so, `close()` waits for the block to end."""
+        with self._gate:
+            open_ = not self._closed
+            if open_:
+                self._active += 1
+        try:
+            yield open_
+        finally:
+            if open_:
+                with self._gate:
+                    self._active -= 1
+                    if not self._active:
+                        self._gate.notify_all()
 
     def _load_lower(self, keys: Sequence[ChunkKey]) -> int:
         """Read leading `keys` from the lower tiers into the CPU tier; returns how many."""
@@ -384,8 +366,8 @@ class StorageManager:
     def _in_hot(self, key: str) -> bool:
         return self.hot.batch_contains([stub_key(key)]) == 1
 
-    def _close_tiers(self) -> None:
-        for tier in [self.hot, *self._set.tiers]:
+    def _close_tiers(self, lower: Sequence[StorageBackend]) -> None:
+        for tier in [self.hot, *lower]:
             tier.close()
 
 

@@ -2,7 +2,8 @@
 
 Readers take the current lists (`tiers`, `writers`) without locking: a change publishes new
 lists and never mutates old ones, so a call that started on the old set finishes on it (the
-tier's guard counts such calls, so a detached tier is closed only after they end).
+tier's guard counts such calls, so a detached tier is closed only after they end). Changes
+(attach, detach, close) take the set's lock, so none of them loses another's.
 """
 
 from __future__ import annotations
@@ -23,13 +24,17 @@ class TierSet:
         self.tiers: list[GuardedTier] = []
         self.writers: list[TierWriter] = []
         self._lock = threading.Lock()
+        self._closed = False
 
     def find(self, name: str) -> GuardedTier | None:
         return next((t for t in self.tiers if t.name == name), None)
 
     def add(self, tier: GuardedTier, writer: TierWriter) -> None:
-        """Publish `tier` (in `TIER_ORDER`) and its writer; `ValueError` if attached."""
+        """Publish `tier` (in `TIER_ORDER`) and its writer; `ValueError` if attached or if the
+        set is closed (the caller still owns both then)."""
         with self._lock:
+            if self._closed:
+                raise ValueError(f"tier {tier.name!r} cannot be attached: storage is closed")
             if self.find(tier.name) is not None:
                 raise ValueError(f"tier {tier.name!r} is already attached")
             rank = {name: i for i, name in enumerate(TIER_ORDER)}
@@ -47,6 +52,15 @@ class TierSet:
             self.tiers = [t for t in self.tiers if t is not tier]
             self.writers = [w for w in self.writers if w is not writer]
             return tier, writer
+
+    def close(self) -> tuple[list[GuardedTier], list[TierWriter]]:
+        """Unpublish every tier and writer and refuse later `add`s; returns what was attached,
+        for the caller to close (no tier is closed while still published)."""
+        with self._lock:
+            self._closed = True
+            tiers, writers = self.tiers, self.writers
+            self.tiers, self.writers = [], []
+            return tiers, writers
 
 
 def retire(tier: GuardedTier, writer: TierWriter, *, drain: bool, timeout: float,

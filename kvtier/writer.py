@@ -28,7 +28,9 @@ _BATCH = 16  # chunks per backend call
 
 
 class TierWriter:
-    """Owns the references of queued objects and releases each once written or dropped."""
+    """Owns the references of queued objects and releases each exactly once: when written,
+    dropped, or discarded at close/cancel. Nothing is queued once `close`/`cancel` began, so
+    nothing queued is left behind."""
 
     def __init__(
         self,
@@ -46,6 +48,9 @@ class TierWriter:
         self._warn = warn
         self._reachable = reachable
         self._recent: OrderedDict[str, None] = OrderedDict()
+        # Guards _closed, and is held while submit queues: an item is either queued before the
+        # stop marker (then written or discarded) or refused; never queued behind it.
+        self._lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"kvtier-writer-{backend.name}",
                                          daemon=True)
@@ -55,19 +60,21 @@ class TierWriter:
         """Queue `keys` in order (takes one new reference per queued object); returns how many
         were queued. Stops at the first chunk that does not fit: later ones would be orphans."""
         name = self.backend.name
-        for i, (key, obj) in enumerate(zip(keys, objs, strict=True)):
+        with self._lock:
             if self._closed:
-                return i
-            obj.retain()
-            try:
-                self._queue.put_nowait((key, obj))
-            except queue.Full:
-                obj.release()
-                self._counters.inc(f"{name}.write_dropped", len(keys) - i)
-                self._warn.warning(f"queue-{name}", "kvtier: %s write queue full; dropping "
-                                   "writes (the tier is slower than the store rate)", name)
-                return i
-        return len(keys)
+                return 0
+            for i, (key, obj) in enumerate(zip(keys, objs, strict=True)):
+                obj.retain()
+                try:
+                    self._queue.put_nowait((key, obj))
+                except queue.Full:
+                    obj.release()
+                    self._counters.inc(f"{name}.write_dropped", len(keys) - i)
+                    self._warn.warning(f"queue-{name}", "kvtier: %s write queue full; "
+                                       "dropping writes (the tier is slower than the store "
+                                       "rate)", name)
+                    return i
+            return len(keys)
 
     def pending(self) -> int:
         return self._queue.qsize()
@@ -85,29 +92,44 @@ class TierWriter:
         return True
 
     def close(self, timeout: float) -> None:
-        """Write what is queued (up to `timeout` seconds), then stop the worker."""
-        if self._closed:
+        """Write what is queued (up to `timeout` seconds), then stop the worker. What is
+        still queued then is released unwritten. Idempotent."""
+        if not self._shut():
             return
-        self._closed = True
         try:
             self._queue.put(None, timeout=timeout)
         except queue.Full:
             pass
         self._thread.join(timeout)
-        if self._thread.is_alive():
+        stuck = self._thread.is_alive()
+        if stuck:
             logger.warning("kvtier: %s writer did not drain within %.1fs; %d writes lost",
                            self.backend.name, timeout, self._queue.qsize())
         self._discard_queued()
+        if stuck:
+            self._stop_marker()  # the first one may have gone with the rest
 
     def cancel(self, timeout: float) -> None:
-        """Drop what is queued (counted), let the write in progress finish, stop the worker."""
-        if self._closed:
+        """Drop what is queued (counted), let the write in progress finish, stop the worker.
+        Idempotent (also after `close`)."""
+        if not self._shut():
             return
-        self._closed = True
         dropped = self._discard_queued()
         self._counters.inc(f"{self.backend.name}.write_cancelled", dropped)
-        self._queue.put(None)  # room: the queue was just emptied and nobody adds any more
+        self._stop_marker()
         self._thread.join(timeout)
+
+    def _shut(self) -> bool:
+        """Refuse submits from now on; False if that had already happened."""
+        with self._lock:
+            first = not self._closed
+            self._closed = True
+            return first
+
+    def _stop_marker(self) -> None:
+        """Queue the worker's stop; only after `_shut` and `_discard_queued`, so there is room
+        (nobody else adds any more)."""
+        self._queue.put_nowait(None)
 
     def _discard_queued(self) -> int:
         n = 0

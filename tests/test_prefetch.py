@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import gc
+import sys
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -16,7 +19,7 @@ from kvtier.keys import ChunkKey
 from kvtier.memory import MemoryObj, lease
 from kvtier.prefetch import Prefetch, Prefetcher
 from kvtier.storage import StorageManager
-from tests.helpers import SMALL_MHA, make_keys, make_obj, same_bytes
+from tests.helpers import SMALL_MHA, make_keys, make_obj, run_threads, same_bytes
 
 CHUNK = 16
 
@@ -41,6 +44,18 @@ class _GatedTier(CPUBackend):
 @pytest.fixture
 def gated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[StorageManager]:
     """CPU tier over a gated lower tier, holding three chunks only in the lower tier."""
+    sm = _gated_manager(tmp_path, monkeypatch)
+    try:
+        yield sm
+    finally:
+        _GatedTier.gate.set()
+        arena = sm.allocator
+        sm.close()
+        assert arena.used_bytes == 0
+
+
+def _gated_manager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> StorageManager:
+    """The `gated` fixture's manager, its gate closed; the caller closes it."""
     monkeypatch.setitem(BACKENDS, "disk", f"{__name__}:_GatedTier")
     _GatedTier.gate.set()
     _GatedTier.reads.clear()
@@ -56,13 +71,7 @@ def gated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[StorageMa
     assert sm.flush()
     sm.hot.remove(keys)
     _GatedTier.gate.clear()
-    try:
-        yield sm
-    finally:
-        _GatedTier.gate.set()
-        arena = sm.allocator
-        sm.close()
-        assert arena.used_bytes == 0
+    return sm
 
 
 def test_prefetch_returns_at_once_and_loads_in_the_background(gated: StorageManager) -> None:
@@ -99,9 +108,115 @@ def test_cancelled_prefetch_with_drop_gives_its_memory_back(gated: StorageManage
     assert gated.stats()["prefetch_dropped_chunks"] == 3
 
 
+def _both_loaded(sm: StorageManager, first_keys: list[ChunkKey],
+                 second_keys: list[ChunkKey]) -> tuple[Prefetch, Prefetch]:
+    """Two prefetches, the second started while the first reads from the held lower tier (so
+    it waits for that read and then shares its chunks), both run to the end."""
+    first = sm.start_prefetch(first_keys)
+    assert _GatedTier.entered.acquire(timeout=30)  # the first one is reading
+    second = sm.start_prefetch(second_keys)
+    _GatedTier.gate.set()
+    assert first.result(timeout=30) == 3 and second.result(timeout=30) == len(second_keys)
+    assert sorted(_GatedTier.reads.values()) == [1, 1, 1]  # the second read nothing itself
+    return first, second
+
+
+def test_abort_keeps_the_chunks_another_prefetch_waited_for(gated: StorageManager) -> None:
+    keys = make_keys(48)
+    first, second = _both_loaded(gated, keys, keys)
+    first.cancel(drop=True)  # its request was aborted; the second one's still waits
+    assert gated.hot.batch_contains(keys) == 3
+    assert gated.stats()["prefetch_dropped_chunks"] == 0
+    second.cancel()  # admitted: its load finds every chunk
+    with gated.get(keys, hot_only=True) as objs:
+        assert [same_bytes(o.tensor, w) for o, w in zip(objs, gated.want)] == [True] * 3
+
+
+def test_abort_drops_what_no_live_prefetch_wants(gated: StorageManager) -> None:
+    keys = make_keys(48)
+    first, second = _both_loaded(gated, keys, keys[:2])
+    first.cancel(drop=True)  # the second still wants the first two chunks, not the third
+    assert gated.hot.batch_contains(keys) == 2
+    assert gated.stats()["prefetch_dropped_chunks"] == 1
+    second.cancel(drop=True)  # it brought nothing up itself: nothing of its own to drop
+    assert gated.hot.batch_contains(keys) == 2
+
+
+def test_abort_after_the_others_were_admitted_drops_everything(gated: StorageManager) -> None:
+    keys = make_keys(48)
+    start = gated.allocator.used_bytes
+    first, second = _both_loaded(gated, keys, keys)
+    second.cancel()  # admitted: no longer a live prefetch
+    first.cancel(drop=True)
+    assert gated.hot.batch_contains(keys) == 0
+    assert gated.allocator.used_bytes == start
+    assert gated.stats()["prefetch_dropped_chunks"] == 3
+
+
+@pytest.fixture
+def one_worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[StorageManager]:
+    """The `gated` manager with one prefetch worker and room for one queued prefetch."""
+    monkeypatch.setattr("kvtier.storage.PREFETCH_WORKERS", 1)
+    monkeypatch.setattr("kvtier.storage.PREFETCH_MAX_PENDING", 1)
+    sm = _gated_manager(tmp_path, monkeypatch)
+    try:
+        yield sm
+    finally:
+        _GatedTier.gate.set()
+        sm.close()
+        assert sm.allocator.used_bytes == 0
+
+
+def _running_and_queued(sm: StorageManager, keys: list[ChunkKey]) -> tuple[Prefetch, Prefetch]:
+    running = sm.start_prefetch(keys)
+    assert _GatedTier.entered.acquire(timeout=30)  # the only worker is reading
+    return running, sm.start_prefetch(keys)
+
+
+def test_wants_end_on_cancel_refusal_or_garbage(one_worker: StorageManager) -> None:
+    keys = make_keys(48)
+    wanting = one_worker._loads.wanting
+    running, queued = _running_and_queued(one_worker, keys)
+    refused = one_worker.start_prefetch(keys)  # the queue is full
+    assert refused.done() and refused.result() == 0
+    assert [wanting(k) for k in keys] == [2, 2, 2]
+    _GatedTier.gate.set()
+    assert running.result(timeout=30) == 3 and queued.result(timeout=30) == 3
+    assert wanting(keys[0]) == 2  # done, not yet admitted: still wanted
+    running.cancel()
+    queued.cancel(drop=True)
+    queued.cancel(drop=True)  # a second cancel releases nothing more
+    assert [wanting(k) for k in keys] == [0, 0, 0]
+    forgotten = one_worker.start_prefetch(keys)  # a caller that never cancels
+    assert forgotten.result(timeout=30) == 3 and wanting(keys[0]) == 1
+    del forgotten
+    deadline = time.monotonic() + 30  # a bound on a hang: the worker lets go after finish()
+    while wanting(keys[0]) and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.001)
+    assert wanting(keys[0]) == 0
+
+
+def test_wants_of_queued_prefetches_end_at_close(one_worker: StorageManager) -> None:
+    keys = make_keys(48)
+    wanting = one_worker._loads.wanting
+    running, queued = _running_and_queued(one_worker, keys)
+    closer = threading.Thread(target=one_worker.close)
+    closer.start()
+    assert queued.result(timeout=30) == 0  # cancelled by the close
+    _GatedTier.gate.set()
+    closer.join(30)
+    assert not closer.is_alive()
+    assert wanting(keys[0]) == 1  # the running one is its caller's to cancel
+    running.cancel()
+    assert wanting(keys[0]) == 0
+    assert one_worker.start_prefetch(keys).result(timeout=0) == 0  # closed: wants nothing
+    assert wanting(keys[0]) == 0
+
+
 def test_cancel_stops_before_the_next_window_and_keeps_what_arrived(
         gated: StorageManager, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("kvtier.storage.PREFETCH_WINDOW", 1)
+    monkeypatch.setattr("kvtier.prefetch.PREFETCH_WINDOW", 1)
     keys = make_keys(48)
     prefetch = gated.start_prefetch(keys)
     assert _GatedTier.entered.acquire(timeout=30)
@@ -150,3 +265,63 @@ def test_ready_follows_the_policy(policy: str, ready: bool) -> None:
 def test_bad_policy_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="policy"):
         Prefetch([], "eventually")
+
+
+# -- the drop runs exactly once, whoever asks and whenever the load ends ------------------------
+
+
+def test_repeated_drops_after_the_load_ended_drop_once() -> None:
+    drops: list[Prefetch] = []
+    prefetch = Prefetch(make_keys(32), drop=drops.append)
+    prefetch.finish(2)
+    prefetch.cancel(drop=True)
+    prefetch.cancel(drop=True)
+    prefetch.cancel()
+    prefetch.finish(0)
+    assert drops == [prefetch] and prefetch.result() == 2
+
+
+def test_drop_runs_once_when_cancels_race_the_end_of_the_load() -> None:
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)  # switch threads often: many chances for the race
+    try:
+        for _ in range(200):
+            drops: list[Prefetch] = []
+            prefetch = Prefetch([], drop=drops.append)
+            _cancels_race_finish(prefetch)
+            assert drops == [prefetch]
+    finally:
+        sys.setswitchinterval(before)
+
+
+def _cancels_race_finish(prefetch: Prefetch) -> None:
+    """Three threads `cancel(drop=True)` while a fourth `finish()`es, released together."""
+    barrier = threading.Barrier(4)
+
+    def race(i: int) -> None:
+        barrier.wait()
+        if i == 0:
+            prefetch.finish(1)
+        else:
+            prefetch.cancel(drop=True)
+
+    run_threads(race, [(i,) for i in range(4)])
+
+
+def test_a_drop_asked_during_the_load_is_done_when_the_load_is() -> None:
+    checked = threading.Event()
+    drops: list[Prefetch] = []
+
+    def slow_drop(prefetch: Prefetch) -> None:
+        checked.wait(1.0)  # without the fix, result() returns and the test looks meanwhile
+        drops.append(prefetch)
+
+    prefetch = Prefetch([], drop=slow_drop)
+    prefetch.cancel(drop=True)  # while loading: the worker drops when it stops
+    finisher = threading.Thread(target=prefetch.finish, args=(0,))
+    finisher.start()
+    prefetch.result(timeout=30)
+    seen = list(drops)
+    checked.set()
+    finisher.join(30)
+    assert seen == [prefetch]

@@ -3,11 +3,13 @@
 A pool is N per-layer tensors `[num_slots, hidden]`; a chunk is one contiguous `[N, T, hidden]`
 tensor. `gather` copies the rows named by `slots` out of every layer into the chunk, `scatter`
 copies them back. Implementations, in order of preference: the CUDA kernel (pool on a GPU and
-the kernels built with CUDA), the C++ CPU kernel, the PyTorch reference. The kernels are built
-on first use (`build.py`); the reference is always available and is the oracle the kernels are
-tested against. `KVTIER_KERNEL=torch` forces the reference, `KVTIER_KERNEL=cpp` requires the
-compiled kernels (an error if they cannot be built), `auto` (the default) picks the fastest
-available.
+the kernels built with CUDA), the C++ CPU kernel, the PyTorch reference. `prepare()` loads the
+kernels, compiling them if this environment has none (`build.py`); the engine calls it when it
+is built, so the copies on a serving thread never compile (a copy before any `prepare()` uses a
+kernel only if one is already built). The reference is always available and is the oracle the
+kernels are tested against. `KVTIER_KERNEL=torch` forces the reference, `KVTIER_KERNEL=cpp`
+requires the compiled kernels (an error if they cannot be built), `auto` (the default) picks
+the fastest available.
 
 The kernels copy rows of bytes, so every dtype works (fp8 included). Arguments are checked here
 before anything is written, and again in C++ (`TORCH_CHECK`) for direct callers.
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from collections.abc import Sequence
 from types import ModuleType
 
@@ -24,14 +28,17 @@ import torch
 
 from kvtier.errors import ConfigError
 
-__all__ = ["gather", "scatter", "kernel_name", "reference_gather", "reference_scatter"]
+__all__ = ["gather", "scatter", "prepare", "kernel_name", "reference_gather",
+           "reference_scatter"]
 
 logger = logging.getLogger(__name__)
 
 SKIP_SLOT = -1  # in scatter: leave this token's pool row untouched
 
 _ext: ModuleType | None = None
-_ext_error: str | None = None
+_ext_error: str | None = None  # why the kernels could not be compiled or loaded
+_probed = False  # looked for an already built kernel (without compiling)
+_prepare_lock = threading.Lock()
 _logged: set[str] = set()
 
 
@@ -70,9 +77,41 @@ def scatter(src: torch.Tensor, slots: torch.Tensor, layers: Sequence[torch.Tenso
     reference_scatter(src, slots, layers)
 
 
+def prepare() -> str:
+    """Load the compiled kernels now, compiling them if this environment has none (seconds,
+    once per environment; logged with its duration). Call it before serving: the copies
+    themselves never compile. Idempotent and thread-safe; returns `kernel_name()`.
+
+    Raises:
+        ConfigError: `KVTIER_KERNEL=cpp` and the kernels cannot be built or loaded.
+    """
+    global _ext, _ext_error, _probed
+    choice = _choice()
+    if choice != "torch":
+        with _prepare_lock:
+            if _ext is None and _ext_error is None:
+                from kvtier.connectors import build
+
+                start = time.monotonic()
+                try:
+                    _ext = build.load(compile=True)
+                except Exception as exc:  # no compiler, no headers, ...: the reference works
+                    _ext_error = _summary(exc)
+                _probed = True
+                if _ext is not None:
+                    logger.info("kvtier: C++ copy kernel ready in %.3fs",
+                                time.monotonic() - start)
+    if choice == "cpp" and _ext is None:
+        raise ConfigError(f"KVTIER_KERNEL=cpp but the C++ kernel cannot be built or loaded: "
+                          f"{_ext_error}")
+    if _ext is None and choice != "torch":
+        _log_once(_fallback_reason())
+    return kernel_name()
+
+
 def kernel_name() -> str:
-    """The implementation `gather`/`scatter` use for GPU pools if a GPU is present, else for CPU
-    pools: "cuda", "cpp" or "torch"."""
+    """The implementation `gather`/`scatter` use now for GPU pools if a GPU is present, else
+    for CPU pools: "cuda", "cpp" or "torch" (never compiles; see `prepare`)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if _kernel(device) is None:
         return "torch"
@@ -105,22 +144,26 @@ def _copyable(t: torch.Tensor) -> torch.Tensor:
     return t if t.element_size() > 1 else t.view(torch.uint8)
 
 
+def _choice() -> str:
+    choice = os.environ.get("KVTIER_KERNEL", "auto")
+    if choice not in ("auto", "cpp", "torch"):
+        raise ConfigError(f"environment KVTIER_KERNEL must be 'auto', 'cpp' or 'torch', got "
+                          f"{choice!r}")
+    return choice
+
+
 def _kernel(device: torch.device) -> ModuleType | None:
     """The compiled extension if it should serve tensors on `device`, else None (reference)."""
-    choice = os.environ.get("KVTIER_KERNEL", "auto")
+    choice = _choice()
     if choice == "torch":
         _log_once("KVTIER_KERNEL=torch: using the PyTorch reference for gather/scatter")
         return None
-    if choice not in ("auto", "cpp"):
-        raise ConfigError(f"environment KVTIER_KERNEL must be 'auto', 'cpp' or 'torch', got "
-                          f"{choice!r}")
-    ext = _load_ext()
+    ext = _loaded_ext()
     if ext is None:
         if choice == "cpp":
-            raise ConfigError(f"KVTIER_KERNEL=cpp but the C++ kernel cannot be built or loaded: "
-                              f"{_ext_error}")
-        _log_once(f"the C++ copy kernel is not available ({_ext_error}); using the PyTorch "
-                  f"reference (slower)")
+            raise ConfigError(f"KVTIER_KERNEL=cpp but the C++ kernel is not loaded: "
+                              f"{_ext_error or 'call kvtier.connectors.ops.prepare() first'}")
+        _log_once(_fallback_reason())
         return None
     if device.type == "cuda" and not ext.WITH_CUDA:
         _log_once("the compiled kernels have no CUDA: using the PyTorch reference on GPU")
@@ -131,17 +174,40 @@ def _kernel(device: torch.device) -> ModuleType | None:
     return ext
 
 
-def _load_ext() -> ModuleType | None:
-    global _ext, _ext_error
-    if _ext is None and _ext_error is None:
+def _loaded_ext() -> ModuleType | None:
+    """The kernels if loaded, or already built and loadable now; never compiles (this runs on
+    serving threads, where a compile would stall every request for seconds)."""
+    global _ext, _ext_error, _probed
+    if _ext is None and not _probed:
         from kvtier.connectors import build
 
+        # Never wait here for a `prepare()` compiling on another thread: use the reference
+        # until it is done.
+        if not _prepare_lock.acquire(blocking=False):
+            return None
         try:
-            _ext = build.load()
-        except Exception as exc:  # no compiler, no headers, ...: the reference still works
-            _ext_error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:300]}" \
-                if str(exc).strip() else type(exc).__name__
+            if not _probed:
+                try:
+                    _ext = build.load(compile=False)
+                except Exception as exc:  # a broken build: the reference still works
+                    _ext_error = _summary(exc)
+                _probed = True
+        finally:
+            _prepare_lock.release()
     return _ext
+
+
+def _fallback_reason() -> str:
+    if _ext_error is not None:
+        return (f"the C++ copy kernel is not available ({_ext_error}); using the PyTorch "
+                f"reference (slower)")
+    return ("the C++ copy kernel is not built yet (copies never compile it); using the PyTorch "
+            "reference (slower) until kvtier.connectors.ops.prepare() runs")
+
+
+def _summary(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[-1][:300]}" if text else type(exc).__name__
 
 
 def _log_once(reason: str) -> None:

@@ -282,15 +282,7 @@ class SGLangServer:
                             int(meta.get("prompt_tokens", len(input_ids))))
 
     def flush_cache(self) -> None:
-        """Empty SGLang's device prefix cache (kvtier's tiers keep their data)."""
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                self.post("/flush_cache")
-                return
-            except urllib.error.HTTPError:
-                # The scheduler refuses to flush while a request is still finishing.
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.2)
+        """Empty SGLang's device prefix cache (kvtier's tiers keep their data). One call, no
+        retry: an idle server must accept it (kvtier hands its stores' locks back first)."""
+        self.post("/flush_cache")
 

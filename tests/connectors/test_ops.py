@@ -153,11 +153,17 @@ def test_scatter_with_only_skipped_slots_writes_nothing() -> None:
     assert all(same_bytes(a, b) for a, b in zip(layers, before, strict=True))
 
 
-def test_empty_slots_are_a_no_op() -> None:
+@pytest.mark.parametrize("api", ["ops", "_C"])
+def test_empty_slots_are_a_no_op(api: str) -> None:
     layers = make_pool(2, 10, 8, torch.float32)
-    out = torch.empty(2, 0, 8)
-    ops.gather(layers, torch.empty(0, dtype=torch.int64), out)
-    ops.scatter(out, torch.empty(0, dtype=torch.int64), layers)
+    before = [layer.clone() for layer in layers]
+    none = torch.empty(0, dtype=torch.int64)
+    _run("gather", api, layers, none, torch.empty(2, 0, 8))
+    _run("scatter", api, layers, none, torch.empty(2, 0, 8))
+    assert all(same_bytes(a, b) for a, b in zip(layers, before, strict=True))
+    # ... while the same calls with one slot do write: the no-op is not a skipped call.
+    _run("scatter", api, layers, torch.tensor([3]), torch.zeros(2, 1, 8))
+    assert not same_bytes(layers[0], before[0]) and not layers[1][3].any()
 
 
 def test_forced_reference_kernel(monkeypatch: pytest.MonkeyPatch) -> None:

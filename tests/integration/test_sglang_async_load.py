@@ -141,9 +141,10 @@ def test_request_aborted_during_its_prefetch_frees_what_it_held(
     request.join(60)
     assert result["meta_info"]["finish_reason"]["type"] == "abort"
 
-    found = server.wait_for_log(r"dropped (\d+) chunks of a cancelled prefetch; arena holds "
-                                r"(\d+) bytes \((\d+) when it started\)")
-    _, held, start = found[-1]
+    found = server.wait_for_log(r"dropped (\d+) of the (\d+) chunks a cancelled prefetch "
+                                r"brought up [^;]*; arena holds (\d+) bytes \((\d+) when it "
+                                r"started\)")
+    _, _, held, start = found[-1]
     assert held == start
     assert re.search(rf"request {rid} aborted; the tree protects 0 tokens", server.log())
 

@@ -142,13 +142,14 @@ def test_background_store_then_load_through_adapter(engine_for: Any) -> None:
         src = alloc.alloc(2 * CHUNK + 4)[: len(tokens)].to(torch.int64)
         fill(pool, src, seed=3)
         assert kv.submit_store(tokens, src, handle="lock-1")
-        done = kv.wait_all(timeout=30)
+        done = kv.settle()  # handed back once the slots are read
         assert [job.handle for job in done] == ["lock-1"]
+        assert kv.stores.drain(30)  # and stored everywhere
         assert done[0].stored == 2 * CHUNK and done[0].error is None
-        assert kv.lookup(tokens) == 2 * CHUNK
+        assert kv.lookup(None, tokens) == 2 * CHUNK
         assert kv.loadable_end(len(tokens)) == 2 * CHUNK
         dst = alloc.alloc(2 * CHUNK).to(torch.int64)
-        assert kv.retrieve(tokens[: 2 * CHUNK], dst, skip=0) == 2 * CHUNK
+        assert kv.retrieve(None, tokens[: 2 * CHUNK], dst, skip=0) == 2 * CHUNK
         assert rows_bytes(pool, dst) == rows_bytes(pool, src[: 2 * CHUNK])
         assert kv.stats()["sglang.tokens_loaded"] == 2 * CHUNK
     finally:

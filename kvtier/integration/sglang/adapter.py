@@ -1,27 +1,25 @@
 """The bridge between one SGLang scheduler (one TP rank) and a kvtier `CacheEngine`.
 
-`SGLangKVTier` builds the engine from SGLang's device KV pool and owns the background store
+`SGLangKVTier` builds on the engine over SGLang's device KV pool and owns the background store
 thread. It knows nothing about SGLang's radix tree: `radix_cache.KVTierRadixCache` decides what
 to load and store and hands over token ids and pool slots.
 
 Loads from disk or Redis never run on the scheduler thread: a request's prefetch moves them into
-the CPU tier in the background while SGLang keeps the request waiting (per `prefetch_policy`),
-and only the copy from the CPU tier into the pool happens at admission, at memory speed.
+the CPU tier in the background while SGLang keeps the request waiting (per `prefetch_policy`).
+What the CPU tier holds is reported to SGLang as a host hit, and copied into the pool only when
+SGLang admits the request (`init_load_back`), at memory speed, once. A request's chunk keys are
+hashed once (at its prefetch) and reused by every later match and by its load.
 
-Stores run on one background thread because gathering a long prefix out of the pool is a large
-memory copy the scheduler must not wait for. The slots a store reads stay valid because the
-caller pins them (a tree lock) until the store is reported done; completions are collected on
-the scheduler thread with `poll_done()`, since SGLang's tree is not thread-safe.
+Stores run on one background thread (`stores.StoreWorker`); the slots a store reads stay pinned
+by the caller's tree lock until the store has read them, never longer.
+
+Every call on the scheduler thread is timed (`budget.SchedulerBudget`).
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -31,6 +29,9 @@ from kvtier import prometheus
 from kvtier.config import Config
 from kvtier.connectors import KVConnector, SGLangMHAConnector, SGLangMLAConnector
 from kvtier.errors import ConfigError
+from kvtier.integration.sglang.budget import SchedulerBudget
+from kvtier.integration.sglang.stores import StoreJob, StoreWorker
+from kvtier.keys import ChunkKey
 from kvtier.memory import MemoryFormat
 from kvtier.metrics import Counters
 from kvtier.prefetch import Prefetch
@@ -39,9 +40,7 @@ __all__ = ["SGLangKVTier", "StoreJob", "build_connector", "model_key_name", "che
 
 logger = logging.getLogger(__name__)
 
-MAX_PENDING_STORES = 64
-_STOP = object()
-
+MAX_CACHED_KEYS = 4096  # requests whose chunk keys are kept between match and load
 
 def check_page_size(config: Config, page_size: int) -> None:
     """`ConfigError` unless whole chunks are whole pages (so a load never splits a page)."""
@@ -72,19 +71,6 @@ def build_connector(pool: Any) -> KVConnector:
                       f"model uses {type(pool).__name__}")
 
 
-@dataclass
-class StoreJob:
-    """One finished request's prefix to store; `handle` is what the caller pinned."""
-
-    token_ids: np.ndarray
-    slots: torch.Tensor
-    handle: Any
-    ready: Any = None  # a CUDA event the pool writes are ordered before, on GPUs
-    session_id: str | None = None  # pin the prefix for this SGLang session
-    stored: int = 0
-    error: BaseException | None = field(default=None, repr=False)
-
-
 class SGLangKVTier:
     """A `CacheEngine` plus the store thread, for one SGLang TP rank.
 
@@ -105,17 +91,16 @@ class SGLangKVTier:
         self.page_size = page_size
         self.chunk_size: int = engine.config.chunk_size
         self._reduce_min = reduce_min
-        self._jobs: queue.Queue[Any] = queue.Queue()
-        self._done: queue.Queue[StoreJob] = queue.Queue()
-        self._pending = 0  # submitted and not yet handed back by poll_done (scheduler thread)
         # Counted from the scheduler thread and the store thread: `Counters` is thread-safe.
         self.counters = Counters(*(f"sglang.{name}" for name in (
-            "loads", "tokens_loaded", "load_misses", "load_no_slots", "stores", "tokens_stored",
-            "stores_skipped_busy", "store_errors", "prefetches", "prefetches_cancelled",
-            "prefetch_waits")))
+            "loads", "tokens_loaded", "load_misses", "load_no_slots", "loads_short",
+            "loads_discarded", "stores", "tokens_stored", "stores_skipped_busy", "store_errors",
+            "prefetches", "prefetches_cancelled", "prefetch_waits")))
+        self.budget = SchedulerBudget(self.counters)
         self._closed_sessions: set[str] = set()  # a store finishing late must not re-pin
         # request id -> its prefetch; registered on every rank alike (scheduler thread)
         self._prefetches: dict[str, Prefetch] = {}
+        self._keys: dict[str, list[ChunkKey]] = {}  # request id -> its chunk keys
         # Without a CPU tier there is nowhere to prefetch into: loads stay synchronous.
         self.async_loads = engine.storage.hot.resident
         if not self.async_loads:
@@ -124,9 +109,7 @@ class SGLangKVTier:
                            "in the background")
         self._exported = _AdapterStats(self.counters)
         prometheus.register(self._exported)  # the engine's own stats are exported by storage
-        self._worker = threading.Thread(target=self._run, name="kvtier-sglang-store",
-                                        daemon=True)
-        self._worker.start()
+        self.stores = StoreWorker(self._store, self.counters)
         self._closed = False
 
     # ---- loads (scheduler thread) ----
@@ -136,16 +119,37 @@ class SGLangKVTier:
         end = self.engine.keys.num_keyed_tokens(num_tokens)
         return end - end % self.page_size
 
-    def lookup(self, token_ids: np.ndarray) -> int:
+    def chunk_keys(self, rid: str | None, token_ids: np.ndarray) -> list[ChunkKey]:
+        """The chunk keys of `token_ids` (whole chunks), hashed once per request `rid`."""
+        want = self.engine.keys.num_keyed_tokens(len(token_ids)) // self.chunk_size
+        cached = self._keys.get(rid) if rid is not None else None
+        if cached is not None and len(cached) >= want:
+            return cached[:want]  # keys chain over the prefix: a longer list's head is valid
+        keys = self.engine.chunk_keys(token_ids)
+        if rid is not None:
+            if len(self._keys) >= MAX_CACHED_KEYS:
+                self._keys.clear()  # requests that never came back; cheap to rebuild
+            self._keys[rid] = keys
+        return keys
+
+    def forget(self, rid: str) -> None:
+        """Request `rid` was loaded, finished or aborted: drop its cached keys."""
+        self._keys.pop(rid, None)
+
+    def lookup(self, rid: str | None, token_ids: np.ndarray) -> int:
         """Leading tokens of `token_ids` every rank can load now, in whole pages (metadata
         only; with background loads, only what the CPU tier holds counts)."""
-        hit = self.engine.lookup(token_ids, hot_only=self.async_loads)
+        keys = self.chunk_keys(rid, token_ids)
+        hit = self.engine.lookup(token_ids, hot_only=self.async_loads, keys=keys)
         return self.agree_min(hit - hit % self.page_size)
 
-    def retrieve(self, token_ids: np.ndarray, slots: torch.Tensor, skip: int) -> int:
+    def retrieve(self, rid: str | None, token_ids: np.ndarray, slots: torch.Tensor,
+                 skip: int) -> int:
         """Scatter cached KV into `slots` past `skip`; returns the leading tokens now valid on
         every rank, in whole pages (at least `skip`)."""
-        got = self.engine.retrieve(token_ids, slots, skip=skip, hot_only=self.async_loads)
+        keys = self.chunk_keys(rid, token_ids)
+        got = self.engine.retrieve(token_ids, slots, skip=skip, hot_only=self.async_loads,
+                                   keys=keys)
         got = max(self.agree_min(got - got % self.page_size), skip)
         if got > skip:
             self.counters.inc("sglang.loads")
@@ -163,7 +167,8 @@ class SGLangKVTier:
         end = self.loadable_end(len(token_ids))
         if end == 0:
             return
-        self._prefetches[rid] = self.engine.start_prefetch(token_ids[:end])
+        keys = self.chunk_keys(rid, token_ids[:end])
+        self._prefetches[rid] = self.engine.start_prefetch(token_ids[:end], keys=keys)
         self.counters.inc("sglang.prefetches")
 
     def prefetch_ready(self, rid: str) -> bool:
@@ -184,7 +189,8 @@ class SGLangKVTier:
         return True
 
     def cancel_prefetch(self, rid: str) -> None:
-        """Request `rid` went away: stop its load and drop the chunks it brought in."""
+        """Request `rid` went away: stop its load and drop the chunks only it brought in."""
+        self.forget(rid)
         prefetch = self._prefetches.pop(rid, None)
         if prefetch is None:
             return
@@ -205,7 +211,7 @@ class SGLangKVTier:
         return len(self._prefetches)
 
     def pending_stores(self) -> int:
-        return self._pending
+        return self.stores.pending()
 
     def agree_min(self, value: int) -> int:
         """The minimum of `value` over the TP group (every rank must call this in step)."""
@@ -227,63 +233,33 @@ class SGLangKVTier:
         """
         if self._closed or not self.stores_enabled:
             return False
-        if self._pending >= MAX_PENDING_STORES:
-            self.counters.inc("sglang.stores_skipped_busy")
-            return False
         ready = None
         if slots.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
-        self._pending += 1
-        self._jobs.put(StoreJob(token_ids, slots, handle, ready, session_id))
-        return True
+        return self.stores.submit(StoreJob(token_ids, slots, handle, ready, session_id))
 
     def poll_done(self) -> list[StoreJob]:
-        """Finished stores, whose handles the caller may now release (scheduler thread)."""
-        out: list[StoreJob] = []
-        while True:
-            try:
-                job = self._done.get_nowait()
-            except queue.Empty:
-                break
-            out.append(job)
-        self._pending -= len(out)
-        return out
+        """Stores whose slots are free, whose handles the caller may now release (scheduler
+        thread); a store still queued at its deadline is cancelled and returned too."""
+        return self.stores.collect()
 
-    def wait_all(self, timeout: float) -> list[StoreJob]:
-        """Wait until every submitted store finished (bounded); returns them all."""
-        out: list[StoreJob] = []
-        deadline = time.monotonic() + timeout
-        while self._pending - len(out) > 0:
-            try:
-                out.append(self._done.get(timeout=max(0.0, deadline - time.monotonic())))
-            except queue.Empty:
-                logger.warning("kvtier: %d stores still running after %.0fs; waiting on",
-                               self._pending - len(out), timeout)
-                deadline = time.monotonic() + timeout
-        self._pending -= len(out)
-        return out
+    def settle(self) -> list[StoreJob]:
+        """Wait (bounded: each store's deadline, `blocking_timeout_secs` for one reading its
+        slots) until every submitted store has read its slots or was cancelled; returns
+        them all, for the caller to release."""
+        return self.stores.collect(wait=True, timeout=self.engine.config.blocking_timeout_secs)
 
-    def _run(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is _STOP:
-                return
-            try:
-                if job.ready is not None:
-                    job.ready.synchronize()
-                sid = job.session_id if job.session_id not in self._closed_sessions else None
-                job.stored = self.engine.store(job.token_ids, job.slots, session_id=sid)
-                self.counters.inc("sglang.stores")
-                self.counters.inc("sglang.tokens_stored", job.stored)
-                logger.debug("kvtier: stored %d new tokens of a %d-token prefix", job.stored,
-                             len(job.token_ids))
-            except Exception as exc:  # a failed store is a miss later, never a crash now
-                job.error = exc
-                self.counters.inc("sglang.store_errors")
-                logger.warning("kvtier: background store failed: %r", exc)
-            finally:
-                self._done.put(job)
+    def _store(self, job: StoreJob) -> int:
+        """The store thread's work for one job."""
+        sid = job.session_id if job.session_id not in self._closed_sessions else None
+        stored = self.engine.store(job.token_ids, job.slots, session_id=sid,
+                                   on_read=job.release_slots)
+        self.counters.inc("sglang.stores")
+        self.counters.inc("sglang.tokens_stored", stored)
+        logger.debug("kvtier: stored %d new tokens of a %d-token prefix", stored,
+                     len(job.token_ids))
+        return int(stored)
 
     # ---- lifecycle ----
 
@@ -306,8 +282,7 @@ class SGLangKVTier:
         for prefetch in self._prefetches.values():
             prefetch.cancel()
         self._prefetches.clear()
-        self._jobs.put(_STOP)
-        self._worker.join(self.engine.config.blocking_timeout_secs)
+        self.stores.close(self.engine.config.blocking_timeout_secs)
         logger.info("kvtier: closing; %s", self.counters.snapshot())
         self.engine.close()
 

@@ -7,18 +7,21 @@ Redis into kvtier's CPU tier. The scheduler keeps the request waiting while
 `check_prefetch_progress` says so (per `prefetch_policy`) and runs the other requests meanwhile,
 so a slow tier never stalls a running stream.
 
-Load point, `match_prefix` with a request: after the device tree has matched, kvtier's CPU tier
-is asked for whole chunks beyond the device hit (a memory copy; nothing slower runs on the
-scheduler thread). A hit is scattered into freshly allocated pool slots and
-inserted into the tree like computed KV, then the match is repeated, so the scheduler sees an
-ordinary (longer) device prefix and needs no new code path. The loaded slots belong to the tree
-from then on: an abort, an eviction or a flush frees them the usual way.
+Load, SGLang's own admission contract: `match_prefix` reports the whole chunks kvtier's CPU
+tier holds past the device hit as a host hit (metadata only: no slot is allocated and nothing
+is copied for a request that may not run). When the scheduler admits the request it has
+checked there is room (`prepare_load_back`) and calls `init_load_back`: kvtier then allocates
+slots, copies the chunks in and inserts them into the tree like computed KV, all of the
+promised tokens or none. A load that is evicted before its request used it is counted in
+`kvtier_sglang_loads_discarded_total`.
 
-Store point, `checkpoint` of a finished (not aborted) request: once SGLang has inserted the
-request's KV, the tree node ending its prefix is locked and the prefix is queued for a
-background store. The lock keeps those slots from being evicted or reused while the store reads
-them; it is released on the scheduler thread at the next tree call after the store finished
-(`match_prefix`, `checkpoint`, `evict*`), and `reset` (`/flush_cache`) waits for all stores.
+Store, `checkpoint` of a finished (not aborted) request: once SGLang has inserted the request's
+KV, the tree node ending its prefix is locked and the prefix is queued for a background store.
+The lock is released on the scheduler thread at the next tree call after the store has read the
+slots (`match_prefix`, `checkpoint`, `evict*`, `has_pending_cache_operations`), or when the
+store missed its deadline; so `/flush_cache` on an idle server succeeds at the first call.
+
+Every hook runs on SGLang's scheduler thread and is timed (`kvtier_scheduler_seconds`).
 """
 
 from __future__ import annotations
@@ -61,17 +64,29 @@ class KVTierRadixCache(UnifiedRadixCache):
     def attach_kvtier(self, kvtier: SGLangKVTier) -> None:
         """Connect the kvtier engine (once, right after construction)."""
         self.kvtier = kvtier
+        # request id -> (key, device tokens, end) that match_prefix reported as a host hit
+        self._promised: dict[str, tuple[RadixKey, int, int]] = {}
+        # request id -> end of what init_load_back loaded, until the request's prefill runs
+        self._loaded: dict[str, int] = {}
 
     # ---- load ----
 
     def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
-        self._release_finished_stores()
-        result = super().match_prefix(params)
-        if self.kvtier is None or params.req is None or not self._eligible(params.key):
-            return result
-        if self._load(params.key, result) > 0:
+        kv = self.kvtier
+        req = params.req
+        if kv is None:
+            return super().match_prefix(params)
+        with kv.budget.timed("match_prefix", getattr(req, "rid", None)) as call:
+            self._release_finished_stores()
             result = super().match_prefix(params)
-        return result
+            if req is None or not self._eligible(params.key):
+                return result
+            self._check_discarded(req.rid, result.device_prefix_len)
+            hit = self._host_hit(req.rid, params.key, result.device_prefix_len)
+            if hit > 0:
+                call.work = f"CPU-tier hit of {hit} tokens"
+                result = result._replace(host_hit_length=hit)
+            return result
 
     def _eligible(self, key: RadixKey) -> bool:
         # kvtier keys cover token ids only: LoRA adapters (extra_key), per-tenant salts and
@@ -79,49 +94,90 @@ class KVTierRadixCache(UnifiedRadixCache):
         return key.extra_key is None and key.cache_salt is None and not key.is_bigram \
             and not self.disable
 
-    def _load(self, key: RadixKey, result: MatchResult) -> int:
-        """Load whole chunks past the device hit into new slots in the tree; returns tokens."""
+    def _host_hit(self, rid: str, key: RadixKey, device_len: int) -> int:
+        """Tokens past the device hit kvtier can load at admission (whole pages, agreed by
+        every rank); remembered as this request's promise for `init_load_back`."""
         kv = self.kvtier
         assert kv is not None
-        device_len = result.device_prefix_len
+        self._promised.pop(rid, None)
         end = kv.loadable_end(len(key))
         if end <= device_len:
             return 0
-        tokens = _token_array(key.raw_token_ids())[:end]
-        hit = kv.lookup(tokens)
+        hit = kv.lookup(rid, _token_array(key.raw_token_ids())[:end])
         if hit <= device_len:
             kv.counters.inc("sglang.load_misses")
             return 0
-        # The matched prefix must survive any eviction our allocation triggers.
-        lock = self.lock(result.last_device_node)
-        try:
-            slots = self._alloc(hit - device_len)
-            # Ranks must agree before the next collective (in retrieve), or they deadlock.
-            if not kv.agree_min(int(slots is not None)):
-                if slots is not None:
-                    self.token_to_kv_pool_allocator.free(slots)
-                kv.counters.inc("sglang.load_no_slots")
-                return 0
-            assert slots is not None
-            mapping = torch.full((hit,), -1, dtype=torch.int64, device=slots.device)
-            mapping[device_len:] = slots
-            got = kv.retrieve(tokens[:hit], mapping, skip=device_len)
-            if got < hit:
-                self.token_to_kv_pool_allocator.free(slots[got - device_len:])
-            if got <= device_len:
-                return 0
-            prefix = self.path_device_indices(result.last_device_node)[:device_len]
-            value = torch.cat([prefix.to(torch.int64), slots[: got - device_len]])
-            # prev_prefix_len: the leading indices are the tree's own, not duplicates to free.
-            self.insert(InsertParams(
-                key=RadixKey(key.raw_token_ids()[:got], key.extra_key,
-                             cache_salt=key.cache_salt),
-                value=value, prev_prefix_len=device_len, inserted_len=device_len))
-        finally:
-            self.unlock(lock)
-        logger.info("kvtier: loaded %d tokens (device had %d of %d)", got - device_len,
-                    device_len, len(key))
-        return got - device_len
+        self._promised[rid] = (key, device_len, hit)
+        return hit - device_len
+
+    def init_load_back(self, params: Any) -> tuple[int, Any] | None:
+        """The scheduler admitted a request with a kvtier host hit and made room for it: copy
+        the promised chunks into new slots and insert them. Returns (tokens loaded, the node
+        ending the loaded prefix): all promised tokens or (0, the request's device node)."""
+        kv = self.kvtier
+        req = params.req
+        if kv is None or req is None:
+            return 0, getattr(req, "last_node", None)
+        with kv.budget.timed("init_load_back", req.rid) as call:
+            promise = self._promised.pop(req.rid, None)
+            if promise is None or promise[1] != req.prefix_len \
+                    or promise[2] - promise[1] != params.host_hit_length:
+                kv.counters.inc("sglang.loads_short")
+                return 0, req.last_node
+            key, device_len, end = promise
+            loaded = self._load(req, key, device_len, end)
+            call.work = f"copied {0 if loaded is None else end - device_len} tokens in"
+            if loaded is None:
+                return 0, req.last_node
+            self._loaded[req.rid] = end
+            kv.forget(req.rid)
+            return end - device_len, loaded
+
+    def _load(self, req: Any, key: RadixKey, device_len: int, end: int) -> Any:
+        """Copy tokens [device_len, end) from the CPU tier into new slots and insert them;
+        returns the node ending the prefix, or None (nothing changed) if any is missing."""
+        kv = self.kvtier
+        assert kv is not None
+        # The scheduler holds a lock on the device prefix (`_lock_node`) while it admits.
+        slots = self._alloc(end - device_len)
+        if not kv.agree_min(int(slots is not None)):  # ranks agree before retrieve's collective
+            if slots is not None:
+                self.token_to_kv_pool_allocator.free(slots)
+            kv.counters.inc("sglang.load_no_slots")
+            return None
+        assert slots is not None
+        tokens = _token_array(key.raw_token_ids())[:end]
+        mapping = torch.full((end,), -1, dtype=torch.int64, device=slots.device)
+        mapping[device_len:] = slots
+        if kv.retrieve(req.rid, tokens, mapping, skip=device_len) < end:
+            self.token_to_kv_pool_allocator.free(slots)  # evicted since the match: recompute
+            kv.counters.inc("sglang.loads_short")
+            return None
+        prefix = self.path_device_indices(req.last_node)[:device_len]
+        loaded_key = RadixKey(key.raw_token_ids()[:end], key.extra_key, cache_salt=key.cache_salt)
+        # prev_prefix_len: the leading indices are the tree's own, not duplicates to free.
+        self.insert(InsertParams(key=loaded_key, value=torch.cat([prefix.to(torch.int64), slots]),
+                                 prev_prefix_len=device_len, inserted_len=device_len))
+        matched = super().match_prefix(MatchPrefixParams(key=loaded_key))
+        logger.info("kvtier: loaded %d tokens at admission of %s (device had %d of %d)",
+                    end - device_len, req.rid, device_len, len(key))
+        if matched.device_prefix_len != end:  # never expected: recompute rather than guess
+            logger.error("kvtier: inserted %d tokens but the tree matches %d; recomputing",
+                         end, matched.device_prefix_len)
+            return None
+        return matched.last_device_node
+
+    def _check_discarded(self, rid: str, device_len: int) -> None:
+        """A request matched again after its load: count the load as discarded if the loaded
+        tokens left the device before the request used them."""
+        end = self._loaded.pop(rid, None)
+        if end is not None and device_len < end and self.kvtier is not None:
+            self.kvtier.counters.inc("sglang.loads_discarded")
+            logger.warning("kvtier: request %s lost %d loaded tokens to eviction before it ran",
+                           rid, end - device_len)
+
+    def load_back_is_cache_owned(self) -> bool:
+        return True  # loaded slots are inserted into the tree at once
 
     def _alloc(self, num_tokens: int) -> torch.Tensor | None:
         allocator = self.token_to_kv_pool_allocator
@@ -147,33 +203,55 @@ class KVTierRadixCache(UnifiedRadixCache):
         if kv is None or self.disable or extra_key is not None or cache_salt \
                 or getattr(self.tree_core, "is_eagle", False):
             return
-        tokens = np.concatenate([_token_array(matched_prefix_tokens or []),
-                                 _token_array(new_input_tokens)])
-        kv.start_prefetch(request.rid, tokens)
+        with kv.budget.timed("prefetch_from_storage", request.rid):
+            tokens = np.concatenate([_token_array(matched_prefix_tokens or []),
+                                     _token_array(new_input_tokens)])
+            kv.start_prefetch(request.rid, tokens)
 
     def check_prefetch_progress(self, request: Any) -> bool:
         """Whether the waiting request may be admitted now (per `prefetch_policy`)."""
-        self._release_finished_stores()
-        return True if self.kvtier is None else self.kvtier.prefetch_ready(request.rid)
+        kv = self.kvtier
+        if kv is None:
+            return True
+        with kv.budget.timed("check_prefetch_progress", request.rid):
+            self._release_finished_stores()
+            return kv.prefetch_ready(request.rid)
 
     def pop_prefetch_loaded_span(self, request: Any) -> tuple[int, int | None]:
-        # Loaded chunks reach the pool in match_prefix and count as device hits.
+        # Prefetched chunks reach the pool through init_load_back, as host hits.
         return 0, None
 
     def release_aborted_request(self, request: Any) -> None:
         """The request is gone before admission: cancel its prefetch, free what it loaded."""
-        if self.kvtier is not None:
-            self.kvtier.cancel_prefetch(request.rid)
-            logger.info("kvtier: request %s aborted; the tree protects %d tokens",
-                        request.rid, self.protected_size())
+        kv = self.kvtier
+        if kv is None:
+            return
+        with kv.budget.timed("release_aborted_request", request.rid):
+            self._promised.pop(request.rid, None)
+            self._loaded.pop(request.rid, None)
+            kv.cancel_prefetch(request.rid)
+        logger.info("kvtier: request %s aborted; the tree protects %d tokens", request.rid,
+                    self.protected_size())
 
     def check_hicache_events(self) -> None:
         """Called by the scheduler every step: hand back the locks of finished stores."""
-        self._release_finished_stores()
+        if self.kvtier is not None:
+            with self.kvtier.budget.timed("check_hicache_events"):
+                self._release_finished_stores()
 
     def has_pending_cache_operations(self) -> bool:
+        """Asked by the scheduler's idle check (`/flush_cache` needs False): first wait for
+        the stores of finished requests to read their slots (memory speed, bounded by their
+        deadline) and hand their locks back."""
         kv = self.kvtier
-        return kv is not None and (kv.pending_prefetches() > 0 or kv.pending_stores() > 0)
+        if kv is None:
+            return False
+        with kv.budget.timed("has_pending_cache_operations") as call:
+            if kv.pending_stores():
+                call.work = f"waited for {kv.pending_stores()} stores to read their slots"
+                for job in kv.settle():
+                    self.unlock(job.handle)
+            return kv.pending_prefetches() > 0 or kv.pending_stores() > 0
 
     def clear_storage_backend(self) -> bool:
         logger.warning("kvtier: clearing the storage tiers over HTTP is not supported; use "
@@ -183,10 +261,17 @@ class KVTierRadixCache(UnifiedRadixCache):
     # ---- store ----
 
     def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
-        self._release_finished_stores()
-        super().checkpoint(req, up_to=up_to, **kwargs)
-        if self.kvtier is not None and req.finished() and not self._aborted(req):
-            self._submit_store(req)
+        kv = self.kvtier
+        if kv is None:
+            return super().checkpoint(req, up_to=up_to, **kwargs)
+        with kv.budget.timed("checkpoint", req.rid):
+            self._release_finished_stores()
+            self._loaded.pop(req.rid, None)  # its prefill ran: the load was used
+            super().checkpoint(req, up_to=up_to, **kwargs)
+            if req.finished():
+                kv.forget(req.rid)
+                if not self._aborted(req):
+                    self._submit_store(req)
 
     @staticmethod
     def _aborted(req: Any) -> bool:
@@ -236,16 +321,19 @@ class KVTierRadixCache(UnifiedRadixCache):
     def reset(self) -> None:
         kv = self.kvtier  # None while UnifiedRadixCache.__init__ runs
         if kv is not None:
-            # A flush clears the pool: no store may still be reading it. Lower tiers are
-            # flushed too, so a flush makes everything stored so far durable.
-            for job in kv.wait_all(kv.engine.config.blocking_timeout_secs):
-                self.unlock(job.handle)
-            kv.flush(kv.engine.config.blocking_timeout_secs)
+            with kv.budget.timed("reset"):
+                # A flush clears the pool: no store may still be reading it. Lower tiers are
+                # flushed too, so a flush makes everything stored so far durable (bounded).
+                for job in kv.settle():
+                    self.unlock(job.handle)
+                kv.flush(kv.engine.config.blocking_timeout_secs)
+                self._promised.clear()
+                self._loaded.clear()
         super().reset()
 
     def shutdown(self) -> None:
         if self.kvtier is not None:
-            for job in self.kvtier.wait_all(self.kvtier.engine.config.blocking_timeout_secs):
+            for job in self.kvtier.settle():
                 self.unlock(job.handle)
             self.kvtier.close()
         super().shutdown()

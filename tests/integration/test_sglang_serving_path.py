@@ -1,0 +1,96 @@
+"""The serving path of a fresh kvtier server (real SGLang on CPU): the copy kernel is built
+before the server takes requests, never on a serving thread; `/flush_cache` succeeds at the
+first call after a request; a queued request's prefix is loaded once, when it is admitted; every
+kvtier call on the scheduler thread is timed."""
+
+from __future__ import annotations
+
+import re
+import threading
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from kvtier.demo.server import free_port
+from tests.integration.conftest import CHUNK, cold, prompt, write_config
+from tests.sglang_support.server import SGLangServer
+
+pytestmark = pytest.mark.sglang
+
+COMPILED = re.compile(r"kvtier: compiled the C\+\+ copy kernel in [\d.]+s on thread (\S+)")
+READY = "The server is fired up and ready to roll"
+
+
+@pytest.fixture(scope="module")
+def fresh(start_server: Callable[..., SGLangServer], tiny_llama: Path,
+          tmp_path_factory: pytest.TempPathFactory) -> tuple[SGLangServer, int]:
+    """A kvtier server on a host that has never built the kernel (empty KVTIER_CACHE_DIR),
+    with a pool that holds about one 1200-token prompt next to a running request."""
+    work = tmp_path_factory.mktemp("fresh")
+    port = free_port()
+    config = write_config(work / "kvtier.yaml", metrics_port=port)
+    server = start_server(tiny_llama, config, "--max-total-tokens", "2048",
+                          env={"KVTIER_CACHE_DIR": str(work / "empty-cache")})
+    return server, port
+
+
+def _generate(server: SGLangServer, ids: list[int], rid: str, max_new: int = 8) -> list[int]:
+    out = server.post("/generate", {
+        "input_ids": ids, "rid": rid,
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new, "ignore_eos": True},
+    })
+    return list(out["output_ids"])
+
+
+def _metrics(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as resp:
+        return str(resp.read().decode())
+
+
+def _sample(text: str, name: str) -> float:
+    found = re.findall(rf"^{re.escape(name)} ([\d.e+-]+)$", text, re.M)
+    assert found, f"{name} not exported"
+    return float(found[0])
+
+
+def test_kernel_is_built_before_serving_and_flush_works_at_once(
+        fresh: tuple[SGLangServer, int]) -> None:
+    server, _ = fresh
+    log = server.log()
+    builds = COMPILED.findall(log)
+    assert len(builds) == 1, builds  # the empty cache made this server compile, once
+    assert not builds[0].startswith("kvtier-"), builds  # not a store/prefetch/writer thread
+    assert log.index("compiled the C++ copy kernel") < log.index(READY)
+
+    ids = prompt(31, 5 * CHUNK)
+    _generate(server, ids, "first")
+    server.post("/flush_cache")  # the first call, no retry: an HTTPError fails the test
+    assert len(COMPILED.findall(server.log())) == 1  # no copy compiled anything later
+
+
+def test_queued_request_is_loaded_once_at_admission(fresh: tuple[SGLangServer, int]) -> None:
+    server, port = fresh
+    long_ids = prompt(32, 1200)
+    expected = cold(server, long_ids)
+    assert _generate(server, long_ids, "store-it") == expected
+    server.post("/flush_cache")
+
+    # A running request takes most of the pool while the stored prompt comes back: the
+    # scheduler matches the waiting request on every admission attempt, but kvtier copies its
+    # prefix only when it is admitted.
+    streaming = threading.Event()
+    runner = threading.Thread(target=server.stream_generate, args=(prompt(33, 900), 400),
+                              kwargs={"on_chunk": streaming.set})
+    runner.start()
+    assert streaming.wait(120)
+    got = _generate(server, long_ids, "queued")
+    runner.join()
+    assert got == expected
+    loads = re.findall(r"kvtier: loaded (\d+) tokens at admission of queued\b", server.log())
+    assert loads == [str((len(long_ids) - 1) // CHUNK * CHUNK)]  # the last token never is
+    metrics = _metrics(port)
+    assert _sample(metrics, "kvtier_sglang_loads_discarded_total") == 0
+    for call in ("match_prefix", "init_load_back", "checkpoint"):
+        assert _sample(metrics, f'kvtier_scheduler_seconds_count{{call="{call}"}}') >= 1
