@@ -33,6 +33,16 @@ class KVConnector(ABC):
     def scatter(self, obj: MemoryObj, slots: torch.Tensor) -> None:
         """Copy `obj` into the pool rows `slots`; `-1` slots are left untouched."""
 
+    def scatter_many(self, objs: Sequence[MemoryObj], slots: torch.Tensor) -> None:
+        """`scatter` of consecutive chunks: `objs[i]` goes to the next `objs[i].num_tokens`
+        rows of `slots`. Connectors override it with one kernel call for all chunks."""
+        start = 0
+        for obj in objs:
+            self.scatter(obj, slots[start:start + obj.num_tokens])
+            start += obj.num_tokens
+        if start != slots.numel():
+            raise ValueError(f"objs hold {start} tokens, slots has {slots.numel()}")
+
     def check_slots(self, slots: torch.Tensor, *, name: str = "slots",
                     allow_skip: bool = True) -> None:
         """`ValueError` naming `name` unless `slots` is a valid slot vector for this pool: a

@@ -28,7 +28,7 @@ import torch
 
 from kvtier.errors import ConfigError
 
-__all__ = ["gather", "scatter", "prepare", "kernel_name", "reference_gather",
+__all__ = ["gather", "scatter", "scatter_chunks", "prepare", "kernel_name", "reference_gather",
            "reference_scatter"]
 
 logger = logging.getLogger(__name__)
@@ -75,6 +75,37 @@ def scatter(src: torch.Tensor, slots: torch.Tensor, layers: Sequence[torch.Tenso
     if (ext := _kernel(src.device)) is not None:
         return ext.scatter(src, slots, list(layers))
     reference_scatter(src, slots, layers)
+
+
+def scatter_chunks(srcs: Sequence[torch.Tensor], slots: torch.Tensor,
+                   layers: Sequence[torch.Tensor]) -> None:
+    """`scatter(srcs[c], slots[o_c : o_c + T_c], layers)` for every chunk c in order (`o_c`:
+    the tokens of the chunks before it), as one call: the slots are checked once and the
+    kernel runs without returning to Python between chunks (the admission copy).
+
+    Raises:
+        ValueError: naming the bad argument; nothing has been written.
+    """
+    first = _check_layers(layers)
+    ext = _kernel(first.device)
+    # The kernel checks the slot range and every chunk itself, in C++; the reference needs
+    # them checked here.
+    _check_slots(slots, first, allow_skip=True, check_range=ext is None)
+    if isinstance(srcs, torch.Tensor) or not srcs or \
+            not all(isinstance(src, torch.Tensor) and src.dim() == 3 for src in srcs):
+        raise ValueError("srcs must be a non-empty sequence of 3-D [layers, tokens, hidden] "
+                         "tensors")
+    total = sum(int(src.shape[1]) for src in srcs)
+    if total != slots.numel():
+        raise ValueError(f"srcs hold {total} tokens, slots has {slots.numel()}")
+    if ext is not None:
+        return ext.scatter_chunks(list(srcs), slots, list(layers))
+    for i, src in enumerate(srcs):
+        _check_chunk(src, f"srcs[{i}]", first, len(layers), src.shape[1])
+    start = 0
+    for src in srcs:
+        reference_scatter(src, slots[start:start + src.shape[1]], layers)
+        start += src.shape[1]
 
 
 def prepare() -> str:
@@ -224,13 +255,24 @@ def _check(
     allow_skip: bool,
 ) -> None:
     first = _check_layers(layers)
+    _check_slots(slots, first, allow_skip, check_range=False)
+    _check_chunk(chunk, chunk_name, first, len(layers), slots.numel())
+    _check_range(slots, first, allow_skip)
+
+
+def _check_slots(slots: torch.Tensor, first: torch.Tensor, allow_skip: bool,
+                 check_range: bool = True) -> None:
     if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype != torch.int64:
         raise ValueError(f"slots must be a 1-D int64 tensor, got {_describe(slots)}")
     if slots.device != first.device:
         raise ValueError(f"slots is on {slots.device} but layers are on {first.device}")
     if not slots.is_contiguous():
         raise ValueError("slots must be contiguous")
-    _check_chunk(chunk, chunk_name, first, len(layers), slots.numel())
+    if check_range:
+        _check_range(slots, first, allow_skip)
+
+
+def _check_range(slots: torch.Tensor, first: torch.Tensor, allow_skip: bool) -> None:
     if slots.numel():
         lo, hi = torch.stack(torch.aminmax(slots)).tolist()  # one device sync, not two
         low = SKIP_SLOT if allow_skip else 0

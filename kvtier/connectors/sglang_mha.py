@@ -43,3 +43,14 @@ class SGLangMHAConnector(KVConnector):
         self.check_obj(obj, slots, name="obj")
         t = obj.tensor
         ops.scatter(t.view(2 * t.shape[1], t.shape[2], t.shape[3]), slots, self._layers)
+
+    def scatter_many(self, objs: Sequence[MemoryObj], slots: torch.Tensor) -> None:
+        # The kernel checks every chunk's shape and dtype; only the format is Python's to see.
+        views = []
+        for obj in objs:
+            if obj.fmt is not self.layout.fmt:
+                raise ValueError(f"objs hold {obj.fmt.name} chunks, expected "
+                                 f"{self.layout.fmt.name}")
+            t = obj.tensor
+            views.append(t.view(2 * t.shape[1], t.shape[2], t.shape[3]))
+        ops.scatter_chunks(views, slots, self._layers)

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <string>
 
 namespace kvtier {
 namespace {
@@ -28,9 +29,8 @@ inline void prefetch_row(const char* row, int64_t row_bytes) {
   for (int64_t k = 0; k < row_bytes; k += 64) __builtin_prefetch(row + k);
 }
 
-// Validates layers/slots/chunk and returns the row size in bytes.
-int64_t check_args(const std::vector<at::Tensor>& layers, const at::Tensor& slots,
-                   const at::Tensor& chunk, const char* chunk_name, bool allow_skip) {
+// Validates the layers and the slot vector (not its values); returns the row size in bytes.
+int64_t check_pool(const std::vector<at::Tensor>& layers, const at::Tensor& slots) {
   TORCH_CHECK_VALUE(!layers.empty(), "layers must not be empty");
   const auto& first = layers[0];
   TORCH_CHECK_VALUE(first.dim() == 2, "layers must be 2-D [num_slots, hidden], got ",
@@ -48,14 +48,13 @@ int64_t check_args(const std::vector<at::Tensor>& layers, const at::Tensor& slot
                     "slots must be a 1-D int64 tensor");
   TORCH_CHECK_VALUE(slots.device() == first.device(), "slots must be on the layers' device");
   TORCH_CHECK_VALUE(slots.is_contiguous(), "slots must be contiguous");
-  TORCH_CHECK_VALUE(chunk.device() == first.device() && chunk.dtype() == first.dtype(),
-                    chunk_name, " must match the layers' dtype and device");
-  TORCH_CHECK_VALUE(chunk.is_contiguous(), chunk_name, " must be contiguous");
-  const int64_t n = static_cast<int64_t>(layers.size());
-  TORCH_CHECK_VALUE(chunk.dim() == 3 && chunk.size(0) == n && chunk.size(1) == slots.numel() &&
-                        chunk.size(2) == first.size(1),
-                    chunk_name, " must have shape [", n, ", ", slots.numel(), ", ",
-                    first.size(1), "], got ", chunk.sizes());
+  return first.size(1) * first.element_size();
+}
+
+// Every slot is a row of the layers (or -1 with allow_skip).
+void check_range(const std::vector<at::Tensor>& layers, const at::Tensor& slots,
+                 bool allow_skip) {
+  const auto& first = layers[0];
   if (slots.numel() > 0) {
     // One pass on the host; on a GPU this is one reduction and one sync.
     auto [lo_t, hi_t] = at::aminmax(slots);
@@ -64,7 +63,29 @@ int64_t check_args(const std::vector<at::Tensor>& layers, const at::Tensor& slot
     TORCH_CHECK_VALUE(lo >= min_ok && hi < first.size(0), "slots must be in [", min_ok, ", ",
                       first.size(0), "), got values in [", lo, ", ", hi, "]");
   }
-  return first.size(1) * first.element_size();
+}
+
+// Validates one contiguous [num_layers, num_tokens, hidden] chunk against the layers.
+void check_chunk(const std::vector<at::Tensor>& layers, const at::Tensor& chunk,
+                 int64_t num_tokens, const std::string& chunk_name) {
+  const auto& first = layers[0];
+  TORCH_CHECK_VALUE(chunk.device() == first.device() && chunk.dtype() == first.dtype(),
+                    chunk_name, " must match the layers' dtype and device");
+  TORCH_CHECK_VALUE(chunk.is_contiguous(), chunk_name, " must be contiguous");
+  const int64_t n = static_cast<int64_t>(layers.size());
+  TORCH_CHECK_VALUE(chunk.dim() == 3 && chunk.size(0) == n && chunk.size(1) == num_tokens &&
+                        chunk.size(2) == first.size(1),
+                    chunk_name, " must have shape [", n, ", ", num_tokens, ", ",
+                    first.size(1), "], got ", chunk.sizes());
+}
+
+// Validates layers/slots/chunk and returns the row size in bytes.
+int64_t check_args(const std::vector<at::Tensor>& layers, const at::Tensor& slots,
+                   const at::Tensor& chunk, const char* chunk_name, bool allow_skip) {
+  const int64_t row_bytes = check_pool(layers, slots);
+  check_chunk(layers, chunk, slots.numel(), chunk_name);
+  check_range(layers, slots, allow_skip);
+  return row_bytes;
 }
 
 // Runs fn(begin, end) over [0, num_rows) in tasks of about kGrainBytes, handed out dynamically:
@@ -122,6 +143,39 @@ void scatter_cpu(const at::Tensor& src, const at::Tensor& slots,
   });
 }
 
+// scatter_cpu over consecutive chunks in one parallel loop: flat row r of the whole batch is
+// chunk c's row r - first_row[c], so the threads never wait at a chunk boundary.
+void scatter_chunks_cpu(const std::vector<at::Tensor>& srcs, const at::Tensor& slots,
+                        const std::vector<at::Tensor>& layers, int64_t row_bytes) {
+  const int64_t num_layers = static_cast<int64_t>(layers.size());
+  std::vector<char*> base;
+  for (const auto& layer : layers) base.push_back(static_cast<char*>(layer.data_ptr()));
+  std::vector<const char*> from;
+  std::vector<int64_t> first_row, first_token, tokens;
+  int64_t num_rows = 0, num_tokens = 0;
+  for (const auto& src : srcs) {
+    from.push_back(static_cast<const char*>(src.data_ptr()));
+    first_row.push_back(num_rows);
+    first_token.push_back(num_tokens);
+    tokens.push_back(src.size(1));
+    num_rows += num_layers * src.size(1);
+    num_tokens += src.size(1);
+  }
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  parallel_rows(num_rows, row_bytes, [&](int64_t b, int64_t e) {
+    // The last chunk starting at or before b (empty chunks share a start: take the last).
+    size_t c = std::upper_bound(first_row.begin(), first_row.end(), b) - first_row.begin() - 1;
+    for (int64_t r = b; r < e; ++r) {
+      while (c + 1 < first_row.size() && r >= first_row[c + 1]) ++c;
+      const RowIndex i = row_index(r - first_row[c], tokens[c]);
+      const int64_t s = slot[first_token[c] + i.token];
+      if (s == kSkipSlot) continue;
+      std::memcpy(base[i.layer] + slot_offset(s, row_bytes),
+                  from[c] + chunk_offset(i, tokens[c], row_bytes), row_bytes);
+    }
+  });
+}
+
 }  // namespace
 
 void gather(const std::vector<at::Tensor>& layers, const at::Tensor& slots, at::Tensor out) {
@@ -155,6 +209,37 @@ void scatter(const at::Tensor& src, const at::Tensor& slots,
   scatter_cpu(src, slots, layers, row_bytes);
 }
 
+void scatter_chunks(const std::vector<at::Tensor>& srcs, const at::Tensor& slots,
+                    const std::vector<at::Tensor>& layers) {
+  // Everything is validated (the slot range once, over all chunks) before a byte is written.
+  TORCH_CHECK_VALUE(!srcs.empty(), "srcs must not be empty");
+  const int64_t row_bytes = check_pool(layers, slots);
+  int64_t total = 0;
+  for (size_t c = 0; c < srcs.size(); ++c) {
+    TORCH_CHECK_VALUE(srcs[c].dim() == 3, "srcs[", c, "] must be 3-D [layers, tokens, hidden]");
+    check_chunk(layers, srcs[c], srcs[c].size(1), "srcs[" + std::to_string(c) + "]");
+    total += srcs[c].size(1);
+  }
+  TORCH_CHECK_VALUE(total == slots.numel(), "srcs hold ", total, " tokens, slots has ",
+                    slots.numel());
+  check_range(layers, slots, /*allow_skip=*/true);
+  if (total == 0 || row_bytes == 0) return;
+  if (slots.is_cuda()) {
+#ifdef KVTIER_WITH_CUDA
+    int64_t offset = 0;  // one launch per chunk, all on the current stream
+    for (const auto& src : srcs) {
+      scatter_cuda(src, slots.narrow(0, offset, src.size(1)), layers, row_bytes);
+      offset += src.size(1);
+    }
+    return;
+#else
+    TORCH_CHECK_VALUE(false, "kvtier._C was built without CUDA");
+#endif
+  }
+  TORCH_CHECK_VALUE(slots.is_cpu(), "slots must be on the CPU or a CUDA device");
+  scatter_chunks_cpu(srcs, slots, layers, row_bytes);
+}
+
 }  // namespace kvtier
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -170,5 +255,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("scatter", &kvtier::scatter, "layers[l][slots[t]] = src[l, t] for slots[t] != -1",
         py::arg("src"), py::arg("slots"), py::arg("layers"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("scatter_chunks", &kvtier::scatter_chunks,
+        "scatter(srcs[c], slots[offset_c : offset_c + T_c], layers) for every chunk c, with "
+        "the slots checked once",
+        py::arg("srcs"), py::arg("slots"), py::arg("layers"),
         py::call_guard<py::gil_scoped_release>());
 }

@@ -255,3 +255,54 @@ def test_gather_rejects_the_skip_slot() -> None:
         with pytest.raises(ValueError, match="slots"):
             gather(layers, torch.tensor([1, -1, 0, 2]), out)
     assert not out.any()
+
+
+# --- scatter_chunks: the admission copy, many chunks in one call -----------------------------
+
+
+@pytest.mark.parametrize("kernel", ["auto", "torch"])
+def test_scatter_chunks_equals_one_scatter_per_chunk(kernel: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVTIER_KERNEL", kernel)
+    sizes = [16, 0, 16, 5, 16, 0]  # empty chunks share a start row with the next one
+    srcs = [random_rows((3, t, 8), torch.bfloat16, seed=10 + i) for i, t in enumerate(sizes)]
+    slots = torch.randperm(100)[: sum(sizes)] + 1
+    slots[3] = -1  # a row left alone
+    batched, one_by_one = make_pool(3, 101, 8, torch.bfloat16), make_pool(3, 101, 8,
+                                                                          torch.bfloat16)
+    ops.scatter_chunks(srcs, slots, batched)
+    start = 0
+    for src in srcs:
+        ops.reference_scatter(src, slots[start:start + src.shape[1]], one_by_one)
+        start += src.shape[1]
+    assert all(same_bytes(a, b) for a, b in zip(batched, one_by_one, strict=True))
+
+
+@pytest.mark.parametrize("kernel", ["auto", "torch"])
+@pytest.mark.parametrize("case, pattern", [
+    ("tokens", "srcs hold 21 tokens, slots has 20"),
+    ("chunk shape", r"srcs\[1\]"),
+    ("chunk dtype", r"srcs\[1\]"),
+    ("slot range", "slots"),
+    ("empty", "srcs must be a non-empty"),
+])
+def test_scatter_chunks_rejects_bad_input_before_writing(
+        kernel: str, case: str, pattern: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVTIER_KERNEL", kernel)
+    layers = make_pool(2, 30, 4, torch.float32)
+    before = [layer.clone() for layer in layers]
+    srcs = [random_rows((2, 16, 4), torch.float32, 1), random_rows((2, 4, 4), torch.float32, 2)]
+    slots = torch.arange(1, 21)
+    if case == "tokens":
+        srcs[1] = random_rows((2, 5, 4), torch.float32, 2)
+    elif case == "chunk shape":
+        srcs[1] = random_rows((3, 4, 4), torch.float32, 2)
+    elif case == "chunk dtype":
+        srcs[1] = srcs[1].double()
+    elif case == "slot range":
+        slots[-1] = 30
+    else:
+        srcs = []
+    with pytest.raises(ValueError, match=pattern):
+        ops.scatter_chunks(srcs, slots, layers)
+    assert all(same_bytes(a, b) for a, b in zip(layers, before, strict=True))
