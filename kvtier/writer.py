@@ -44,7 +44,8 @@ class TierWriter:
         self._queue: queue.Queue[tuple[ChunkKey, MemoryObj] | None] = queue.Queue(capacity)
         self._counters = counters
         counters.declare(*(f"{backend.name}.{event}" for event in (
-            "writes", "write_dropped", "write_errors", "write_orphans", "write_cancelled")))
+            "writes", "write_dropped", "write_errors", "write_orphans", "write_cancelled",
+            "write_present")))
         self._warn = warn
         self._reachable = reachable
         self._recent: OrderedDict[str, None] = OrderedDict()
@@ -170,7 +171,7 @@ class TierWriter:
     def _write(self, batch: list[tuple[ChunkKey, MemoryObj]]) -> None:
         name = self.backend.name
         try:
-            keys, objs = self._orderly(batch)
+            keys, objs = self._orderly(self._not_held(batch))
             if keys:
                 written = self.backend.batch_put(keys, objs)
                 self._counters.inc(f"{name}.writes", written)
@@ -182,6 +183,19 @@ class TierWriter:
         finally:
             for _, obj in batch:
                 obj.release()
+
+    def _not_held(
+        self, batch: list[tuple[ChunkKey, MemoryObj]]
+    ) -> list[tuple[ChunkKey, MemoryObj]]:
+        """`batch` without its leading chunks the tier already holds: stores only ask the CPU
+        tier what is cached, so a prefix the CPU tier evicted comes back here (one metadata
+        round trip per batch, on this thread, instead of a rewrite)."""
+        held = self.backend.batch_contains([key for key, _ in batch])
+        if held:
+            self._counters.inc(f"{self.backend.name}.write_present", held)
+            for key, _ in batch[:held]:
+                self._remember(key.key)  # their successors' predecessor check passes
+        return batch[held:]
 
     def _orderly(
         self, batch: list[tuple[ChunkKey, MemoryObj]]

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -338,3 +340,20 @@ def test_retrieve_failing_argument_checks_writes_no_pool_row(tokens: torch.Tenso
         b.retrieve(token_arg, target, skip=5)  # type: ignore[arg-type]
     assert all(not d.view(torch.uint8).any() for d in k2 + v2)  # no pool row changed
     a.close()
+
+
+def test_a_chunk_the_lower_tier_holds_is_not_written_again(tmp_path: Path,
+                                                            tokens: torch.Tensor) -> None:
+    k, v = _mha_pool(torch.float16)
+    conn = SGLangMHAConnector(k, v)
+    cfg = _config(local_disk=str(tmp_path / "disk"), max_local_disk_size=0.1)
+    with CacheEngine(cfg, model_name="m", layout=conn.layout, connector=conn) as engine:
+        slots = _slots("contiguous", len(tokens))
+        assert engine.store(tokens, slots) == 64 and engine.storage.flush()
+        written = engine.stats()["disk.writes"]
+        engine.storage.hot.remove(engine.chunk_keys(tokens))  # the CPU tier forgot them
+        assert engine.store(tokens, slots) == 64  # back in the CPU tier ...
+        assert engine.storage.flush()
+        stats = engine.stats()
+        assert stats["disk.writes"] == written  # ... but not rewritten to disk
+        assert stats["disk.write_present"] == 4
