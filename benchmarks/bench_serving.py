@@ -27,7 +27,7 @@ Runs, each a fresh server, per prompt length and per repetition (`--runs N`):
 Measured per run, from the client's JSON result file: duration, mean/median/p99 TTFT, request
 throughput, completed and failed requests, cached tokens (`--cache-report`); from each kvtier
 server's Prometheus endpoint (`metrics_port`): kvtier's counters, among them
-`kvtier_loads_discarded_total` when this kvtier exports it ("n/a" otherwise); from its log: the
+`kvtier_sglang_loads_discarded_total` (loads evicted before their request ran); from its log: the
 kernel compile time. Ratios: p99 TTFT of the first kvtier server / no kvtier, mean TTFT of the
 second server / no kvtier, no-reuse request throughput kvtier / none. Nothing is measured
 against a fixed number: these machines are shared and noisy.
@@ -68,7 +68,7 @@ from tests.conftest import RedisProcess
 RESULTS = Path(__file__).resolve().parent / "results"
 PHASES = ("none", "first", "first-again", "second", "noreuse-none", "noreuse-kv")
 KVTIER_PHASES = frozenset({"first", "first-again", "second", "noreuse-kv"})
-DISCARDED = "kvtier_loads_discarded_total"
+DISCARDED = "kvtier_sglang_loads_discarded_total"
 # Counters shown in the table's notes (every kvtier counter goes to the JSON).
 SHOWN_COUNTERS = (DISCARDED, "kvtier_sglang_tokens_loaded_total", "kvtier_prefetch_timeouts_total")
 _COMPILED = re.compile(r"kvtier: compiled the C\+\+ copy kernel in ([\d.]+)s")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Generator, Iterator, Sequence
 from contextlib import closing, contextmanager
 
@@ -292,10 +293,16 @@ class StorageManager:
         return out
 
     def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every lower-tier write queued so far is done; False on timeout."""
+        """Wait until every lower-tier write queued so far is done, `timeout` seconds in all
+        (not per tier); False on timeout, with a warning naming what was left."""
         timeout = self.config.blocking_timeout_secs if timeout is None else timeout
-        drained = [w.drain(timeout) for w in self._writers]  # wait for every writer
-        return all(drained)
+        deadline = time.monotonic() + timeout
+        late = [w.backend.name for w in self._writers  # every writer gets what time is left
+                if not w.drain(max(0.0, deadline - time.monotonic()))]
+        if late:
+            self._warn.warning("flush", "kvtier: flush: writes to %s still queued after %.1fs; "
+                               "they land in the background", ", ".join(late), timeout)
+        return not late
 
     def close(self) -> None:
         """Drain background writes (bounded by `blocking_timeout_secs`), then close tiers.

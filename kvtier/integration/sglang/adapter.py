@@ -245,9 +245,9 @@ class SGLangKVTier:
         return self.stores.collect()
 
     def settle(self) -> list[StoreJob]:
-        """Wait (bounded: each store's deadline, `blocking_timeout_secs` for one reading its
-        slots) until every submitted store has read its slots or was cancelled; returns
-        them all, for the caller to release."""
+        """Wait (`blocking_timeout_secs` in all) until every submitted store has read its
+        slots, cancelling those still queued after that; returns what is done, for the caller
+        to release."""
         return self.stores.collect(wait=True, timeout=self.engine.config.blocking_timeout_secs)
 
     def _store(self, job: StoreJob) -> int:

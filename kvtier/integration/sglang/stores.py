@@ -119,22 +119,21 @@ class StoreWorker:
 
     def collect(self, *, wait: bool = False, timeout: float = 0.0) -> list[StoreJob]:
         """Jobs whose slots are free now: read, failed, or cancelled because they were still
-        queued at their deadline (scheduler thread). With `wait`, first wait for each job until
-        its deadline and a job already reading for up to `timeout` more seconds, so that
-        every job is handed back unless the store thread is stuck."""
+        queued at their deadline (scheduler thread). With `wait` (the server is idle, e.g.
+        `/flush_cache`), first wait up to `timeout` seconds in all for the jobs to read their
+        slots, so that nothing is cancelled unless the store thread is stuck."""
         out: list[StoreJob] = []
+        limit = time.monotonic() + timeout
         for key, job in list(self._outstanding.items()):
             if wait and not job.slots_free.is_set():
-                job.slots_free.wait(max(0.0, job.deadline - time.monotonic()))
-            if not job.slots_free.is_set() and time.monotonic() >= job.deadline:
-                if job.cancel():
-                    self._counters.inc("sglang.stores_cancelled")
-                    self._warn.warning("store-deadline", "kvtier: a store of %d tokens was "
-                                       "still queued %.1fs after its request finished; "
-                                       "cancelled it so its KV slots are free (the store "
-                                       "thread is behind)", len(job.token_ids), self.deadline_s)
-                elif wait:  # reading right now, at memory speed: let it finish
-                    job.slots_free.wait(timeout)
+                job.slots_free.wait(max(0.0, limit - time.monotonic()))
+            if not job.slots_free.is_set() and time.monotonic() >= job.deadline and job.cancel():
+                self._counters.inc("sglang.stores_cancelled")
+                self._warn.warning("store-deadline", "kvtier: a store of %d tokens was still "
+                                   "queued %.1fs after its request finished; cancelled it so "
+                                   "its KV slots are free (the store thread is behind)",
+                                   len(job.token_ids), time.monotonic() - job.deadline +
+                                   self.deadline_s)
             if not job.slots_free.is_set():
                 if not wait:
                     break  # jobs run in order: the later ones are not done either
