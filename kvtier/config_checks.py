@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import fields
 from typing import TYPE_CHECKING
 from urllib.parse import parse_qsl
@@ -40,17 +41,27 @@ def physical_memory_bytes() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+# A host list after the userinfo: host[:port][,host[:port]...] up to a path, query or fragment.
+_HOSTS = re.compile(r"@([A-Za-z0-9._\-\[\]:,%]*)(?=[/?#]|$)")
+
+
 def redact_url(url: str) -> str:
     """`url` with any password replaced by `***`: in the userinfo and in query parameters
-    whose name suggests a secret (`?password=...`)."""
+    whose name suggests a secret (`?password=...`).
+
+    Passwords may hold `?`, `#`, `/` or `@`: the userinfo runs up to the last `@` that a host
+    list follows, wherever `?` and `#` are. When in doubt this hides too much, never too
+    little."""
     scheme, sep, rest = url.partition("://")
     if not sep:
         return url
+    prefix = ""
+    if hosts := list(_HOSTS.finditer(rest)):
+        userinfo, rest = rest[:hosts[-1].start()], rest[hosts[-1].start() + 1:]
+        user, colon, _ = userinfo.partition(":")
+        prefix = f"{user}:***@" if colon and not set(user) & set("/?#") else "***@"
     rest, qmark, query = rest.partition("?")
-    if "@" in rest:
-        creds, _, hosts = rest.rpartition("@")
-        user, colon, _ = creds.partition(":")
-        rest = f"{user}:***@{hosts}" if colon else f"***@{hosts}"
+    rest = prefix + rest
     if qmark:
         parts = [f"{k}=***" if compat.secret_key(k) else f"{k}={v}"
                  for k, v in parse_qsl(query, keep_blank_values=True)]

@@ -135,6 +135,18 @@ def test_password_is_redacted() -> None:
     assert redact_url("redis://user:secret@h:1/0") == "redis://user:***@h:1/0"
     assert redact_url("redis://:secret@h:1") == "redis://:***@h:1"
     assert redact_url("redis://h:1") == "redis://h:1"
+
+
+@pytest.mark.parametrize("url, secret", [
+    ("redis://user:s3cr?et@h:6379", "s3cr"),  # `?` in the password
+    ("redis://:a/b#c@h:1/0", "a/b"),  # `/` and `#`
+    ("redis://u:p@ss@h1:1,h2:2/0", "p@ss"),  # `@`
+    ("redis-sentinel://:x+y/z@s1:26379,s2:26379/mymaster", "x+y"),
+    ("rediss://:pw@h:1?ssl_ca_certs=/a@b/c", "pw"),  # `@` in the query: hides too much
+])
+def test_redact_url_hides_passwords_with_url_characters(url: str, secret: str) -> None:
+    redacted = redact_url(url)
+    assert secret not in redacted and "***" in redacted
     cfg = Config(remote_url="redis://u:secret@h:1")
     assert "secret" not in str(cfg.redacted())
     assert "secret" not in repr(cfg) and "redis://u:***@h:1" in repr(cfg)
