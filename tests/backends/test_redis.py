@@ -171,6 +171,26 @@ def test_reply_reader_parses_replies_straddling_its_buffer() -> None:
         right.close()
 
 
+def test_a_huge_announced_reply_is_a_protocol_error_not_an_allocation() -> None:
+    # A hostile server answering EXISTS with a 1.5 GB bulk string (it took 1.5 GB of RSS).
+    import tracemalloc
+
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    left, right = socket.socketpair()
+    left.sendall(b"$1500000000\r\n" + b"x" * 1000)
+    left.close()  # an unbounded reader would allocate 1.5 GB, then hit the end of the stream
+    tracemalloc.start()
+    try:
+        with pytest.raises(RedisConnectionError, match="1500000000-byte bulk reply"):
+            ReplyReader(right).reply()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        right.close()
+    assert peak < 1_000_000
+
+
 def test_concurrent_puts_and_gets_are_byte_exact(
     redis_server: RedisProcess, make_backend: Callable[..., RedisBackend],
 ) -> None:

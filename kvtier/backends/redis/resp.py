@@ -24,6 +24,11 @@ _INLINE = 64 * 1024
 # its length line is copied from here (at most this much per value); the rest is received
 # straight into place.
 _SCRATCH = 64 * 1024
+# `reply()` answers are small (OK, integers, EXEC's lists of them): a bulk announced larger than
+# this is a protocol error before anything is allocated, so a broken or hostile server cannot
+# choose how much memory a lookup takes. Payloads go through `header()` + `read_into`, into
+# objects sized by the layout, never by the server.
+MAX_SMALL_BULK = 64 * 1024
 
 
 class ReplyError(Exception):
@@ -155,6 +160,9 @@ class ReplyReader:
             return None
         if kind == b"*":
             return [self.reply() for _ in range(n)]
+        if n > MAX_SMALL_BULK:
+            raise RedisConnectionError(f"protocol error: a {n}-byte bulk reply where a small "
+                                       f"reply was expected (limit {MAX_SMALL_BULK})")
         data = self.read_bytes(n)
         self.end_bulk()
         return data
