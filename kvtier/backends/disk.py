@@ -10,6 +10,10 @@ size, in LRU order), the size cap and the counters.
   eviction (here and after a restart) therefore takes suffixes before prefixes. A record being
   read is never evicted. Processes sharing a directory each enforce the cap over the records
   they know, so together they may exceed it by what the others wrote.
+- Sharing: opening a tier never deletes a record (a second instance with a smaller cap, or
+  `kvtier info`, must not wipe what a running instance stores); a write evicts at most its own
+  size, so a directory that is over this process's cap stays as big as it is, never shrinks
+  below what others wrote. Shrinking a directory is an explicit `kvtier purge`.
 - Durability: no fsync. A killed process loses nothing the kernel already has; a power loss may
   leave a torn or empty file, which the record checksums turn into a counted miss. A cache can
   trade that for write speed (an fsync per chunk costs a device flush).
@@ -89,8 +93,11 @@ class DiskBackend(StorageBackend):
             self._index[name] = size
             self._bytes += size
             self._clock = mtime
-        with self._lock:
-            self._make_room_locked(0)  # the cap may have shrunk since the last run
+        if self._bytes > self.capacity:
+            logger.warning("kvtier disk: %s holds %.2f GB, more than this tier's cap of %.2f GB "
+                           "(max_local_disk_size); nothing was deleted: each new write evicts "
+                           "at most its own size (`kvtier purge` shrinks it)", root,
+                           self._bytes / 1e9, self.capacity / 1e9)
         logger.info("kvtier disk: %s holds %d records (%.2f of %.2f GB), indexed in %.2fs",
                     root, len(self._index), self._bytes / 1e9, self.capacity / 1e9,
                     time.perf_counter() - start)
@@ -135,8 +142,11 @@ class DiskBackend(StorageBackend):
             self._counts.inc("adopted")
 
     def _make_room_locked(self, need: int) -> bool:
-        """Evict least recently used records, never one being read, until `need` bytes fit."""
-        over = self._bytes + self._reserved + need - self.capacity
+        """Evict least recently used records, never one being read, until `need` bytes fit;
+        never more than `need` bytes (a directory over the cap is not this write's to shrink)."""
+        if need > self.capacity:
+            return False
+        over = min(self._bytes + self._reserved + need - self.capacity, need)
         victims = []
         for name, size in self._index.items():
             if over <= 0:

@@ -371,6 +371,24 @@ def test_cap_holds_under_a_stream_three_times_the_cap_and_prefixes_stay_usable(
     assert disk.batch_contains(prompts[-1]) == 6
 
 
+def test_a_second_instance_with_a_smaller_cap_deletes_nothing(
+    open_disk: Opener, arena: MemoryAllocator, caplog: pytest.LogCaptureFixture,
+) -> None:
+    first = open_disk(cap_gb=0.01)
+    prompts = [make_keys(16 * 4, seed=s) for s in range(8)]  # 32 records
+    for seed, keys in enumerate(prompts):
+        _put(first, keys, arena, seed=seed)
+    before = _files(first.root)
+    assert len(before) == 32
+    small = open_disk(cap_gb=2 * (CHUNK_BYTES + 300) / 1e9)  # room for two records
+    assert _files(first.root) == before  # opening it deleted nothing ...
+    assert "nothing was deleted" in caplog.text
+    assert small.stats()["evictions"] == 0
+    _put(small, make_keys(16, seed=99), arena, seed=99)  # ... and a write evicts one record
+    assert len(_files(first.root)) == 32 and small.stats()["evictions"] == 1
+    assert all(first.batch_contains(keys) >= 1 for keys in prompts[1:])
+
+
 def test_record_larger_than_the_cap_is_dropped_and_counted(
     open_disk: Opener, arena: MemoryAllocator,
 ) -> None:
