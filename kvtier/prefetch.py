@@ -86,6 +86,11 @@ class Prefetch:
             self._done.wait(max(0.0, self.deadline - time.monotonic()))
         return self._done.is_set()
 
+    def wait_done(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for the load to end, whatever the policy; True if it
+        did."""
+        return self._done.wait(timeout)
+
     def result(self, timeout: float | None = None) -> int:
         """Leading chunks in the hot tier once the load is done; `TimeoutError` after
         `timeout` seconds."""

@@ -16,6 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from kvtier.backends.base import StorageBackend
+from kvtier.background import lower_priority
 from kvtier.keys import ChunkKey, stub_key
 from kvtier.memory import MemoryObj
 from kvtier.metrics import Counters, RateLimitedLog
@@ -145,6 +146,7 @@ class TierWriter:
                 n += 1
 
     def _run(self) -> None:
+        lower_priority()  # writes are background work: serving threads go first
         while True:
             item = self._queue.get()
             if item is None:

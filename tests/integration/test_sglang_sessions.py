@@ -78,6 +78,10 @@ def test_redis_attached_and_detached_over_http_while_serving(
     for ids in shared:
         writer.generate(ids)
     writer.flush_cache()
+    # No --admin-api-key on this server: tiers can be listed, never changed.
+    attach = {"op": "attach", "tier": "redis", "config": {"remote_url": "redis://evil:6379"}}
+    assert cli_tiers.request(writer.url, attach)[0] == 403
+    assert cli_tiers.request(writer.url, None)[0] == 200
     writer.stop()
 
     server = start_server(tiny_llama, write_config(tmp_path / "b.yaml"), "--admin-api-key",
@@ -85,6 +89,10 @@ def test_redis_attached_and_detached_over_http_while_serving(
     status, listed = cli_tiers.request(server.url, None, ADMIN)
     assert status == 200 and listed["ranks"] == [
         {"tiers": ["cpu"], "sessions_pinned": 0, "session_pinned_bytes": 0}]
+    attach = {"op": "attach", "tier": "redis", "config": {"remote_url": redis.url}}
+    assert cli_tiers.request(server.url, attach)[0] == 401  # no key
+    assert cli_tiers.request(server.url, attach, "not-the-admin-key")[0] == 401
+    assert cli_tiers.request(server.url, None, ADMIN)[1]["ranks"][0]["tiers"] == ["cpu"]
 
     streaming = threading.Thread(target=server.generate, args=(prompt(90, 40), 300))
     streaming.start()  # attach and detach while a request runs

@@ -41,6 +41,11 @@ __all__ = ["SGLangKVTier", "StoreJob", "build_connector", "model_key_name", "che
 logger = logging.getLogger(__name__)
 
 MAX_CACHED_KEYS = 4096  # requests whose chunk keys are kept between match and load
+# The scheduler asks whether a new request may be admitted in the same step its prefetch
+# started; a miss (nothing on disk or in Redis) resolves in about a millisecond, so waiting
+# this long once saves the request a whole scheduler step (a forward pass) behind a gate it
+# never needed. A load that takes longer is waited for per `prefetch_policy`, step by step.
+FIRST_CHECK_WAIT_S = 0.005
 
 def check_page_size(config: Config, page_size: int) -> None:
     """`ConfigError` unless whole chunks are whole pages (so a load never splits a page)."""
@@ -100,6 +105,7 @@ class SGLangKVTier:
         self._closed_sessions: set[str] = set()  # a store finishing late must not re-pin
         # request id -> its prefetch; registered on every rank alike (scheduler thread)
         self._prefetches: dict[str, Prefetch] = {}
+        self._checked: set[str] = set()  # requests whose prefetch was asked about once
         self._keys: dict[str, list[ChunkKey]] = {}  # request id -> its chunk keys
         # Without a CPU tier there is nowhere to prefetch into: loads stay synchronous.
         self.async_loads = engine.storage.hot.resident
@@ -180,17 +186,22 @@ class SGLangKVTier:
         prefetch = self._prefetches.get(rid)
         if prefetch is None:
             return True
+        if rid not in self._checked:
+            self._checked.add(rid)
+            prefetch.wait_done(FIRST_CHECK_WAIT_S)
         # One rank's load may finish later: admit only when every rank is ready.
         if not self.agree_min(int(prefetch.ready())):
             self.counters.inc("sglang.prefetch_waits")
             return False
         del self._prefetches[rid]
+        self._checked.discard(rid)
         prefetch.cancel()
         return True
 
     def cancel_prefetch(self, rid: str) -> None:
         """Request `rid` went away: stop its load and drop the chunks only it brought in."""
         self.forget(rid)
+        self._checked.discard(rid)
         prefetch = self._prefetches.pop(rid, None)
         if prefetch is None:
             return

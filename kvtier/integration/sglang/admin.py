@@ -6,8 +6,10 @@
 
 SGLang's own `PUT /hicache/storage-backend` (`hicache_storage_backend`: `disk` or `redis`, the
 tier's keys as `hicache_storage_backend_extra_config_json`) attaches a tier too, and
-`DELETE /hicache/storage-backend` detaches every lower tier. Both routes respect SGLang's
-`--admin-api-key` when one is set.
+`DELETE /hicache/storage-backend` detaches every lower tier. Changing tiers needs SGLang's
+`--admin-api-key` (the POST is refused with 403 on a server started without one, and with 401
+without the admin key: an inference client's `--api-key` is not enough); listing them is open
+at SGLang's optional-admin level.
 
 Every scheduler (one per TP rank) is reached through SGLang's HiCache attach channel: the
 plugin wraps the scheduler's handler, which for a kvtier tree applies the operation to kvtier's
@@ -137,7 +139,8 @@ def add_routes(app: Any) -> None:
     async def list_tiers() -> JSONResponse:
         return await run({"op": "list"})
 
-    @auth_level(AuthLevel.ADMIN_OPTIONAL)
+    # Attaching a tier decides where every later prompt goes: never without the admin key.
+    @auth_level(AuthLevel.ADMIN_FORCE)
     async def change_tiers(body: dict[str, Any] = Body(...)) -> JSONResponse:  # noqa: B008
         return await run(body)
 

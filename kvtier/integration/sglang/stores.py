@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvtier.background import lower_priority
 from kvtier.metrics import Counters, RateLimitedLog
 
 __all__ = ["StoreJob", "StoreWorker", "MAX_PENDING_STORES", "STORE_DEADLINE_S"]
@@ -163,6 +164,7 @@ class StoreWorker:
             logger.warning("kvtier: the store thread did not stop within %.1fs", timeout)
 
     def _run(self) -> None:
+        lower_priority()  # no request waits for a store: running streams go first
         while True:
             job = self._jobs.get()
             try:

@@ -1,0 +1,33 @@
+"""Background threads lower their own priority, not the process's."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+from kvtier.background import NICE, lower_priority
+
+
+def test_lower_priority_applies_to_the_calling_thread_only() -> None:
+    main_before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen: list[tuple[int | None, int]] = []
+
+    def worker() -> None:
+        tid = threading.get_native_id()
+        before = os.getpriority(os.PRIO_PROCESS, tid)
+        got = lower_priority()
+        seen.append((got, os.getpriority(os.PRIO_PROCESS, tid) - before))
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    got, raised = seen[0]
+    assert got is not None and raised == min(NICE, 19 - main_before)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == main_before
+
+
+def test_the_environment_can_turn_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVTIER_BACKGROUND_NICE", "0")
+    assert lower_priority() is None
