@@ -49,10 +49,11 @@ LMCACHE_KEYS = frozenset({
     "chunk_size", "local_cpu", "max_local_cpu_size", "local_disk", "max_local_disk_size",
     "remote_url", "remote_serde", "save_unfull_chunk", "blocking_timeout_secs",
 })
-# Environment variables that are not config keys: config file paths and the kernel override.
+# Environment variables that are not config keys: config file paths, the kernel override, the
+# background threads' nice increment.
 _NOT_ENV_KEYS = frozenset({"KVTIER_CONFIG_FILE", "LMCACHE_CONFIG_FILE", "KVTIER_KERNEL",
                            "KVTIER_CACHE_DIR", "KVTIER_BUILD_EXT", "KVTIER_BUILD_VERBOSE",
-                           "KVTIER_SGLANG_CPU_SHIMS"})
+                           "KVTIER_SGLANG_CPU_SHIMS", "KVTIER_BACKGROUND_NICE"})
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from kvtier.background import NICE, lower_priority
+from kvtier.config import Config, load_config
 
 
 def test_lower_priority_applies_to_the_calling_thread_only() -> None:
@@ -31,3 +32,4 @@ def test_lower_priority_applies_to_the_calling_thread_only() -> None:
 def test_the_environment_can_turn_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVTIER_BACKGROUND_NICE", "0")
     assert lower_priority() is None
+    assert load_config(env={"KVTIER_BACKGROUND_NICE": "0"}) == Config()  # not a config key
