@@ -11,6 +11,10 @@ background through SGLang's prefetch hooks, policy wait_complete), and `kvtier, 
 (`local_cpu: false`, where loads still run on the scheduler thread: the old behaviour).
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_stall.py [--delay-ms 150] [--prompt-tokens 2700]
+        [--chunk-size 64] [--fresh-kernel]
+
+`--fresh-kernel` gives every server an empty `KVTIER_CACHE_DIR`, so each kvtier server compiles
+the copy kernel while it starts (a freshly deployed host).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from tests.sglang_support.server import SGLangServer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FLAGS = ("--context-length", "8192", "--max-total-tokens", "16384")
+CHUNK = 64
 ENV = {"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1"}
 
 
@@ -60,13 +65,14 @@ def measure(server: SGLangServer, long_ids: list[int]) -> dict[str, float]:
             "prompt_tokens": len(long_ids)}
 
 
-def _config(path: Path, url: str, **extra: Any) -> Path:
-    path.write_text(yaml.safe_dump({"chunk_size": 64, "max_local_cpu_size": 0.5,
+def _config(path: Path, url: str, chunk: int, **extra: Any) -> Path:
+    path.write_text(yaml.safe_dump({"chunk_size": chunk, "max_local_cpu_size": 0.5,
                                     "remote_url": url, "remote_timeout_secs": 10.0, **extra}))
     return path
 
 
-def run(delay_ms: float, prompt_tokens: int, work: Path) -> dict[str, dict[str, float]]:
+def run(delay_ms: float, prompt_tokens: int, work: Path, chunk: int = CHUNK,
+        fresh_kernel: bool = False) -> dict[str, dict[str, float]]:
     model = make_llama(work / "tiny-llama-4l", layers=4)
     long_ids = _ids(7, prompt_tokens)
     redis = RedisProcess(work / "redis")
@@ -75,7 +81,7 @@ def run(delay_ms: float, prompt_tokens: int, work: Path) -> dict[str, dict[str, 
     try:
         with SGLangServer(model, work / "store.log", env=ENV, args=[
                 "--enable-kvtier", "--kvtier-config-file",
-                str(_config(work / "a.yaml", redis.url)), *FLAGS]) as store:
+                str(_config(work / "a.yaml", redis.url, chunk)), *FLAGS]) as store:
             store.generate(long_ids)
             store.flush_cache()
         modes = {"no kvtier": None,
@@ -84,8 +90,11 @@ def run(delay_ms: float, prompt_tokens: int, work: Path) -> dict[str, dict[str, 
         with DelayProxy(redis.port, delay_ms / 1e3) as proxy:
             for name, extra in modes.items():
                 flags = [] if extra is None else ["--enable-kvtier", "--kvtier-config-file", str(
-                    _config(work / f"{len(out)}.yaml", proxy.url, **extra))]
-                with SGLangServer(model, work / f"{len(out)}.log", env=ENV,
+                    _config(work / f"{len(out)}.yaml", proxy.url, chunk, **extra))]
+                env = dict(ENV)
+                if fresh_kernel:
+                    env["KVTIER_CACHE_DIR"] = str(work / f"kernel-cache-{len(out)}")
+                with SGLangServer(model, work / f"{len(out)}.log", env=env,
                                   args=[*flags, *FLAGS]) as server:
                     out[name] = measure(server, long_ids)
                 print(f"  {name}: {out[name]}", flush=True)
@@ -98,9 +107,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--delay-ms", type=float, default=150.0)
     parser.add_argument("--prompt-tokens", type=int, default=2700)
+    parser.add_argument("--chunk-size", type=int, default=CHUNK)
+    parser.add_argument("--fresh-kernel", action="store_true",
+                        help="an empty KVTIER_CACHE_DIR per server: each compiles the kernel")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="kvtier-stall-") as tmp:
-        out = run(args.delay_ms, args.prompt_tokens, Path(tmp))
+        out = run(args.delay_ms, args.prompt_tokens, Path(tmp), args.chunk_size,
+                  args.fresh_kernel)
     print(f"\nstream gaps while a {args.prompt_tokens}-token cached prompt arrives "
           f"(Redis replies +{args.delay_ms:.0f} ms)")
     print(f"{'mode':<22}{'median gap':>11}{'worst gap':>11}{'worst/median':>13}"
@@ -111,7 +124,8 @@ def main(argv: list[str] | None = None) -> None:
               f"{r['cached_tokens']:>8}")
     RESULTS.mkdir(exist_ok=True)
     path = RESULTS / "bench_stall.json"
-    path.write_text(json.dumps({"delay_ms": args.delay_ms, "modes": out}, indent=2))
+    path.write_text(json.dumps({"delay_ms": args.delay_ms, "chunk_size": args.chunk_size,
+                                "fresh_kernel": args.fresh_kernel, "modes": out}, indent=2))
     print(f"wrote {path}")
 
 
