@@ -21,13 +21,17 @@ size, in LRU order), the size cap and the counters.
   record is counted, deleted and a miss; a file removed behind the tier's back is a miss.
 - Foreign files: something that is not a regular file at a record path (FIFO, device, directory,
   symlink) is a counted miss (`not_regular`), left in place, and never opened blocking or
-  followed: records are opened with O_NONBLOCK | O_NOFOLLOW and checked with fstat.
+  followed: records are opened with O_NONBLOCK | O_NOFOLLOW and checked with fstat
+  (`recordfile.open_record`).
+- Privacy (the tree holds every user's prompts; details in `recordfile.py`): a root that is
+  another user's, writable by others or reached through a symlink is a `ConfigError`. Nothing
+  is read, written or deleted in an `ab/cd` directory that is not private (a counted miss,
+  `not_regular`, or write error).
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import stat
@@ -55,9 +59,6 @@ _COUNTERS = ("hits", "misses", "puts", "put_bytes", "evictions", "corrupt", "van
              "stale_tmp_removed", "not_regular")
 READ_AHEAD = 4  # chunk reads in flight per batch: keeps the device queue busy while a chunk
 # is checksummed or copied on, without holding much arena for a prefix that may miss early
-# O_NONBLOCK: opening a FIFO must not wait for a writer (harmless on regular files);
-# O_NOFOLLOW: a symlink planted at a record path is not a record.
-_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW
 
 
 class DiskBackend(StorageBackend):
@@ -69,7 +70,8 @@ class DiskBackend(StorageBackend):
         root = ctx.config.local_disk_path
         if root is None:
             raise ConfigError("local_disk: must be set to use the disk tier")
-        self.root = root
+        self.root = Path(os.path.abspath(root))  # what is checked is what is used, whatever the cwd
+        self._dirs = rf.RecordDirs(self.root)
         self.capacity = int(ctx.config.max_local_disk_size * 1e9)
         self._ctx = ctx
         self._lock = threading.Lock()
@@ -83,13 +85,7 @@ class DiskBackend(StorageBackend):
         self._closed = False
         self._read_pool: ThreadPoolExecutor | None = None  # made on the first read
         start = time.perf_counter()
-        try:
-            rf.probe_writable(root)
-            found, stale = rf.scan(root)
-        except OSError as exc:
-            raise ConfigError(f"local_disk: cannot use {root}: {exc.strerror}") from None
-        self._counts.inc("stale_tmp_removed", stale)
-        for mtime, name, size in found:
+        for mtime, name, size in self._open_root(root):
             self._index[name] = size
             self._bytes += size
             self._clock = mtime
@@ -101,6 +97,21 @@ class DiskBackend(StorageBackend):
         logger.info("kvtier disk: %s holds %d records (%.2f of %.2f GB), indexed in %.2fs",
                     root, len(self._index), self._bytes / 1e9, self.capacity / 1e9,
                     time.perf_counter() - start)
+
+    def _open_root(self, given: Path) -> list[tuple[int, str, int]]:
+        """Create or check the root (`recordfile.prepare_root`) and list its records;
+        `ConfigError` if it cannot be used or is not private."""
+        try:
+            note = rf.prepare_root(self.root)
+            found, stale = rf.scan(self.root, self._dirs)
+        except rf.UnsafeDirectory as exc:  # says what is wrong and how to fix it
+            raise ConfigError(f"local_disk: {exc.strerror}") from None
+        except OSError as exc:
+            raise ConfigError(f"local_disk: cannot use {given}: {exc.strerror}") from None
+        if note is not None:
+            logger.warning("kvtier disk: %s", note)
+        self._counts.inc("stale_tmp_removed", stale)
+        return found
 
     def path_for(self, key: str) -> Path:
         """Where the record of key string `key` lives (whether or not it exists)."""
@@ -158,9 +169,13 @@ class DiskBackend(StorageBackend):
             return False
         for name in victims:
             self._forget_locked(name)
-            self._unlink(rf.record_path(self.root, name))
+            self._delete(name)
         self._counts.inc("evictions", len(victims))
         return True
+
+    def _delete(self, name: str) -> bool:
+        """Unlink record `name`, unless its directory is not private (nothing there is ours)."""
+        return self._dirs.problem(name) is None and self._unlink(rf.record_path(self.root, name))
 
     def _unlink(self, path: Path) -> bool:
         try:
@@ -184,7 +199,8 @@ class DiskBackend(StorageBackend):
                         st = os.lstat(rf.record_path(self.root, name))
                     except OSError:
                         break
-                    if not stat.S_ISREG(st.st_mode):
+                    # Checked after the lstat, so a miss costs nothing more.
+                    if not stat.S_ISREG(st.st_mode) or self._dirs.problem(name) is not None:
                         self._counts.inc("not_regular")
                         break
                     self._adopt_locked(name, st.st_size)
@@ -236,19 +252,15 @@ class DiskBackend(StorageBackend):
                 return None
             self._readers[name] += 1  # pinned: eviction skips it
         try:
-            fd = os.open(path, _READ_FLAGS)
+            fd, st = rf.open_record(self._dirs, name)
         except OSError as exc:
             self._unpin(name, vanished=isinstance(exc, FileNotFoundError))
-            if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink
-                self._not_regular(name, path, "a symlink")
+            if isinstance(exc, rf.NotRegular):
+                self._not_regular(name, path, exc.what)
             elif not isinstance(exc, FileNotFoundError):
                 self._read_error(path, exc)
             return None
         try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                self._not_regular(name, path, f"mode {stat.S_IFMT(st.st_mode):o}")
-                return None
             obj = rf.read_record(fd, st.st_size, key, self._ctx.layout, self._ctx.allocate)
             if obj is None:
                 self._count("alloc_failures")
@@ -276,12 +288,12 @@ class DiskBackend(StorageBackend):
                 self._counts.inc("vanished")
 
     def _not_regular(self, name: str, path: Path, what: str) -> None:
-        """A FIFO, device, directory or symlink sits at a record path: a miss; not ours to
-        delete."""
+        """A FIFO, device, directory or symlink sits at a record path, or its directory is not
+        private: a miss; not ours to delete."""
         with self._lock:
             self._counts.inc("not_regular")
             self._forget_locked(name)
-        self._warn.warning("not_regular", "kvtier disk: %s is not a regular file (%s); "
+        self._warn.warning("not_regular", "kvtier disk: %s is not a record file of ours (%s); "
                            "treated as a miss", path, what)
 
     def _read_error(self, path: Path, exc: OSError) -> None:
@@ -334,9 +346,10 @@ class DiskBackend(StorageBackend):
                 return False
             self._reserved += size
         tmp = rf.temp_path(path)
-        committed = False
+        written = committed = False
         try:
-            rf.write_temp(tmp, key, obj, stamp)
+            rf.write_temp(self._dirs, name, tmp, key, obj, stamp)  # leaves nothing on failure
+            written = True
             with self._lock:
                 if not self._closed:
                     os.replace(tmp, path)
@@ -352,7 +365,7 @@ class DiskBackend(StorageBackend):
         finally:
             with self._lock:
                 self._reserved -= size
-            if not committed:
+            if written and not committed:
                 self._unlink(Path(tmp))
         return committed
 
@@ -364,7 +377,7 @@ class DiskBackend(StorageBackend):
             if not self._closed:
                 for name in names:
                     self._forget_locked(name)
-                    removed += self._unlink(rf.record_path(self.root, name))
+                    removed += self._delete(name)
         return removed
 
     def stats(self) -> dict[str, float]:

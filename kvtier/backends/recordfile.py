@@ -8,13 +8,20 @@ The disk tier (`disk.py`) owns the policy (index, size cap, LRU); this module ow
   A temp file whose pid is dead (or that is older than STALE_TMP_SECS) is garbage.
 - It is read with the header first, validated in full, then the payload straight into arena
   memory and verified against its checksum before the object is handed out.
+- Privacy: the tree holds every user's prompts. Directories kvtier creates are 0700, records
+  0600; a root is refused if it is another user's, writable by others, or reached through a
+  symlink (`prepare_root`), and an `ab/cd` directory is used only once checked the same way
+  (`RecordDirs`), so nothing another user planted can redirect a write or feed a read.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import itertools
 import os
+import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,7 +38,8 @@ from kvtier.keys import ChunkKey
 from kvtier.memory import KVLayout, MemoryObj
 
 __all__ = ["SUFFIX", "file_name", "record_path", "temp_path", "write_temp", "read_record",
-           "scan", "probe_writable"]
+           "scan", "prepare_root", "RecordDirs", "UnsafeDirectory", "dir_problem", "NotRegular",
+           "open_record"]
 
 SUFFIX = ".kvt"
 STALE_TMP_SECS = 3600.0  # older than this, a temp file is garbage even if its pid was reused
@@ -40,7 +48,13 @@ _HEX = frozenset("0123456789abcdef")
 # between checksumming and copying (measured here: ~10% faster puts than hashing 32 MiB first).
 PIECE = 1 << 20
 _SEQ = itertools.count()
+# O_NONBLOCK: opening a FIFO must not wait for a writer (harmless on regular files);
+# O_NOFOLLOW: a symlink planted at a record path is not a record.
+_READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW
+# O_EXCL: never an existing file, nor a symlink (even a dangling one) at the temp name.
 _WRITE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+DIR_MODE = 0o700  # only the owner may list, enter or change the tree ...
+FILE_MODE = 0o600  # ... or read a record (an older tree's 0755/0644 is left as it is)
 
 
 def file_name(key: str) -> str:
@@ -57,13 +71,134 @@ def temp_path(path: Path) -> str:
     return f"{path.parent / path.stem}.{os.getpid()}.{next(_SEQ)}.tmp"
 
 
-def probe_writable(root: Path) -> None:
-    """Create `root` if needed and write a file in it; `OSError` if either fails."""
-    root.mkdir(parents=True, exist_ok=True)
+class UnsafeDirectory(OSError):
+    """A directory of the tree is not private to this user, or could redirect it (a symlink);
+    `strerror` says what is wrong and, for a root, how to fix it."""
+
+
+def dir_problem(st: os.stat_result) -> str | None:
+    """Why a directory with `os.lstat` result `st` must not hold records, or None if it may:
+    a real directory of this process's user that nobody else can write to."""
+    if stat.S_ISLNK(st.st_mode):
+        return "is a symlink"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if st.st_uid != os.geteuid():
+        return f"is owned by uid {st.st_uid}, not by uid {os.geteuid()} that runs kvtier"
+    if st.st_mode & 0o022:
+        return f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def _walk_root(root: Path) -> os.stat_result:
+    """Create the missing components of the absolute path `root` (0700) and return its
+    `lstat`. A symlink in any component is refused, since whoever can change it could redirect
+    the tree; pre-existing parents (such as /tmp) are otherwise not ours to judge."""
+    current = Path(root.anchor)
+    st = os.lstat(current)
+    for part in root.parts[1:]:
+        current /= part
+        try:
+            st = os.lstat(current)
+        except FileNotFoundError:
+            with contextlib.suppress(FileExistsError):  # made meanwhile by another process
+                os.mkdir(current, DIR_MODE)
+            st = os.lstat(current)
+        if stat.S_ISLNK(st.st_mode):
+            raise UnsafeDirectory(errno.EPERM, (
+                f"{root} goes through the symlink {current} -> {os.readlink(current)}, which "
+                f"could redirect every user's cached prompts; kvtier refuses symlinks in this "
+                f"path: set local_disk to the real path {os.path.realpath(root)}"))
+        if not stat.S_ISDIR(st.st_mode):
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(current))
+    return st
+
+
+def prepare_root(root: Path) -> str | None:
+    """Create the absolute path `root` if needed (0700), check it is private, and write a
+    probe file in it. Never changes the mode of an existing directory.
+
+    Returns a warning to log when group or others can read or enter the root, else None.
+
+    Raises:
+        UnsafeDirectory: a component is a symlink, or the root is another user's or writable
+            by others (`strerror` says how to fix it).
+        OSError: a component is not a directory, cannot be created, or the root not written.
+    """
+    st = _walk_root(root)
+    why = dir_problem(st)
+    if why is not None:
+        fix = (f"`chmod go-w {root}` (700 is best)" if st.st_uid == os.geteuid()
+               else f"`chown {os.geteuid()} {root}` or use a directory of uid {os.geteuid()}")
+        raise UnsafeDirectory(errno.EPERM, f"{root} {why}; the cache holds every user's "
+                                           f"prompts, so its directory must be private: {fix}")
     probe = root / f".probe.{os.getpid()}.tmp"
-    with open(probe, "wb") as f:
-        f.write(b"kvtier")
-    probe.unlink()
+    with contextlib.suppress(FileNotFoundError):  # left by a crash, if this pid is reused
+        os.unlink(probe)  # safe: the root is private by now
+    os.close(os.open(probe, _WRITE_FLAGS, FILE_MODE))
+    os.unlink(probe)
+    if st.st_mode & 0o055:
+        return (f"{root} can be read or entered by group or others (mode "
+                f"{stat.S_IMODE(st.st_mode):o}), who may then read cached prompts; `chmod 700 "
+                f"{root}` makes it private (kvtier leaves the mode of an existing directory)")
+    return None
+
+
+class RecordDirs:
+    """Which `ab/cd` directories under `root` are checked to be private (see `dir_problem`).
+
+    A directory is checked once per process, on first use (an `lstat` of the root, `ab` and
+    `ab/cd`), then trusted: with the root and it private, only this user (or the superuser)
+    can replace it afterwards. Thread-safe: a race only repeats a check.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._ok = bytearray(1 << 16)  # one flag per `ab/cd`, at int("abcd", 16)
+
+    def mark(self, name: str) -> None:
+        """Trust the directory of record `name` (the caller checked it)."""
+        self._ok[int(name[:4], 16)] = 1
+
+    def problem(self, name: str) -> str | None:
+        """What is wrong with the directories of record `name`, or None if they are private or
+        missing (nothing there to redirect: the caller's open fails). Creates nothing."""
+        if self._ok[int(name[:4], 16)]:
+            return None
+        return self._check(name, create=False)
+
+    def require(self, name: str, recheck: bool = False) -> None:
+        """Make sure the directories of record `name` exist (created 0700) and are private;
+        `recheck`: the tree was removed behind our back, so every earlier check is forgotten
+        (whatever stands there now is checked anew, the root included).
+
+        Raises:
+            UnsafeDirectory: one is a symlink, another user's or writable by others.
+            OSError: one cannot be created.
+        """
+        if recheck:
+            self._ok = bytearray(1 << 16)  # rebinding is atomic: a racing mark is just lost
+        if not self._ok[int(name[:4], 16)]:
+            why = self._check(name, create=True)
+            if why is not None:
+                raise UnsafeDirectory(errno.EPERM, why)
+
+    def _check(self, name: str, create: bool) -> str | None:
+        top = self.root / name[:2]
+        for path in (self.root, top, top / name[2:4]):
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                if not create:
+                    return None
+                with contextlib.suppress(FileExistsError):  # made meanwhile by another writer
+                    os.mkdir(path, DIR_MODE)
+                st = os.lstat(path)
+            why = dir_problem(st)
+            if why is not None:
+                return f"{path} {why}"
+        self.mark(name)
+        return None
 
 
 def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
@@ -75,21 +210,26 @@ def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def write_temp(tmp: str, key: ChunkKey, obj: MemoryObj, stamp_ns: int) -> None:
-    """Write the record of `obj` under `key` to the new file `tmp`, with mtime `stamp_ns`.
+def write_temp(dirs: RecordDirs, name: str, tmp: str, key: ChunkKey, obj: MemoryObj,
+               stamp_ns: int) -> None:
+    """Write the record `name` of `obj` under `key` to the new file `tmp` (0600, in the
+    record's directory), with mtime `stamp_ns`.
 
     The payload goes straight from arena memory to the file (no copy), piece by piece, each
     piece checksummed just before it is written so the kernel copies it from the CPU cache;
-    the header follows at offset 0. Creates the directory on demand. No fsync (see disk.py).
+    the header follows at offset 0. Creates (and checks) the directory on demand. No fsync
+    (see disk.py).
 
     Raises:
-        OSError: the write failed; `tmp` may exist and is the caller's to remove.
+        OSError: the write failed (`UnsafeDirectory`: the directory is not private, nothing
+            was created); no temp file is left behind.
     """
+    dirs.require(name)
     try:
-        fd = os.open(tmp, _WRITE_FLAGS, 0o644)
-    except FileNotFoundError:  # first record in this directory, or the tree was removed
-        os.makedirs(os.path.dirname(tmp), exist_ok=True)
-        fd = os.open(tmp, _WRITE_FLAGS, 0o644)
+        fd = os.open(tmp, _WRITE_FLAGS, FILE_MODE)
+    except FileNotFoundError:  # the tree was removed behind our back: check it anew
+        dirs.require(name, recheck=True)
+        fd = os.open(tmp, _WRITE_FLAGS, FILE_MODE)
     try:
         view = obj.byte_view()
         offset = expected_header_len(key)
@@ -100,8 +240,51 @@ def write_temp(tmp: str, key: ChunkKey, obj: MemoryObj, stamp_ns: int) -> None:
             _pwrite_all(fd, piece, offset + start)
         _pwrite_all(fd, encode_header(key, obj, checksum=hasher.intdigest()), 0)
         os.utime(fd, ns=(stamp_ns, stamp_ns))
+    except BaseException:
+        with contextlib.suppress(OSError):  # in a checked directory: no redirect to fear
+            os.unlink(tmp)
+        raise
     finally:
         os.close(fd)
+
+
+class NotRegular(OSError):
+    """What sits at a record path is not a record file of ours (`what` says why): a FIFO,
+    device, directory or symlink, or it is in a directory that is not private."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(errno.EPERM, what)
+        self.what = what
+
+
+def open_record(dirs: RecordDirs, name: str) -> tuple[int, os.stat_result]:
+    """Open record `name` for reading: never blocking (a FIFO), never through a symlink at the
+    record path, and only a regular file in a private directory. The directory is checked
+    after the open, so a miss costs one syscall, and a hit in a checked directory none more.
+
+    Returns the fd (the caller's to close) and its `fstat`.
+
+    Raises:
+        NotRegular: something else is there (left in place; nothing was read).
+        OSError: no record there (`FileNotFoundError`), or the open failed.
+    """
+    try:
+        fd = os.open(record_path(dirs.root, name), _READ_FLAGS)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink
+            raise NotRegular("a symlink") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        why = dirs.problem(name)
+        if why is None and not stat.S_ISREG(st.st_mode):
+            why = f"mode {stat.S_IFMT(st.st_mode):o}"
+        if why is not None:
+            raise NotRegular(why)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
 
 
 def read_record(fd: int, size: int, key: ChunkKey, layout: KVLayout,
@@ -159,23 +342,34 @@ def _stale_tmp(entry: os.DirEntry[str]) -> bool:
     return not _pid_alive(pid) or age > STALE_TMP_SECS
 
 
-def _subdirs(path: Path | str) -> list[str]:
+def _private(entry: os.DirEntry[str]) -> bool:
+    try:
+        return dir_problem(entry.stat(follow_symlinks=False)) is None
+    except FileNotFoundError:  # removed meanwhile by a process sharing the directory
+        return False
+
+
+def _subdirs(path: Path | str, check: bool) -> list[str]:
     with os.scandir(path) as it:
         return [e.path for e in it
-                if len(e.name) == 2 and set(e.name) <= _HEX and e.is_dir(follow_symlinks=False)]
+                if len(e.name) == 2 and set(e.name) <= _HEX and e.is_dir(follow_symlinks=False)
+                and (not check or _private(e))]
 
 
-def scan(root: Path) -> tuple[list[tuple[int, str, int]], int]:
+def scan(root: Path, dirs: RecordDirs | None = None) -> tuple[list[tuple[int, str, int]], int]:
     """Every record under `root` as (mtime ns, stem, size), oldest first, from directory
     entries and `stat` only (no file is opened; only regular files count); removes stale temp
-    files on the way.
+    files on the way. Symlinked directories are never entered; with `dirs`, neither are
+    directories that are not private (`dir_problem`), and the others are marked in `dirs`.
 
     Returns the records and how many temp files were removed.
     """
     found: list[tuple[int, str, int]] = []
     removed = 0
-    for top in _subdirs(root):
-        for sub in _subdirs(top):
+    for top in _subdirs(root, dirs is not None):
+        for sub in _subdirs(top, dirs is not None):
+            if dirs is not None:
+                dirs.mark(os.path.basename(top) + os.path.basename(sub))
             with os.scandir(sub) as it:
                 for entry in it:
                     try:
