@@ -2,30 +2,77 @@
 
     kvtier tiers --server http://127.0.0.1:30000                      # list, per TP rank
     kvtier tiers --server URL attach redis --set remote_url=redis://h:6379
+    kvtier tiers --server URL attach redis --set-from-env remote_url=REDIS_URL
     kvtier tiers --server URL detach redis [--no-drain]
 
-Talks to the server's `/kvtier/tiers` route; `--admin-key` (or `SGLANG_ADMIN_API_KEY`) when the
+Talks to the server's `/kvtier/tiers` route; `SGLANG_ADMIN_API_KEY` (or `--admin-key`) when the
 server was started with `--admin-api-key`.
+
+Secrets stay out of the process list and off the wire in the clear: `--set-from-env KEY=VAR`
+and `--set-file KEY=PATH` take a value from the environment or a file (a `--set` value holding
+a password is sent, with a warning); a plain `http://` server that is not loopback is refused
+unless `--insecure`; a redirect is never followed (urllib would send the admin key along to
+wherever it points).
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
-from typing import Any
+from collections.abc import Callable
+from email.message import Message
+from pathlib import Path
+from typing import IO, Any, NamedTuple
 
 import yaml
 
-__all__ = ["add_parser", "request"]
+from kvtier.config import redact_url
+from kvtier.errors import KVTierError
+from kvtier.lmcache_compat import secret_key
+
+__all__ = ["add_parser", "request", "check_server", "TiersError", "RedirectRefused"]
+
+ADMIN_KEY_ENV = "SGLANG_ADMIN_API_KEY"
+
+
+class TiersError(KVTierError):
+    """A `kvtier tiers` command that must not go on (an unsafe server URL, a value source that
+    cannot be read); `kvtier.cli.main` prints it and exits 2."""
+
+
+class RedirectRefused(TiersError):
+    """The server answered with a redirect, which is not followed."""
+
+    def __init__(self, url: str, code: int, location: str):
+        super().__init__(f"{redact_url(url)} answered {code} redirecting to "
+                         f"{redact_url(location)}; not followed, so the admin key is not sent "
+                         "there: give --server the URL that answers itself")
+        self.code = code
+        self.location = location
+
+
+class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
+    """Every redirect is a `RedirectRefused`: urllib's own handler re-sends the request's
+    headers, `Authorization` included, to whatever host the Location names."""
+
+    def redirect_request(self, req: urllib.request.Request, fp: IO[bytes], code: int, msg: str,
+                         headers: Message, newurl: str) -> urllib.request.Request | None:
+        fp.close()
+        raise RedirectRefused(req.full_url, code, newurl)
 
 
 def request(server: str, body: dict[str, Any] | None, admin_key: str | None = None,
             timeout: float = 60.0) -> tuple[int, dict[str, Any]]:
-    """GET (no body) or POST `body` to `server`'s `/kvtier/tiers`; (HTTP status, JSON)."""
+    """GET (no body) or POST `body` to `server`'s `/kvtier/tiers`; (HTTP status, JSON).
+
+    Does not check `server` (see `check_server`). Raises `RedirectRefused` on a 3xx with a
+    Location rather than follow it; other HTTP errors are returned as (status, JSON body)."""
     url = server.rstrip("/") + "/kvtier/tiers"
     data = None if body is None else json.dumps(body).encode()
     headers = {"Content-Type": "application/json"}
@@ -33,8 +80,9 @@ def request(server: str, body: dict[str, Any] | None, admin_key: str | None = No
         headers["Authorization"] = f"Bearer {admin_key}"
     req = urllib.request.Request(url, data=data, headers=headers,
                                  method="GET" if body is None else "POST")
+    opener = urllib.request.build_opener(_RefuseRedirects)
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with opener.open(req, timeout=timeout) as resp:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         raw = exc.read()
@@ -44,23 +92,111 @@ def request(server: str, body: dict[str, Any] | None, admin_key: str | None = No
             return exc.code, {"error": raw.decode(errors="replace")}
 
 
-def _setting(text: str) -> tuple[str, Any]:
-    key, eq, value = text.partition("=")
-    if not eq or not key:
-        raise argparse.ArgumentTypeError(f"--set wants key=value, got {text!r}")
-    return key, yaml.safe_load(value)
+def _is_loopback(host: str) -> bool:
+    """True for `localhost` and addresses in 127.0.0.0/8 or ::1 (names other than localhost
+    are not resolved: what they resolve to can change)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_server(server: str, insecure: bool) -> None:
+    """`TiersError` unless `server` is an https:// URL, an http:// URL of a loopback host, or
+    `insecure` allows plain http:// to another host."""
+    parts = urllib.parse.urlsplit(server)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise TiersError(f"--server must be an http:// or https:// URL, got "
+                         f"{redact_url(server)!r}")
+    if parts.scheme == "http" and not insecure and not _is_loopback(parts.hostname):
+        raise TiersError(f"refusing plain http:// to {parts.hostname}: the admin key and the "
+                         "tier config (with any password in it) would cross the network "
+                         "unencrypted; use https://, or pass --insecure on a trusted network")
+
+
+class _Setting(NamedTuple):
+    """One `--set`, `--set-from-env` or `--set-file` in command-line order: `flag` names the
+    option, `spec` is the value, the variable name or the path."""
+
+    flag: str
+    key: str
+    spec: str
+
+
+def _setting_type(flag: str) -> Callable[[str], _Setting]:
+    """The argparse `type` of `flag`: KEY=SPEC into a `_Setting` (only `--set` may have an
+    empty value, which is YAML null)."""
+    def parse(text: str) -> _Setting:
+        key, eq, spec = text.partition("=")
+        if not eq or not key or (not spec and flag != "--set"):
+            # The text is not echoed: it may be a password typed with ':' for '='.
+            raise argparse.ArgumentTypeError(f"{flag} wants KEY=VALUE")
+        return _Setting(flag, key, spec)
+    return parse
+
+
+def _password_in_argv(item: _Setting, value: Any) -> bool:
+    """True if a `--set` value holds a secret: any value of a secret key (`hash_salt`, ...), or
+    a string from which `redact_url` hides something (a userinfo password, `?password=`)."""
+    if secret_key(item.key):
+        return True
+    return isinstance(value, str) and "***" in redact_url(value) and "***" not in value
+
+
+def _value(item: _Setting) -> Any:
+    """The value of one setting: `--set` as YAML (numbers, booleans, null), the others as the
+    string they hold (a secret is a string, and YAML would read `yes` or `0123` otherwise)."""
+    if item.flag == "--set":
+        value = yaml.safe_load(item.spec)
+        if _password_in_argv(item, value):
+            print(f"kvtier: warning: --set {item.key}=...: a secret on the command line is "
+                  "visible to every user of this machine in the process list; use "
+                  f"--set-from-env {item.key}=VAR or --set-file {item.key}=PATH",
+                  file=sys.stderr)
+        return value
+    if item.flag == "--set-from-env":
+        if item.spec not in os.environ:
+            raise TiersError(f"--set-from-env {item.key}={item.spec}: environment variable "
+                             f"{item.spec} is not set")
+        return os.environ[item.spec]
+    try:
+        text = Path(item.spec).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = (exc.strerror or str(exc)) if isinstance(exc, OSError) else "not UTF-8 text"
+        raise TiersError(f"--set-file {item.key}={item.spec}: cannot read: {reason}") from None
+    return text.rstrip("\r\n")  # the newline an editor or `echo` leaves is not part of it
+
+
+def _tier_config(settings: list[_Setting]) -> dict[str, Any]:
+    """The config of an attach, each key given once (whichever option gave it)."""
+    out: dict[str, Any] = {}
+    for item in settings:
+        if item.key in out:
+            raise TiersError(f"{item.key} is given twice ({item.flag} and an earlier option)")
+        out[item.key] = _value(item)
+    return out
+
+
+def _admin_key(args: argparse.Namespace) -> str | None:
+    if args.admin_key:
+        print(f"kvtier: warning: --admin-key is visible to every user of this machine in the "
+              f"process list; set {ADMIN_KEY_ENV} instead", file=sys.stderr)
+        return str(args.admin_key)
+    return os.environ.get(ADMIN_KEY_ENV) or None
 
 
 def _run(args: argparse.Namespace) -> int:
     body: dict[str, Any] | None = None
     if args.action == "attach":
-        body = {"op": "attach", "tier": args.tier, "config": dict(args.set or [])}
+        body = {"op": "attach", "tier": args.tier, "config": _tier_config(args.settings or [])}
     elif args.action == "detach":
         body = {"op": "detach", "tier": args.tier, "drain": not args.no_drain}
     try:
-        status, answer = request(args.server, body, args.admin_key)
+        status, answer = request(args.server, body, _admin_key(args))
     except (urllib.error.URLError, OSError) as exc:
-        print(f"kvtier: error: cannot reach {args.server}: {exc}", file=sys.stderr)
+        print(f"kvtier: error: cannot reach {redact_url(args.server)}: {exc}", file=sys.stderr)
         return 2
     print(yaml.safe_dump(answer, sort_keys=False), end="")
     return 0 if status == 200 and answer.get("success") else 1
@@ -68,13 +204,26 @@ def _run(args: argparse.Namespace) -> int:
 
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("tiers", help="list, attach or detach tiers of a running SGLang server")
-    p.add_argument("--server", required=True, help="the SGLang server's URL")
-    p.add_argument("--admin-key", default=os.environ.get("SGLANG_ADMIN_API_KEY"),
-                   help="the server's --admin-api-key, if it has one")
+    p.add_argument("--server", required=True, help="the SGLang server's URL (https://, or "
+                   "http:// to a loopback address)")
+    p.add_argument("--admin-key", help=f"the server's --admin-api-key, if it has one (better: "
+                   f"{ADMIN_KEY_ENV}, which the process list does not show)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow plain http:// to a host that is not loopback (the admin key and "
+                   "the config cross the network unencrypted)")
     p.add_argument("action", nargs="?", choices=("list", "attach", "detach"), default="list")
     p.add_argument("tier", nargs="?", choices=("disk", "redis"))
-    p.add_argument("--set", action="append", type=_setting, metavar="KEY=VALUE",
-                   help="a kvtier config key for the attached tier (repeatable)")
+    p.add_argument("--set", dest="settings", action="append", type=_setting_type("--set"),
+                   metavar="KEY=VALUE",
+                   help="a kvtier config key for the attached tier, value as YAML (repeatable)")
+    p.add_argument("--set-from-env", dest="settings", action="append",
+                   type=_setting_type("--set-from-env"), metavar="KEY=ENVVAR",
+                   help="a config key whose value (a string) is in environment variable "
+                   "ENVVAR: for secrets such as a remote_url with a password (repeatable)")
+    p.add_argument("--set-file", dest="settings", action="append",
+                   type=_setting_type("--set-file"), metavar="KEY=PATH",
+                   help="a config key whose value (a string; trailing newlines dropped) is "
+                   "the content of file PATH (repeatable)")
     p.add_argument("--no-drain", action="store_true",
                    help="detach: drop the tier's queued writes instead of writing them")
     p.set_defaults(func=_check_and_run)
@@ -85,4 +234,5 @@ def _check_and_run(args: argparse.Namespace) -> int:
         print(f"kvtier: error: tiers {args.action} needs a tier name (disk or redis)",
               file=sys.stderr)
         return 2
+    check_server(args.server, args.insecure)
     return _run(args)

@@ -154,7 +154,17 @@ UNSUPPORTED_SCHEMES: dict[str, str] = {
 _SERDE_AS_RAW = {None: "null", "cachegen": "cachegen", "torch": "torch", "safetensor":
                  "safetensor", "kivi": "kivi"}
 _CREDENTIAL_KEYS = ("username", "password")
-_SECRET_WORDS = ("password", "passwd", "secret", "token")
+# A key whose name holds one of these words (any case) is taken for a secret: when in doubt a
+# value is hidden, never shown. LMCache has no such top-level key today, but extra_config
+# entries (`aws_secret_access_key`, `*_auth`, `*credential*`) and unknown keys may carry them.
+_SECRET_WORDS = ("auth", "cred", "key", "pass", "secret", "token")
+# Secrets whose names hold none of the words: `hash_salt` keys the chunk digests; whoever knows
+# it can compute the keys of a guessed prompt and probe a shared tier for it.
+_SECRET_NAMES = frozenset({"hash_salt"})
+# Known keys that hold a secret word and no secret (token counts, the path of a TLS key file in
+# a Redis URL's query); everything else that matches stays hidden.
+_NOT_SECRET = frozenset({"prefetch_timeout_per_token_ms", "min_retrieve_tokens",
+                         "blend_min_tokens", "ssl_keyfile"})
 
 
 def instead_of(key: str) -> str | None:
@@ -169,8 +179,18 @@ def instead_of(key: str) -> str | None:
 
 
 def secret_key(key: str) -> bool:
-    """True if a value under `key` must never be shown (passwords, tokens)."""
-    return any(word in key.lower() for word in _SECRET_WORDS)
+    """True if a value under `key` must never be shown (logs, CLI output, error messages).
+
+    Matches names holding auth/cred/key/pass/secret/token in any case, and `hash_salt` (also
+    as the last part of a dotted name: `extra_config.hash_salt`), except a few known token
+    counts (`prefetch_timeout_per_token_ms`). Display only: a secret key loads and is used like
+    any other.
+    """
+    name = key.lower()
+    if name in _NOT_SECRET:
+        return False
+    return (name.rpartition(".")[2] in _SECRET_NAMES
+            or any(word in name for word in _SECRET_WORDS))
 
 
 def extra_config_ignored(extra: Mapping[str, Any]) -> list[str]:

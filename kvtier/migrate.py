@@ -64,7 +64,7 @@ def explain(path: str | os.PathLike[str]) -> Migration:
 
 
 def _row(key: str, value: Any, notes: dict[str, str]) -> KeyMapping:
-    shown = shown_value(key, value) if not isinstance(value, dict) else "{...}"
+    shown = shown_value(key, value)
     if is_config_key(key):
         if key in notes:
             return KeyMapping(key, shown, "translated", notes[key])
@@ -79,13 +79,14 @@ def _row(key: str, value: Any, notes: dict[str, str]) -> KeyMapping:
 
 def _extra_row(name: str, value: Any) -> KeyMapping:
     key = f"extra_config.{name}"
-    shown = "***" if compat.secret_key(name) else value
+    shown = shown_value(key, value)  # the dotted key: extra_config.hash_salt is a secret too
     if name in ("username", "password"):
         return KeyMapping(key, shown, "translated", "credentials of remote_url")
     return KeyMapping(key, shown, "ignored", "not used by kvtier")
 
 
 def kvtier_yaml(config: Config, rows: tuple[KeyMapping, ...]) -> dict[str, Any]:
-    """The kvtier keys of a migrated file: effective values of the keys the file set."""
+    """The kvtier keys of a migrated file: effective values of the keys the file set, as
+    `Config.redacted` shows them (secrets `***`: copy those from the file)."""
     shown = config.redacted()
     return {r.key: shown[r.key] for r in rows if is_config_key(r.key)}

@@ -11,6 +11,7 @@ fit. Pins never make an allocation fail: what is unpinned becomes ordinary LRU d
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -21,9 +22,20 @@ from kvtier.backends.base import HotTier
 from kvtier.keys import ChunkKey
 from kvtier.metrics import Counters
 
-__all__ = ["SessionPins"]
+__all__ = ["SessionPins", "session_tag"]
 
 logger = logging.getLogger(__name__)
+
+
+def session_tag(session_id: str) -> str:
+    """How a session is named in logs: the first 12 hex digits of SHA-256(session_id).
+
+    A session id is a bearer handle (whoever has it can continue the conversation), so it is
+    never logged; the tag still tells one session's lines from another's, and an operator who
+    holds an id can compute its tag to find them.
+    """
+    # surrogatepass: an id decoded from JSON may hold a lone surrogate; logging must not raise
+    return hashlib.sha256(session_id.encode("utf-8", "surrogatepass")).hexdigest()[:12]
 
 
 class SessionPins:
@@ -107,7 +119,8 @@ class SessionPins:
             del self._sessions[sid]
             self._cpu.unpin(keys)
             self._counters.inc("session_unpins_ttl")
-            logger.debug("kvtier: session %s idle for %.0fs: unpinned", sid, self._ttl)
+            logger.debug("kvtier: session %s idle for %.0fs: unpinned", session_tag(sid),
+                         self._ttl)
 
     def _enforce_cap_locked(self, current: str) -> None:
         for sid in [s for s in self._sessions if s != current]:  # least recently used first
@@ -124,5 +137,6 @@ class SessionPins:
         if dropped:
             self._counters.inc("session_unpins_cap")
             logger.info("kvtier: session %s pins more than max_session_pinned_fraction of the "
-                        "CPU tier; kept its first %d chunks pinned", current, len(keys))
+                        "CPU tier; kept its first %d chunks pinned", session_tag(current),
+                        len(keys))
         self._sessions[current] = (keys, used)

@@ -35,6 +35,7 @@ from kvtier.keys import ChunkKey
 from kvtier.memory import MemoryFormat
 from kvtier.metrics import Counters
 from kvtier.prefetch import Prefetch
+from kvtier.sessions import session_tag
 
 __all__ = ["SGLangKVTier", "StoreJob", "build_connector", "model_key_name", "check_page_size"]
 
@@ -216,7 +217,8 @@ class SGLangKVTier:
             self._closed_sessions.clear()
         self._closed_sessions.add(session_id)
         if self.engine.release_session(session_id):
-            logger.info("kvtier: session %s closed; its prefix is no longer pinned", session_id)
+            logger.info("kvtier: session %s closed; its prefix is no longer pinned",
+                        session_tag(session_id))
 
     def pending_prefetches(self) -> int:
         return len(self._prefetches)
