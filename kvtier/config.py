@@ -32,7 +32,10 @@ from kvtier.config_checks import (
     WRITE_POLICIES,
     physical_memory_bytes,
     redact_url,
+    shown_in_error,
+    shown_value,
     validate,
+    yaml_problem,
 )
 from kvtier.errors import ConfigError
 
@@ -177,15 +180,9 @@ def _coerce(source: str, key: str, value: Any, from_env: bool) -> Any:
         if from_env is False and isinstance(value, (int, float)) and key == "hash_salt":
             return str(value)
     raise _fail(source, key, f"must be a {typ.__name__}, got {type(value).__name__} "
-                f"{_shown_in_error(key, value)}")
+                f"{shown_in_error(key, value)}")
 
 
-def _shown_in_error(key: str, value: Any) -> str:
-    """`value` of `key` as an error message may echo it: `***` for a secret key, and for
-    `remote_url` whatever its type (a URL in a list is not redacted by `redact_url`)."""
-    if key == "remote_url" or compat.secret_key(key):
-        return "***"
-    return repr(value)
 
 
 def is_config_key(key: str) -> bool:
@@ -228,21 +225,6 @@ _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
                               _StrictLoader.construct_mapping)
 
 
-def shown_value(key: str, value: Any) -> Any:
-    """`value` of `key` as it may be shown to users (logs, CLI output).
-
-    A secret key (`lmcache_compat.secret_key`: `hash_salt`, names holding
-    auth/cred/key/pass/secret/token) shows `***` unless unset (None or ""); a mapping shows
-    `{...}` (its entries may be secrets under innocent-looking keys); a URL shows through
-    `redact_url`; anything else as it is.
-    """
-    if compat.secret_key(key) and value not in (None, ""):
-        return "***"
-    if isinstance(value, Mapping):
-        return "{...}"
-    if isinstance(value, str) and "://" in value:
-        return redact_url(value)
-    return value
 
 
 def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -266,7 +248,7 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
         finally:
             loader.dispose()  # type: ignore[no-untyped-call]
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: invalid YAML: {_yaml_problem(exc)}") from None
+        raise ConfigError(f"{path}: invalid YAML: {yaml_problem(exc)}") from None
     if data is None:
         return {}
     if not isinstance(data, Mapping):
@@ -277,18 +259,6 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     return dict(data)
 
 
-def _yaml_problem(exc: yaml.YAMLError) -> str:
-    """What is wrong and where (line, column), without the quoted source line PyYAML's own
-    message carries: that line may hold a secret (`hash_salt: "unterminated...`)."""
-    if not isinstance(exc, yaml.MarkedYAMLError):
-        return str(exc)  # a ReaderError: one bad character and its position, no line
-    parts = []
-    for what, mark in ((exc.context, exc.context_mark), (exc.problem, exc.problem_mark)):
-        if what is None:
-            continue
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        parts.append(f"{what}{where}")
-    return "; ".join(parts) or type(exc).__name__
 
 
 def _read_env(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:

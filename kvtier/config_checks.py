@@ -1,4 +1,5 @@
-"""Checks of a `Config`'s values, and URL redaction for messages.
+"""Checks of a `Config`'s values, and how values may be shown in messages (URLs redacted,
+secrets masked, YAML errors without the quoted line).
 
 Every check raises `ConfigError` naming the key ("config: key: problem"; the loader replaces
 "config" with the file or variable the value came from). Numbers must be finite; sizes must fit
@@ -11,9 +12,12 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl
+
+import yaml
 
 from kvtier import lmcache_compat as compat
 from kvtier.errors import ConfigError
@@ -68,6 +72,44 @@ def redact_url(url: str) -> str:
         query = "&".join(parts)
     return f"{scheme}://{rest}{qmark}{query}"
 
+
+def shown_value(key: str, value: Any) -> Any:
+    """`value` of `key` as it may be shown to users (logs, CLI output).
+
+    A secret key (`lmcache_compat.secret_key`: `hash_salt`, names holding
+    auth/cred/key/pass/secret/token) shows `***` unless unset (None or ""); a mapping shows
+    `{...}` (its entries may be secrets under innocent-looking keys); a URL shows through
+    `redact_url`; anything else as it is.
+    """
+    if compat.secret_key(key) and value not in (None, ""):
+        return "***"
+    if isinstance(value, Mapping):
+        return "{...}"
+    if isinstance(value, str) and "://" in value:
+        return redact_url(value)
+    return value
+
+
+def shown_in_error(key: str, value: Any) -> str:
+    """`value` of `key` as an error message may echo it: `***` for a secret key, and for
+    `remote_url` whatever its type (a URL in a list is not redacted by `redact_url`)."""
+    if key == "remote_url" or compat.secret_key(key):
+        return "***"
+    return repr(value)
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """What is wrong and where (line, column), without the quoted source line PyYAML's own
+    message carries: that line may hold a secret (`hash_salt: "unterminated...`)."""
+    if not isinstance(exc, yaml.MarkedYAMLError):
+        return str(exc)  # a ReaderError: one bad character and its position, no line
+    parts = []
+    for what, mark in ((exc.context, exc.context_mark), (exc.problem, exc.problem_mark)):
+        if what is None:
+            continue
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        parts.append(f"{what}{where}")
+    return "; ".join(parts) or type(exc).__name__
 
 def _fail(source: str, key: str, msg: str) -> ConfigError:
     return ConfigError(f"{source}: {key}: {msg}")
