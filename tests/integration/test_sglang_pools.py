@@ -19,11 +19,13 @@ from kvtier import CacheEngine
 from kvtier.config import Config
 from kvtier.errors import ConfigError
 from kvtier.integration.sglang.adapter import (
+    FIRST_CHECK_WAIT_S,
     SGLangKVTier,
     build_connector,
     check_page_size,
     model_key_name,
 )
+from kvtier.prefetch import Prefetch
 
 pytestmark = pytest.mark.sglang
 
@@ -183,3 +185,33 @@ def test_model_names_become_one_key_component() -> None:
     assert model_key_name("my model") == "my_model"
     with pytest.raises(ConfigError):
         model_key_name("///")
+
+
+class _QuickLoad(Prefetch):
+    """A prefetch that ends during the first wait the adapter grants it (a fast miss)."""
+
+    def __init__(self) -> None:
+        super().__init__([], "wait_complete")
+        self.waits: list[float] = []
+
+    def wait_done(self, timeout: float) -> bool:
+        self.waits.append(timeout)
+        self.finish(0)
+        return True
+
+
+def test_a_new_requests_first_check_waits_briefly_for_its_prefetch(engine_for: Any) -> None:
+    pool = make_pool("mla", 1, torch.float32)
+    kv = SGLangKVTier(engine_for(pool), page_size=1)
+    try:
+        quick, slow = _QuickLoad(), Prefetch([], "wait_complete")
+        kv._prefetches.update({"quick": quick, "slow": slow})
+        # Admitted at its first check, not a scheduler step later ...
+        assert kv.prefetch_ready("quick") and quick.waits == [FIRST_CHECK_WAIT_S]
+        # ... and a load that is still running is waited for only at the first check.
+        assert not kv.prefetch_ready("slow") and not kv.prefetch_ready("slow")
+        assert kv.stats()["sglang.prefetch_waits"] == 2
+        slow.finish(0)
+        assert kv.prefetch_ready("slow")
+    finally:
+        kv.close()
