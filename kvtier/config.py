@@ -76,11 +76,12 @@ class Config:
     hash_salt: str = ""
     write_policy: str = "write_through"
     selective_write_threshold: int = 2
-    # A request waits for its disk/Redis load at most base + per-token x tokens (while the
-    # running requests go on), then starts with what arrived.
-    prefetch_policy: str = "timeout"
+    # A request waits for the part of its disk/Redis load that arrives sooner than it could
+    # be recomputed (measured speeds; the running requests go on meanwhile).
+    prefetch_policy: str = "adaptive"
     prefetch_timeout_base_ms: float = 200.0
     prefetch_timeout_per_token_ms: float = 0.02
+    prefetch_wait_complete_max_ms: float = 30_000.0
     write_queue_chunks: int = 256
     remote_ttl_secs: int | None = None
     remote_timeout_secs: float = 2.0

@@ -29,7 +29,7 @@ __all__ = ["validate", "redact_url", "physical_memory_bytes", "WRITE_POLICIES",
            "PREFETCH_POLICIES", "REMOTE_SERDES", "REMOTE_SCHEMES", "TRANSFER_ARENA_GB"]
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+PREFETCH_POLICIES = ("adaptive", "best_effort", "wait_complete", "timeout")
 REMOTE_SERDES = ("naive",)
 REMOTE_SCHEMES = ("redis", "rediss", "unix", "redis-sentinel", "redis-cluster")
 CHUNK_MULTIPLE = 16
@@ -133,13 +133,15 @@ def _validate_numbers(cfg: Config) -> None:
         raise _fail(src, "chunk_size", f"must be a positive multiple of {CHUNK_MULTIPLE} "
                     f"up to {MAX_CHUNK}, got {cfg.chunk_size}")
     for key in ("max_local_cpu_size", "max_local_disk_size", "blocking_timeout_secs",
-                "prefetch_timeout_base_ms", "prefetch_timeout_per_token_ms"):
+                "prefetch_timeout_base_ms", "prefetch_timeout_per_token_ms",
+                "prefetch_wait_complete_max_ms"):
         if getattr(cfg, key) < 0:
             raise _fail(src, key, f"must not be negative, got {getattr(cfg, key)}")
     for key, limit in (("blocking_timeout_secs", MAX_SECONDS),
                        ("remote_timeout_secs", MAX_SECONDS),
                        ("prefetch_timeout_base_ms", MAX_SECONDS * 1e3),
-                       ("prefetch_timeout_per_token_ms", MAX_SECONDS * 1e3)):
+                       ("prefetch_timeout_per_token_ms", MAX_SECONDS * 1e3),
+                       ("prefetch_wait_complete_max_ms", MAX_SECONDS * 1e3)):
         if getattr(cfg, key) > limit:
             raise _fail(src, key, f"must be at most {limit:g}, got {getattr(cfg, key)}")
     if cfg.selective_write_threshold < 1:

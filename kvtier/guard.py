@@ -4,8 +4,9 @@ A disk that fills up, a Redis that goes away or a bug in a tier must never reach
 storage manager wraps each tier it builds in a `GuardedTier` (`GuardedHotTier` for the CPU
 tier): same interface, same types, but every exception becomes the call's miss value, is
 counted as `{tier}.errors` and logged at a limited rate. The guard also times each call
-(Prometheus) and counts the calls in flight, so a detached tier is closed only after the calls
-still using it are done.
+(Prometheus), feeds those timings to the tier's speed estimate (`speed`: round trips from
+`contains`, bandwidth from reads) and counts the calls in flight, so a detached tier is closed
+only after the calls still using it are done.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from types import TracebackType
 
 from kvtier import prometheus
 from kvtier.backends.base import HotTier, StorageBackend
+from kvtier.estimates import TierSpeed
 from kvtier.keys import ChunkKey
 from kvtier.memory import MemoryObj
 from kvtier.metrics import Counters, RateLimitedLog
@@ -36,20 +38,35 @@ class GuardedTier(StorageBackend):
         self._warn = warn
         self._active = 0
         self._idle = threading.Condition()
+        self.speed = TierSpeed(self.name)
 
     def batch_contains(self, keys: Sequence[ChunkKey]) -> int:
-        with _Call(self, "contains"):
-            return self.inner.batch_contains(keys)
+        with _Call(self, "contains") as call:
+            got = self.inner.batch_contains(keys)
+            self.speed.observe_latency(call.elapsed())
+            return got
         return 0
 
     def batch_get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
-        with _Call(self, "get"):
-            return self.inner.batch_get(keys)
+        with _Call(self, "get") as call:
+            objs = self.inner.batch_get(keys)
+            self.speed.observe_read(sum(o.nbytes for o in objs), call.elapsed())
+            return objs
         return []
 
     def iter_get(self, keys: Sequence[ChunkKey]) -> Generator[MemoryObj, None, None]:
+        # The read's own time: what the caller does with each object between our yields is
+        # not the tier's.
+        nbytes, busy = 0, 0.0
         with _Call(self, "get"), closing(self.inner.iter_get(keys)) as objs:
-            yield from objs
+            start = time.perf_counter()
+            for obj in objs:
+                busy += time.perf_counter() - start
+                nbytes += obj.nbytes
+                yield obj
+                start = time.perf_counter()
+            busy += time.perf_counter() - start
+            self.speed.observe_read(nbytes, busy)
 
     def batch_put(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]) -> int:
         with _Call(self, "put"):
@@ -133,9 +150,13 @@ class _Call:
         self._timed = timed
         self._start = 0.0
 
-    def __enter__(self) -> None:
+    def __enter__(self) -> _Call:
         self._tier._enter()
         self._start = time.perf_counter()
+        return self
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self._start
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> bool:

@@ -1,10 +1,11 @@
 """Background prefetch: lower-tier chunks move into the hot (CPU) tier off the serving thread.
 
 A `Prefetch` is one request's load; a `Prefetcher` runs them on a few worker threads behind a
-bounded queue; `PrefetchLoads` is the storage manager's side of them: prefetches of the same
-chunks share one read and then the chunks, by reference. The serving thread never waits here
-unless it asks to: it polls `ready()`, which answers per `prefetch_policy`, or blocks in
-`result()`.
+bounded queue, one read window at a time and round-robin, so one request's long prompt never
+holds the workers while other requests wait; `PrefetchLoads` is the storage manager's side of
+them: prefetches of the same chunks share one read and then the chunks, by reference. The
+serving thread never waits here unless it asks to: it polls `ready()`, which answers per
+`prefetch_policy`, or blocks in `result()`.
 """
 
 from __future__ import annotations
@@ -19,16 +20,17 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 from kvtier.backends.base import HotTier
 from kvtier.keys import ChunkKey
-from kvtier.metrics import Counters
+from kvtier.metrics import Counters, RateLimitedLog
 
 __all__ = ["Prefetch", "Prefetcher", "PrefetchLoads", "PREFETCH_POLICIES"]
 
 logger = logging.getLogger(__name__)
 
-PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+PREFETCH_POLICIES = ("adaptive", "best_effort", "wait_complete", "timeout")
 # Chunks a prefetch claims and reads at a time: one pipelined round trip to a remote tier, and
 # the granularity at which a cancel takes effect.
 PREFETCH_WINDOW = 64
+_warn = RateLimitedLog(logger)
 
 
 class Prefetch:
@@ -37,25 +39,34 @@ class Prefetch:
     Args:
         keys: the chunks to load, in prefix order.
         policy: when `ready()` says the caller may go on: `best_effort` at once,
-            `wait_complete` when the load is done, `timeout` when done or `budget_s` passed.
-        budget_s: the `timeout` policy's budget in seconds.
+            `wait_complete` when the load is done (or after `max_wait_s`, a ceiling),
+            `timeout` when done or `budget_s` passed, `adaptive` when done or at the deadline
+            (first `budget_s`, then what the load's plan sets with `set_deadline`).
+        budget_s: the `timeout` and `adaptive` policies' budget in seconds.
+        max_wait_s: the `wait_complete` ceiling in seconds.
         drop: undoes the load for `cancel(drop=True)`; called at most once, after the load
             stopped (`PrefetchLoads.drop`).
     """
 
     def __init__(self, keys: Sequence[ChunkKey], policy: str = "wait_complete",
-                 budget_s: float = 0.0, *, drop: Callable[[Prefetch], None] | None = None):
+                 budget_s: float = 0.0, *, max_wait_s: float = float("inf"),
+                 drop: Callable[[Prefetch], None] | None = None):
         if policy not in PREFETCH_POLICIES:
             raise ValueError(f"policy must be one of {PREFETCH_POLICIES}, got {policy!r}")
         self.keys = list(keys)
         self.policy = policy
         self.started = time.monotonic()
-        self.deadline = self.started + budget_s
+        self.deadline = self.started + (max_wait_s if policy == "wait_complete" else budget_s)
         self.loaded = 0  # leading chunks in the hot tier (final once done)
         self.promoted: list[ChunkKey] = []  # chunks this load brought up from a lower tier
         self.arena_before = 0  # arena bytes in use when the load started (for logs)
+        # The worker's place in the load: leading chunks in the hot tier so far, and how many
+        # the load brings there (None until its first turn planned it).
+        self.position = 0
+        self.limit: int | None = None
         self._drop = drop
         self._release: Callable[[], object] | None = None  # see `hold`
+        self._after: list[Callable[[int], object]] = []  # see `after`
         # Both under _lock, so cancel() and finish() agree on who runs the drop.
         self._drop_asked = False
         self._stopped = False  # finish() ran: the worker touches the load no more
@@ -74,16 +85,27 @@ class Prefetch:
         """Whether the caller may go on now, per the policy (never blocks)."""
         if self.policy == "best_effort" or self._done.is_set():
             return True
-        if self.policy == "timeout":
-            return (time.monotonic() if now is None else now) >= self.deadline
-        return False
+        if (time.monotonic() if now is None else now) < self.deadline:
+            return False
+        if self.policy == "wait_complete":
+            _warn.warning("wait-ceiling", "kvtier: a wait_complete prefetch of %d chunks "
+                          "still ran after %.1f s (prefetch_wait_complete_max_ms); the request "
+                          "goes on with what arrived", len(self.keys),
+                          self.deadline - self.started)
+        return True
+
+    def set_deadline(self, deadline: float) -> None:
+        """When `ready()` turns true for the `adaptive` policy (monotonic clock)."""
+        self.deadline = deadline
 
     def wait(self) -> bool:
         """Block as the policy says (no wait for `best_effort`); True if the load is done."""
-        if self.policy == "wait_complete":
-            self._done.wait()
-        elif self.policy == "timeout":
-            self._done.wait(max(0.0, self.deadline - time.monotonic()))
+        if self.policy != "best_effort":
+            while not self._done.is_set():
+                left = self.deadline - time.monotonic()
+                if left <= 0:  # re-read: the plan may move the deadline while we wait
+                    break
+                self._done.wait(min(left, 0.05))
         return self._done.is_set()
 
     def wait_done(self, timeout: float) -> bool:
@@ -125,6 +147,10 @@ class Prefetch:
         if undo:
             self._undo()
 
+    def after(self, call: Callable[[int], object]) -> None:
+        """Call `call(loaded)` once the load is done (worker side, before `done()`)."""
+        self._after.append(call)
+
     def finish(self, loaded: int) -> None:
         """Mark the load done (worker side; later calls change nothing). A drop asked for
         before this has happened by the time `done()` is true."""
@@ -135,6 +161,11 @@ class Prefetch:
             self.loaded = loaded
             undo = self._drop_asked
         try:
+            for call in self._after:
+                try:
+                    call(loaded)
+                except Exception as exc:  # bookkeeping only: never a dead worker
+                    logger.warning("kvtier: after-prefetch hook failed: %r", exc)
             if undo:
                 self._undo()
         finally:
@@ -152,18 +183,23 @@ class Prefetch:
 class Prefetcher:
     """Runs prefetches on `workers` threads; at most `max_pending` wait for a thread.
 
+    Loads take turns: a worker runs one step of the prefetch at the head of the queue (one
+    read window) and puts it back at the tail unless it is done, so concurrent requests all
+    progress, each at its share of the tiers.
+
     Args:
-        load: does one prefetch's work on a worker thread and returns the leading chunks
-            now in the hot tier; it should check `Prefetch.cancelled` between chunks.
+        step: does one turn of a prefetch's work on a worker thread: returns the leading
+            chunks now in the hot tier once the load is over, None to be called again after the
+            others had their turn. It should stop early once `Prefetch.cancelled`.
         on_dropped: called when a prefetch is refused because the queue is full.
     """
 
-    def __init__(self, load: Callable[[Prefetch], int], *, workers: int = 2,
+    def __init__(self, step: Callable[[Prefetch], int | None], *, workers: int = 2,
                  max_pending: int = 256, on_dropped: Callable[[], None] | None = None):
         if workers < 1 or max_pending < 1:
             raise ValueError(f"workers and max_pending must be >= 1, got {workers}, "
                              f"{max_pending}")
-        self._load = load
+        self._step = step
         self._on_dropped = on_dropped
         self._max_pending = max_pending
         self._queue: deque[Prefetch] = deque()
@@ -217,15 +253,23 @@ class Prefetcher:
                 if not self._queue:
                     return
                 prefetch = self._queue.popleft()
-            loaded = 0
             try:
-                if not prefetch.cancelled:
-                    loaded = self._load(prefetch)
+                loaded = prefetch.position if prefetch.cancelled else self._step(prefetch)
             except Exception as exc:  # a failed prefetch is a miss, never a dead worker
                 logger.warning("kvtier: prefetch failed: %r", exc)
-            finally:
-                prefetch.finish(loaded)
+                loaded = prefetch.position
+            if loaded is not None or not self._requeue(prefetch):
+                prefetch.finish(prefetch.position if loaded is None else loaded)
             del prefetch  # idle workers hold no handle: one its caller dropped is garbage
+
+    def _requeue(self, prefetch: Prefetch) -> bool:
+        """Put an unfinished prefetch back at the tail; False once closing."""
+        with self._cond:
+            if self._closed:
+                return False
+            self._queue.append(prefetch)
+            self._cond.notify()
+            return True
 
 
 class PrefetchLoads:
@@ -242,16 +286,19 @@ class PrefetchLoads:
     Args:
         hot: the tier loads go into.
         read: reads leading keys from the lower tiers into `hot`; returns how many arrived.
+        plan: how many leading chunks of a prefetch to bring into `hot`, given how many are
+            there already (`adaptive.LoadPlanner.plan`).
         stopped: whether the manager is closing; loads stop at their next window.
         counters: counts `prefetch_dropped_chunks`.
         used_bytes: the arena's bytes in use, for the drop's log line.
     """
 
     def __init__(self, hot: HotTier, read: Callable[[Sequence[ChunkKey]], int],
-                 stopped: Callable[[], bool], counters: Counters,
-                 used_bytes: Callable[[], int]):
+                 plan: Callable[[Prefetch, int], int], stopped: Callable[[], bool],
+                 counters: Counters, used_bytes: Callable[[], int]):
         self._hot = hot
         self._read = read
+        self._plan = plan
         self._stopped = stopped
         self._counters = counters
         self._used_bytes = used_bytes
@@ -279,30 +326,31 @@ class PrefetchLoads:
             self._settle_locked()
             return self._wants.get(key.key, 0)
 
-    def load(self, prefetch: Prefetch) -> int:
-        """A prefetch's work (worker thread): load its chunks into the hot tier, window by
-        window, waiting for chunks another prefetch is reading; returns the leading chunks
-        now in the hot tier."""
+    def step(self, prefetch: Prefetch) -> int | None:
+        """One turn of a prefetch's work (worker thread): plan it on its first turn, then read
+        one window of its chunks into the hot tier, or wait for chunks another prefetch is
+        reading. Returns the leading chunks now in the hot tier once the load is over, None
+        while there is more to do."""
         keys = prefetch.keys
-        n = self._hot.batch_contains(keys)
-        while n < len(keys) and not prefetch.cancelled and not self._stopped():
-            mine, busy = self._claim(keys, n)
-            if busy is not None:  # another prefetch is reading this chunk: wait, then look
-                busy.wait()
-                more = self._hot.batch_contains(keys[n:])
-                if not more:
-                    break
-                n += more
-                continue
-            try:
-                got = self._read(mine)
-            finally:
-                self._unclaim(mine)
-            prefetch.promoted.extend(mine[:got])  # brought up here (or raced in by a put)
-            n += got
-            if got < len(mine):
-                break
-        return n
+        if prefetch.limit is None:
+            prefetch.position = self._hot.batch_contains(keys)
+            prefetch.limit = self._plan(prefetch, prefetch.position)
+        n, limit = prefetch.position, prefetch.limit
+        if n >= limit or prefetch.cancelled or self._stopped():
+            return n
+        mine, busy = self._claim(keys[:limit], n)
+        if busy is not None:  # another prefetch is reading this chunk: wait, then look
+            busy.wait()
+            more = self._hot.batch_contains(keys[n:limit])
+            prefetch.position += more
+            return None if more else prefetch.position
+        try:
+            got = self._read(mine)
+        finally:
+            self._unclaim(mine)
+        prefetch.promoted.extend(mine[:got])  # brought up here (or raced in by a put)
+        prefetch.position += got
+        return None if got == len(mine) and prefetch.position < limit else prefetch.position
 
     def drop(self, prefetch: Prefetch) -> None:
         """Remove from the hot tier what `prefetch` brought up and no live prefetch wants,

@@ -15,9 +15,11 @@ from collections.abc import Generator, Iterator, Sequence
 from contextlib import closing, contextmanager
 
 from kvtier import prometheus
+from kvtier.adaptive import LoadPlanner
 from kvtier.backends import BackendContext, HotTier, StorageBackend, create_backend
 from kvtier.backends.cpu import NullHotTier
 from kvtier.config import Config
+from kvtier.estimates import PrefillSpeed
 from kvtier.guard import GuardedHotTier, GuardedTier
 from kvtier.keys import ChunkKey, stub_key
 from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj
@@ -80,10 +82,14 @@ class StorageManager:
         self.sessions = SessionPins(
             hot, int(config.max_session_pinned_fraction * self.allocator.size),
             config.session_ttl_secs, self.counters)
-        self._loads = PrefetchLoads(hot, self._load_lower, lambda: self._closed, self.counters,
+        self.prefill = PrefillSpeed()  # fed by the serving engine's prefills
+        self._planner = LoadPlanner(lambda: self._set.tiers, self.prefill, layout.nbytes,
+                                    self.allocator.size, self.counters)
+        self._loads = PrefetchLoads(hot, self._load_lower, self._planner.plan,
+                                    lambda: self._closed, self.counters,
                                     lambda: self.allocator.used_bytes)
         self._prefetcher = Prefetcher(
-            self._loads.load, workers=PREFETCH_WORKERS, max_pending=PREFETCH_MAX_PENDING,
+            self._loads.step, workers=PREFETCH_WORKERS, max_pending=PREFETCH_MAX_PENDING,
             on_dropped=lambda: self.counters.inc("prefetch_dropped"))
         self.allocator.set_evictor(self._evict)
         prometheus.register(self)
@@ -186,17 +192,26 @@ class StorageManager:
     def start_prefetch(self, keys: Sequence[ChunkKey]) -> Prefetch:
         """Start loading the lower-tier chunks of `keys` into the CPU tier in the background.
 
-        Never blocks. The returned handle's `ready()` answers per `prefetch_policy`
-        (`best_effort`: at once, `wait_complete`: once loaded, `timeout`: once loaded or
-        after `prefetch_timeout_base_ms` + `prefetch_timeout_per_token_ms` x tokens);
-        `cancel()` stops the load at its next chunk. Chunks being loaded by another prefetch
-        are waited for, not read twice. Without a CPU tier there is nowhere to load into: the
-        handle is done at once with 0 chunks.
+        Never blocks. The returned handle's `ready()` answers per `prefetch_policy`:
+        `adaptive`: once the part of the hits that arrives sooner than it could be recomputed
+        is loaded (measured tier and prefill speeds), or at that part's deadline;
+        `best_effort`: at once; `wait_complete`: once loaded (at most
+        `prefetch_wait_complete_max_ms`); `timeout`: once loaded or after
+        `prefetch_timeout_base_ms` + `prefetch_timeout_per_token_ms` x tokens. `cancel()`
+        stops the load at its next chunk. Chunks being loaded by another prefetch are waited
+        for, not read twice. Without a CPU tier there is nowhere to load into: the handle is
+        done at once with 0 chunks.
         """
         cfg = self.config
-        tokens = sum(k.num_tokens for k in keys)
-        budget = (cfg.prefetch_timeout_base_ms + cfg.prefetch_timeout_per_token_ms * tokens) / 1e3
-        prefetch = Prefetch(keys, cfg.prefetch_policy, budget, drop=self._loads.drop)
+        if cfg.prefetch_policy == "adaptive":
+            budget = self._planner.budget_s(keys)
+        else:
+            tokens = sum(k.num_tokens for k in keys)
+            budget = (cfg.prefetch_timeout_base_ms
+                      + cfg.prefetch_timeout_per_token_ms * tokens) / 1e3
+        prefetch = Prefetch(keys, cfg.prefetch_policy, budget,
+                            max_wait_s=cfg.prefetch_wait_complete_max_ms / 1e3,
+                            drop=self._loads.drop)
         prefetch.arena_before = self.allocator.used_bytes
         with self._running() as open_:
             if not open_ or not self.hot.resident or not keys:
@@ -210,7 +225,7 @@ class StorageManager:
     def prefetch(self, keys: Sequence[ChunkKey]) -> Prefetch:
         """`start_prefetch`, then wait as `prefetch_policy` says (none for `best_effort`)."""
         prefetch = self.start_prefetch(keys)
-        if not prefetch.wait() and prefetch.policy == "timeout":
+        if not prefetch.wait() and prefetch.policy in ("timeout", "adaptive"):
             self.counters.inc("prefetch_timeouts")
         return prefetch
 
@@ -284,6 +299,10 @@ class StorageManager:
                 for tier in self.tiers:
                     for name, value in tier.stats().items():
                         out[f"{tier.name}.{name}"] = value
+                for lower in self._set.tiers:
+                    for name, value in lower.speed.stats().items():
+                        out[f"{lower.name}.{name}"] = value
+                out.update(self.prefill.stats())
                 for writer in self._writers:
                     out[f"{writer.backend.name}.write_queue"] = writer.pending()
                 out.update(self.sessions.stats())

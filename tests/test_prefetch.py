@@ -31,6 +31,7 @@ class _GatedTier(CPUBackend):
     name = "gated"
     gate = threading.Event()
     reads: Counter[str] = Counter()
+    order: list[str] = []  # every chunk read, in order
     entered = threading.Semaphore(0)
 
     def batch_get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
@@ -38,6 +39,7 @@ class _GatedTier(CPUBackend):
         self.gate.wait(30)
         out = super().batch_get(keys)
         self.reads.update(k.key for k in keys[: len(out)])
+        self.order.extend(k.key for k in keys[: len(out)])
         return out
 
 
@@ -59,6 +61,7 @@ def _gated_manager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> StorageMa
     monkeypatch.setitem(BACKENDS, "disk", f"{__name__}:_GatedTier")
     _GatedTier.gate.set()
     _GatedTier.reads.clear()
+    _GatedTier.order = []
     _GatedTier.entered = threading.Semaphore(0)
     cfg = Config(chunk_size=CHUNK, max_local_cpu_size=0.008, local_disk=str(tmp_path / "d"),
                  max_local_disk_size=0.1, prefetch_policy="wait_complete")
@@ -231,7 +234,7 @@ def test_prefetcher_is_bounded_and_close_does_not_run_the_queue() -> None:
     ran: list[Prefetch] = []
     dropped: list[int] = []
 
-    def load(p: Prefetch) -> int:
+    def load(p: Prefetch) -> int | None:
         ran.append(p)
         release.wait(30)
         return 1
@@ -253,13 +256,78 @@ def test_prefetcher_is_bounded_and_close_does_not_run_the_queue() -> None:
 
 
 @pytest.mark.parametrize("policy, ready", [("best_effort", True), ("wait_complete", False),
-                                           ("timeout", False)])
+                                           ("timeout", False), ("adaptive", False)])
 def test_ready_follows_the_policy(policy: str, ready: bool) -> None:
     prefetch = Prefetch(make_keys(32), policy, budget_s=60.0)
     assert prefetch.ready() is ready
     assert prefetch.ready(now=prefetch.started + 61.0) is (policy != "wait_complete")
     prefetch.finish(2)
     assert prefetch.ready() and prefetch.result() == 2
+
+
+def test_wait_complete_has_a_ceiling(caplog: pytest.LogCaptureFixture) -> None:
+    prefetch = Prefetch(make_keys(32), "wait_complete", budget_s=1.0, max_wait_s=30.0)
+    assert not prefetch.ready(now=prefetch.started + 29.0)  # the budget is not its limit
+    with caplog.at_level("WARNING", logger="kvtier.prefetch"):
+        assert prefetch.ready(now=prefetch.started + 30.0)
+    assert "prefetch_wait_complete_max_ms" in caplog.text
+
+
+def test_an_adaptive_deadline_is_set_by_the_plan() -> None:
+    prefetch = Prefetch(make_keys(32), "adaptive", budget_s=60.0)
+    assert not prefetch.ready()
+    prefetch.set_deadline(prefetch.started)  # the plan found nothing worth loading
+    assert prefetch.ready() and not prefetch.done()
+
+
+def test_prefetches_take_turns_window_by_window() -> None:
+    """One worker, two long loads: each gets a window in turn; neither waits for the other's
+    whole prompt."""
+    gate = threading.Event()
+    turns: list[str] = []
+
+    def step(p: Prefetch) -> int | None:
+        gate.wait(30)
+        turns.append(p.keys[0].key)
+        p.position += 1
+        return None if p.position < 3 else p.position
+
+    pf = Prefetcher(step, workers=1)
+    a, b = Prefetch(make_keys(48, seed=1)), Prefetch(make_keys(48, seed=2))
+    assert pf.submit(a) and pf.submit(b)
+    gate.set()
+    assert a.result(timeout=30) == 3 and b.result(timeout=30) == 3
+    ka, kb = a.keys[0].key, b.keys[0].key
+    assert turns == [ka, kb, ka, kb, ka, kb]
+    pf.close(timeout=30)
+
+
+def test_two_clients_loads_progress_in_turn_on_a_slow_tier(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The storage manager's loads with one worker and one-chunk windows: a second client's
+    load starts before the first client's whole prompt arrived."""
+    monkeypatch.setattr("kvtier.storage.PREFETCH_WORKERS", 1)
+    monkeypatch.setattr("kvtier.prefetch.PREFETCH_WINDOW", 1)
+    sm = _gated_manager(tmp_path, monkeypatch)
+    try:
+        other = make_keys(48, seed=7)
+        objs = [make_obj(sm.allocator, SMALL_MHA, k.num_tokens, i) for i, k in enumerate(other)]
+        with lease(objs):
+            sm.put(other, objs)
+        _GatedTier.gate.set()
+        assert sm.flush()
+        sm.hot.remove(other)
+        _GatedTier.gate.clear()
+        first = sm.start_prefetch(make_keys(48))
+        assert _GatedTier.entered.acquire(timeout=30)  # reading its first chunk, held
+        second = sm.start_prefetch(other)
+        _GatedTier.gate.set()
+        assert first.result(timeout=30) == 3 and second.result(timeout=30) == 3
+        order = _GatedTier.order
+        assert order.index(other[0].key) < order.index(make_keys(48)[-1].key)
+    finally:
+        _GatedTier.gate.set()
+        sm.close()
 
 
 def test_bad_policy_is_a_value_error() -> None:

@@ -63,13 +63,13 @@ def demo_config(disk_dir: Path | None, redis_url: str | None, salt: str,
                 arena_gb: float) -> str:
     """The kvtier YAML the demo's servers run with (embedded; written to a temp file).
 
-    `prefetch_policy: wait_complete` makes a request wait for its own load from disk or Redis,
-    so its TTFT includes that load and the hit is the whole stored prefix. The salt keeps this
-    run's keys apart from anything an earlier run left in a shared Redis.
+    The default `prefetch_policy: adaptive` makes a request wait for the part of its load from
+    disk or Redis that arrives sooner than it could be recomputed, so its TTFT includes that
+    load. The salt keeps this run's keys apart from anything an earlier run left in a shared
+    Redis.
     """
     lines = [f"chunk_size: {CHUNK_SIZE}", "local_cpu: true",
-             f"max_local_cpu_size: {arena_gb:.3f}", "prefetch_policy: wait_complete",
-             f"hash_salt: {salt}"]
+             f"max_local_cpu_size: {arena_gb:.3f}", f"hash_salt: {salt}"]
     if disk_dir is not None:
         lines += [f"local_disk: {json.dumps(str(disk_dir))}", "max_local_disk_size: 4.0"]
     if redis_url:

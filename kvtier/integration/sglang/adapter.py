@@ -220,6 +220,13 @@ class SGLangKVTier:
             logger.info("kvtier: session %s closed; its prefix is no longer pinned",
                         session_tag(session_id))
 
+    def observe_prefill(self, tokens: int, seconds: float, prompt_len: int) -> None:
+        """SGLang computed `tokens` new tokens of prompts up to `prompt_len` long in `seconds`
+        (one extend batch, scheduler thread): the recompute speed loads are weighed against."""
+        storage = getattr(self.engine, "storage", None)
+        if storage is not None:
+            storage.prefill.observe(tokens, seconds, prompt_len)
+
     def pending_prefetches(self) -> int:
         return len(self._prefetches)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -51,6 +52,7 @@ def register() -> None:
     HookRegistry.register(f"{_SERVER_ARGS}.add_cli_args", _add_cli_args, HookType.AROUND)
     HookRegistry.register(f"{_SERVER_ARGS}.from_cli_args", _from_cli_args, HookType.AROUND)
     HookRegistry.register(_SCHEDULER_INIT, _enable_prefetch_hooks, HookType.AFTER)
+    HookRegistry.register(f"{_SCHEDULER}.process_batch_result", _time_prefill, HookType.BEFORE)
     # Tier attach/detach at run time (kvtier/integration/sglang/admin.py).
     from kvtier.integration.sglang import admin
 
@@ -108,6 +110,20 @@ def _enable_prefetch_hooks(result: Any, scheduler: Any, *args: Any, **kwargs: An
         logger.info("kvtier: loads from lower tiers run in the background (prefetch policy %s)",
                     kvtier.engine.config.prefetch_policy)
     return result
+
+
+def _time_prefill(scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+    """Before `Scheduler.process_batch_result`: the batch's forward is over, so an extend batch
+    tells kvtier how fast this server prefills (the adaptive prefetch policy's yardstick)."""
+    kvtier = getattr(getattr(scheduler, "tree_cache", None), "kvtier", None)
+    if kvtier is None or batch is None or not batch.forward_mode.is_extend():
+        return
+    launched = getattr(batch, "launch_ts", None)
+    lens = getattr(batch, "seq_lens_cpu", None)
+    if launched is None or lens is None or not batch.extend_num_tokens:
+        return
+    kvtier.observe_prefill(int(batch.extend_num_tokens), time.monotonic() - launched,
+                           int(lens.max()))
 
 
 def _check_launch(config: Config, args: argparse.Namespace) -> None:

@@ -1,0 +1,200 @@
+"""Load or recompute: how much of a request's cached prefix a prefetch should load.
+
+`decide` is the whole policy, a pure function of the estimates: given where each hit chunk
+lives and how fast each tier and the engine are now, it picks the leading span whose loading
+saves the most time over recomputing it (none if loading loses everywhere). `LoadPlanner`
+applies it to a live prefetch: it asks the lower tiers where the chunks are (one round trip
+each, skipping a tier whose round trip alone costs more than recomputing the whole prompt),
+decides, caps one request's promotion to a share of the CPU tier, sets the prefetch's
+deadline, and counts what was loaded and what was recomputed, and why.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+from kvtier.estimates import PrefillSpeed, TierSpeed
+from kvtier.guard import GuardedTier
+from kvtier.keys import ChunkKey
+from kvtier.metrics import Counters
+from kvtier.prefetch import PREFETCH_WINDOW, Prefetch
+
+__all__ = ["Span", "Decision", "decide", "LoadPlanner", "REASONS", "DEADLINE_SLACK"]
+
+logger = logging.getLogger(__name__)
+
+# Why prompt tokens past a load were recomputed.
+REASONS = ("slower_than_recompute", "deadline", "miss", "promotion_cap")
+# A load may run this much past its expected arrival before the request goes on without the
+# rest (never past the point where recomputing would have been done: see `Decision`).
+DEADLINE_SLACK = 1.5
+DEADLINE_GRACE_S = 0.005
+# One request's load never promotes more than this share of the CPU tier: a prompt larger
+# than the CPU tier must not evict every other tenant's chunks on its way through.
+MAX_PROMOTE_FRACTION = 0.5
+
+
+class Span(NamedTuple):
+    """Consecutive hit chunks that one lower tier holds."""
+
+    tier: TierSpeed
+    chunks: int
+    chunk_bytes: int
+    chunk_tokens: int
+
+
+class Decision(NamedTuple):
+    """What to load: `chunks` leading chunks of the spans, expected to have arrived after
+    `expected_s`, saving `saved_s` of recompute. `deadline_s` is when the request stops
+    waiting for them (after `expected_s` with some slack, never after `saved_s`)."""
+
+    chunks: int
+    tokens: int
+    expected_s: float
+    saved_s: float
+
+    @property
+    def deadline_s(self) -> float:
+        return min(self.saved_s, self.expected_s * DEADLINE_SLACK + DEADLINE_GRACE_S)
+
+
+def decide(spans: Sequence[Span], prefill: PrefillSpeed, prompt_len: int) -> Decision:
+    """The leading span of `spans` (in prefix order) worth loading: the one whose recompute
+    time saved, minus its expected arrival, is largest and positive; nothing if none is.
+
+    Arrival counts each tier's round trip once per read window of `PREFETCH_WINDOW` chunks and
+    its bytes behind the bytes already queued on that tier."""
+    best = Decision(0, 0, 0.0, 0.0)
+    speed = prefill.tokens_per_s(prompt_len)
+    elapsed = 0.0  # arrival of everything in the spans before this one
+    tokens = chunks = 0
+    for span in spans:
+        latency, bandwidth = span.tier.latency_s, span.tier.read_bytes_per_s
+        start = elapsed + span.tier.eta_s(0) - latency  # behind what is queued on the tier
+        for k in range(1, span.chunks + 1):
+            arrival = start + math.ceil(k / PREFETCH_WINDOW) * latency \
+                + k * span.chunk_bytes / bandwidth
+            saved = (tokens + k * span.chunk_tokens) / speed
+            if saved > arrival and saved - arrival >= best.saved_s - best.expected_s:
+                best = Decision(chunks + k, tokens + k * span.chunk_tokens, arrival, saved)
+            elapsed = arrival
+        tokens += span.chunks * span.chunk_tokens
+        chunks += span.chunks
+    return best
+
+
+class LoadPlanner:
+    """Plans each prefetch's load under the `adaptive` policy (the other policies load every
+    hit, within the promotion cap).
+
+    Args:
+        tiers: the attached lower tiers now, fastest first (each with its `speed`).
+        prefill: the engine's prefill speed.
+        chunk_bytes: bytes of a chunk of `n` tokens.
+        arena_bytes: the CPU tier's size (for the promotion cap).
+        counters: counts tokens loaded and recomputed by reason (`adaptive_tokens_*`).
+    """
+
+    def __init__(self, tiers: Callable[[], Sequence[GuardedTier]],
+                 prefill: PrefillSpeed, chunk_bytes: Callable[[int], int], arena_bytes: int,
+                 counters: Counters):
+        self._tiers = tiers
+        self.prefill = prefill
+        self._chunk_bytes = chunk_bytes
+        self._cap_bytes = int(arena_bytes * MAX_PROMOTE_FRACTION)
+        self._counters = counters
+        counters.declare("adaptive_tokens_loaded",
+                          *(f"adaptive_tokens_recomputed_{r}" for r in REASONS))
+
+    def budget_s(self, keys: Sequence[ChunkKey]) -> float:
+        """How long a prefetch of `keys` may wait before anything is known: recomputing all of
+        it takes this long, so no load can win after it."""
+        tokens = sum(k.num_tokens for k in keys)
+        return self.prefill.recompute_s(tokens, tokens)
+
+    def plan(self, prefetch: Prefetch, hot_chunks: int) -> int:
+        """How many leading chunks of `prefetch.keys` the load should bring into the CPU tier
+        (the first `hot_chunks` are there). Sets the deadline under `adaptive`; makes round
+        trips to the lower tiers, so it runs on a prefetch worker."""
+        keys = prefetch.keys
+        cap = hot_chunks + self._cap_bytes // max(1, self._chunk_bytes(keys[0].num_tokens))
+        if prefetch.policy != "adaptive":
+            return min(len(keys), cap)
+        prompt = sum(k.num_tokens for k in keys)
+        spans, asked_all = self._locate(keys, hot_chunks, prompt)
+        hits = hot_chunks + sum(s.chunks for s in spans)
+        decision = decide(spans, self.prefill, prompt)
+        limit = min(hot_chunks + decision.chunks, cap)
+        planned = self._queue(prefetch, spans, limit - hot_chunks)
+        now = time.monotonic()
+        prefetch.set_deadline(now + decision.deadline_s if limit > hot_chunks else now)
+        prefetch.after(lambda loaded: self._settle(prefetch, planned, hot_chunks, limit, hits,
+                                                   asked_all, loaded))
+        logger.debug("kvtier: adaptive plan for %d chunks: %d in CPU, %d more in %s; loading "
+                     "%d (expected %.1f ms, saves %.1f ms of recompute at %.0f tokens/s)",
+                     len(keys), hot_chunks, hits - hot_chunks,
+                     [(s.tier.name, s.chunks) for s in spans], limit - hot_chunks,
+                     decision.expected_s * 1e3, decision.saved_s * 1e3,
+                     self.prefill.tokens_per_s(prompt))
+        return limit
+
+    def _locate(self, keys: Sequence[ChunkKey], n: int, prompt: int,
+                ) -> tuple[list[Span], bool]:
+        """The spans of lower-tier hits after the first `n` keys, in prefix order; and whether
+        every tier was asked (a tier too slow to be worth one round trip is not)."""
+        spans: list[Span] = []
+        asked_all = True
+        tiers = list(self._tiers())
+        while n < len(keys) and tiers:
+            rest = sum(k.num_tokens for k in keys[n:])
+            for tier in tiers:
+                speed = tier.speed
+                if speed.latency_s >= self.prefill.recompute_s(rest, prompt):
+                    asked_all = False
+                    continue
+                got = tier.batch_contains(keys[n:])
+                if got:
+                    size = keys[n].num_tokens
+                    spans.append(Span(speed, got, self._chunk_bytes(size), size))
+                    n += got
+                    break
+            else:
+                break
+        return spans, asked_all
+
+    def _queue(self, prefetch: Prefetch, spans: Sequence[Span], chunks: int,
+               ) -> list[tuple[TierSpeed, int]]:
+        planned = []
+        for span in spans:
+            take = min(chunks, span.chunks)
+            if take <= 0:
+                break
+            planned.append((span.tier, take * span.chunk_bytes))
+            span.tier.queue(take * span.chunk_bytes)
+            chunks -= take
+        return planned
+
+    def _settle(self, prefetch: Prefetch, planned: list[tuple[TierSpeed, int]], hot: int,
+                limit: int, hits: int, asked_all: bool, loaded: int) -> None:
+        for tier, nbytes in planned:
+            tier.unqueue(nbytes)
+        keys = prefetch.keys
+
+        def tokens(a: int, b: int) -> int:
+            return sum(k.num_tokens for k in keys[a:b])
+
+        loaded = min(loaded, limit)
+        count = self._counters.inc
+        count("adaptive_tokens_loaded", tokens(0, loaded))
+        count("adaptive_tokens_recomputed_deadline", tokens(loaded, limit))
+        capped = hot + self._cap_bytes // max(1, self._chunk_bytes(keys[0].num_tokens))
+        chosen = min(hits, capped)
+        count("adaptive_tokens_recomputed_slower_than_recompute", tokens(limit, chosen))
+        count("adaptive_tokens_recomputed_promotion_cap", tokens(chosen, hits))
+        rest = tokens(hits, len(keys))
+        count("adaptive_tokens_recomputed_miss" if asked_all
+              else "adaptive_tokens_recomputed_slower_than_recompute", rest)

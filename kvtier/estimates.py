@@ -1,0 +1,157 @@
+"""Online speed estimates: how fast each tier reads and how fast the engine recomputes.
+
+The adaptive prefetch policy (`kvtier.adaptive`) loads a chunk only when it arrives sooner than
+the engine could recompute it, so it needs both speeds as they are now, not as configured:
+
+- `TierSpeed`: a tier's round-trip latency (from its metadata calls, one round trip each) and
+  read bandwidth (bytes over the time of a read, less one round trip), fed by the timings the
+  failure guard takes around every tier call anyway.
+- `PrefillSpeed`: prefill tokens per second, by prompt length, fed by the serving engine's own
+  prefill batches.
+
+Every estimate is the median of the last `WINDOW` samples: one outlier (a GC pause, a
+reconnect) moves it not at all, and a tier that changes speed is followed within half a window.
+Thread-safe; reading an estimate is O(WINDOW).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections import deque
+from statistics import median
+
+__all__ = ["Samples", "TierSpeed", "PrefillSpeed", "WINDOW"]
+
+WINDOW = 16
+# Before a tier's first read: assume it streams at 1 GB/s (a local Redis or an SSD); its first
+# read replaces the guess, and a load that runs late is cut off at its deadline anyway.
+PRIOR_READ_BYTES_PER_S = 1e9
+# Before the engine's first measured prefill: a small model on a CPU, or a large one on a GPU.
+PRIOR_PREFILL_TOKENS_PER_S = 2000.0
+# Prefills shorter than this are mostly fixed cost (scheduling, sampling): not a speed sample.
+MIN_PREFILL_SAMPLE_TOKENS = 64
+
+
+class Samples:
+    """The last `window` values; `median()` is None until the first one."""
+
+    def __init__(self, window: int = WINDOW):
+        self._values: deque[float] = deque(maxlen=window)
+        self._lock = threading.Lock()
+
+    def add(self, value: float) -> None:
+        with self._lock:
+            self._values.append(value)
+
+    def median(self) -> float | None:
+        with self._lock:
+            return median(self._values) if self._values else None
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+
+class TierSpeed:
+    """A tier's measured read latency and bandwidth, plus the bytes planned on it not yet read
+    (so a plan made now queues behind the loads already in flight)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._latency = Samples()
+        self._bandwidth = Samples()
+        self._lock = threading.Lock()
+        self._queued = 0
+
+    def observe_latency(self, seconds: float) -> None:
+        """One round trip that moved no data (a `contains` call)."""
+        self._latency.add(max(0.0, seconds))
+
+    def observe_read(self, nbytes: int, seconds: float) -> None:
+        """A read of `nbytes` that took `seconds`, one round trip included."""
+        if nbytes <= 0 or seconds <= 0:
+            return
+        # What is left after the round trip is transfer time; never less than a tenth of the
+        # call, so a latency estimate that ran high cannot make the bandwidth infinite.
+        transfer = max(seconds - self.latency_s, seconds / 10)
+        self._bandwidth.add(nbytes / transfer)
+
+    @property
+    def latency_s(self) -> float:
+        return self._latency.median() or 0.0
+
+    @property
+    def read_bytes_per_s(self) -> float:
+        return self._bandwidth.median() or PRIOR_READ_BYTES_PER_S
+
+    @property
+    def measured(self) -> bool:
+        """Whether a read was timed yet (else the bandwidth is the prior)."""
+        return len(self._bandwidth) > 0
+
+    def eta_s(self, nbytes: int) -> float:
+        """Expected seconds until `nbytes` more, read after what is queued, have arrived."""
+        with self._lock:
+            queued = self._queued
+        return self.latency_s + (queued + nbytes) / self.read_bytes_per_s
+
+    def queue(self, nbytes: int) -> None:
+        """Bytes a plan will read from this tier (undo with `unqueue` as they arrive or are
+        given up)."""
+        with self._lock:
+            self._queued += nbytes
+
+    def unqueue(self, nbytes: int) -> None:
+        with self._lock:
+            self._queued = max(0, self._queued - nbytes)
+
+    def stats(self) -> dict[str, float]:
+        return {"est_latency_seconds": self.latency_s,
+                "est_read_bytes_per_second": self.read_bytes_per_s}
+
+
+class PrefillSpeed:
+    """The engine's prefill speed in tokens per second, by prompt length (power-of-two
+    buckets: attention makes long prompts slower per token)."""
+
+    def __init__(self, prior_tokens_per_s: float = PRIOR_PREFILL_TOKENS_PER_S):
+        if not prior_tokens_per_s > 0:
+            raise ValueError(f"prior_tokens_per_s must be > 0, got {prior_tokens_per_s}")
+        self.prior = prior_tokens_per_s
+        self._buckets: dict[int, Samples] = {}
+        self._lock = threading.Lock()
+
+    def observe(self, tokens: int, seconds: float, prompt_len: int) -> None:
+        """A prefill that computed `tokens` new tokens of prompts up to `prompt_len` long in
+        `seconds` (a batch counts once, with its longest prompt)."""
+        if tokens < MIN_PREFILL_SAMPLE_TOKENS or seconds <= 0:
+            return
+        bucket = _bucket(max(prompt_len, tokens))
+        with self._lock:
+            samples = self._buckets.setdefault(bucket, Samples())
+        samples.add(tokens / seconds)
+
+    def tokens_per_s(self, prompt_len: int) -> float:
+        """The measured speed for prompts of this length (the nearest length measured), or
+        the prior before any measurement."""
+        with self._lock:
+            buckets = list(self._buckets.items())
+        if not buckets:
+            return self.prior
+        want = _bucket(prompt_len)
+        _, samples = min(buckets, key=lambda kv: (abs(kv[0] - want), -kv[0]))
+        return samples.median() or self.prior
+
+    def recompute_s(self, tokens: int, prompt_len: int) -> float:
+        """Expected seconds to recompute `tokens` of a `prompt_len`-token prompt."""
+        return tokens / self.tokens_per_s(prompt_len)
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            longest = max(self._buckets, default=None)
+        speed = self.prior if longest is None else self.tokens_per_s(1 << longest)
+        return {"est_prefill_tokens_per_second": speed}
+
+
+def _bucket(tokens: int) -> int:
+    return max(0, math.ceil(math.log2(max(tokens, 1))))

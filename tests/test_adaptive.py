@@ -1,0 +1,155 @@
+"""The adaptive prefetch policy: load a hit only when it arrives sooner than its recompute."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier.adaptive import DEADLINE_SLACK, Decision, Span, decide
+from kvtier.config import Config
+from kvtier.estimates import PrefillSpeed, TierSpeed
+from kvtier.memory import lease
+from kvtier.storage import StorageManager
+from tests.helpers import SMALL_MHA, make_keys, make_obj
+
+CHUNK = 16
+CHUNK_BYTES = SMALL_MHA.nbytes(CHUNK)
+
+
+def _tier(latency_s: float, bytes_per_s: float) -> TierSpeed:
+    tier = TierSpeed("t")
+    tier.observe_latency(latency_s)
+    tier.observe_read(10 * CHUNK_BYTES, latency_s + 10 * CHUNK_BYTES / bytes_per_s)
+    return tier
+
+
+def _prefill(tokens_per_s: float) -> PrefillSpeed:
+    speed = PrefillSpeed()
+    speed.observe(4096, 4096 / tokens_per_s, 4096)
+    return speed
+
+
+def _span(tier: TierSpeed, chunks: int) -> Span:
+    return Span(tier, chunks, CHUNK_BYTES, CHUNK)
+
+
+def test_a_fast_tier_is_loaded_whole() -> None:
+    # 1 ms round trip at 10 GB/s against 1000 tokens/s of recompute: loading wins by far.
+    got = decide([_span(_tier(0.001, 1e10), 40)], _prefill(1000), 640)
+    assert got.chunks == 40 and got.tokens == 640
+    assert got.expected_s < got.saved_s
+    assert got.expected_s < got.deadline_s <= got.saved_s
+
+
+def test_a_tier_slower_than_recompute_is_not_loaded() -> None:
+    # 200 ms before the first byte, and 640 tokens recompute in 64 ms.
+    assert decide([_span(_tier(0.2, 1e10), 40)], _prefill(10_000), 640) == Decision(0, 0, 0, 0)
+    # Or no latency but a trickle: each chunk arrives later than it could be recomputed.
+    trickle = CHUNK_BYTES / 0.01  # a chunk per 10 ms; recompute: 1.6 ms a chunk
+    assert decide([_span(_tier(0.0, trickle), 40)], _prefill(10_000), 640).chunks == 0
+
+
+def test_a_long_span_repays_a_round_trip_a_short_one_does_not() -> None:
+    tier = _tier(0.05, 1e10)  # 50 ms away; recompute 1000 tokens/s = 16 ms a chunk
+    assert decide([_span(tier, 2)], _prefill(1000), 32).chunks == 0  # 32 ms < 50 ms
+    assert decide([_span(tier, 10)], _prefill(1000), 160).chunks == 10  # 160 ms > 50 ms
+
+
+def test_a_slow_second_tier_stops_the_load_at_the_fast_tiers_end() -> None:
+    fast, slow = _tier(0.0005, 1e10), _tier(0.5, 1e10)
+    got = decide([_span(fast, 8), _span(slow, 8)], _prefill(10_000), 256)
+    assert got.chunks == 8
+
+
+def test_loads_queued_on_a_tier_delay_a_new_plan() -> None:
+    tier = _tier(0.001, CHUNK_BYTES / 0.001)  # a chunk per ms; recompute 1.6 ms a chunk
+    assert decide([_span(tier, 10)], _prefill(10_000), 160).chunks == 10
+    tier.queue(1000 * CHUNK_BYTES)  # a second behind other requests' loads
+    assert decide([_span(tier, 10)], _prefill(10_000), 160).chunks == 0
+    tier.unqueue(1000 * CHUNK_BYTES)
+    assert decide([_span(tier, 10)], _prefill(10_000), 160).chunks == 10
+
+
+def test_the_deadline_never_passes_the_break_even_point() -> None:
+    got = Decision(chunks=4, tokens=64, expected_s=0.09, saved_s=0.1)
+    assert got.deadline_s == 0.1  # slack would give 0.14: by then recompute was done
+    short = Decision(chunks=4, tokens=64, expected_s=0.01, saved_s=1.0)
+    assert short.deadline_s == pytest.approx(0.01 * DEADLINE_SLACK + 0.005)
+
+
+# -- the policy on a storage manager, with a real disk tier ----------------------------------
+
+
+@pytest.fixture
+def disk_manager(tmp_path: Path) -> Iterator[StorageManager]:
+    """CPU tier (policy adaptive) over a disk tier holding 32 chunks; the first 8 also in the
+    CPU tier."""
+    cfg = Config(chunk_size=CHUNK, max_local_cpu_size=0.008, local_disk=str(tmp_path / "d"),
+                 max_local_disk_size=0.1)
+    assert cfg.prefetch_policy == "adaptive"  # the default
+    sm = StorageManager(cfg, SMALL_MHA)
+    keys = make_keys(32 * CHUNK)
+    objs = [make_obj(sm.allocator, SMALL_MHA, k.num_tokens, i) for i, k in enumerate(keys)]
+    with lease(objs):
+        sm.put(keys, objs)
+    assert sm.flush()
+    sm.hot.remove(keys[8:])
+    try:
+        yield sm
+    finally:
+        sm.close()
+
+
+def _settled(sm: StorageManager, keys: list, timeout: float = 30) -> int:
+    prefetch = sm.start_prefetch(keys)
+    assert prefetch.wait_done(timeout)
+    return prefetch.result()
+
+
+def test_a_disk_faster_than_recompute_is_loaded(disk_manager: StorageManager) -> None:
+    sm = disk_manager
+    sm.prefill.observe(4096, 4096 / 100.0, 4096)  # a slow engine: 100 tokens/s
+    keys = make_keys(32 * CHUNK)
+    assert _settled(sm, keys) == 32
+    stats = sm.stats()
+    assert stats["adaptive_tokens_loaded"] == 32 * CHUNK
+    assert stats["disk.est_read_bytes_per_second"] > 0
+
+
+def test_cpu_hits_are_used_and_a_slow_tier_is_not(disk_manager: StorageManager) -> None:
+    sm = disk_manager
+    sm.prefill.observe(4096, 4096 / 1e9, 4096)  # recompute is (almost) free
+    keys = make_keys(32 * CHUNK)
+    prefetch = sm.start_prefetch(keys)
+    assert prefetch.wait_done(30) and prefetch.result() == 8  # the CPU part only
+    assert prefetch.ready()
+    assert sm.hot.batch_contains(keys) == 8
+    stats = sm.stats()
+    assert stats["adaptive_tokens_loaded"] == 8 * CHUNK
+    assert stats["adaptive_tokens_recomputed_slower_than_recompute"] == 24 * CHUNK
+
+
+def test_tokens_no_tier_holds_count_as_misses(disk_manager: StorageManager) -> None:
+    sm = disk_manager
+    sm.prefill.observe(4096, 4096 / 100.0, 4096)
+    keys = make_keys(40 * CHUNK)  # 8 more than were stored
+    assert _settled(sm, keys) == 32
+    assert sm.stats()["adaptive_tokens_recomputed_miss"] == 8 * CHUNK
+
+
+def test_a_request_waits_no_longer_than_recomputing_its_prompt(tmp_path: Path) -> None:
+    cfg = Config(chunk_size=CHUNK, max_local_cpu_size=0.008)  # no lower tier at all
+    sm = StorageManager(cfg, SMALL_MHA)
+    try:
+        sm.prefill.observe(4096, 4096 / 1000.0, 4096)
+        keys = make_keys(8 * CHUNK)
+        prefetch = sm.start_prefetch(keys)
+        # Before its plan the budget is the prompt's recompute time: no load can win later.
+        assert sm._planner.budget_s(keys) == pytest.approx(8 * CHUNK / 1000.0)
+        assert prefetch.wait_done(30) and prefetch.ready(now=time.monotonic())
+        assert prefetch.deadline <= time.monotonic()  # nothing to load: ready at once
+    finally:
+        sm.close()
