@@ -125,49 +125,53 @@ class LoadPlanner:
         if prefetch.policy != "adaptive":
             return min(len(keys), cap)
         prompt = sum(k.num_tokens for k in keys)
-        spans, asked_all = self._locate(keys, hot_chunks, prompt)
+        spans, skipped = self._locate(keys, hot_chunks, prompt)
         hits = hot_chunks + sum(s.chunks for s in spans)
         decision = decide(spans, self.prefill, prompt)
         limit = min(hot_chunks + decision.chunks, cap)
-        planned = self._queue(prefetch, spans, limit - hot_chunks)
+        planned = self._queue(spans, limit - hot_chunks)
         now = time.monotonic()
         prefetch.set_deadline(now + decision.deadline_s if limit > hot_chunks else now)
         prefetch.after(lambda loaded: self._settle(prefetch, planned, hot_chunks, limit, hits,
-                                                   asked_all, loaded))
+                                                   not skipped, loaded))
         logger.debug("kvtier: adaptive plan for %d chunks: %d in CPU, %d more in %s; loading "
-                     "%d (expected %.1f ms, saves %.1f ms of recompute at %.0f tokens/s)",
+                     "%d (expected %.1f ms, saves %.1f ms of recompute at %.0f tokens/s)%s",
                      len(keys), hot_chunks, hits - hot_chunks,
                      [(s.tier.name, s.chunks) for s in spans], limit - hot_chunks,
                      decision.expected_s * 1e3, decision.saved_s * 1e3,
-                     self.prefill.tokens_per_s(prompt))
+                     self.prefill.tokens_per_s(prompt),
+                     f"; not asked (slower than recompute): {[t.name for t in skipped]}"
+                     if skipped else "")
+        for tier in skipped:  # the request has its deadline: a round trip now delays nobody
+            if tier.speed.probe_due(now):
+                tier.batch_contains(keys[hits:hits + 1])
         return limit
 
     def _locate(self, keys: Sequence[ChunkKey], n: int, prompt: int,
-                ) -> tuple[list[Span], bool]:
-        """The spans of lower-tier hits after the first `n` keys, in prefix order; and whether
-        every tier was asked (a tier too slow to be worth one round trip is not)."""
+                ) -> tuple[list[Span], list[GuardedTier]]:
+        """The spans of lower-tier hits after the first `n` keys, in prefix order; and the
+        tiers not asked because one round trip to them costs more than recomputing the rest."""
         spans: list[Span] = []
-        asked_all = True
+        skipped: list[GuardedTier] = []
         tiers = list(self._tiers())
         while n < len(keys) and tiers:
             rest = sum(k.num_tokens for k in keys[n:])
             for tier in tiers:
-                speed = tier.speed
-                if speed.latency_s >= self.prefill.recompute_s(rest, prompt):
-                    asked_all = False
+                if tier.speed.latency_s >= self.prefill.recompute_s(rest, prompt):
+                    if tier not in skipped:
+                        skipped.append(tier)
                     continue
                 got = tier.batch_contains(keys[n:])
                 if got:
                     size = keys[n].num_tokens
-                    spans.append(Span(speed, got, self._chunk_bytes(size), size))
+                    spans.append(Span(tier.speed, got, self._chunk_bytes(size), size))
                     n += got
                     break
             else:
                 break
-        return spans, asked_all
+        return spans, skipped
 
-    def _queue(self, prefetch: Prefetch, spans: Sequence[Span], chunks: int,
-               ) -> list[tuple[TierSpeed, int]]:
+    def _queue(self, spans: Sequence[Span], chunks: int) -> list[tuple[TierSpeed, int]]:
         planned = []
         for span in spans:
             take = min(chunks, span.chunks)

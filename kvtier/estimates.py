@@ -29,6 +29,9 @@ WINDOW = 16
 PRIOR_READ_BYTES_PER_S = 1e9
 # Before the engine's first measured prefill: a small model on a CPU, or a large one on a GPU.
 PRIOR_PREFILL_TOKENS_PER_S = 2000.0
+# A tier judged too slow to ask is still asked this often (after its requests went on without
+# it), so the estimate sees the tier recover.
+PROBE_INTERVAL_S = 2.0
 # Prefills shorter than this are mostly fixed cost (scheduling, sampling): not a speed sample.
 MIN_PREFILL_SAMPLE_TOKENS = 64
 
@@ -62,10 +65,20 @@ class TierSpeed:
         self._bandwidth = Samples()
         self._lock = threading.Lock()
         self._queued = 0
+        self._probed = -math.inf
 
     def observe_latency(self, seconds: float) -> None:
         """One round trip that moved no data (a `contains` call)."""
         self._latency.add(max(0.0, seconds))
+
+    def probe_due(self, now: float) -> bool:
+        """Whether a request that skipped this tier should ask it anyway, off its own path
+        (True at most once per `PROBE_INTERVAL_S`)."""
+        with self._lock:
+            if now - self._probed < PROBE_INTERVAL_S:
+                return False
+            self._probed = now
+            return True
 
     def observe_read(self, nbytes: int, seconds: float) -> None:
         """A read of `nbytes` that took `seconds`, one round trip included."""

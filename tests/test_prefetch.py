@@ -56,7 +56,8 @@ def gated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[StorageMa
         assert arena.used_bytes == 0
 
 
-def _gated_manager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> StorageManager:
+def _gated_manager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                   policy: str = "wait_complete") -> StorageManager:
     """The `gated` fixture's manager, its gate closed; the caller closes it."""
     monkeypatch.setitem(BACKENDS, "disk", f"{__name__}:_GatedTier")
     _GatedTier.gate.set()
@@ -64,7 +65,7 @@ def _gated_manager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> StorageMa
     _GatedTier.order = []
     _GatedTier.entered = threading.Semaphore(0)
     cfg = Config(chunk_size=CHUNK, max_local_cpu_size=0.008, local_disk=str(tmp_path / "d"),
-                 max_local_disk_size=0.1, prefetch_policy="wait_complete")
+                 max_local_disk_size=0.1, prefetch_policy=policy)
     sm = StorageManager(cfg, SMALL_MHA)
     keys = make_keys(48)
     objs = [make_obj(sm.allocator, SMALL_MHA, k.num_tokens, i) for i, k in enumerate(keys)]
@@ -325,6 +326,37 @@ def test_two_clients_loads_progress_in_turn_on_a_slow_tier(
         assert first.result(timeout=30) == 3 and second.result(timeout=30) == 3
         order = _GatedTier.order
         assert order.index(other[0].key) < order.index(make_keys(48)[-1].key)
+    finally:
+        _GatedTier.gate.set()
+        sm.close()
+
+
+def test_a_tier_that_stalls_mid_load_is_given_up_at_the_deadline(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Adaptive: estimates say the tier is fast, so the whole prompt is planned; the tier then
+    stalls (its reads held). The request may go on at the plan's deadline, with what arrived
+    (nothing), while the read is still stuck; once admitted, the load stops."""
+    sm = _gated_manager(tmp_path, monkeypatch, policy="adaptive")
+    try:
+        tier = sm._set.tiers[0]
+        tier.speed.observe_latency(1e-4)
+        tier.speed.observe_read(1 << 20, 1e-3)  # 1 GB/s
+        sm.prefill.observe(4096, 4096 / 100.0, 4096)  # recompute: 100 tokens/s
+        keys = make_keys(48)
+        prefetch = sm.start_prefetch(keys)
+        assert _GatedTier.entered.acquire(timeout=30)  # the planned read started; it stalls
+        assert prefetch.deadline < prefetch.started + 48 / 100.0  # before break-even
+        deadline = time.monotonic() + 30  # a bound on a hang, not a timing assertion
+        while not prefetch.ready():
+            assert time.monotonic() < deadline, "never admitted while the tier stalled"
+            time.sleep(0.001)
+        assert not prefetch.done()  # the read is still stuck
+        assert sm.hot.batch_contains(keys) == 0  # what arrived: nothing
+        prefetch.cancel()  # admitted: the request recomputes the rest
+        _GatedTier.gate.set()
+        assert prefetch.result(timeout=30) <= 3
+        assert sm.stats()["adaptive_tokens_recomputed_deadline"] + \
+            sm.stats()["adaptive_tokens_loaded"] == 48
     finally:
         _GatedTier.gate.set()
         sm.close()
