@@ -1,4 +1,6 @@
-"""`kvtier stats | ls | purge`: what the disk and Redis tiers of a config hold."""
+"""`kvtier stats | ls | purge`: what the disk and Redis tiers of a config hold; `kvtier stats
+--metrics URL`: what a running server measured (its tier and prefill speeds, its load-or-
+recompute decisions), read from its Prometheus endpoint."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ __all__ = ["add_parsers"]
 
 
 def _stats(args: argparse.Namespace) -> int:
+    if args.metrics:
+        return _live(args.metrics)
     config = load_config(args.file)
     per_tier: dict[str, list[int]] = {t: [0, 0] for t in config.tiers if t != "cpu"}
     models: dict[str, set[str]] = {}
@@ -28,6 +32,34 @@ def _stats(args: argparse.Namespace) -> int:
     print(f"{'tier':<8}{'chunks':>10}{'GB':>10}{'models':>8}")
     for tier, (chunks, nbytes) in per_tier.items():
         print(f"{tier:<8}{chunks:>10}{nbytes / 1e9:>10.3f}{len(models.get(tier, ())):>8}")
+    return 0
+
+
+# What `--metrics` shows: the adaptive policy's estimates and decisions.
+_LIVE_PREFIXES = ("kvtier_est_", "kvtier_adaptive_tokens_")
+
+
+def _live(url: str) -> int:
+    """Print the estimates and load-or-recompute counters a server's /metrics reports."""
+    import urllib.request
+
+    if not url.rstrip("/").endswith("/metrics"):
+        url = url.rstrip("/") + "/metrics"
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            text = resp.read().decode(errors="replace")
+    except (OSError, ValueError) as exc:  # URLError is an OSError
+        print(f"kvtier: cannot read metrics from {url}: {exc}", file=sys.stderr)
+        return 1
+    rows = [line for line in text.splitlines()
+            if line.startswith(_LIVE_PREFIXES) and not line.startswith("#")]
+    if not rows:
+        print(f"kvtier: {url} reports no kvtier estimates (is it a kvtier server's metrics "
+              "endpoint, with --enable-metrics or metrics_port?)", file=sys.stderr)
+        return 1
+    for line in sorted(rows):
+        name, _, value = line.rpartition(" ")
+        print(f"{name:<72}{float(value):>16.6g}")
     return 0
 
 
@@ -66,8 +98,13 @@ def _purge(args: argparse.Namespace) -> int:
 
 
 def add_parsers(sub: Any) -> None:
-    p = sub.add_parser("stats", help="chunks and bytes per disk/Redis tier of a config")
+    p = sub.add_parser("stats", help="chunks and bytes per disk/Redis tier of a config, or a "
+                                     "running server's measured speeds (--metrics)")
     p.add_argument("file", nargs="?")
+    p.add_argument("--metrics", metavar="URL",
+                   help="a server's metrics endpoint (SGLang's with --enable-metrics, or "
+                        "kvtier's metrics_port): show its tier and prefill speed estimates "
+                        "and its load-or-recompute counts")
     p.set_defaults(func=_stats)
     p = sub.add_parser("ls", help="what the disk/Redis tiers hold, per model and layout")
     p.add_argument("file", nargs="?")

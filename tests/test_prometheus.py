@@ -92,3 +92,34 @@ def test_every_dashboard_query_names_an_exported_metric(
     for expr in exprs:
         for metric in re.findall(r"\bkvtier_[a-z_]+", expr):
             assert metric in names or f"{metric}_total" in names, (metric, expr)
+
+
+def test_estimates_are_exported_and_shown_by_kvtier_stats(
+        engine: tuple[CacheEngine, int], capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtier.cli import main
+
+    eng, port = engine
+    ids = torch.arange(2000, 2064)
+    assert eng.store(ids, torch.arange(1, 65)) == 64 and eng.storage.flush()
+    eng.storage.hot.remove(eng.chunk_keys(ids))
+    eng.storage.prefill.observe(4096, 2.0, 4096)  # 2048 tokens/s
+    assert eng.start_prefetch(ids).wait_done(30)
+    _, samples = scrape(port)
+    assert samples[("kvtier_est_prefill_tokens_per_second", ())] == pytest.approx(2048)
+    assert samples[("kvtier_est_read_bytes_per_second", (("tier", "disk"),))] > 0
+    assert ("kvtier_est_latency_seconds", (("tier", "disk"),)) in samples
+    assert samples[("kvtier_adaptive_tokens_loaded_total", ())] >= 64
+
+    assert main(["stats", "--metrics", f"http://127.0.0.1:{port}"]) == 0
+    shown = capsys.readouterr().out
+    assert "kvtier_est_prefill_tokens_per_second" in shown and "2048" in shown
+    assert 'kvtier_est_read_bytes_per_second{tier="disk"}' in shown
+
+
+def test_kvtier_stats_names_an_endpoint_it_cannot_read(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtier.cli import main
+
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    assert main(["stats", "--metrics", url]) == 1
+    assert url in capsys.readouterr().err
