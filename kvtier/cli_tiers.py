@@ -1,9 +1,12 @@
 """`kvtier tiers`: list, attach and detach the tiers of a running SGLang server with kvtier.
 
     kvtier tiers --server http://127.0.0.1:30000                      # list, per TP rank
-    kvtier tiers --server URL attach redis --set remote_url=redis://h:6379
-    kvtier tiers --server URL attach redis --set-from-env remote_url=REDIS_URL
+    kvtier tiers --server URL attach redis [--set remote_timeout_secs=3]
     kvtier tiers --server URL detach redis [--no-drain]
+
+An attach re-attaches a tier the server's config declares (its `remote_url` or `local_disk`),
+with only behaviour keys changed; it runs in the background on the server, and this command
+waits until every TP rank has it (or none does) and prints the outcome.
 
 Talks to the server's `/kvtier/tiers` route; `SGLANG_ADMIN_API_KEY` (or `--admin-key`) when the
 server was started with `--admin-api-key`.
@@ -22,6 +25,7 @@ import ipaddress
 import json
 import os
 import sys
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -39,6 +43,7 @@ from kvtier.lmcache_compat import secret_key
 __all__ = ["add_parser", "request", "check_server", "TiersError", "RedirectRefused"]
 
 ADMIN_KEY_ENV = "SGLANG_ADMIN_API_KEY"
+ATTACH_WAIT_S = 120.0  # longer than the server's own attach deadline
 
 
 class TiersError(KVTierError):
@@ -193,13 +198,32 @@ def _run(args: argparse.Namespace) -> int:
         body = {"op": "attach", "tier": args.tier, "config": _tier_config(args.settings or [])}
     elif args.action == "detach":
         body = {"op": "detach", "tier": args.tier, "drain": not args.no_drain}
+    key = _admin_key(args)
     try:
-        status, answer = request(args.server, body, _admin_key(args))
+        status, answer = request(args.server, body, key)
+        if status == 202:  # an attach runs in the background: wait for its outcome
+            status, answer = _wait_for(args.server, key, answer["operation"]["id"])
     except (urllib.error.URLError, OSError) as exc:
         print(f"kvtier: error: cannot reach {redact_url(args.server)}: {exc}", file=sys.stderr)
         return 2
     print(yaml.safe_dump(answer, sort_keys=False), end="")
     return 0 if status == 200 and answer.get("success") else 1
+
+
+def _wait_for(server: str, admin_key: str | None, op_id: str,
+              timeout: float = ATTACH_WAIT_S) -> tuple[int, dict[str, Any]]:
+    """Poll the server until attach `op_id` ended; (200, listing) when it attached, else
+    (status, listing with `success: false`)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status, answer = request(server, None, admin_key)
+        ops = [op for op in answer.get("operations", []) if op.get("id") == op_id]
+        state = ops[0]["state"] if ops else "unknown"
+        if state != "building" or time.monotonic() > deadline:
+            answer = {**answer, "operation": ops[0] if ops else {"id": op_id, "state": state}}
+            answer["success"] = status == 200 and state == "attached"
+            return status, answer
+        time.sleep(0.2)
 
 
 def add_parser(sub: Any) -> None:

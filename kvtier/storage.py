@@ -243,19 +243,37 @@ class StorageManager:
             ValueError: `name` is `cpu` or already attached.
             ConfigError: the tier cannot be built from `config` (e.g. no `remote_url`).
         """
+        tier, writer = self.build_tier(name, config)
+        self.publish_tier(tier, writer)
+
+    def build_tier(self, name: str, config: Config | None = None,
+                   ) -> tuple[GuardedTier, TierWriter]:
+        """The slow half of `attach_tier`: build lower tier `name` (connect, index) and its
+        writer, unpublished; hand them to `publish_tier`, or `discard_tier` them. Same
+        errors as `attach_tier`."""
         if name == "cpu" or self._set.find(name) is not None:  # checked before a build
             raise ValueError(f"tier {name!r} cannot be attached: it is the CPU tier or "
                              f"already attached ({[t.name for t in self.tiers]})")
         ctx = BackendContext(config or self.config, self.layout, self.allocator, self.counters)
-        tier, writer = self._guarded(create_backend(name, ctx))
+        return self._guarded(create_backend(name, ctx))
+
+    def publish_tier(self, tier: GuardedTier, writer: TierWriter) -> None:
+        """The fast half of `attach_tier`: the next call uses `tier`. On `ValueError` (attached
+        meanwhile, or closing) the tier is discarded."""
         try:
             self._set.add(tier, writer)
         except ValueError:
-            writer.close(0.0)
-            tier.close()
+            self.discard_tier(tier, writer)
             raise
         self.counters.inc("tier_attached")
-        logger.info("kvtier: attached tier %s; tiers now %s", name, [t.name for t in self.tiers])
+        logger.info("kvtier: attached tier %s; tiers now %s", tier.name,
+                    [t.name for t in self.tiers])
+
+    @staticmethod
+    def discard_tier(tier: GuardedTier, writer: TierWriter) -> None:
+        """Close a built tier that was never published (its writer has nothing queued)."""
+        writer.close(0.0)
+        tier.close()
 
     def detach_tier(self, name: str, *, drain: bool = True, timeout: float | None = None,
                     wait: bool = True) -> None:

@@ -2,8 +2,9 @@
 
 A: a small CPU tier (pins capped at half of it). A session's prompt stays pinned while other
    traffic evicts everything else, so its next turn is a hit; closing the session unpins it.
-B: no lower tier at start. Redis is attached over HTTP (`kvtier tiers`) while a stream runs and
-   serves what another server stored; detached again, the server keeps serving correctly.
+B: declares a Redis. Detached over HTTP (`kvtier tiers`) while a stream runs, it serves no
+   hits; attached again, it serves what another server stored. Attaches HTTP may not make are
+   refused, and an attach to a Redis that stopped answering fails off the scheduler thread.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from kvtier import cli_tiers
 from kvtier.cli import main as kvtier_main
 from kvtier.sessions import session_tag
 from tests.conftest import RedisProcess
+from tests.delay_proxy import DelayProxy
 from tests.integration.conftest import CHUNK, cold, prompt, write_config
 from tests.sglang_support.server import SGLangServer
 
@@ -74,7 +76,7 @@ def redis(redis_factory: Callable[..., RedisProcess]) -> RedisProcess:
     return redis_factory()
 
 
-def test_redis_attached_and_detached_over_http_while_serving(
+def test_redis_detached_and_attached_over_http_while_serving(
         start_server: Callable[..., SGLangServer], tiny_llama: Path, redis: RedisProcess,
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     writer = start_server(tiny_llama, write_config(tmp_path / "w.yaml", remote_url=redis.url))
@@ -84,38 +86,80 @@ def test_redis_attached_and_detached_over_http_while_serving(
         writer.generate(ids)
     writer.flush_cache()
     # No --admin-api-key on this server: tiers can be listed, never changed.
-    attach = {"op": "attach", "tier": "redis", "config": {"remote_url": "redis://evil:6379"}}
+    attach = {"op": "attach", "tier": "redis", "config": {}}
     assert cli_tiers.request(writer.url, attach)[0] == 403
     assert cli_tiers.request(writer.url, None)[0] == 200
     writer.stop()
 
-    server = start_server(tiny_llama, write_config(tmp_path / "b.yaml"), "--admin-api-key",
-                          ADMIN)
+    # B declares the Redis (through a proxy that can turn into a tarpit).
+    with DelayProxy(redis.port, 0.0) as proxy:
+        cfg = write_config(tmp_path / "b.yaml", remote_url=proxy.url, remote_timeout_secs=1.0)
+        server = start_server(tiny_llama, cfg, "--admin-api-key", ADMIN)
+        _detach_and_attach(server, shared, expected, capsys)
+        _refused_attaches(server)
+        _attach_to_a_tarpit(server, proxy)
+
+
+def _tiers(server: SGLangServer) -> list[str]:
     status, listed = cli_tiers.request(server.url, None, ADMIN)
-    assert status == 200 and listed["ranks"] == [
-        {"tiers": ["cpu"], "sessions_pinned": 0, "session_pinned_bytes": 0}]
-    attach = {"op": "attach", "tier": "redis", "config": {"remote_url": redis.url}}
+    assert status == 200
+    return list(listed["ranks"][0]["tiers"])
+
+
+def _detach_and_attach(server: SGLangServer, shared: list[list[int]],
+                       expected: list[list[int]], capsys: pytest.CaptureFixture[str]) -> None:
+    assert _tiers(server) == ["cpu", "redis"]
+    attach = {"op": "attach", "tier": "redis", "config": {}}
     assert cli_tiers.request(server.url, attach)[0] == 401  # no key
     assert cli_tiers.request(server.url, attach, "not-the-admin-key")[0] == 401
-    assert cli_tiers.request(server.url, None, ADMIN)[1]["ranks"][0]["tiers"] == ["cpu"]
 
     streaming = threading.Thread(target=server.generate, args=(prompt(90, 40), 300))
-    streaming.start()  # attach and detach while a request runs
-    assert kvtier_main(["tiers", "--server", server.url, "--admin-key", ADMIN, "attach",
-                        "redis", "--set", f"remote_url={redis.url}"]) == 0
-    assert "- redis" in capsys.readouterr().out
-    got = server.generate(shared[0])
-    assert got["meta_info"]["cached_tokens"] == TURN // CHUNK * CHUNK
-    assert got["output_ids"] == expected[0]
-
+    streaming.start()  # detach and attach while a request runs
     assert kvtier_main(["tiers", "--server", server.url, "--admin-key", ADMIN, "detach",
                         "redis"]) == 0
-    streaming.join(120)
-    got = server.generate(shared[1])  # in Redis, but Redis is no longer attached
+    got = server.generate(shared[0])  # in Redis, but Redis is no longer attached
     assert got["meta_info"]["cached_tokens"] == 0
+    assert got["output_ids"] == expected[0]
+
+    assert kvtier_main(["tiers", "--server", server.url, "--admin-key", ADMIN, "attach",
+                        "redis", "--set", "remote_timeout_secs=2"]) == 0
+    out = capsys.readouterr().out
+    assert "state: attached" in out and "- redis" in out
+    streaming.join(120)
+    got = server.generate(shared[1])
+    assert got["meta_info"]["cached_tokens"] == TURN // CHUNK * CHUNK
     assert got["output_ids"] == expected[1]
 
-    status, answer = cli_tiers.request(server.url, {"op": "attach", "tier": "redis",
-                                                    "config": {"remote_urll": "x"}}, ADMIN)
-    assert status == 400 and "remote_urll" in answer["ranks"][0]["error"]
-    assert "remote_url" in answer["ranks"][0]["error"]  # did you mean
+
+def _refused_attaches(server: SGLangServer) -> None:
+    """What HTTP may not attach: an address of its own, a key the tier does not take, a tier
+    the config does not declare, a long connect timeout. Nothing changes."""
+    for config, named in (({"remote_url": "redis://evil:6379"}, "remote_url"),
+                          ({"remote_urll": "x"}, "remote_urll"),
+                          ({"chunk_size": 64}, "chunk_size"),
+                          ({"remote_timeout_secs": 3600}, "remote_timeout_secs")):
+        status, answer = cli_tiers.request(
+            server.url, {"op": "attach", "tier": "redis", "config": config}, ADMIN)
+        assert status == 400 and named in answer["ranks"][0]["error"], answer
+        assert "evil" not in str(answer)
+    status, answer = cli_tiers.request(server.url, {"op": "attach", "tier": "disk"}, ADMIN)
+    assert status == 400 and "not declared" in answer["ranks"][0]["error"]
+    assert _tiers(server) == ["cpu", "redis"]
+
+
+def _attach_to_a_tarpit(server: SGLangServer, proxy: DelayProxy) -> None:
+    """The declared Redis stops answering: an attach fails on its own thread while a stream
+    runs to the end (the scheduler never waited on the connect)."""
+    assert kvtier_main(["tiers", "--server", server.url, "--admin-key", ADMIN, "detach",
+                        "redis"]) == 0
+    proxy.delay_s = 3600.0  # accepts, never answers in time
+    done: list[dict] = []
+    streaming = threading.Thread(target=lambda: done.append(
+        server.generate(prompt(91, 40), 200)))
+    streaming.start()
+    assert kvtier_main(["tiers", "--server", server.url, "--admin-key", ADMIN, "attach",
+                        "redis"]) == 1
+    streaming.join(120)
+    assert done and len(done[0]["output_ids"]) == 200
+    assert _tiers(server) == ["cpu"]
+    assert "unreachable" in server.log()

@@ -29,6 +29,7 @@ from kvtier import prometheus
 from kvtier.config import Config
 from kvtier.connectors import KVConnector, SGLangMHAConnector, SGLangMLAConnector
 from kvtier.errors import ConfigError
+from kvtier.integration.sglang.attach import Attachments
 from kvtier.integration.sglang.budget import SchedulerBudget
 from kvtier.integration.sglang.stores import StoreJob, StoreWorker
 from kvtier.keys import ChunkKey
@@ -117,6 +118,7 @@ class SGLangKVTier:
         self._exported = _AdapterStats(self.counters)
         prometheus.register(self._exported)  # the engine's own stats are exported by storage
         self.stores = StoreWorker(self._store, self.counters)
+        self.attachments = Attachments(engine.storage)  # tiers attached over HTTP
         self._closed = False
 
     # ---- loads (scheduler thread) ----
@@ -302,6 +304,7 @@ class SGLangKVTier:
         for prefetch in self._prefetches.values():
             prefetch.cancel()
         self._prefetches.clear()
+        self.attachments.close()
         self.stores.close(self.engine.config.blocking_timeout_secs)
         logger.info("kvtier: closing; %s", self.counters.snapshot())
         self.engine.close()

@@ -1,15 +1,21 @@
 """kvtier's tiers attached and detached on a running SGLang server, over its own HTTP port.
 
-    GET  /kvtier/tiers   the attached tiers and session pins, per TP rank
-    POST /kvtier/tiers   {"op": "attach", "tier": "redis", "config": {"remote_url": "..."}}
+    GET  /kvtier/tiers   the attached tiers and session pins per TP rank, and recent attaches
+    POST /kvtier/tiers   {"op": "attach", "tier": "redis", "config": {"remote_timeout_secs": 3}}
                          {"op": "detach", "tier": "redis", "drain": true}
 
+An attach answers 202 with an id at once and runs in the background (`attach.py`): every rank
+builds the tier on a thread of its own, then the tier is published on every rank, or on none
+if one rank failed; `GET /kvtier/tiers` shows how it went (`kvtier tiers attach` waits for
+it). Only tiers the server's config declares can be attached, from that config. A detach
+answers once every rank unpublished the tier; its writes drain on a background thread.
+
 SGLang's own `PUT /hicache/storage-backend` (`hicache_storage_backend`: `disk` or `redis`, the
-tier's keys as `hicache_storage_backend_extra_config_json`) attaches a tier too, and
-`DELETE /hicache/storage-backend` detaches every lower tier. Changing tiers needs SGLang's
-`--admin-api-key` (the POST is refused with 403 on a server started without one, and with 401
-without the admin key: an inference client's `--api-key` is not enough); listing them is open
-at SGLang's optional-admin level.
+overrides as `hicache_storage_backend_extra_config_json`) starts an attach on each rank that
+publishes as soon as that rank built the tier, and `DELETE /hicache/storage-backend` detaches
+every lower tier. Changing tiers needs SGLang's `--admin-api-key` (the POST is refused with 403
+on a server started without one, and with 401 without the admin key: an inference client's
+`--api-key` is not enough); listing them is open at SGLang's optional-admin level.
 
 Every scheduler (one per TP rank) is reached through SGLang's HiCache attach channel: the
 plugin wraps the scheduler's handler, which for a kvtier tree applies the operation to kvtier's
@@ -20,23 +26,36 @@ are written (or dropped with `drain: false`) and its reads finish before it is c
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-from collections.abc import Callable
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-from kvtier.config import with_overrides
 from kvtier.errors import ConfigError
+from kvtier.integration.sglang.attach import MAX_TIMEOUT_S, attach_config
 
 __all__ = ["apply", "add_routes", "wrap_attach", "wrap_detach"]
 
 logger = logging.getLogger(__name__)
 
 LOWER_TIERS = ("disk", "redis")
+# The HTTP side gives every rank this long to build a tier (connect timeout, one retry, and
+# a disk index) before it aborts the attach everywhere.
+ATTACH_DEADLINE_S = 3 * MAX_TIMEOUT_S + 30.0
+POLL_S = 0.1
+KEEP_OPERATIONS = 16
 
 
 def apply(kvtier: Any, request: dict[str, Any]) -> dict[str, Any]:
-    """Run one admin operation on this rank's kvtier; returns the rank's JSON answer.
+    """Run one admin operation on this rank's kvtier (scheduler thread; never waits for a
+    tier build); returns the rank's JSON answer.
+
+    Ops: `list`; `attach` (start building, `commit` when built: see `attach.py`); `commit`,
+    `abort` (the second phase); `detach`.
 
     Raises:
         ValueError / ConfigError: a bad operation, tier name or config key (the answer to the
@@ -44,21 +63,24 @@ def apply(kvtier: Any, request: dict[str, Any]) -> dict[str, Any]:
     """
     engine = kvtier.engine
     op = request.get("op", "list")
-    if op == "attach":
+    if op in ("attach", "commit", "abort", "detach"):
         name = _tier_name(request)
-        overrides = request.get("config") or {}
-        if not isinstance(overrides, dict):
-            raise ValueError(f"config: must be an object of kvtier keys, got {overrides!r}")
-        engine.attach_tier(name, with_overrides(engine.config, overrides, "attach config"))
+    if op == "attach":
+        config = attach_config(engine.config, name, request.get("config") or {})
+        kvtier.attachments.start(name, config, commit=bool(request.get("commit", False)))
+    elif op == "commit":
+        kvtier.attachments.commit(name)
+    elif op == "abort":
+        kvtier.attachments.abort(name)
     elif op == "detach":
         # Unpublished at once; its writes drain and its reads finish on another thread, so
         # the scheduler does not wait for them.
-        engine.detach_tier(_tier_name(request), drain=bool(request.get("drain", True)),
-                           wait=False)
+        engine.detach_tier(name, drain=bool(request.get("drain", True)), wait=False)
     elif op != "list":
         raise ValueError(f"op: must be list, attach or detach, got {op!r}")
     stats = engine.stats()
     return {"tiers": [t.name for t in engine.storage.tiers],
+            "attaching": kvtier.attachments.states(),
             "sessions_pinned": stats.get("sessions_pinned", 0),
             "session_pinned_bytes": stats.get("session_pinned_bytes", 0)}
 
@@ -91,7 +113,7 @@ def wrap_attach(original: Callable[..., Any], scheduler: Any, recv_req: Any) -> 
         return AttachHiCacheStorageReqOutput(success=False, message=json.dumps(
             {"error": f"hicache_storage_backend_extra_config_json: not JSON: {exc}"}))
     request = extra if backend == "kvtier" else {"op": "attach", "tier": backend,
-                                                 "config": extra}
+                                                 "config": extra, "commit": True}
     ok, message = _answer(kvtier, request)
     return AttachHiCacheStorageReqOutput(success=ok, message=message)
 
@@ -111,6 +133,65 @@ def wrap_detach(original: Callable[..., Any], scheduler: Any, recv_req: Any) -> 
     return DetachHiCacheStorageReqOutput(success=ok, message=message)
 
 
+class _Operations:
+    """The launcher's record of recent attaches (what `GET /kvtier/tiers` reports)."""
+
+    def __init__(self) -> None:
+        self._ops: OrderedDict[str, dict[str, Any]] = OrderedDict()
+
+    def new(self, tier: str) -> dict[str, Any]:
+        op: dict[str, Any] = {"id": uuid.uuid4().hex[:12], "op": "attach", "tier": tier,
+                              "state": "building", "errors": []}
+        self._ops[op["id"]] = op
+        while len(self._ops) > KEEP_OPERATIONS:
+            self._ops.popitem(last=False)
+        return op
+
+    def recent(self) -> list[dict[str, Any]]:
+        return list(self._ops.values())
+
+
+_OPERATIONS = _Operations()
+_TASKS: set[asyncio.Task[None]] = set()  # the loop keeps only weak references to tasks
+Send = Callable[[dict[str, Any]], Awaitable[tuple[bool, list[dict[str, Any]]]]]
+
+
+async def _finish_attach(send: Send, op: dict[str, Any]) -> None:
+    """Wait for every rank to build `op`'s tier, then commit it on all of them, or abort it on
+    all of them if one failed or the deadline passed."""
+    try:
+        await _settle_attach(send, op)
+    except Exception as exc:  # the caller polls for an end: never leave it "building"
+        op["state"], op["errors"] = "failed", [f"kvtier: {type(exc).__name__}: {exc}"]
+        logger.warning("kvtier: attach of tier %s failed: %r", op["tier"], exc)
+
+
+async def _settle_attach(send: Send, op: dict[str, Any]) -> None:
+    tier = op["tier"]
+    deadline = time.monotonic() + ATTACH_DEADLINE_S
+    while True:
+        await asyncio.sleep(POLL_S)
+        _, ranks = await send({"op": "list"})
+        states = [r.get("attaching", {}).get(tier, {"state": "gone", "error": "aborted"})
+                  for r in ranks]
+        failed = [f"rank {i}: {s['error'] or s['state']}" for i, s in enumerate(states)
+                  if s["state"] not in ("building", "built")]
+        if not failed and all(s["state"] == "built" for s in states):
+            ok, ranks = await send({"op": "commit", "tier": tier})
+            if ok:
+                op["state"] = "attached"
+                return
+            failed = [f"rank {i}: {r['error']}" for i, r in enumerate(ranks) if "error" in r]
+            await send({"op": "detach", "tier": tier, "drain": False})
+        elif not failed and time.monotonic() > deadline:
+            failed = [f"not built on every rank within {ATTACH_DEADLINE_S:g}s"]
+        if failed:
+            await send({"op": "abort", "tier": tier})
+            op["state"], op["errors"] = "failed", failed
+            logger.warning("kvtier: attach of tier %s failed: %s", tier, "; ".join(failed))
+            return
+
+
 def add_routes(app: Any) -> None:
     """Add `GET/POST /kvtier/tiers` to SGLang's HTTP app (launcher process). Idempotent."""
     if any(getattr(r, "path", None) == "/kvtier/tiers" for r in app.routes):
@@ -120,7 +201,8 @@ def add_routes(app: Any) -> None:
     from sglang.srt.managers.io_struct import AttachHiCacheStorageReqInput
     from sglang.srt.utils.auth import AuthLevel, auth_level
 
-    async def run(request: dict[str, Any]) -> JSONResponse:
+    async def send(request: dict[str, Any]) -> tuple[bool, list[dict[str, Any]]]:
+        """`request` to every rank's scheduler; (all succeeded, each rank's answer)."""
         from sglang.srt.entrypoints import http_server
 
         manager = http_server._global_state.tokenizer_manager
@@ -131,9 +213,28 @@ def add_routes(app: Any) -> None:
             AttachHiCacheStorageReqInput(hicache_storage_backend="kvtier",
                                          hicache_storage_backend_extra_config_json=json.dumps(
                                              request)))
-        ranks = [json.loads(r.message) for r in results]
-        ok = all(r.success for r in results)
-        return JSONResponse({"success": ok, "ranks": ranks}, status_code=200 if ok else 400)
+        return all(r.success for r in results), [json.loads(r.message) for r in results]
+
+    async def run(request: dict[str, Any]) -> JSONResponse:
+        if request.get("op") in ("commit", "abort"):
+            return JSONResponse({"success": False, "error": "op: commit and abort are "
+                                 "kvtier's own second phase of an attach"}, status_code=400)
+        if request.get("op") != "attach":
+            ok, ranks = await send(request)
+            return JSONResponse({"success": ok, "ranks": ranks,
+                                 "operations": _OPERATIONS.recent()},
+                                status_code=200 if ok else 400)
+        request = {**request, "commit": False}
+        ok, ranks = await send(request)
+        if not ok:  # refused by a rank (bad key, undeclared tier): undo where it started
+            await send({"op": "abort", "tier": request.get("tier")})
+            return JSONResponse({"success": False, "ranks": ranks}, status_code=400)
+        op = _OPERATIONS.new(str(request["tier"]))
+        task = asyncio.get_running_loop().create_task(_finish_attach(send, op))
+        _TASKS.add(task)
+        task.add_done_callback(_TASKS.discard)
+        return JSONResponse({"success": True, "operation": op, "ranks": ranks},
+                            status_code=202)
 
     @auth_level(AuthLevel.ADMIN_OPTIONAL)
     async def list_tiers() -> JSONResponse:
