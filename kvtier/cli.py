@@ -14,14 +14,23 @@ from pathlib import Path
 import yaml
 
 from kvtier.config import load_config, load_config_report
+from kvtier.config_checks import host_problems
 from kvtier.errors import KVTierError
 
 __all__ = ["main"]
 
 
 def _check_config(args: argparse.Namespace) -> int:
-    """Print the three key groups and the effective config, as one YAML document."""
+    """Print the three key groups, the effective config and where each value came from, as
+    one YAML document; what does not fit this host (memory, disk space) is a warning here, as
+    the file may be meant for another host (the launch refuses it)."""
+    if args.tp_size < 1:
+        print(f"kvtier: error: --tp-size must be >= 1, got {args.tp_size}", file=sys.stderr)
+        return 2
     loaded = load_config_report(args.file)
+    problems = host_problems(loaded.config, local_ranks=args.tp_size)
+    for problem in problems:
+        print(f"kvtier: warning: on this host, {problem}", file=sys.stderr)
     ignored = dict(loaded.ignored)
     ignored.update((f"{key} (value translated)", note) for key, note in loaded.notes)
     print(f"# source: {loaded.source}")
@@ -31,6 +40,11 @@ def _check_config(args: argparse.Namespace) -> int:
     _dump({"lmcache_not_implemented": ignored})
     print("# the effective config:")
     _dump({"effective": loaded.config.redacted(), "tiers": " -> ".join(loaded.config.tiers)})
+    print("# where each value came from (default, file, or the variable):")
+    _dump({"origins": dict(loaded.origins)})
+    if problems:
+        print(f"# does not fit this host (the launch with --tp-size {args.tp_size} refuses it):")
+        _dump({"host_warnings": problems})
     return 0
 
 
@@ -113,6 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check-config", help="validate a config and print the effective values")
     p.add_argument("file", nargs="?", help="YAML file (default: KVTIER_CONFIG_FILE, "
                    "LMCACHE_CONFIG_FILE, built-in defaults)")
+    p.add_argument("--tp-size", type=int, default=1, help="TP ranks on this host, each with "
+                   "its own arena (for the memory check; default 1)")
     p.set_defaults(func=_check_config)
     p = sub.add_parser("migrate-config", help="what each key of an LMCache config file "
                        "becomes in kvtier")

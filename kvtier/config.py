@@ -1,11 +1,12 @@
 """kvtier's configuration: one frozen dataclass, loaded strictly from YAML and the environment.
 
 Key names follow LMCache where LMCache has the concept, so an LMCache YAML file loads unchanged.
-Sources, later ones winning: defaults, the YAML file, `LMCACHE_<KEY>` (LMCache keys only), then
-`KVTIER_<KEY>`. A file's keys fall in three groups: kvtier's own (every field of `Config`, checked
-strictly), LMCache keys kvtier does not implement (`kvtier.lmcache_compat`: accepted, listed in
-one warning with what kvtier does instead), and unknown keys (`ConfigError` with the nearest
-valid key). Every value is validated; a bad one raises `ConfigError` naming its source and key.
+Sources, later ones winning: defaults, the YAML file, `LMCACHE_<KEY>` (LMCache keys only; not
+over an explicit file), then `KVTIER_<KEY>` (`kvtier.config_env`). A file's keys fall in three
+groups: kvtier's own (every field of `Config`, checked strictly), LMCache keys kvtier does not
+implement (`kvtier.lmcache_compat`: accepted, listed in one warning with what kvtier does
+instead), and unknown keys (`ConfigError` with the nearest valid key). Every value is
+validated; a bad one raises `ConfigError` naming its source and key.
 """
 
 from __future__ import annotations
@@ -37,6 +38,13 @@ from kvtier.config_checks import (
     validate,
     yaml_problem,
 )
+from kvtier.config_env import (
+    LMCACHE_KEYS,
+    expanded_paths,
+    explicit_file,
+    override_warnings,
+    read_env,
+)
 from kvtier.errors import ConfigError
 
 __all__ = ["Config", "LoadedConfig", "load_config", "load_config_report", "read_config_file",
@@ -45,19 +53,6 @@ __all__ = ["Config", "LoadedConfig", "load_config", "load_config_report", "read_
            "WRITE_POLICIES", "PREFETCH_POLICIES", "REMOTE_SCHEMES", "physical_memory_bytes"]
 
 logger = logging.getLogger(__name__)
-
-# Keys LMCache defines with the same meaning; only these may come from LMCACHE_<KEY>, and these
-# accept LMCache's value forms (numbers and booleans as strings).
-LMCACHE_KEYS = frozenset({
-    "chunk_size", "local_cpu", "max_local_cpu_size", "local_disk", "max_local_disk_size",
-    "remote_url", "remote_serde", "save_unfull_chunk", "blocking_timeout_secs",
-})
-# Environment variables that are not config keys: config file paths, the kernel override, the
-# background threads' nice increment.
-_NOT_ENV_KEYS = frozenset({"KVTIER_CONFIG_FILE", "LMCACHE_CONFIG_FILE", "KVTIER_KERNEL",
-                           "KVTIER_CACHE_DIR", "KVTIER_BUILD_EXT", "KVTIER_BUILD_VERBOSE",
-                           "KVTIER_SGLANG_CPU_SHIMS", "KVTIER_BACKGROUND_NICE"})
-
 
 @dataclass(frozen=True)
 class Config:
@@ -74,6 +69,9 @@ class Config:
     blocking_timeout_secs: float = 10.0
     # kvtier's own keys
     hash_salt: str = ""
+    # A file holding a secret shared by the instances: records are authenticated with it, and
+    # a record without a valid MAC is never loaded (see docs/security.md).
+    record_key_file: str | None = None
     write_policy: str = "write_through"
     selective_write_threshold: int = 2
     # A request waits for the part of its disk/Redis load that arrives sooner than it could
@@ -92,6 +90,8 @@ class Config:
     metrics_port: int | None = None  # serve Prometheus metrics on this port
 
     def __post_init__(self) -> None:
+        for key, path in expanded_paths(self).items():  # "~/kv" must not make a directory "~"
+            object.__setattr__(self, key, path)
         validate(self)
 
     @property
@@ -184,8 +184,6 @@ def _coerce(source: str, key: str, value: Any, from_env: bool) -> Any:
                 f"{shown_in_error(key, value)}")
 
 
-
-
 def is_config_key(key: str) -> bool:
     """True if `key` is a kvtier config key (a field of `Config`)."""
     return key in _FIELDS
@@ -226,12 +224,11 @@ _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
                               _StrictLoader.construct_mapping)
 
 
-
-
 def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The file's top-level mapping, keys and values as YAML gives them (strict: UTF-8, no
-    duplicate keys, string keys; `ConfigError` naming the file otherwise)."""
-    path = Path(path)
+    duplicate keys, string keys; `ConfigError` naming the file otherwise). A leading `~` is
+    the home directory."""
+    path = Path(path).expanduser()
     try:
         raw = path.read_bytes()
     except OSError as exc:
@@ -260,34 +257,6 @@ def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     return dict(data)
 
 
-
-
-def _read_env(env: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
-    """(values by key, the variable each key came from)."""
-    out: dict[str, Any] = {}
-    names: dict[str, str] = {}
-    ignored = []
-    for prefix in ("LMCACHE_", "KVTIER_"):  # KVTIER_ wins: applied last
-        for name, raw in sorted(env.items()):
-            if not name.startswith(prefix) or name in _NOT_ENV_KEYS:
-                continue
-            key = name[len(prefix):].lower()
-            if prefix == "LMCACHE_" and key not in LMCACHE_KEYS:
-                ignored.append(name)
-                continue
-            if key not in _FIELDS:
-                raise _unknown(f"environment {name}", key)
-            value = raw
-            if prefix == "LMCACHE_" and key == "remote_serde":  # LMCache's null/cachegen
-                value = compat.translate_values({key: yaml.safe_load(raw)}, None, name) \
-                    .values[key]
-            out[key] = _coerce(f"environment {name}", key, value, from_env=True)
-            names[key] = name
-    if ignored:
-        logger.info("ignoring LMCache settings kvtier does not use: %s", ", ".join(ignored))
-    return out, names
-
-
 @dataclass(frozen=True)
 class LoadedConfig:
     """A loaded config and how each key of its sources was used.
@@ -295,6 +264,7 @@ class LoadedConfig:
     `given`: kvtier keys set by the file or the environment, with their values as shown to
     users (credentials masked). `ignored`: LMCache keys kvtier does not implement, with what it
     does instead. `notes`: LMCache values kvtier translated, as (key, what kvtier does).
+    `origins`: every key and where its value came from: "default", "file" or the variable.
     """
 
     config: Config
@@ -302,6 +272,7 @@ class LoadedConfig:
     given: tuple[tuple[str, Any], ...]
     ignored: tuple[tuple[str, str], ...]
     notes: tuple[tuple[str, str], ...]
+    origins: tuple[tuple[str, str], ...] = ()
 
     def warning(self) -> str | None:
         """The one warning a load logs, or None when nothing was ignored or translated."""
@@ -367,6 +338,7 @@ def load_config_report(
 ) -> LoadedConfig:
     """Load the effective config and report how each key was used (see `load_config`)."""
     env = os.environ if env is None else env
+    explicit = explicit_file(path, env)  # before the path is looked up in the environment
     if path is None:
         path = env.get("KVTIER_CONFIG_FILE") or env.get("LMCACHE_CONFIG_FILE") or None
     source = "defaults"
@@ -380,7 +352,12 @@ def load_config_report(
         translated = compat.translate_values(mine, extra, source)
         notes += translated.notes
         raw = {k: _coerce(source, k, v, from_env=False) for k, v in translated.values.items()}
-    from_env, env_names = _read_env(env)
+    settings = read_env(env, _FIELDS, explicit=explicit)
+    env_names = settings.names
+    from_env = {k: _coerce(f"environment {env_names[k]}", k, v, from_env=True)
+                for k, v in settings.values.items()}
+    for line in override_warnings(raw, from_env, env_names, source):
+        logger.warning("kvtier config: %s", line)
     values = {**raw, **from_env}
     given = {**mine, **from_env}
     arena_note = _transfer_arena(values)
@@ -393,8 +370,9 @@ def load_config_report(
         key = str(exc).split(": ", 2)[1] if str(exc).count(": ") >= 2 else ""
         origin = f"environment {env_names[key]}" if key in env_names else source
         raise ConfigError(str(exc).replace("config:", f"{origin}:", 1)) from None
+    origins = {k: env_names.get(k, "file" if k in raw else "default") for k in _FIELDS}
     return LoadedConfig(cfg, source, tuple((k, shown_value(k, v)) for k, v in given.items()),
-                        tuple(ignored), tuple(notes))
+                        tuple(ignored), tuple(notes), tuple(origins.items()))
 
 
 def load_config(
@@ -406,7 +384,8 @@ def load_config(
     Args:
         path: a YAML file; when None, `KVTIER_CONFIG_FILE`, else `LMCACHE_CONFIG_FILE`, else
             defaults only.
-        env: the environment to read (default `os.environ`).
+        env: the environment to read (default `os.environ`); see `kvtier.config_env` for
+            which variables apply (no `LMCACHE_<KEY>` over an explicit file) and what warns.
 
     Raises:
         ConfigError: naming the file or variable and the key.

@@ -2,9 +2,11 @@
 secrets masked, YAML errors without the quoted line).
 
 Every check raises `ConfigError` naming the key ("config: key: problem"; the loader replaces
-"config" with the file or variable the value came from). Numbers must be finite; sizes must fit
-the machine; `remote_url` is parsed in full here, so a URL kvtier cannot serve fails at
-`check-config` time, not when the tier is built.
+"config" with the file or variable the value came from). Numbers must be finite and within
+ceilings derived from what they do; one arena must fit the machine; `remote_url` is parsed in
+full here, so a URL kvtier cannot serve fails at `check-config` time, not when the tier is built.
+What depends on the host (every TP rank's arena, the cgroup limit, disk space) is checked
+apart (`host_problems`): `check-config` warns, the launch refuses (`check_host`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import fields
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl
 
@@ -25,7 +28,8 @@ from kvtier.errors import ConfigError
 if TYPE_CHECKING:
     from kvtier.config import Config
 
-__all__ = ["validate", "redact_url", "physical_memory_bytes", "WRITE_POLICIES",
+__all__ = ["validate", "redact_url", "physical_memory_bytes",
+           "cgroup_memory_limit", "host_problems", "check_host", "WRITE_POLICIES",
            "PREFETCH_POLICIES", "REMOTE_SERDES", "REMOTE_SCHEMES", "TRANSFER_ARENA_GB"]
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
@@ -38,6 +42,18 @@ MAX_CHUNK = 1 << 20  # tokens; a chunk is one arena object, and a prompt is far 
 # `local_cpu: false` comes with `max_local_cpu_size: 0` (LMCache's "no CPU cache").
 TRANSFER_ARENA_GB = 1.0
 MAX_SECONDS = 7 * 86400.0  # longer waits are mistakes (and overflow thread/socket timeouts)
+# Ceilings derived from what each value does; above them a value is a typo or a unit mistake.
+# Segments: below 64 KiB the per-command round trips dominate; Redis holds at most 512 MiB in
+# one string (proto-max-bulk-len).
+SEGMENT_MB_RANGE = (0.0625, 512.0)
+# Each queued write holds an arena chunk until written; no arena holds more chunks than this.
+MAX_WRITE_QUEUE_CHUNKS = 65536
+# Upper bounds, by key: a request's wait for its load (recompute is faster than a minute's
+# wait), the per-token budget (10 ms/token reaches 60 s at 6K tokens), `wait_complete`'s cap,
+# the drain at close/flush, and one Redis socket operation.
+MAX_BY_KEY = {"prefetch_timeout_base_ms": 60_000.0, "prefetch_timeout_per_token_ms": 10.0,
+              "prefetch_wait_complete_max_ms": 600_000.0, "blocking_timeout_secs": 3600.0,
+              "remote_timeout_secs": 600.0}
 
 
 def physical_memory_bytes() -> int:
@@ -137,24 +153,23 @@ def _validate_numbers(cfg: Config) -> None:
                 "prefetch_wait_complete_max_ms"):
         if getattr(cfg, key) < 0:
             raise _fail(src, key, f"must not be negative, got {getattr(cfg, key)}")
-    for key, limit in (("blocking_timeout_secs", MAX_SECONDS),
-                       ("remote_timeout_secs", MAX_SECONDS),
-                       ("prefetch_timeout_base_ms", MAX_SECONDS * 1e3),
-                       ("prefetch_timeout_per_token_ms", MAX_SECONDS * 1e3),
-                       ("prefetch_wait_complete_max_ms", MAX_SECONDS * 1e3)):
+    for key, limit in MAX_BY_KEY.items():
         if getattr(cfg, key) > limit:
-            raise _fail(src, key, f"must be at most {limit:g}, got {getattr(cfg, key)}")
+            raise _fail(src, key, f"must be at most {limit:g}, got {getattr(cfg, key):g}")
     if cfg.selective_write_threshold < 1:
         raise _fail(src, "selective_write_threshold",
                     f"must be >= 1, got {cfg.selective_write_threshold}")
-    if cfg.write_queue_chunks < 1:
-        raise _fail(src, "write_queue_chunks", f"must be >= 1, got {cfg.write_queue_chunks}")
+    if not 1 <= cfg.write_queue_chunks <= MAX_WRITE_QUEUE_CHUNKS:
+        raise _fail(src, "write_queue_chunks", f"must be in 1..{MAX_WRITE_QUEUE_CHUNKS}, got "
+                    f"{cfg.write_queue_chunks}")
     if cfg.remote_ttl_secs is not None and not 0 < cfg.remote_ttl_secs <= 2**31:
         raise _fail(src, "remote_ttl_secs", f"must be in 1..2**31, got {cfg.remote_ttl_secs}")
     if cfg.remote_timeout_secs <= 0:
         raise _fail(src, "remote_timeout_secs", f"must be > 0, got {cfg.remote_timeout_secs}")
-    if not 0 < cfg.remote_segment_mb <= 512:
-        raise _fail(src, "remote_segment_mb", f"must be in (0, 512], got {cfg.remote_segment_mb}")
+    low, high = SEGMENT_MB_RANGE
+    if not low <= cfg.remote_segment_mb <= high:
+        raise _fail(src, "remote_segment_mb", f"must be in [{low:g}, {high:g}] (MiB: 64 KiB to "
+                    f"Redis's 512 MiB string limit), got {cfg.remote_segment_mb:g}")
     if cfg.metrics_port is not None and not 1 <= cfg.metrics_port <= 65535:
         raise _fail(src, "metrics_port", f"must be in 1..65535 or null, got {cfg.metrics_port}")
     if not 0.0 <= cfg.max_session_pinned_fraction < 1.0:
@@ -209,7 +224,7 @@ def _validate_tiers(cfg: Config) -> None:
 
 def _check_local_disk(value: str) -> None:
     parts = [p.strip() for p in value.split(",")]
-    if len(parts) > 1 and all(p.startswith(("file://", "/")) for p in parts[1:]):
+    if len(parts) > 1 and all(p.startswith(("file://", "/", "~")) for p in parts[1:]):
         raise _fail("config", "local_disk",
                     f"several disks ({value!r}) are not supported: kvtier keeps one directory "
                     "(pick one, or put the disks behind one mount)")
@@ -240,3 +255,131 @@ def _check_remote_url(url: str) -> None:
         parse_remote_url(url)
     except ConfigError as exc:
         raise ConfigError(f"config: {exc}") from None
+
+
+# ---- host checks: the machine this runs on ------------------------------------------------
+# These depend on the host, and a file may be written for another one: `kvtier check-config`
+# prints them as warnings, the launch (`check_host`) refuses.
+
+CGROUP_ROOT = "/sys/fs/cgroup"
+# Disk headroom kept free for everything else on the filesystem: 5% of it, at most 1 GB (ext4
+# already holds back 5% for root, outside the free space counted here).
+DISK_RESERVE_FRACTION = 0.05
+DISK_RESERVE_BYTES = 10**9
+MAX_DISK_WALK = 200_000  # entries; a larger directory is not summed (and the check skipped)
+
+
+def cgroup_memory_limit(path: str | os.PathLike[str] | None = None) -> int | None:
+    """The cgroup v2 memory limit in bytes, or None for none.
+
+    `path`: the `memory.max` file to read. Default: this process's cgroup (from
+    /proc/self/cgroup) and each ancestor up to /sys/fs/cgroup; the smallest limit wins. "max",
+    a missing or an unreadable file mean no limit."""
+    files = [Path(path)] if path is not None else _own_memory_max_files()
+    limits = []
+    for file in files:
+        try:
+            text = file.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            limits.append(int(text))
+    return min(limits, default=None)
+
+
+def _own_memory_max_files() -> list[Path]:
+    root = Path(CGROUP_ROOT)
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        lines = []
+    own = root / next((line[3:] for line in lines if line.startswith("0::")), "/").lstrip("/")
+    return [d / "memory.max" for d in (own, *own.parents) if d.is_relative_to(root)]
+
+
+def memory_problem(cfg: Config, *, local_ranks: int = 1,
+                   cgroup_path: str | os.PathLike[str] | None = None) -> str | None:
+    """Why `local_ranks` arenas of `max_local_cpu_size` (each TP rank on this host allocates
+    its own) do not fit this host's memory, the smaller of physical memory and the cgroup v2
+    limit (`cgroup_memory_limit(cgroup_path)`); None when they fit. No headroom beyond that,
+    as for one arena in `validate`."""
+    if local_ranks < 1:
+        raise ValueError(f"local_ranks must be >= 1, got {local_ranks}")
+    limit, what = physical_memory_bytes(), "physical memory"
+    cgroup = cgroup_memory_limit(cgroup_path)
+    if cgroup is not None and cgroup < limit:
+        limit, what = cgroup, "cgroup memory limit (memory.max)"
+    need = cfg.max_local_cpu_size * 1e9 * local_ranks
+    if need <= limit:
+        return None
+    return (f"max_local_cpu_size: {cfg.max_local_cpu_size:g} GB x {local_ranks} local rank(s) "
+            f"= {need / 1e9:.2f} GB of arenas (each TP rank allocates its own) is more than "
+            f"this host's {what} of {limit / 1e9:.2f} GB: at most "
+            f"{limit / local_ranks / 1e9:.2f} GB per rank")
+
+
+def _bytes_under(root: Path) -> int | None:
+    """Total size of the regular files under `root` (0 if it does not exist), or None past
+    `MAX_DISK_WALK` entries. Symlinks are neither followed nor counted."""
+    total, seen, stack = 0, 0, [root]
+    while stack:
+        try:
+            with os.scandir(stack.pop()) as entries:
+                for entry in entries:
+                    seen += 1
+                    if seen > MAX_DISK_WALK:
+                        return None
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append(Path(entry.path))
+                    elif entry.is_file(follow_symlinks=False):
+                        total += entry.stat(follow_symlinks=False).st_size
+        except OSError:
+            continue  # missing or unreadable: nothing of ours to count there
+    return total
+
+
+def disk_problem(cfg: Config) -> str | None:
+    """Why `max_local_disk_size` does not fit the filesystem of `local_disk` (of its nearest
+    existing parent when it does not exist yet): it may use the free space plus what is
+    already stored under it, less a reserve (`DISK_RESERVE_*`). None when it fits, when there
+    is no disk tier, or when this cannot be judged cheaply (statvfs fails, huge directory)."""
+    if cfg.local_disk_path is None:
+        return None
+    root = Path(os.path.abspath(cfg.local_disk_path))
+    existing = root
+    while not os.path.exists(existing) and existing != existing.parent:
+        existing = existing.parent
+    try:
+        st = os.statvfs(existing)
+    except OSError:
+        return None
+    held = _bytes_under(root)
+    if held is None:
+        return None
+    free, reserve = st.f_bavail * st.f_frsize, min(DISK_RESERVE_FRACTION * st.f_blocks
+                                                    * st.f_frsize, DISK_RESERVE_BYTES)
+    room = free + held - reserve
+    if cfg.max_local_disk_size * 1e9 <= room:
+        return None
+    return (f"max_local_disk_size: {cfg.max_local_disk_size:g} GB is more than the filesystem "
+            f"of {existing} can give the disk tier: {free / 1e9:.2f} GB free + "
+            f"{held / 1e9:.2f} GB already under {root} - {reserve / 1e9:.2f} GB kept free = "
+            f"at most {max(room, 0) / 1e9:.2f} GB")
+
+
+def host_problems(cfg: Config, *, local_ranks: int = 1,
+                  cgroup_path: str | os.PathLike[str] | None = None) -> list[str]:
+    """What about `cfg` does not fit this host (`memory_problem`, `disk_problem`), each
+    message starting with the key; empty when all fits. Reads only, never writes."""
+    found = (memory_problem(cfg, local_ranks=local_ranks, cgroup_path=cgroup_path),
+             disk_problem(cfg))
+    return [p for p in found if p]
+
+
+def check_host(cfg: Config, *, local_ranks: int = 1,
+               cgroup_path: str | os.PathLike[str] | None = None) -> None:
+    """`ConfigError` with every `host_problems` message, for the launch to refuse before any
+    worker starts or anything is written."""
+    problems = host_problems(cfg, local_ranks=local_ranks, cgroup_path=cgroup_path)
+    if problems:
+        raise ConfigError("; ".join(problems))

@@ -93,9 +93,11 @@ def test_password_and_acl_user_work_and_wrong_password_fails_at_start(
     redis_auth_server: RedisProcess, make_backend: Callable[..., RedisBackend],
 ) -> None:
     port = redis_auth_server.port
-    keys = make_keys(32)
-    expected = _put(make_backend(redis_auth_server.url, remote_segment_mb=0.0005), keys)
-    acl = make_backend(f"redis://kvuser:kvpass@127.0.0.1:{port}", remote_segment_mb=0.0005)
+    keys = make_keys(32, layout=MID)
+    expected = _put(make_backend(redis_auth_server.url, layout=MID,
+                                 remote_segment_mb=SEGMENT_MB), keys)
+    acl = make_backend(f"redis://kvuser:kvpass@127.0.0.1:{port}", layout=MID,
+                       remote_segment_mb=SEGMENT_MB)
     _check(acl, keys, expected)
     for url in (f"redis://:wrong-pw@127.0.0.1:{port}", f"redis://kvuser:nope-pw@127.0.0.1:{port}",
                 f"redis://127.0.0.1:{port}"):

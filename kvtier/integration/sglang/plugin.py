@@ -132,11 +132,14 @@ def _check_launch(config: Config, args: argparse.Namespace) -> None:
     source = os.environ.get("KVTIER_CONFIG_FILE") or os.environ.get("LMCACHE_CONFIG_FILE") \
         or "kvtier defaults"
     from kvtier.backends import check_dependencies
+    from kvtier.config_checks import check_host
 
     try:
         check_page_size(config, int(getattr(args, "page_size", None) or 1))
         for tier in config.tiers:
             check_dependencies(tier)
+        # Memory (every TP rank's arena, cgroup limit) and disk space: refused at launch.
+        check_host(config, local_ranks=int(getattr(args, "tp_size", None) or 1))
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
     for flag in ("enable_hierarchical_cache", "disable_radix_cache"):
