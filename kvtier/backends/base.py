@@ -16,6 +16,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from kvtier.config import Config
 from kvtier.keys import ChunkKey
@@ -38,6 +39,14 @@ class BackendContext:
     def allocate(self, num_tokens: int) -> MemoryObj | None:
         """A fresh object for `num_tokens` tokens, or None when the arena is full."""
         return self.allocator.allocate(self.layout, num_tokens)
+
+    @cached_property
+    def record_key(self) -> bytes | None:
+        """The key records are authenticated with (`record_key_file`, read once), or None.
+        `ConfigError` if the file cannot be read or holds too short a key."""
+        from kvtier.backends.record import load_record_key
+
+        return load_record_key(self.config.record_key_file)
 
 
 class StorageBackend(ABC):

@@ -44,7 +44,7 @@ from pathlib import Path
 
 from kvtier.backends import recordfile as rf
 from kvtier.backends.base import BackendContext, StorageBackend
-from kvtier.backends.record import expected_header_len
+from kvtier.backends.record import ForgedEntry, expected_header_len
 from kvtier.errors import ConfigError, CorruptEntry
 from kvtier.keys import ChunkKey
 from kvtier.memory import MemoryObj
@@ -54,7 +54,7 @@ __all__ = ["DiskBackend"]
 
 logger = logging.getLogger(__name__)
 
-_COUNTERS = ("hits", "misses", "puts", "put_bytes", "evictions", "corrupt", "vanished",
+_COUNTERS = ("hits", "misses", "puts", "put_bytes", "evictions", "corrupt", "forged", "vanished",
              "adopted", "write_errors", "write_dropped", "read_errors", "alloc_failures",
              "stale_tmp_removed", "not_regular")
 READ_AHEAD = 4  # chunk reads in flight per batch: keeps the device queue busy while a chunk
@@ -74,6 +74,7 @@ class DiskBackend(StorageBackend):
         self._dirs = rf.RecordDirs(self.root)
         self.capacity = int(ctx.config.max_local_disk_size * 1e9)
         self._ctx = ctx
+        self._mac_key = ctx.record_key
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()  # file stem -> size, LRU first
         self._bytes = 0
@@ -261,7 +262,8 @@ class DiskBackend(StorageBackend):
                 self._read_error(path, exc)
             return None
         try:
-            obj = rf.read_record(fd, st.st_size, key, self._ctx.layout, self._ctx.allocate)
+            obj = rf.read_record(fd, st.st_size, key, self._ctx.layout, self._ctx.allocate,
+                                 self._mac_key)
             if obj is None:
                 self._count("alloc_failures")
             else:
@@ -303,7 +305,7 @@ class DiskBackend(StorageBackend):
     def _discard(self, name: str, path: Path, st: os.stat_result, exc: CorruptEntry) -> None:
         """Delete a corrupt record, unless a writer has replaced it meanwhile."""
         with self._lock:
-            self._counts.inc("corrupt")
+            self._counts.inc("forged" if isinstance(exc, ForgedEntry) else "corrupt")
             self._forget_locked(name)
             with contextlib.suppress(OSError):
                 now = os.stat(path)
@@ -348,7 +350,8 @@ class DiskBackend(StorageBackend):
         tmp = rf.temp_path(path)
         written = committed = False
         try:
-            rf.write_temp(self._dirs, name, tmp, key, obj, stamp)  # leaves nothing on failure
+            # leaves nothing on failure
+            rf.write_temp(self._dirs, name, tmp, key, obj, stamp, self._mac_key)
             written = True
             with self._lock:
                 if not self._closed:

@@ -5,44 +5,69 @@ Layout (all integers little-endian)::
     fixed prefix (FIXED_SIZE bytes)
         magic b"KVTR" | version u16 | header_len u32 | fmt u8 | dtype 8s (stable name, NUL-padded)
         | shape 4 x u32 | payload_len u64 | segment_bytes u32 | num_tokens u32 | key_len u16
-        | payload checksum u64 | header checksum u64
+        | flags u8 | payload checksum u64 | header checksum u64
     key string (utf-8, key_len bytes)
-    the chunk's own token ids (num_tokens x u32)
+    token digest (32 bytes): SHA-256 of the key string and the chunk's token ids
+    MAC (32 bytes): HMAC-SHA256 of the payload and the header before it, when flags has
+        `AUTHENTICATED`; zeros otherwise
     payload (payload_len bytes; segment_bytes > 0 means a reader may find it stored in pieces)
 
 The header checksum (xxh3_64) covers every header byte except itself; the payload checksum
 (xxh3_64) covers the payload. `parse_header` validates every field against the requested key
 and the engine's layout, so nothing that fails validation ever reaches the arena and a digest
-collision can never load another prompt's KV. Every failure is a `CorruptEntry` whose message
-names the field. No pickle: a record is plain bytes any version of kvtier can reject safely.
+collision can never load another prompt's KV. The token ids themselves are not stored: the
+digest verifies them without telling a reader of the record what the prompt was.
+
+Checksums catch accidents, not a neighbour who can write the tier: with a record key (a secret
+shared by the instances, `record_key_file`), every record carries a MAC, and a reader holding
+the key loads only records whose MAC verifies (anything else is a `ForgedEntry`). Every failure
+is a `CorruptEntry` whose message names the field. No pickle: a record is plain bytes any
+version of kvtier can reject safely (version 1 records are rejected by their version).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import logging
+import os
+import stat
 import struct
 from typing import NamedTuple
 
 import xxhash
 
-from kvtier.errors import CorruptEntry
+from kvtier.errors import ConfigError, CorruptEntry
 from kvtier.keys import ChunkKey
 from kvtier.memory import DTYPES, KVLayout, MemoryFormat, MemoryObj, dtype_name
 
 __all__ = [
-    "MAGIC", "VERSION", "FIXED_SIZE", "RecordHeader", "encode_header", "header_len",
-    "parse_header", "payload_checksum", "payload_hasher", "verify_payload", "expected_header_len",
+    "MAGIC", "VERSION", "FIXED_SIZE", "RecordHeader", "Seal", "ForgedEntry", "encode_header",
+    "header_len", "parse_header", "payload_checksum", "verify_payload", "expected_header_len",
+    "token_digest", "MIN_KEY_BYTES", "load_record_key",
 ]
 
+logger = logging.getLogger(__name__)
+
 MAGIC = b"KVTR"
-VERSION = 1
-_FIXED = struct.Struct("<4sHIB8s4IQIIHQQ")
+VERSION = 2
+_FIXED = struct.Struct("<4sHIB8s4IQIIHBQQ")
 FIXED_SIZE: int = _FIXED.size
 _CHECKED = FIXED_SIZE - 8  # the header checksum is the fixed prefix's last 8 bytes
+DIGEST = 32
+MAC = 32
+AUTHENTICATED = 1  # flags bit: the MAC field holds a MAC
+MIN_KEY_BYTES = 16  # a record key shorter than this is refused
 # Plausibility bounds: they keep a corrupt length field from making a reader allocate or read
 # absurd amounts before the checksum has been verified.
 MAX_KEY_LEN = 4096
 MAX_TOKENS = 1 << 20
 _FORMATS = {int(f) for f in MemoryFormat}
+
+
+class ForgedEntry(CorruptEntry):
+    """A record whose MAC is missing or wrong, read by an instance that holds the record key:
+    someone who can write the tier but does not hold the key made it (or changed it)."""
 
 
 class RecordHeader(NamedTuple):
@@ -56,7 +81,8 @@ class RecordHeader(NamedTuple):
     segment_bytes: int
     checksum: int  # of the payload
     key: str
-    tokens: bytes
+    mac: bytes  # b"" when the record is not authenticated
+    signed: bytes  # the header bytes the MAC covers (after the payload)
 
 
 def payload_checksum(view: memoryview | bytes) -> int:
@@ -64,29 +90,82 @@ def payload_checksum(view: memoryview | bytes) -> int:
     return xxhash.xxh3_64_intdigest(view)
 
 
-def payload_hasher() -> xxhash.xxh3_64:
-    """A streaming payload checksum: `update()` with the payload's pieces in order, then
-    `intdigest()` equals `payload_checksum` of the whole. Lets I/O code hash each piece while
-    it is still in the CPU cache, just before writing it or just after reading it."""
-    return xxhash.xxh3_64()
+class Seal:
+    """A payload's checksum, and its MAC when `mac_key` is given, computed piece by piece:
+    `update()` with the payload's pieces in order, so I/O code hashes each piece while it is
+    still in the CPU cache, just before writing it or just after reading it."""
+
+    def __init__(self, mac_key: bytes | None = None):
+        self._sum = xxhash.xxh3_64()
+        self._mac = hmac.new(mac_key, digestmod=hashlib.sha256) if mac_key else None
+
+    def update(self, piece: memoryview | bytes) -> None:
+        self._sum.update(piece)
+        if self._mac is not None:
+            self._mac.update(piece)
+
+    @property
+    def checksum(self) -> int:
+        return int(self._sum.intdigest())
+
+    def mac(self, signed: bytes) -> bytes:
+        """The MAC of the payload so far followed by `signed` (header bytes); b"" without a
+        key."""
+        if self._mac is None:
+            return b""
+        final = self._mac.copy()
+        final.update(signed)
+        return final.digest()
+
+
+def load_record_key(path: str | None) -> bytes | None:
+    """The record key in file `path` (surrounding whitespace dropped); None without a path.
+
+    Raises:
+        ConfigError: naming `record_key_file` (never the key) when the file cannot be read or
+            holds fewer than `MIN_KEY_BYTES` bytes.
+    """
+    if not path:
+        return None
+    full = os.path.expanduser(path)
+    try:
+        with open(full, "rb") as f:
+            data = f.read(1 << 16).strip()
+            mode = os.fstat(f.fileno()).st_mode
+    except OSError as exc:
+        raise ConfigError(f"record_key_file: cannot read {path!r}: "
+                          f"{exc.strerror or exc}") from None
+    if len(data) < MIN_KEY_BYTES:
+        raise ConfigError(f"record_key_file: {path!r} holds {len(data)} bytes; a record key "
+                          f"needs at least {MIN_KEY_BYTES} (e.g. `head -c 32 /dev/urandom | "
+                          f"base64 > {path}`)")
+    if mode & (stat.S_IRGRP | stat.S_IROTH):
+        logger.warning("kvtier: record_key_file %s is readable by other users; anyone who "
+                       "reads it can forge records (chmod 600 it)", path)
+    return data
+
+
+def token_digest(key: ChunkKey) -> bytes:
+    """What a record stores to verify `key.tokens` (never the tokens themselves)."""
+    return hashlib.sha256(key.key.encode() + b"\0" + key.tokens).digest()
 
 
 def expected_header_len(key: ChunkKey) -> int:
     """The exact header length of a record stored under `key`."""
-    return FIXED_SIZE + len(key.key.encode()) + len(key.tokens)
+    return FIXED_SIZE + len(key.key.encode()) + DIGEST + MAC
 
 
-def encode_header(
-    key: ChunkKey, obj: MemoryObj, *, segment_bytes: int = 0, checksum: int | None = None
-) -> bytes:
+def encode_header(key: ChunkKey, obj: MemoryObj, *, segment_bytes: int = 0,
+                  seal: Seal | None = None, mac_key: bytes | None = None) -> bytes:
     """The header of a record holding `obj` under `key`.
 
     Args:
         key: the chunk key; its token count must equal `obj.num_tokens`.
         obj: the payload (read, never modified).
         segment_bytes: 0, or the segment size the payload is stored in (Redis).
-        checksum: the payload checksum when the caller computed it already (e.g. overlapped
-            with I/O); computed from `obj.byte_view()` when None.
+        seal: the payload's `Seal` when the caller computed it already (e.g. overlapped with
+            I/O); computed from `obj.byte_view()` (with `mac_key`) when None.
+        mac_key: the record key; with it the record is authenticated.
 
     Raises:
         ValueError: naming `key`, `obj` or `segment_bytes` when they cannot form a record.
@@ -103,15 +182,21 @@ def encode_header(
     shape = tuple(obj.tensor.shape)
     if len(shape) != 4:
         raise ValueError(f"obj: tensor must be 4-D, got shape {shape}")
-    if checksum is None:
-        checksum = payload_checksum(obj.byte_view())
-    hlen = FIXED_SIZE + len(key_bytes) + len(key.tokens)
+    if seal is None:
+        seal = Seal(mac_key)
+        seal.update(obj.byte_view())
+    hlen = expected_header_len(key)
     dtype = dtype_name(obj.tensor.dtype).encode()
     prefix = _FIXED.pack(MAGIC, VERSION, hlen, int(obj.fmt), dtype, *shape, obj.nbytes,
-                         segment_bytes, key.num_tokens, len(key_bytes), checksum, 0)
-    body = key_bytes + key.tokens
-    hsum = xxhash.xxh3_64_intdigest(prefix[:_CHECKED] + body)
-    return prefix[:_CHECKED] + struct.pack("<Q", hsum) + body
+                         segment_bytes, key.num_tokens, len(key_bytes),
+                         AUTHENTICATED if mac_key else 0, seal.checksum, 0)[:_CHECKED]
+    signed = prefix + key_bytes + token_digest(key)
+    mac = seal.mac(signed) if mac_key else b"\0" * MAC
+    if len(mac) != MAC:
+        raise ValueError("seal: made without the record key it is used with")
+    body = key_bytes + token_digest(key) + mac
+    hsum = xxhash.xxh3_64_intdigest(prefix + body)
+    return prefix + struct.pack("<Q", hsum) + body
 
 
 def header_len(prefix: bytes | memoryview) -> int:
@@ -131,7 +216,7 @@ def header_len(prefix: bytes | memoryview) -> int:
         raise CorruptEntry(f"version: {version} != {VERSION}")
     if not 0 < key_len <= MAX_KEY_LEN or num_tokens > MAX_TOKENS:
         raise CorruptEntry(f"key_len/num_tokens: implausible {key_len}/{num_tokens}")
-    if hlen != FIXED_SIZE + key_len + 4 * num_tokens:
+    if hlen != FIXED_SIZE + key_len + DIGEST + MAC:
         raise CorruptEntry(f"header_len: {hlen} disagrees with key_len and num_tokens")
     return hlen
 
@@ -147,7 +232,7 @@ def read_key(head: bytes | memoryview) -> str:
     if len(head) < hlen:
         raise CorruptEntry(f"short header: {len(head)} < {hlen} bytes")
     fields = _FIXED.unpack_from(head)
-    key_len, hsum = fields[12], fields[14]
+    key_len, hsum = fields[12], fields[15]
     raw = bytes(head[:hlen])
     if xxhash.xxh3_64_intdigest(raw[:_CHECKED] + raw[FIXED_SIZE:]) != hsum:
         raise CorruptEntry("header checksum mismatch")
@@ -168,7 +253,7 @@ def parse_header(buf: bytes | memoryview, key: ChunkKey, layout: KVLayout) -> Re
     if len(buf) < hlen:
         raise CorruptEntry(f"short header: {len(buf)} < {hlen} bytes")
     (_, _, _, fmt, dtype_raw, s0, s1, s2, s3, payload_len, segment_bytes, num_tokens, key_len,
-     checksum, hsum) = _FIXED.unpack_from(buf)
+     flags, checksum, hsum) = _FIXED.unpack_from(buf)
     head = bytes(buf[:hlen])
     if xxhash.xxh3_64_intdigest(head[:_CHECKED] + head[FIXED_SIZE:]) != hsum:
         raise CorruptEntry("header checksum mismatch")
@@ -178,8 +263,9 @@ def parse_header(buf: bytes | memoryview, key: ChunkKey, layout: KVLayout) -> Re
     n = key.num_tokens
     if num_tokens != n:
         raise CorruptEntry(f"num_tokens: {num_tokens} != {n}")
-    if head[key_end:] != key.tokens:
-        raise CorruptEntry("tokens: stored token ids differ from the requested ones")
+    digest_end = key_end + DIGEST
+    if not hmac.compare_digest(head[key_end:digest_end], token_digest(key)):
+        raise CorruptEntry("tokens: the record was stored for other token ids")
     if fmt not in _FORMATS or fmt != layout.fmt:
         raise CorruptEntry(f"fmt: {fmt} != {int(layout.fmt)}")
     dtype = dtype_raw.rstrip(b"\0").decode("ascii", "replace")
@@ -190,17 +276,29 @@ def parse_header(buf: bytes | memoryview, key: ChunkKey, layout: KVLayout) -> Re
         raise CorruptEntry(f"shape: {shape} != {layout.shape(n)}")
     if payload_len != layout.nbytes(n):
         raise CorruptEntry(f"payload_len: {payload_len} != {layout.nbytes(n)}")
+    mac = head[digest_end:digest_end + MAC] if flags & AUTHENTICATED else b""
     return RecordHeader(hlen, MemoryFormat(fmt), dtype, shape, payload_len, segment_bytes,
-                        checksum, key.key, key.tokens)
+                        checksum, key.key, mac, head[:_CHECKED] + head[FIXED_SIZE:digest_end])
 
 
 def verify_payload(header: RecordHeader, view: memoryview | bytes, *,
-                   checksum: int | None = None) -> None:
-    """Raise `CorruptEntry` unless `view` is exactly the payload `header` describes.
+                   seal: Seal | None = None, mac_key: bytes | None = None) -> None:
+    """Raise `CorruptEntry` unless `view` is exactly the payload `header` describes, and
+    `ForgedEntry` if `mac_key` is given and the record's MAC is missing or wrong.
 
-    `checksum`: the payload's checksum when the caller computed it already (`payload_hasher`).
+    `seal`: the payload's `Seal` (made with `mac_key`) when the caller computed it already.
     """
     if len(view) != header.payload_len:
         raise CorruptEntry(f"payload_len: got {len(view)} bytes, expected {header.payload_len}")
-    if (payload_checksum(view) if checksum is None else checksum) != header.checksum:
+    if seal is None:
+        seal = Seal(mac_key)
+        seal.update(view)
+    if seal.checksum != header.checksum:
         raise CorruptEntry("payload checksum mismatch")
+    if mac_key:
+        if not header.mac:
+            raise ForgedEntry("mac: the record is not authenticated (written without the "
+                              "record key)")
+        if not hmac.compare_digest(seal.mac(header.signed), header.mac):
+            raise ForgedEntry("mac: does not verify (the record was made or changed without "
+                              "the record key)")

@@ -27,10 +27,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvtier.backends.record import (
+    Seal,
     encode_header,
     expected_header_len,
     parse_header,
-    payload_hasher,
     verify_payload,
 )
 from kvtier.errors import CorruptEntry
@@ -211,7 +211,7 @@ def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
 
 
 def write_temp(dirs: RecordDirs, name: str, tmp: str, key: ChunkKey, obj: MemoryObj,
-               stamp_ns: int) -> None:
+               stamp_ns: int, mac_key: bytes | None = None) -> None:
     """Write the record `name` of `obj` under `key` to the new file `tmp` (0600, in the
     record's directory), with mtime `stamp_ns`.
 
@@ -233,12 +233,12 @@ def write_temp(dirs: RecordDirs, name: str, tmp: str, key: ChunkKey, obj: Memory
     try:
         view = obj.byte_view()
         offset = expected_header_len(key)
-        hasher = payload_hasher()
+        seal = Seal(mac_key)
         for start in range(0, len(view), PIECE):
             piece = view[start : start + PIECE]
-            hasher.update(piece)
+            seal.update(piece)
             _pwrite_all(fd, piece, offset + start)
-        _pwrite_all(fd, encode_header(key, obj, checksum=hasher.intdigest()), 0)
+        _pwrite_all(fd, encode_header(key, obj, seal=seal, mac_key=mac_key), 0)
         os.utime(fd, ns=(stamp_ns, stamp_ns))
     except BaseException:
         with contextlib.suppress(OSError):  # in a checked directory: no redirect to fear
@@ -288,7 +288,8 @@ def open_record(dirs: RecordDirs, name: str) -> tuple[int, os.stat_result]:
 
 
 def read_record(fd: int, size: int, key: ChunkKey, layout: KVLayout,
-                allocate: Callable[[int], MemoryObj | None]) -> MemoryObj | None:
+                allocate: Callable[[int], MemoryObj | None],
+                mac_key: bytes | None = None) -> MemoryObj | None:
     """Read and verify the record in `fd` (`size` bytes) into a new arena object.
 
     Returns the object (the caller owns its one reference), or None when the arena is full.
@@ -306,16 +307,16 @@ def read_record(fd: int, size: int, key: ChunkKey, layout: KVLayout,
         return None
     try:
         view = obj.byte_view()
-        hasher = payload_hasher()
+        seal = Seal(mac_key)
         pos = 0
         while pos < len(view):  # piece by piece, each checksummed while still in the cache
             piece = view[pos : pos + PIECE]
             n = os.preadv(fd, [piece], header.header_len + pos)
             if n <= 0:
                 raise CorruptEntry(f"truncated: payload ends after {pos} of {len(view)} bytes")
-            hasher.update(piece[:n])
+            seal.update(piece[:n])
             pos += n
-        verify_payload(header, view, checksum=hasher.intdigest())
+        verify_payload(header, view, seal=seal, mac_key=mac_key)
     except BaseException:
         obj.release()
         raise

@@ -8,10 +8,12 @@ validate-then-copy path) and checks that the only outcomes are an exact payload 
 from __future__ import annotations
 
 import struct
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -25,7 +27,7 @@ from kvtier.backends.record import (
     payload_checksum,
     verify_payload,
 )
-from kvtier.errors import CorruptEntry
+from kvtier.errors import ConfigError, CorruptEntry
 from kvtier.keys import ChunkKey
 from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj, lease
 from tests.helpers import SMALL_MHA, SMALL_MLA, make_keys, make_obj
@@ -110,25 +112,75 @@ def test_round_trip(layout: KVLayout) -> None:
         assert head.header_len == record.expected_header_len(key)
         assert head.fmt is layout.fmt and head.shape == layout.shape(5)
         assert head.payload_len == obj.nbytes and head.segment_bytes == 4096
-        assert head.key == key.key and head.tokens == key.tokens
+        assert head.key == key.key and head.mac == b""
+        assert key.tokens not in buf[: head.header_len]  # verified by digest, never stored
         assert head.checksum == payload_checksum(obj.byte_view())
         verify_payload(head, memoryview(buf)[head.header_len :])
         assert _try_read(buf, key, layout) == bytes(obj.byte_view())
 
 
-def test_precomputed_checksum_gives_the_same_header() -> None:
+def test_a_precomputed_seal_gives_the_same_header() -> None:
     key = _key(SMALL_MHA, 3, seed=3)
     with lease([_filled(SMALL_MHA, 3, seed=4)]) as (obj,):
-        assert encode_header(key, obj) == encode_header(
-            key, obj, checksum=payload_checksum(obj.byte_view()))
+        for mac_key in (None, MAC_KEY):
+            seal = record.Seal(mac_key)
+            view = obj.byte_view()
+            for start in range(0, len(view), 7):  # streamed in pieces
+                seal.update(view[start : start + 7])
+            assert encode_header(key, obj, mac_key=mac_key) == encode_header(
+                key, obj, seal=seal, mac_key=mac_key)
+            assert seal.checksum == payload_checksum(view)
 
 
-def test_streamed_checksum_equals_the_one_shot_checksum() -> None:
-    data = np.random.default_rng(0).integers(0, 256, 3 * 4096 + 123, dtype=np.uint8).tobytes()
-    hasher = record.payload_hasher()
-    for start in range(0, len(data), 1000):
-        hasher.update(data[start : start + 1000])
-    assert hasher.intdigest() == payload_checksum(data)
+MAC_KEY = b"a shared secret, 32 bytes long.."
+
+
+def _verify(buf: bytes | bytearray, key: ChunkKey, mac_key: bytes | None) -> None:
+    head = parse_header(buf, key, SMALL_MHA)
+    verify_payload(head, memoryview(bytes(buf))[head.header_len :], mac_key=mac_key)
+
+
+def test_an_authenticated_record_loads_only_with_its_key() -> None:
+    key = _key(SMALL_MHA, 4, seed=9)
+    with lease([_filled(SMALL_MHA, 4, seed=10)]) as (obj,):
+        signed = _record(key, obj, mac_key=MAC_KEY)
+        plain = _record(key, obj)
+        payload = bytes(obj.byte_view())
+    assert len(signed) == len(plain)  # one format: readers without the key read both
+    _verify(signed, key, MAC_KEY)
+    _verify(signed, key, None)
+    with pytest.raises(record.ForgedEntry, match="not authenticated"):
+        _verify(plain, key, MAC_KEY)
+    with pytest.raises(record.ForgedEntry, match="does not verify"):
+        _verify(signed, key, b"another secret of enough length!")
+    # A neighbour who can write the tier but has no key: right key, right checksums, own
+    # payload, the MAC of the genuine record copied over.
+    forged = bytearray(signed)
+    hlen = header_len(signed)
+    forged[hlen:] = bytes(b ^ 0xFF for b in payload)
+    checksum_at = FIXED_SIZE - 16
+    forged[checksum_at : checksum_at + 8] = struct.pack("<Q", payload_checksum(forged[hlen:]))
+    fixed = bytes(forged[: FIXED_SIZE - 8])
+    hsum = xxhash.xxh3_64_intdigest(fixed + bytes(forged[FIXED_SIZE:hlen]))
+    forged[FIXED_SIZE - 8 : FIXED_SIZE] = struct.pack("<Q", hsum)
+    _verify(forged, key, None)  # checksums alone cannot tell
+    with pytest.raises(record.ForgedEntry):
+        _verify(forged, key, MAC_KEY)
+
+
+def test_a_record_key_file_is_read_and_checked(tmp_path: Path) -> None:
+    good = tmp_path / "key"
+    good.write_bytes(MAC_KEY + b"\n")
+    good.chmod(0o600)
+    assert record.load_record_key(str(good)) == MAC_KEY
+    assert record.load_record_key(None) is None
+    short = tmp_path / "short"
+    short.write_bytes(b"tiny")
+    with pytest.raises(ConfigError, match="record_key_file.*at least 16") as err:
+        record.load_record_key(str(short))
+    assert "tiny" not in str(err.value)
+    with pytest.raises(ConfigError, match="record_key_file.*cannot read"):
+        record.load_record_key(str(tmp_path / "missing"))
 
 
 def _mismatch_cases() -> list[tuple[str, ChunkKey, KVLayout]]:
@@ -251,14 +303,14 @@ def test_fuzz_random_bytes(data: bytes, layout: KVLayout, num_tokens: int) -> No
                         st.binary(min_size=8, max_size=8),
                         st.lists(st.integers(0, 2**32 - 1), min_size=4, max_size=4),
                         st.integers(0, 2**64 - 1), st.integers(0, 2**32 - 1),
-                        st.integers(0, 64), st.integers(0, 2**16 - 1), st.integers(0, 2**64 - 1),
-                        st.integers(0, 2**64 - 1)),
+                        st.integers(0, 64), st.integers(0, 2**16 - 1), st.integers(0, 255),
+                        st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1)),
        tail=st.binary(max_size=800))
 def test_fuzz_plausible_prefixes(fields: tuple, tail: bytes) -> None:  # type: ignore[type-arg]
     """Records with the right magic and version but arbitrary other fields."""
-    hlen, fmt, dtype, shape, plen, seg, ntok, klen, csum, hsum = fields
-    prefix = struct.pack("<4sHIB8s4IQIIHQQ", b"KVTR", 1, hlen, fmt, dtype, *shape, plen, seg,
-                         ntok, klen, csum, hsum)
+    hlen, fmt, dtype, shape, plen, seg, ntok, klen, flags, csum, hsum = fields
+    prefix = struct.pack("<4sHIB8s4IQIIHBQQ", b"KVTR", record.VERSION, hlen, fmt, dtype, *shape,
+                         plen, seg, ntok, klen, flags, csum, hsum)
     assert len(prefix) == FIXED_SIZE
     assert _try_read(prefix + tail, _key(SMALL_MHA, 2, 0), SMALL_MHA) is None
 

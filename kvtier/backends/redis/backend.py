@@ -28,7 +28,7 @@ _TIER_ERRORS = (RedisError, RedisClusterException, OSError)
 # Reply bytes requested ahead per connection in a batch_get. Split reads want a few MiB: Redis
 # then reuses warm reply buffers (2-16 MiB measured alike); MGETs want two 32 MiB chunks.
 _WINDOW = {True: 4 << 20, False: 64 << 20}
-_STATS = ("hits", "misses", "puts", "write_errors", "corrupt", "segment_mismatches",
+_STATS = ("hits", "misses", "puts", "write_errors", "corrupt", "forged", "segment_mismatches",
           "alloc_failures", "errors", "skipped_down", "down_events", "bytes_read",
           "bytes_written", "rereads")
 
@@ -49,6 +49,7 @@ class RedisBackend(StorageBackend):
             raise ConfigError("remote_url: the redis tier needs a redis:// ... URL")
         self._target = parse_remote_url(cfg.remote_url)
         self._ctx = ctx
+        self._mac_key = ctx.record_key
         self._ttl = cfg.remote_ttl_secs
         self._timeout = cfg.remote_timeout_secs
         self._seg = max(1, int(cfg.remote_segment_mb * (1 << 20)))
@@ -166,7 +167,8 @@ class RedisBackend(StorageBackend):
                 order.append((stream, rkeys))
             for k, (stream, rkeys) in zip(keys, order):
                 try:
-                    obj = rio.read_record(stream, k, layout, len(rkeys), allocate)
+                    obj = rio.read_record(stream, k, layout, len(rkeys), allocate,
+                                          self._mac_key)
                 except (CorruptEntry, rio.ReplyError, rio.ArenaFull) as exc:
                     obj = self._after_failed_read(stream, k, rkeys, exc, bad)
                     if obj is not None:
@@ -199,7 +201,7 @@ class RedisBackend(StorageBackend):
             self._health.count("rereads")
             try:
                 return rio.read_atomic(stream.client, key, rkeys, self._ctx.layout,
-                                       self._ctx.allocate)
+                                       self._ctx.allocate, self._mac_key)
             except (CorruptEntry, rio.ReplyError, rio.ArenaFull) as again:
                 exc = again
         if self._get_failed(key, exc):
@@ -219,8 +221,10 @@ class RedisBackend(StorageBackend):
         if isinstance(exc, rio.ReplyError) and not str(exc).startswith("WRONGTYPE"):
             self._reply_error("get", exc)
             return False
-        self._health.count("corrupt")  # WRONGTYPE: a non-string value is not our record
-        self._health.warn("corrupt", "%s: %s; deleted", key.key, exc)
+        # (WRONGTYPE: a non-string value is not our record either)
+        forged = isinstance(exc, record.ForgedEntry)
+        self._health.count("forged" if forged else "corrupt")
+        self._health.warn("forged" if forged else "corrupt", "%s: %s; deleted", key.key, exc)
         return True
 
     def _delete(self, items: list[tuple[redis.Redis, list[str]]]) -> int:
@@ -254,7 +258,8 @@ class RedisBackend(StorageBackend):
         stored = written = 0
         try:
             # Headers (and so the checksums) first: a ValueError leaves nothing half-sent.
-            heads = [record.encode_header(k, obj, segment_bytes=self._seg if len(rk) > 1 else 0)
+            heads = [record.encode_header(k, obj, segment_bytes=self._seg if len(rk) > 1 else 0,
+                                          mac_key=self._mac_key)
                      for k, obj, (rk, _) in zip(keys, objs, plan)]
             for client, idxs in self._by_node(router, [rk for rk, _ in plan]):
                 out = rio.CommandWriter()

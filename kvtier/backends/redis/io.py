@@ -86,8 +86,10 @@ def write_record(out: CommandWriter, rkeys: list[str], head: bytes, payload: mem
 
 
 def read_record(stream: GetStream, key: ChunkKey, layout: KVLayout, nseg: int,
-                allocate: Callable[[int], MemoryObj | None]) -> MemoryObj | None:
-    """Read the replies to the GET, MGET or GETs of a record's `nseg` keys into a new object.
+                allocate: Callable[[int], MemoryObj | None],
+                mac_key: bytes | None = None) -> MemoryObj | None:
+    """Read the replies to the GET, MGET or GETs of a record's `nseg` keys into a new object
+    (only an authenticated one with `mac_key`: see `record.verify_payload`).
 
     Returns None when the key is absent (its replies are fully consumed). The caller owns the
     returned object. Raises CorruptEntry (not a valid record for `key`, or `SegmentMismatch`),
@@ -120,14 +122,14 @@ def read_record(stream: GetStream, key: ChunkKey, layout: KVLayout, nseg: int,
         raise ArenaFull(key.key)
     try:
         view = obj.byte_view()
-        hasher = record.payload_hasher()
+        seal = record.Seal(mac_key)
         for i, (start, end) in enumerate(pieces):
             if i and (stream.next() if split else reader).header(b"$") != end - start:
                 raise CorruptEntry(f"segment {i} is missing or has the wrong length")
             reader.read_into(view[start:end])
             reader.end_bulk()
-            hasher.update(view[start:end])  # while the segment is still in the CPU cache
-        record.verify_payload(head, view, checksum=hasher.intdigest())
+            seal.update(view[start:end])  # while the segment is still in the CPU cache
+        record.verify_payload(head, view, seal=seal, mac_key=mac_key)
     except BaseException:
         obj.release()
         raise
@@ -135,12 +137,13 @@ def read_record(stream: GetStream, key: ChunkKey, layout: KVLayout, nseg: int,
 
 
 def read_atomic(client: redis.Redis, key: ChunkKey, rkeys: list[str], layout: KVLayout,
-                allocate: Callable[[int], MemoryObj | None]) -> MemoryObj | None:
+                allocate: Callable[[int], MemoryObj | None],
+                mac_key: bytes | None = None) -> MemoryObj | None:
     """`read_record` of one record with one MGET (or GET) on its own pooled connection."""
     stream = GetStream(client, 0)
     try:
         stream.add(rkeys, 0)
-        obj = read_record(stream, key, layout, len(rkeys), allocate)
+        obj = read_record(stream, key, layout, len(rkeys), allocate, mac_key)
         stream.done()
         return obj
     finally:
