@@ -36,6 +36,7 @@ DEADLINE_GRACE_S = 0.005
 # One request's load never promotes more than this share of the CPU tier: a prompt larger
 # than the CPU tier must not evict every other tenant's chunks on its way through.
 MAX_PROMOTE_FRACTION = 0.5
+PROBE_CHUNKS = 4  # a probe's read: enough bytes to measure bandwidth, little to waste
 
 
 class Span(NamedTuple):
@@ -144,32 +145,41 @@ class LoadPlanner:
                      if skipped else "")
         for tier in skipped:  # the request has its deadline: a round trip now delays nobody
             if tier.speed.probe_due(now):
-                tier.batch_contains(keys[hits:hits + 1])
+                self._probe(tier, keys[hits:])
         return limit
 
     def _locate(self, keys: Sequence[ChunkKey], n: int, prompt: int,
                 ) -> tuple[list[Span], list[GuardedTier]]:
         """The spans of lower-tier hits after the first `n` keys, in prefix order; and the
-        tiers not asked because one round trip to them costs more than recomputing the rest."""
+        tiers not asked because even holding every chunk left, they would save nothing (a
+        round trip alone costs more than recomputing the rest, or the bytes arrive too late)."""
         spans: list[Span] = []
         skipped: list[GuardedTier] = []
         tiers = list(self._tiers())
         while n < len(keys) and tiers:
-            rest = sum(k.num_tokens for k in keys[n:])
+            size = keys[n].num_tokens
             for tier in tiers:
-                if tier.speed.latency_s >= self.prefill.recompute_s(rest, prompt):
+                best = Span(tier.speed, len(keys) - n, self._chunk_bytes(size), size)
+                found = sum(s.chunks for s in spans)
+                if decide([*spans, best], self.prefill, prompt).chunks <= found:
                     if tier not in skipped:
                         skipped.append(tier)
                     continue
                 got = tier.batch_contains(keys[n:])
                 if got:
-                    size = keys[n].num_tokens
-                    spans.append(Span(tier.speed, got, self._chunk_bytes(size), size))
+                    spans.append(best._replace(chunks=got))
                     n += got
                     break
             else:
                 break
         return spans, skipped
+
+    def _probe(self, tier: GuardedTier, keys: Sequence[ChunkKey]) -> None:
+        """Refresh the estimates of a tier no request asks any more: a round trip, and a read
+        of what it holds of `keys` (at most `PROBE_CHUNKS`), for no request (worker thread)."""
+        got = tier.batch_contains(keys)
+        for obj in tier.batch_get(keys[:min(got, PROBE_CHUNKS)]) if got else []:
+            obj.release()
 
     def _queue(self, spans: Sequence[Span], chunks: int) -> list[tuple[TierSpeed, int]]:
         planned = []
@@ -191,7 +201,8 @@ class LoadPlanner:
         def tokens(a: int, b: int) -> int:
             return sum(k.num_tokens for k in keys[a:b])
 
-        loaded = min(loaded, limit)
+        # What the request got: a chunk that arrived after it was admitted was not its.
+        loaded = min(loaded, limit, loaded if prefetch.used is None else prefetch.used)
         count = self._counters.inc
         count("adaptive_tokens_loaded", tokens(0, loaded))
         count("adaptive_tokens_recomputed_deadline", tokens(loaded, limit))

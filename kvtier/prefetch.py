@@ -64,6 +64,9 @@ class Prefetch:
         # the load brings there (None until its first turn planned it).
         self.position = 0
         self.limit: int | None = None
+        # Leading chunks in the hot tier when the caller stopped wanting more (its first
+        # `cancel()`): what an admitted request got; chunks after that were not its.
+        self.used: int | None = None
         self._drop = drop
         self._release: Callable[[], object] | None = None  # see `hold`
         self._after: list[Callable[[int], object]] = []  # see `after`
@@ -138,6 +141,8 @@ class Prefetch:
         Never blocks on the load. Any number of calls, racing `finish()` or each other, drop
         exactly once."""
         with self._lock:
+            if not self._cancelled.is_set():
+                self.used = self.loaded if self._stopped else self.position
             self._cancelled.set()
             release, self._release = self._release, None
             undo = drop and not self._drop_asked and self._stopped  # else finish() drops
