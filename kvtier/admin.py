@@ -1,8 +1,9 @@
 """What the disk and Redis tiers of a config hold, per model and layout; and deleting it.
 
-Keys name their model and layout (`kvtier/v1/{model}/{layout}/{rank}of{world}/{digest}`), so
+Keys name their namespace, model and layout
+(`kvtier/v2/{namespace}/{model}@{fingerprint}/{layout}/{rank}of{world}/{digest}`), so
 both tiers can be listed without a running engine: the disk tier by reading each record's
-header (its key string, checksummed), Redis by `SCAN` over the `kvtier/v1/` key space on every
+header (its key string, checksummed), Redis by `SCAN` over the `kvtier/v2/` key space on every
 primary (never `KEYS`, which would block the server). Used by `kvtier stats | ls | purge`.
 """
 
@@ -18,7 +19,7 @@ from kvtier.backends import recordfile as rf
 from kvtier.backends.record import FIXED_SIZE, header_len, read_key
 from kvtier.config import Config
 from kvtier.errors import CorruptEntry
-from kvtier.keys import ALL_KEYS, KeySpace, key_of_redis_name
+from kvtier.keys import ALL_KEYS, KeySpace, key_of_redis_name, model_name_of
 
 __all__ = ["Entry", "Group", "entries", "groups", "purge"]
 
@@ -36,13 +37,23 @@ class Entry:
 
     @property
     def model(self) -> str:
+        """The model's name as it was served (decoded from its key component)."""
         parsed = KeySpace.parse(self.key)
-        return parsed[0].model if parsed else "?"
+        return model_name_of(parsed[0].model) if parsed else "?"
 
     @property
     def layout(self) -> str:
+        """The model's fingerprint and the KV layout."""
         parsed = KeySpace.parse(self.key)
-        return parsed[0].layout if parsed else "?"
+        if not parsed:
+            return "?"
+        identity = parsed[0].model.rpartition("@")[2] if "@" in parsed[0].model else "-"
+        return f"{identity} {parsed[0].layout}"
+
+    @property
+    def namespace(self) -> str | None:
+        parsed = KeySpace.parse(self.key)
+        return parsed[0].namespace if parsed else None
 
 
 @dataclass(frozen=True)
@@ -57,15 +68,17 @@ class Group:
 
 
 def entries(config: Config, model: str | None = None) -> Iterator[Entry]:
-    """Every chunk the config's disk and Redis tiers hold (of `model`, when given)."""
+    """Every chunk of the config's `key_namespace` its disk and Redis tiers hold (of served
+    model name `model`, when given), and records that are not kvtier's (model "?")."""
     if config.local_disk_path is not None:
-        yield from _select(_disk_entries(config.local_disk_path), model)
+        yield from _select(_disk_entries(config.local_disk_path), config.key_namespace, model)
     if config.remote_url is not None:
-        yield from _select(_redis_entries(config), model)
+        yield from _select(_redis_entries(config), config.key_namespace, model)
 
 
-def _select(found: Iterator[Entry], model: str | None) -> Iterator[Entry]:
-    return (e for e in found if model is None or e.model == model)
+def _select(found: Iterator[Entry], namespace: str, model: str | None) -> Iterator[Entry]:
+    return (e for e in found if e.namespace in (namespace, None)
+            and (model is None or e.model == model))
 
 
 def groups(config: Config, model: str | None = None) -> list[Group]:

@@ -69,6 +69,8 @@ class Config:
     blocking_timeout_secs: float = 10.0
     # kvtier's own keys
     hash_salt: str = ""
+    # Appears in every key string: tenants apart in Redis ACL patterns, `ls` and `purge`.
+    key_namespace: str = "default"
     # A file holding a secret shared by the instances: records are authenticated with it, and
     # a record without a valid MAC is never loaded (see docs/security.md).
     record_key_file: str | None = None

@@ -203,6 +203,11 @@ def _validate_choices(cfg: Config) -> None:
     for key, allowed in choices:
         if getattr(cfg, key) not in allowed:
             raise _fail("config", key, f"must be one of {list(allowed)}, got {getattr(cfg, key)!r}")
+    from kvtier.keys import NAMESPACE_PATTERN
+
+    if not NAMESPACE_PATTERN.fullmatch(str(cfg.key_namespace)):
+        raise _fail("config", "key_namespace", f"must be 1-64 of A-Z a-z 0-9 . _ - (it is part "
+                    f"of every key), got {cfg.key_namespace!r}")
 
 
 def _validate_tiers(cfg: Config) -> None:

@@ -83,7 +83,7 @@ class CacheEngine:
             model=model_name, fingerprint=layout.fingerprint(config.chunk_size),
             chunk_size=config.chunk_size, rank=0 if mla else rank,
             world_size=1 if mla else world_size, salt=config.hash_salt,
-            save_unfull_chunk=config.save_unfull_chunk)
+            save_unfull_chunk=config.save_unfull_chunk, namespace=config.key_namespace)
         self.storage = storage or StorageManager(config, layout)
         self.storage.counters.declare("tokens_stored", "tokens_loaded", "tokens_requested",
                                       "store_no_memory")

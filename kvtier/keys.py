@@ -1,15 +1,23 @@
 """Chunking and chained chunk keys.
 
 A chunk's digest is `h_i = SHA-256(h_{i-1} || tokens_i)` with tokens encoded as little-endian
-uint32 and `h_{-1} = SHA-256(b"kvtier/v1" || salt)`. The digest of a chunk therefore names its
+uint32 and `h_{-1} = SHA-256(b"kvtier/v2" || salt)`. The digest of a chunk therefore names its
 whole prefix, and is the same in every process and on every machine.
+
+Key strings: `kvtier/v2/{namespace}/{model}/{layout}/{rank}of{world}/{digest}`. `namespace` is
+the operator's (`key_namespace`: tenants apart in Redis ACL patterns, `ls`, `purge`); `model`
+is the served model's name, percent-encoded (reversible, so `org/model` and `org--model` stay
+apart and `ls --model` takes the name as given), then `@` and a fingerprint of what else makes
+its KV differ (weights, revision, quantization, overrides); `layout` names shape and dtype.
 """
 
 from __future__ import annotations
 
 import array
 import hashlib
+import re
 import sys
+import urllib.parse
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -17,10 +25,15 @@ import numpy as np
 import torch
 
 __all__ = ["ChunkKey", "KeyBuilder", "KeySpace", "encode_tokens", "stub_key", "redis_names",
-           "key_of_redis_name", "KEY_VERSION", "ALL_KEYS"]
+           "key_of_redis_name", "KEY_VERSION", "ALL_KEYS", "model_component", "model_name_of",
+           "NAMESPACE_PATTERN"]
 
-KEY_VERSION = "kvtier/v1"
+KEY_VERSION = "kvtier/v2"
 ALL_KEYS = f"{KEY_VERSION}/*"  # a glob (Redis SCAN MATCH) over every kvtier key
+NAMESPACE_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,64}")
+# Characters a model name keeps as they are; everything else (/, space, #, {, }, @, %, ...)
+# is percent-encoded, so the name is one key component, reversibly.
+_NAME_SAFE = "-._~+=,"
 _U32_MAX = 2**32 - 1
 _U32_CODE = next(code for code in "IL" if array.array(code).itemsize == 4)
 
@@ -28,7 +41,7 @@ _U32_CODE = next(code for code in "IL" if array.array(code).itemsize == 4)
 class ChunkKey(NamedTuple):
     """One chunk of a token sequence and the key it is stored under."""
 
-    key: str  # kvtier/v1/{model}/{fingerprint}/{rank}of{world}/{hex digest}
+    key: str  # kvtier/v2/{namespace}/{model}/{fingerprint}/{rank}of{world}/{hex digest}
     start: int  # first token index of the chunk in the sequence
     end: int  # one past the last token index
     tokens: bytes  # the chunk's own token ids, little-endian uint32
@@ -80,34 +93,55 @@ def encode_tokens(token_ids: torch.Tensor | Sequence[int] | np.ndarray) -> memor
     return np.ascontiguousarray(arr, dtype="<u4").data.cast("B")
 
 
+def model_component(name: str, identity: str = "") -> str:
+    """A model's key component: `name` percent-encoded, then `@identity` when given (a
+    fingerprint, or the HiCache backend's host layout). `ValueError` for an empty name."""
+    if not name:
+        raise ValueError("model name must not be empty")
+    quoted = urllib.parse.quote(name, safe=_NAME_SAFE)
+    return f"{quoted}@{identity}" if identity else quoted
+
+
+def model_name_of(component: str) -> str:
+    """The model name a key component was made from (inverse of `model_component`)."""
+    return urllib.parse.unquote(component.rpartition("@")[0] or component)
+
+
 class KeySpace(NamedTuple):
-    """One namespace of chunk keys: `kvtier/v1/{model}/{layout}/{shard}/{digest}`.
+    """One namespace of chunk keys: `kvtier/v2/{namespace}/{model}/{layout}/{shard}/{digest}`.
 
     The one place key strings are built and parsed: `KeyBuilder` and the HiCache backend name
-    chunks with it, `kvtier ls` reads model and layout back with `parse`.
+    chunks with it, `kvtier ls` reads namespace, model and layout back with `parse`.
     """
 
-    model: str
+    model: str  # a `model_component`
     layout: str  # the layout fingerprint (`KVLayout.fingerprint`)
     shard: str = "0of1"  # "{rank}of{world}"; the HiCache backend adds "-pp{rank}of{size}"
+    namespace: str = "default"
 
     @property
     def prefix(self) -> str:
-        return f"{KEY_VERSION}/{self.model}/{self.layout}/{self.shard}/"
+        return f"{KEY_VERSION}/{self.namespace}/{self.model}/{self.layout}/{self.shard}/"
 
     def key(self, digest: str) -> str:
         return self.prefix + digest
 
     def opaque_keys(self, digests: Sequence[str], num_tokens: int,
-                    prev: str | None = None) -> list[ChunkKey]:
+                    prev: str | None = None, salt: str = "") -> list[ChunkKey]:
         """Keys of chunks named by digests computed elsewhere (SGLang HiCache's page hashes),
-        chained after digest `prev`. No token ids are known, so each key carries
-        `num_tokens` x 4 bytes derived from its key string instead: records still verify
-        that what they hold belongs to the key."""
+        chained after digest `prev`. With `salt` (`hash_salt`) a key holds SHA-256(salt,
+        digest) instead of the digest: tenants with different salts never share a chunk. No
+        token ids are known, so each key carries `num_tokens` x 4 bytes derived from its key
+        string instead: records still verify that what they hold belongs to the key."""
+        def salted(digest: str) -> str:
+            if not salt:
+                return digest
+            return hashlib.sha256(f"{KEY_VERSION}\0{salt}\0{digest}".encode()).hexdigest()
+
         out = []
-        prev_key = None if prev is None else self.key(prev)
+        prev_key = None if prev is None else self.key(salted(prev))
         for digest in digests:
-            key = self.key(digest)
+            key = self.key(salted(digest))
             seed = hashlib.sha256(key.encode()).digest()
             tokens = (seed * (num_tokens * 4 // len(seed) + 1))[: num_tokens * 4]
             out.append(ChunkKey(key, 0, num_tokens, tokens, prev_key))
@@ -118,9 +152,9 @@ class KeySpace(NamedTuple):
     def parse(key: str) -> tuple[KeySpace, str] | None:
         """The namespace and digest of a kvtier key string; None for anything else."""
         parts = key.split("/")
-        if len(parts) != 6 or "/".join(parts[:2]) != KEY_VERSION:
+        if len(parts) != 7 or "/".join(parts[:2]) != KEY_VERSION:
             return None
-        return KeySpace(parts[2], parts[3], parts[4]), parts[5]
+        return KeySpace(parts[3], parts[4], parts[5], parts[2]), parts[6]
 
 
 def stub_key(key: str) -> ChunkKey:
@@ -157,16 +191,21 @@ class KeyBuilder:
         world_size: int = 1,
         salt: str = "",
         save_unfull_chunk: bool = False,
+        namespace: str = "default",
     ):
-        if not model or any(c in model for c in " \n\t"):
-            raise ValueError(f"model must be a non-empty name without whitespace, got {model!r}")
+        if not model or any(c in model for c in " \n\t/"):
+            raise ValueError(f"model must be a key component (no whitespace or /), got "
+                             f"{model!r}: see model_component")
+        if not NAMESPACE_PATTERN.fullmatch(namespace):
+            raise ValueError(f"namespace must match {NAMESPACE_PATTERN.pattern}, got "
+                             f"{namespace!r}")
         if chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must lie in [0, world_size={world_size}), got {rank}")
         self.chunk_size = chunk_size
         self.save_unfull_chunk = save_unfull_chunk
-        self.space = KeySpace(model, fingerprint, f"{rank}of{world_size}")
+        self.space = KeySpace(model, fingerprint, f"{rank}of{world_size}", namespace)
         self.prefix = self.space.prefix
         self._root = hashlib.sha256(KEY_VERSION.encode() + salt.encode()).digest()
 

@@ -21,10 +21,10 @@ def _builder(**kw: object) -> KeyBuilder:
 def test_chained_digest_matches_the_spec() -> None:
     tokens = list(range(40))
     keys = _builder(salt="tenant", save_unfull_chunk=True).keys(tokens)
-    h = hashlib.sha256(b"kvtier/v1" + b"tenant").digest()
+    h = hashlib.sha256(b"kvtier/v2" + b"tenant").digest()
     for key, (a, b) in zip(keys, [(0, 16), (16, 32), (32, 40)]):
         h = hashlib.sha256(h + np.arange(a, b, dtype="<u4").tobytes()).digest()
-        assert key.key == f"kvtier/v1/m/fp/0of1/{h.hex()}"
+        assert key.key == f"kvtier/v2/default/m/fp/0of1/{h.hex()}"
         assert (key.start, key.end) == (a, b)
     assert keys[0].prev is None and keys[2].prev == keys[1].key
 
@@ -83,7 +83,7 @@ def test_keys_identical_across_interpreters() -> None:
         env = {**os.environ, "PYTHONHASHSEED": seed}
         outs.append(subprocess.run([sys.executable, "-c", code], env=env, check=True,
                                    capture_output=True, text=True).stdout)
-    assert outs[0] == outs[1] and outs[0].count("kvtier/v1") == 6
+    assert outs[0] == outs[1] and outs[0].count("kvtier/v2") == 6
 
 
 def test_key_strings_parse_and_map_to_redis_names_and_back() -> None:
@@ -102,3 +102,42 @@ def test_key_strings_parse_and_map_to_redis_names_and_back() -> None:
     assert KeySpace.parse("not/a/kvtier/key") is None
     assert KeySpace.parse("kvtier/v2/a/b/c/d") is None
     assert stub_key(key).key == key and stub_key(key).num_tokens == 0
+
+
+def test_model_names_map_to_one_key_component_reversibly() -> None:
+    from kvtier.keys import KeySpace, model_component, model_name_of
+
+    names = ["org/model", "org--model", "a b", "a_b", "meta-llama/Llama-3-8B", "x#y", "{tag}",
+             "m@v2", "100%"]
+    components = [model_component(n, "0123abcd") for n in names]
+    assert len(set(components)) == len(names)  # no two names share keys
+    for name, comp in zip(names, components):
+        assert "/" not in comp and "{" not in comp and "#" not in comp and " " not in comp
+        assert model_name_of(comp) == name
+        space = KeySpace(comp, "fp", "0of1", "tenant-a")
+        parsed = KeySpace.parse(space.key("ab" * 32))
+        assert parsed is not None and parsed[0] == space
+    with pytest.raises(ValueError, match="empty"):
+        model_component("")
+
+
+def test_namespace_and_fingerprint_separate_keys() -> None:
+    tokens = list(range(32))
+    base = _builder().keys(tokens)
+    other_ns = KeyBuilder(model="m", fingerprint="fp", chunk_size=16, namespace="t2").keys(tokens)
+    other_fp = KeyBuilder(model="m@ffff", fingerprint="fp", chunk_size=16).keys(tokens)
+    assert not {k.key for k in base} & {k.key for k in other_ns}
+    assert not {k.key for k in base} & {k.key for k in other_fp}
+    with pytest.raises(ValueError, match="namespace"):
+        KeyBuilder(model="m", fingerprint="fp", chunk_size=16, namespace="a/b")
+
+
+def test_hicache_page_keys_are_salted_per_tenant() -> None:
+    from kvtier.keys import KeySpace
+
+    space = KeySpace("m@hicache-flat", "fp")
+    plain = space.opaque_keys(["aa" * 32, "bb" * 32], 16)
+    salted = space.opaque_keys(["aa" * 32, "bb" * 32], 16, salt="tenant")
+    other = space.opaque_keys(["aa" * 32, "bb" * 32], 16, salt="other")
+    assert len({k.key for k in plain + salted + other}) == 6
+    assert salted[1].prev == salted[0].key

@@ -87,7 +87,7 @@ def _key(layout: KVLayout, num_tokens: int, seed: int) -> ChunkKey:
     rng = np.random.default_rng(seed)
     tokens = rng.integers(0, 2**32, num_tokens, dtype=np.uint64).astype("<u4").tobytes()
     digest = rng.integers(0, 256, 32, dtype=np.uint8).tobytes().hex()
-    name = f"kvtier/v1/m/{layout.fingerprint(16)}/0of1/{digest}"
+    name = f"kvtier/v2/default/m/{layout.fingerprint(16)}/0of1/{digest}"
     return ChunkKey(name, 0, num_tokens, tokens, None)
 
 

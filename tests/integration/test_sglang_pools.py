@@ -7,6 +7,7 @@ Round trips through `CacheEngine` with the SGLang connectors must be byte-exact 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -181,10 +182,27 @@ def test_unsupported_pool_is_a_config_error() -> None:
 
 
 def test_model_names_become_one_key_component() -> None:
-    assert model_key_name("/models/meta-llama/Llama-3-8B/") == "models--meta-llama--Llama-3-8B"
-    assert model_key_name("my model") == "my_model"
+    assert model_key_name("meta-llama/Llama-3-8B", "ab12") == "meta-llama%2FLlama-3-8B@ab12"
+    assert model_key_name("my model") == "my%20model"
     with pytest.raises(ConfigError):
-        model_key_name("///")
+        model_key_name("")
+
+
+def test_the_model_fingerprint_follows_what_changes_the_kv(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from kvtier.integration.sglang.adapter import model_fingerprint
+
+    (tmp_path / "config.json").write_text('{"hidden_size": 64}')
+    args = SimpleNamespace(model_path=str(tmp_path), revision=None, quantization=None,
+                           dtype="auto", json_model_override_args="{}", kv_cache_dtype="auto")
+    base = model_fingerprint(args)
+    assert model_fingerprint(args) == base  # deterministic
+    for change in ({"revision": "v2"}, {"quantization": "fp8"},
+                   {"json_model_override_args": '{"rope_scaling": 2}'}):
+        assert model_fingerprint(SimpleNamespace(**{**vars(args), **change})) != base
+    (tmp_path / "config.json").write_text('{"hidden_size": 128}')  # another fine-tune
+    assert model_fingerprint(args) != base
 
 
 class _QuickLoad(Prefetch):

@@ -32,13 +32,14 @@ from kvtier.errors import ConfigError
 from kvtier.integration.sglang.attach import Attachments
 from kvtier.integration.sglang.budget import SchedulerBudget
 from kvtier.integration.sglang.stores import StoreJob, StoreWorker
-from kvtier.keys import ChunkKey
+from kvtier.keys import ChunkKey, model_component
 from kvtier.memory import MemoryFormat
 from kvtier.metrics import Counters
 from kvtier.prefetch import Prefetch
 from kvtier.sessions import session_tag
 
-__all__ = ["SGLangKVTier", "StoreJob", "build_connector", "model_key_name", "check_page_size"]
+__all__ = ["SGLangKVTier", "StoreJob", "build_connector", "model_key_name", "model_fingerprint",
+           "check_page_size"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,13 +58,36 @@ def check_page_size(config: Config, page_size: int) -> None:
             f"({page_size}); set chunk_size to a multiple of {page_size}")
 
 
-def model_key_name(name: str) -> str:
-    """`name` (a served model name or path) as one key component: no slashes, no spaces."""
-    cleaned = "--".join(part for part in name.replace("\\", "/").split("/") if part)
-    cleaned = "_".join(cleaned.split())
-    if not cleaned:
+def model_key_name(name: str, fingerprint: str = "") -> str:
+    """`name` (a served model name or path) as one key component: percent-encoded (so
+    different names stay different keys, and `kvtier ls --model` takes the name as given),
+    with the model's `fingerprint` (`model_fingerprint`) after an `@`."""
+    if not name:
         raise ConfigError(f"model name: cannot derive a key component from {name!r}")
-    return cleaned
+    return model_component(name, fingerprint)
+
+
+def model_fingerprint(server_args: Any) -> str:
+    """What else makes two servers of one model name compute different KV: the model's
+    config.json (local paths), its revision, quantization, dtype and override arguments.
+    16 hex digits of their SHA-256."""
+    import hashlib
+    import json
+    import os
+
+    path = str(getattr(server_args, "model_path", "") or "")
+    config_json = os.path.join(path, "config.json")
+    parts: dict[str, Any] = {
+        name: str(getattr(server_args, name, None))
+        for name in ("revision", "quantization", "dtype", "json_model_override_args",
+                     "kv_cache_dtype")}
+    try:
+        with open(config_json, "rb") as f:
+            parts["config.json"] = hashlib.sha256(f.read()).hexdigest()
+    except OSError:  # a hub name: its revision (above) names the weights
+        parts["model_path"] = path
+    blob = json.dumps(parts, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
 
 
 def build_connector(pool: Any) -> KVConnector:

@@ -8,7 +8,8 @@
 
 HiCache moves pages between its host pool and the L3 by page hash (SGLang's chained SHA-256 of
 the prefix), never by token ids, so each page is stored as one kvtier chunk under
-`kvtier/v1/{model}@hicache-{host layout}/{layout fingerprint}/{rank}of{world}/{page hash}`. The
+`kvtier/v2/{namespace}/{model}@hicache-{host layout}/{layout fingerprint}/{rank}of{world}/{page
+hash}` (with `hash_salt`, a salted digest of the page hash). The
 record's token field, which kvtier verifies on every read, then carries bytes derived from the
 page hash. Reads and writes go through kvtier's StorageManager, so the tiers (CPU, disk, Redis),
 write policy and failure handling are kvtier's: a tier that fails is a miss, never an error.
@@ -94,7 +95,8 @@ class KVTierHiCacheStorage(HiCacheStorage):
         self.page_size = int(mem_pool_host.page_size)
         host_layout = str(getattr(mem_pool_host, "layout", "flat"))
         self._space = KeySpace(f"{self._model}@hicache-{host_layout}",
-                               layout.fingerprint(self.page_size), self._rank)
+                               layout.fingerprint(self.page_size), self._rank,
+                               self.config.key_namespace)
         self.storage = StorageManager(self.config, layout)
         logger.info("kvtier HiCache storage: %s, tiers %s", self._space.prefix,
                     self.config.tiers)
@@ -106,7 +108,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         prev = None
         if extra_info is not None and extra_info.prefix_keys:
             prev = extra_info.prefix_keys[-1]
-        return self._space.opaque_keys(keys, self.page_size, prev)
+        return self._space.opaque_keys(keys, self.page_size, prev, self.config.hash_salt)
 
     def _ready(self) -> StorageManager:
         if self.storage is None:

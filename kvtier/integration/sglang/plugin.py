@@ -157,6 +157,7 @@ def build_radix_cache(ctx: Any) -> Any:
         SGLangKVTier,
         build_connector,
         is_mla,
+        model_fingerprint,
         model_key_name,
     )
     from kvtier.integration.sglang.radix_cache import KVTierRadixCache
@@ -174,7 +175,8 @@ def build_radix_cache(ctx: Any) -> Any:
     connector = build_connector(params.token_to_kv_pool_allocator.get_kvcache())
     server_args = ctx.server_args
     name = getattr(server_args, "served_model_name", None) or server_args.model_path
-    engine = CacheEngine(config, model_name=model_key_name(str(name)), layout=connector.layout,
+    model = model_key_name(str(name), model_fingerprint(server_args))
+    engine = CacheEngine(config, model_name=model, layout=connector.layout,
                          connector=connector, world_size=int(ctx.tp_size),
                          rank=int(ctx.tp_rank))
     try:

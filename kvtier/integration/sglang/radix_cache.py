@@ -79,7 +79,7 @@ class KVTierRadixCache(UnifiedRadixCache):
         with kv.budget.timed("match_prefix", getattr(req, "rid", None)) as call:
             self._release_finished_stores()
             result = super().match_prefix(params)
-            if req is None or not self._eligible(params.key):
+            if req is None or not self._eligible(params.key) or _multimodal(req):
                 return result
             self._check_discarded(req.rid, result.device_prefix_len)
             hit = self._host_hit(req.rid, params.key, result.device_prefix_len)
@@ -201,7 +201,7 @@ class KVTierRadixCache(UnifiedRadixCache):
         """A request joined the waiting queue: start loading its chunks in the background."""
         kv = self.kvtier
         if kv is None or self.disable or extra_key is not None or cache_salt \
-                or getattr(self.tree_core, "is_eagle", False):
+                or getattr(self.tree_core, "is_eagle", False) or _multimodal(request):
             return
         with kv.budget.timed("prefetch_from_storage", request.rid):
             tokens = np.concatenate([_token_array(matched_prefix_tokens or []),
@@ -283,7 +283,8 @@ class KVTierRadixCache(UnifiedRadixCache):
         kv = self.kvtier
         assert kv is not None
         node = req.last_node
-        if node is None or self.disable or req.extra_key is not None or req.cache_salt:
+        if node is None or self.disable or req.extra_key is not None or req.cache_salt \
+                or _multimodal(req):
             return
         slots = self.path_device_indices(node)
         keyed = kv.engine.keys.num_keyed_tokens(len(slots))
@@ -337,3 +338,11 @@ class KVTierRadixCache(UnifiedRadixCache):
                 self.unlock(job.handle)
             self.kvtier.close()
         super().shutdown()
+
+
+def _multimodal(req: Any) -> bool:
+    """Whether a request carries images, audio or video. SGLang puts a 30-bit hash of each
+    item into the token ids in its place; keyed fleet-wide and kept for days, a collision of
+    those (likely among ~46K items, or made on purpose) would serve one image's KV for
+    another, and token verification cannot see it. So such requests bypass kvtier."""
+    return getattr(req, "multimodal_inputs", None) is not None
