@@ -76,6 +76,9 @@ def _version(dist: str) -> str:
 
 
 def _info(args: argparse.Namespace) -> int:
+    """Versions, the copy kernel and each tier's state. Read-only: the disk directory is
+    inspected (never created, written or cleaned), Redis is only pinged, so `info` may run
+    against the tiers of a serving instance."""
     import torch
 
     from kvtier.backends import BackendContext, create_backend
@@ -87,14 +90,19 @@ def _info(args: argparse.Namespace) -> int:
             ("torch", torch.__version__), ("cuda", str(torch.cuda.is_available())),
             ("redis-py", _version("redis")), ("sglang", _version("sglang")),
             ("copy kernel", ops.kernel_name())]
-    # Reachability: build each lower tier against a tiny arena and ask it for its stats.
+    # Reachability: build the CPU and Redis tiers against a tiny arena and ask for their stats
+    # (the CPU tier is memory only; the Redis tier's start-up sends read commands only).
     alloc = MemoryAllocator(1 << 20, pin=False)
     ctx = BackendContext(cfg, KVLayout.mha(1, 1, 16, torch.float16), alloc)
     for name in cfg.tiers:
         try:
-            tier = create_backend(name, ctx)
-            stats = tier.stats()
-            tier.close()
+            if name == "disk":  # opening the disk tier would create the root and clean it
+                assert cfg.local_disk_path is not None
+                stats = _disk_stats(cfg.local_disk_path, cfg.max_local_disk_size)
+            else:
+                tier = create_backend(name, ctx)
+                stats = tier.stats()
+                tier.close()
             # A tier that cannot reach its server starts "down" (and serves misses), not raises.
             health = "DOWN (serving misses)" if stats.get("down") else "ok"
             shown = [k for k in ("entries", "bytes", "capacity_bytes") if k in stats]
@@ -108,11 +116,48 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _disk_stats(path: Path, capacity_gb: float) -> dict[str, float]:
+    """What the disk tier's directory `path` holds, looked at without changing anything (the
+    tier's own start-up creates a missing root, writes a probe and removes stale temp files);
+    `OSError` saying why the tier could not use it."""
+    import os
+    import stat as st
+
+    from kvtier.backends import recordfile as rf
+
+    root = Path(os.path.abspath(path))
+    if not os.path.lexists(root):
+        raise OSError(f"{root} does not exist (the server creates it at its first start)")
+    current = Path(root.anchor)
+    for part in root.parts[1:]:  # the tier refuses a symlink anywhere on the path
+        current /= part
+        if st.S_ISLNK(os.lstat(current).st_mode):
+            raise OSError(f"{root} goes through the symlink {current}, which the disk tier "
+                          "refuses")
+    why = rf.dir_problem(os.lstat(root))
+    if why is not None:
+        raise OSError(f"{root} {why}")
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise OSError(f"{root} is not writable by this user")
+    entries = size = 0
+    for top in os.scandir(root):  # root/ab/cd/<stem>.kvt, as recordfile lays them out
+        if not top.is_dir(follow_symlinks=False):
+            continue
+        for sub in os.scandir(top.path):
+            if not sub.is_dir(follow_symlinks=False):
+                continue
+            for entry in os.scandir(sub.path):
+                if entry.name.endswith(rf.SUFFIX) and entry.is_file(follow_symlinks=False):
+                    entries += 1
+                    size += entry.stat(follow_symlinks=False).st_size
+    return {"entries": entries, "bytes": size, "capacity_bytes": capacity_gb * 1e9}
+
+
 def _bench(args: argparse.Namespace) -> int:
     from kvtier.bench import run_bench
 
     result = run_bench(load_config(args.file), prompts=args.prompts, tokens=args.tokens,
-                       progress=not args.quiet)
+                       progress=not args.quiet, real_tiers=args.real_tiers)
     out = Path(args.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
@@ -143,6 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=2048, help="tokens per prompt")
     p.add_argument("--json", default="benchmarks/results/bench.json", help="JSON output path")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--real-tiers", action="store_true", help="measure the configured disk "
+                   "directory and Redis (the bench's records are deleted at the end); by "
+                   "default a temporary directory, and no Redis")
     p.set_defaults(func=_bench)
     from kvtier import cli_admin, cli_tiers
     from kvtier.demo import add_parser as add_demo_parser

@@ -41,6 +41,7 @@ MAX_CHUNK = 1 << 20  # tokens; a chunk is one arena object, and a prompt is far 
 # The arena kvtier still needs to move chunks to and from disk/Redis when LMCache's
 # `local_cpu: false` comes with `max_local_cpu_size: 0` (LMCache's "no CPU cache").
 TRANSFER_ARENA_GB = 1.0
+MAX_SESSION_PINNED_FRACTION = 0.8
 MAX_SECONDS = 7 * 86400.0  # longer waits are mistakes (and overflow thread/socket timeouts)
 # Ceilings derived from what each value does; above them a value is a typo or a unit mistake.
 # Segments: below 64 KiB the per-command round trips dominate; Redis holds at most 512 MiB in
@@ -172,9 +173,11 @@ def _validate_numbers(cfg: Config) -> None:
                     f"Redis's 512 MiB string limit), got {cfg.remote_segment_mb:g}")
     if cfg.metrics_port is not None and not 1 <= cfg.metrics_port <= 65535:
         raise _fail(src, "metrics_port", f"must be in 1..65535 or null, got {cfg.metrics_port}")
-    if not 0.0 <= cfg.max_session_pinned_fraction < 1.0:
+    if not 0.0 <= cfg.max_session_pinned_fraction <= MAX_SESSION_PINNED_FRACTION:
         raise _fail(src, "max_session_pinned_fraction",
-                    f"must lie in [0, 1), got {cfg.max_session_pinned_fraction}")
+                    f"must lie in [0, {MAX_SESSION_PINNED_FRACTION}] (the rest of the CPU tier "
+                    f"stays evictable for stores and prefetches), got "
+                    f"{cfg.max_session_pinned_fraction}")
     if not 0 < cfg.session_ttl_secs <= MAX_SECONDS:
         raise _fail(src, "session_ttl_secs",
                     f"must be in (0, {MAX_SECONDS:g}], got {cfg.session_ttl_secs}")

@@ -164,7 +164,8 @@ _SECRET_NAMES = frozenset({"hash_salt"})
 # Known keys that hold a secret word and no secret (token counts, the path of a TLS key file in
 # a Redis URL's query); everything else that matches stays hidden.
 _NOT_SECRET = frozenset({"prefetch_timeout_per_token_ms", "min_retrieve_tokens",
-                         "blend_min_tokens", "ssl_keyfile"})
+                         "blend_min_tokens", "ssl_keyfile", "key_namespace",
+                         "record_key_file"})
 
 
 def instead_of(key: str) -> str | None:

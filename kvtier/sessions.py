@@ -3,10 +3,25 @@
 A streaming session (a chat, an agent loop) comes back with its whole history plus a little
 more; if concurrent traffic evicted that history meanwhile, the next turn recomputes it. A
 session's latest stored prefix is therefore pinned in the CPU tier (exempt from eviction) until
-the session is released, has been idle for `session_ttl_secs`, or the pinned total would pass
-`max_session_pinned_fraction` of the CPU tier: then the least recently used sessions are
-unpinned first, and a single session larger than the cap keeps only the leading chunks that
-fit. Pins never make an allocation fail: what is unpinned becomes ordinary LRU data.
+the session is released or has been idle for `session_ttl_secs`, within two bounds:
+
+- Per session: one session pins at most `SESSION_SHARE` (a quarter) of the pin cap, its leading
+  chunks; the deeper chunks of a longer prefix stay cached as ordinary LRU data. A session's
+  long prompt is trimmed first, and never unpins another session's chunks beyond that quota.
+- All sessions together pin at most the cap, `max_session_pinned_fraction` of the CPU tier,
+  itself never more than `MAX_PINNED_FRACTION` of it. When sessions, each within its quota,
+  fill the cap, the least recently used sessions are unpinned first.
+
+So pins never take more than the cap: at least 1 - `max_session_pinned_fraction` (at least a
+fifth) of the CPU tier stays evictable for stores and prefetches, and what is unpinned becomes
+ordinary LRU data. A store larger than that headroom (plus memory other work holds) can still
+fall short, as it would without sessions on a tier that small.
+
+Chunk sizes are learned from the tier (`pinned_bytes` before and after pinning a chunk no session
+pins yet): every pin of the tier goes through this object under its lock, so the difference is
+that chunk's size (a pinned chunk removed from the tier at that instant skews one measurement,
+which only mis-charges a quota, never the cap: the cap is checked on the tier's own count). A
+session is charged the full size of every chunk it pins, shared with other sessions or not.
 """
 
 from __future__ import annotations
@@ -15,16 +30,24 @@ import hashlib
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from kvtier.backends.base import HotTier
 from kvtier.keys import ChunkKey
 from kvtier.metrics import Counters
 
-__all__ = ["SessionPins", "session_tag"]
+__all__ = ["SessionPins", "session_tag", "MAX_PINNED_FRACTION", "SESSION_SHARE"]
 
 logger = logging.getLogger(__name__)
+
+# Of the CPU tier, the most all sessions may pin: the rest stays evictable, so stores and
+# prefetches always have room. Config validation refuses more; SessionPins clamps to it too.
+MAX_PINNED_FRACTION = 0.8
+# Of the pin cap, the most one session may pin: at least four sessions at their full quota fit
+# together before any of them is unpinned for another.
+SESSION_SHARE = 0.25
 
 
 def session_tag(session_id: str) -> str:
@@ -38,48 +61,87 @@ def session_tag(session_id: str) -> str:
     return hashlib.sha256(session_id.encode("utf-8", "surrogatepass")).hexdigest()[:12]
 
 
+@dataclass
+class _Pinned:
+    keys: list[ChunkKey]  # the pinned leading chunks of the session's latest prefix, in order
+    nbytes: int  # what they are charged against the session's quota
+    used: float  # last use (clock seconds)
+
+
 class SessionPins:
     """Pins per session over one CPU tier. Thread-safe.
 
     Args:
-        cpu: the tier whose chunks are pinned.
+        cpu: the tier whose chunks are pinned; only this object pins it.
         cap_bytes: most bytes all sessions may pin together.
         ttl_s: a session idle this long is unpinned (at the next call into this object).
         counters: where unpins by reason are counted.
         clock: monotonic seconds (tests pass their own).
+        arena_bytes: the CPU tier's size; when given, the cap is clamped to
+            `MAX_PINNED_FRACTION` of it (config validation already refuses a larger fraction).
+        session_share: the fraction of the cap one session may pin, in (0, 1].
     """
 
     def __init__(self, cpu: HotTier, cap_bytes: int, ttl_s: float, counters: Counters,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, *, arena_bytes: int | None = None,
+                 session_share: float = SESSION_SHARE):
+        if arena_bytes is not None:
+            cap_bytes = min(cap_bytes, int(MAX_PINNED_FRACTION * arena_bytes))
         self._cpu = cpu
-        self._cap = cap_bytes
+        self._cap = max(0, cap_bytes)
+        self._quota = int(self._cap * min(max(session_share, 0.0), 1.0))
         self._ttl = ttl_s
         self._counters = counters
-        counters.declare("session_releases", "session_unpins_ttl", "session_unpins_cap")
+        counters.declare("session_releases", "session_unpins_ttl", "session_unpins_cap",
+                         "session_unpins_quota")
         self._clock = clock
         self._lock = threading.Lock()
-        # session id -> (pinned keys in prefix order, last use); least recently used first
-        self._sessions: OrderedDict[str, tuple[list[ChunkKey], float]] = OrderedDict()
+        self._sessions: OrderedDict[str, _Pinned] = OrderedDict()  # least recently used first
+        self._holders: Counter[str] = Counter()  # chunk key -> sessions pinning it
+        self._sizes: dict[str, int] = {}  # chunk key -> its bytes, while a session pins it
+
+    @property
+    def cap_bytes(self) -> int:
+        """Most bytes all sessions pin together."""
+        return self._cap
+
+    @property
+    def quota_bytes(self) -> int:
+        """Most bytes one session pins."""
+        return self._quota
 
     def pin(self, session_id: str, keys: Sequence[ChunkKey]) -> int:
-        """Make `keys` (the session's latest prefix, in order) the session's pins, replacing
-        the previous turn's; returns how many chunks are pinned."""
+        """Make the leading `keys` (the session's latest prefix, in order) the session's pins,
+        replacing the previous turn's; returns how many chunks are pinned.
+
+        Pins the chunks the tier holds, up to the session's quota; deeper chunks are left
+        unpinned (the session's own, never another's). Then, if all pins pass the cap, other
+        sessions are unpinned, least recently used first.
+        """
         with self._lock:
             self._expire_locked()
-            n = self._cpu.pin(keys)
+            # The new turn is pinned before the old one is unpinned: the chunks they share are
+            # never evictable in between.
+            held, nbytes, over = self._pin_within_locked(keys, self._quota)
             old = self._sessions.pop(session_id, None)
             if old is not None:
-                self._cpu.unpin(old[0])
-            self._sessions[session_id] = (list(keys[:n]), self._clock())
+                self._unpin_locked(old.keys)
+            if over:
+                self._counters.inc("session_unpins_quota")
+                logger.debug("kvtier: session %s pins more than its quota (%d bytes): kept its "
+                             "first %d chunks pinned", session_tag(session_id), self._quota,
+                             len(held))
+            self._sessions[session_id] = _Pinned(held, nbytes, self._clock())
             self._enforce_cap_locked(session_id)
-            return len(self._sessions[session_id][0]) if session_id in self._sessions else 0
+            return len(self._sessions[session_id].keys)
 
     def touch(self, session_id: str) -> None:
         """The session was used: restart its idle clock."""
         with self._lock:
             entry = self._sessions.pop(session_id, None)
             if entry is not None:
-                self._sessions[session_id] = (entry[0], self._clock())
+                entry.used = self._clock()
+                self._sessions[session_id] = entry
             self._expire_locked()
 
     def release(self, session_id: str) -> bool:
@@ -88,7 +150,7 @@ class SessionPins:
             entry = self._sessions.pop(session_id, None)
             if entry is None:
                 return False
-            self._cpu.unpin(entry[0])
+            self._unpin_locked(entry.keys)
             self._counters.inc("session_releases")
             return True
 
@@ -106,37 +168,71 @@ class SessionPins:
 
     def close(self) -> None:
         with self._lock:
-            for keys, _ in self._sessions.values():
-                self._cpu.unpin(keys)
+            for entry in self._sessions.values():
+                self._unpin_locked(entry.keys)
             self._sessions.clear()
+
+    def _pin_within_locked(self, keys: Sequence[ChunkKey],
+                           budget: int) -> tuple[list[ChunkKey], int, bool]:
+        """Pin the leading `keys` the tier holds while their sizes sum to at most `budget`;
+        returns them, their bytes, and whether the budget (not a miss) stopped it."""
+        held: list[ChunkKey] = []
+        total = 0
+        for key in keys:
+            size = self._sizes.get(key.key)
+            if size is None:  # no session pins it: pinning it adds exactly its size
+                before = self._cpu.pinned_bytes
+                if not self._cpu.pin([key]):
+                    return held, total, False
+                size = max(0, self._cpu.pinned_bytes - before)
+                if total + size > budget:
+                    self._cpu.unpin([key])
+                    return held, total, True
+                self._sizes[key.key] = size
+            elif total + size > budget:
+                return held, total, True
+            elif not self._cpu.pin([key]):  # pinned by a session, yet the tier lost it
+                return held, total, False
+            self._holders[key.key] += 1
+            held.append(key)
+            total += size
+        return held, total, False
+
+    def _unpin_locked(self, keys: Sequence[ChunkKey]) -> None:
+        self._cpu.unpin(keys)
+        for key in keys:
+            left = self._holders[key.key] - 1
+            if left > 0:
+                self._holders[key.key] = left
+            else:
+                del self._holders[key.key]
+                self._sizes.pop(key.key, None)
 
     def _expire_locked(self) -> None:
         deadline = self._clock() - self._ttl
         while self._sessions:
-            sid, (keys, used) = next(iter(self._sessions.items()))
-            if used > deadline:
+            sid, entry = next(iter(self._sessions.items()))
+            if entry.used > deadline:
                 break
             del self._sessions[sid]
-            self._cpu.unpin(keys)
+            self._unpin_locked(entry.keys)
             self._counters.inc("session_unpins_ttl")
             logger.debug("kvtier: session %s idle for %.0fs: unpinned", session_tag(sid),
                          self._ttl)
 
     def _enforce_cap_locked(self, current: str) -> None:
-        for sid in [s for s in self._sessions if s != current]:  # least recently used first
+        """Unpin whole sessions, least recently used first, while all pins pass the cap; the
+        current one last, and then only its deepest chunks (a safety net: within its quota it
+        fits under the cap alone)."""
+        for sid in [s for s in self._sessions if s != current]:
             if self._cpu.pinned_bytes <= self._cap:
                 return
-            keys, _ = self._sessions.pop(sid)
-            self._cpu.unpin(keys)
+            self._unpin_locked(self._sessions.pop(sid).keys)
             self._counters.inc("session_unpins_cap")
-        keys, used = self._sessions[current]
-        dropped = 0
-        while keys and self._cpu.pinned_bytes > self._cap:  # trim the session's own tail
-            self._cpu.unpin([keys.pop()])
-            dropped += 1
-        if dropped:
-            self._counters.inc("session_unpins_cap")
-            logger.info("kvtier: session %s pins more than max_session_pinned_fraction of the "
-                        "CPU tier; kept its first %d chunks pinned", session_tag(current),
-                        len(keys))
-        self._sessions[current] = (keys, used)
+            logger.debug("kvtier: session pins reached max_session_pinned_fraction of the CPU "
+                         "tier: unpinned the least recently used session %s", session_tag(sid))
+        entry = self._sessions[current]
+        while entry.keys and self._cpu.pinned_bytes > self._cap:
+            last = entry.keys.pop()
+            entry.nbytes -= self._sizes.get(last.key, 0)
+            self._unpin_locked([last])

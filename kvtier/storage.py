@@ -81,7 +81,7 @@ class StorageManager:
             raise
         self.sessions = SessionPins(
             hot, int(config.max_session_pinned_fraction * self.allocator.size),
-            config.session_ttl_secs, self.counters)
+            config.session_ttl_secs, self.counters, arena_bytes=self.allocator.size)
         self.prefill = PrefillSpeed()  # fed by the serving engine's prefills
         self._planner = LoadPlanner(lambda: self._set.tiers, self.prefill, layout.nbytes,
                                     self.allocator.size, self.counters)

@@ -1,8 +1,10 @@
-"""Session pins: a session's prefix survives eviction pressure until released, idle or capped."""
+"""Session pins: a session's prefix survives eviction pressure until released, idle or capped,
+and one session's long prompt costs neither other sessions nor ordinary requests their room."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -14,27 +16,37 @@ from kvtier.connectors import SGLangMHAConnector
 from kvtier.engine import CacheEngine
 from kvtier.memory import KVLayout, MemoryAllocator, lease
 from kvtier.metrics import Counters
-from kvtier.sessions import SessionPins
+from kvtier.sessions import MAX_PINNED_FRACTION, SessionPins
 from tests.helpers import SMALL_MHA, make_keys, make_obj
 
 CHUNK = 16
 SLOTS = 4096
+ARENA_CHUNKS = 32
 # A 16-token chunk of this layout is exactly one 4 KiB arena page, so byte caps count chunks.
 LAYOUT = KVLayout.mha(num_layers=4, num_kv_heads=2, head_dim=8, dtype=torch.bfloat16)
+PAGE = 4096
 
 
-@pytest.fixture
-def engine() -> Iterator[CacheEngine]:
-    """An engine whose CPU tier holds 16 chunks (pins capped at half of it)."""
+@contextmanager
+def _engine(fraction: float) -> Iterator[CacheEngine]:
+    """An engine whose CPU tier holds `ARENA_CHUNKS` chunks, `fraction` of it for pins."""
     gen = torch.Generator().manual_seed(0)
     shape = (SLOTS, LAYOUT.num_kv_heads, LAYOUT.head_dim)
     k = [torch.randn(shape, generator=gen).to(LAYOUT.dtype) for _ in range(4)]
     v = [torch.randn(shape, generator=gen).to(LAYOUT.dtype) for _ in range(4)]
-    assert LAYOUT.nbytes(CHUNK) == 4096
-    cfg = Config(chunk_size=CHUNK, max_local_cpu_size=16 * 4096 / 1e9,
-                 max_session_pinned_fraction=0.5)
+    assert LAYOUT.nbytes(CHUNK) == PAGE
+    cfg = Config(chunk_size=CHUNK, max_local_cpu_size=ARENA_CHUNKS * PAGE / 1e9,
+                 max_session_pinned_fraction=fraction)
     with CacheEngine(cfg, model_name="m", layout=LAYOUT,
                      connector=SGLangMHAConnector(k, v)) as eng:
+        yield eng
+
+
+@pytest.fixture
+def engine() -> Iterator[CacheEngine]:
+    """Pins capped at 16 chunks, 4 chunks per session."""
+    with _engine(0.5) as eng:
+        assert eng.storage.sessions.quota_bytes == 4 * PAGE
         yield eng
 
 
@@ -47,7 +59,8 @@ def _slots(n: int) -> torch.Tensor:
     return torch.arange(1, n + 1)
 
 
-def _flood(engine: CacheEngine, rounds: int = 8) -> None:
+def _flood(engine: CacheEngine, rounds: int = 12) -> None:
+    """Store more unrelated chunks than the arena holds: everything unpinned is evicted."""
     for seed in range(100, 100 + rounds):
         engine.store(_prompt(seed, 4), _slots(4 * CHUNK))
 
@@ -79,40 +92,88 @@ def test_next_turn_replaces_the_previous_pins(engine: CacheEngine) -> None:
 
 
 def test_over_the_cap_the_least_recently_used_session_is_unpinned(engine: CacheEngine) -> None:
-    # Cap: 8 of the arena's 16 chunks. Three 3-chunk sessions do not fit together.
-    sessions = {f"s{i}": _prompt(10 + i, 3) for i in range(3)}
+    # Cap: 16 chunks. Five sessions of 4 chunks, each within its quota, do not fit together.
+    sessions = {f"s{i}": _prompt(10 + i, 4) for i in range(5)}
     for sid, ids in sessions.items():
-        engine.store(ids, _slots(48), session_id=sid)
+        engine.store(ids, _slots(64), session_id=sid)
     stats = engine.stats()
-    assert stats["session_unpins_cap"] >= 1
+    assert stats["session_unpins_cap"] == 1
     assert stats["session_pinned_bytes"] <= stats["session_pinned_cap_bytes"]
     _flood(engine)  # stores never fail for lack of memory: pins stay under the cap
     assert engine.stats().get("store_no_memory", 0) == 0
-    assert engine.lookup(sessions["s2"], hot_only=True) == 48  # the newest stays
+    for sid in ("s1", "s2", "s3", "s4"):
+        assert engine.lookup(sessions[sid], hot_only=True) == 64
     assert engine.lookup(sessions["s0"], hot_only=True) == 0  # the oldest went
 
 
-def test_a_session_larger_than_the_cap_keeps_its_leading_chunks(engine: CacheEngine) -> None:
+def test_a_session_longer_than_its_quota_keeps_its_leading_chunks(engine: CacheEngine) -> None:
     big = _prompt(5, 12)
     engine.store(big, _slots(12 * CHUNK), session_id="big")
     stats = engine.stats()
-    assert 0 < stats["session_pinned_bytes"] <= stats["session_pinned_cap_bytes"]
+    assert stats["session_pinned_bytes"] == engine.storage.sessions.quota_bytes
+    assert stats["session_unpins_quota"] == 1
     _flood(engine)
-    kept = engine.lookup(big, hot_only=True)
-    assert 0 < kept < 12 * CHUNK
+    assert engine.lookup(big, hot_only=True) == 4 * CHUNK  # its quota, from the front
+
+
+def test_a_long_prompt_costs_neither_the_other_session_nor_ordinary_requests() -> None:
+    # The issue: with a large pin fraction, one session's long prompt unpinned every other
+    # session and left ordinary requests without room. At the largest fraction allowed (0.8:
+    # 25.6 chunks of 32), each session pins at most a quarter of that (6 chunks).
+    with _engine(MAX_PINNED_FRACTION) as engine:
+        assert engine.storage.sessions.quota_bytes // PAGE == 6
+        chat, agent = _prompt(1, 6), _prompt(2, 20)
+        engine.store(chat, _slots(6 * CHUNK), session_id="chat")
+        engine.store(agent, _slots(20 * CHUNK), session_id="agent")  # the long prompt
+        ordinary = _prompt(3, 16)  # half the arena, more than what the pins leave in reserve
+        assert engine.store(ordinary, _slots(16 * CHUNK)) == 16 * CHUNK  # stored whole
+        # The agent's next turn is longer still: it trims itself again, never the chat.
+        engine.store(torch.cat([agent, _prompt(4, 4)]), _slots(24 * CHUNK), session_id="agent")
+        _flood(engine)
+        stats = engine.stats()
+        assert stats.get("store_no_memory", 0) == 0
+        assert stats.get("session_unpins_cap", 0) == 0 and stats["session_unpins_quota"] >= 1
+        assert engine.lookup(chat, hot_only=True) == 6 * CHUNK  # all of it, still pinned
+        assert engine.lookup(agent, hot_only=True) == 6 * CHUNK  # its quota's worth
+
+
+def _cpu_with(n_tokens: int, arena_bytes: int = 64 * 4096,
+              seed: int = 0) -> tuple[CPUBackend, MemoryAllocator, list]:
+    arena = MemoryAllocator(arena_bytes)
+    cpu = CPUBackend(BackendContext(Config(chunk_size=CHUNK), SMALL_MHA, arena))
+    keys = make_keys(n_tokens, seed=seed)
+    objs = [make_obj(arena, SMALL_MHA, k.num_tokens, i) for i, k in enumerate(keys)]
+    with lease(objs):
+        cpu.batch_put(keys, objs)
+    return cpu, arena, keys
+
+
+def test_the_cap_is_clamped_to_leave_the_tier_headroom() -> None:
+    cpu, arena, _ = _cpu_with(16)
+    pins = SessionPins(cpu, cap_bytes=arena.size, ttl_s=60.0, counters=Counters(),
+                       arena_bytes=arena.size)
+    assert pins.cap_bytes == int(MAX_PINNED_FRACTION * arena.size)
+    assert pins.quota_bytes == pins.cap_bytes // 4
+
+
+def test_a_chunk_two_sessions_share_stays_pinned_until_both_let_go() -> None:
+    cpu, _, keys = _cpu_with(64)
+    pins = SessionPins(cpu, cap_bytes=1 << 20, ttl_s=60.0, counters=Counters())
+    assert pins.pin("a", keys) == 4 and pins.pin("b", keys[:2]) == 2
+    pinned = cpu.pinned_bytes
+    assert pins.release("a")
+    assert cpu.pinned_bytes == pinned // 2  # b's two chunks are still pinned
+    assert [k for k, _ in cpu.pop_lru(1 << 20)] == [keys[3], keys[2]]
+    assert pins.release("b")
+    assert cpu.pinned_bytes == 0 and len(cpu.pop_lru(1 << 20)) == 2
 
 
 def test_idle_sessions_are_unpinned_after_the_ttl() -> None:
     now = [0.0]
-    arena = MemoryAllocator(64 * 4096)
-    cpu = CPUBackend(BackendContext(Config(chunk_size=CHUNK), SMALL_MHA, arena))
+    cpu, _, keys = _cpu_with(64)
     counters = Counters()
     pins = SessionPins(cpu, cap_bytes=1 << 20, ttl_s=60.0, counters=counters,
                        clock=lambda: now[0])
-    keys = make_keys(64)
-    objs = [make_obj(arena, SMALL_MHA, k.num_tokens, i) for i, k in enumerate(keys)]
-    with lease(objs):
-        cpu.batch_put(keys, objs)
     assert pins.pin("s", keys) == 4
     now[0] = 59.0
     pins.touch("s")
