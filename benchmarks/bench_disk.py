@@ -44,9 +44,11 @@ def _keys(layout: KVLayout, chunks: int, seed: int, chunk_size: int = TOKENS) ->
     return kb.keys(torch.randint(0, 128_000, (chunks * chunk_size,), generator=gen))
 
 
-def _open(root: Path, layout: KVLayout, alloc: MemoryAllocator, cap_gb: float) -> DiskBackend:
+def _open(root: Path, layout: KVLayout, alloc: MemoryAllocator, cap_gb: float,
+          record_key_file: str | None = None) -> DiskBackend:
     config = Config(chunk_size=TOKENS, max_local_cpu_size=alloc.size / 1e9,
-                    local_disk=str(root), max_local_disk_size=cap_gb)
+                    local_disk=str(root), max_local_disk_size=cap_gb,
+                    record_key_file=record_key_file)
     return DiskBackend(BackendContext(config=config, layout=layout, allocator=alloc))
 
 
@@ -139,11 +141,14 @@ def _warm_up(workdir: Path, view: memoryview, nbytes: int) -> None:
     path.unlink()
 
 
-def bench_throughput(workdir: Path, chunks: int, rounds: int) -> dict[str, object]:
+def bench_throughput(workdir: Path, chunks: int, rounds: int,
+                     record_key_file: str | None = None) -> dict[str, object]:
     nbytes = LLAMA3_8B.nbytes(TOKENS)
     alloc = MemoryAllocator(3 * nbytes + (1 << 20))  # source, raw target, tier get
-    disk = _open(workdir / "tier", LLAMA3_8B, alloc, cap_gb=2 * chunks * nbytes / 1e9)
-    raw_dir = workdir / "raw"
+    tag = "auth" if record_key_file else "plain"
+    disk = _open(workdir / f"tier-{tag}", LLAMA3_8B, alloc, cap_gb=2 * chunks * nbytes / 1e9,
+                 record_key_file=record_key_file)
+    raw_dir = workdir / f"raw-{tag}"
     raw_dir.mkdir()
     src, dst = alloc.allocate(LLAMA3_8B, TOKENS), alloc.allocate(LLAMA3_8B, TOKENS)
     assert src is not None and dst is not None
@@ -203,10 +208,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--index-records", type=int, default=100_000)
     parser.add_argument("--dir", type=Path, default=None, help="scratch dir (default: a temp dir)")
     parser.add_argument("--out", type=Path, default=RESULTS / "disk.json")
+    parser.add_argument("--auth", action="store_true",
+                        help="also run with a record key (HMAC-SHA256 records) and report "
+                        "authenticated / plain throughput")
     args = parser.parse_args(argv)
     workdir = Path(tempfile.mkdtemp(prefix="kvtier-bench-disk-", dir=args.dir))
+    auth: dict[str, object] = {}
     try:
         thr = bench_throughput(workdir, args.chunks, args.rounds)
+        if args.auth:
+            key_file = workdir / "record.key"
+            key_file.write_bytes(os.urandom(32).hex().encode())
+            key_file.chmod(0o600)
+            auth = bench_throughput(workdir, args.chunks, args.rounds, str(key_file))
         idx = bench_index(workdir, args.index_records) if args.index_records else {}
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -220,12 +234,20 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{'cold get':<12}{med['cold_get']:>11.2f}{med['raw_cold_read']:>10.2f}"
           f"{ratio['cold_get_vs_raw_cold_read']:>8.2f}  raw 1 MiB reads after FADV_DONTNEED")
     print(f"{'warm get':<12}{med['warm_get']:>11.2f}{'':>10}{'':>8}  (page cache)")
+    if auth:
+        amed = auth["gb_per_s_median"]
+        assert isinstance(amed, dict)
+        print("authenticated records (record_key_file: HMAC-SHA256 over every payload), "
+              "tier GB/s and ratio to plain records in this run:")
+        for name in ("put", "cold_get", "warm_get"):
+            print(f"  {name:<10}{amed[name]:>11.2f}{amed[name] / med[name]:>8.2f}x")
     if idx:
         print(f"index rebuild: {idx['records']} records in {idx['rebuild_secs_median']:.2f}s "
               f"(median of 3, warm dentry cache; first {idx['rebuild_secs_first']:.2f}s; "
               f"filling took {idx['fill_secs']:.1f}s)")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"throughput": thr, "index": idx}, indent=2))
+    args.out.write_text(json.dumps({"throughput": thr, "authenticated": auth, "index": idx},
+                                   indent=2))
     print(f"wrote {args.out}")
 
 

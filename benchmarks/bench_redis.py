@@ -118,14 +118,16 @@ class RawClient:
 
 
 def kvtier_case(port: int, tokens: int, batch: int, segment_mb: float,
-                cleanup: list[Callable[[], None]], atomic_reads: bool = False) -> Case:
+                cleanup: list[Callable[[], None]], atomic_reads: bool = False,
+                record_key_file: str | None = None) -> Case:
     nbytes = LAYOUT.nbytes(tokens)
     alloc = MemoryAllocator(nbytes * batch * 2 + (16 << 20))
     cfg = Config(chunk_size=tokens, max_local_cpu_size=alloc.size / 1e9,
-                 remote_url=f"redis://127.0.0.1:{port}", remote_segment_mb=segment_mb)
+                 remote_url=f"redis://127.0.0.1:{port}", remote_segment_mb=segment_mb,
+                 record_key_file=record_key_file)
     backend = RedisBackend(BackendContext(cfg, LAYOUT, alloc), atomic_reads=atomic_reads)
-    kb = KeyBuilder(model=f"bench-s{segment_mb}", fingerprint=LAYOUT.fingerprint(tokens),
-                    chunk_size=tokens)
+    kb = KeyBuilder(model=f"bench-s{segment_mb}{'-auth' if record_key_file else ''}",
+                    fingerprint=LAYOUT.fingerprint(tokens), chunk_size=tokens)
     keys = kb.keys(torch.randint(0, 50_000, (tokens * batch,)))
     objs = []
     for _ in keys:
@@ -225,7 +227,10 @@ def measure_size(port: int, mib: int, args: argparse.Namespace) -> dict[str, tup
     values = [os.urandom(mib << 20) for _ in range(args.batch)]
     packer = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
     cleanup: list[Callable[[], None]] = []
-    cases = {"kvtier": kvtier_case(port, tokens, args.batch, args.segment_mb, cleanup)}
+    cases = {"kvtier": kvtier_case(port, tokens, args.batch, args.segment_mb, cleanup),
+             # records with a MAC (record_key_file): the cost of authentication
+             "kvtier authenticated": kvtier_case(port, tokens, args.batch, args.segment_mb,
+                                                 cleanup, record_key_file=args.key_file)}
     if mib > args.segment_mb:
         cases["kvtier MGET reads"] = kvtier_case(port, tokens, args.batch, args.segment_mb,
                                                  cleanup, atomic_reads=True)
@@ -263,6 +268,10 @@ def measure_size(port: int, mib: int, args: argparse.Namespace) -> dict[str, tup
 def run(args: argparse.Namespace) -> dict[str, object]:
     rows: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory() as workdir:
+        args.key_file = os.path.join(workdir, "record.key")
+        with open(args.key_file, "w") as f:
+            f.write(os.urandom(32).hex())
+        os.chmod(args.key_file, 0o600)
         server = Server(workdir)
         try:
             results = {mib: measure_size(server.port, mib, args) for mib in args.sizes}
@@ -308,6 +317,12 @@ def main() -> None:
         print(f"{r['size_mib']:>4}Mi {r['impl']:<24} {cell(r['put_gbps'], 9)} "
               f"{cell(r['get_gbps'], 9)} {cell(r['put_vs_raw'], 8)} {cell(r['get_vs_raw'], 8)} "
               f"{cell(r.get('put_vs_raw_4mib'), 9)} {cell(r.get('get_vs_raw_4mib'), 9)}")
+    by = {(r["size_mib"], r["impl"]): r for r in result["rows"]}  # type: ignore[attr-defined]
+    for mib in args.sizes:
+        plain, auth = by[(mib, "kvtier")], by[(mib, "kvtier authenticated")]
+        print(f"authenticated / plain records, {mib} MiB chunks: put "
+              f"{auth['put_gbps'] / plain['put_gbps']:.2f}x, get "
+              f"{auth['get_gbps'] / plain['get_gbps']:.2f}x")
     print(f"load average during the run: {result['load_avg_1m']:.1f} on {result['cpus']} cpus")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2))
