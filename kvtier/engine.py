@@ -93,7 +93,8 @@ class CacheEngine:
         self._closed = False
 
     def store(self, token_ids: TokenIds, slot_mapping: torch.Tensor, *,
-              session_id: str | None = None, on_read: Callable[[], None] | None = None) -> int:
+              session_id: str | None = None, on_read: Callable[[], None] | None = None,
+              salt: str = "") -> int:
         """Save the KV of `token_ids` (in pool rows `slot_mapping`) chunk by chunk.
 
         Chunks the CPU tier already holds are skipped (lower tiers are never asked here: their
@@ -101,9 +102,11 @@ class CacheEngine:
         finds no memory. `on_read` is called as soon as the pool rows have been read, before
         the chunks are put anywhere: the caller may reuse the rows from then on. With
         `session_id`, the prefix is then pinned in the CPU tier as that session's latest turn
-        (see `release_session`). Returns the number of tokens newly stored.
+        (see `release_session`). `salt`: the request's own salt (see `chunk_keys`). Returns the
+        number of tokens newly stored.
         """
-        keys, slots = self._prepare(token_ids, slot_mapping)
+        keys, slots = self._prepare(token_ids, slot_mapping,
+                                    self.keys.keys(token_ids, salt) if salt else None)
         if not self._stores or self._closed or not keys:
             if on_read is not None:
                 on_read()
@@ -232,8 +235,10 @@ class CacheEngine:
         """Remove a lower tier while serving; see `StorageManager.detach_tier`."""
         self.storage.detach_tier(name, drain=drain, wait=wait)
 
-    def chunk_keys(self, token_ids: TokenIds) -> list[ChunkKey]:
-        return self.keys.keys(token_ids)
+    def chunk_keys(self, token_ids: TokenIds, salt: str = "") -> list[ChunkKey]:
+        """The chunk keys of `token_ids`; with `salt` (a per-request salt, e.g. SGLang's
+        `cache_salt`), keys only requests with the same salt share."""
+        return self.keys.keys(token_ids, salt)
 
     def stats(self) -> dict[str, float]:
         return self.storage.stats()

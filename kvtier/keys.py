@@ -215,12 +215,15 @@ class KeyBuilder:
             return num_tokens
         return num_tokens - num_tokens % self.chunk_size
 
-    def keys(self, token_ids: torch.Tensor | Sequence[int] | np.ndarray) -> list[ChunkKey]:
-        """The chunk keys of `token_ids` in order (a trailing partial chunk per config)."""
+    def keys(self, token_ids: torch.Tensor | Sequence[int] | np.ndarray,
+             salt: str = "") -> list[ChunkKey]:
+        """The chunk keys of `token_ids` in order (a trailing partial chunk per config).
+        `salt`: a per-request salt (SGLang's `cache_salt`) mixed into the root digest, so
+        only requests with the same salt share chunks."""
         data = encode_tokens(token_ids)
-        return self.keys_from_bytes(data)
+        return self.keys_from_bytes(data, salt)
 
-    def keys_from_bytes(self, data: bytes | memoryview) -> list[ChunkKey]:
+    def keys_from_bytes(self, data: bytes | memoryview, salt: str = "") -> list[ChunkKey]:
         """Keys of a sequence given as little-endian uint32 bytes (see `encode_tokens`)."""
         data = memoryview(data).cast("B") if not isinstance(data, memoryview) else data
         n = len(data) // 4
@@ -229,7 +232,8 @@ class KeyBuilder:
         sha256 = hashlib.sha256
         make = tuple.__new__  # ChunkKey(...) goes through a Python-level __new__: ~10% slower
         prefix = self.prefix
-        h = self._root
+        h = self._root if not salt else hashlib.sha256(
+            self._root + b"\0cache_salt\0" + salt.encode()).digest()
         prev: str | None = None
         out: list[ChunkKey] = []
         append = out.append

@@ -141,3 +141,13 @@ def test_hicache_page_keys_are_salted_per_tenant() -> None:
     other = space.opaque_keys(["aa" * 32, "bb" * 32], 16, salt="other")
     assert len({k.key for k in plain + salted + other}) == 6
     assert salted[1].prev == salted[0].key
+
+
+def test_a_request_salt_gives_its_own_keys() -> None:
+    tokens = list(range(48))
+    kb = _builder()
+    plain, a, a_again, b = (kb.keys(tokens), kb.keys(tokens, "a"), kb.keys(tokens, "a"),
+                            kb.keys(tokens, "b"))
+    assert a == a_again
+    assert len({k.key for k in plain + a + b}) == 3 * len(plain)
+    assert [k.tokens for k in a] == [k.tokens for k in plain]  # same tokens, other chain

@@ -9,9 +9,13 @@ from collections.abc import Callable
 import pytest
 
 from tests.integration.conftest import (
+    FULL_HIT,
+    PROMPT_LEN,
     check_partial_hit,
     check_reload_after_flush,
     check_unrelated_miss,
+    cold,
+    prompt,
     write_config,
 )
 from tests.sglang_support.server import SGLangServer
@@ -39,3 +43,28 @@ def test_partial_prefix_hit(server: SGLangServer) -> None:
 
 def test_unrelated_prompt_misses(server: SGLangServer) -> None:
     check_unrelated_miss(server, seed=3)
+
+
+def test_cache_salt_scopes_what_a_request_shares(server: SGLangServer) -> None:
+    """A request's `cache_salt` is mixed into kvtier's keys: the same prompt and salt hit
+    after a flush; another salt, or none, never sees them."""
+    ids = prompt(4, PROMPT_LEN)
+    expected = cold(server, ids)
+
+    def salted(salt: str | None) -> dict:  # type: ignore[type-arg]
+        body = {"input_ids": ids, "sampling_params": {"temperature": 0.0, "max_new_tokens": 8,
+                                                      "ignore_eos": True}}
+        if salt is not None:
+            body["cache_salt"] = salt
+        return server.post("/generate", body)
+
+    assert salted("tenant-a")["meta_info"]["cached_tokens"] == 0
+    server.flush_cache()  # also waits for kvtier's background stores
+    for salt in ("tenant-b", None):
+        got = salted(salt)
+        assert got["meta_info"]["cached_tokens"] == 0, salt  # not theirs to see
+        assert got["output_ids"] == expected
+        server.flush_cache()
+    got = salted("tenant-a")
+    assert got["meta_info"]["cached_tokens"] == FULL_HIT
+    assert got["output_ids"] == expected

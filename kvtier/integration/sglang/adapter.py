@@ -152,13 +152,15 @@ class SGLangKVTier:
         end = self.engine.keys.num_keyed_tokens(num_tokens)
         return end - end % self.page_size
 
-    def chunk_keys(self, rid: str | None, token_ids: np.ndarray) -> list[ChunkKey]:
-        """The chunk keys of `token_ids` (whole chunks), hashed once per request `rid`."""
+    def chunk_keys(self, rid: str | None, token_ids: np.ndarray,
+                   salt: str = "") -> list[ChunkKey]:
+        """The chunk keys of `token_ids` (whole chunks) with the request's `salt` (its
+        `cache_salt`), hashed once per request `rid`."""
         want = self.engine.keys.num_keyed_tokens(len(token_ids)) // self.chunk_size
         cached = self._keys.get(rid) if rid is not None else None
         if cached is not None and len(cached) >= want:
             return cached[:want]  # keys chain over the prefix: a longer list's head is valid
-        keys = self.engine.chunk_keys(token_ids)
+        keys = self.engine.chunk_keys(token_ids, salt)
         if rid is not None:
             if len(self._keys) >= MAX_CACHED_KEYS:
                 self._keys.clear()  # requests that never came back; cheap to rebuild
@@ -169,18 +171,18 @@ class SGLangKVTier:
         """Request `rid` was loaded, finished or aborted: drop its cached keys."""
         self._keys.pop(rid, None)
 
-    def lookup(self, rid: str | None, token_ids: np.ndarray) -> int:
+    def lookup(self, rid: str | None, token_ids: np.ndarray, salt: str = "") -> int:
         """Leading tokens of `token_ids` every rank can load now, in whole pages (metadata
         only; with background loads, only what the CPU tier holds counts)."""
-        keys = self.chunk_keys(rid, token_ids)
+        keys = self.chunk_keys(rid, token_ids, salt)
         hit = self.engine.lookup(token_ids, hot_only=self.async_loads, keys=keys)
         return self.agree_min(hit - hit % self.page_size)
 
     def retrieve(self, rid: str | None, token_ids: np.ndarray, slots: torch.Tensor,
-                 skip: int) -> int:
+                 skip: int, salt: str = "") -> int:
         """Scatter cached KV into `slots` past `skip`; returns the leading tokens now valid on
         every rank, in whole pages (at least `skip`)."""
-        keys = self.chunk_keys(rid, token_ids)
+        keys = self.chunk_keys(rid, token_ids, salt)
         got = self.engine.retrieve(token_ids, slots, skip=skip, hot_only=self.async_loads,
                                    keys=keys)
         got = max(self.agree_min(got - got % self.page_size), skip)
@@ -193,14 +195,14 @@ class SGLangKVTier:
 
     # ---- background loads (scheduler thread; every rank calls these in step) ----
 
-    def start_prefetch(self, rid: str, token_ids: np.ndarray) -> None:
+    def start_prefetch(self, rid: str, token_ids: np.ndarray, salt: str = "") -> None:
         """Start loading `token_ids`' lower-tier chunks into the CPU tier for request `rid`."""
         if not self.async_loads or self._closed or rid in self._prefetches:
             return
         end = self.loadable_end(len(token_ids))
         if end == 0:
             return
-        keys = self.chunk_keys(rid, token_ids[:end])
+        keys = self.chunk_keys(rid, token_ids[:end], salt)
         self._prefetches[rid] = self.engine.start_prefetch(token_ids[:end], keys=keys)
         self.counters.inc("sglang.prefetches")
 
@@ -270,7 +272,7 @@ class SGLangKVTier:
     # ---- stores ----
 
     def submit_store(self, token_ids: np.ndarray, slots: torch.Tensor, handle: Any,
-                     session_id: str | None = None) -> bool:
+                     session_id: str | None = None, salt: str = "") -> bool:
         """Queue a background store of `token_ids` from pool `slots` (scheduler thread).
 
         Returns False (and stores nothing) when the queue is full or stores are off on this
@@ -283,7 +285,8 @@ class SGLangKVTier:
         if slots.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
-        return self.stores.submit(StoreJob(token_ids, slots, handle, ready, session_id))
+        return self.stores.submit(StoreJob(token_ids, slots, handle, ready, session_id,
+                                           salt=salt))
 
     def poll_done(self) -> list[StoreJob]:
         """Stores whose slots are free, whose handles the caller may now release (scheduler
@@ -300,7 +303,7 @@ class SGLangKVTier:
         """The store thread's work for one job."""
         sid = job.session_id if job.session_id not in self._closed_sessions else None
         stored = self.engine.store(job.token_ids, job.slots, session_id=sid,
-                                   on_read=job.release_slots)
+                                   on_read=job.release_slots, salt=job.salt)
         self.counters.inc("sglang.stores")
         self.counters.inc("sglang.tokens_stored", stored)
         logger.debug("kvtier: stored %d new tokens of a %d-token prefix", stored,

@@ -89,10 +89,9 @@ class KVTierRadixCache(UnifiedRadixCache):
             return result
 
     def _eligible(self, key: RadixKey) -> bool:
-        # kvtier keys cover token ids only: LoRA adapters (extra_key), per-tenant salts and
-        # EAGLE bigram keys would need their own namespace, so they bypass kvtier.
-        return key.extra_key is None and key.cache_salt is None and not key.is_bigram \
-            and not self.disable
+        # kvtier keys cover token ids and a per-request cache_salt: LoRA adapters (extra_key)
+        # and EAGLE bigram keys would need their own namespace, so they bypass kvtier.
+        return key.extra_key is None and not key.is_bigram and not self.disable
 
     def _host_hit(self, rid: str, key: RadixKey, device_len: int) -> int:
         """Tokens past the device hit kvtier can load at admission (whole pages, agreed by
@@ -103,7 +102,7 @@ class KVTierRadixCache(UnifiedRadixCache):
         end = kv.loadable_end(len(key))
         if end <= device_len:
             return 0
-        hit = kv.lookup(rid, _token_array(key.raw_token_ids())[:end])
+        hit = kv.lookup(rid, _token_array(key.raw_token_ids())[:end], _salt(key.cache_salt))
         if hit <= device_len:
             kv.counters.inc("sglang.load_misses")
             return 0
@@ -149,7 +148,8 @@ class KVTierRadixCache(UnifiedRadixCache):
         tokens = _token_array(key.raw_token_ids())[:end]
         mapping = torch.full((end,), -1, dtype=torch.int64, device=slots.device)
         mapping[device_len:] = slots
-        if kv.retrieve(req.rid, tokens, mapping, skip=device_len) < end:
+        if kv.retrieve(req.rid, tokens, mapping, skip=device_len,
+                       salt=_salt(key.cache_salt)) < end:
             self.token_to_kv_pool_allocator.free(slots)  # evicted since the match: recompute
             kv.counters.inc("sglang.loads_short")
             return None
@@ -200,13 +200,13 @@ class KVTierRadixCache(UnifiedRadixCache):
                               storage_hit_end: Any = None) -> None:
         """A request joined the waiting queue: start loading its chunks in the background."""
         kv = self.kvtier
-        if kv is None or self.disable or extra_key is not None or cache_salt \
+        if kv is None or self.disable or extra_key is not None \
                 or getattr(self.tree_core, "is_eagle", False) or _multimodal(request):
             return
         with kv.budget.timed("prefetch_from_storage", request.rid):
             tokens = np.concatenate([_token_array(matched_prefix_tokens or []),
                                      _token_array(new_input_tokens)])
-            kv.start_prefetch(request.rid, tokens)
+            kv.start_prefetch(request.rid, tokens, _salt(cache_salt))
 
     def check_prefetch_progress(self, request: Any) -> bool:
         """Whether the waiting request may be admitted now (per `prefetch_policy`)."""
@@ -283,8 +283,7 @@ class KVTierRadixCache(UnifiedRadixCache):
         kv = self.kvtier
         assert kv is not None
         node = req.last_node
-        if node is None or self.disable or req.extra_key is not None or req.cache_salt \
-                or _multimodal(req):
+        if node is None or self.disable or req.extra_key is not None or _multimodal(req):
             return
         slots = self.path_device_indices(node)
         keyed = kv.engine.keys.num_keyed_tokens(len(slots))
@@ -296,7 +295,8 @@ class KVTierRadixCache(UnifiedRadixCache):
         lock = self.lock(node)
         session = getattr(req, "session", None)  # SGLang's session API: pin between turns
         sid = getattr(session, "session_id", None)
-        if not kv.submit_store(tokens, slots[:keyed].to(torch.int64), lock, sid):
+        if not kv.submit_store(tokens, slots[:keyed].to(torch.int64), lock, sid,
+                               _salt(req.cache_salt)):
             self.unlock(lock)
 
     def _release_finished_stores(self) -> None:
@@ -346,3 +346,8 @@ def _multimodal(req: Any) -> bool:
     those (likely among ~46K items, or made on purpose) would serve one image's KV for
     another, and token verification cannot see it. So such requests bypass kvtier."""
     return getattr(req, "multimodal_inputs", None) is not None
+
+
+def _salt(cache_salt: Any) -> str:
+    """A request's `cache_salt` as kvtier mixes it into its keys ("" for none)."""
+    return "" if cache_salt is None else str(cache_salt)
