@@ -8,7 +8,7 @@ import argparse
 import sys
 from typing import Any
 
-from kvtier import admin
+from kvtier import inventory
 from kvtier.config import load_config
 
 __all__ = ["add_parsers"]
@@ -20,7 +20,7 @@ def _stats(args: argparse.Namespace) -> int:
     config = load_config(args.file)
     per_tier: dict[str, list[int]] = {t: [0, 0] for t in config.tiers if t != "cpu"}
     models: dict[str, set[str]] = {}
-    for g in admin.groups(config):
+    for g in inventory.groups(config):
         per_tier.setdefault(g.tier, [0, 0])
         per_tier[g.tier][0] += g.chunks
         per_tier[g.tier][1] += g.nbytes
@@ -64,7 +64,7 @@ def _live(url: str) -> int:
 
 
 def _ls(args: argparse.Namespace) -> int:
-    rows = admin.groups(load_config(args.file), args.model)
+    rows = inventory.groups(load_config(args.file), args.model)
     if not rows:
         print("nothing stored" + (f" for model {args.model}" if args.model else ""))
         return 0
@@ -82,13 +82,13 @@ def _purge(args: argparse.Namespace) -> int:
             print(f"kvtier: purge would delete {what} from {', '.join(config.tiers[1:]) or '-'};"
                   " not a terminal: pass --yes to confirm", file=sys.stderr)
             return 2
-        rows = admin.groups(config, args.model)
+        rows = inventory.groups(config, args.model)
         total = sum(g.chunks for g in rows)
         answer = input(f"delete {total} chunks of {what} from the disk/Redis tiers? [y/N] ")
         if answer.strip().lower() not in ("y", "yes"):
             print("nothing deleted")
             return 1
-    deleted = admin.purge(config, args.model)
+    deleted = inventory.purge(config, args.model)
     for g in deleted:
         print(f"deleted {g.chunks} chunks ({g.nbytes / 1e9:.3f} GB) of {g.model} / {g.layout} "
               f"from {g.tier}")

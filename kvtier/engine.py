@@ -14,8 +14,8 @@ from kvtier.connectors import ops
 from kvtier.connectors.base import KVConnector
 from kvtier.keys import ChunkKey, KeyBuilder
 from kvtier.memory import KVLayout, MemoryFormat, MemoryObj, lease
-from kvtier.prefetch import Prefetch
 from kvtier.storage import StorageManager
+from kvtier.storage.prefetch import Prefetch
 
 __all__ = ["CacheEngine"]
 

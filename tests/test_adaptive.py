@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.adaptive import DEADLINE_SLACK, Decision, Span, decide
 from kvtier.config import Config
-from kvtier.estimates import PrefillSpeed, TierSpeed
 from kvtier.memory import lease
 from kvtier.storage import StorageManager
+from kvtier.storage.adaptive import DEADLINE_SLACK, Decision, Span, decide
+from kvtier.storage.estimates import PrefillSpeed, TierSpeed
 from tests.helpers import SMALL_MHA, make_keys, make_obj
 
 CHUNK = 16

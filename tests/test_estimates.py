@@ -8,15 +8,15 @@ import pytest
 import torch
 
 from kvtier.config import Config
-from kvtier.estimates import (
+from kvtier.memory import KVLayout, lease
+from kvtier.storage import StorageManager
+from kvtier.storage.estimates import (
     PRIOR_PREFILL_TOKENS_PER_S,
     PRIOR_READ_BYTES_PER_S,
     WINDOW,
     PrefillSpeed,
     TierSpeed,
 )
-from kvtier.memory import KVLayout, lease
-from kvtier.storage import StorageManager
 from tests.conftest import RedisProcess
 from tests.delay_proxy import DelayProxy
 from tests.helpers import make_keys, make_obj

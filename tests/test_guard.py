@@ -10,10 +10,10 @@ import pytest
 from kvtier.backends.base import BackendContext
 from kvtier.backends.cpu import CPUBackend
 from kvtier.config import Config
-from kvtier.guard import GuardedTier
 from kvtier.keys import ChunkKey
 from kvtier.memory import MemoryAllocator, MemoryObj, lease
 from kvtier.metrics import Counters, RateLimitedLog
+from kvtier.storage.guard import GuardedTier
 from tests.helpers import SMALL_MHA, make_keys, make_obj
 
 

@@ -17,8 +17,8 @@ from kvtier.backends.cpu import CPUBackend
 from kvtier.config import Config
 from kvtier.keys import ChunkKey
 from kvtier.memory import MemoryObj, lease
-from kvtier.prefetch import Prefetch, Prefetcher
 from kvtier.storage import StorageManager
+from kvtier.storage.prefetch import Prefetch, Prefetcher
 from tests.helpers import SMALL_MHA, make_keys, make_obj, run_threads, same_bytes
 
 CHUNK = 16
@@ -160,8 +160,8 @@ def test_abort_after_the_others_were_admitted_drops_everything(gated: StorageMan
 @pytest.fixture
 def one_worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[StorageManager]:
     """The `gated` manager with one prefetch worker and room for one queued prefetch."""
-    monkeypatch.setattr("kvtier.storage.PREFETCH_WORKERS", 1)
-    monkeypatch.setattr("kvtier.storage.PREFETCH_MAX_PENDING", 1)
+    monkeypatch.setattr("kvtier.storage.manager.PREFETCH_WORKERS", 1)
+    monkeypatch.setattr("kvtier.storage.manager.PREFETCH_MAX_PENDING", 1)
     sm = _gated_manager(tmp_path, monkeypatch)
     try:
         yield sm
@@ -220,7 +220,7 @@ def test_wants_of_queued_prefetches_end_at_close(one_worker: StorageManager) -> 
 
 def test_cancel_stops_before_the_next_window_and_keeps_what_arrived(
         gated: StorageManager, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("kvtier.prefetch.PREFETCH_WINDOW", 1)
+    monkeypatch.setattr("kvtier.storage.prefetch.PREFETCH_WINDOW", 1)
     keys = make_keys(48)
     prefetch = gated.start_prefetch(keys)
     assert _GatedTier.entered.acquire(timeout=30)
@@ -269,7 +269,7 @@ def test_ready_follows_the_policy(policy: str, ready: bool) -> None:
 def test_wait_complete_has_a_ceiling(caplog: pytest.LogCaptureFixture) -> None:
     prefetch = Prefetch(make_keys(32), "wait_complete", budget_s=1.0, max_wait_s=30.0)
     assert not prefetch.ready(now=prefetch.started + 29.0)  # the budget is not its limit
-    with caplog.at_level("WARNING", logger="kvtier.prefetch"):
+    with caplog.at_level("WARNING", logger="kvtier.storage.prefetch"):
         assert prefetch.ready(now=prefetch.started + 30.0)
     assert "prefetch_wait_complete_max_ms" in caplog.text
 
@@ -307,8 +307,8 @@ def test_two_clients_loads_progress_in_turn_on_a_slow_tier(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The storage manager's loads with one worker and one-chunk windows: a second client's
     load starts before the first client's whole prompt arrived."""
-    monkeypatch.setattr("kvtier.storage.PREFETCH_WORKERS", 1)
-    monkeypatch.setattr("kvtier.prefetch.PREFETCH_WINDOW", 1)
+    monkeypatch.setattr("kvtier.storage.manager.PREFETCH_WORKERS", 1)
+    monkeypatch.setattr("kvtier.storage.prefetch.PREFETCH_WINDOW", 1)
     sm = _gated_manager(tmp_path, monkeypatch)
     try:
         other = make_keys(48, seed=7)

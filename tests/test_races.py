@@ -25,7 +25,7 @@ from kvtier.keys import ChunkKey
 from kvtier.memory import MemoryAllocator, MemoryObj
 from kvtier.metrics import Counters, RateLimitedLog
 from kvtier.storage import StorageManager
-from kvtier.writer import TierWriter
+from kvtier.storage.writer import TierWriter
 from tests.helpers import SMALL_MHA, make_keys, make_obj, run_threads
 
 CHUNK = 16

@@ -27,7 +27,7 @@ from kvtier.lmcache_compat import secret_key
 from kvtier.memory import MemoryAllocator, lease
 from kvtier.metrics import Counters
 from kvtier.migrate import explain
-from kvtier.sessions import SessionPins, session_tag
+from kvtier.storage.sessions import SessionPins, session_tag
 from tests.helpers import SMALL_MHA, make_keys, make_obj
 
 SALT = "salt-5f1e0c9d"

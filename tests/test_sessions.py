@@ -16,7 +16,7 @@ from kvtier.connectors import SGLangMHAConnector
 from kvtier.engine import CacheEngine
 from kvtier.memory import KVLayout, MemoryAllocator, lease
 from kvtier.metrics import Counters
-from kvtier.sessions import MAX_PINNED_FRACTION, SessionPins
+from kvtier.storage.sessions import MAX_PINNED_FRACTION, SessionPins
 from tests.helpers import SMALL_MHA, make_keys, make_obj
 
 CHUNK = 16

@@ -227,7 +227,7 @@ def test_stream_yields_every_chunk_in_order_from_disk(manager: StorageManager) -
 
 def test_write_policies_cover_the_config_choices() -> None:
     from kvtier.config import WRITE_POLICIES as NAMES
-    from kvtier.policy import WRITE_POLICIES
+    from kvtier.storage.policy import WRITE_POLICIES
 
     assert sorted(WRITE_POLICIES) == sorted(NAMES)
 

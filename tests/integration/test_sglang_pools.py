@@ -26,7 +26,7 @@ from kvtier.integration.sglang.adapter import (
     check_page_size,
     model_key_name,
 )
-from kvtier.prefetch import Prefetch
+from kvtier.storage.prefetch import Prefetch
 
 pytestmark = pytest.mark.sglang
 

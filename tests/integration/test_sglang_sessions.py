@@ -17,7 +17,7 @@ import pytest
 
 from kvtier import cli_tiers
 from kvtier.cli import main as kvtier_main
-from kvtier.sessions import session_tag
+from kvtier.storage.sessions import session_tag
 from tests.conftest import RedisProcess
 from tests.delay_proxy import DelayProxy
 from tests.integration.conftest import CHUNK, cold, prompt, write_config

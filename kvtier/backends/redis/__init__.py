@@ -16,7 +16,7 @@ then is a hit that ends the batch.
 Modules: backend (RedisBackend), url (`remote_url` parsing and the redis-py clients), io (the
 zero-copy data path and how records are laid out in keys), resp (RESP2 framing) and health
 (up/down state and probing). `RedisBackend` is imported lazily, so that importing
-kvtier.backends.redis.url (config checks, `kvtier admin`) loads no more than the URL parser.
+kvtier.backends.redis.url (config checks, `kvtier ls/purge`) loads no more than the URL parser.
 """
 
 from __future__ import annotations

@@ -35,8 +35,8 @@ from kvtier.integration.sglang.stores import StoreJob, StoreWorker
 from kvtier.keys import ChunkKey, model_component
 from kvtier.memory import MemoryFormat
 from kvtier.metrics import Counters
-from kvtier.prefetch import Prefetch
-from kvtier.sessions import session_tag
+from kvtier.storage.prefetch import Prefetch
+from kvtier.storage.sessions import session_tag
 
 __all__ = ["SGLangKVTier", "StoreJob", "build_connector", "model_key_name", "model_fingerprint",
            "check_page_size"]

@@ -18,7 +18,7 @@ from kvtier.backends.base import HotTier
 from kvtier.config import Config
 from kvtier.keys import ChunkKey
 from kvtier.memory import MemoryObj
-from kvtier.writer import TierWriter
+from kvtier.storage.writer import TierWriter
 
 __all__ = ["WritePolicy", "WriteThrough", "WriteBack", "WriteThroughSelective", "WRITE_POLICIES",
            "make_write_policy"]

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import threading
 
-from kvtier.guard import GuardedTier
 from kvtier.metrics import RateLimitedLog
-from kvtier.writer import TierWriter
+from kvtier.storage.guard import GuardedTier
+from kvtier.storage.writer import TierWriter
 
 __all__ = ["TierSet", "TIER_ORDER", "retire"]
 

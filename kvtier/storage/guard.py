@@ -19,10 +19,10 @@ from types import TracebackType
 
 from kvtier import prometheus
 from kvtier.backends.base import HotTier, StorageBackend
-from kvtier.estimates import TierSpeed
 from kvtier.keys import ChunkKey
 from kvtier.memory import MemoryObj
 from kvtier.metrics import Counters, RateLimitedLog
+from kvtier.storage.estimates import TierSpeed
 
 __all__ = ["GuardedTier", "GuardedHotTier"]
 

@@ -17,11 +17,11 @@ import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
-from kvtier.estimates import PrefillSpeed, TierSpeed
-from kvtier.guard import GuardedTier
 from kvtier.keys import ChunkKey
 from kvtier.metrics import Counters
-from kvtier.prefetch import PREFETCH_WINDOW, Prefetch
+from kvtier.storage.estimates import PrefillSpeed, TierSpeed
+from kvtier.storage.guard import GuardedTier
+from kvtier.storage.prefetch import PREFETCH_WINDOW, Prefetch
 
 __all__ = ["Span", "Decision", "decide", "LoadPlanner", "REASONS", "DEADLINE_SLACK"]
 

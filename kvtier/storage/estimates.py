@@ -1,7 +1,8 @@
 """Online speed estimates: how fast each tier reads and how fast the engine recomputes.
 
-The adaptive prefetch policy (`kvtier.adaptive`) loads a chunk only when it arrives sooner than
-the engine could recompute it, so it needs both speeds as they are now, not as configured:
+The adaptive prefetch policy (`kvtier.storage.adaptive`) loads a chunk only when it arrives
+sooner than the engine could recompute it, so it needs both speeds as they are now, not as
+configured:
 
 - `TierSpeed`: a tier's round-trip latency (from its metadata calls, one round trip each) and
   read bandwidth (bytes over the time of a read, less one round trip), fed by the timings the

@@ -3,7 +3,7 @@ interface.
 
 Puts land in the hot (CPU) tier at once and reach the lower tiers in the background per the
 write policy; gets walk the tiers in order and promote lower-tier hits into the hot tier. Every
-tier sits behind a guard that turns its failures into counted misses (`kvtier.guard`).
+tier sits behind a guard that turns its failures into counted misses (`kvtier.storage.guard`).
 """
 
 from __future__ import annotations
@@ -15,20 +15,20 @@ from collections.abc import Generator, Iterator, Sequence
 from contextlib import closing, contextmanager
 
 from kvtier import prometheus
-from kvtier.adaptive import LoadPlanner
 from kvtier.backends import BackendContext, HotTier, StorageBackend, create_backend
 from kvtier.backends.cpu import NullHotTier
 from kvtier.config import Config
-from kvtier.estimates import PrefillSpeed
-from kvtier.guard import GuardedHotTier, GuardedTier
 from kvtier.keys import ChunkKey, stub_key
 from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj
 from kvtier.metrics import Counters, RateLimitedLog
-from kvtier.policy import make_write_policy
-from kvtier.prefetch import Prefetch, Prefetcher, PrefetchLoads
-from kvtier.sessions import SessionPins
-from kvtier.tierset import TierSet, retire
-from kvtier.writer import TierWriter
+from kvtier.storage.adaptive import LoadPlanner
+from kvtier.storage.estimates import PrefillSpeed
+from kvtier.storage.guard import GuardedHotTier, GuardedTier
+from kvtier.storage.policy import make_write_policy
+from kvtier.storage.prefetch import Prefetch, Prefetcher, PrefetchLoads
+from kvtier.storage.sessions import SessionPins
+from kvtier.storage.tierset import TierSet, retire
+from kvtier.storage.writer import TierWriter
 
 __all__ = ["StorageManager"]
 
