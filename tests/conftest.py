@@ -272,3 +272,97 @@ def redis_sentinel(redis_factory: Callable[..., RedisProcess]) -> RedisSentinel:
 
     _wait("the sentinel to report its master", knows_master)
     return RedisSentinel(master, sentinel, "kvmaster")
+
+
+# ---- TLS cluster and TLS, password-protected sentinel (issue 18) ----------------------------
+
+class RedisTLSCluster(RedisCluster):
+    """A `RedisCluster` whose nodes and bus speak only TLS (certificate in `tls_dir`)."""
+
+    @property
+    def url(self) -> str:
+        tls_dir = self.nodes[0].tls_dir
+        return f"{super().url}?ssl=true&ssl_ca_certs={tls_dir}/ca.pem"
+
+
+@pytest.fixture(scope="session")
+def redis_tls_cluster(redis_factory: Callable[..., RedisProcess],
+                      redis_tls_server: RedisProcess) -> RedisTLSCluster:
+    """A 3-master cluster with `--tls-cluster yes` and TLS-only client ports (the certificate
+    of `redis_tls_server`, valid for 127.0.0.1), made with `redis-cli --tls --cluster create`."""
+    tls = redis_tls_server.tls_dir
+    assert tls is not None
+    nodes = [redis_factory(tls_dir=tls, args=(
+        "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+        "--cluster-node-timeout", "5000", "--tls-cluster", "yes"))
+        for _ in range(3)]
+    subprocess.run([_binary("redis-cli"), "--tls", "--cacert", f"{tls}/ca.pem", "--cluster",
+                    "create", *[f"127.0.0.1:{n.port}" for n in nodes], "--cluster-replicas",
+                    "0", "--cluster-yes"], check=True, capture_output=True, timeout=60)
+
+    def ready() -> bool:
+        infos = [n.client().execute_command("CLUSTER", "INFO") for n in nodes]
+        return all(b"cluster_state:ok" in i and b"cluster_known_nodes:3" in i for i in infos)
+
+    _wait("cluster_state:ok on all TLS nodes", ready)
+    return RedisTLSCluster(nodes)
+
+
+class _TLSSentinelProcess(RedisProcess):
+    """A sentinel listening only on TLS, and reaching its master over TLS."""
+
+    def _command(self) -> list[str]:
+        cmd = super()._command()  # writes sentinel.conf with `port N`: moved to tls-port here
+        d = self.tls_dir
+        conf = self.workdir / "sentinel.conf"
+        conf.write_text(conf.read_text() + (
+            f"\nport 0\ntls-port {self.port}\ntls-cert-file {d}/cert.pem\n"
+            f"tls-key-file {d}/key.pem\ntls-ca-cert-file {d}/ca.pem\n"
+            "tls-auth-clients no\ntls-replication yes\n"))
+        return cmd
+
+
+class RedisTLSSentinel(RedisSentinel):
+    """A TLS master with `requirepass` and a TLS sentinel with its own `requirepass`.
+
+    `url` carries both passwords and TLS; `master.password` and `sentinel.password` are the
+    two secrets."""
+
+    @property
+    def url(self) -> str:
+        tls_dir = self.sentinel.tls_dir
+        return (f"redis-sentinel://:{self.master.password}@127.0.0.1:{self.sentinel.port}/"
+                f"{self.service}?ssl=true&ssl_ca_certs={tls_dir}/ca.pem"
+                f"&sentinel_password={self.sentinel.password}")
+
+
+@pytest.fixture(scope="session")
+def redis_tls_sentinel(
+    redis_factory: Callable[..., RedisProcess], redis_tls_server: RedisProcess,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[RedisTLSSentinel]:
+    """A TLS master (password `tls-master-pw`) and a TLS sentinel (password
+    `tls-sentinel-pw`) monitoring it as `kvtls` (quorum 1), with the `redis_tls_server`
+    certificate."""
+    tls = redis_tls_server.tls_dir
+    assert tls is not None
+    master = redis_factory(tls_dir=tls, password="tls-master-pw")
+    sentinel = _TLSSentinelProcess(
+        tmp_path_factory.mktemp("sentinel-tls"), tls_dir=tls, password="tls-sentinel-pw",
+        sentinel_conf=(f"requirepass tls-sentinel-pw\n"
+                       f"sentinel monitor kvtls 127.0.0.1 {master.port} 1\n"
+                       "sentinel auth-pass kvtls tls-master-pw\n"
+                       "sentinel down-after-milliseconds kvtls 5000\n"))
+    sentinel.start()
+    try:
+        def knows_master() -> bool:
+            state = sentinel.client().execute_command("SENTINEL", "master", "kvtls")
+            fields = dict(zip(state[::2], state[1::2]))
+            return (int(fields[b"port"]) == master.port
+                    and b"disconnected" not in fields[b"flags"]
+                    and b"s_down" not in fields[b"flags"])
+
+        _wait("the TLS sentinel to report its master", knows_master)
+        yield RedisTLSSentinel(master, sentinel, "kvtls")
+    finally:
+        sentinel.stop(signal.SIGKILL)

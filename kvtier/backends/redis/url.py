@@ -3,17 +3,26 @@
 Schemes: `redis://[user:pass@]host:port[/db]`, `rediss://...` (TLS; `?ssl_ca_certs=...` etc.),
 `unix:///path[?db=N]`, `redis-sentinel://[user:pass@]h1:p1,h2:p2/service_name` and
 `redis-cluster://[user:pass@]h1:p1,h2:p2`; `resp://` (LMCache's RESP client) is read as
-`redis://`. Credentials are for the data nodes (Sentinel itself
-is queried without them, as redis-py does by default). Parsing never touches the network; every
-problem is a `ConfigError` naming the redacted URL.
+`redis://`.
+
+Sentinel and Cluster take TLS as `?ssl=true` plus the `ssl_*` parameters of `rediss://`; for
+Sentinel it applies to the sentinels and to the data nodes alike. The userinfo holds the data
+nodes' credentials; the sentinels are asked with `?sentinel_username=...&sentinel_password=...`
+(without credentials when those are absent). Query values are percent-decoded (`+` stays `+`).
+
+Parsing never touches the network; every problem is a `ConfigError` naming the redacted URL. A
+password sent without TLS to a host that is not loopback gets one warning per URL.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import ipaddress
+import logging
+import threading
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import parse_qs, unquote
+from urllib.parse import unquote
 
 import redis
 from redis.backoff import ExponentialBackoff
@@ -27,10 +36,19 @@ from kvtier.errors import ConfigError
 
 __all__ = ["RedisTarget", "Router", "parse_remote_url", "SCHEMES"]
 
+logger = logging.getLogger(__name__)
+
 SCHEMES = REMOTE_SCHEMES
 _TLS_PARAMS = frozenset({"ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs",
                          "ssl_check_hostname", "ssl_ca_path"})
+_SENTINEL_PARAMS = frozenset({"sentinel_username", "sentinel_password"})
 _DEFAULT_PORT = {"redis-sentinel": 26379, "redis-cluster": 6379}
+# Spellings redis-py's own URL parser reads the same way (it takes anything else as true).
+_TRUE, _FALSE = frozenset({"true", "yes", "1"}), frozenset({"false", "no", "0"})
+_CERT_REQS = frozenset({"none", "optional", "required"})
+
+_warned: set[str] = set()  # redacted URLs already warned about a clear-text password
+_warned_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -42,20 +60,81 @@ class RedisTarget:
     nodes: tuple[tuple[str, int], ...] = ()  # sentinel or cluster seed addresses
     service: str = ""  # the sentinel service name
     kwargs: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    # For the SENTINEL queries only: TLS and the sentinels' own credentials.
+    sentinel_kwargs: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
 
 def _bad(url: str, what: str) -> ConfigError:
     return ConfigError(f"remote_url {redact_url(url)!r}: {what}")
 
 
-def _query(url: str, query: str, allowed: frozenset[str]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for name, values in parse_qs(query, keep_blank_values=True).items():
+def _query(url: str, query: str, allowed: frozenset[str]) -> dict[str, str]:
+    """The query's parameters (percent-decoded, `+` kept, the last of a repeated name wins);
+    a name outside `allowed` is refused."""
+    out: dict[str, str] = {}
+    for part in query.split("&"):
+        if not part:
+            continue
+        raw_name, _, value = part.partition("=")
+        name = unquote(raw_name)
         if name not in allowed:
             raise _bad(url, f"unsupported query parameter {name!r}; supported: {sorted(allowed)} "
                             "(timeouts come from remote_timeout_secs)")
-        out[name] = values[-1]
+        out[name] = unquote(value)
     return out
+
+
+def _flag(url: str, name: str, value: str) -> bool:
+    if value.lower() in _TRUE:
+        return True
+    if value.lower() in _FALSE:
+        return False
+    raise _bad(url, f"{name} must be true or false, got {value!r}")
+
+
+def _tls_kwargs(url: str, params: Mapping[str, str]) -> dict[str, Any]:
+    """The `ssl_*` parameters as redis-py's connection arguments, checked."""
+    out: dict[str, Any] = {}
+    for name in sorted(_TLS_PARAMS & params.keys()):
+        value = params[name]
+        if name == "ssl_check_hostname":
+            out[name] = _flag(url, name, value)
+        elif name == "ssl_cert_reqs":
+            if value not in _CERT_REQS:
+                raise _bad(url, f"ssl_cert_reqs must be one of {sorted(_CERT_REQS)}, "
+                                f"got {value!r}")
+            out[name] = value
+        elif not value:
+            raise _bad(url, f"{name} needs a path")
+        else:
+            out[name] = value
+    return out
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() == "localhost" or host.lower().endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: not resolved here (parsing never touches the network)
+        return False
+
+
+def _warn_clear_password(target: RedisTarget, hosts: Iterable[str], tls: bool) -> None:
+    """One warning per URL when a password would cross the network without TLS."""
+    has_password = bool(target.kwargs.get("password")
+                        or target.sentinel_kwargs.get("password"))
+    remote = sorted({h for h in hosts if not _is_loopback(h)})
+    if tls or not has_password or not remote:
+        return
+    with _warned_lock:
+        if target.url in _warned:
+            return
+        _warned.add(target.url)
+    fix = "rediss://" if target.kind == "standalone" else "?ssl=true"
+    logger.warning("remote_url %r: a password is configured and the connection to %s is not "
+                   "TLS: the password crosses the network in clear; use %s (see "
+                   "docs/security.md)", target.url, ", ".join(remote), fix)
 
 
 def _address(url: str, part: str, default_port: int) -> tuple[str, int]:
@@ -78,7 +157,20 @@ def _multi_host(url: str, scheme: str) -> RedisTarget:
     rest, _, query = rest.partition("?")
     creds, at, rest = rest.rpartition("@")
     hosts, _, path = rest.partition("/")
-    kwargs: dict[str, Any] = _query(url, query, frozenset({"client_name"}))
+    allowed = frozenset({"client_name", "ssl"}) | _TLS_PARAMS
+    if scheme == "redis-sentinel":
+        allowed |= _SENTINEL_PARAMS
+    params = _query(url, query, allowed)
+    tls = _flag(url, "ssl", params["ssl"]) if "ssl" in params else False
+    tls_kwargs = _tls_kwargs(url, params)
+    if tls_kwargs and not tls:
+        raise _bad(url, f"{sorted(tls_kwargs)} given without ssl=true: add ?ssl=true (TLS to "
+                        "every node) or drop them")
+    if tls:
+        tls_kwargs["ssl"] = True
+    kwargs: dict[str, Any] = {**tls_kwargs}
+    if "client_name" in params:
+        kwargs["client_name"] = params["client_name"]
     if at:
         user, colon, password = creds.partition(":")
         if user:
@@ -94,10 +186,20 @@ def _multi_host(url: str, scheme: str) -> RedisTarget:
             raise _bad(url, "needs exactly one service name after the hosts, e.g. "
                             "redis-sentinel://h1:26379,h2:26379/mymaster (LMCache takes it "
                             "from REDIS_SERVICE_NAME, default 'redismaster')")
-        return RedisTarget("sentinel", redact_url(url), nodes, service, kwargs)
-    if path.strip("/") not in ("", "0"):
-        raise _bad(url, f"a cluster has only database 0, got path {path!r}")
-    return RedisTarget("cluster", redact_url(url), nodes, "", kwargs)
+        queries = dict(tls_kwargs)
+        if params.get("sentinel_username"):
+            queries["username"] = params["sentinel_username"]
+        if "sentinel_password" in params:
+            queries["password"] = params["sentinel_password"]
+        elif "username" in queries:
+            raise _bad(url, "sentinel_username needs sentinel_password")
+        target = RedisTarget("sentinel", redact_url(url), nodes, service, kwargs, queries)
+    else:
+        if path.strip("/") not in ("", "0"):
+            raise _bad(url, f"a cluster has only database 0, got path {path!r}")
+        target = RedisTarget("cluster", redact_url(url), nodes, "", kwargs)
+    _warn_clear_password(target, (h for h, _ in nodes), tls)
+    return target
 
 
 def parse_remote_url(url: str) -> RedisTarget:
@@ -111,11 +213,17 @@ def parse_remote_url(url: str) -> RedisTarget:
         return _multi_host(url, scheme)
     address, _, query = rest.partition("?")
     allowed = frozenset({"db", "client_name"}) | (_TLS_PARAMS if scheme == "rediss" else set())
-    _query(url, query, allowed)  # reject unknown parameters before redis-py sees them
+    # Reject unknown parameters and bad ssl_* values before redis-py sees them.
+    params = _query(url, query, allowed)
+    tls_kwargs = _tls_kwargs(url, params)
     try:
         kwargs = parse_url(url)
     except ValueError as exc:  # redis-py's and urllib's messages name the field, never the URL
         raise _bad(url, str(exc)) from None
+    # Our decoding of the values, as for Sentinel and Cluster (redis-py reads `+` as a space).
+    kwargs.update(tls_kwargs)
+    if "client_name" in params:
+        kwargs["client_name"] = params["client_name"]
     if scheme == "unix":
         if not kwargs.get("path"):
             raise _bad(url, "unix:// needs a socket path, e.g. unix:///run/redis.sock")
@@ -128,7 +236,10 @@ def parse_remote_url(url: str) -> RedisTarget:
             raise _bad(url, f"database must be an integer, got {db_path!r}")
     if not isinstance(kwargs.get("db", 0), int):
         raise _bad(url, f"db must be an integer, got {kwargs['db']!r}")
-    return RedisTarget("standalone", redact_url(url), (), "", kwargs)
+    target = RedisTarget("standalone", redact_url(url), (), "", kwargs)
+    if scheme == "redis":
+        _warn_clear_password(target, [str(kwargs["host"])], tls=False)
+    return target
 
 
 class Router:
@@ -155,10 +266,12 @@ class Router:
         if target.kind == "standalone":
             self._client = redis.Redis(connection_pool=ConnectionPool(**common))
         elif target.kind == "sentinel":
-            # Sentinels are asked without the data nodes' credentials, but with our timeouts
-            # and retry (redis-py's default retry would back off for seconds).
+            # Sentinels are asked without the data nodes' credentials (with their own from
+            # sentinel_username/sentinel_password, and TLS as the data nodes), but with our
+            # timeouts and retry (redis-py's default retry would back off for seconds).
             queries = {k: common[k] for k in ("socket_timeout", "socket_connect_timeout",
                                               "retry")}
+            queries.update(target.sentinel_kwargs)
             self._sentinel = Sentinel(list(target.nodes), sentinel_kwargs=queries, **common)
             self._client = self._sentinel.master_for(target.service)
         else:
