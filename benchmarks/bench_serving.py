@@ -97,6 +97,7 @@ class Options:
     tokenize_prompt: bool = False
     threads: int = 0  # OMP threads per server; 0: every core
     disk_gb: float = 4.0
+    lower_tiers: tuple[str, ...] = ("disk", "redis")  # kvtier's tiers below the CPU tier
     work_dir: Path | None = None
 
 
@@ -224,11 +225,15 @@ def scrape_counters(port: int) -> dict[str, float]:
 
 
 def kvtier_config(path: Path, disk: Path, redis_url: str, metrics_port: int,
-                  disk_gb: float) -> Path:
-    """CPU + disk + Redis, kvtier's defaults otherwise (a disk tier needs a size)."""
-    path.write_text(yaml.safe_dump({
-        "local_disk": str(disk), "max_local_disk_size": disk_gb, "remote_url": redis_url,
-        "metrics_port": metrics_port}))
+                  disk_gb: float, lower_tiers: tuple[str, ...] = ("disk", "redis")) -> Path:
+    """CPU + `lower_tiers` (disk and Redis by default), kvtier's defaults otherwise (a disk
+    tier needs a size)."""
+    values: dict[str, object] = {"metrics_port": metrics_port}
+    if "disk" in lower_tiers:
+        values.update(local_disk=str(disk), max_local_disk_size=disk_gb)
+    if "redis" in lower_tiers:
+        values["remote_url"] = redis_url
+    path.write_text(yaml.safe_dump(values))
     return path
 
 
@@ -275,7 +280,7 @@ class Bench:
         if kv:
             assert disk is not None
             config = kvtier_config(self.work / f"{name}.yaml", disk, self.redis.url,
-                                   metrics_port, self.opts.disk_gb)
+                                   metrics_port, self.opts.disk_gb, self.opts.lower_tiers)
         server = self.server(name, config, kernel_dir)
         out = self.work / f"{name}.jsonl"
         try:
@@ -464,6 +469,10 @@ def parse_args(argv: list[str] | None = None) -> Options:
     p.add_argument("--threads", type=int, default=d.threads,
                    help="OMP threads per server (0: every core)")
     p.add_argument("--disk-gb", type=float, default=d.disk_gb)
+    p.add_argument("--lower-tiers", type=lambda v: tuple(t for t in v.split(",") if t),
+                   default=d.lower_tiers,
+                   help="kvtier's tiers below the CPU tier: disk,redis (default), one, or '' "
+                   "(attributes the no-reuse cost)")
     p.add_argument("--work-dir", type=Path, default=None,
                    help="keep models, configs and logs here (default: a temp dir, removed)")
     ns = p.parse_args(argv)
