@@ -39,6 +39,7 @@ import yaml
 from kvtier.config import redact_url
 from kvtier.errors import KVTierError
 from kvtier.lmcache_compat import secret_key
+from kvtier.names import LOWER_TIERS
 
 __all__ = ["add_parser", "request", "check_server", "TiersError", "RedirectRefused"]
 
@@ -236,7 +237,7 @@ def add_parser(sub: Any) -> None:
                    help="allow plain http:// to a host that is not loopback (the admin key and "
                    "the config cross the network unencrypted)")
     p.add_argument("action", nargs="?", choices=("list", "attach", "detach"), default="list")
-    p.add_argument("tier", nargs="?", choices=("disk", "redis"))
+    p.add_argument("tier", nargs="?", choices=LOWER_TIERS)
     p.add_argument("--set", dest="settings", action="append", type=_setting_type("--set"),
                    metavar="KEY=VALUE",
                    help="a kvtier config key for the attached tier, value as YAML (repeatable)")

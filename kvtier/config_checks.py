@@ -24,6 +24,7 @@ import yaml
 
 from kvtier import lmcache_compat as compat
 from kvtier.errors import ConfigError
+from kvtier.names import PREFETCH_POLICIES, WRITE_POLICIES
 
 if TYPE_CHECKING:
     from kvtier.config import Config
@@ -32,8 +33,6 @@ __all__ = ["validate", "redact_url", "physical_memory_bytes",
            "cgroup_memory_limit", "host_problems", "check_host", "WRITE_POLICIES",
            "PREFETCH_POLICIES", "REMOTE_SERDES", "REMOTE_SCHEMES", "TRANSFER_ARENA_GB"]
 
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-PREFETCH_POLICIES = ("adaptive", "best_effort", "wait_complete", "timeout")
 REMOTE_SERDES = ("naive",)
 REMOTE_SCHEMES = ("redis", "rediss", "unix", "redis-sentinel", "redis-cluster")
 CHUNK_MULTIPLE = 16

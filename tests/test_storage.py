@@ -225,13 +225,6 @@ def test_stream_yields_every_chunk_in_order_from_disk(manager: StorageManager) -
     assert got == [True] * 8
 
 
-def test_write_policies_cover_the_config_choices() -> None:
-    from kvtier.config import WRITE_POLICIES as NAMES
-    from kvtier.storage.policy import WRITE_POLICIES
-
-    assert sorted(WRITE_POLICIES) == sorted(NAMES)
-
-
 @pytest.mark.parametrize("policy", ["write_back", "write_through_selective"])
 def test_without_a_cpu_tier_every_policy_writes_through(tmp_path: Path, policy: str) -> None:
     sm = StorageManager(_config(tmp_path, local_cpu=False, write_policy=policy), SMALL_MHA)

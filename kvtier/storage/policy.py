@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
+from kvtier import names
 from kvtier.backends.base import HotTier
 from kvtier.config import Config
 from kvtier.keys import ChunkKey
@@ -111,6 +112,8 @@ class WriteThroughSelective(WritePolicy):
 
 WRITE_POLICIES: dict[str, type[WritePolicy]] = {
     p.name: p for p in (WriteThrough, WriteBack, WriteThroughSelective)}
+# The config offers exactly the names in kvtier.names: a policy added there is built here.
+assert set(WRITE_POLICIES) == set(names.WRITE_POLICIES), sorted(WRITE_POLICIES)
 
 
 def make_write_policy(config: Config, hot: HotTier) -> WritePolicy:

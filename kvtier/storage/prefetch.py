@@ -21,12 +21,12 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from kvtier.backends.base import HotTier
 from kvtier.keys import ChunkKey
 from kvtier.metrics import Counters, RateLimitedLog
+from kvtier.names import PREFETCH_POLICIES
 
 __all__ = ["Prefetch", "Prefetcher", "PrefetchLoads", "PREFETCH_POLICIES"]
 
 logger = logging.getLogger(__name__)
 
-PREFETCH_POLICIES = ("adaptive", "best_effort", "wait_complete", "timeout")
 # Chunks a prefetch claims and reads at a time: one pipelined round trip to a remote tier, and
 # the granularity at which a cancel takes effect.
 PREFETCH_WINDOW = 64

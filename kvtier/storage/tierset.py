@@ -11,12 +11,13 @@ from __future__ import annotations
 import threading
 
 from kvtier.metrics import RateLimitedLog
+from kvtier.names import TIERS
 from kvtier.storage.guard import GuardedTier
 from kvtier.storage.writer import TierWriter
 
 __all__ = ["TierSet", "TIER_ORDER", "retire"]
 
-TIER_ORDER = ("cpu", "disk", "redis")  # fastest first: the order puts and gets walk
+TIER_ORDER = TIERS  # fastest first: the order puts and gets walk
 
 
 class TierSet:

@@ -31,7 +31,7 @@ from redis.connection import ConnectionPool, parse_url
 from redis.retry import Retry
 from redis.sentinel import Sentinel
 
-from kvtier.config import REMOTE_SCHEMES, redact_url
+from kvtier.config_checks import REMOTE_SCHEMES, redact_url
 from kvtier.errors import ConfigError
 
 __all__ = ["RedisTarget", "Router", "parse_remote_url", "SCHEMES"]

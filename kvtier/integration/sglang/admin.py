@@ -37,12 +37,12 @@ from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.integration.sglang.attach import MAX_TIMEOUT_S, attach_config
+from kvtier.names import LOWER_TIERS
 
 __all__ = ["apply", "add_routes", "wrap_attach", "wrap_detach"]
 
 logger = logging.getLogger(__name__)
 
-LOWER_TIERS = ("disk", "redis")
 # The HTTP side gives every rank this long to build a tier (connect timeout, one retry, and
 # a disk index) before it aborts the attach everywhere.
 ATTACH_DEADLINE_S = 3 * MAX_TIMEOUT_S + 30.0
