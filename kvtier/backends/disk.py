@@ -19,14 +19,10 @@ size, in LRU order), the size cap and the counters.
   trade that for write speed (an fsync per chunk costs a device flush).
 - Failures never raise: a write that fails (ENOSPC, EIO, ...) is dropped and counted; a corrupt
   record is counted, deleted and a miss; a file removed behind the tier's back is a miss.
-- Foreign files: something that is not a regular file at a record path (FIFO, device, directory,
-  symlink) is a counted miss (`not_regular`), left in place, and never opened blocking or
-  followed: records are opened with O_NONBLOCK | O_NOFOLLOW and checked with fstat
-  (`recordfile.open_record`).
-- Privacy (the tree holds every user's prompts; details in `recordfile.py`): a root that is
-  another user's, writable by others or reached through a symlink is a `ConfigError`. Nothing
-  is read, written or deleted in an `ab/cd` directory that is not private (a counted miss,
-  `not_regular`, or write error).
+- Foreign files and privacy (`recordfile.py`): what is not a regular file at a record path is
+  a counted miss (`not_regular`), never opened blocking or followed; a root that is another
+  user's, writable by others or reached through a symlink is a `ConfigError`, and nothing is
+  read, written or deleted in an `ab/cd` directory that is not private.
 """
 
 from __future__ import annotations

@@ -24,10 +24,11 @@ from kvtier.metrics import Counters, RateLimitedLog
 from kvtier.storage.adaptive import LoadPlanner
 from kvtier.storage.estimates import PrefillSpeed
 from kvtier.storage.guard import GuardedHotTier, GuardedTier
+from kvtier.storage.loads import PrefetchLoads
 from kvtier.storage.policy import make_write_policy
-from kvtier.storage.prefetch import Prefetch, Prefetcher, PrefetchLoads
+from kvtier.storage.prefetch import Prefetch, Prefetcher
 from kvtier.storage.sessions import SessionPins
-from kvtier.storage.tierset import TierSet, retire
+from kvtier.storage.tierset import TierSet, discard
 from kvtier.storage.writer import TierWriter
 
 __all__ = ["StorageManager"]
@@ -68,11 +69,12 @@ class StorageManager:
         self.counters.declare(f"{hot.name}.hit_chunks")
         self.hot = hot
         self.policy = make_write_policy(config, hot)
-        self._set = TierSet()
+        self._set = TierSet(ctx, self._warn,
+                            reachable=self._in_hot if self.policy.holds_back else _never)
         try:
             for name in config.tiers:
                 if name != "cpu":
-                    self._set.add(*self._guarded(create_backend(name, ctx)))
+                    self._set.add(*self._set.build(name))
         except BaseException:
             tiers, writers = self._set.close()
             for writer in writers:
@@ -105,15 +107,6 @@ class StorageManager:
     @property
     def _writers(self) -> list[TierWriter]:
         return self._set.writers
-
-    def _guarded(self, tier: StorageBackend) -> tuple[GuardedTier, TierWriter]:
-        """`tier` behind the failure guard, and its background writer."""
-        guarded = GuardedTier(tier, self.counters, self._warn)
-        self.counters.declare(f"{tier.name}.hit_chunks")
-        reachable = self._in_hot if self.policy.holds_back else _never
-        writer = TierWriter(guarded, self.config.write_queue_chunks, self.counters, self._warn,
-                            reachable=reachable)
-        return guarded, writer
 
     # -- the serving path ------------------------------------------------------------------
 
@@ -243,37 +236,21 @@ class StorageManager:
             ValueError: `name` is `cpu` or already attached.
             ConfigError: the tier cannot be built from `config` (e.g. no `remote_url`).
         """
-        tier, writer = self.build_tier(name, config)
-        self.publish_tier(tier, writer)
+        self._set.publish(*self._set.build(name, config))
 
     def build_tier(self, name: str, config: Config | None = None,
                    ) -> tuple[GuardedTier, TierWriter]:
         """The slow half of `attach_tier`: build lower tier `name` (connect, index) and its
         writer, unpublished; hand them to `publish_tier`, or `discard_tier` them. Same
         errors as `attach_tier`."""
-        if name == "cpu" or self._set.find(name) is not None:  # checked before a build
-            raise ValueError(f"tier {name!r} cannot be attached: it is the CPU tier or "
-                             f"already attached ({[t.name for t in self.tiers]})")
-        ctx = BackendContext(config or self.config, self.layout, self.allocator, self.counters)
-        return self._guarded(create_backend(name, ctx))
+        return self._set.build(name, config)
 
     def publish_tier(self, tier: GuardedTier, writer: TierWriter) -> None:
         """The fast half of `attach_tier`: the next call uses `tier`. On `ValueError` (attached
         meanwhile, or closing) the tier is discarded."""
-        try:
-            self._set.add(tier, writer)
-        except ValueError:
-            self.discard_tier(tier, writer)
-            raise
-        self.counters.inc("tier_attached")
-        logger.info("kvtier: attached tier %s; tiers now %s", tier.name,
-                    [t.name for t in self.tiers])
+        self._set.publish(tier, writer)
 
-    @staticmethod
-    def discard_tier(tier: GuardedTier, writer: TierWriter) -> None:
-        """Close a built tier that was never published (its writer has nothing queued)."""
-        writer.close(0.0)
-        tier.close()
+    discard_tier = staticmethod(discard)  # close a built tier that was never published
 
     def detach_tier(self, name: str, *, drain: bool = True, timeout: float | None = None,
                     wait: bool = True) -> None:
@@ -290,19 +267,7 @@ class StorageManager:
         if name == "cpu":
             raise ValueError("the CPU tier cannot be detached")
         timeout = self.config.blocking_timeout_secs if timeout is None else timeout
-        tier, writer = self._set.remove(name)
-        if wait:
-            self._retire(tier, writer, drain, timeout)
-        else:
-            threading.Thread(target=self._retire, args=(tier, writer, drain, timeout),
-                             name=f"kvtier-detach-{name}", daemon=True).start()
-
-    def _retire(self, tier: GuardedTier, writer: TierWriter, drain: bool,
-                timeout: float) -> None:
-        retire(tier, writer, drain=drain, timeout=timeout, warn=self._warn)
-        self.counters.inc("tier_detached")
-        logger.info("kvtier: detached tier %s; tiers now %s", tier.name,
-                    [t.name for t in self.tiers])
+        self._set.detach(name, drain=drain, timeout=timeout, wait=wait)
 
     def remove(self, keys: Sequence[ChunkKey]) -> int:
         """Delete `keys` from every tier; returns the most any one tier deleted."""

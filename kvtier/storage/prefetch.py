@@ -2,8 +2,7 @@
 
 A `Prefetch` is one request's load; a `Prefetcher` runs them on a few worker threads behind a
 bounded queue, one read window at a time and round-robin, so one request's long prompt never
-holds the workers while other requests wait; `PrefetchLoads` is the storage manager's side of
-them: prefetches of the same chunks share one read and then the chunks, by reference. The
+holds the workers while other requests wait (`loads.PrefetchLoads` does each turn's work). The
 serving thread never waits here unless it asks to: it polls `ready()`, which answers per
 `prefetch_policy`, or blocks in `result()`.
 """
@@ -13,17 +12,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 
-from kvtier.backends.base import HotTier
 from kvtier.keys import ChunkKey
-from kvtier.metrics import Counters, RateLimitedLog
+from kvtier.metrics import RateLimitedLog
 from kvtier.names import PREFETCH_POLICIES
 
-__all__ = ["Prefetch", "Prefetcher", "PrefetchLoads", "PREFETCH_POLICIES"]
+__all__ = ["Prefetch", "Prefetcher", "PREFETCH_POLICIES", "PREFETCH_WINDOW"]
 
 logger = logging.getLogger(__name__)
 
@@ -275,134 +272,3 @@ class Prefetcher:
             self._queue.append(prefetch)
             self._cond.notify()
             return True
-
-
-class PrefetchLoads:
-    """The storage manager's side of its prefetches: concurrent prefetches of the same chunks
-    share one read, then the chunks themselves. Thread-safe.
-
-    Two tables under one lock: the chunks being read now (a prefetch that needs one waits for
-    that read rather than reading it again) and, per chunk, how many live prefetches want it.
-    A prefetch is live from `want` until its first `cancel()`, with or without drop (or until
-    its handle is garbage). An aborted prefetch drops only the chunks it brought up from a
-    lower tier itself and that no live prefetch wants, so nobody can take chunks away from
-    the other requests that wait for them by sending and aborting the same prefix.
-
-    Args:
-        hot: the tier loads go into.
-        read: reads leading keys from the lower tiers into `hot`; returns how many arrived.
-        plan: how many leading chunks of a prefetch to bring into `hot`, given how many are
-            there already (`adaptive.LoadPlanner.plan`).
-        stopped: whether the manager is closing; loads stop at their next window.
-        counters: counts `prefetch_dropped_chunks`.
-        used_bytes: the arena's bytes in use, for the drop's log line.
-    """
-
-    def __init__(self, hot: HotTier, read: Callable[[Sequence[ChunkKey]], int],
-                 plan: Callable[[Prefetch, int], int], stopped: Callable[[], bool],
-                 counters: Counters, used_bytes: Callable[[], int]):
-        self._hot = hot
-        self._read = read
-        self._plan = plan
-        self._stopped = stopped
-        self._counters = counters
-        self._used_bytes = used_bytes
-        self._lock = threading.Lock()
-        self._inflight: dict[str, threading.Event] = {}  # chunk -> set when its read ends
-        self._wants: dict[str, int] = {}  # chunk -> live prefetches that want it (> 0)
-        # Wants that ended, applied under _lock by its next holder: a release may come from
-        # the garbage collector, at any point of any thread, even one that holds _lock.
-        self._ended: deque[tuple[str, ...]] = deque()
-
-    def want(self, prefetch: Prefetch) -> None:
-        """Count `prefetch` as wanting its chunks until it is cancelled (or garbage)."""
-        names = tuple(dict.fromkeys(k.key for k in prefetch.keys))
-        with self._lock:
-            self._settle_locked()
-            for name in names:
-                self._wants[name] = self._wants.get(name, 0) + 1
-        release = weakref.finalize(prefetch, self._ended.append, names)  # runs at most once
-        release.atexit = False
-        prefetch.hold(release)
-
-    def wanting(self, key: ChunkKey) -> int:
-        """How many live prefetches want `key`."""
-        with self._lock:
-            self._settle_locked()
-            return self._wants.get(key.key, 0)
-
-    def step(self, prefetch: Prefetch) -> int | None:
-        """One turn of a prefetch's work (worker thread): plan it on its first turn, then read
-        one window of its chunks into the hot tier, or wait for chunks another prefetch is
-        reading. Returns the leading chunks now in the hot tier once the load is over, None
-        while there is more to do."""
-        keys = prefetch.keys
-        if prefetch.limit is None:
-            prefetch.position = self._hot.batch_contains(keys)
-            prefetch.limit = self._plan(prefetch, prefetch.position)
-        n, limit = prefetch.position, prefetch.limit
-        if n >= limit or prefetch.cancelled or self._stopped():
-            return n
-        mine, busy = self._claim(keys[:limit], n)
-        if busy is not None:  # another prefetch is reading this chunk: wait, then look
-            busy.wait()
-            more = self._hot.batch_contains(keys[n:limit])
-            prefetch.position += more
-            return None if more else prefetch.position
-        try:
-            got = self._read(mine)
-        finally:
-            self._unclaim(mine)
-        prefetch.promoted.extend(mine[:got])  # brought up here (or raced in by a put)
-        prefetch.position += got
-        return None if got == len(mine) and prefetch.position < limit else prefetch.position
-
-    def drop(self, prefetch: Prefetch) -> None:
-        """Remove from the hot tier what `prefetch` brought up and no live prefetch wants,
-        deepest chunk first (the `Prefetch` drop hook)."""
-        promoted, prefetch.promoted = prefetch.promoted, []
-        with self._lock:
-            self._settle_locked()
-            # Decided and removed under the lock: a prefetch that starts meanwhile either
-            # counts as wanting first (the chunk stays) or looks after it went (and reads it).
-            unwanted = [k for k in reversed(promoted) if k.key not in self._wants]
-            removed = self._hot.remove(unwanted) if unwanted else 0
-        self._counters.inc("prefetch_dropped_chunks", removed)
-        logger.info("kvtier: dropped %d of the %d chunks a cancelled prefetch brought up (other "
-                    "prefetches want the rest, or they were gone); arena holds %d bytes (%d "
-                    "when it started)",
-                    removed, len(promoted), self._used_bytes(), prefetch.arena_before)
-
-    def _claim(self, keys: list[ChunkKey], n: int,
-               ) -> tuple[list[ChunkKey], threading.Event | None]:
-        """Claim the next window from `keys[n]` for reading, up to the first chunk another
-        prefetch is reading; or, if `keys[n]` is one, that read's event (and no claim)."""
-        with self._lock:
-            busy = self._inflight.get(keys[n].key)
-            if busy is not None:
-                return [], busy
-            mine = []
-            for key in keys[n:n + PREFETCH_WINDOW]:
-                if key.key in self._inflight:
-                    break
-                mine.append(key)
-            done = threading.Event()
-            for key in mine:
-                self._inflight[key.key] = done
-            return mine, None
-
-    def _unclaim(self, mine: list[ChunkKey]) -> None:
-        with self._lock:
-            done = self._inflight[mine[0].key]
-            for key in mine:
-                del self._inflight[key.key]
-        done.set()
-
-    def _settle_locked(self) -> None:
-        while self._ended:
-            for name in self._ended.popleft():
-                left = self._wants[name] - 1
-                if left:
-                    self._wants[name] = left
-                else:
-                    del self._wants[name]

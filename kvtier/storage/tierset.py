@@ -1,4 +1,5 @@
-"""The live set of lower tiers and their writers, changed while stores and loads run.
+"""The live set of lower tiers and their writers, built, changed and retired while stores and
+loads run.
 
 Readers take the current lists (`tiers`, `writers`) without locking: a change publishes new
 lists and never mutates old ones, so a call that started on the old set finishes on it (the
@@ -8,8 +9,12 @@ tier's guard counts such calls, so a detached tier is closed only after they end
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections.abc import Callable
 
+from kvtier.backends import BackendContext, create_backend
+from kvtier.config import Config
 from kvtier.metrics import RateLimitedLog
 from kvtier.names import TIERS
 from kvtier.storage.guard import GuardedTier
@@ -17,15 +22,73 @@ from kvtier.storage.writer import TierWriter
 
 __all__ = ["TierSet", "TIER_ORDER", "retire"]
 
+logger = logging.getLogger(__name__)
+
 TIER_ORDER = TIERS  # fastest first: the order puts and gets walk
 
 
 class TierSet:
-    def __init__(self) -> None:
+    """The lower tiers of one storage manager.
+
+    Args:
+        ctx: how tiers are built (the manager's config, layout, arena and counters).
+        warn: the manager's rate-limited log.
+        reachable: whether a chunk key is still in the hot tier (for write-back writers).
+    """
+
+    def __init__(self, ctx: BackendContext, warn: RateLimitedLog,
+                 reachable: Callable[[str], bool]) -> None:
         self.tiers: list[GuardedTier] = []
         self.writers: list[TierWriter] = []
+        self._ctx = ctx
+        self._warn = warn
+        self._reachable = reachable
         self._lock = threading.Lock()
         self._closed = False
+
+    def build(self, name: str, config: Config | None = None,
+              ) -> tuple[GuardedTier, TierWriter]:
+        """Build lower tier `name` (connect, index) from `config` (default the manager's),
+        behind the failure guard, and its writer; unpublished. `ValueError` if `name` is the
+        CPU tier or attached (checked before the build), `ConfigError` if it cannot be built."""
+        if name == "cpu" or self.find(name) is not None:
+            raise ValueError(f"tier {name!r} cannot be attached: it is the CPU tier or "
+                             f"already attached ({[t.name for t in self.tiers]})")
+        ctx = self._ctx
+        if config is not None:
+            ctx = BackendContext(config, ctx.layout, ctx.allocator, ctx.counters)
+        tier = GuardedTier(create_backend(name, ctx), ctx.counters, self._warn)
+        ctx.counters.declare(f"{tier.name}.hit_chunks")
+        writer = TierWriter(tier, ctx.config.write_queue_chunks, ctx.counters, self._warn,
+                            reachable=self._reachable)
+        return tier, writer
+
+    def publish(self, tier: GuardedTier, writer: TierWriter) -> None:
+        """`add`, counted and logged; a tier that cannot be added is discarded."""
+        try:
+            self.add(tier, writer)
+        except ValueError:
+            discard(tier, writer)
+            raise
+        self._ctx.counters.inc("tier_attached")
+        logger.info("kvtier: attached tier %s; lower tiers now %s", tier.name,
+                    [t.name for t in self.tiers])
+
+    def detach(self, name: str, *, drain: bool, timeout: float, wait: bool) -> None:
+        """`remove` tier `name`, then `retire` it (on a background thread without `wait`)."""
+        tier, writer = self.remove(name)
+        if wait:
+            self._retire(tier, writer, drain, timeout)
+        else:
+            threading.Thread(target=self._retire, args=(tier, writer, drain, timeout),
+                             name=f"kvtier-detach-{name}", daemon=True).start()
+
+    def _retire(self, tier: GuardedTier, writer: TierWriter, drain: bool,
+                timeout: float) -> None:
+        retire(tier, writer, drain=drain, timeout=timeout, warn=self._warn)
+        self._ctx.counters.inc("tier_detached")
+        logger.info("kvtier: detached tier %s; lower tiers now %s", tier.name,
+                    [t.name for t in self.tiers])
 
     def find(self, name: str) -> GuardedTier | None:
         return next((t for t in self.tiers if t.name == name), None)
@@ -75,4 +138,10 @@ def retire(tier: GuardedTier, writer: TierWriter, *, drain: bool, timeout: float
     if not tier.wait_idle(timeout):
         warn.warning(f"detach-{tier.name}", "kvtier: calls on tier %s still running after "
                      "%.1fs; closing it under them", tier.name, timeout)
+    tier.close()
+
+
+def discard(tier: GuardedTier, writer: TierWriter) -> None:
+    """Close a built tier that was never published (its writer has nothing queued)."""
+    writer.close(0.0)
     tier.close()
