@@ -75,6 +75,19 @@ def _version(dist: str) -> str:
         return "not installed"
 
 
+def _sglang_internals() -> str:
+    """Whether the installed SGLang still has every internal kvtier reaches for."""
+    try:
+        from kvtier.integration.sglang import sglang_api
+
+        failed = sglang_api.check_all()
+    except Exception as exc:  # an SGLang that does not even import is worth one line here
+        return f"cannot check: {type(exc).__name__}: {exc}"
+    if not failed:
+        return f"all {len(sglang_api.REACH_INS)} present"
+    return f"{len(failed)} MOVED (kvtier may misbehave): " + "; ".join(failed)
+
+
 def _info(args: argparse.Namespace) -> int:
     """Versions, the copy kernel and each tier's state. Read-only: the disk directory is
     inspected (never created, written or cleaned), Redis is only pinged, so `info` may run
@@ -90,6 +103,8 @@ def _info(args: argparse.Namespace) -> int:
             ("torch", torch.__version__), ("cuda", str(torch.cuda.is_available())),
             ("redis-py", _version("redis")), ("sglang", _version("sglang")),
             ("copy kernel", ops.kernel_name())]
+    if _version("sglang") != "not installed":
+        rows.append(("sglang internals", _sglang_internals()))
     # Reachability: build the CPU and Redis tiers against a tiny arena and ask for their stats
     # (the CPU tier is memory only; the Redis tier's start-up sends read commands only).
     alloc = MemoryAllocator(1 << 20, pin=False)

@@ -37,6 +37,7 @@ from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.integration.sglang.attach import MAX_TIMEOUT_S, attach_config
+from kvtier.integration.sglang.sglang_api import tokenizer_manager
 from kvtier.names import LOWER_TIERS
 
 __all__ = ["apply", "add_routes", "wrap_attach", "wrap_detach"]
@@ -203,9 +204,7 @@ def add_routes(app: Any) -> None:
 
     async def send(request: dict[str, Any]) -> tuple[bool, list[dict[str, Any]]]:
         """`request` to every rank's scheduler; (all succeeded, each rank's answer)."""
-        from sglang.srt.entrypoints import http_server
-
-        manager = http_server._global_state.tokenizer_manager
+        manager = tokenizer_manager()
         manager.auto_create_handle_loop()
         # The communicator directly: the tokenizer's own attach would record "kvtier" as
         # the server's HiCache backend.

@@ -28,15 +28,17 @@ from typing import Any
 
 from kvtier.config import Config, load_config
 from kvtier.errors import ConfigError
+from kvtier.integration.sglang.sglang_api import (
+    HOOK_TARGETS,
+    all_reduce,
+    enable_storage_prefetch,
+)
 
 __all__ = ["register", "BACKEND_NAME", "build_radix_cache"]
 
 logger = logging.getLogger(__name__)
 
 BACKEND_NAME = "kvtier"
-_SERVER_ARGS = "sglang.srt.server_args.ServerArgs"
-_SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
-_SCHEDULER_INIT = f"{_SCHEDULER}.__init__"
 
 
 def register() -> None:
@@ -49,17 +51,17 @@ def register() -> None:
 
     if BACKEND_NAME not in registered_radix_cache_backends():
         register_radix_cache_backend(BACKEND_NAME, build_radix_cache)
-    HookRegistry.register(f"{_SERVER_ARGS}.add_cli_args", _add_cli_args, HookType.AROUND)
-    HookRegistry.register(f"{_SERVER_ARGS}.from_cli_args", _from_cli_args, HookType.AROUND)
-    HookRegistry.register(_SCHEDULER_INIT, _enable_prefetch_hooks, HookType.AFTER)
-    HookRegistry.register(f"{_SCHEDULER}.process_batch_result", _time_prefill, HookType.BEFORE)
-    # Tier attach/detach at run time (kvtier/integration/sglang/admin.py).
+    # Tier attach/detach at run time: kvtier/integration/sglang/admin.py.
     from kvtier.integration.sglang import admin
 
-    HookRegistry.register(f"{_SCHEDULER}.attach_hicache_storage_wrapped", admin.wrap_attach,
-                          HookType.AROUND)
-    HookRegistry.register(f"{_SCHEDULER}.detach_hicache_storage_wrapped", admin.wrap_detach,
-                          HookType.AROUND)
+    hooks = ((HOOK_TARGETS["add_cli_args"], _add_cli_args, HookType.AROUND),
+             (HOOK_TARGETS["from_cli_args"], _from_cli_args, HookType.AROUND),
+             (HOOK_TARGETS["scheduler_init"], _enable_prefetch_hooks, HookType.AFTER),
+             (HOOK_TARGETS["process_batch_result"], _time_prefill, HookType.BEFORE),
+             (HOOK_TARGETS["attach"], admin.wrap_attach, HookType.AROUND),
+             (HOOK_TARGETS["detach"], admin.wrap_detach, HookType.AROUND))
+    for target, hook, kind in hooks:
+        HookRegistry.register(target, hook, kind)
 
 
 def _add_cli_args(original: Callable[..., Any], parser: argparse.ArgumentParser) -> Any:
@@ -106,7 +108,7 @@ def _enable_prefetch_hooks(result: Any, scheduler: Any, *args: Any, **kwargs: An
     """After `Scheduler.__init__`: route the scheduler's prefetch calls to a kvtier tree."""
     kvtier = getattr(getattr(scheduler, "tree_cache", None), "kvtier", None)
     if kvtier is not None and kvtier.async_loads:
-        scheduler.enable_lmcache = True
+        enable_storage_prefetch(scheduler)
         logger.info("kvtier: loads from lower tiers run in the background (prefetch policy %s)",
                     kvtier.engine.config.prefetch_policy)
     return result
@@ -185,7 +187,7 @@ def build_radix_cache(ctx: Any) -> Any:
         def reduce_min(t: Any) -> None:
             import torch.distributed as dist
 
-            cache._all_reduce_attn_groups(t, dist.ReduceOp.MIN)
+            all_reduce(cache, t, dist.ReduceOp.MIN)
 
         kvtier = SGLangKVTier(engine, page_size, reduce_min if ctx.tp_size > 1 else None,
                               stores=not is_mla(connector) or ctx.tp_rank == 0)

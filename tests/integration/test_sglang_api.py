@@ -1,0 +1,42 @@
+"""The SGLang canary: every SGLang internal kvtier relies on is still where kvtier reaches for
+it in the installed SGLang (kvtier.integration.sglang.sglang_api). An upgrade that moves one
+fails here, naming it and what kvtier uses it for."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.integration.sglang import sglang_api
+
+pytestmark = pytest.mark.sglang
+
+
+def test_every_sglang_internal_kvtier_reaches_is_there() -> None:
+    failed = sglang_api.check_all()
+    assert not failed, "SGLang moved what kvtier relies on:\n" + "\n".join(failed)
+    assert len(sglang_api.REACH_INS) >= 15
+
+
+@pytest.mark.parametrize("item", sglang_api.REACH_INS, ids=lambda r: r.name)
+def test_each_reach_in_checks_something_that_exists(item: sglang_api.ReachIn) -> None:
+    item.check()  # one id per item: the failing one is named in the report
+
+
+def test_the_canary_names_what_moved() -> None:
+    moved = sglang_api.ReachIn(
+        "Scheduler.some_hook_sglang_renamed", "a made-up reliance",
+        sglang_api._has(sglang_api.SCHEDULER, "some_hook_sglang_renamed"))
+    renamed = sglang_api.ReachIn(
+        "process_batch_result(batch, outcome)", "a made-up signature",
+        sglang_api._params(f"{sglang_api.SCHEDULER}.process_batch_result", "outcome"))
+    original = sglang_api.REACH_INS
+    try:
+        sglang_api.REACH_INS = (*original, moved, renamed)
+        failed = sglang_api.check_all()
+    finally:
+        sglang_api.REACH_INS = original
+    assert len(failed) == 2
+    assert failed[0].startswith("Scheduler.some_hook_sglang_renamed (a made-up reliance)")
+    assert "some_hook_sglang_renamed" in failed[0] and "outcome" in failed[1]
+    for target in sglang_api.HOOK_TARGETS.values():  # the plugin's hook targets resolve
+        assert callable(sglang_api._resolve(target)), target
