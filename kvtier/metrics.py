@@ -84,7 +84,10 @@ class RateLimitedLog:
         self._last: dict[str, float] = {}
         self._suppressed: Counter[str] = Counter()
 
-    def warning(self, topic: str, msg: str, *args: object) -> None:
+    def warning(self, topic: str, msg: str, *args: object,
+                exc_info: BaseException | bool = False) -> None:
+        """Log `msg % args` unless `topic` was logged within the interval; with `exc_info`,
+        that exception (or the one being handled) goes along with its traceback."""
         now = time.monotonic()
         with self._lock:
             last = self._last.get(topic)
@@ -96,4 +99,4 @@ class RateLimitedLog:
         if suppressed:
             msg += " (%d similar warnings suppressed)"
             args = (*args, suppressed)
-        self._logger.warning(msg, *args)
+        self._logger.warning(msg, *args, exc_info=exc_info)

@@ -22,10 +22,11 @@ class _Broken(CPUBackend):
 
     name = "broken"
     fail = False
+    error: Exception = OSError("disk on fire")
 
     def _check(self) -> None:
         if self.fail:
-            raise OSError("disk on fire")
+            raise self.error
 
     def batch_contains(self, keys: Sequence[ChunkKey]) -> int:
         self._check()
@@ -75,9 +76,24 @@ def test_failures_are_counted_misses(alloc: MemoryAllocator,
         assert tier.remove(keys) == 0
         assert tier.stats() == {}
     assert counters.snapshot() == {"broken.errors": 5}
-    assert "tier broken contains failed: OSError('disk on fire')" in caplog.text
+    # An outage is one line, no traceback.
+    assert "tier broken contains failed: disk on fire (a miss" in caplog.text
+    assert "Traceback" not in caplog.text
     tier.close()
     assert alloc.used_bytes == 0, "an object was leaked"
+
+
+def test_a_bug_in_a_tier_is_logged_with_its_traceback(alloc: MemoryAllocator,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
+    tier, inner, counters = _guarded(alloc)
+    inner.fail, inner.error = True, TypeError("unsupported operand")
+    with caplog.at_level(logging.WARNING):
+        assert tier.batch_contains(make_keys(32)) == 0
+    assert counters.snapshot() == {"broken.errors": 1}
+    assert "raised TypeError('unsupported operand')" in caplog.text
+    assert "this is a bug" in caplog.text
+    assert caplog.records[-1].exc_info is not None  # the traceback goes along
+    tier.close()
 
 
 def test_wait_idle_waits_for_a_call_in_flight(alloc: MemoryAllocator) -> None:

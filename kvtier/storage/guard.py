@@ -19,6 +19,7 @@ from types import TracebackType
 
 from kvtier import prometheus
 from kvtier.backends.base import HotTier, StorageBackend
+from kvtier.errors import BackendUnavailable
 from kvtier.keys import ChunkKey
 from kvtier.memory import MemoryObj
 from kvtier.metrics import Counters, RateLimitedLog
@@ -109,9 +110,16 @@ class GuardedTier(StorageBackend):
                 self._idle.notify_all()
 
     def _failed(self, op: str, exc: BaseException) -> None:
+        """Count and log a failed call: an outage (the tier said `BackendUnavailable`, or the
+        OS did) in one line; anything else is a bug in a tier, logged with its traceback."""
         self._counters.inc(f"{self.name}.errors")
-        self._warn.warning(f"{self.name}-{op}", "kvtier: tier %s %s failed: %r", self.name, op,
-                           exc)
+        if isinstance(exc, (BackendUnavailable, OSError)):
+            self._warn.warning(f"{self.name}-{op}", "kvtier: tier %s %s failed: %s (a miss; "
+                               "serving goes on)", self.name, op, exc)
+        else:
+            self._warn.warning(f"{self.name}-{op}-bug", "kvtier: tier %s %s raised %r (a miss; "
+                               "serving goes on); this is a bug, please report it", self.name,
+                               op, exc, exc_info=exc)
 
 
 class GuardedHotTier(GuardedTier, HotTier):

@@ -14,6 +14,7 @@ import torch
 
 from kvtier.connectors import build, ops
 from kvtier.errors import ConfigError
+from tests.helpers import same_bytes
 
 _C = build.load()
 
@@ -48,10 +49,6 @@ def make_slots(kind: str, num_tokens: int, num_slots: int, unique: bool) -> torc
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
-
-
-def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(as_bytes(a), as_bytes(b))
 
 
 def test_extension_is_built_and_dispatched() -> None:

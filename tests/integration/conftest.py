@@ -46,6 +46,15 @@ def tiny_mla(models_dir: Path) -> Path:
     return make_deepseek_mla(models_dir / "tiny-mla")
 
 
+@pytest.fixture(scope="session")
+def sglang_parallel_context() -> None:
+    """SGLang's runtime TP/PP layout for in-process pools (MLA pools read it): one rank."""
+    from sglang.srt import runtime_context
+
+    runtime_context.get_parallel().override_permanently(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_dcp_size=1, attn_dcp_rank=0)
+
+
 def write_config(path: Path, **values: Any) -> Path:
     """A kvtier YAML config with a small chunk size and arena, plus `values`. Requests wait
     for their background loads (`wait_complete`), so which tokens hit is deterministic."""

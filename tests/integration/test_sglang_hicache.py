@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 import torch
-from sglang.srt import runtime_context
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheStorageExtraInfo
 from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _mha_host_inputs
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
@@ -19,15 +18,9 @@ from sglang.srt.mem_cache.storage import StorageBackendFactory
 from kvtier.integration.sglang.hicache_storage import KVTierHiCacheStorage
 from tests.integration.conftest import write_config
 
-pytestmark = pytest.mark.sglang
+pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("sglang_parallel_context")]
 
 PAGE = 4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def parallel_context() -> None:
-    runtime_context.get_parallel().override_permanently(
-        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_dcp_size=1, attn_dcp_rank=0)
 
 
 def host_pool(kind: str, layout: str) -> Any:

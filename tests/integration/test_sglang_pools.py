@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 import torch
-from sglang.srt import runtime_context
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
@@ -28,17 +27,10 @@ from kvtier.integration.sglang.adapter import (
 )
 from kvtier.storage.prefetch import Prefetch
 
-pytestmark = pytest.mark.sglang
+pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("sglang_parallel_context")]
 
 POOL_TOKENS = 512
 CHUNK = 16
-
-
-@pytest.fixture(scope="module", autouse=True)
-def parallel_context() -> None:
-    # MLA pools read the TP/PP layout from SGLang's runtime context.
-    runtime_context.get_parallel().override_permanently(
-        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_dcp_size=1, attn_dcp_rank=0)
 
 
 def make_pool(kind: str, page_size: int, dtype: torch.dtype) -> Any:
