@@ -44,7 +44,6 @@ import re
 import statistics
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,7 +54,14 @@ import yaml
 from kvtier.config import ConfigError, load_config
 from kvtier.demo.models import LlamaSpec, cached_llama
 from kvtier.demo.runner import FULL_MODEL, SMALL_MODEL
-from kvtier.demo.server import CPU_FLAGS, SGLangServer, cpu_shims_dir, free_port, gpu_available
+from kvtier.demo.server import (
+    CPU_FLAGS,
+    SGLangServer,
+    cpu_shims_dir,
+    free_port,
+    gpu_available,
+    metrics_text,
+)
 from tests.conftest import RedisProcess
 from tests.delay_proxy import DelayProxy
 
@@ -128,13 +134,8 @@ def kv_bytes_per_token(spec: LlamaSpec) -> int:
 def scrape_metrics(port: int) -> dict[str, float]:
     """kvtier's counters and gauges from its Prometheus endpoint (without histogram buckets
     and creation times), one entry per label set; `{}` if the endpoint does not answer."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-            text = resp.read().decode()
-    except OSError:
-        return {}
     out: dict[str, float] = {}
-    for line in text.splitlines():
+    for line in metrics_text(port).splitlines():
         m = re.match(r"(kvtier_\w+(?:\{[^}]*\})?)\s+(\S+)$", line)
         if m and not re.search(r"_(bucket|created)\b", m.group(1)):
             out[m.group(1)] = float(m.group(2))

@@ -53,7 +53,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,7 +61,14 @@ import numpy as np
 import yaml
 
 from kvtier.demo.models import LlamaSpec, make_llama
-from kvtier.demo.server import CPU_FLAGS, SGLangServer, cpu_shims_dir, free_port, gpu_available
+from kvtier.demo.server import (
+    CPU_FLAGS,
+    SGLangServer,
+    cpu_shims_dir,
+    free_port,
+    gpu_available,
+    metrics_text,
+)
 from tests.conftest import RedisProcess
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -211,13 +217,8 @@ def parse_result(path: Path, result: RunResult) -> None:
 
 def scrape_counters(port: int) -> dict[str, float]:
     """kvtier's counters from its Prometheus endpoint, summed over labels (`{}` if none)."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
-            text = resp.read().decode()
-    except OSError:
-        return {}
     out: dict[str, float] = {}
-    for line in text.splitlines():
+    for line in metrics_text(port).splitlines():
         m = re.match(r"(kvtier_\w+_total)(?:\{[^}]*\})?\s+(\S+)$", line)
         if m:
             out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))

@@ -47,6 +47,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def metrics_text(port: int) -> str:
+    """The Prometheus text a local metrics endpoint serves; "" if it does not answer."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+            return str(resp.read().decode())
+    except OSError:
+        return ""
+
+
 def gpu_available() -> bool:
     import torch
 

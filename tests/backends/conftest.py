@@ -5,13 +5,14 @@ To add a tier, add its name to BACKEND_NAMES and a branch to `_config_for`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from kvtier.backends import BackendContext, StorageBackend, create_backend
+from kvtier.backends.redis import RedisBackend
 from kvtier.config import Config
-from kvtier.memory import MemoryAllocator
+from kvtier.memory import KVLayout, MemoryAllocator
 from tests.helpers import SMALL_MHA
 
 BACKEND_NAMES = ["cpu", "disk", "redis"]
@@ -43,3 +44,29 @@ def backend_ctx(request: pytest.FixtureRequest) -> Iterator[tuple[StorageBackend
         backend.close()
     alloc.check_integrity()
     assert alloc.used_bytes == 0, "a backend leaked arena memory"
+
+
+def redis_backend(url: str, layout: KVLayout = SMALL_MHA, arena_mb: int = 64,
+                  **cfg: object) -> RedisBackend:
+    """A Redis tier on `url` with its own arena; the caller closes it."""
+    config = Config(chunk_size=16, max_local_cpu_size=arena_mb / 1000, remote_url=url,
+                    remote_timeout_secs=2.0, **cfg)  # type: ignore[arg-type]
+    alloc = MemoryAllocator(int(config.max_local_cpu_size * 1e9))
+    return RedisBackend(BackendContext(config=config, layout=layout, allocator=alloc))
+
+
+@pytest.fixture
+def make_backend() -> Iterator[Callable[..., RedisBackend]]:
+    """`make(url, **config)` -> a Redis tier, closed after the test, which also checks that
+    it gave its arena memory back."""
+    made: list[RedisBackend] = []
+
+    def make(url: str, **kwargs: object) -> RedisBackend:
+        made.append(redis_backend(url, **kwargs))  # type: ignore[arg-type]
+        return made[-1]
+
+    yield make
+    for backend in made:
+        backend.close()
+        backend._ctx.allocator.check_integrity()
+        assert backend._ctx.allocator.used_bytes == 0, "the redis tier leaked arena memory"

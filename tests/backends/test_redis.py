@@ -7,19 +7,18 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from kvtier.backends import BackendContext
 from kvtier.backends.redis import RedisBackend
 from kvtier.backends.redis.io import ReplyReader, redis_keys
-from kvtier.config import Config
 from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey
-from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj, lease
+from kvtier.memory import KVLayout, MemoryObj, lease
+from tests.backends.conftest import redis_backend
 from tests.conftest import RedisCluster, RedisProcess, RedisSentinel
 from tests.helpers import SMALL_MHA, make_keys, make_obj, put_random, run_threads, same_bytes
 
@@ -27,29 +26,6 @@ from tests.helpers import SMALL_MHA, make_keys, make_obj, put_random, run_thread
 MID = KVLayout.mha(num_layers=8, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
 SEGMENT_MB = 0.25
 RECOVERY_DEADLINE = 5.0  # seconds; the bound on coming back, used as a hang bound
-
-
-def _backend(url: str, layout: KVLayout = SMALL_MHA, arena_mb: int = 64,
-             **cfg: object) -> RedisBackend:
-    config = Config(chunk_size=16, max_local_cpu_size=arena_mb / 1000, remote_url=url,
-                    remote_timeout_secs=2.0, **cfg)  # type: ignore[arg-type]
-    alloc = MemoryAllocator(int(config.max_local_cpu_size * 1e9))
-    return RedisBackend(BackendContext(config=config, layout=layout, allocator=alloc))
-
-
-@pytest.fixture
-def make_backend() -> Iterator[Callable[..., RedisBackend]]:
-    made: list[RedisBackend] = []
-
-    def make(url: str, **kwargs: object) -> RedisBackend:
-        made.append(_backend(url, **kwargs))  # type: ignore[arg-type]
-        return made[-1]
-
-    yield make
-    for backend in made:
-        backend.close()
-        backend._ctx.allocator.check_integrity()
-        assert backend._ctx.allocator.used_bytes == 0, "the redis tier leaked arena memory"
 
 
 def _put(backend: RedisBackend, keys: list[ChunkKey], seed: int = 0) -> list[torch.Tensor]:
@@ -84,7 +60,7 @@ def _hits(backend: RedisBackend, keys: list[ChunkKey]) -> int:
 ])
 def test_bad_url_is_a_config_error_naming_the_redacted_url(url: str, problem: str) -> None:
     with pytest.raises(ConfigError, match=problem) as info:
-        _backend(url)
+        redis_backend(url)
     assert "remote_url" in str(info.value)
     assert "hunter2" not in str(info.value)
 
@@ -102,7 +78,7 @@ def test_password_and_acl_user_work_and_wrong_password_fails_at_start(
     for url in (f"redis://:wrong-pw@127.0.0.1:{port}", f"redis://kvuser:nope-pw@127.0.0.1:{port}",
                 f"redis://127.0.0.1:{port}"):
         with pytest.raises(ConfigError, match="authentication failed") as info:
-            _backend(url)
+            redis_backend(url)
         assert "wrong-pw" not in str(info.value) and "nope-pw" not in str(info.value)
 
 

@@ -6,18 +6,17 @@ from __future__ import annotations
 
 import logging
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
-from kvtier.backends import BackendContext
 from kvtier.backends.redis import RedisBackend
 from kvtier.backends.redis.url import parse_remote_url
 from kvtier.config import Config
 from kvtier.errors import ConfigError
-from kvtier.memory import MemoryAllocator, lease
+from kvtier.memory import lease
 from tests.conftest import RedisTLSCluster, RedisTLSSentinel
-from tests.helpers import SMALL_MHA, make_keys, put_random, same_bytes
+from tests.helpers import make_keys, put_random, same_bytes
 
 WARN_LOGGER = "kvtier.backends.redis.url"
 CA = "/etc/kv/ca.pem"
@@ -176,25 +175,6 @@ def test_no_warning_for_loopback_unix_tls_or_no_password(
 
 
 # ---- real TLS servers --------------------------------------------------------------------
-
-@pytest.fixture
-def make_backend() -> Iterator[Callable[[str], RedisBackend]]:
-    made: list[RedisBackend] = []
-
-    def make(url: str) -> RedisBackend:
-        config = Config(chunk_size=16, max_local_cpu_size=0.064, remote_url=url,
-                        remote_timeout_secs=2.0)
-        alloc = MemoryAllocator(int(config.max_local_cpu_size * 1e9))
-        made.append(RedisBackend(BackendContext(config=config, layout=SMALL_MHA,
-                                                allocator=alloc)))
-        return made[-1]
-
-    yield make
-    for backend in made:
-        backend.close()
-        backend._ctx.allocator.check_integrity()
-        assert backend._ctx.allocator.used_bytes == 0, "the redis tier leaked arena memory"
-
 
 def _round_trip(backend: RedisBackend, num_tokens: int, seed: int) -> None:
     ctx = backend._ctx

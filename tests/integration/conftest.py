@@ -55,6 +55,23 @@ def sglang_parallel_context() -> None:
         tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_dcp_size=1, attn_dcp_rank=0)
 
 
+def kvtier_metrics(server: SGLangServer) -> dict[str, float]:
+    """kvtier's samples on the server's own `/metrics` (`--enable-metrics`), summed over
+    labels and processes."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name.startswith("kvtier_"):
+                out[s.name] = out.get(s.name, 0.0) + s.value
+    return out
+
+
 def write_config(path: Path, **values: Any) -> Path:
     """A kvtier YAML config with a small chunk size and arena, plus `values`. Requests wait
     for their background loads (`wait_complete`), so which tokens hit is deterministic."""

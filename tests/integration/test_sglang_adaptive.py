@@ -10,17 +10,15 @@ tier: the prompts are recomputed, with the same output).
 from __future__ import annotations
 
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import RedisProcess
 from tests.delay_proxy import DelayProxy
-from tests.integration.conftest import cold, prompt, write_config
+from tests.integration.conftest import cold, kvtier_metrics, prompt, write_config
 from tests.sglang_support.server import SGLangServer
 
 pytestmark = pytest.mark.sglang
@@ -62,21 +60,10 @@ def stored(start_server: Callable[..., SGLangServer], tiny_llama4: Path, redis: 
     server.stop()
 
 
-def _samples(server: SGLangServer) -> dict[str, float]:
-    with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name.startswith("kvtier_"):
-                out[s.name] = out.get(s.name, 0.0) + s.value
-    return out
-
-
 def _wait_for_metric(server: SGLangServer, name: str) -> dict[str, float]:
     deadline = time.monotonic() + 30
     while True:  # kvtier refreshes its series once a second
-        samples = _samples(server)
+        samples = kvtier_metrics(server)
         if samples.get(name, 0) > 0:
             return samples
         assert time.monotonic() < deadline, sorted(samples)

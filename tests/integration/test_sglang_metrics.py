@@ -3,28 +3,21 @@
 from __future__ import annotations
 
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.integration.conftest import FULL_HIT, PROMPT_LEN, prompt, write_config
+from tests.integration.conftest import (
+    FULL_HIT,
+    PROMPT_LEN,
+    kvtier_metrics,
+    prompt,
+    write_config,
+)
 from tests.sglang_support.server import SGLangServer
 
 pytestmark = pytest.mark.sglang
-
-
-def _kvtier_samples(server: SGLangServer) -> dict[str, float]:
-    with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name.startswith("kvtier_"):
-                out[s.name] = out.get(s.name, 0.0) + s.value
-    return out
 
 
 def test_kvtier_series_on_sglangs_metrics_endpoint(
@@ -36,7 +29,7 @@ def test_kvtier_series_on_sglangs_metrics_endpoint(
     assert server.generate(ids)["meta_info"]["cached_tokens"] == FULL_HIT
     deadline = time.monotonic() + 30
     while True:  # kvtier refreshes its series once a second
-        samples = _kvtier_samples(server)
+        samples = kvtier_metrics(server)
         if samples.get("kvtier_tokens_loaded_total", 0) >= FULL_HIT:
             break
         assert time.monotonic() < deadline, sorted(samples)
