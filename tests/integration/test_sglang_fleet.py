@@ -1,0 +1,110 @@
+"""A fleet sharing one Redis Cluster: two real SGLang servers, round-robin over them, on a
+3-master cluster with a replica per master; then the master holding the prompt's slots dies.
+
+What one server computed the other loads (>= 80% of the prompt cached, identical output);
+after a SIGKILL of that master and its replica's promotion, the same prompt is served on
+both servers without a failed request and with the same output (a hit or a recompute).
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import RedisProcess, _binary, _wait
+from tests.integration.conftest import CHUNK, cold, prompt, write_config
+from tests.sglang_support.server import SGLangServer
+
+pytestmark = pytest.mark.sglang
+
+TURN = 12 * CHUNK + 5
+
+
+class _ClusterWithReplicas:
+    def __init__(self, nodes: list[RedisProcess]):
+        self.nodes = nodes
+
+    @property
+    def url(self) -> str:
+        return "redis-cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+
+    def masters(self) -> dict[int, RedisProcess]:
+        """Live masters by port, as the live nodes report them."""
+        by_port = {n.port: n for n in self.nodes if n.pid is not None}
+        for node in by_port.values():
+            try:
+                lines = node.client().execute_command("CLUSTER", "NODES").decode().splitlines()
+            except Exception:  # a node that is going down: ask another
+                continue
+            out = {}
+            for line in lines:
+                fields = line.split()
+                port = int(fields[1].split("@")[0].rsplit(":", 1)[1])
+                if "master" in fields[2] and "fail" not in fields[2] and port in by_port:
+                    out[port] = by_port[port]
+            return out
+        return {}
+
+
+@pytest.fixture(scope="module")
+def cluster(redis_factory: Callable[..., RedisProcess]) -> Iterator[_ClusterWithReplicas]:
+    nodes = [redis_factory(args=("--cluster-enabled", "yes", "--cluster-config-file",
+                                 "nodes.conf", "--cluster-node-timeout", "2000"))
+             for _ in range(6)]
+    subprocess.run([_binary("redis-cli"), "--cluster", "create",
+                    *[f"127.0.0.1:{n.port}" for n in nodes], "--cluster-replicas", "1",
+                    "--cluster-yes"], check=True, capture_output=True, timeout=120)
+    made = _ClusterWithReplicas(nodes)
+
+    def ready() -> bool:
+        infos = [n.client().execute_command("CLUSTER", "INFO") for n in nodes]
+        return all(b"cluster_state:ok" in i and b"cluster_known_nodes:6" in i for i in infos) \
+            and len(made.masters()) == 3
+
+    _wait("a 3-master, 3-replica cluster", ready)
+    yield made
+
+
+def test_two_servers_share_a_cluster_and_survive_a_master_failover(
+        start_server: Callable[..., SGLangServer], tiny_llama: Path,
+        cluster: _ClusterWithReplicas, tmp_path: Path) -> None:
+    config = write_config(tmp_path / "kvtier.yaml", remote_url=cluster.url,
+                          remote_timeout_secs=2.0)
+    servers = [start_server(tiny_llama, config), start_server(tiny_llama, config)]
+    ids = prompt(70, TURN)
+    expected = cold(servers[0], ids)
+
+    # Round-robin: the first server computes, the second loads what it stored.
+    assert servers[0].generate(ids)["output_ids"] == expected
+    servers[0].flush_cache()  # waits for the Redis writes
+    got = servers[1].generate(ids)
+    assert got["meta_info"]["cached_tokens"] >= 0.8 * TURN
+    assert got["output_ids"] == expected
+
+    # The master holding most of the prompt's chunks dies; its replica takes over.
+    masters = cluster.masters()
+    victim = max(masters.values(), key=lambda m: int(m.client().dbsize()))
+    assert int(victim.client().dbsize()) > 0
+    victim.stop(signal.SIGKILL)
+    _wait("a replica promoted in place of the killed master",
+          lambda: len(cluster.masters()) == 3 and victim.port not in cluster.masters())
+
+    for server in servers:  # no failed request, same output: a hit or a recompute
+        server.flush_cache()
+        again = server.generate(ids)
+        assert again["output_ids"] == expected
+    # Hits resume: what the promoted replica holds, or what a server stores again now.
+    deadline = time.monotonic() + 60  # a bound on a hang, not a timing assertion
+    while True:
+        servers[1].flush_cache()
+        again = servers[1].generate(ids)
+        assert again["output_ids"] == expected
+        if again["meta_info"]["cached_tokens"] >= 0.8 * TURN:
+            break
+        assert time.monotonic() < deadline, "hits never resumed after the failover"
+        time.sleep(1.0)
