@@ -198,14 +198,8 @@ def nearest_key(key: str) -> str | None:
 
 
 def _unknown(source: str, key: str) -> ConfigError:
-    near = nearest_key(key)
-    if near is None:  # perhaps a misspelt LMCache key
-        lmc = difflib.get_close_matches(key, compat.UNIMPLEMENTED, n=1, cutoff=0.6)
-        if lmc:
-            return _fail(source, key, f"unknown key; did you mean {lmc[0]!r} (an LMCache key "
-                         "kvtier accepts and ignores)?")
-    hint = f"; did you mean {near!r}?" if near else f"; valid keys: {sorted(_FIELDS)}"
-    return _fail(source, key, f"unknown key{hint}")
+    # no LMCache version had `key`: the nearest kvtier or LMCache key, or what to use instead
+    return _fail(source, key, f"unknown key; {compat.unknown_hint(key, nearest_key(key))}")
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -348,9 +342,11 @@ def load_config_report(
     mine: dict[str, Any] = {}
     ignored: list[tuple[str, str]] = []
     notes: list[tuple[str, str]] = []
+    file_data: dict[str, Any] = {}
     if path is not None:
         source = str(path)
-        mine, ignored, extra = _split_file(read_config_file(path), source)
+        file_data = read_config_file(path)
+        mine, ignored, extra = _split_file(file_data, source)
         translated = compat.translate_values(mine, extra, source)
         notes += translated.notes
         raw = {k: _coerce(source, k, v, from_env=False) for k, v in translated.values.items()}
@@ -371,7 +367,11 @@ def load_config_report(
         # "config: key: ..." -> the file or variable the key's value came from
         key = str(exc).split(": ", 2)[1] if str(exc).count(": ") >= 2 else ""
         origin = f"environment {env_names[key]}" if key in env_names else source
-        raise ConfigError(str(exc).replace("config:", f"{origin}:", 1)) from None
+        msg = str(exc).replace("config:", f"{origin}:", 1)
+        refused = compat.unsupported_storage(file_data) if key == "local_cpu" else None
+        if refused is not None:  # name the LMCache key the file kept its KV in
+            msg += f" [this file keeps its KV in {refused[0]}: {refused[1]}]"
+        raise ConfigError(msg) from None
     origins = {k: env_names.get(k, "file" if k in raw else "default") for k in _FIELDS}
     return LoadedConfig(cfg, source, tuple((k, shown_value(k, v)) for k, v in given.items()),
                         tuple(ignored), tuple(notes), tuple(origins.items()))

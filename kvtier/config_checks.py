@@ -3,10 +3,11 @@ secrets masked, YAML errors without the quoted line).
 
 Every check raises `ConfigError` naming the key ("config: key: problem"; the loader replaces
 "config" with the file or variable the value came from). Numbers must be finite and within
-ceilings derived from what they do; one arena must fit the machine; `remote_url` is parsed in
-full here, so a URL kvtier cannot serve fails at `check-config` time, not when the tier is built.
-What depends on the host (every TP rank's arena, the cgroup limit, disk space) is checked
-apart (`host_problems`): `check-config` warns, the launch refuses (`check_host`).
+ceilings derived from what they do; `remote_url` is parsed in full here, so a URL kvtier cannot
+serve fails at `check-config` time, not when the tier is built. What depends on the host (the
+arenas of every TP rank against physical memory and the cgroup limit, even a single one; disk
+space) is checked apart (`host_problems`): a file may be sized for a bigger host, so
+`check-config` warns and the launch refuses (`check_host`).
 """
 
 from __future__ import annotations
@@ -183,14 +184,11 @@ def _validate_numbers(cfg: Config) -> None:
 
 
 def _validate_memory(cfg: Config) -> None:
+    # Whether the arena fits this machine is a host check (`memory_problem`), not a property of
+    # the file: a file sized for a bigger host must pass `check-config` with a warning.
     if cfg.max_local_cpu_size * 1e9 < 4096:
         raise _fail("config", "max_local_cpu_size",
                     f"must be > 0 (it sizes the staging arena), got {cfg.max_local_cpu_size}")
-    total = physical_memory_bytes()
-    if cfg.max_local_cpu_size * 1e9 > total:
-        raise _fail("config", "max_local_cpu_size",
-                    f"{cfg.max_local_cpu_size:g} GB is more than this machine's memory "
-                    f"({total / 1e9:.2f} GB available)")
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -223,10 +221,12 @@ def _validate_tiers(cfg: Config) -> None:
         _check_remote_url(cfg.remote_url)
     if not cfg.local_cpu and not cfg.local_disk and not cfg.remote_url:
         raise _fail(src, "local_cpu", "no tier enabled: local_cpu is false and neither "
-                    "local_disk nor remote_url is set, so kvtier would store nothing (storage "
-                    "only LMCache has, such as enable_pd/nixl_* transfer, gds_path or "
-                    "storage_plugins, is not implemented: set local_disk or a shared "
-                    "remote_url)")
+                    "local_disk nor remote_url is set, so kvtier would store nothing. Storage "
+                    "only LMCache has is not supported: kvtier does not do PD transfer (drop "
+                    "enable_pd/nixl_* and keep local_cpu), GPU-direct or Weka storage "
+                    "(gds_path, weka_path: use local_disk: file:///path/) or storage plugins; "
+                    "keep local_cpu: true, or set local_disk or a shared remote_url: "
+                    "redis://host:6379 (`kvtier migrate-config FILE` names the key)")
 
 
 def _check_local_disk(value: str) -> None:
@@ -308,8 +308,9 @@ def memory_problem(cfg: Config, *, local_ranks: int = 1,
                    cgroup_path: str | os.PathLike[str] | None = None) -> str | None:
     """Why `local_ranks` arenas of `max_local_cpu_size` (each TP rank on this host allocates
     its own) do not fit this host's memory, the smaller of physical memory and the cgroup v2
-    limit (`cgroup_memory_limit(cgroup_path)`); None when they fit. No headroom beyond that,
-    as for one arena in `validate`."""
+    limit (`cgroup_memory_limit(cgroup_path)`); None when they fit. No headroom beyond that.
+    One rank is checked too: a single arena larger than the host is refused here, at launch
+    (`check_host`), and only warned about by `check-config`."""
     if local_ranks < 1:
         raise ValueError(f"local_ranks must be >= 1, got {local_ranks}")
     limit, what = physical_memory_bytes(), "physical memory"

@@ -1,154 +1,123 @@
-"""LMCache config files in kvtier: which LMCache keys kvtier ignores and what it does instead,
-and the LMCache value forms it translates.
+"""LMCache config files in kvtier: what each LMCache key means here, and the LMCache value forms
+kvtier translates.
 
-An LMCache engine config (LMCache 0.5.x `lmcache/v1/config.py`, plus the v0 keys still found in
-old files) has three kinds of keys as far as kvtier is concerned:
+Every key of every released LMCache engine config is in `kvtier.lmcache_keys.KEYS` (the sources
+are listed there), with one of three statuses:
 
-1. keys kvtier implements with the same meaning (fields of `kvtier.config.Config`);
-2. keys kvtier does not implement (`UNIMPLEMENTED`, `UNIMPLEMENTED_PREFIXES`): accepted, listed
-   in one warning together with what kvtier does instead;
-3. anything else: an unknown key, a `ConfigError` with the nearest valid key.
+1. `same`: a kvtier key with the same meaning (a field of `kvtier.config.Config`);
+2. `ignored`: accepted and listed in the load warning with why, and what kvtier does instead;
+3. `unsupported`: storage or transfer kvtier does not have (PD/NIXL, P2P, GDS, Weka, CXL,
+   storage plugins): accepted and listed in the warning with what to use instead. A file whose
+   only storage it is leaves kvtier nothing to store in and is refused
+   (`unsupported_storage` names the key; the load fails on the empty tier list).
 
-Ignoring a key is an error only where it would silently change what the user gets; the cases
-are handled where the value is checked (a `remote_url` kvtier cannot serve, `local_disk` naming
-several disks, a config with no tier left).
+Anything else is an unknown key, a `ConfigError` with the nearest valid key: kvtier stays strict
+about keys no LMCache version had. Some values are refused where ignoring them would silently
+change what the user gets: a `remote_url` in a scheme kvtier cannot serve
+(`UNSUPPORTED_SCHEMES`, with what to use instead), `local_disk` naming several disks.
 """
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
 from kvtier.errors import ConfigError
+from kvtier.lmcache_keys import KEYS, PREFIXES, UNSUPPORTED_SCHEMES, LMCacheKey
 
-__all__ = ["UNIMPLEMENTED", "UNIMPLEMENTED_PREFIXES", "UNSUPPORTED_SCHEMES", "instead_of",
+__all__ = ["KEYS", "UNIMPLEMENTED", "UNSUPPORTED", "UNSUPPORTED_SCHEMES", "EXTRA_STORAGE",
+           "NOT_LMCACHE", "classify", "instead_of", "unknown_hint", "unsupported_storage",
            "Translated", "translate_values", "extra_config_ignored", "secret_key"]
 
-_NO_PD = ("not implemented: kvtier does not send KV between prefill and decode instances; give "
-          "them one shared remote_url to reuse KV across instances")
-_NO_P2P = "not implemented: no peer-to-peer transfer; share KV through a Redis remote_url"
-_NO_CONTROLLER = ("not implemented: no cache controller; `kvtier stats|ls|purge` inspect the "
-                  "tiers")
-_NO_GDS = ("not implemented: no GPU-direct storage tier; use local_disk for a file-backed "
-           "tier")
-_NO_PLUGINS = "not implemented: no storage plugins; the tiers are cpu, disk and redis"
-_NO_BLEND = "not implemented: prefix reuse only (no CacheBlend of non-prefix chunks)"
-_NO_LOOKUP = ("not implemented: each engine looks up its own tiers; lookup() answers from "
-              "them directly")
-_NO_API = ("not implemented: no internal API server; metrics_port serves Prometheus "
-           "metrics")
-_ARENA = "not implemented: one arena of max_local_cpu_size GB, allocated once at start-up"
-_HIDDEN = "not implemented: kvtier stores KV only (no hidden-state cache)"
-
-# LMCache key -> what kvtier does instead. Everything here is accepted and ignored, with one
-# warning per load listing the keys found.
-UNIMPLEMENTED: dict[str, str] = {
-    "use_layerwise": ("not implemented: kvtier moves whole chunks, every layer in one copy "
-                      "(no layer-by-layer pipelining)"),
-    "enable_async_loading": ("not implemented: retrieve() loads synchronously; "
-                             "prefetch_policy loads lower tiers ahead"),
-    "save_decode_cache": ("not implemented: kvtier stores the tokens the serving engine passes "
-                          "to store() (the SGLang integration: each finished request)"),
-    "extra_config": ("only username/password are used (credentials for remote_url); other "
-                     "entries are ignored"),
-    "local_device": ("old LMCache v0 key, not implemented: CPU memory is local_cpu/"
-                     "max_local_cpu_size, disk is local_disk"),
-    "pipelined_backend": ("old LMCache v0 key, not implemented: lower-tier writes always run "
-                          "in the background"),
-    "local_cpu_use_hugepages": _ARENA + " (regular pages, faulted in at start-up)",
-    "reserve_local_cpu_size": _ARENA,
-    "local_disk_path_sharding": ("not implemented: one directory; TP ranks are keyed apart "
-                                 "inside it"),
-    "pre_caching_hash_algorithm": "not implemented: chunk keys are always chained SHA-256",
-    "enable_blending": _NO_BLEND,
-    "retrieve_locations": "not implemented: tiers are read in order cpu -> disk -> redis",
-    "store_location": "not implemented: every tier is written, per write_policy",
-    "enable_p2p": _NO_P2P,
-    "transfer_channel": _NO_PD,
-    "mp_host": "not implemented: kvtier runs inside the serving process (no MP server)",
-    "mp_port": "not implemented: kvtier runs inside the serving process (no MP server)",
-    "enable_controller": _NO_CONTROLLER,
-    "lmcache_instance_id": _NO_CONTROLLER,
-    "enable_pd": _NO_PD,
-    "enable_xpyd": _NO_PD,
-    "enable_nixl": _NO_PD,
-    "use_gds": _NO_GDS,
-    "weka_path": _NO_GDS,
-    "cufile_buffer_size": _NO_GDS,
-    "audit_actual_remote_url": "not implemented: no audit connector",
-    "external_lookup_client": _NO_LOOKUP,
-    "lookup_url": _NO_LOOKUP,
-    "distributed_url": _NO_LOOKUP,
-    "hit_miss_ratio": _NO_LOOKUP,
-    "enable_scheduler_bypass_lookup": _NO_LOOKUP,
-    "min_retrieve_tokens": "not implemented: any hit of one chunk or more is loaded",
-    "py_enable_gc": "not implemented: kvtier leaves Python's garbage collector alone",
-    "cache_policy": ("not implemented: LRU by chunk, deeper chunks of a prefix evicted "
-                     "first"),
-    "numa_mode": "not implemented: the arena is not bound to a NUMA node",
-    "priority_limit": "not implemented: every request may store",
-    "plugin_locations": _NO_PLUGINS,
-    "runtime_plugin_locations": _NO_PLUGINS,
-    "storage_plugins": _NO_PLUGINS,
-    "remote_storage_plugins": _NO_PLUGINS,
-    "external_backends": _NO_PLUGINS,
-    "script_allowed_imports": _NO_PLUGINS,
-    "error_handling": ("not implemented: a tier failure is always a counted miss; serving "
-                       "goes on"),
-    "cache_engine_args": "not implemented: the engine is configured by this file only",
-    "remote_config_url": ("not implemented: config comes from this file and the environment "
-                          "only"),
-    "app_id": "not implemented: config comes from this file and the environment only",
-    "enable_lazy_memory_allocator": _ARENA,
-    "enable_chunk_statistics": "not implemented: counters are in stats() and the metrics",
-    "enable_kv_events": "not implemented: no KV event stream",
-    "use_gpu_connector_v3": "not implemented: kvtier's connectors read SGLang's pools",
-    "pin_timeout_sec": ("not implemented: leases end with each copy; nothing stays pinned "
-                        "between calls"),
-    "pin_check_interval_sec": ("not implemented: leases end with each copy; nothing stays "
-                               "pinned between calls"),
-    "enable_hidden_state_cache": _HIDDEN,
-    "max_hidden_state_cpu_size": _HIDDEN,
-    "hidden_state_layers": _HIDDEN,
-    "hidden_states_retrieve_mode": _HIDDEN,
-    "use_experimental": ("LMCache's v0/v1 switch: kvtier has one implementation (the "
-                         "LMCACHE_USE_EXPERIMENTAL variable is ignored too)"),
-    "maru_path": "not implemented: no CXL shared-memory tier",
-    "maru_pool_size": "not implemented: no CXL shared-memory tier",
+# LMCache keys kvtier accepts and ignores -> why, and what kvtier does instead. (The loader
+# also suggests the nearest of these for a misspelt key, so storage kvtier lacks is not here.)
+UNIMPLEMENTED: dict[str, str] = {k: v.note for k, v in KEYS.items() if v.status == "ignored"}
+# LMCache keys for storage or transfer kvtier does not have -> what to use instead.
+UNSUPPORTED: dict[str, str] = {k: v.note for k, v in KEYS.items() if v.status == "unsupported"}
+# `extra_config` entries that switch on storage kvtier does not have (LMCache 0.3.10-).
+EXTRA_STORAGE = {"enable_nixl_storage": ("not supported: no NIXL storage backend: use "
+                                          "local_disk: file:///path/ for a file-backed tier")}
+# Keys no LMCache version had that turn up in LMCache-style files (another engine's setting, a
+# flag of an LMCache example script): errors like any unknown key, with what to use instead.
+NOT_LMCACHE: dict[str, str] = {
+    "disk_path": "for a disk tier use local_disk: file:///path/ (with max_local_disk_size)",
+    "enable_disagg_prefill": ("a vLLM setting, not an LMCache key; kvtier does not do PD "
+                              "transfer: drop it and keep local_cpu (instances share KV "
+                              "through remote_url: redis://host:6379)"),
 }
+_OFF_STRINGS = frozenset({"", "false", "0", "no", "off", "none", "null"})
+# Unsupported keys that are sizes, never a place KV is kept.
+_NEVER_STORAGE = frozenset({"max_local_cache_size"})
 
-# Families of LMCache keys, by prefix (their members change between LMCache releases).
-UNIMPLEMENTED_PREFIXES: dict[str, str] = {
-    "pd_": _NO_PD,
-    "nixl_": _NO_PD,
-    "p2p_": _NO_P2P,
-    "blend_": _NO_BLEND,
-    "controller_": _NO_CONTROLLER,
-    "lmcache_worker_": _NO_CONTROLLER,
-    "internal_api_server_": _NO_API,
-    "gds_": _NO_GDS,
-    "lazy_memory_": _ARENA,
-    "chunk_statistics_": "not implemented: counters are in stats() and the metrics",
-    "cost_aware_": "not implemented: LRU by chunk",
-    "lookup_": _NO_LOOKUP,
-}
 
-# remote_url schemes LMCache serves and kvtier does not: a remote tier there would silently
-# vanish, so these are errors (kvtier.config names the supported schemes).
-UNSUPPORTED_SCHEMES: dict[str, str] = {
-    "lm": "the LMCache server",
-    "mooncakestore": "Mooncake Store",
-    "s3": "S3",
-    "external": "an LMCache external connector",
-    "infinistore": "InfiniStore",
-    "valkey": "LMCache's Valkey connector",
-    "blackhole": "LMCache's black-hole connector",
-    "audit": "LMCache's audit connector",
-    "fs": "LMCache's file-system connector (use local_disk)",
-    "sagemaker-hyperpod": "SageMaker HyperPod",
-}
+def classify(key: str) -> LMCacheKey | None:
+    """The table entry of LMCache key `key` (by name, else by its family's prefix), or None
+    when no LMCache version defined it."""
+    if key in KEYS:
+        return KEYS[key]
+    for prefix, entry in PREFIXES.items():
+        if key.startswith(prefix):
+            return entry
+    return None
+
+
+def instead_of(key: str) -> str | None:
+    """The load-warning note of LMCache key `key` ("ignored: why; what kvtier does instead" or
+    "not supported: what to use instead"), or None for a kvtier key or a key no LMCache version
+    had."""
+    entry = classify(key)
+    return None if entry is None or entry.status == "same" else entry.note
+
+
+def unknown_hint(key: str, nearest: str | None) -> str:
+    """What to write instead of `key`, a key no LMCache version had: `NOT_LMCACHE`'s line, else
+    "did you mean" the `nearest` kvtier key, else the nearest LMCache key kvtier ignores, else
+    a pointer to the key list."""
+    if key in NOT_LMCACHE:
+        return NOT_LMCACHE[key]
+    if nearest is not None:
+        return f"did you mean {nearest!r}?"
+    near = difflib.get_close_matches(key, UNIMPLEMENTED, n=1, cutoff=0.6)
+    if near:
+        return f"did you mean {near[0]!r} (an LMCache key kvtier accepts and ignores)?"
+    return "see docs/lmcache.md for every LMCache key and docs/config.md for kvtier's"
+
+
+def _on(value: Any) -> bool:
+    """True if an LMCache value switches its feature on (LMCache's string forms included)."""
+    if isinstance(value, str):
+        return value.strip().lower() not in _OFF_STRINGS
+    return value not in (None, False, 0) and value != [] and value != {}
+
+
+def _leaves_no_tier(data: Mapping[str, Any]) -> bool:
+    local_cpu = data.get("local_cpu", True)
+    return not _on(local_cpu) and not _on(data.get("local_disk")) \
+        and not _on(data.get("remote_url"))
+
+
+def unsupported_storage(data: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(key, note) of the storage kvtier does not have that the LMCache file `data` keeps its KV
+    in, when it keeps it nowhere else: `local_cpu` off, no `local_disk`, no `remote_url`, and an
+    `unsupported` key switched on (`extra_config.enable_nixl_storage`, else the first in file
+    order). None when the file leaves kvtier a tier, or names no such storage."""
+    if not _leaves_no_tier(data):
+        return None
+    extra = data.get("extra_config")
+    if isinstance(extra, Mapping):  # first: its nixl_* top-level keys only size buffers then
+        for name, note in EXTRA_STORAGE.items():
+            if _on(extra.get(name)):
+                return f"extra_config.{name}", note
+    for key, value in data.items():
+        if key in _NEVER_STORAGE:
+            continue
+        entry = classify(key)
+        if entry is not None and entry.status == "unsupported" and _on(value):
+            return key, entry.note
+    return None
 
 # What LMCache's remote_serde values become: kvtier stores records uncompressed.
 _SERDE_AS_RAW = {None: "null", "cachegen": "cachegen", "torch": "torch", "safetensor":
@@ -166,17 +135,6 @@ _SECRET_NAMES = frozenset({"hash_salt"})
 _NOT_SECRET = frozenset({"prefetch_timeout_per_token_ms", "min_retrieve_tokens",
                          "blend_min_tokens", "ssl_keyfile", "key_namespace",
                          "record_key_file"})
-
-
-def instead_of(key: str) -> str | None:
-    """What kvtier does instead of LMCache key `key`, or None if `key` is not an LMCache key
-    kvtier ignores."""
-    if key in UNIMPLEMENTED:
-        return UNIMPLEMENTED[key]
-    for prefix, instead in UNIMPLEMENTED_PREFIXES.items():
-        if key.startswith(prefix):
-            return instead
-    return None
 
 
 def secret_key(key: str) -> bool:

@@ -1,4 +1,5 @@
-"""What each key of an LMCache config file becomes in kvtier (`kvtier migrate-config FILE`)."""
+"""What each key of an LMCache config file becomes in kvtier (`kvtier migrate-config FILE`): the
+classification of `kvtier.lmcache_keys`, row by row, then the load result."""
 
 from __future__ import annotations
 
@@ -24,7 +25,10 @@ __all__ = ["KeyMapping", "Migration", "explain"]
 @dataclass(frozen=True)
 class KeyMapping:
     """One key of the file: `kind` is "kvtier" (same key and meaning), "translated" (kvtier
-    rewrites the value), "ignored" (LMCache key kvtier does not implement) or "unknown"."""
+    rewrites the value), "ignored" (an LMCache key kvtier accepts; `note`: why, and what it does
+    instead), "unsupported" (storage or transfer kvtier does not have; `note`: what to use
+    instead) or "unknown" (no LMCache version had it: an error, with the nearest key). The note
+    is the line the load warning or error shows."""
 
     key: str
     value: Any  # as shown to users: secrets masked
@@ -34,7 +38,9 @@ class KeyMapping:
 
 @dataclass(frozen=True)
 class Migration:
-    """Every key of one file, and the load result: the config, or why it does not load."""
+    """Every key of one file, and the load result: the config, or why it does not load (the
+    load error, followed by the key the file keeps its KV in when that is storage kvtier does
+    not have)."""
 
     rows: tuple[KeyMapping, ...]
     loaded: LoadedConfig | None
@@ -54,6 +60,9 @@ def explain(path: str | os.PathLike[str]) -> Migration:
         loaded = load_config_report(path, env={})
     except ConfigError as exc:
         error = str(exc)
+        refused = compat.unsupported_storage(data)
+        if refused is not None and "keeps its KV in" not in error:  # the loader may name it
+            error += f" [this file keeps its KV in {refused[0]}: {refused[1]}]"
     notes = dict(loaded.notes) if loaded else {}
     rows = []
     for key, value in data.items():
@@ -66,15 +75,21 @@ def explain(path: str | os.PathLike[str]) -> Migration:
 def _row(key: str, value: Any, notes: dict[str, str]) -> KeyMapping:
     shown = shown_value(key, value)
     if is_config_key(key):
+        scheme = value.partition("://")[0] if key == "remote_url" and isinstance(value, str) \
+            else None
+        if scheme in compat.UNSUPPORTED_SCHEMES:
+            return KeyMapping(key, shown, "unsupported",
+                              f"not supported: {scheme}:// is "
+                              f"{compat.UNSUPPORTED_SCHEMES[scheme]}")
         if key in notes:
             return KeyMapping(key, shown, "translated", notes[key])
         return KeyMapping(key, shown, "kvtier", "same key and meaning in kvtier")
-    instead = compat.instead_of(key)
-    if instead is not None:
-        return KeyMapping(key, shown, "ignored", instead)
-    near = nearest_key(key)
-    hint = f"; did you mean {near!r}?" if near else ""
-    return KeyMapping(key, shown, "unknown", f"unknown key: an error in kvtier{hint}")
+    entry = compat.classify(key)
+    if entry is not None and entry.status != "same":
+        return KeyMapping(key, shown, entry.status, entry.note)
+    return KeyMapping(key, shown, "unknown",
+                      f"unknown key (no LMCache version had it): an error in kvtier; "
+                      f"{compat.unknown_hint(key, nearest_key(key))}")
 
 
 def _extra_row(name: str, value: Any) -> KeyMapping:
@@ -82,6 +97,8 @@ def _extra_row(name: str, value: Any) -> KeyMapping:
     shown = shown_value(key, value)  # the dotted key: extra_config.hash_salt is a secret too
     if name in ("username", "password"):
         return KeyMapping(key, shown, "translated", "credentials of remote_url")
+    if name in compat.EXTRA_STORAGE:
+        return KeyMapping(key, shown, "unsupported", compat.EXTRA_STORAGE[name])
     return KeyMapping(key, shown, "ignored", "not used by kvtier")
 
 

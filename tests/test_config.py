@@ -242,12 +242,21 @@ def test_huge_ints_in_numeric_keys_are_config_errors(tmp_path: Path) -> None:
 
 
 def test_more_cpu_memory_than_the_machine_has(tmp_path: Path) -> None:
+    """A file sized for a bigger host is a valid file; the launch, and a storage manager
+    about to allocate its arena, refuse it naming the key."""
+    import torch
+
+    from kvtier.config_checks import check_host
+    from kvtier.memory import KVLayout
+    from kvtier.storage import StorageManager
+
     total_gb = physical_memory_bytes() / 1e9
     path = _write(tmp_path, f"max_local_cpu_size: {total_gb * 2:.1f}\n")
-    with pytest.raises(ConfigError) as err:
-        load_config(path, env={})
-    msg = str(err.value)
-    assert "max_local_cpu_size" in msg and f"{total_gb:.2f} GB available" in msg
+    cfg = load_config(path, env={})
+    with pytest.raises(ConfigError, match="max_local_cpu_size"):
+        check_host(cfg)
+    with pytest.raises(ConfigError, match="max_local_cpu_size"):
+        StorageManager(cfg, KVLayout.mha(1, 1, 16, torch.float16))
 
 
 def test_password_in_query_string_is_redacted_everywhere(tmp_path: Path) -> None:

@@ -18,6 +18,8 @@ from kvtier import prometheus
 from kvtier.backends import BackendContext, HotTier, StorageBackend, create_backend
 from kvtier.backends.cpu import NullHotTier
 from kvtier.config import Config
+from kvtier.config_checks import memory_problem
+from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey, stub_key
 from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj
 from kvtier.metrics import Counters, RateLimitedLog
@@ -54,6 +56,12 @@ class StorageManager:
                  allocator: MemoryAllocator | None = None):
         self.config = config
         self.layout = layout
+        if allocator is None:
+            # A config may be sized for a bigger host (check-config only warns): refuse here,
+            # naming the key, before a too-large arena is allocated and faulted in.
+            problem = memory_problem(config)
+            if problem:
+                raise ConfigError(problem)
         self.allocator = allocator or MemoryAllocator(int(config.max_local_cpu_size * 1e9))
         self.counters = Counters(*COUNTERS)
         self._warn = RateLimitedLog(logger)
