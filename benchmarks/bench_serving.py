@@ -216,12 +216,16 @@ def parse_result(path: Path, result: RunResult) -> None:
 # ---- kvtier's side ----
 
 def scrape_counters(port: int) -> dict[str, float]:
-    """kvtier's counters from its Prometheus endpoint, summed over labels (`{}` if none)."""
+    """kvtier's counters from its Prometheus endpoint, summed over labels (`{}` if none),
+    and its time on SGLang's scheduler thread per call (`scheduler_seconds.<call>`)."""
     out: dict[str, float] = {}
     for line in metrics_text(port).splitlines():
         m = re.match(r"(kvtier_\w+_total)(?:\{[^}]*\})?\s+(\S+)$", line)
         if m:
             out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+        m = re.match(r'kvtier_scheduler_seconds_sum\{call="(\w+)"\}\s+(\S+)$', line)
+        if m:
+            out[f"scheduler_seconds.{m.group(1)}"] = float(m.group(2))
     return out
 
 

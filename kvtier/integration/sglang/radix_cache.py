@@ -235,8 +235,9 @@ class KVTierRadixCache(UnifiedRadixCache):
 
     def check_hicache_events(self) -> None:
         """Called by the scheduler every step: hand back the locks of finished stores."""
-        if self.kvtier is not None:
-            with self.kvtier.budget.timed("check_hicache_events"):
+        kv = self.kvtier
+        if kv is not None and kv.pending_stores():  # most steps have none: no timing either
+            with kv.budget.timed("check_hicache_events"):
                 self._release_finished_stores()
 
     def has_pending_cache_operations(self) -> bool:
@@ -246,11 +247,12 @@ class KVTierRadixCache(UnifiedRadixCache):
         kv = self.kvtier
         if kv is None:
             return False
+        if not kv.pending_stores():  # the idle loop asks every turn: no timing for nothing
+            return kv.pending_prefetches() > 0
         with kv.budget.timed("has_pending_cache_operations") as call:
-            if kv.pending_stores():
-                call.work = f"waited for {kv.pending_stores()} stores to read their slots"
-                for job in kv.settle():
-                    self.unlock(job.handle)
+            call.work = f"waited for {kv.pending_stores()} stores to read their slots"
+            for job in kv.settle():
+                self.unlock(job.handle)
             return kv.pending_prefetches() > 0 or kv.pending_stores() > 0
 
     def clear_storage_backend(self) -> bool:
