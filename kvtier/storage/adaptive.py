@@ -36,7 +36,7 @@ DEADLINE_GRACE_S = 0.005
 # One request's load never promotes more than this share of the CPU tier: a prompt larger
 # than the CPU tier must not evict every other tenant's chunks on its way through.
 MAX_PROMOTE_FRACTION = 0.5
-PROBE_CHUNKS = 4  # a probe's read: enough bytes to measure bandwidth, little to waste
+PROBE_CHUNKS = 1  # a probe reads one chunk: a bandwidth sample, and little load on a slow tier
 
 
 class Span(NamedTuple):

@@ -90,6 +90,11 @@ class TierSpeed:
         transfer = max(seconds - self.latency_s, seconds / 10)
         self._bandwidth.add(nbytes / transfer)
 
+    def observe_transfer(self, nbytes: int, seconds: float) -> None:
+        """`nbytes` more of a read already under way arrived in `seconds` (no round trip)."""
+        if nbytes > 0 and seconds > 0:
+            self._bandwidth.add(nbytes / seconds)
+
     @property
     def latency_s(self) -> float:
         return self._latency.median() or 0.0

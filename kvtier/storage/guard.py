@@ -56,18 +56,21 @@ class GuardedTier(StorageBackend):
         return []
 
     def iter_get(self, keys: Sequence[ChunkKey]) -> Generator[MemoryObj, None, None]:
-        # The read's own time: what the caller does with each object between our yields is
-        # not the tier's.
-        nbytes, busy = 0, 0.0
+        # Each chunk is a bandwidth sample as it arrives (the first one pays the round trip),
+        # so a slow tier shows while its first long read is still running; what the caller
+        # does with each object between our yields is not the tier's time.
+        first = True
         with _Call(self, "get"), closing(self.inner.iter_get(keys)) as objs:
             start = time.perf_counter()
             for obj in objs:
-                busy += time.perf_counter() - start
-                nbytes += obj.nbytes
+                took = time.perf_counter() - start
+                if first:
+                    self.speed.observe_read(obj.nbytes, took)
+                else:
+                    self.speed.observe_transfer(obj.nbytes, took)
+                first = False
                 yield obj
                 start = time.perf_counter()
-            busy += time.perf_counter() - start
-            self.speed.observe_read(nbytes, busy)
 
     def batch_put(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]) -> int:
         with _Call(self, "put"):
