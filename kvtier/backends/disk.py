@@ -14,11 +14,10 @@ size, in LRU order), the size cap and the counters.
   `kvtier info`, must not wipe what a running instance stores); a write evicts at most its own
   size, so a directory that is over this process's cap stays as big as it is, never shrinks
   below what others wrote. Shrinking a directory is an explicit `kvtier purge`.
-- Durability: no fsync. A killed process loses nothing the kernel already has; a power loss may
-  leave a torn or empty file, which the record checksums turn into a counted miss. A cache can
-  trade that for write speed (an fsync per chunk costs a device flush).
-- Failures never raise: a write that fails (ENOSPC, EIO, ...) is dropped and counted; a corrupt
-  record is counted, deleted and a miss; a file removed behind the tier's back is a miss.
+- Durability: no fsync (a device flush per chunk). A killed process loses nothing the kernel
+  has; a power loss may leave a torn file, which the checksums turn into a counted miss.
+- Failures never raise: a failed write (ENOSPC, EIO, ...) is dropped and counted; a corrupt or
+  forged record is counted, deleted, a miss; so is a file removed behind the tier's back.
 - Foreign files and privacy (`recordfile.py`): what is not a regular file at a record path is
   a counted miss (`not_regular`), never opened blocking or followed; a root that is another
   user's, writable by others or reached through a symlink is a `ConfigError`, and nothing is
@@ -281,7 +280,9 @@ class DiskBackend(StorageBackend):
             self._readers[name] -= 1
             if not self._readers[name]:
                 del self._readers[name]
-            if vanished and name in self._index:  # removed behind the tier's back
+            # Gone behind our back, unless a writer put it back since (else the cap misses it).
+            gone = vanished and not os.path.lexists(rf.record_path(self.root, name))
+            if gone and name in self._index:
                 self._forget_locked(name)
                 self._counts.inc("vanished")
 

@@ -28,8 +28,9 @@ pytestmark = pytest.mark.sglang
 TURN = 10 * CHUNK + 5
 ADMIN = "kvtier-test-admin"
 # 2 layers x 2 KV heads x 16 dims x K,V x float32 = 512 bytes a token: 8 KiB a chunk, so an
-# arena of 60 chunks; sessions may pin 30 of them.
+# arena of 60 chunks; sessions may pin 48 of them (fraction 0.8), one session a quarter: 12.
 ARENA_GB = 60 * 8192 / 1e9
+PINNED_FRACTION = 0.8
 
 
 def _session_generate(server: SGLangServer, sid: str, ids: list[int],
@@ -43,7 +44,8 @@ def _session_generate(server: SGLangServer, sid: str, ids: list[int],
 def test_session_prefix_survives_eviction_until_the_session_closes(
         start_server: Callable[..., SGLangServer], tiny_llama: Path, tmp_path: Path) -> None:
     server = start_server(tiny_llama, write_config(tmp_path / "a.yaml",
-                                                   max_local_cpu_size=ARENA_GB))
+                                                   max_local_cpu_size=ARENA_GB,
+                                                   max_session_pinned_fraction=PINNED_FRACTION))
     sid = server.post("/open_session", {"capacity_of_str_len": 100_000})
     assert isinstance(sid, str) and sid
     turn = prompt(50, TURN)
