@@ -30,7 +30,9 @@ logger = logging.getLogger(__name__)
 # Why prompt tokens past a load were recomputed.
 REASONS = ("slower_than_recompute", "deadline", "miss", "promotion_cap")
 # A load may run this much past its expected arrival before the request goes on without the
-# rest (never past the point where recomputing would have been done: see `Decision`).
+# rest, and at least until half its saving is spent (a busy host's scheduling noise must not
+# cut off a load that saves far more than it costs); never past the point where recomputing
+# would have been done: see `Decision`.
 DEADLINE_SLACK = 1.5
 DEADLINE_GRACE_S = 0.005
 # One request's load never promotes more than this share of the CPU tier: a prompt larger
@@ -51,7 +53,9 @@ class Span(NamedTuple):
 class Decision(NamedTuple):
     """What to load: `chunks` leading chunks of the spans, expected to have arrived after
     `expected_s`, saving `saved_s` of recompute. `deadline_s` is when the request stops
-    waiting for them (after `expected_s` with some slack, never after `saved_s`)."""
+    waiting for them: after `expected_s` with some slack, or half of `saved_s` if later, and
+    never after `saved_s` (a request that waited that long then recomputes: at most twice
+    the recompute, and only when the tier broke its own estimate)."""
 
     chunks: int
     tokens: int
@@ -60,7 +64,8 @@ class Decision(NamedTuple):
 
     @property
     def deadline_s(self) -> float:
-        return min(self.saved_s, self.expected_s * DEADLINE_SLACK + DEADLINE_GRACE_S)
+        slack = self.expected_s * DEADLINE_SLACK + DEADLINE_GRACE_S
+        return min(self.saved_s, max(slack, self.saved_s / 2))
 
 
 def decide(spans: Sequence[Span], prefill: PrefillSpeed, prompt_len: int) -> Decision:
