@@ -99,3 +99,20 @@ def test_a_tier_slower_than_recompute_is_recomputed(
         samples = _wait_for_metric(
             server, "kvtier_adaptive_tokens_recomputed_slower_than_recompute_total")
         assert samples["kvtier_est_latency_seconds"] >= SLOW_DELAY_S / 2
+
+
+def test_the_prefill_speed_is_measured_from_the_servers_own_batches(
+        start_server: Callable[..., SGLangServer], tiny_llama4: Path, redis: RedisProcess,
+        tmp_path: Path) -> None:
+    from kvtier.storage.estimates import PRIOR_PREFILL_TOKENS_PER_S
+
+    server = start_server(tiny_llama4, _config(tmp_path, redis.url), *LONG_CONTEXT, env=ENV)
+    cold(server, prompt(44, LONG))  # one extend batch of LONG tokens
+    deadline = time.monotonic() + 30  # kvtier refreshes its series once a second
+    while True:
+        speed = kvtier_metrics(server).get("kvtier_est_prefill_tokens_per_second")
+        if speed is not None and speed != PRIOR_PREFILL_TOKENS_PER_S:
+            break
+        assert time.monotonic() < deadline, f"the prefill speed stayed the prior ({speed})"
+        time.sleep(0.5)
+    assert speed > 0
