@@ -69,6 +69,9 @@ class Config:
     blocking_timeout_secs: float = 10.0
     # kvtier's own keys
     hash_salt: str = ""
+    # Also store each prefix's partial last chunk, in whole pages, where a longer prompt (the
+    # conversation's next turn) finds it: hits reach to the page, not just to the chunk.
+    save_tails: bool = True
     # Appears in every key string: tenants apart in Redis ACL patterns, `ls` and `purge`.
     key_namespace: str = "default"
     # A file holding a secret shared by the instances: records are authenticated with it, and

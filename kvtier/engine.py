@@ -12,10 +12,10 @@ import torch
 from kvtier.config import Config
 from kvtier.connectors import ops
 from kvtier.connectors.base import KVConnector
-from kvtier.keys import ChunkKey, KeyBuilder
+from kvtier.keys import ChunkKey, KeyBuilder, KeyChain
 from kvtier.memory import KVLayout, MemoryFormat, MemoryObj, lease
 from kvtier.storage import StorageManager
-from kvtier.storage.prefetch import Prefetch
+from kvtier.storage.prefetch import Prefetch, Tails
 
 __all__ = ["CacheEngine"]
 
@@ -35,6 +35,13 @@ def _serve_metrics(port: int) -> None:
         logger.warning("kvtier: cannot serve metrics on port %d: %s", port, exc)
 
 
+def _tails_of(keys: Sequence[ChunkKey], num_tokens: int) -> Tails | None:
+    """Position -> candidate tails there, for a prefetch (None without a `KeyChain`)."""
+    if not isinstance(keys, KeyChain):
+        return None
+    return lambda i: keys.tails(i, num_tokens)
+
+
 class CacheEngine:
     """Stores and retrieves the KV of token prefixes for one model on one TP rank.
 
@@ -46,6 +53,7 @@ class CacheEngine:
         world_size, rank: tensor-parallel position; MHA keys carry the rank, MLA keys do not
             (MLA KV is replicated on every rank, so only rank 0 stores and every rank loads).
         storage: share one StorageManager between engines (default: build one from config).
+        page_size: the engine's KV page size in tokens: tails (`save_tails`) are whole pages.
 
     Raises:
         ValueError: the layout does not match the connector, or bad rank/world_size.
@@ -61,6 +69,7 @@ class CacheEngine:
         world_size: int = 1,
         rank: int = 0,
         storage: StorageManager | None = None,
+        page_size: int = 1,
     ):
         if connector.layout != layout:
             raise ValueError(f"layout {layout} does not match the connector's pool "
@@ -83,7 +92,8 @@ class CacheEngine:
             model=model_name, fingerprint=layout.fingerprint(config.chunk_size),
             chunk_size=config.chunk_size, rank=0 if mla else rank,
             world_size=1 if mla else world_size, salt=config.hash_salt,
-            save_unfull_chunk=config.save_unfull_chunk, namespace=config.key_namespace)
+            save_unfull_chunk=config.save_unfull_chunk, namespace=config.key_namespace,
+            tails=config.save_tails, page_size=page_size)
         self.storage = storage or StorageManager(config, layout)
         self.storage.counters.declare("tokens_stored", "tokens_loaded", "tokens_requested",
                                       "store_no_memory")
@@ -141,30 +151,48 @@ class CacheEngine:
 
     def retrieve(self, token_ids: TokenIds, slot_mapping: torch.Tensor, skip: int = 0, *,
                  hot_only: bool = False, session_id: str | None = None,
-                 keys: Sequence[ChunkKey] | None = None) -> int:
+                 keys: Sequence[ChunkKey] | None = None, salt: str = "") -> int:
         """Load cached KV of the longest cached prefix of `token_ids` into `slot_mapping`.
 
         Tokens before `skip` are already in the pool and are not written; `-1` slots are not
         written. Stops at the first chunk no tier has (only the CPU tier is read with
-        `hot_only`). Chunks are scattered as they arrive, while later ones are still being
-        read. `keys`: `chunk_keys(token_ids)` computed earlier (a long prompt is hashed once).
-        Returns the number of leading tokens now in the pool (at least `skip`).
+        `hot_only`), then loads the longest tail stored after it (`save_tails`). Chunks are
+        scattered as they arrive, while later ones are still being read. `keys`:
+        `key_chain(token_ids, salt)` computed earlier (a long prompt is hashed once; a plain
+        list of keys finds no tails). Returns the number of leading tokens now in the pool (at
+        least `skip`).
         """
-        keys, slots = self._prepare(token_ids, slot_mapping, keys)
+        keys, slots = self._prepare(token_ids, slot_mapping,
+                                    self.key_chain(token_ids, salt) if keys is None else keys)
         if not isinstance(skip, int) or not 0 <= skip <= slots.numel():
             raise ValueError(f"skip must be an int in [0, {slots.numel()}], got {skip!r}")
         wanted = [k for k in keys if k.end > skip]
         if session_id is not None:
             self.storage.sessions.touch(session_id)
-        if self._closed or not wanted:
+        if self._closed or (not wanted and not isinstance(keys, KeyChain)):
             return skip
         if hot_only:
-            loaded = self._retrieve_hot(wanted, slots, skip)
+            n = self.storage.contains(wanted, hot_only=True)
+            wanted = wanted[:n] + self._tail(keys, wanted[n - 1].end if n else skip,
+                                             slots.numel(), hot_only=True)
+            loaded = self._retrieve_hot([k for k in wanted if k.end > skip], slots, skip)
         else:
             loaded = self._retrieve_streaming(wanted, slots, skip)
+            tail = self._tail(keys, loaded, slots.numel(), hot_only=False)
+            loaded = self._retrieve_streaming([k for k in tail if k.end > skip], slots, loaded)
         self.storage.counters.inc("tokens_loaded", loaded - skip)
         self.storage.counters.inc("tokens_requested", slots.numel() - skip)
         return loaded
+
+    def _tail(self, keys: Sequence[ChunkKey], end: int, num_tokens: int, *,
+              hot_only: bool) -> list[ChunkKey]:
+        """[the longest stored tail after the first `end` tokens] (they end a full chunk, or
+        the chunk holding `end` missed), or [] without one or without a `KeyChain`."""
+        if not isinstance(keys, KeyChain):
+            return []
+        i = end // self.keys.chunk_size
+        tail = self.storage.find_tail(keys.tails(i, num_tokens), hot_only=hot_only)
+        return [] if tail is None or tail.end <= end else [tail]
 
     def _retrieve_hot(self, wanted: Sequence[ChunkKey], slots: torch.Tensor, skip: int) -> int:
         """The CPU tier's leading hits, leased together and copied in one kernel call."""
@@ -173,7 +201,7 @@ class CacheEngine:
                 return skip
             start, end = wanted[0].start, wanted[len(objs) - 1].end
             rows = slots[start:end]
-            if start < skip:
+            if start < skip:  # the pool holds these rows already
                 rows = rows.clone()
                 rows[: skip - start] = -1
             self.connector.scatter_many(objs, rows)
@@ -195,32 +223,36 @@ class CacheEngine:
         return loaded
 
     def lookup(self, token_ids: TokenIds, *, hot_only: bool = False,
-               keys: Sequence[ChunkKey] | None = None) -> int:
+               keys: Sequence[ChunkKey] | None = None, salt: str = "") -> int:
         """How many leading tokens of `token_ids` some tier (only the CPU tier with
-        `hot_only`) could load; no data moves. `keys`: as in `retrieve`."""
-        keys = self.keys.keys(token_ids) if keys is None else keys
+        `hot_only`) could load, to the end of the longest stored tail; no data moves. `keys`,
+        `salt`: as in `retrieve`."""
+        keys = self.key_chain(token_ids, salt) if keys is None else keys
         if self._closed:
             return 0
         n = self.storage.contains(keys, hot_only=hot_only)
-        return keys[n - 1].end if n else 0
+        end = keys[n - 1].end if n else 0
+        tail = self._tail(keys, end, len(token_ids), hot_only=hot_only)
+        return tail[0].end if tail else end
 
     def start_prefetch(self, token_ids: TokenIds, *,
-                       keys: Sequence[ChunkKey] | None = None) -> Prefetch:
-        """Start moving the lower-tier chunks of `token_ids` into CPU memory in the background
-        and return at once; poll the handle's `ready()` (per `prefetch_policy`) or wait on it,
-        and `cancel()` it when the request goes away. See `StorageManager.start_prefetch`.
-        `keys`: `chunk_keys(token_ids)` computed earlier."""
-        if keys is None:
-            keys = [] if self._closed else self.keys.keys(token_ids)
-        elif self._closed:
-            keys = []
-        return self.storage.start_prefetch(keys)
+                       keys: Sequence[ChunkKey] | None = None, salt: str = "") -> Prefetch:
+        """Start moving the lower-tier chunks of `token_ids`, and the longest tail after them,
+        into CPU memory in the background and return at once; poll the handle's `ready()`
+        (per `prefetch_policy`) or wait on it, and `cancel()` it when the request goes away.
+        See `StorageManager.start_prefetch`. `keys`, `salt`: as in `retrieve`."""
+        if self._closed:
+            return self.storage.start_prefetch([])
+        keys = self.key_chain(token_ids, salt) if keys is None else keys
+        return self.storage.start_prefetch(keys, tails=_tails_of(keys, len(token_ids)))
 
     def prefetch(self, token_ids: TokenIds) -> Prefetch:
         """Move lower-tier chunks of `token_ids` into CPU memory, waiting as `prefetch_policy`
         says (`best_effort`: not at all)."""
-        keys = [] if self._closed else self.keys.keys(token_ids)
-        return self.storage.prefetch(keys)
+        if self._closed:
+            return self.storage.prefetch([])
+        keys = self.key_chain(token_ids)
+        return self.storage.prefetch(keys, tails=_tails_of(keys, len(token_ids)))
 
     def release_session(self, session_id: str) -> bool:
         """Unpin the chunks `store(..., session_id=)` pinned; False if the session held none.
@@ -236,9 +268,19 @@ class CacheEngine:
         self.storage.detach_tier(name, drain=drain, wait=wait)
 
     def chunk_keys(self, token_ids: TokenIds, salt: str = "") -> list[ChunkKey]:
-        """The chunk keys of `token_ids`; with `salt` (a per-request salt, e.g. SGLang's
+        """The keys `store` puts `token_ids` under (whole chunks, then the partial one per
+        `save_unfull_chunk`/`save_tails`); with `salt` (a per-request salt, e.g. SGLang's
         `cache_salt`), keys only requests with the same salt share."""
         return self.keys.keys(token_ids, salt)
+
+    def key_chain_length(self, num_tokens: int) -> int:
+        """How many keys `key_chain` gives a `num_tokens` sequence (tails not counted)."""
+        return self.keys.chain_length(num_tokens)
+
+    def key_chain(self, token_ids: TokenIds, salt: str = "") -> KeyChain:
+        """The keys `lookup`, `retrieve` and `start_prefetch` walk for `token_ids`: its full
+        chunks, and the tails that may follow them (see `KeyChain`)."""
+        return self.keys.chain(token_ids, salt)
 
     def stats(self) -> dict[str, float]:
         return self.storage.stats()
@@ -260,6 +302,7 @@ class CacheEngine:
     def _prepare(self, token_ids: TokenIds, slot_mapping: torch.Tensor,
                  keys: Sequence[ChunkKey] | None = None,
                  ) -> tuple[Sequence[ChunkKey], torch.Tensor]:
+        # The keys `store` writes, or the chain a load walks (given).
         keys = self.keys.keys(token_ids) if keys is None else keys
         self.connector.check_slots(slot_mapping, name="slot_mapping")
         n = len(token_ids)

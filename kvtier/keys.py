@@ -4,6 +4,10 @@ A chunk's digest is `h_i = SHA-256(h_{i-1} || tokens_i)` with tokens encoded as 
 uint32 and `h_{-1} = SHA-256(b"kvtier/v2" || salt)`. The digest of a chunk therefore names its
 whole prefix, and is the same in every process and on every machine.
 
+A tail is a partial chunk (fewer than `chunk_size` tokens, a whole number of pages) keyed the
+same way after the digest of the full chunks before it: a longer prompt that runs through a
+stored tail finds it by hashing each page-aligned length of its own next tokens (`KeyChain`).
+
 Key strings: `kvtier/v2/{namespace}/{model}/{layout}/{rank}of{world}/{digest}`. `namespace` is
 the operator's (`key_namespace`: tenants apart in Redis ACL patterns, `ls`, `purge`); `model`
 is the served model's name, percent-encoded (reversible, so `org/model` and `org--model` stay
@@ -24,9 +28,9 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["ChunkKey", "KeyBuilder", "KeySpace", "encode_tokens", "stub_key", "redis_names",
-           "key_of_redis_name", "KEY_VERSION", "ALL_KEYS", "model_component", "model_name_of",
-           "NAMESPACE_PATTERN"]
+__all__ = ["ChunkKey", "KeyBuilder", "KeyChain", "KeySpace", "encode_tokens", "stub_key",
+           "redis_names", "key_of_redis_name", "KEY_VERSION", "ALL_KEYS", "model_component",
+           "model_name_of", "NAMESPACE_PATTERN"]
 
 KEY_VERSION = "kvtier/v2"
 ALL_KEYS = f"{KEY_VERSION}/*"  # a glob (Redis SCAN MATCH) over every kvtier key
@@ -178,6 +182,51 @@ def key_of_redis_name(name: str) -> str:
     return f"{prefix}/{tagged.strip('{}')}"
 
 
+class KeyChain(list[ChunkKey]):
+    """The keys of one token sequence's full chunks (a list), and the tails that may hang after
+    any of them: `tails(i)` names every page-aligned partial chunk that could follow the first
+    `i` full chunks, longest first. Computed on first use per position, then kept, so a
+    request asked about on every scheduler step hashes its candidates once."""
+
+    def __init__(self, keys: Sequence[ChunkKey], data: memoryview, root: bytes,
+                 builder: KeyBuilder, tails: dict[int, list[ChunkKey]] | None = None):
+        super().__init__(keys)
+        self._data = data
+        self._root = root
+        self._builder = builder
+        self._tails: dict[int, list[ChunkKey]] = {} if tails is None else tails
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the sequence (what a tail may reach to)."""
+        return len(self._data) // 4
+
+    def head(self, n: int) -> KeyChain:
+        """The first `n` full keys, sharing this chain's tails (which still reach as far as the
+        whole sequence: callers with a shorter one pass `limit`)."""
+        if n == len(self):
+            return self
+        return KeyChain(self[:n], self._data, self._root, self._builder, self._tails)
+
+    @property
+    def has_tails(self) -> bool:
+        return self._builder.tails
+
+    def tails(self, i: int, limit: int | None = None) -> list[ChunkKey]:
+        """The tails that could follow the first `i` full chunks, longest first, ending at or
+        before token `limit` (default: the whole sequence)."""
+        b = self._builder
+        if not b.tails or i > len(self):
+            return []
+        cands = self._tails.get(i)
+        if cands is None:
+            cands = self._tails[i] = b.tail_keys(self._data, i, self[i - 1] if i else None,
+                                                 self._root)
+        limit = self.num_tokens if limit is None else limit
+        return [k for k in cands if k.end <= limit] if cands and cands[0].end > limit \
+            else cands
+
+
 class KeyBuilder:
     """Cuts token sequences into chunks and names them for one (model, layout, rank) namespace."""
 
@@ -192,6 +241,8 @@ class KeyBuilder:
         salt: str = "",
         save_unfull_chunk: bool = False,
         namespace: str = "default",
+        tails: bool = False,
+        page_size: int = 1,
     ):
         if not model or any(c in model for c in " \n\t/"):
             raise ValueError(f"model must be a key component (no whitespace or /), got "
@@ -201,19 +252,72 @@ class KeyBuilder:
                              f"{namespace!r}")
         if chunk_size <= 0:
             raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+        if page_size < 1 or chunk_size % page_size:
+            raise ValueError(f"page_size must divide chunk_size={chunk_size}, got {page_size}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank must lie in [0, world_size={world_size}), got {rank}")
         self.chunk_size = chunk_size
         self.save_unfull_chunk = save_unfull_chunk
+        self.tails = tails
+        self.page_size = page_size
         self.space = KeySpace(model, fingerprint, f"{rank}of{world_size}", namespace)
         self.prefix = self.space.prefix
         self._root = hashlib.sha256(KEY_VERSION.encode() + salt.encode()).digest()
 
     def num_keyed_tokens(self, num_tokens: int) -> int:
-        """How many leading tokens of a `num_tokens` sequence are covered by keys."""
+        """How many leading tokens of a `num_tokens` sequence are stored under keys: whole
+        chunks, then the partial one (`save_unfull_chunk`) or its whole pages (`tails`)."""
         if self.save_unfull_chunk:
             return num_tokens
+        if self.tails:
+            return num_tokens - num_tokens % self.page_size
         return num_tokens - num_tokens % self.chunk_size
+
+    def root(self, salt: str = "") -> bytes:
+        """The digest every chain starts from (`h_{-1}`), with a request's `salt` mixed in."""
+        if not salt:
+            return self._root
+        return hashlib.sha256(self._root + b"\0cache_salt\0" + salt.encode()).digest()
+
+    def chain(self, token_ids: torch.Tensor | Sequence[int] | np.ndarray,
+              salt: str = "") -> KeyChain:
+        """The keys a lookup walks: `token_ids`' full chunks, with their tails (`tails` on).
+        With tails off, the same keys as `keys` (the partial chunk too, per
+        `save_unfull_chunk`), and no tails."""
+        data = encode_tokens(token_ids)
+        n = len(data) // 4
+        full = n - n % self.chunk_size if self.tails else self.num_keyed_tokens(n)
+        root = self.root(salt)
+        return KeyChain(self._chunk(data, full, root), data, root, self)
+
+    def chain_length(self, num_tokens: int) -> int:
+        """How many keys `chain` gives a `num_tokens` sequence (tails not counted)."""
+        if self.tails:
+            return num_tokens // self.chunk_size
+        return -(-self.num_keyed_tokens(num_tokens) // self.chunk_size)
+
+    def tail_keys(self, data: memoryview, i: int, before: ChunkKey | None,
+                  root: bytes) -> list[ChunkKey]:
+        """Every page-aligned partial chunk of `data` that could follow its first `i` full
+        chunks (`before` the last of them, or None with the chain's `root`), longest first."""
+        start = i * self.chunk_size
+        avail = min(self.chunk_size - 1, len(data) // 4 - start)
+        avail -= avail % self.page_size
+        if avail <= 0:
+            return []
+        h = root if before is None else bytes.fromhex(before.key.rpartition("/")[2])
+        d = hashlib.sha256(h)
+        page = self.page_size * 4
+        base = start * 4
+        out: list[ChunkKey] = []
+        make = tuple.__new__
+        prev = None if before is None else before.key
+        for stop in range(base + page, base + avail * 4 + 1, page):
+            d.update(data[stop - page:stop])
+            key = self.prefix + d.copy().hexdigest()
+            out.append(make(ChunkKey, (key, start, stop >> 2, data[base:stop].tobytes(), prev)))
+        out.reverse()
+        return out
 
     def keys(self, token_ids: torch.Tensor | Sequence[int] | np.ndarray,
              salt: str = "") -> list[ChunkKey]:
@@ -226,14 +330,14 @@ class KeyBuilder:
     def keys_from_bytes(self, data: bytes | memoryview, salt: str = "") -> list[ChunkKey]:
         """Keys of a sequence given as little-endian uint32 bytes (see `encode_tokens`)."""
         data = memoryview(data).cast("B") if not isinstance(data, memoryview) else data
-        n = len(data) // 4
-        end_all = self.num_keyed_tokens(n)
+        return self._chunk(data, self.num_keyed_tokens(len(data) // 4), self.root(salt))
+
+    def _chunk(self, data: memoryview, end_all: int, h: bytes) -> list[ChunkKey]:
+        """Keys of `data`'s first `end_all` tokens, cut every `chunk_size`, chained from `h`."""
         step = self.chunk_size * 4
         sha256 = hashlib.sha256
         make = tuple.__new__  # ChunkKey(...) goes through a Python-level __new__: ~10% slower
         prefix = self.prefix
-        h = self._root if not salt else hashlib.sha256(
-            self._root + b"\0cache_salt\0" + salt.encode()).digest()
         prev: str | None = None
         out: list[ChunkKey] = []
         append = out.append

@@ -56,6 +56,10 @@ class _Exporter:
         self.scheduler_seconds = pc.Histogram(
             "kvtier_scheduler_seconds", "Duration of kvtier calls on the serving engine's "
             "scheduler thread", ["call"], buckets=_BUCKETS)
+        self.hit_seconds = pc.Histogram(
+            "kvtier_hit_seconds", "Duration of the pieces of serving a kvtier hit: lookup "
+            "(match), gate (waiting for the prefetch), copy (into the KV pool), insert (into "
+            "the radix tree)", ["piece"], buckets=_BUCKETS)
         self._served: set[int] = set()
         threading.Thread(target=self._run, name="kvtier-metrics", daemon=True).start()
 
@@ -189,6 +193,12 @@ def observe_scheduler(call: str, seconds: float) -> None:
     """Record the duration of one kvtier call on the serving engine's scheduler thread."""
     if _exporter is not None:
         _exporter.scheduler_seconds.labels(call=call).observe(seconds)
+
+
+def observe_hit(piece: str, seconds: float) -> None:
+    """Record the duration of one piece of serving a hit (`kvtier_hit_seconds`)."""
+    if _exporter is not None:
+        _exporter.hit_seconds.labels(piece=piece).observe(seconds)
 
 
 def serve(port: int) -> bool:

@@ -39,7 +39,8 @@ def _mla_pool(dtype: torch.dtype, layers: int = 3, dim: int = 24) -> list[torch.
 
 
 def _config(**kw: object) -> Config:
-    args: dict = {"chunk_size": CHUNK, "max_local_cpu_size": 0.016}
+    # Whole chunks here; tails have their own tests (tests/test_tails.py).
+    args: dict = {"chunk_size": CHUNK, "max_local_cpu_size": 0.016, "save_tails": False}
     args.update(kw)
     return Config(**args)
 

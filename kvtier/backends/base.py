@@ -62,6 +62,15 @@ class StorageBackend(ABC):
         are empty when only the key string is known.
         """
 
+    def first_held(self, keys: Sequence[ChunkKey]) -> int:
+        """The index of the first of `keys` this tier holds, -1 if none: alternatives (a
+        prefix's candidate tails, longest first), not a prefix. Key strings only, as
+        `batch_contains`. The default asks one key at a time; remote tiers batch it."""
+        for i, key in enumerate(keys):
+            if self.batch_contains([key]):
+                return i
+        return -1
+
     @abstractmethod
     def batch_get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
         """Objects for the leading hits of `keys`, verified against each key's tokens.

@@ -43,6 +43,10 @@ class CPUBackend(HotTier):
                 n += 1
             return n
 
+    def first_held(self, keys: Sequence[ChunkKey]) -> int:
+        with self._lock:
+            return next((i for i, k in enumerate(keys) if k.key in self._entries), -1)
+
     def batch_get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
         with self._lock:
             out: list[MemoryObj] = []

@@ -133,6 +133,7 @@ class LoadPlanner:
         prompt = sum(k.num_tokens for k in keys)
         spans, skipped = self._locate(keys, hot_chunks, prompt)
         hits = hot_chunks + sum(s.chunks for s in spans)
+        prefetch.hits = hits
         decision = decide(spans, self.prefill, prompt)
         limit = min(hot_chunks + decision.chunks, cap)
         planned = self._queue(spans, limit - hot_chunks)
@@ -152,6 +153,23 @@ class LoadPlanner:
             if tier.speed.probe_due(now):
                 self._probe(tier, keys[hits:])
         return limit
+
+    def tail_worth(self, prefetch: Prefetch, n: int, tier: GuardedTier, tail: ChunkKey,
+                   ) -> bool:
+        """Whether to read `tail` (after `prefetch`'s first `n` chunks, held by lower `tier`):
+        always under the other policies; under `adaptive` only after every hit chunk was
+        loaded and if it arrives sooner than its tokens recompute, and then the deadline
+        moves to include it."""
+        if prefetch.policy != "adaptive":
+            return True
+        if prefetch.hits is not None and n < prefetch.hits:
+            return False  # the plan stopped short of the chunks before the tail
+        span = Span(tier.speed, 1, self._chunk_bytes(tail.num_tokens), tail.num_tokens)
+        decision = decide([span], self.prefill, tail.end)
+        if not decision.chunks:
+            return False
+        prefetch.set_deadline(max(prefetch.deadline, time.monotonic() + decision.deadline_s))
+        return True
 
     def _locate(self, keys: Sequence[ChunkKey], n: int, prompt: int,
                 ) -> tuple[list[Span], list[GuardedTier]]:

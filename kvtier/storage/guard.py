@@ -48,6 +48,13 @@ class GuardedTier(StorageBackend):
             return got
         return 0
 
+    def first_held(self, keys: Sequence[ChunkKey]) -> int:
+        with _Call(self, "contains") as call:
+            got = self.inner.first_held(keys)
+            self.speed.observe_latency(call.elapsed())
+            return got
+        return -1
+
     def batch_get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
         with _Call(self, "get") as call:
             objs = self.inner.batch_get(keys)

@@ -12,14 +12,19 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
-from kvtier.backends.base import HotTier
+from kvtier.backends.base import HotTier, StorageBackend
 from kvtier.keys import ChunkKey
 from kvtier.metrics import Counters
 from kvtier.storage import prefetch as _prefetch
+from kvtier.storage.adaptive import LoadPlanner
+from kvtier.storage.guard import GuardedTier
 from kvtier.storage.prefetch import Prefetch
 
-__all__ = ["PrefetchLoads"]
+__all__ = ["PrefetchLoads", "longest_held"]
+
+T = TypeVar("T", bound=StorageBackend)
 
 logger = logging.getLogger(__name__)
 
@@ -38,19 +43,22 @@ class PrefetchLoads:
     Args:
         hot: the tier loads go into.
         read: reads leading keys from the lower tiers into `hot`; returns how many arrived.
-        plan: how many leading chunks of a prefetch to bring into `hot`, given how many are
-            there already (`adaptive.LoadPlanner.plan`).
+        planner: how many leading chunks of a prefetch to bring into `hot`, given how many are
+            there already, and whether its tail is worth a read (`adaptive.LoadPlanner`).
+        lower: the lower tiers now, fastest first (where a tail is looked for).
         stopped: whether the manager is closing; loads stop at their next window.
         counters: counts `prefetch_dropped_chunks`.
         used_bytes: the arena's bytes in use, for the drop's log line.
     """
 
     def __init__(self, hot: HotTier, read: Callable[[Sequence[ChunkKey]], int],
-                 plan: Callable[[Prefetch, int], int], stopped: Callable[[], bool],
-                 counters: Counters, used_bytes: Callable[[], int]):
+                 planner: LoadPlanner, lower: Callable[[], Sequence[GuardedTier]],
+                 stopped: Callable[[], bool], counters: Counters,
+                 used_bytes: Callable[[], int]):
         self._hot = hot
         self._read = read
-        self._plan = plan
+        self._planner = planner
+        self._lower = lower
         self._stopped = stopped
         self._counters = counters
         self._used_bytes = used_bytes
@@ -81,12 +89,19 @@ class PrefetchLoads:
     def step(self, prefetch: Prefetch) -> int | None:
         """One turn of a prefetch's work (worker thread): plan it on its first turn, then read
         one window of its chunks into the hot tier, or wait for chunks another prefetch is
-        reading. Returns the leading chunks now in the hot tier once the load is over, None
-        while there is more to do."""
+        reading; after the last chunk, its tail. Returns the leading chunks now in the hot
+        tier once the load is over, None while there is more to do."""
+        n = self._chunks_step(prefetch)
+        if n is not None and prefetch.tails is not None and not prefetch.cancelled \
+                and not self._stopped():
+            self._tail(prefetch, n)
+        return n
+
+    def _chunks_step(self, prefetch: Prefetch) -> int | None:
         keys = prefetch.keys
         if prefetch.limit is None:
             prefetch.position = self._hot.batch_contains(keys)
-            prefetch.limit = self._plan(prefetch, prefetch.position)
+            prefetch.limit = self._planner.plan(prefetch, prefetch.position)
         n, limit = prefetch.position, prefetch.limit
         if n >= limit or prefetch.cancelled or self._stopped():
             return n
@@ -103,6 +118,19 @@ class PrefetchLoads:
         prefetch.promoted.extend(mine[:got])  # brought up here (or raced in by a put)
         prefetch.position += got
         return None if got == len(mine) and prefetch.position < limit else prefetch.position
+
+    def _tail(self, prefetch: Prefetch, n: int) -> None:
+        """Bring the longest tail stored after `prefetch`'s first `n` chunks into the hot tier,
+        unless the hot tier has it or the plan says it is not worth a read."""
+        assert prefetch.tails is not None
+        tails = prefetch.tails(n)
+        best, _ = longest_held(tails, [self._hot])
+        best, tier = longest_held(tails[:best], self._lower())
+        if tier is None or not self._planner.tail_worth(prefetch, n, tier, tails[best]):
+            return
+        if self._read([tails[best]]):
+            prefetch.promoted.append(tails[best])
+            self._counters.inc("tails_prefetched")
 
     def drop(self, prefetch: Prefetch) -> None:
         """Remove from the hot tier what `prefetch` brought up and no live prefetch wants,
@@ -153,3 +181,16 @@ class PrefetchLoads:
                     self._wants[name] = left
                 else:
                     del self._wants[name]
+
+
+def longest_held(tails: Sequence[ChunkKey], tiers: Sequence[T]) -> tuple[int, T | None]:
+    """The index of the first (longest) of `tails` any of `tiers` holds (`len(tails)` if
+    none), and the first tier holding it; each tier is asked only for the longer ones."""
+    best, holder = len(tails), None
+    for tier in tiers:
+        if not best:
+            break
+        i = tier.first_held(tails[:best])
+        if i >= 0:
+            best, holder = i, tier
+    return best, holder

@@ -26,9 +26,9 @@ from kvtier.metrics import Counters, RateLimitedLog
 from kvtier.storage.adaptive import LoadPlanner
 from kvtier.storage.estimates import PrefillSpeed
 from kvtier.storage.guard import GuardedHotTier, GuardedTier
-from kvtier.storage.loads import PrefetchLoads
+from kvtier.storage.loads import PrefetchLoads, longest_held
 from kvtier.storage.policy import make_write_policy
-from kvtier.storage.prefetch import Prefetch, Prefetcher
+from kvtier.storage.prefetch import Prefetch, Prefetcher, Tails
 from kvtier.storage.sessions import SessionPins
 from kvtier.storage.tierset import TierSet, discard
 from kvtier.storage.writer import TierWriter
@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 PREFETCH_WORKERS = 2
 PREFETCH_MAX_PENDING = 256
 COUNTERS = ("chunks_put", "cpu_evictions", "prefetches", "prefetch_dropped", "prefetch_timeouts",
-            "prefetch_dropped_chunks", "tier_attached", "tier_detached")
+            "prefetch_dropped_chunks", "tier_attached", "tier_detached", "tails_prefetched")
 
 
 class StorageManager:
@@ -95,8 +95,8 @@ class StorageManager:
         self.prefill = PrefillSpeed()  # fed by the serving engine's prefills
         self._planner = LoadPlanner(lambda: self._set.tiers, self.prefill, layout.nbytes,
                                     self.allocator.size, self.counters)
-        self._loads = PrefetchLoads(hot, self._load_lower, self._planner.plan,
-                                    lambda: self._closed, self.counters,
+        self._loads = PrefetchLoads(hot, self._load_lower, self._planner,
+                                    lambda: self._set.tiers, lambda: self._closed, self.counters,
                                     lambda: self.allocator.used_bytes)
         self._prefetcher = Prefetcher(
             self._loads.step, workers=PREFETCH_WORKERS, max_pending=PREFETCH_MAX_PENDING,
@@ -190,8 +190,19 @@ class StorageManager:
                 break
         return n
 
-    def start_prefetch(self, keys: Sequence[ChunkKey]) -> Prefetch:
-        """Start loading the lower-tier chunks of `keys` into the CPU tier in the background.
+    def find_tail(self, tails: Sequence[ChunkKey], *, hot_only: bool = False,
+                  ) -> ChunkKey | None:
+        """The longest of `tails` (one prefix's candidate tails, longest first) some tier
+        (only the CPU tier with `hot_only`) holds; each tier is asked only for tails longer
+        than what a faster tier has. No data moves."""
+        best, _ = longest_held(tails, [self.hot] if hot_only else self.tiers)
+        return tails[best] if best < len(tails) else None
+
+    def start_prefetch(self, keys: Sequence[ChunkKey], *,
+                       tails: Tails | None = None) -> Prefetch:
+        """Start loading the lower-tier chunks of `keys` into the CPU tier in the background,
+        then the longest tail stored after the last of them that some tier has (`tails(i)`:
+        the candidate tails after `i` chunks, longest first; see `KeyChain.tails`).
 
         Never blocks. The returned handle's `ready()` answers per `prefetch_policy`:
         `adaptive`: once the part of the hits that arrives sooner than it could be recomputed
@@ -212,7 +223,7 @@ class StorageManager:
                       + cfg.prefetch_timeout_per_token_ms * tokens) / 1e3
         prefetch = Prefetch(keys, cfg.prefetch_policy, budget,
                             max_wait_s=cfg.prefetch_wait_complete_max_ms / 1e3,
-                            drop=self._loads.drop)
+                            drop=self._loads.drop, tails=tails)
         prefetch.arena_before = self.allocator.used_bytes
         with self._running() as open_:
             if not open_ or not self.hot.resident or not keys:
@@ -223,9 +234,9 @@ class StorageManager:
             self._prefetcher.submit(prefetch)
         return prefetch
 
-    def prefetch(self, keys: Sequence[ChunkKey]) -> Prefetch:
+    def prefetch(self, keys: Sequence[ChunkKey], *, tails: Tails | None = None) -> Prefetch:
         """`start_prefetch`, then wait as `prefetch_policy` says (none for `best_effort`)."""
-        prefetch = self.start_prefetch(keys)
+        prefetch = self.start_prefetch(keys, tails=tails)
         if not prefetch.wait() and prefetch.policy in ("timeout", "adaptive"):
             self.counters.inc("prefetch_timeouts")
         return prefetch
@@ -390,3 +401,4 @@ class StorageManager:
 
 def _never(key: str) -> bool:
     return False
+

@@ -20,7 +20,7 @@ from kvtier.keys import ChunkKey
 from kvtier.metrics import RateLimitedLog
 from kvtier.names import PREFETCH_POLICIES
 
-__all__ = ["Prefetch", "Prefetcher", "PREFETCH_POLICIES", "PREFETCH_WINDOW"]
+__all__ = ["Prefetch", "Prefetcher", "PREFETCH_POLICIES", "PREFETCH_WINDOW", "Tails"]
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 # the granularity at which a cancel takes effect.
 PREFETCH_WINDOW = 64
 _warn = RateLimitedLog(logger)
+# Position i -> the candidate tails after the first i chunks, longest first (`KeyChain.tails`).
+Tails = Callable[[int], list[ChunkKey]]
 
 
 class Prefetch:
@@ -43,11 +45,13 @@ class Prefetch:
         max_wait_s: the `wait_complete` ceiling in seconds.
         drop: undoes the load for `cancel(drop=True)`; called at most once, after the load
             stopped (`PrefetchLoads.drop`).
+        tails: the candidate tails after each position: once the chunks are in, the longest
+            tail stored after them is brought up too.
     """
 
     def __init__(self, keys: Sequence[ChunkKey], policy: str = "wait_complete",
                  budget_s: float = 0.0, *, max_wait_s: float = float("inf"),
-                 drop: Callable[[Prefetch], None] | None = None):
+                 drop: Callable[[Prefetch], None] | None = None, tails: Tails | None = None):
         if policy not in PREFETCH_POLICIES:
             raise ValueError(f"policy must be one of {PREFETCH_POLICIES}, got {policy!r}")
         self.keys = list(keys)
@@ -64,6 +68,8 @@ class Prefetch:
         # Leading chunks in the hot tier when the caller stopped wanting more (its first
         # `cancel()`): what an admitted request got; chunks after that were not its.
         self.used: int | None = None
+        self.tails = tails
+        self.hits: int | None = None  # leading chunks some tier holds, once the plan knows
         self._drop = drop
         self._release: Callable[[], object] | None = None  # see `hold`
         self._after: list[Callable[[int], object]] = []  # see `after`

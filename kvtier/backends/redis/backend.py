@@ -127,9 +127,19 @@ class RedisBackend(StorageBackend):
         self._health.warn("reply", "%s: server replied %s", op, exc)
 
     def batch_contains(self, keys: Sequence[ChunkKey]) -> int:
+        found = self._exists(keys, "contains")
+        return found.index(False) if False in found else len(found)
+
+    def first_held(self, keys: Sequence[ChunkKey]) -> int:
+        found = self._exists(keys, "first_held")
+        return found.index(True) if True in found else -1
+
+    def _exists(self, keys: Sequence[ChunkKey], op: str) -> list[bool]:
+        """Whether each of `keys` is stored whole, in one round trip per node; all False when
+        the tier is down."""
         router = self._usable()
         if router is None or not keys:
-            return 0
+            return [False] * len(keys)
         names = [rkeys for rkeys, _ in self._plan(keys)]
         found = [False] * len(keys)
         try:
@@ -140,9 +150,9 @@ class RedisBackend(StorageBackend):
                 for i, (n,) in zip(idxs, rio.exchange(client, out.finish(), [1] * len(idxs))):
                     found[i] = n == len(names[i])
         except _TIER_ERRORS as exc:
-            self._health.failed("contains", exc)
-            return 0
-        return found.index(False) if False in found else len(found)
+            self._health.failed(op, exc)
+            return [False] * len(keys)
+        return found
 
     def batch_get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
         return list(self.iter_get(keys))

@@ -19,6 +19,7 @@ Every call on the scheduler thread is timed (`budget.SchedulerBudget`).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -32,7 +33,7 @@ from kvtier.errors import ConfigError
 from kvtier.integration.sglang.attach import Attachments
 from kvtier.integration.sglang.budget import SchedulerBudget
 from kvtier.integration.sglang.stores import StoreJob, StoreWorker
-from kvtier.keys import ChunkKey, model_component
+from kvtier.keys import ChunkKey, KeyChain, model_component
 from kvtier.memory import MemoryFormat
 from kvtier.metrics import Counters
 from kvtier.storage.prefetch import Prefetch
@@ -132,7 +133,7 @@ class SGLangKVTier:
         # request id -> its prefetch; registered on every rank alike (scheduler thread)
         self._prefetches: dict[str, Prefetch] = {}
         self._checked: set[str] = set()  # requests whose prefetch was asked about once
-        self._keys: dict[str, list[ChunkKey]] = {}  # request id -> its chunk keys
+        self._keys: dict[str, KeyChain] = {}  # request id -> its key chain
         # Without a CPU tier there is nowhere to prefetch into: loads stay synchronous.
         self.async_loads = engine.storage.hot.resident
         if not self.async_loads:
@@ -154,13 +155,14 @@ class SGLangKVTier:
 
     def chunk_keys(self, rid: str | None, token_ids: np.ndarray,
                    salt: str = "") -> list[ChunkKey]:
-        """The chunk keys of `token_ids` (whole chunks) with the request's `salt` (its
-        `cache_salt`), hashed once per request `rid`."""
-        want = self.engine.keys.num_keyed_tokens(len(token_ids)) // self.chunk_size
+        """The key chain of `token_ids` (whole chunks, and the tails after them) with the
+        request's `salt` (its `cache_salt`), hashed once per request `rid`."""
         cached = self._keys.get(rid) if rid is not None else None
-        if cached is not None and len(cached) >= want:
-            return cached[:want]  # keys chain over the prefix: a longer list's head is valid
-        keys = self.engine.chunk_keys(token_ids, salt)
+        if cached is not None and (cached.num_tokens == len(token_ids) or (
+                cached.num_tokens > len(token_ids) and cached.has_tails)):
+            # Every call is about a prefix of the same request: the chain's head is valid.
+            return cached.head(self.engine.key_chain_length(len(token_ids)))
+        keys = self.engine.key_chain(token_ids, salt)
         if rid is not None:
             if len(self._keys) >= MAX_CACHED_KEYS:
                 self._keys.clear()  # requests that never came back; cheap to rebuild
@@ -175,7 +177,7 @@ class SGLangKVTier:
         """Leading tokens of `token_ids` every rank can load now, in whole pages (metadata
         only; with background loads, only what the CPU tier holds counts)."""
         keys = self.chunk_keys(rid, token_ids, salt)
-        hit = self.engine.lookup(token_ids, hot_only=self.async_loads, keys=keys)
+        hit = self.engine.lookup(token_ids, hot_only=self.async_loads, keys=keys, salt=salt)
         return self.agree_min(hit - hit % self.page_size)
 
     def retrieve(self, rid: str | None, token_ids: np.ndarray, slots: torch.Tensor,
@@ -184,7 +186,7 @@ class SGLangKVTier:
         every rank, in whole pages (at least `skip`)."""
         keys = self.chunk_keys(rid, token_ids, salt)
         got = self.engine.retrieve(token_ids, slots, skip=skip, hot_only=self.async_loads,
-                                   keys=keys)
+                                   keys=keys, salt=salt)
         got = max(self.agree_min(got - got % self.page_size), skip)
         if got > skip:
             self.counters.inc("sglang.loads")
@@ -203,7 +205,8 @@ class SGLangKVTier:
         if end == 0:
             return
         keys = self.chunk_keys(rid, token_ids[:end], salt)
-        self._prefetches[rid] = self.engine.start_prefetch(token_ids[:end], keys=keys)
+        self._prefetches[rid] = self.engine.start_prefetch(token_ids[:end], keys=keys,
+                                                           salt=salt)
         self.counters.inc("sglang.prefetches")
 
     def prefetch_ready(self, rid: str) -> bool:
@@ -225,6 +228,7 @@ class SGLangKVTier:
         del self._prefetches[rid]
         self._checked.discard(rid)
         prefetch.cancel()
+        prometheus.observe_hit("gate", time.monotonic() - prefetch.started)
         return True
 
     def cancel_prefetch(self, rid: str) -> None:

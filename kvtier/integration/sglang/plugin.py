@@ -158,6 +158,7 @@ def build_radix_cache(ctx: Any) -> Any:
     from kvtier.integration.sglang.adapter import (
         SGLangKVTier,
         build_connector,
+        check_page_size,
         is_mla,
         model_fingerprint,
         model_key_name,
@@ -174,13 +175,14 @@ def build_radix_cache(ctx: Any) -> Any:
         raise ConfigError("kvtier does not support pipeline parallelism (pp_size > 1)")
     config = load_config()
     page_size = int(params.page_size)
+    check_page_size(config, page_size)
     connector = build_connector(params.token_to_kv_pool_allocator.get_kvcache())
     server_args = ctx.server_args
     name = getattr(server_args, "served_model_name", None) or server_args.model_path
     model = model_key_name(str(name), model_fingerprint(server_args))
     engine = CacheEngine(config, model_name=model, layout=connector.layout,
                          connector=connector, world_size=int(ctx.tp_size),
-                         rank=int(ctx.tp_rank))
+                         rank=int(ctx.tp_rank), page_size=page_size)
     try:
         cache = create_unified_radix_cache(ctx, cache_class=KVTierRadixCache)
 

@@ -27,6 +27,7 @@ Every hook runs on SGLang's scheduler thread and is timed (`kvtier_scheduler_sec
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import numpy as np
@@ -40,6 +41,7 @@ from sglang.srt.mem_cache.base_prefix_cache import (
 from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
+from kvtier import prometheus
 from kvtier.integration.sglang.adapter import SGLangKVTier
 
 __all__ = ["KVTierRadixCache"]
@@ -102,7 +104,9 @@ class KVTierRadixCache(UnifiedRadixCache):
         end = kv.loadable_end(len(key))
         if end <= device_len:
             return 0
+        start = time.perf_counter()
         hit = kv.lookup(rid, _token_array(key.raw_token_ids())[:end], _salt(key.cache_salt))
+        prometheus.observe_hit("lookup", time.perf_counter() - start)
         if hit <= device_len:
             kv.counters.inc("sglang.load_misses")
             return 0
@@ -148,17 +152,21 @@ class KVTierRadixCache(UnifiedRadixCache):
         tokens = _token_array(key.raw_token_ids())[:end]
         mapping = torch.full((end,), -1, dtype=torch.int64, device=slots.device)
         mapping[device_len:] = slots
+        start = time.perf_counter()
         if kv.retrieve(req.rid, tokens, mapping, skip=device_len,
                        salt=_salt(key.cache_salt)) < end:
             self.token_to_kv_pool_allocator.free(slots)  # evicted since the match: recompute
             kv.counters.inc("sglang.loads_short")
             return None
+        copied = time.perf_counter()
+        prometheus.observe_hit("copy", copied - start)
         prefix = self.path_device_indices(req.last_node)[:device_len]
         loaded_key = RadixKey(key.raw_token_ids()[:end], key.extra_key, cache_salt=key.cache_salt)
         # prev_prefix_len: the leading indices are the tree's own, not duplicates to free.
         self.insert(InsertParams(key=loaded_key, value=torch.cat([prefix.to(torch.int64), slots]),
                                  prev_prefix_len=device_len, inserted_len=device_len))
         matched = super().match_prefix(MatchPrefixParams(key=loaded_key))
+        prometheus.observe_hit("insert", time.perf_counter() - copied)
         logger.info("kvtier: loaded %d tokens at admission of %s (device had %d of %d)",
                     end - device_len, req.rid, device_len, len(key))
         if matched.device_prefix_len != end:  # never expected: recompute rather than guess
