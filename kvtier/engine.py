@@ -35,11 +35,30 @@ def _serve_metrics(port: int) -> None:
         logger.warning("kvtier: cannot serve metrics on port %d: %s", port, exc)
 
 
-def _tails_of(keys: Sequence[ChunkKey], num_tokens: int) -> Tails | None:
+def _tails_of(keys: Sequence[ChunkKey], limit: int) -> Tails | None:
     """Position -> candidate tails there, for a prefetch (None without a `KeyChain`)."""
     if not isinstance(keys, KeyChain):
         return None
-    return lambda i: keys.tails(i, num_tokens)
+    return lambda i: keys.tails(i, limit)
+
+
+def _limit(limit: int | None, num_tokens: int) -> int:
+    if limit is None:
+        return num_tokens
+    if not isinstance(limit, int) or limit < 0:
+        raise ValueError(f"limit must be a non-negative int, got {limit!r}")
+    return min(limit, num_tokens)
+
+
+def _rows(slots: torch.Tensor, start: int, end: int, skip: int, limit: int) -> torch.Tensor:
+    """Pool rows of tokens [start, end), with -1 (not written) before `skip` (the pool holds
+    them) and from `limit` on (not asked for)."""
+    rows = slots[start:end]
+    if start < skip or end > limit:
+        rows = rows.clone()
+        rows[: max(0, skip - start)] = -1
+        rows[max(0, limit - start):] = -1
+    return rows
 
 
 class CacheEngine:
@@ -151,7 +170,8 @@ class CacheEngine:
 
     def retrieve(self, token_ids: TokenIds, slot_mapping: torch.Tensor, skip: int = 0, *,
                  hot_only: bool = False, session_id: str | None = None,
-                 keys: Sequence[ChunkKey] | None = None, salt: str = "") -> int:
+                 keys: Sequence[ChunkKey] | None = None, salt: str = "",
+                 limit: int | None = None) -> int:
         """Load cached KV of the longest cached prefix of `token_ids` into `slot_mapping`.
 
         Tokens before `skip` are already in the pool and are not written; `-1` slots are not
@@ -159,92 +179,97 @@ class CacheEngine:
         `hot_only`), then loads the longest tail stored after it (`save_tails`). Chunks are
         scattered as they arrive, while later ones are still being read. `keys`:
         `key_chain(token_ids, salt)` computed earlier (a long prompt is hashed once; a plain
-        list of keys finds no tails). Returns the number of leading tokens now in the pool (at
-        least `skip`).
+        list of keys finds no tails). `limit`: load at most this many leading tokens; the
+        tokens after it still name the chunks, so a chunk the limit cuts is loaded in part.
+        Returns the number of leading tokens now in the pool (at least `skip`).
         """
         keys, slots = self._prepare(token_ids, slot_mapping,
                                     self.key_chain(token_ids, salt) if keys is None else keys)
         if not isinstance(skip, int) or not 0 <= skip <= slots.numel():
             raise ValueError(f"skip must be an int in [0, {slots.numel()}], got {skip!r}")
-        wanted = [k for k in keys if k.end > skip]
+        limit = _limit(limit, slots.numel())
+        wanted = [k for k in keys if k.end > skip and k.start < limit]
         if session_id is not None:
             self.storage.sessions.touch(session_id)
-        if self._closed or (not wanted and not isinstance(keys, KeyChain)):
+        if self._closed or skip >= limit:
             return skip
-        if hot_only:
+        load = self._retrieve_hot if hot_only else self._retrieve_streaming
+        if hot_only:  # what is there is known: one lease and one copy, tail included
             n = self.storage.contains(wanted, hot_only=True)
-            wanted = wanted[:n] + self._tail(keys, wanted[n - 1].end if n else skip,
-                                             slots.numel(), hot_only=True)
-            loaded = self._retrieve_hot([k for k in wanted if k.end > skip], slots, skip)
+            wanted = wanted[:n] + self._tail(keys, wanted[n - 1].end if n else skip, limit,
+                                             hot_only=True)
+            loaded = load(wanted, slots, skip, limit)
         else:
-            loaded = self._retrieve_streaming(wanted, slots, skip)
-            tail = self._tail(keys, loaded, slots.numel(), hot_only=False)
-            loaded = self._retrieve_streaming([k for k in tail if k.end > skip], slots, loaded)
+            loaded = load(wanted, slots, skip, limit)
+            loaded = load(self._tail(keys, loaded, limit, hot_only=False), slots, loaded, limit)
+        loaded = min(loaded, limit)
         self.storage.counters.inc("tokens_loaded", loaded - skip)
-        self.storage.counters.inc("tokens_requested", slots.numel() - skip)
+        self.storage.counters.inc("tokens_requested", limit - skip)
         return loaded
 
-    def _tail(self, keys: Sequence[ChunkKey], end: int, num_tokens: int, *,
+    def _tail(self, keys: Sequence[ChunkKey], end: int, limit: int, *,
               hot_only: bool) -> list[ChunkKey]:
         """[the longest stored tail after the first `end` tokens] (they end a full chunk, or
         the chunk holding `end` missed), or [] without one or without a `KeyChain`."""
-        if not isinstance(keys, KeyChain):
+        if not isinstance(keys, KeyChain) or end >= limit:
             return []
         i = end // self.keys.chunk_size
-        tail = self.storage.find_tail(keys.tails(i, num_tokens), hot_only=hot_only)
+        tail = self.storage.find_tail(keys.tails(i, limit), hot_only=hot_only)
         return [] if tail is None or tail.end <= end else [tail]
 
-    def _retrieve_hot(self, wanted: Sequence[ChunkKey], slots: torch.Tensor, skip: int) -> int:
+    def _retrieve_hot(self, wanted: Sequence[ChunkKey], slots: torch.Tensor, skip: int,
+                      limit: int) -> int:
         """The CPU tier's leading hits, leased together and copied in one kernel call."""
+        if not wanted:
+            return skip
         with self.storage.get(wanted, hot_only=True) as objs:
             if not objs:
                 return skip
             start, end = wanted[0].start, wanted[len(objs) - 1].end
-            rows = slots[start:end]
-            if start < skip:  # the pool holds these rows already
-                rows = rows.clone()
-                rows[: skip - start] = -1
-            self.connector.scatter_many(objs, rows)
+            self.connector.scatter_many(objs, _rows(slots, start, end, skip, limit))
         return end
 
     def _retrieve_streaming(self, wanted: Sequence[ChunkKey], slots: torch.Tensor,
-                            skip: int) -> int:
+                            skip: int, limit: int) -> int:
         """Chunks scattered as they arrive, while later ones are still being read."""
         loaded = skip
+        if not wanted:
+            return loaded
         with closing(self.storage.stream(wanted)) as chunks:
             for key, obj in zip(wanted, chunks):
                 with lease([obj]):
-                    chunk_slots = slots[key.start:key.end]
-                    if key.start < skip:
-                        chunk_slots = chunk_slots.clone()
-                        chunk_slots[: skip - key.start] = -1
-                    self.connector.scatter(obj, chunk_slots)
+                    self.connector.scatter(obj, _rows(slots, key.start, key.end, skip, limit))
                 loaded = key.end
         return loaded
 
     def lookup(self, token_ids: TokenIds, *, hot_only: bool = False,
-               keys: Sequence[ChunkKey] | None = None, salt: str = "") -> int:
-        """How many leading tokens of `token_ids` some tier (only the CPU tier with
-        `hot_only`) could load, to the end of the longest stored tail; no data moves. `keys`,
-        `salt`: as in `retrieve`."""
+               keys: Sequence[ChunkKey] | None = None, salt: str = "",
+               limit: int | None = None) -> int:
+        """How many leading tokens of `token_ids` (at most `limit`) some tier (only the CPU
+        tier with `hot_only`) could load, to the end of the longest stored tail; no data
+        moves. `keys`, `salt`, `limit`: as in `retrieve`."""
         keys = self.key_chain(token_ids, salt) if keys is None else keys
         if self._closed:
             return 0
-        n = self.storage.contains(keys, hot_only=hot_only)
-        end = keys[n - 1].end if n else 0
-        tail = self._tail(keys, end, len(token_ids), hot_only=hot_only)
-        return tail[0].end if tail else end
+        limit = _limit(limit, len(token_ids))
+        usable = [k for k in keys if k.start < limit]
+        n = self.storage.contains(usable, hot_only=hot_only)
+        end = usable[n - 1].end if n else 0
+        tail = self._tail(keys, end, limit, hot_only=hot_only)
+        return min(limit, tail[0].end if tail else end)
 
-    def start_prefetch(self, token_ids: TokenIds, *,
-                       keys: Sequence[ChunkKey] | None = None, salt: str = "") -> Prefetch:
+    def start_prefetch(self, token_ids: TokenIds, *, keys: Sequence[ChunkKey] | None = None,
+                       salt: str = "", limit: int | None = None) -> Prefetch:
         """Start moving the lower-tier chunks of `token_ids`, and the longest tail after them,
         into CPU memory in the background and return at once; poll the handle's `ready()`
         (per `prefetch_policy`) or wait on it, and `cancel()` it when the request goes away.
-        See `StorageManager.start_prefetch`. `keys`, `salt`: as in `retrieve`."""
+        See `StorageManager.start_prefetch`. `keys`, `salt`, `limit`: as in `retrieve`."""
         if self._closed:
             return self.storage.start_prefetch([])
         keys = self.key_chain(token_ids, salt) if keys is None else keys
-        return self.storage.start_prefetch(keys, tails=_tails_of(keys, len(token_ids)))
+        limit = _limit(limit, len(token_ids))
+        return self.storage.start_prefetch([k for k in keys if k.start < limit],
+                                           tails=_tails_of(keys, limit))
 
     def prefetch(self, token_ids: TokenIds) -> Prefetch:
         """Move lower-tier chunks of `token_ids` into CPU memory, waiting as `prefetch_policy`
@@ -272,10 +297,6 @@ class CacheEngine:
         `save_unfull_chunk`/`save_tails`); with `salt` (a per-request salt, e.g. SGLang's
         `cache_salt`), keys only requests with the same salt share."""
         return self.keys.keys(token_ids, salt)
-
-    def key_chain_length(self, num_tokens: int) -> int:
-        """How many keys `key_chain` gives a `num_tokens` sequence (tails not counted)."""
-        return self.keys.chain_length(num_tokens)
 
     def key_chain(self, token_ids: TokenIds, salt: str = "") -> KeyChain:
         """The keys `lookup`, `retrieve` and `start_prefetch` walk for `token_ids`: its full

@@ -201,13 +201,6 @@ class KeyChain(list[ChunkKey]):
         """Tokens in the sequence (what a tail may reach to)."""
         return len(self._data) // 4
 
-    def head(self, n: int) -> KeyChain:
-        """The first `n` full keys, sharing this chain's tails (which still reach as far as the
-        whole sequence: callers with a shorter one pass `limit`)."""
-        if n == len(self):
-            return self
-        return KeyChain(self[:n], self._data, self._root, self._builder, self._tails)
-
     @property
     def has_tails(self) -> bool:
         return self._builder.tails
@@ -289,12 +282,6 @@ class KeyBuilder:
         full = n - n % self.chunk_size if self.tails else self.num_keyed_tokens(n)
         root = self.root(salt)
         return KeyChain(self._chunk(data, full, root), data, root, self)
-
-    def chain_length(self, num_tokens: int) -> int:
-        """How many keys `chain` gives a `num_tokens` sequence (tails not counted)."""
-        if self.tails:
-            return num_tokens // self.chunk_size
-        return -(-self.num_keyed_tokens(num_tokens) // self.chunk_size)
 
     def tail_keys(self, data: memoryview, i: int, before: ChunkKey | None,
                   root: bytes) -> list[ChunkKey]:

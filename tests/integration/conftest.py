@@ -137,13 +137,23 @@ def start_server(
             _LIVE.remove(server)
 
 
-PROMPT_LEN = 80  # five chunks; the last prompt token is never cached, so four chunks load
-FULL_HIT = (PROMPT_LEN - 1) // CHUNK * CHUNK
+PROMPT_LEN = 80  # five chunks; the last prompt token is never cached
+
+
+def page_size(server: SGLangServer) -> int:
+    args = server.args
+    return int(args[args.index("--page-size") + 1]) if "--page-size" in args else 1
+
+
+def full_hit(server: SGLangServer, prompt_len: int = PROMPT_LEN) -> int:
+    """What kvtier loads of a prompt it stored: all but the last prompt token (SGLang always
+    computes that one), in whole pages: the chunk holding it loads in part."""
+    return (prompt_len - 1) // page_size(server) * page_size(server)
 
 
 def check_reload_after_flush(server: SGLangServer, seed: int) -> None:
-    """A prompt served, `/flush_cache`, served again: kvtier loads its whole chunks and the
-    greedy output equals a cold run."""
+    """A prompt served, `/flush_cache`, served again: kvtier loads all of it but the last
+    token (in whole pages) and the greedy output equals a cold run."""
     ids = prompt(seed, PROMPT_LEN)
     expected = cold(server, ids)
     first = server.generate(ids)
@@ -152,9 +162,28 @@ def check_reload_after_flush(server: SGLangServer, seed: int) -> None:
     server.flush_cache()  # also waits for kvtier's background stores
 
     again = server.generate(ids)
-    assert again["meta_info"]["cached_tokens"] == FULL_HIT
+    assert again["meta_info"]["cached_tokens"] == full_hit(server)
     assert again["output_ids"] == expected
-    assert f"kvtier: loaded {FULL_HIT} tokens" in server.log()
+    assert f"kvtier: loaded {full_hit(server)} tokens" in server.log()
+
+
+def check_conversation(servers: Sequence[SGLangServer], seed: int, turns: int = 4) -> None:
+    """A conversation of `turns` turns, each sent to the next of `servers` with every device
+    cache flushed first: each turn hits all of the previous turn's prompt and answer but at
+    most one page (kvtier's tails), and answers as a cold run does."""
+    history = prompt(seed, 37)
+    before = 0  # tokens the previous turn computed: its prompt and answer
+    for turn in range(turns):
+        server = servers[turn % len(servers)]
+        expected = cold(server, history)
+        for each in servers:
+            each.flush_cache()  # kvtier must serve it; also lands the previous turn's stores
+        got = server.generate(history)
+        assert got["output_ids"] == expected, f"turn {turn + 1}"
+        cached = got["meta_info"]["cached_tokens"]
+        assert before - page_size(server) <= cached <= len(history) - 1, (turn + 1, cached)
+        before = len(history) + len(expected)
+        history = history + expected + prompt(seed * 100 + turn, 23)
 
 
 def check_partial_hit(server: SGLangServer, seed: int) -> None:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from tests.integration.conftest import (
-    FULL_HIT,
     PROMPT_LEN,
+    full_hit,
     kvtier_metrics,
     prompt,
     write_config,
@@ -26,15 +26,15 @@ def test_kvtier_series_on_sglangs_metrics_endpoint(
     ids = prompt(40, PROMPT_LEN)
     server.generate(ids)
     server.flush_cache()
-    assert server.generate(ids)["meta_info"]["cached_tokens"] == FULL_HIT
+    assert server.generate(ids)["meta_info"]["cached_tokens"] == full_hit(server)
     deadline = time.monotonic() + 30
     while True:  # kvtier refreshes its series once a second
         samples = kvtier_metrics(server)
-        if samples.get("kvtier_tokens_loaded_total", 0) >= FULL_HIT:
+        if samples.get("kvtier_tokens_loaded_total", 0) >= full_hit(server):
             break
         assert time.monotonic() < deadline, sorted(samples)
         time.sleep(0.5)
-    assert samples["kvtier_tokens_stored_total"] >= FULL_HIT
+    assert samples["kvtier_tokens_stored_total"] >= full_hit(server)
     assert samples["kvtier_sglang_loads_total"] >= 1
     assert samples["kvtier_arena_bytes"] > 0
     assert samples["kvtier_tier_op_seconds_count"] > 0

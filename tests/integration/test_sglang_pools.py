@@ -73,10 +73,11 @@ def rows_bytes(pool: Any, slots: torch.Tensor) -> list[bytes]:
 def engine_for() -> Iterator[Any]:
     engines: list[CacheEngine] = []
 
-    def make(pool: Any) -> CacheEngine:
+    def make(pool: Any, page_size: int = 1) -> CacheEngine:
         conn = build_connector(pool)
         engine = CacheEngine(Config(chunk_size=CHUNK, max_local_cpu_size=0.02),
-                             model_name="pool-test", layout=conn.layout, connector=conn)
+                             model_name="pool-test", layout=conn.layout, connector=conn,
+                             page_size=page_size)
         engines.append(engine)
         return engine
 
@@ -91,19 +92,20 @@ def test_round_trip_is_byte_exact(engine_for: Any, kind: str, dtype: torch.dtype
                                   page_size: int) -> None:
     pool = make_pool(kind, page_size, dtype)
     alloc = make_allocator(pool, page_size)
-    engine = engine_for(pool)
-    n = 4 * CHUNK + 5  # four whole chunks and a partial one (not stored by default)
+    engine = engine_for(pool, page_size)
+    n = 4 * CHUNK + 5  # four whole chunks and a partial one: its whole pages are a tail
+    stored = n - n % page_size
     tokens = torch.arange(100, 100 + n)
     src = alloc.alloc(n + (-n) % page_size)[:n].to(torch.int64)
     fill(pool, src, seed=page_size)
-    expected = rows_bytes(pool, src[: 4 * CHUNK])
+    expected = rows_bytes(pool, src[:stored])
 
-    assert engine.store(tokens, src) == 4 * CHUNK
-    assert engine.lookup(tokens) == 4 * CHUNK
+    assert engine.store(tokens, src) == stored
+    assert engine.lookup(tokens) == stored
 
-    dst = alloc.alloc(4 * CHUNK).to(torch.int64)
+    dst = alloc.alloc(stored + (-stored) % page_size)[:stored].to(torch.int64)
     assert not set(dst.tolist()) & set(src.tolist())
-    assert engine.retrieve(tokens[: 4 * CHUNK], dst) == 4 * CHUNK
+    assert engine.retrieve(tokens[:stored], dst) == stored
     assert rows_bytes(pool, dst) == expected
 
 
@@ -131,9 +133,9 @@ def test_retrieve_skips_device_prefix_and_minus_one_slots(engine_for: Any,
 def test_background_store_then_load_through_adapter(engine_for: Any) -> None:
     pool = make_pool("mla", 4, torch.bfloat16)
     alloc = make_allocator(pool, 4)
-    kv = SGLangKVTier(engine_for(pool), page_size=4)
+    kv = SGLangKVTier(engine_for(pool, 4), page_size=4)
     try:
-        tokens = torch.arange(2 * CHUNK + 3).numpy()
+        tokens = torch.arange(2 * CHUNK + 3).numpy()  # its last 3 tokens: less than a page
         src = alloc.alloc(2 * CHUNK + 4)[: len(tokens)].to(torch.int64)
         fill(pool, src, seed=3)
         assert kv.submit_store(tokens, src, handle="lock-1")

@@ -9,12 +9,13 @@ from collections.abc import Callable
 import pytest
 
 from tests.integration.conftest import (
-    FULL_HIT,
     PROMPT_LEN,
+    check_conversation,
     check_partial_hit,
     check_reload_after_flush,
     check_unrelated_miss,
     cold,
+    full_hit,
     prompt,
     write_config,
 )
@@ -35,6 +36,11 @@ def server(request: pytest.FixtureRequest, start_server: Callable[..., SGLangSer
 
 def test_prefix_loaded_after_flush(server: SGLangServer) -> None:
     check_reload_after_flush(server, seed=1)
+
+
+def test_each_turn_of_a_conversation_hits_the_previous_turn_down_to_the_page(
+        server: SGLangServer) -> None:
+    check_conversation([server], seed=5)
 
 
 def test_partial_prefix_hit(server: SGLangServer) -> None:
@@ -66,5 +72,5 @@ def test_cache_salt_scopes_what_a_request_shares(server: SGLangServer) -> None:
         assert got["output_ids"] == expected
         server.flush_cache()
     got = salted("tenant-a")
-    assert got["meta_info"]["cached_tokens"] == FULL_HIT
+    assert got["meta_info"]["cached_tokens"] == full_hit(server)
     assert got["output_ids"] == expected

@@ -17,12 +17,13 @@ import pytest
 
 from tests.conftest import RedisProcess
 from tests.integration.conftest import (
-    FULL_HIT,
     PROMPT_LEN,
+    check_conversation,
     check_partial_hit,
     check_reload_after_flush,
     check_unrelated_miss,
     cold,
+    full_hit,
     prompt,
     write_config,
 )
@@ -79,13 +80,16 @@ def test_page4_unrelated_prompt_misses(server_a: SGLangServer) -> None:
 
 def test_second_instance_hits_through_shared_redis_then_redis_goes_down(
         start_server: Callable[..., SGLangServer], tiny_llama: Path, redis: RedisProcess,
-        served_by_a: dict[int, list[int]], tmp_path: Path) -> None:
+        server_a: SGLangServer, served_by_a: dict[int, list[int]], tmp_path: Path) -> None:
     config = write_config(tmp_path / "kvtier.yaml", local_cpu=False, remote_url=redis.url,
                           remote_timeout_secs=0.5)
     server_b = start_server(tiny_llama, config, "--page-size", "4")
     got = server_b.generate(prompt(SHARED_SEED, PROMPT_LEN))
-    assert got["meta_info"]["cached_tokens"] == FULL_HIT
+    assert got["meta_info"]["cached_tokens"] == full_hit(server_b)
     assert got["output_ids"] == served_by_a[SHARED_SEED]
+    # Turns alternate: B (no CPU tier) loads A's tails from Redis at admission, A prefetches
+    # B's into its CPU tier.
+    check_conversation([server_a, server_b], seed=24)
 
     redis.stop()
     ids = prompt(31, PROMPT_LEN)
@@ -109,6 +113,6 @@ def test_restart_hits_from_disk_with_redis_down(
                           remote_timeout_secs=0.5)
     server_c = start_server(tiny_llama, config, "--page-size", "4")
     got = server_c.generate(prompt(RESTART_SEED, PROMPT_LEN))
-    assert got["meta_info"]["cached_tokens"] == FULL_HIT
+    assert got["meta_info"]["cached_tokens"] == full_hit(server_c)
     assert got["output_ids"] == served_by_a[RESTART_SEED]
     check_unrelated_miss(server_c, seed=32)

@@ -156,12 +156,12 @@ class SGLangKVTier:
     def chunk_keys(self, rid: str | None, token_ids: np.ndarray,
                    salt: str = "") -> list[ChunkKey]:
         """The key chain of `token_ids` (whole chunks, and the tails after them) with the
-        request's `salt` (its `cache_salt`), hashed once per request `rid`."""
+        request's `salt` (its `cache_salt`), hashed once per request `rid`: a later call about
+        a prefix of the same tokens gets the same chain (callers pass a `limit`)."""
         cached = self._keys.get(rid) if rid is not None else None
-        if cached is not None and (cached.num_tokens == len(token_ids) or (
-                cached.num_tokens > len(token_ids) and cached.has_tails)):
-            # Every call is about a prefix of the same request: the chain's head is valid.
-            return cached.head(self.engine.key_chain_length(len(token_ids)))
+        if cached is not None and cached.num_tokens >= len(token_ids) and (
+                cached.has_tails or cached.num_tokens == len(token_ids)):
+            return cached
         keys = self.engine.key_chain(token_ids, salt)
         if rid is not None:
             if len(self._keys) >= MAX_CACHED_KEYS:
@@ -173,20 +173,23 @@ class SGLangKVTier:
         """Request `rid` was loaded, finished or aborted: drop its cached keys."""
         self._keys.pop(rid, None)
 
-    def lookup(self, rid: str | None, token_ids: np.ndarray, salt: str = "") -> int:
-        """Leading tokens of `token_ids` every rank can load now, in whole pages (metadata
-        only; with background loads, only what the CPU tier holds counts)."""
+    def lookup(self, rid: str | None, token_ids: np.ndarray, salt: str = "", *,
+               limit: int | None = None) -> int:
+        """Leading tokens of `token_ids` (at most `limit`) every rank can load now, in whole
+        pages (metadata only; with background loads, only what the CPU tier holds counts).
+        Tokens past `limit` still name the chunks: a chunk the limit cuts loads in part."""
         keys = self.chunk_keys(rid, token_ids, salt)
-        hit = self.engine.lookup(token_ids, hot_only=self.async_loads, keys=keys, salt=salt)
+        hit = self.engine.lookup(token_ids, hot_only=self.async_loads, keys=keys, salt=salt,
+                                 limit=limit)
         return self.agree_min(hit - hit % self.page_size)
 
     def retrieve(self, rid: str | None, token_ids: np.ndarray, slots: torch.Tensor,
-                 skip: int, salt: str = "") -> int:
-        """Scatter cached KV into `slots` past `skip`; returns the leading tokens now valid on
-        every rank, in whole pages (at least `skip`)."""
+                 skip: int, salt: str = "", *, limit: int | None = None) -> int:
+        """Scatter cached KV into `slots` past `skip` (at most `limit` tokens); returns the
+        leading tokens now valid on every rank, in whole pages (at least `skip`)."""
         keys = self.chunk_keys(rid, token_ids, salt)
         got = self.engine.retrieve(token_ids, slots, skip=skip, hot_only=self.async_loads,
-                                   keys=keys, salt=salt)
+                                   keys=keys, salt=salt, limit=limit)
         got = max(self.agree_min(got - got % self.page_size), skip)
         if got > skip:
             self.counters.inc("sglang.loads")
@@ -204,9 +207,11 @@ class SGLangKVTier:
         end = self.loadable_end(len(token_ids))
         if end == 0:
             return
-        keys = self.chunk_keys(rid, token_ids[:end], salt)
-        self._prefetches[rid] = self.engine.start_prefetch(token_ids[:end], keys=keys,
-                                                           salt=salt)
+        # The request's match (just before) hashed its whole prompt: the chunk that holds the
+        # last prompt token is loaded too, for all but that token.
+        keys = self.chunk_keys(rid, token_ids, salt)
+        self._prefetches[rid] = self.engine.start_prefetch(token_ids, keys=keys, salt=salt,
+                                                           limit=end)
         self.counters.inc("sglang.prefetches")
 
     def prefetch_ready(self, rid: str) -> bool:

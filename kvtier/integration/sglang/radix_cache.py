@@ -50,12 +50,10 @@ logger = logging.getLogger(__name__)
 
 
 def _token_array(ids: Any) -> np.ndarray:
-    if isinstance(ids, np.ndarray):
-        return ids.astype(np.int64, copy=False)
-    try:  # array('q') and other buffers: no per-element boxing
-        return np.frombuffer(memoryview(ids), dtype=np.int64)
-    except (TypeError, ValueError):
-        return np.asarray(ids, dtype=np.int64)
+    """A copy of SGLang's token ids as int64. Never a view: SGLang grows its token arrays in
+    place (`array.extend`), which fails while any view of one is alive, and a view handed down
+    the stack can outlive the call (an exception's traceback keeps every frame's locals)."""
+    return np.array(ids, dtype=np.int64)
 
 
 class KVTierRadixCache(UnifiedRadixCache):
@@ -84,7 +82,7 @@ class KVTierRadixCache(UnifiedRadixCache):
             if req is None or not self._eligible(params.key) or _multimodal(req):
                 return result
             self._check_discarded(req.rid, result.device_prefix_len)
-            hit = self._host_hit(req.rid, params.key, result.device_prefix_len)
+            hit = self._host_hit(req, params.key, result.device_prefix_len)
             if hit > 0:
                 call.work = f"CPU-tier hit of {hit} tokens"
                 result = result._replace(host_hit_length=hit)
@@ -95,17 +93,18 @@ class KVTierRadixCache(UnifiedRadixCache):
         # and EAGLE bigram keys would need their own namespace, so they bypass kvtier.
         return key.extra_key is None and not key.is_bigram and not self.disable
 
-    def _host_hit(self, rid: str, key: RadixKey, device_len: int) -> int:
+    def _host_hit(self, req: Any, key: RadixKey, device_len: int) -> int:
         """Tokens past the device hit kvtier can load at admission (whole pages, agreed by
         every rank); remembered as this request's promise for `init_load_back`."""
         kv = self.kvtier
         assert kv is not None
+        rid = req.rid
         self._promised.pop(rid, None)
         end = kv.loadable_end(len(key))
         if end <= device_len:
             return 0
         start = time.perf_counter()
-        hit = kv.lookup(rid, _token_array(key.raw_token_ids())[:end], _salt(key.cache_salt))
+        hit = kv.lookup(rid, _full_ids(req, key), _salt(key.cache_salt), limit=end)
         prometheus.observe_hit("lookup", time.perf_counter() - start)
         if hit <= device_len:
             kv.counters.inc("sglang.load_misses")
@@ -149,12 +148,12 @@ class KVTierRadixCache(UnifiedRadixCache):
             kv.counters.inc("sglang.load_no_slots")
             return None
         assert slots is not None
-        tokens = _token_array(key.raw_token_ids())[:end]
-        mapping = torch.full((end,), -1, dtype=torch.int64, device=slots.device)
-        mapping[device_len:] = slots
+        tokens = _full_ids(req, key)
+        mapping = torch.full((len(tokens),), -1, dtype=torch.int64, device=slots.device)
+        mapping[device_len:end] = slots
         start = time.perf_counter()
-        if kv.retrieve(req.rid, tokens, mapping, skip=device_len,
-                       salt=_salt(key.cache_salt)) < end:
+        if kv.retrieve(req.rid, tokens, mapping, skip=device_len, salt=_salt(key.cache_salt),
+                       limit=end) < end:
             self.token_to_kv_pool_allocator.free(slots)  # evicted since the match: recompute
             kv.counters.inc("sglang.loads_short")
             return None
@@ -299,7 +298,7 @@ class KVTierRadixCache(UnifiedRadixCache):
         keyed = kv.engine.keys.num_keyed_tokens(len(slots))
         if keyed == 0:
             return
-        tokens = _token_array(req.full_untruncated_fill_ids)[:keyed].copy()
+        tokens = _token_array(req.full_untruncated_fill_ids)[:keyed]
         if len(tokens) < keyed:
             return
         lock = self.lock(node)
@@ -356,6 +355,16 @@ def _multimodal(req: Any) -> bool:
     those (likely among ~46K items, or made on purpose) would serve one image's KV for
     another, and token verification cannot see it. So such requests bypass kvtier."""
     return getattr(req, "multimodal_inputs", None) is not None
+
+
+def _full_ids(req: Any, key: RadixKey) -> np.ndarray:
+    """The request's whole token sequence: the match key stops before the last prompt token,
+    but the chunk holding it is named by all of its tokens (and loads in part)."""
+    ids = _token_array(getattr(req, "full_untruncated_fill_ids", None) or key.raw_token_ids())
+    n = len(key)
+    if len(ids) < n or not np.array_equal(ids[:n], _token_array(key.raw_token_ids())):
+        return _token_array(key.raw_token_ids())  # never expected: trust the key alone
+    return ids
 
 
 def _salt(cache_salt: Any) -> str:
