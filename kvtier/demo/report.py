@@ -11,7 +11,7 @@ from typing import Any
 __all__ = ["summarize", "format_row", "format_summary", "write_results", "HEADER"]
 
 HEADER = (f"{'phase':<16} {'conv':>4} {'turn':>4} {'prompt':>7} {'without':>9} {'with':>9} "
-          f"{'ratio':>6}  {'hit tokens (tier)':<20} identical")
+          f"{'ratio':>6}  {'hit tokens (tier)':<20} {'prev turn':>9} identical")
 _COLORS = {"cpu": "#2a9d8f", "disk": "#e9c46a", "redis": "#e76f51", "none": "#3d5a80"}
 
 
@@ -42,9 +42,11 @@ def summarize(rows: Sequence[dict[str, Any]], system_prompt_tokens: int) -> dict
 def format_row(row: dict[str, Any]) -> str:
     hit = f"{row['hit_tokens']} ({row['tier']})"
     ratio = "" if row["ratio"] is None else f"{row['ratio']:.2f}x"
+    prev = row.get("previous_turn_tokens")
     return (f"{row['phase']:<16} {row['conversation']:>4} {row['turn']:>4} "
             f"{row['prompt_tokens']:>7} {row['ttft_without_s']:>8.3f}s {row['ttft_with_s']:>8.3f}s "
-            f"{ratio:>6}  {hit:<20} {'yes' if row['identical'] else 'NO'}")
+            f"{ratio:>6}  {hit:<20} {'-' if prev is None else prev:>9} "
+            f"{'yes' if row['identical'] else 'NO'}")
 
 
 def format_summary(results: dict[str, Any]) -> str:

@@ -182,6 +182,8 @@ def _multi_turn(run: _Run, base: SGLangServer, kv: SGLangServer,
             run.baseline_outputs[key], run.baseline_ttft[key] = without.output_ids, without.ttft_s
             row = _row("multi-turn", "cpu", conv.index, turn, prompt, without.ttft_s, with_kv,
                        log.loaded_since(), without.output_ids)
+            # What the previous turn computed (its prompt and answer): all of it can hit.
+            row["previous_turn_tokens"] = len(conv.history) if conv.history else None
             rows.append(row)
             emit(row)
             bar.update(1)

@@ -127,7 +127,8 @@ class SGLangKVTier:
         self.counters = Counters(*(f"sglang.{name}" for name in (
             "loads", "tokens_loaded", "load_misses", "load_no_slots", "loads_short",
             "loads_discarded", "stores", "tokens_stored", "stores_skipped_busy", "store_errors",
-            "prefetches", "prefetches_cancelled", "prefetch_waits")))
+            "prefetches", "prefetches_cancelled", "prefetch_waits",
+            "prefetches_skipped_hot")))
         self.budget = SchedulerBudget(self.counters)
         self._closed_sessions: set[str] = set()  # a store finishing late must not re-pin
         # request id -> its prefetch; registered on every rank alike (scheduler thread)
@@ -210,6 +211,11 @@ class SGLangKVTier:
         # The request's match (just before) hashed its whole prompt: the chunk that holds the
         # last prompt token is loaded too, for all but that token.
         keys = self.chunk_keys(rid, token_ids, salt)
+        # All of it in the CPU tier already (every rank): admitted with no prefetch round.
+        hot = self.engine.lookup(token_ids, hot_only=True, keys=keys, salt=salt, limit=end)
+        if self.agree_min(int(hot >= end)):
+            self.counters.inc("sglang.prefetches_skipped_hot")
+            return
         self._prefetches[rid] = self.engine.start_prefetch(token_ids, keys=keys, salt=salt,
                                                            limit=end)
         self.counters.inc("sglang.prefetches")
