@@ -38,3 +38,6 @@ def test_kvtier_series_on_sglangs_metrics_endpoint(
     assert samples["kvtier_sglang_loads_total"] >= 1
     assert samples["kvtier_arena_bytes"] > 0
     assert samples["kvtier_tier_op_seconds_count"] > 0
+    # The reload's hit was all in the CPU tier: admitted with no prefetch round, and timed.
+    assert samples["kvtier_sglang_prefetches_skipped_hot_total"] >= 1
+    assert samples["kvtier_hit_seconds_count"] >= 3  # its lookup, copy and insert
