@@ -123,7 +123,7 @@ class CacheEngine:
 
     def store(self, token_ids: TokenIds, slot_mapping: torch.Tensor, *,
               session_id: str | None = None, on_read: Callable[[], None] | None = None,
-              salt: str = "") -> int:
+              salt: str = "", also_prefix: int | None = None) -> int:
         """Save the KV of `token_ids` (in pool rows `slot_mapping`) chunk by chunk.
 
         Chunks the CPU tier already holds are skipped (lower tiers are never asked here: their
@@ -131,8 +131,11 @@ class CacheEngine:
         finds no memory. `on_read` is called as soon as the pool rows have been read, before
         the chunks are put anywhere: the caller may reuse the rows from then on. With
         `session_id`, the prefix is then pinned in the CPU tier as that session's latest turn
-        (see `release_session`). `salt`: the request's own salt (see `chunk_keys`). Returns the
-        number of tokens newly stored.
+        (see `release_session`). `salt`: the request's own salt (see `chunk_keys`).
+        `also_prefix`: the length of a shorter prefix whose tail is stored too, when it ends
+        inside the last chunk (SGLang: the prompt without its answer, which the same prompt
+        sent again looks up; tails are found by exact length). Returns the number of tokens
+        newly stored.
         """
         keys, slots = self._prepare(token_ids, slot_mapping,
                                     self.keys.keys(token_ids, salt) if salt else None)
@@ -140,16 +143,33 @@ class CacheEngine:
             if on_read is not None:
                 on_read()
             return 0
-        stored = self._store_chunks(keys, slots, on_read)
+        extra = self._inner_tail(token_ids, keys, also_prefix, salt)
+        stored = self._store_chunks(keys, slots, on_read, extra)
         if session_id is not None:
             self.storage.sessions.pin(session_id, keys)
         return stored
 
+    def _inner_tail(self, token_ids: TokenIds, keys: Sequence[ChunkKey], n: int | None,
+                    salt: str) -> ChunkKey | None:
+        """The tail of the first `n` tokens (in whole pages) if they end inside the last key, a
+        tail itself (a whole chunk serves any prefix of itself: loads take part of one)."""
+        kb = self.keys
+        if n is None or not kb.tails:
+            return None
+        n -= n % kb.page_size
+        last = keys[-1]
+        if last.num_tokens == kb.chunk_size or not last.start < n < last.end:
+            return None
+        return kb.keys(token_ids[:n], salt)[-1]
+
     def _store_chunks(self, keys: Sequence[ChunkKey], slots: torch.Tensor,
-                      on_read: Callable[[], None] | None) -> int:
+                      on_read: Callable[[], None] | None, extra: ChunkKey | None = None) -> int:
         first = self.storage.contains(keys, hot_only=True)
         objs: list[MemoryObj] = []
         with lease(objs):
+            inner = self._gather_one(extra, slots) if extra is not None else None
+            if inner is not None:
+                objs.append(inner)  # released with the others
             for key in keys[first:]:
                 chunk_slots = slots[key.start:key.end]
                 if bool((chunk_slots < 0).any()):
@@ -162,11 +182,24 @@ class CacheEngine:
                 self.connector.gather(chunk_slots, obj)
             if on_read is not None:
                 on_read()
-            stored = keys[first:first + len(objs)]
-            self.storage.put(stored, objs)
+            chunks = objs[1:] if inner is not None else objs
+            stored = keys[first:first + len(chunks)]
+            self.storage.put(stored, chunks)
+            if inner is not None and extra is not None:
+                self.storage.put([extra], [inner])
         n = sum(k.num_tokens for k in stored)
         self.storage.counters.inc("tokens_stored", n)
         return n
+
+    def _gather_one(self, key: ChunkKey, slots: torch.Tensor) -> MemoryObj | None:
+        """A new object holding `key`'s rows, or None (held already, no memory, -1 slots)."""
+        rows = slots[key.start:key.end]
+        if self.storage.contains([key], hot_only=True) or bool((rows < 0).any()):
+            return None
+        obj = self.storage.allocator.allocate(self.layout, key.num_tokens)
+        if obj is not None:
+            self.connector.gather(rows, obj)
+        return obj
 
     def retrieve(self, token_ids: TokenIds, slot_mapping: torch.Tensor, skip: int = 0, *,
                  hot_only: bool = False, session_id: str | None = None,

@@ -131,6 +131,27 @@ def test_the_next_turn_hits_the_whole_previous_turn_down_to_the_page() -> None:
     a.close()
 
 
+def test_the_same_prompt_again_finds_the_tail_stored_for_it_beside_its_answers() -> None:
+    src, dst = _mha(True), _mha(False)
+    a = _engine(src, _config(), page=1)
+    b = _engine(dst, a.config, storage=a.storage, page=1)
+    answered = _tokens(47, 13)  # a 40-token prompt and its answer: 2 chunks and a 15-token tail
+    slots_a = _slots(47, 9)
+    assert a.store(answered, slots_a) == 47
+    assert b.lookup(answered[:40], limit=39) == 32  # tails are found by exact length
+    a.store(answered, slots_a, also_prefix=39)  # the prompt's own tail, beside the answer's
+    assert b.lookup(answered[:40], limit=39) == 39
+    slots_b = _slots(40, 10)
+    assert b.retrieve(answered[:40], slots_b, limit=39) == 39
+    assert _same(src, slots_a[:39], dst, slots_b[:39])
+    assert b.lookup(answered) == 47  # the longer one is still there
+    # Nothing to add where the prompt ends in a whole chunk (a load takes part of one) or in
+    # an earlier chunk.
+    assert a.store(answered, slots_a, also_prefix=20) == 0
+    assert a.stats()["chunks_put"] == 4
+    a.close()
+
+
 def test_a_tail_is_never_served_to_a_prompt_that_diverges_inside_it() -> None:
     src, dst = _mha(True), _mha(False)
     a = _engine(src, _config(), page=1)

@@ -43,6 +43,18 @@ def test_each_turn_of_a_conversation_hits_the_previous_turn_down_to_the_page(
     check_conversation([server], seed=5)
 
 
+def test_a_prompt_sent_again_hits_all_but_its_last_token(server: SGLangServer) -> None:
+    """Not a whole number of chunks: the tail of the prompt alone is stored beside the one
+    of the prompt and its answer."""
+    ids = prompt(6, 40)
+    expected = cold(server, ids)
+    assert server.generate(ids)["output_ids"] == expected
+    server.flush_cache()
+    again = server.generate(ids)
+    assert again["meta_info"]["cached_tokens"] == full_hit(server, 40)
+    assert again["output_ids"] == expected
+
+
 def test_partial_prefix_hit(server: SGLangServer) -> None:
     check_partial_hit(server, seed=2)
 

@@ -287,8 +287,10 @@ class SGLangKVTier:
     # ---- stores ----
 
     def submit_store(self, token_ids: np.ndarray, slots: torch.Tensor, handle: Any,
-                     session_id: str | None = None, salt: str = "") -> bool:
-        """Queue a background store of `token_ids` from pool `slots` (scheduler thread).
+                     session_id: str | None = None, salt: str = "",
+                     prompt_len: int | None = None) -> bool:
+        """Queue a background store of `token_ids` from pool `slots` (scheduler thread);
+        `prompt_len`: the request's prompt (the tail a repeat of it looks up is stored too).
 
         Returns False (and stores nothing) when the queue is full or stores are off on this
         rank; the caller then releases `handle` itself. When True, `handle` comes back from
@@ -301,7 +303,7 @@ class SGLangKVTier:
             ready = torch.cuda.Event()
             ready.record()
         return self.stores.submit(StoreJob(token_ids, slots, handle, ready, session_id,
-                                           salt=salt))
+                                           salt=salt, prompt_len=prompt_len))
 
     def poll_done(self) -> list[StoreJob]:
         """Stores whose slots are free, whose handles the caller may now release (scheduler
@@ -317,8 +319,10 @@ class SGLangKVTier:
     def _store(self, job: StoreJob) -> int:
         """The store thread's work for one job."""
         sid = job.session_id if job.session_id not in self._closed_sessions else None
+        # A repeat of the prompt matches all but its last token.
+        also = None if job.prompt_len is None else job.prompt_len - 1
         stored = self.engine.store(job.token_ids, job.slots, session_id=sid,
-                                   on_read=job.release_slots, salt=job.salt)
+                                   on_read=job.release_slots, salt=job.salt, also_prefix=also)
         self.counters.inc("sglang.stores")
         self.counters.inc("sglang.tokens_stored", stored)
         logger.debug("kvtier: stored %d new tokens of a %d-token prefix", stored,

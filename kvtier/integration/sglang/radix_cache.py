@@ -305,7 +305,7 @@ class KVTierRadixCache(UnifiedRadixCache):
         session = getattr(req, "session", None)  # SGLang's session API: pin between turns
         sid = getattr(session, "session_id", None)
         if not kv.submit_store(tokens, slots[:keyed].to(torch.int64), lock, sid,
-                               _salt(req.cache_salt)):
+                               _salt(req.cache_salt), len(req.origin_input_ids)):
             self.unlock(lock)
 
     def _release_finished_stores(self) -> None:

@@ -49,6 +49,7 @@ class StoreJob:
     ready: Any = None  # a CUDA event the pool writes are ordered before, on GPUs
     session_id: str | None = None  # pin the prefix for this SGLang session
     salt: str = ""  # the request's cache_salt
+    prompt_len: int | None = None  # the prompt alone, whose tail is stored too
     deadline: float = 0.0  # monotonic; a job still queued then is cancelled
     state: str = QUEUED
     stored: int = 0
