@@ -182,13 +182,20 @@ class SGLangServer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"SGLang server exited with code {self.proc.returncode}")
             try:
-                with urllib.request.urlopen(f"{self.url}/model_info", timeout=2) as resp:
+                req = urllib.request.Request(f"{self.url}/model_info", headers=self._auth())
+                with urllib.request.urlopen(req, timeout=2) as resp:
                     if resp.status == 200:
                         return
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(0.5)
         raise TimeoutError(f"SGLang server not ready after {timeout:.0f}s")
+
+    def _auth(self) -> dict[str, str]:
+        """The inference clients' header when the server takes `--api-key`."""
+        if "--api-key" not in self.args:
+            return {}
+        return {"Authorization": f"Bearer {self.args[self.args.index('--api-key') + 1]}"}
 
     def stop(self, timeout: float = 5.0) -> int | None:
         """Stop the server's process group (SIGTERM, then SIGKILL after `timeout` s); returns
@@ -227,7 +234,8 @@ class SGLangServer:
     def post(self, path: str, body: dict[str, Any] | None = None, timeout: float = 300) -> Any:
         data = json.dumps(body or {}).encode()
         req = urllib.request.Request(f"{self.url}{path}", data=data,
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": "application/json",
+                                              **self._auth()})
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             raw = resp.read()
         try:
@@ -261,7 +269,8 @@ class SGLangServer:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         try:
             start = time.perf_counter()
-            conn.request("POST", "/generate", body, {"Content-Type": "application/json"})
+            conn.request("POST", "/generate", body,
+                         {"Content-Type": "application/json", **self._auth()})
             resp = conn.getresponse()
             if resp.status != 200:
                 raise RuntimeError(f"/generate: HTTP {resp.status}: {resp.read()[:500]!r}")

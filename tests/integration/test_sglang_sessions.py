@@ -93,6 +93,16 @@ def test_redis_detached_and_attached_over_http_while_serving(
     assert cli_tiers.request(writer.url, None)[0] == 200
     writer.stop()
 
+    # Only --api-key (inference clients' key): that key changes no tier either.
+    clients = start_server(tiny_llama, write_config(tmp_path / "k.yaml", remote_url=redis.url),
+                           "--api-key", "client-key")
+    assert cli_tiers.request(clients.url, attach, "client-key")[0] == 403
+    assert cli_tiers.request(clients.url, attach)[0] in (401, 403)
+    assert clients.generate(shared[0])["output_ids"] == expected[0]  # it serves, with its key
+    status, listed = cli_tiers.request(clients.url, None, "client-key")
+    assert status == 200 and list(listed["ranks"][0]["tiers"]) == ["cpu", "redis"]
+    clients.stop()
+
     # B declares the Redis (through a proxy that can turn into a tarpit).
     with DelayProxy(redis.port, 0.0) as proxy:
         cfg = write_config(tmp_path / "b.yaml", remote_url=proxy.url, remote_timeout_secs=1.0)
@@ -129,7 +139,7 @@ def _detach_and_attach(server: SGLangServer, shared: list[list[int]],
     assert "state: attached" in out and "- redis" in out
     streaming.join(120)
     got = server.generate(shared[1])
-    assert got["meta_info"]["cached_tokens"] == TURN // CHUNK * CHUNK
+    assert got["meta_info"]["cached_tokens"] == TURN - 1  # all but the last prompt token
     assert got["output_ids"] == expected[1]
 
 
