@@ -249,3 +249,38 @@ def test_a_second_server_finds_the_tail_in_a_lower_tier(shared_config: Config) -
     assert _same(src, slots_a[:68], c.connector, slots_c[:68])
     for engine in (a, b, c):
         engine.close()
+
+
+@pytest.mark.parametrize("recompute_is_free", [True, False])
+def test_adaptive_prefetch_reads_a_tail_only_when_it_beats_recomputing_it(
+        tmp_path: Path, recompute_is_free: bool) -> None:
+    cfg = _config(local_disk=str(tmp_path / "disk"), max_local_disk_size=0.01,
+                  prefetch_policy="adaptive")
+    a = _engine(_mha(True), cfg)
+    prompt = _tokens(10, 14)  # shorter than a chunk: only a tail (8 tokens, 2 pages)
+    assert a.store(prompt, _slots(10, 11)) == 8 and a.storage.flush(10)
+    a.close()
+    b = _engine(_mha(False), cfg)  # an empty CPU tier: the tail is on disk only
+    tokens_per_s = 1e12 if recompute_is_free else 1.0
+    b.storage.prefill.observe(4096, 4096 / tokens_per_s, 4096)
+    longer = torch.cat([prompt, _tokens(20, 15)])
+    assert b.start_prefetch(longer).result(10) == 0  # no whole chunk anywhere
+    assert b.stats().get("tails_prefetched", 0) == (0 if recompute_is_free else 1)
+    assert b.lookup(longer, hot_only=True) == (0 if recompute_is_free else 8)
+    b.close()
+
+
+def test_a_bad_limit_is_refused_before_anything_is_written() -> None:
+    a = _engine(_mha(True), _config())
+    prompt = _tokens(20, 16)
+    a.store(prompt, _slots(20, 12))
+    dst = _mha(False)
+    b = _engine(dst, a.config, storage=a.storage)
+    slots = _slots(20, 13)
+    for bad in (-1, 2.5):
+        with pytest.raises(ValueError, match="limit"):
+            b.retrieve(prompt, slots, limit=bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="limit"):
+            b.lookup(prompt, limit=bad)  # type: ignore[arg-type]
+    assert all(not r.any() for r in _rows(dst, slots))
+    a.close()
