@@ -360,10 +360,11 @@ def _multimodal(req: Any) -> bool:
 def _full_ids(req: Any, key: RadixKey) -> np.ndarray:
     """The request's whole token sequence: the match key stops before the last prompt token,
     but the chunk holding it is named by all of its tokens (and loads in part)."""
-    ids = _token_array(getattr(req, "full_untruncated_fill_ids", None) or key.raw_token_ids())
-    n = len(key)
-    if len(ids) < n or not np.array_equal(ids[:n], _token_array(key.raw_token_ids())):
-        return _token_array(key.raw_token_ids())  # never expected: trust the key alone
+    matched = _token_array(key.raw_token_ids())
+    full = getattr(req, "full_untruncated_fill_ids", None)
+    ids = _token_array(full) if full else matched
+    if len(ids) < len(matched) or not np.array_equal(ids[:len(matched)], matched):
+        return matched  # never expected: trust the key alone
     return ids
 
 
