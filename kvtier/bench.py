@@ -38,6 +38,7 @@ from kvtier.engine import CacheEngine
 from kvtier.errors import KVTierError
 from kvtier.keys import ChunkKey, KeyBuilder
 from kvtier.memory import KVLayout, MemoryAllocator
+from kvtier.names import CPU, REDIS
 
 __all__ = ["run_bench", "LLAMA3_8B"]
 
@@ -157,7 +158,7 @@ def _scratch(config: Config, working: int,
             changes["remote_ttl_secs"] = min(config.remote_ttl_secs or SCRATCH_REDIS_TTL_S,
                                              SCRATCH_REDIS_TTL_S)
         print(f"kvtier bench: writing {working / 1e9:.2f} GB under model {model} to "
-              f"{', '.join(t for t in config.tiers if t != 'cpu') or 'no lower tier'}; deleted "
+              f"{', '.join(t for t in config.tiers if t != CPU) or 'no lower tier'}; deleted "
               f"at the end (if this process is killed first: kvtier purge --model {model})")
     else:
         if config.local_disk is not None:
@@ -227,7 +228,7 @@ def _delete(config: Config, written: _Written) -> None:
     if config.remote_url is not None and keys:
         ctx = BackendContext(config, LLAMA3_8B, MemoryAllocator(1 << 16, pin=False))
         try:
-            redis = create_backend("redis", ctx)
+            redis = create_backend(REDIS, ctx)
         except KVTierError as exc:
             print(f"kvtier bench: cannot delete its Redis records ({exc}); they expire within "
                   f"{SCRATCH_REDIS_TTL_S} s", flush=True)

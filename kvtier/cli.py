@@ -16,6 +16,7 @@ import yaml
 from kvtier.config import load_config, load_config_report
 from kvtier.config_checks import host_problems
 from kvtier.errors import KVTierError
+from kvtier.names import DISK
 
 __all__ = ["main"]
 
@@ -111,7 +112,7 @@ def _info(args: argparse.Namespace) -> int:
     ctx = BackendContext(cfg, KVLayout.mha(1, 1, 16, torch.float16), alloc)
     for name in cfg.tiers:
         try:
-            if name == "disk":  # opening the disk tier would create the root and clean it
+            if name == DISK:  # opening the disk tier would create the root and clean it
                 assert cfg.local_disk_path is not None
                 stats = _disk_stats(cfg.local_disk_path, cfg.max_local_disk_size)
             else:

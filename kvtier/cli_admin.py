@@ -10,6 +10,7 @@ from typing import Any
 
 from kvtier import inventory
 from kvtier.config import load_config
+from kvtier.names import CPU
 
 __all__ = ["add_parsers"]
 
@@ -18,7 +19,7 @@ def _stats(args: argparse.Namespace) -> int:
     if args.metrics:
         return _live(args.metrics)
     config = load_config(args.file)
-    per_tier: dict[str, list[int]] = {t: [0, 0] for t in config.tiers if t != "cpu"}
+    per_tier: dict[str, list[int]] = {t: [0, 0] for t in config.tiers if t != CPU}
     models: dict[str, set[str]] = {}
     for g in inventory.groups(config):
         per_tier.setdefault(g.tier, [0, 0])

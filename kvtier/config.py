@@ -46,6 +46,7 @@ from kvtier.config_env import (
     read_env,
 )
 from kvtier.errors import ConfigError
+from kvtier.names import CPU, DISK, REDIS
 
 __all__ = ["Config", "LoadedConfig", "load_config", "load_config_report", "read_config_file",
            "is_config_key", "nearest_key",
@@ -102,8 +103,8 @@ class Config:
     @property
     def tiers(self) -> tuple[str, ...]:
         """Tier names from fastest to slowest; the order puts and gets walk."""
-        order = (("cpu", self.local_cpu), ("disk", self.local_disk is not None),
-                 ("redis", self.remote_url is not None))
+        order = ((CPU, self.local_cpu), (DISK, self.local_disk is not None),
+                 (REDIS, self.remote_url is not None))
         return tuple(name for name, enabled in order if enabled)
 
     @property

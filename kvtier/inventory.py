@@ -20,6 +20,7 @@ from kvtier.backends.record import FIXED_SIZE, header_len, read_key
 from kvtier.config import Config
 from kvtier.errors import CorruptEntry
 from kvtier.keys import ALL_KEYS, KeySpace, key_of_redis_name, model_name_of
+from kvtier.names import DISK, REDIS
 
 __all__ = ["Entry", "Group", "entries", "groups", "purge"]
 
@@ -97,7 +98,7 @@ def purge(config: Config, model: str | None = None) -> list[Group]:
     deleted: dict[tuple[str, str, str], list[int]] = {}
     redis_keys: list[str] = []
     for e in entries(config, model):
-        if e.tier == "disk":
+        if e.tier == DISK:
             try:
                 os.unlink(e.location[0])
             except FileNotFoundError:
@@ -125,11 +126,11 @@ def _disk_entries(root: Path) -> Iterator[Entry]:
             key = read_key(head)
         except (OSError, CorruptEntry):
             key = "corrupt"  # listed (and purged) as model "?"
-        yield Entry("disk", key, size, (str(path),))
+        yield Entry(DISK, key, size, (str(path),))
 
 
 def _router(config: Config):  # noqa: ANN202 - redis-py types only when the extra is there
-    check_dependencies("redis")
+    check_dependencies(REDIS)
     from kvtier.backends.redis.url import Router, parse_remote_url
 
     assert config.remote_url is not None
@@ -160,7 +161,7 @@ def _scan_node(client) -> Iterator[Entry]:  # noqa: ANN001
         sizes = iter(pipe.execute())
         for key in batch:
             nbytes = sum(next(sizes) for _ in segments[key])
-            yield Entry("redis", key, nbytes, tuple(segments[key]))
+            yield Entry(REDIS, key, nbytes, tuple(segments[key]))
 
 
 def _redis_delete(config: Config, keys: list[str]) -> None:

@@ -160,8 +160,8 @@ def test_abort_after_the_others_were_admitted_drops_everything(gated: StorageMan
 @pytest.fixture
 def one_worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[StorageManager]:
     """The `gated` manager with one prefetch worker and room for one queued prefetch."""
-    monkeypatch.setattr("kvtier.storage.manager.PREFETCH_WORKERS", 1)
-    monkeypatch.setattr("kvtier.storage.manager.PREFETCH_MAX_PENDING", 1)
+    monkeypatch.setattr("kvtier.storage.loads.PREFETCH_WORKERS", 1)
+    monkeypatch.setattr("kvtier.storage.loads.PREFETCH_MAX_PENDING", 1)
     sm = _gated_manager(tmp_path, monkeypatch)
     try:
         yield sm
@@ -307,7 +307,7 @@ def test_two_clients_loads_progress_in_turn_on_a_slow_tier(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The storage manager's loads with one worker and one-chunk windows: a second client's
     load starts before the first client's whole prompt arrived."""
-    monkeypatch.setattr("kvtier.storage.manager.PREFETCH_WORKERS", 1)
+    monkeypatch.setattr("kvtier.storage.loads.PREFETCH_WORKERS", 1)
     monkeypatch.setattr("kvtier.storage.prefetch.PREFETCH_WINDOW", 1)
     sm = _gated_manager(tmp_path, monkeypatch)
     try:

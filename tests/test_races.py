@@ -318,7 +318,7 @@ def test_a_put_running_when_close_starts_is_written_down(
     assert entered.wait(BOUND_S)  # the put is past its closed check
     closer = threading.Thread(target=sm.close)
     closer.start()
-    while not sm._closed:  # close refuses new calls first, then waits for this put
+    while not sm.closed:  # close refuses new calls first, then waits for this put
         closer.join(0.001)
     go.set()
     putter.join(BOUND_S)

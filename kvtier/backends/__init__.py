@@ -7,22 +7,23 @@ import importlib.util
 
 from kvtier.backends.base import BackendContext, HotTier, StorageBackend
 from kvtier.errors import ConfigError
+from kvtier.names import CPU, DISK, REDIS
 
 __all__ = ["BackendContext", "HotTier", "StorageBackend", "create_backend", "check_dependencies",
            "BACKENDS"]
 
 # name -> "module:Class"; importing redis-py happens only when the redis tier is configured.
 BACKENDS: dict[str, str] = {
-    "cpu": "kvtier.backends.cpu:CPUBackend",
-    "disk": "kvtier.backends.disk:DiskBackend",
-    "redis": "kvtier.backends.redis:RedisBackend",
+    CPU: "kvtier.backends.cpu:CPUBackend",
+    DISK: "kvtier.backends.disk:DiskBackend",
+    REDIS: "kvtier.backends.redis:RedisBackend",
 }
 
 
 # name -> (the config key that turns it on, third-party modules it needs, the extra that
 # installs them)
 REQUIREMENTS: dict[str, tuple[str, tuple[str, ...], str]] = {
-    "redis": ("remote_url", ("redis",), "redis"),
+    REDIS: ("remote_url", ("redis",), "redis"),
 }
 
 

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from kvtier.backends.base import BackendContext, HotTier
 from kvtier.keys import ChunkKey
 from kvtier.memory import MemoryObj
+from kvtier.names import CPU
 
 __all__ = ["CPUBackend", "NullHotTier"]
 
@@ -22,7 +23,7 @@ __all__ = ["CPUBackend", "NullHotTier"]
 class CPUBackend(HotTier):
     """Holds one reference to every stored object; `pop_lru` hands references back."""
 
-    name = "cpu"
+    name = CPU
 
     def __init__(self, ctx: BackendContext):
         self._lock = threading.Lock()

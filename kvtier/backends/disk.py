@@ -32,18 +32,20 @@ import os
 import stat
 import threading
 import time
-from collections import Counter, OrderedDict, deque
+from collections import deque
 from collections.abc import Generator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from kvtier.backends import recordfile as rf
 from kvtier.backends.base import BackendContext, StorageBackend
+from kvtier.backends.diskindex import DiskIndex
 from kvtier.backends.record import ForgedEntry, expected_header_len
 from kvtier.errors import ConfigError, CorruptEntry
 from kvtier.keys import ChunkKey
 from kvtier.memory import MemoryObj
 from kvtier.metrics import RateLimitedLog
+from kvtier.names import DISK
 
 __all__ = ["DiskBackend"]
 
@@ -59,7 +61,7 @@ READ_AHEAD = 4  # chunk reads in flight per batch: keeps the device queue busy w
 class DiskBackend(StorageBackend):
     """Chunks as files under `config.local_disk`, at most `max_local_disk_size` GB in total."""
 
-    name = "disk"
+    name = DISK
 
     def __init__(self, ctx: BackendContext):
         root = ctx.config.local_disk_path
@@ -68,30 +70,23 @@ class DiskBackend(StorageBackend):
         self.root = Path(os.path.abspath(root))  # what is checked is what is used, whatever the cwd
         self._dirs = rf.RecordDirs(self.root)
         self.capacity = int(ctx.config.max_local_disk_size * 1e9)
-        self._ctx = ctx
+        self.ctx = ctx  # public: the layout and arena its records are read into
         self._mac_key = ctx.record_key
-        self._lock = threading.Lock()
-        self._index: OrderedDict[str, int] = OrderedDict()  # file stem -> size, LRU first
-        self._bytes = 0
-        self._reserved = 0  # writes in flight count against the cap
-        self._readers: Counter[str] = Counter()
+        self._lock = threading.Lock()  # one index change and its file change are one step
+        self._index = DiskIndex(self.capacity)
         self._counts = ctx.counters.scope(self.name, *_COUNTERS)
         self._warn = RateLimitedLog(logger)
-        self._clock = 0
         self._closed = False
         self._read_pool: ThreadPoolExecutor | None = None  # made on the first read
         start = time.perf_counter()
-        for mtime, name, size in self._open_root(root):
-            self._index[name] = size
-            self._bytes += size
-            self._clock = mtime
-        if self._bytes > self.capacity:
+        self._index.load(self._open_root(root))
+        if self._index.bytes > self.capacity:
             logger.warning("kvtier disk: %s holds %.2f GB, more than this tier's cap of %.2f GB "
                            "(max_local_disk_size); nothing was deleted: each new write evicts "
                            "at most its own size (`kvtier purge` shrinks it)", root,
-                           self._bytes / 1e9, self.capacity / 1e9)
+                           self._index.bytes / 1e9, self.capacity / 1e9)
         logger.info("kvtier disk: %s holds %d records (%.2f of %.2f GB), indexed in %.2fs",
-                    root, len(self._index), self._bytes / 1e9, self.capacity / 1e9,
+                    root, len(self._index), self._index.bytes / 1e9, self.capacity / 1e9,
                     time.perf_counter() - start)
 
     def _open_root(self, given: Path) -> list[tuple[int, str, int]]:
@@ -117,54 +112,29 @@ class DiskBackend(StorageBackend):
         self._counts.inc(name)
 
     def _stamps(self, n: int) -> list[int]:
-        """`n` fresh, strictly decreasing mtimes (ns): a batch's first chunk is its newest."""
         with self._lock:
-            t = max(time.time_ns(), self._clock + 1)
-            self._clock = t + n - 1
-        return [t + n - 1 - i for i in range(n)]
+            return self._index.stamps(n)
 
     def _touch(self, keys: Sequence[ChunkKey], persist: bool = False) -> None:
         """Mark `keys` (a prefix, in order) used, the first as the newest; with `persist`, in
         the files' mtimes too, so that the order survives a restart."""
         with self._lock:
-            for key in reversed(keys):
-                name = rf.file_name(key.key)
-                if name in self._index:
-                    self._index.move_to_end(name)
+            self._index.touch(rf.file_name(key.key) for key in keys)
         if persist:
             for key, stamp in zip(keys, self._stamps(len(keys)), strict=True):
                 with contextlib.suppress(OSError):  # a file gone meanwhile does not matter
                     os.utime(self.path_for(key.key), ns=(stamp, stamp))
 
-    def _forget_locked(self, name: str) -> None:
-        size = self._index.pop(name, None)
-        if size is not None:
-            self._bytes -= size
-
     def _adopt_locked(self, name: str, size: int) -> None:
-        """Index a record found on disk but not in the index (another process wrote it)."""
-        if name not in self._index:
-            self._index[name] = size
-            self._bytes += size
+        if self._index.adopt(name, size):
             self._counts.inc("adopted")
 
     def _make_room_locked(self, need: int) -> bool:
-        """Evict least recently used records, never one being read, until `need` bytes fit;
-        never more than `need` bytes (a directory over the cap is not this write's to shrink)."""
-        if need > self.capacity:
-            return False
-        over = min(self._bytes + self._reserved + need - self.capacity, need)
-        victims = []
-        for name, size in self._index.items():
-            if over <= 0:
-                break
-            if not self._readers[name]:
-                victims.append(name)
-                over -= size
-        if over > 0:
+        victims = self._index.victims(need)
+        if victims is None:
             return False
         for name in victims:
-            self._forget_locked(name)
+            self._index.forget(name)
             self._delete(name)
         self._counts.inc("evictions", len(victims))
         return True
@@ -246,7 +216,7 @@ class DiskBackend(StorageBackend):
         with self._lock:
             if self._closed:
                 return None
-            self._readers[name] += 1  # pinned: eviction skips it
+            self._index.pin(name)
         try:
             fd, st = rf.open_record(self._dirs, name)
         except OSError as exc:
@@ -257,7 +227,7 @@ class DiskBackend(StorageBackend):
                 self._read_error(path, exc)
             return None
         try:
-            obj = rf.read_record(fd, st.st_size, key, self._ctx.layout, self._ctx.allocate,
+            obj = rf.read_record(fd, st.st_size, key, self.ctx.layout, self.ctx.allocate,
                                  self._mac_key)
             if obj is None:
                 self._count("alloc_failures")
@@ -277,13 +247,11 @@ class DiskBackend(StorageBackend):
 
     def _unpin(self, name: str, vanished: bool = False) -> None:
         with self._lock:
-            self._readers[name] -= 1
-            if not self._readers[name]:
-                del self._readers[name]
+            self._index.unpin(name)
             # Gone behind our back, unless a writer put it back since (else the cap misses it).
             gone = vanished and not os.path.lexists(rf.record_path(self.root, name))
             if gone and name in self._index:
-                self._forget_locked(name)
+                self._index.forget(name)
                 self._counts.inc("vanished")
 
     def _not_regular(self, name: str, path: Path, what: str) -> None:
@@ -291,7 +259,7 @@ class DiskBackend(StorageBackend):
         private: a miss; not ours to delete."""
         with self._lock:
             self._counts.inc("not_regular")
-            self._forget_locked(name)
+            self._index.forget(name)
         self._warn.warning("not_regular", "kvtier disk: %s is not a record file of ours (%s); "
                            "treated as a miss", path, what)
 
@@ -303,7 +271,7 @@ class DiskBackend(StorageBackend):
         """Delete a corrupt record, unless a writer has replaced it meanwhile."""
         with self._lock:
             self._counts.inc("forged" if isinstance(exc, ForgedEntry) else "corrupt")
-            self._forget_locked(name)
+            self._index.forget(name)
             with contextlib.suppress(OSError):
                 now = os.stat(path)
                 if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
@@ -313,7 +281,7 @@ class DiskBackend(StorageBackend):
     def batch_put(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]) -> int:
         if len(keys) != len(objs):
             raise ValueError(f"keys and objs differ in length: {len(keys)} != {len(objs)}")
-        layout = self._ctx.layout
+        layout = self.ctx.layout
         for i, (key, obj) in enumerate(zip(keys, objs, strict=True)):
             if obj.fmt != layout.fmt or obj.num_tokens != key.num_tokens \
                     or obj.nbytes != layout.nbytes(key.num_tokens):
@@ -343,7 +311,7 @@ class DiskBackend(StorageBackend):
                                    "%d (records busy or too large); write dropped", size,
                                    self.capacity)
                 return False
-            self._reserved += size
+            self._index.reserved += size
         tmp = rf.temp_path(path)
         written = committed = False
         try:
@@ -354,9 +322,7 @@ class DiskBackend(StorageBackend):
                 if not self._closed:
                     os.replace(tmp, path)
                     committed = True
-                    self._forget_locked(name)
-                    self._index[name] = size
-                    self._bytes += size
+                    self._index.put(name, size)
                     self._counts.inc("puts")
                     self._counts.inc("put_bytes", size)
         except OSError as exc:
@@ -364,7 +330,7 @@ class DiskBackend(StorageBackend):
             self._warn.warning("write", "kvtier disk: write to %s failed, dropped: %s", tmp, exc)
         finally:
             with self._lock:
-                self._reserved -= size
+                self._index.reserved -= size
             if written and not committed:
                 self._unlink(Path(tmp))
         return committed
@@ -376,21 +342,20 @@ class DiskBackend(StorageBackend):
         with self._lock:
             if not self._closed:
                 for name in names:
-                    self._forget_locked(name)
+                    self._index.forget(name)
                     removed += self._delete(name)
         return removed
 
     def stats(self) -> dict[str, float]:
         with self._lock:
-            out: dict[str, float] = {"entries": len(self._index), "bytes": self._bytes,
+            out: dict[str, float] = {"entries": len(self._index), "bytes": self._index.bytes,
                                      "capacity_bytes": self.capacity}
         return {**self._counts.snapshot(declared=True), **out}
 
     def check_integrity(self) -> None:
         """Raise `AssertionError` unless the byte count matches the index (for tests)."""
         with self._lock:
-            assert self._bytes == sum(self._index.values()), "byte count drifted"
-            assert self._reserved >= 0, "negative reservation"
+            self._index.check()
 
     def close(self) -> None:
         with self._lock:

@@ -1,4 +1,4 @@
-"""The storage manager's side of its prefetches: each turn's work, and sharing.
+"""The storage manager's side of its prefetches: starting them, each turn's work, and sharing.
 
 Prefetches of the same chunks share one read and then the chunks, by reference: a chunk being
 read is waited for, not read twice, and an aborted prefetch gives back only what no live
@@ -15,12 +15,13 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from kvtier.backends.base import HotTier, StorageBackend
+from kvtier.config import Config
 from kvtier.keys import ChunkKey
 from kvtier.metrics import Counters
 from kvtier.storage import prefetch as _prefetch
 from kvtier.storage.adaptive import LoadPlanner
 from kvtier.storage.guard import GuardedTier
-from kvtier.storage.prefetch import Prefetch
+from kvtier.storage.prefetch import Prefetch, Prefetcher, Tails
 
 __all__ = ["PrefetchLoads", "longest_held"]
 
@@ -28,10 +29,14 @@ T = TypeVar("T", bound=StorageBackend)
 
 logger = logging.getLogger(__name__)
 
+PREFETCH_WORKERS = 2
+PREFETCH_MAX_PENDING = 256
+
 
 class PrefetchLoads:
-    """The storage manager's side of its prefetches: concurrent prefetches of the same chunks
-    share one read, then the chunks themselves. Thread-safe.
+    """The storage manager's side of its prefetches: each one's budget per `prefetch_policy`,
+    worker threads that run them in turns, and sharing: concurrent prefetches of the same
+    chunks share one read, then the chunks themselves. Thread-safe.
 
     Two tables under one lock: the chunks being read now (a prefetch that needs one waits for
     that read rather than reading it again) and, per chunk, how many live prefetches want it.
@@ -41,20 +46,23 @@ class PrefetchLoads:
     the other requests that wait for them by sending and aborting the same prefix.
 
     Args:
+        config: `prefetch_policy` and its budgets.
         hot: the tier loads go into.
         read: reads leading keys from the lower tiers into `hot`; returns how many arrived.
         planner: how many leading chunks of a prefetch to bring into `hot`, given how many are
             there already, and whether its tail is worth a read (`adaptive.LoadPlanner`).
         lower: the lower tiers now, fastest first (where a tail is looked for).
         stopped: whether the manager is closing; loads stop at their next window.
-        counters: counts `prefetch_dropped_chunks`.
+        counters: counts `prefetches`, `prefetch_dropped` (queue full) and
+            `prefetch_dropped_chunks`.
         used_bytes: the arena's bytes in use, for the drop's log line.
     """
 
-    def __init__(self, hot: HotTier, read: Callable[[Sequence[ChunkKey]], int],
+    def __init__(self, config: Config, hot: HotTier, read: Callable[[Sequence[ChunkKey]], int],
                  planner: LoadPlanner, lower: Callable[[], Sequence[GuardedTier]],
                  stopped: Callable[[], bool], counters: Counters,
                  used_bytes: Callable[[], int]):
+        self._config = config
         self._hot = hot
         self._read = read
         self._planner = planner
@@ -68,6 +76,40 @@ class PrefetchLoads:
         # Wants that ended, applied under _lock by its next holder: a release may come from
         # the garbage collector, at any point of any thread, even one that holds _lock.
         self._ended: deque[tuple[str, ...]] = deque()
+        self._workers = Prefetcher(self.step, workers=PREFETCH_WORKERS,
+                                   max_pending=PREFETCH_MAX_PENDING,
+                                   on_dropped=lambda: counters.inc("prefetch_dropped"))
+
+    def start(self, keys: Sequence[ChunkKey], tails: Tails | None, *, accept: bool,
+              ) -> Prefetch:
+        """A prefetch of `keys` (and then its tail), queued for the workers if `accept`; else
+        (or without keys) done at once with 0 chunks. Never blocks."""
+        cfg = self._config
+        if cfg.prefetch_policy == "adaptive":
+            budget = self._planner.budget_s(keys)
+        else:
+            tokens = sum(k.num_tokens for k in keys)
+            budget = (cfg.prefetch_timeout_base_ms
+                      + cfg.prefetch_timeout_per_token_ms * tokens) / 1e3
+        prefetch = Prefetch(keys, cfg.prefetch_policy, budget,
+                            max_wait_s=cfg.prefetch_wait_complete_max_ms / 1e3,
+                            drop=self.drop, tails=tails)
+        prefetch.arena_before = self._used_bytes()
+        if not accept or not keys:
+            prefetch.finish(0)
+            return prefetch
+        self._counters.inc("prefetches")
+        self.want(prefetch)  # until cancelled; a refused submit cancels it
+        self._workers.submit(prefetch)
+        return prefetch
+
+    def pending(self) -> int:
+        """Prefetches waiting for a worker."""
+        return self._workers.pending()
+
+    def close(self, timeout: float) -> None:
+        """Cancel queued prefetches; running ones stop at their next window (`timeout`)."""
+        self._workers.close(timeout)
 
     def want(self, prefetch: Prefetch) -> None:
         """Count `prefetch` as wanting its chunks until it is cancelled (or garbage)."""

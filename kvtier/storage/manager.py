@@ -9,7 +9,6 @@ tier sits behind a guard that turns its failures into counted misses (`kvtier.st
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Generator, Iterator, Sequence
 from contextlib import closing, contextmanager
@@ -21,14 +20,16 @@ from kvtier.config import Config
 from kvtier.config_checks import memory_problem
 from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey, stub_key
-from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj
+from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj, lease
 from kvtier.metrics import Counters, RateLimitedLog
+from kvtier.names import CPU
 from kvtier.storage.adaptive import LoadPlanner
 from kvtier.storage.estimates import PrefillSpeed
+from kvtier.storage.gate import Gate
 from kvtier.storage.guard import GuardedHotTier, GuardedTier
 from kvtier.storage.loads import PrefetchLoads, longest_held
 from kvtier.storage.policy import make_write_policy
-from kvtier.storage.prefetch import Prefetch, Prefetcher, Tails
+from kvtier.storage.prefetch import Prefetch, Tails
 from kvtier.storage.sessions import SessionPins
 from kvtier.storage.tierset import TierSet, discard
 from kvtier.storage.writer import TierWriter
@@ -37,8 +38,6 @@ __all__ = ["StorageManager"]
 
 logger = logging.getLogger(__name__)
 
-PREFETCH_WORKERS = 2
-PREFETCH_MAX_PENDING = 256
 COUNTERS = ("chunks_put", "cpu_evictions", "prefetches", "prefetch_dropped", "prefetch_timeouts",
             "prefetch_dropped_chunks", "tier_attached", "tier_detached", "tails_prefetched")
 
@@ -65,13 +64,11 @@ class StorageManager:
         self.allocator = allocator or MemoryAllocator(int(config.max_local_cpu_size * 1e9))
         self.counters = Counters(*COUNTERS)
         self._warn = RateLimitedLog(logger)
-        self._closed = False
-        self._gate = threading.Condition()  # guards _closed and _active
-        self._active = 0  # put/stats/start_prefetch calls running; close() waits for them
+        self._gate = Gate()  # put/stats/start_prefetch calls: close() waits for them
         ctx = BackendContext(config, layout, self.allocator, self.counters)
         hot: HotTier = NullHotTier()
         if config.local_cpu:
-            cpu = create_backend("cpu", ctx)
+            cpu = create_backend(CPU, ctx)
             assert isinstance(cpu, HotTier), cpu
             hot = GuardedHotTier(cpu, self.counters, self._warn)
         self.counters.declare(f"{hot.name}.hit_chunks")
@@ -80,14 +77,9 @@ class StorageManager:
         self._set = TierSet(ctx, self._warn,
                             reachable=self._in_hot if self.policy.holds_back else _never)
         try:
-            for name in config.tiers:
-                if name != "cpu":
-                    self._set.add(*self._set.build(name))
+            self._set.open(config.tiers)
         except BaseException:
-            tiers, writers = self._set.close()
-            for writer in writers:
-                writer.close(config.blocking_timeout_secs)  # nothing queued: returns at once
-            self._close_tiers(tiers)
+            hot.close()
             raise
         self.sessions = SessionPins(
             hot, int(config.max_session_pinned_fraction * self.allocator.size),
@@ -95,12 +87,9 @@ class StorageManager:
         self.prefill = PrefillSpeed()  # fed by the serving engine's prefills
         self._planner = LoadPlanner(lambda: self._set.tiers, self.prefill, layout.nbytes,
                                     self.allocator.size, self.counters)
-        self._loads = PrefetchLoads(hot, self._load_lower, self._planner,
-                                    lambda: self._set.tiers, lambda: self._closed, self.counters,
-                                    lambda: self.allocator.used_bytes)
-        self._prefetcher = Prefetcher(
-            self._loads.step, workers=PREFETCH_WORKERS, max_pending=PREFETCH_MAX_PENDING,
-            on_dropped=lambda: self.counters.inc("prefetch_dropped"))
+        self._loads = PrefetchLoads(config, hot, self._load_lower, self._planner,
+                                    lambda: self._set.tiers, lambda: self._gate.closed,
+                                    self.counters, lambda: self.allocator.used_bytes)
         self.allocator.set_evictor(self._evict)
         prometheus.register(self)
         logger.info("kvtier storage: tiers %s, write policy %s", [t.name for t in self.tiers],
@@ -113,6 +102,11 @@ class StorageManager:
         return [self.hot, *lower] if self.hot.resident else lower
 
     @property
+    def closed(self) -> bool:
+        """Whether `close()` has started (new calls are refused from then on)."""
+        return self._gate.closed
+
+    @property
     def _writers(self) -> list[TierWriter]:
         return self._set.writers
 
@@ -123,7 +117,7 @@ class StorageManager:
         tier and never takes over the caller's references."""
         if len(keys) != len(objs):
             raise ValueError(f"keys and objs differ in length: {len(keys)} != {len(objs)}")
-        with self._running() as open_:
+        with self._gate.enter() as open_:
             if not open_ or not keys:
                 return
             self.hot.batch_put(keys, objs)
@@ -139,13 +133,10 @@ class StorageManager:
         into the CPU tier, and stops at the first chunk no tier has.
         """
         objs: list[MemoryObj] = []
-        try:
+        with lease(objs):  # what arrived is released, even if a read fails midway
             with closing(self.stream(keys, hot_only=hot_only)) as chunks:
                 objs.extend(chunks)
             yield objs
-        finally:
-            for obj in objs:
-                obj.release()
 
     def stream(self, keys: Sequence[ChunkKey], *, hot_only: bool = False,
                ) -> Generator[MemoryObj, None, None]:
@@ -157,7 +148,7 @@ class StorageManager:
         """
         n = 0
         tiers = [self.hot] if hot_only else self.tiers
-        while n < len(keys) and not self._closed:
+        while n < len(keys) and not self._gate.closed:
             got = 0
             for tier in tiers:
                 with closing(tier.iter_get(keys[n:])) as objs:
@@ -180,7 +171,7 @@ class StorageManager:
         if hot_only:
             return self.hot.batch_contains(keys)
         n = 0
-        while n < len(keys) and not self._closed:
+        while n < len(keys) and not self._gate.closed:
             for tier in self.tiers:
                 got = tier.batch_contains(keys[n:])
                 if got:
@@ -214,25 +205,8 @@ class StorageManager:
         for, not read twice. Without a CPU tier there is nowhere to load into: the handle is
         done at once with 0 chunks.
         """
-        cfg = self.config
-        if cfg.prefetch_policy == "adaptive":
-            budget = self._planner.budget_s(keys)
-        else:
-            tokens = sum(k.num_tokens for k in keys)
-            budget = (cfg.prefetch_timeout_base_ms
-                      + cfg.prefetch_timeout_per_token_ms * tokens) / 1e3
-        prefetch = Prefetch(keys, cfg.prefetch_policy, budget,
-                            max_wait_s=cfg.prefetch_wait_complete_max_ms / 1e3,
-                            drop=self._loads.drop, tails=tails)
-        prefetch.arena_before = self.allocator.used_bytes
-        with self._running() as open_:
-            if not open_ or not self.hot.resident or not keys:
-                prefetch.finish(0)
-                return prefetch
-            self.counters.inc("prefetches")
-            self._loads.want(prefetch)  # until cancelled; a refused submit cancels it
-            self._prefetcher.submit(prefetch)
-        return prefetch
+        with self._gate.enter() as open_:
+            return self._loads.start(keys, tails, accept=open_ and self.hot.resident)
 
     def prefetch(self, keys: Sequence[ChunkKey], *, tails: Tails | None = None) -> Prefetch:
         """`start_prefetch`, then wait as `prefetch_policy` says (none for `best_effort`)."""
@@ -283,7 +257,7 @@ class StorageManager:
         Raises:
             ValueError: `name` is `cpu` or not attached.
         """
-        if name == "cpu":
+        if name == CPU:
             raise ValueError("the CPU tier cannot be detached")
         timeout = self.config.blocking_timeout_secs if timeout is None else timeout
         self._set.detach(name, drain=drain, timeout=timeout, wait=wait)
@@ -296,7 +270,7 @@ class StorageManager:
         """Manager counters plus every tier's stats as `tier.name` entries (once closing, the
         counters only: a tier is never asked once `close()` may be closing it)."""
         out: dict[str, float] = dict(self.counters.snapshot())
-        with self._running() as open_:
+        with self._gate.enter() as open_:
             if open_:
                 for tier in self.tiers:
                     for name, value in tier.stats().items():
@@ -308,7 +282,7 @@ class StorageManager:
                 for writer in self._writers:
                     out[f"{writer.backend.name}.write_queue"] = writer.pending()
                 out.update(self.sessions.stats())
-        out["prefetch_queue"] = self._prefetcher.pending()
+        out["prefetch_queue"] = self._loads.pending()
         out["arena_used_bytes"] = self.allocator.used_bytes
         out["arena_bytes"] = self.allocator.size
         return out
@@ -332,41 +306,23 @@ class StorageManager:
         running are waited for (same bound), so the write policy's `on_close` sees every put
         that returned and no call reaches a closed tier. Idempotent."""
         timeout = self.config.blocking_timeout_secs
-        with self._gate:
-            if self._closed:
-                return
-            self._closed = True
-            if not self._gate.wait_for(lambda: not self._active, timeout):
-                logger.warning("kvtier: %d storage calls still running after %.1fs; closing "
-                               "under them", self._active, timeout)
-        self._prefetcher.close(timeout)
+        running = self._gate.close(timeout)
+        if running is None:
+            return
+        if running:
+            logger.warning("kvtier: %d storage calls still running after %.1fs; closing under "
+                           "them", running, timeout)
+        self._loads.close(timeout)
         self.policy.on_close(self.hot, self.allocator.size, self._writers)  # writers still open
-        tiers, writers = self._set.close()
-        for writer in writers:
-            writer.close(timeout)
+        tiers = self._set.shut(timeout)
         self.sessions.close()
         self.allocator.set_evictor(None)
-        self._close_tiers(tiers)
+        for tier in [self.hot, *tiers]:
+            tier.close()
         self.allocator.close()  # warns if a reader still holds an object (a leak)
         logger.info("kvtier storage closed: %s", self.counters.snapshot())
 
     # -- internals ---------------------------------------------------------------------------
-
-    @contextmanager
-    def _running(self) -> Iterator[bool]:
-        """Whether the manager is open; if so, `close()` waits for the block to end."""
-        with self._gate:
-            open_ = not self._closed
-            if open_:
-                self._active += 1
-        try:
-            yield open_
-        finally:
-            if open_:
-                with self._gate:
-                    self._active -= 1
-                    if not self._active:
-                        self._gate.notify_all()
 
     def _load_lower(self, keys: Sequence[ChunkKey]) -> int:
         """Read leading `keys` from the lower tiers into the CPU tier; returns how many."""
@@ -393,10 +349,6 @@ class StorageManager:
 
     def _in_hot(self, key: str) -> bool:
         return self.hot.batch_contains([stub_key(key)]) == 1
-
-    def _close_tiers(self, lower: Sequence[StorageBackend]) -> None:
-        for tier in [self.hot, *lower]:
-            tier.close()
 
 
 def _never(key: str) -> bool:

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 
 from kvtier.backends import BackendContext, create_backend
 from kvtier.config import Config
 from kvtier.metrics import RateLimitedLog
-from kvtier.names import TIERS
+from kvtier.names import CPU, TIERS
 from kvtier.storage.guard import GuardedTier
 from kvtier.storage.writer import TierWriter
 
@@ -46,12 +47,24 @@ class TierSet:
         self._lock = threading.Lock()
         self._closed = False
 
+    def open(self, names: Iterable[str]) -> None:
+        """Build and add each lower tier of `names` (the CPU tier is skipped); if one cannot
+        be built, close every tier built so far and raise."""
+        try:
+            for name in names:
+                if name != CPU:
+                    self.add(*self.build(name))
+        except BaseException:
+            for tier in self.shut(0.0):  # nothing was queued: the writers close at once
+                tier.close()
+            raise
+
     def build(self, name: str, config: Config | None = None,
               ) -> tuple[GuardedTier, TierWriter]:
         """Build lower tier `name` (connect, index) from `config` (default the manager's),
         behind the failure guard, and its writer; unpublished. `ValueError` if `name` is the
         CPU tier or attached (checked before the build), `ConfigError` if it cannot be built."""
-        if name == "cpu" or self.find(name) is not None:
+        if name == CPU or self.find(name) is not None:
             raise ValueError(f"tier {name!r} cannot be attached: it is the CPU tier or "
                              f"already attached ({[t.name for t in self.tiers]})")
         ctx = self._ctx
@@ -125,6 +138,15 @@ class TierSet:
             tiers, writers = self.tiers, self.writers
             self.tiers, self.writers = [], []
             return tiers, writers
+
+    def shut(self, timeout: float) -> list[GuardedTier]:
+        """`close`, then close the writers (their queues written within `timeout` seconds in
+        all); returns the tiers, for the caller to close once nothing else reads them."""
+        tiers, writers = self.close()
+        deadline = time.monotonic() + timeout
+        for writer in writers:
+            writer.close(max(0.0, deadline - time.monotonic()))
+        return tiers
 
 
 def retire(tier: GuardedTier, writer: TierWriter, *, drain: bool, timeout: float,

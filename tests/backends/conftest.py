@@ -68,5 +68,5 @@ def make_backend() -> Iterator[Callable[..., RedisBackend]]:
     yield make
     for backend in made:
         backend.close()
-        backend._ctx.allocator.check_integrity()
-        assert backend._ctx.allocator.used_bytes == 0, "the redis tier leaked arena memory"
+        backend.ctx.allocator.check_integrity()
+        assert backend.ctx.allocator.used_bytes == 0, "the redis tier leaked arena memory"

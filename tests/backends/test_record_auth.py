@@ -49,13 +49,13 @@ def test_records_without_the_key_are_never_loaded(kind: str, tmp_path: Path,
     stranger = make(_key_file(tmp_path, b"another secret of 32 bytes......", "k2"))
     keys = make_keys(4 * 16, seed=7 if kind == "redis" else 8)
     try:
-        genuine = put_random(owner.batch_put, owner._ctx.allocator, SMALL_MHA, keys, seed=1)
+        genuine = put_random(owner.batch_put, owner.ctx.allocator, SMALL_MHA, keys, seed=1)
         with lease(owner.batch_get(keys)) as got:
             assert [same_bytes(o.tensor, w) for o, w in zip(got, genuine)] == [True] * 4
         with lease(neighbour.batch_get(keys)) as got:  # no key: reads authenticated records
             assert len(got) == 4
         assert stranger.batch_get(keys) == []  # another key: not ours
-        put_random(neighbour.batch_put, neighbour._ctx.allocator, SMALL_MHA, keys, seed=2)
+        put_random(neighbour.batch_put, neighbour.ctx.allocator, SMALL_MHA, keys, seed=2)
         assert owner.batch_get(keys) == []  # the neighbour's records: forged, a miss
         stats = owner.stats()
         assert stats["forged"] >= 1 and stats["corrupt"] == 0

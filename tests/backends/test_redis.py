@@ -29,7 +29,7 @@ RECOVERY_DEADLINE = 5.0  # seconds; the issue's bound on coming back, used as a 
 
 
 def _put(backend: RedisBackend, keys: list[ChunkKey], seed: int = 0) -> list[torch.Tensor]:
-    ctx = backend._ctx
+    ctx = backend.ctx
     return put_random(backend.batch_put, ctx.allocator, ctx.layout, keys, seed)
 
 
@@ -321,7 +321,7 @@ def test_sigkill_during_a_loop_degrades_and_hits_resume_after_restart(
 ) -> None:
     server = redis_factory()
     backend = make_backend(server.url, layout=MID, remote_segment_mb=SEGMENT_MB)
-    ctx = backend._ctx
+    ctx = backend.ctx
     keys = make_keys(16 * 4, layout=MID, seed=61)
     objs = [make_obj(ctx.allocator, MID, 16, i) for i in range(len(keys))]
     halfway = threading.Event()
@@ -355,7 +355,7 @@ def test_unreachable_at_start_starts_down_then_comes_up(
     keys = make_keys(16)
     assert backend.stats()["down"] == 1
     assert backend.batch_contains(keys) == 0
-    obj = make_obj(backend._ctx.allocator, SMALL_MHA, 16, 0)
+    obj = make_obj(backend.ctx.allocator, SMALL_MHA, 16, 0)
     try:
         assert backend.batch_put(keys, [obj]) == 0
         assert backend.stats()["skipped_down"] >= 2

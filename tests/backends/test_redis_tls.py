@@ -177,7 +177,7 @@ def test_no_warning_for_loopback_unix_tls_or_no_password(
 # ---- real TLS servers --------------------------------------------------------------------
 
 def _round_trip(backend: RedisBackend, num_tokens: int, seed: int) -> None:
-    ctx = backend._ctx
+    ctx = backend.ctx
     keys = make_keys(num_tokens, seed=seed)
     expected = put_random(backend.batch_put, ctx.allocator, ctx.layout, keys, seed)
     assert backend.batch_contains(keys) == len(keys)

@@ -19,6 +19,7 @@ from kvtier.backends.redis.url import Router, parse_remote_url
 from kvtier.errors import ConfigError, CorruptEntry
 from kvtier.keys import ChunkKey
 from kvtier.memory import MemoryObj
+from kvtier.names import REDIS
 
 __all__ = ["RedisBackend"]
 
@@ -38,7 +39,7 @@ _Plan = list[tuple[list[str], int]]  # per chunk: its Redis keys and its payload
 class RedisBackend(StorageBackend):
     """Chunks as records in Redis. Thread-safe: each call takes pooled connections per node."""
 
-    name = "redis"
+    name = REDIS
 
     def __init__(self, ctx: BackendContext, *, atomic_reads: bool = False):
         """`atomic_reads`: read a segmented record with one MGET instead of one GET per
@@ -48,7 +49,7 @@ class RedisBackend(StorageBackend):
         if not cfg.remote_url:
             raise ConfigError("remote_url: the redis tier needs a redis:// ... URL")
         self._target = parse_remote_url(cfg.remote_url)
-        self._ctx = ctx
+        self.ctx = ctx  # public: the layout and arena its records are read into
         self._mac_key = ctx.record_key
         self._ttl = cfg.remote_ttl_secs
         self._timeout = cfg.remote_timeout_secs
@@ -104,7 +105,7 @@ class RedisBackend(StorageBackend):
     def _plan(self, keys: Sequence[ChunkKey]) -> _Plan:
         out = []
         for k in keys:
-            nbytes = self._ctx.layout.nbytes(k.num_tokens)
+            nbytes = self.ctx.layout.nbytes(k.num_tokens)
             out.append((rio.redis_keys(k, len(rio.segments(nbytes, self._seg))), nbytes))
         return out
 
@@ -166,7 +167,7 @@ class RedisBackend(StorageBackend):
         hits = nbytes_read = 0
         bad: list[tuple[redis.Redis, list[str]]] = []
         streams: dict[int, rio.GetStream] = {}
-        layout, allocate = self._ctx.layout, self._ctx.allocate
+        layout, allocate = self.ctx.layout, self.ctx.allocate
         try:
             order = []
             for rkeys, nbytes in self._plan(keys):
@@ -210,8 +211,8 @@ class RedisBackend(StorageBackend):
                 and not isinstance(exc, rio.SegmentMismatch)):
             self._health.count("rereads")
             try:
-                return rio.read_atomic(stream.client, key, rkeys, self._ctx.layout,
-                                       self._ctx.allocate, self._mac_key)
+                return rio.read_atomic(stream.client, key, rkeys, self.ctx.layout,
+                                       self.ctx.allocate, self._mac_key)
             except (CorruptEntry, rio.ReplyError, rio.ArenaFull) as again:
                 exc = again
         if self._get_failed(key, exc):
@@ -256,7 +257,7 @@ class RedisBackend(StorageBackend):
     def batch_put(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]) -> int:
         if len(keys) != len(objs):
             raise ValueError(f"keys and objs differ in length: {len(keys)} != {len(objs)}")
-        layout = self._ctx.layout
+        layout = self.ctx.layout
         for i, (k, obj) in enumerate(zip(keys, objs)):
             if obj.nbytes != layout.nbytes(k.num_tokens) or obj.fmt != layout.fmt:
                 raise ValueError(f"objs[{i}]: {obj!r} does not hold {k.num_tokens} tokens of "

@@ -19,15 +19,16 @@ import threading
 from typing import Any
 
 from kvtier.config import Config, with_overrides
+from kvtier.names import DISK, REDIS
 
 __all__ = ["Attachments", "attach_config", "OVERRIDABLE", "MAX_TIMEOUT_S"]
 
 logger = logging.getLogger(__name__)
 
 # Keys an HTTP attach may change, per tier: how the tier behaves, never where it is.
-OVERRIDABLE = {"disk": frozenset({"max_local_disk_size"}),
-               "redis": frozenset({"remote_timeout_secs", "remote_ttl_secs"})}
-DECLARED_BY = {"disk": "local_disk", "redis": "remote_url"}
+OVERRIDABLE = {DISK: frozenset({"max_local_disk_size"}),
+               REDIS: frozenset({"remote_timeout_secs", "remote_ttl_secs"})}
+DECLARED_BY = {DISK: "local_disk", REDIS: "remote_url"}
 MAX_TIMEOUT_S = 10.0  # an attach that cannot connect in this long reports failure
 
 

@@ -1,0 +1,104 @@
+"""The disk tier's in-memory index: which records exist, how big they are, which are being read,
+and which to evict. No file I/O here: `DiskBackend` does the files and holds the lock that
+makes an index change and its file change one step."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
+
+__all__ = ["DiskIndex"]
+
+
+class DiskIndex:
+    """Record names (file stems) to sizes in LRU order, least recent first, against a byte cap.
+
+    Not thread-safe: the caller serializes every call (the backend's lock).
+
+    Args:
+        capacity: the cap in bytes (`max_local_disk_size`).
+    """
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._sizes: OrderedDict[str, int] = OrderedDict()
+        self.bytes = 0  # indexed records
+        self.reserved = 0  # writes in flight count against the cap
+        self._readers: Counter[str] = Counter()
+        self._clock = 0  # the newest mtime handed out or found (ns)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._sizes
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    def load(self, found: Iterable[tuple[int, str, int]]) -> None:
+        """Index `(mtime_ns, name, size)` records found on disk, oldest first."""
+        for mtime, name, size in found:
+            self.put(name, size)
+            self._clock = max(self._clock, mtime)
+
+    def put(self, name: str, size: int) -> None:
+        """Index record `name` of `size` bytes as the most recently used (replacing any)."""
+        self.forget(name)
+        self._sizes[name] = size
+        self.bytes += size
+
+    def adopt(self, name: str, size: int) -> bool:
+        """Index a record found on disk but not in the index (another process wrote it);
+        False if it was indexed already."""
+        if name in self._sizes:
+            return False
+        self.put(name, size)
+        return True
+
+    def forget(self, name: str) -> None:
+        size = self._sizes.pop(name, None)
+        if size is not None:
+            self.bytes -= size
+
+    def touch(self, names: Iterable[str]) -> None:
+        """Mark `names` used, the first as the most recent (a prefix is used front to back, and
+        its first chunk is the last to evict)."""
+        for name in reversed(list(names)):
+            if name in self._sizes:
+                self._sizes.move_to_end(name)
+
+    def stamps(self, n: int) -> list[int]:
+        """`n` fresh, strictly decreasing mtimes (ns): a batch's first chunk is its newest."""
+        t = max(time.time_ns(), self._clock + 1)
+        self._clock = t + n - 1
+        return [t + n - 1 - i for i in range(n)]
+
+    def pin(self, name: str) -> None:
+        """`name` is being read: eviction skips it until `unpin`."""
+        self._readers[name] += 1
+
+    def unpin(self, name: str) -> None:
+        self._readers[name] -= 1
+        if not self._readers[name]:
+            del self._readers[name]
+
+    def victims(self, need: int) -> list[str] | None:
+        """The least recently used records, none being read, whose eviction lets a write of
+        `need` bytes fit under the cap (never more than `need` bytes of them: a directory over
+        the cap is not one write's to shrink); None if it cannot fit. Picks only: the caller
+        deletes them and `forget`s each."""
+        if need > self.capacity:
+            return None
+        over = min(self.bytes + self.reserved + need - self.capacity, need)
+        chosen = []
+        for name, size in self._sizes.items():
+            if over <= 0:
+                break
+            if not self._readers[name]:
+                chosen.append(name)
+                over -= size
+        return None if over > 0 else chosen
+
+    def check(self) -> None:
+        """Raise `AssertionError` unless the byte count matches the index (for tests)."""
+        assert self.bytes == sum(self._sizes.values()), "byte count drifted"
+        assert self.reserved >= 0, "negative reservation"

@@ -1,0 +1,70 @@
+"""The disk tier's index on its own: LRU order, the cap, pinned records, mtimes."""
+
+from __future__ import annotations
+
+from kvtier.backends.diskindex import DiskIndex
+
+
+def _index(capacity: int, *records: tuple[str, int]) -> DiskIndex:
+    index = DiskIndex(capacity)
+    index.load((i, name, size) for i, (name, size) in enumerate(records))
+    return index
+
+
+def test_victims_are_least_recently_used_first_and_only_what_the_write_needs() -> None:
+    index = _index(100, ("a", 30), ("b", 30), ("c", 30))
+    assert index.victims(10) == []  # 90 + 10 fits
+    assert index.victims(20) == ["a"]
+    index.touch(["a"])
+    assert index.victims(20) == ["b"]
+    assert index.victims(40) == ["b"]  # 30 over the cap: one record
+    assert index.victims(70) == ["b", "c"]
+
+
+def test_touch_makes_the_first_name_the_most_recent() -> None:
+    index = _index(90, ("a", 30), ("b", 30), ("c", 30))
+    index.touch(["a", "b"])  # a prefix: "a" is its first chunk, evicted last
+    assert index.victims(60) == ["c", "b"]
+
+
+def test_a_pinned_record_is_never_a_victim() -> None:
+    index = _index(60, ("a", 30), ("b", 30))
+    index.pin("a")
+    assert index.victims(30) == ["b"]
+    index.pin("b")
+    assert index.victims(30) is None
+    index.unpin("a")
+    assert index.victims(30) == ["a"]
+
+
+def test_a_directory_over_the_cap_is_not_shrunk_by_one_write() -> None:
+    index = _index(50, ("a", 30), ("b", 30), ("c", 30))  # 90 bytes under a cap of 50
+    assert index.victims(10) == ["a"]  # frees what the write needs, not the 40 over
+
+
+def test_too_large_and_reserved_bytes() -> None:
+    index = _index(100, ("a", 50))
+    assert index.victims(101) is None
+    index.reserved = 40  # a write in flight
+    assert index.victims(20) == ["a"]
+
+
+def test_put_replaces_adopt_does_not_and_bytes_add_up() -> None:
+    index = _index(100, ("a", 30))
+    index.put("a", 40)
+    assert not index.adopt("a", 99)
+    assert index.adopt("b", 10)
+    assert (len(index), index.bytes) == (2, 50)
+    index.forget("a")
+    index.forget("missing")
+    assert (len(index), index.bytes, "b" in index) == (1, 10, True)
+    index.check()
+
+
+def test_stamps_are_strictly_decreasing_and_newer_than_any_record_found() -> None:
+    index = DiskIndex(100)
+    future = 2**62
+    index.load([(future, "a", 1)])
+    first, second = index.stamps(3), index.stamps(2)
+    assert first[0] > first[1] > first[2] > future
+    assert min(second) > max(first)
