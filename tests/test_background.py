@@ -31,5 +31,10 @@ def test_lower_priority_applies_to_the_calling_thread_only() -> None:
 
 def test_the_environment_can_turn_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVTIER_BACKGROUND_NICE", "0")
-    assert lower_priority() is None
+    got: list[int | None] = []
+    thread = threading.Thread(target=lambda: got.append(lower_priority()))
+    thread.start()
+    thread.join()
+    assert got == [None]
     assert load_config(env={"KVTIER_BACKGROUND_NICE": "0"}) == Config()  # not a config key
+

@@ -26,6 +26,7 @@ from types import ModuleType
 
 import torch
 
+from kvtier.background import copy_threads
 from kvtier.errors import ConfigError
 
 __all__ = ["gather", "scatter", "scatter_chunks", "prepare", "kernel_name", "reference_gather",
@@ -55,7 +56,7 @@ def gather(layers: Sequence[torch.Tensor], slots: torch.Tensor, out: torch.Tenso
     """
     _check(layers, slots, out, "out", allow_skip=False)
     if (ext := _kernel(out.device)) is not None:
-        return ext.gather(list(layers), slots, out)
+        return ext.gather(list(layers), slots, out, max_threads=copy_threads())
     reference_gather(layers, slots, out)
 
 
@@ -73,7 +74,7 @@ def scatter(src: torch.Tensor, slots: torch.Tensor, layers: Sequence[torch.Tenso
     """
     _check(layers, slots, src, "src", allow_skip=True)
     if (ext := _kernel(src.device)) is not None:
-        return ext.scatter(src, slots, list(layers))
+        return ext.scatter(src, slots, list(layers), max_threads=copy_threads())
     reference_scatter(src, slots, layers)
 
 
@@ -99,7 +100,7 @@ def scatter_chunks(srcs: Sequence[torch.Tensor], slots: torch.Tensor,
     if total != slots.numel():
         raise ValueError(f"srcs hold {total} tokens, slots has {slots.numel()}")
     if ext is not None:
-        return ext.scatter_chunks(list(srcs), slots, list(layers))
+        return ext.scatter_chunks(list(srcs), slots, list(layers), max_threads=copy_threads())
     for i, src in enumerate(srcs):
         _check_chunk(src, f"srcs[{i}]", first, len(layers), src.shape[1])
     start = 0

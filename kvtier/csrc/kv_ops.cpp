@@ -90,9 +90,10 @@ int64_t check_args(const std::vector<at::Tensor>& layers, const at::Tensor& slot
 
 // Runs fn(begin, end) over [0, num_rows) in tasks of about kGrainBytes, handed out dynamically:
 // when a thread is descheduled (the host is busy serving), the others take over its share instead
-// of the whole call waiting for it. A small copy runs inline on the calling thread.
+// of the whole call waiting for it. A small copy runs inline on the calling thread, and so does
+// every copy with max_threads 1 (a background copy must not take the serving engine's cores).
 template <typename F>
-void parallel_rows(int64_t num_rows, int64_t row_bytes, const F& fn) {
+void parallel_rows(int64_t num_rows, int64_t row_bytes, int64_t max_threads, const F& fn) {
   const int64_t rows_per_task = std::max<int64_t>(1, kGrainBytes / row_bytes);
   const int64_t num_tasks = (num_rows + rows_per_task - 1) / rows_per_task;
   std::atomic<int64_t> next{0};
@@ -101,11 +102,13 @@ void parallel_rows(int64_t num_rows, int64_t row_bytes, const F& fn) {
       fn(t * rows_per_task, std::min(num_rows, (t + 1) * rows_per_task));
     }
   };
-  at::parallel_for(0, std::min<int64_t>(num_tasks, at::get_num_threads()), 1, worker);
+  int64_t threads = at::get_num_threads();
+  if (max_threads > 0) threads = std::min(threads, max_threads);
+  at::parallel_for(0, std::min(num_tasks, threads), 1, worker);
 }
 
 void gather_cpu(const std::vector<at::Tensor>& layers, const at::Tensor& slots, at::Tensor& out,
-                int64_t row_bytes) {
+                int64_t row_bytes, int64_t max_threads) {
   const int64_t num_tokens = slots.numel();
   const int64_t num_rows = num_tokens * static_cast<int64_t>(layers.size());
   std::vector<const char*> base;
@@ -116,7 +119,7 @@ void gather_cpu(const std::vector<at::Tensor>& layers, const at::Tensor& slots, 
     const RowIndex i = row_index(r, num_tokens);
     return base[i.layer] + slot_offset(slot[i.token], row_bytes);
   };
-  parallel_rows(num_rows, row_bytes, [&](int64_t b, int64_t e) {
+  parallel_rows(num_rows, row_bytes, max_threads, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       if (r + 1 < num_rows) prefetch_row(src_row(r + 1), row_bytes);
       std::memcpy(dst + chunk_offset(row_index(r, num_tokens), num_tokens, row_bytes), src_row(r),
@@ -126,14 +129,14 @@ void gather_cpu(const std::vector<at::Tensor>& layers, const at::Tensor& slots, 
 }
 
 void scatter_cpu(const at::Tensor& src, const at::Tensor& slots,
-                 const std::vector<at::Tensor>& layers, int64_t row_bytes) {
+                 const std::vector<at::Tensor>& layers, int64_t row_bytes, int64_t max_threads) {
   const int64_t num_tokens = slots.numel();
   const int64_t num_rows = num_tokens * static_cast<int64_t>(layers.size());
   std::vector<char*> base;
   for (const auto& layer : layers) base.push_back(static_cast<char*>(layer.data_ptr()));
   const int64_t* slot = slots.data_ptr<int64_t>();
   const char* from = static_cast<const char*>(src.data_ptr());
-  parallel_rows(num_rows, row_bytes, [&](int64_t b, int64_t e) {
+  parallel_rows(num_rows, row_bytes, max_threads, [&](int64_t b, int64_t e) {
     for (int64_t r = b; r < e; ++r) {
       const RowIndex i = row_index(r, num_tokens);
       if (slot[i.token] == kSkipSlot) continue;
@@ -146,7 +149,8 @@ void scatter_cpu(const at::Tensor& src, const at::Tensor& slots,
 // scatter_cpu over consecutive chunks in one parallel loop: flat row r of the whole batch is
 // chunk c's row r - first_row[c], so the threads never wait at a chunk boundary.
 void scatter_chunks_cpu(const std::vector<at::Tensor>& srcs, const at::Tensor& slots,
-                        const std::vector<at::Tensor>& layers, int64_t row_bytes) {
+                        const std::vector<at::Tensor>& layers, int64_t row_bytes,
+                        int64_t max_threads) {
   const int64_t num_layers = static_cast<int64_t>(layers.size());
   std::vector<char*> base;
   for (const auto& layer : layers) base.push_back(static_cast<char*>(layer.data_ptr()));
@@ -162,7 +166,7 @@ void scatter_chunks_cpu(const std::vector<at::Tensor>& srcs, const at::Tensor& s
     num_tokens += src.size(1);
   }
   const int64_t* slot = slots.data_ptr<int64_t>();
-  parallel_rows(num_rows, row_bytes, [&](int64_t b, int64_t e) {
+  parallel_rows(num_rows, row_bytes, max_threads, [&](int64_t b, int64_t e) {
     // The last chunk starting at or before b (empty chunks share a start: take the last).
     size_t c = std::upper_bound(first_row.begin(), first_row.end(), b) - first_row.begin() - 1;
     for (int64_t r = b; r < e; ++r) {
@@ -178,7 +182,8 @@ void scatter_chunks_cpu(const std::vector<at::Tensor>& srcs, const at::Tensor& s
 
 }  // namespace
 
-void gather(const std::vector<at::Tensor>& layers, const at::Tensor& slots, at::Tensor out) {
+void gather(const std::vector<at::Tensor>& layers, const at::Tensor& slots, at::Tensor out,
+            int64_t max_threads) {
   const int64_t row_bytes = check_args(layers, slots, out, "out", /*allow_skip=*/false);
   if (slots.numel() == 0 || row_bytes == 0) return;
   if (out.is_cuda()) {
@@ -190,11 +195,11 @@ void gather(const std::vector<at::Tensor>& layers, const at::Tensor& slots, at::
 #endif
   }
   TORCH_CHECK_VALUE(out.is_cpu(), "out must be on the CPU or a CUDA device");
-  gather_cpu(layers, slots, out, row_bytes);
+  gather_cpu(layers, slots, out, row_bytes, max_threads);
 }
 
 void scatter(const at::Tensor& src, const at::Tensor& slots,
-             const std::vector<at::Tensor>& layers) {
+             const std::vector<at::Tensor>& layers, int64_t max_threads) {
   const int64_t row_bytes = check_args(layers, slots, src, "src", /*allow_skip=*/true);
   if (slots.numel() == 0 || row_bytes == 0) return;
   if (src.is_cuda()) {
@@ -206,11 +211,11 @@ void scatter(const at::Tensor& src, const at::Tensor& slots,
 #endif
   }
   TORCH_CHECK_VALUE(src.is_cpu(), "src must be on the CPU or a CUDA device");
-  scatter_cpu(src, slots, layers, row_bytes);
+  scatter_cpu(src, slots, layers, row_bytes, max_threads);
 }
 
 void scatter_chunks(const std::vector<at::Tensor>& srcs, const at::Tensor& slots,
-                    const std::vector<at::Tensor>& layers) {
+                    const std::vector<at::Tensor>& layers, int64_t max_threads) {
   // Everything is validated (the slot range once, over all chunks) before a byte is written.
   TORCH_CHECK_VALUE(!srcs.empty(), "srcs must not be empty");
   const int64_t row_bytes = check_pool(layers, slots);
@@ -237,7 +242,7 @@ void scatter_chunks(const std::vector<at::Tensor>& srcs, const at::Tensor& slots
 #endif
   }
   TORCH_CHECK_VALUE(slots.is_cpu(), "slots must be on the CPU or a CUDA device");
-  scatter_chunks_cpu(srcs, slots, layers, row_bytes);
+  scatter_chunks_cpu(srcs, slots, layers, row_bytes, max_threads);
 }
 
 }  // namespace kvtier
@@ -251,14 +256,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   // The copies can take milliseconds: let other Python threads (the background writer) run.
   m.def("gather", &kvtier::gather, "out[l, t] = layers[l][slots[t]]",
-        py::arg("layers"), py::arg("slots"), py::arg("out"),
+        py::arg("layers"), py::arg("slots"), py::arg("out"), py::arg("max_threads") = 0,
         py::call_guard<py::gil_scoped_release>());
   m.def("scatter", &kvtier::scatter, "layers[l][slots[t]] = src[l, t] for slots[t] != -1",
-        py::arg("src"), py::arg("slots"), py::arg("layers"),
+        py::arg("src"), py::arg("slots"), py::arg("layers"), py::arg("max_threads") = 0,
         py::call_guard<py::gil_scoped_release>());
   m.def("scatter_chunks", &kvtier::scatter_chunks,
         "scatter(srcs[c], slots[offset_c : offset_c + T_c], layers) for every chunk c, with "
         "the slots checked once",
-        py::arg("srcs"), py::arg("slots"), py::arg("layers"),
+        py::arg("srcs"), py::arg("slots"), py::arg("layers"), py::arg("max_threads") = 0,
         py::call_guard<py::gil_scoped_release>());
 }

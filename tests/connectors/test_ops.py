@@ -6,12 +6,14 @@ The compiled kernels are loaded unconditionally (built on first use, or the ahea
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 
 import pytest
 import torch
 
+from kvtier.background import copy_threads, lower_priority
 from kvtier.connectors import build, ops
 from kvtier.errors import ConfigError
 from tests.helpers import same_bytes
@@ -303,3 +305,36 @@ def test_scatter_chunks_rejects_bad_input_before_writing(
     with pytest.raises(ValueError, match=pattern):
         ops.scatter_chunks(srcs, slots, layers)
     assert all(same_bytes(a, b) for a, b in zip(layers, before, strict=True))
+
+
+def _threads_started_by_a_copy(background: bool) -> tuple[int, int]:
+    """(copy_threads(), OS threads the process gained) for one large gather on a new thread."""
+    layers = [torch.randn(4096, 512) for _ in range(4)]
+    slots = torch.randperm(4096)
+    out = torch.empty(4, 4096, 512)
+    seen: list[tuple[int, int]] = []
+
+    def worker() -> None:
+        if background:
+            lower_priority()
+        before = len(os.listdir("/proc/self/task"))
+        ops.gather(layers, slots, out)
+        seen.append((copy_threads(), len(os.listdir("/proc/self/task")) - before))
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert torch.equal(out, torch.stack([layer[slots] for layer in layers]))
+    return seen[0]
+
+
+def test_a_background_threads_copy_runs_on_that_thread_alone() -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the kernel may use two threads, as on a 2-core host
+    try:
+        assert _threads_started_by_a_copy(background=True) == (1, 0)
+        # The check sees a team: the same copy on a serving thread starts one.
+        limit, started = _threads_started_by_a_copy(background=False)
+        assert limit == 0 and started >= 1
+    finally:
+        torch.set_num_threads(threads)
