@@ -3,11 +3,13 @@ queued at its deadline is cancelled (its lock freed), and nothing is handed back
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
 import torch
 
+from kvtier.background import copy_threads
 from kvtier.integration.sglang.stores import StoreJob, StoreWorker
 from kvtier.metrics import Counters
 
@@ -100,3 +102,22 @@ def test_submissions_past_the_limit_are_refused() -> None:
     finally:
         store.finish.set()
         worker.close(10)
+
+
+def test_the_store_thread_keeps_its_priority_and_copies_alone() -> None:
+    # A request may wait for a store to read its slots (they stay locked until then): the
+    # store thread is not niced, but its copies never start a team beside the engine's.
+    seen: list[tuple[int, int]] = []
+
+    def store(job: StoreJob) -> int:
+        seen.append((os.getpriority(os.PRIO_PROCESS, threading.get_native_id()),
+                     copy_threads()))
+        return 0
+
+    worker = StoreWorker(store, Counters(*COUNTERS))
+    try:
+        assert worker.submit(_job("a"))
+        assert len(worker.collect(wait=True, timeout=60)) == 1
+    finally:
+        worker.close(10)
+    assert seen == [(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), 1)]

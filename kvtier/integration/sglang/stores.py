@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvtier.background import lower_priority
+from kvtier.background import copy_alone
 from kvtier.metrics import Counters, RateLimitedLog
 
 __all__ = ["StoreJob", "StoreWorker", "MAX_PENDING_STORES", "STORE_DEADLINE_S"]
@@ -166,7 +166,9 @@ class StoreWorker:
             logger.warning("kvtier: the store thread did not stop within %.1fs", timeout)
 
     def _run(self) -> None:
-        lower_priority()  # no request waits for a store: running streams go first
+        # Not niced: until a store has read its slots they stay locked, and in a full pool the
+        # next request's admission waits for them. Its copy takes one core, never the engine's.
+        copy_alone()
         while True:
             job = self._jobs.get()
             try:
