@@ -13,6 +13,7 @@ from kvtier.memory import lease
 from kvtier.storage import StorageManager
 from kvtier.storage.adaptive import DEADLINE_SLACK, Decision, Span, decide
 from kvtier.storage.estimates import PrefillSpeed, TierSpeed
+from kvtier.storage.prefetch_policy import prefetch_policy
 from tests.helpers import SMALL_MHA, make_keys, make_obj
 
 CHUNK = 16
@@ -151,7 +152,10 @@ def test_a_request_waits_no_longer_than_recomputing_its_prompt(tmp_path: Path) -
         keys = make_keys(8 * CHUNK)
         prefetch = sm.start_prefetch(keys)
         # Before its plan the budget is the prompt's recompute time: no load can win later.
-        assert sm._planner.budget_s(keys) == pytest.approx(8 * CHUNK / 1000.0)
+        tokens = 8 * CHUNK
+        budget = prefetch_policy("adaptive").budget_s(cfg, tokens,
+                                                      sm.prefill.recompute_s(tokens, tokens))
+        assert budget == pytest.approx(tokens / 1000.0)
         assert prefetch.wait_done(30) and prefetch.ready(now=time.monotonic())
         assert prefetch.deadline <= time.monotonic()  # nothing to load: ready at once
     finally:

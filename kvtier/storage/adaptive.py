@@ -116,10 +116,9 @@ class LoadPlanner:
         counters.declare("adaptive_tokens_loaded",
                           *(f"adaptive_tokens_recomputed_{r}" for r in REASONS))
 
-    def budget_s(self, keys: Sequence[ChunkKey]) -> float:
-        """How long a prefetch of `keys` may wait before anything is known: recomputing all of
-        it takes this long, so no load can win after it."""
-        tokens = sum(k.num_tokens for k in keys)
+    def recompute_s(self, tokens: int) -> float:
+        """How long recomputing a prompt of `tokens` tokens takes now (the `adaptive` budget
+        before a plan exists: no load can win after it)."""
         return self.prefill.recompute_s(tokens, tokens)
 
     def plan(self, prefetch: Prefetch, hot_chunks: int) -> int:
@@ -128,7 +127,7 @@ class LoadPlanner:
         trips to the lower tiers, so it runs on a prefetch worker."""
         keys = prefetch.keys
         cap = hot_chunks + self._cap_bytes // max(1, self._chunk_bytes(keys[0].num_tokens))
-        if prefetch.policy != "adaptive":
+        if not prefetch.policy.planned:
             return min(len(keys), cap)
         prompt = sum(k.num_tokens for k in keys)
         spans, skipped = self._locate(keys, hot_chunks, prompt)
@@ -160,7 +159,7 @@ class LoadPlanner:
         always under the other policies; under `adaptive` only after every hit chunk was
         loaded and if it arrives sooner than its tokens recompute, and then the deadline
         moves to include it."""
-        if prefetch.policy != "adaptive":
+        if not prefetch.policy.planned:
             return True
         if prefetch.hits is not None and n < prefetch.hits:
             return False  # the plan stopped short of the chunks before the tail

@@ -22,6 +22,7 @@ from kvtier.storage import prefetch as _prefetch
 from kvtier.storage.adaptive import LoadPlanner
 from kvtier.storage.guard import GuardedTier
 from kvtier.storage.prefetch import Prefetch, Prefetcher, Tails
+from kvtier.storage.prefetch_policy import prefetch_policy
 
 __all__ = ["PrefetchLoads", "longest_held"]
 
@@ -63,6 +64,7 @@ class PrefetchLoads:
                  stopped: Callable[[], bool], counters: Counters,
                  used_bytes: Callable[[], int]):
         self._config = config
+        self._policy = prefetch_policy(config.prefetch_policy)
         self._hot = hot
         self._read = read
         self._planner = planner
@@ -84,16 +86,9 @@ class PrefetchLoads:
               ) -> Prefetch:
         """A prefetch of `keys` (and then its tail), queued for the workers if `accept`; else
         (or without keys) done at once with 0 chunks. Never blocks."""
-        cfg = self._config
-        if cfg.prefetch_policy == "adaptive":
-            budget = self._planner.budget_s(keys)
-        else:
-            tokens = sum(k.num_tokens for k in keys)
-            budget = (cfg.prefetch_timeout_base_ms
-                      + cfg.prefetch_timeout_per_token_ms * tokens) / 1e3
-        prefetch = Prefetch(keys, cfg.prefetch_policy, budget,
-                            max_wait_s=cfg.prefetch_wait_complete_max_ms / 1e3,
-                            drop=self.drop, tails=tails)
+        tokens = sum(k.num_tokens for k in keys)
+        budget = self._policy.budget_s(self._config, tokens, self._planner.recompute_s(tokens))
+        prefetch = Prefetch(keys, self._policy, budget, drop=self.drop, tails=tails)
         prefetch.arena_before = self._used_bytes()
         if not accept or not keys:
             prefetch.finish(0)

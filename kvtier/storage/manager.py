@@ -211,7 +211,7 @@ class StorageManager:
     def prefetch(self, keys: Sequence[ChunkKey], *, tails: Tails | None = None) -> Prefetch:
         """`start_prefetch`, then wait as `prefetch_policy` says (none for `best_effort`)."""
         prefetch = self.start_prefetch(keys, tails=tails)
-        if not prefetch.wait() and prefetch.policy in ("timeout", "adaptive"):
+        if not prefetch.wait() and prefetch.policy.counts_timeouts:
             self.counters.inc("prefetch_timeouts")
         return prefetch
 

@@ -18,9 +18,9 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 from kvtier.keys import ChunkKey
 from kvtier.metrics import RateLimitedLog
-from kvtier.names import PREFETCH_POLICIES
+from kvtier.storage.prefetch_policy import PrefetchPolicy, prefetch_policy
 
-__all__ = ["Prefetch", "Prefetcher", "PREFETCH_POLICIES", "PREFETCH_WINDOW", "Tails"]
+__all__ = ["Prefetch", "Prefetcher", "PREFETCH_WINDOW", "Tails"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,27 +37,25 @@ class Prefetch:
 
     Args:
         keys: the chunks to load, in prefix order.
-        policy: when `ready()` says the caller may go on: `best_effort` at once,
-            `wait_complete` when the load is done (or after `max_wait_s`, a ceiling),
-            `timeout` when done or `budget_s` passed, `adaptive` when done or at the deadline
-            (first `budget_s`, then what the load's plan sets with `set_deadline`).
-        budget_s: the `timeout` and `adaptive` policies' budget in seconds.
-        max_wait_s: the `wait_complete` ceiling in seconds.
+        policy: when `ready()` says the caller may go on (`kvtier.storage.prefetch_policy`,
+            or its name): at once if it does not wait, else when the load is done or at the
+            deadline: `budget_s` after the start, or what the load's plan sets with
+            `set_deadline` (`adaptive`).
+        budget_s: seconds until the deadline (`PrefetchPolicy.budget_s`; for
+            `wait_complete`, its ceiling).
         drop: undoes the load for `cancel(drop=True)`; called at most once, after the load
             stopped (`PrefetchLoads.drop`).
         tails: the candidate tails after each position: once the chunks are in, the longest
             tail stored after them is brought up too.
     """
 
-    def __init__(self, keys: Sequence[ChunkKey], policy: str = "wait_complete",
-                 budget_s: float = 0.0, *, max_wait_s: float = float("inf"),
+    def __init__(self, keys: Sequence[ChunkKey], policy: str | PrefetchPolicy = "wait_complete",
+                 budget_s: float = float("inf"), *,
                  drop: Callable[[Prefetch], None] | None = None, tails: Tails | None = None):
-        if policy not in PREFETCH_POLICIES:
-            raise ValueError(f"policy must be one of {PREFETCH_POLICIES}, got {policy!r}")
+        self.policy = policy if isinstance(policy, PrefetchPolicy) else prefetch_policy(policy)
         self.keys = list(keys)
-        self.policy = policy
         self.started = time.monotonic()
-        self.deadline = self.started + (max_wait_s if policy == "wait_complete" else budget_s)
+        self.deadline = self.started + budget_s
         self.loaded = 0  # leading chunks in the hot tier (final once done)
         self.promoted: list[ChunkKey] = []  # chunks this load brought up from a lower tier
         self.arena_before = 0  # arena bytes in use when the load started (for logs)
@@ -89,15 +87,11 @@ class Prefetch:
 
     def ready(self, now: float | None = None) -> bool:
         """Whether the caller may go on now, per the policy (never blocks)."""
-        if self.policy == "best_effort" or self._done.is_set():
+        if not self.policy.waits or self._done.is_set():
             return True
         if (time.monotonic() if now is None else now) < self.deadline:
             return False
-        if self.policy == "wait_complete":
-            _warn.warning("wait-ceiling", "kvtier: a wait_complete prefetch of %d chunks "
-                          "still ran after %.1f s (prefetch_wait_complete_max_ms); the request "
-                          "goes on with what arrived", len(self.keys),
-                          self.deadline - self.started)
+        self.policy.at_deadline(len(self.keys), self.deadline - self.started)
         return True
 
     def set_deadline(self, deadline: float) -> None:
@@ -106,7 +100,7 @@ class Prefetch:
 
     def wait(self) -> bool:
         """Block as the policy says (no wait for `best_effort`); True if the load is done."""
-        if self.policy != "best_effort":
+        if self.policy.waits:
             while not self._done.is_set():
                 left = self.deadline - time.monotonic()
                 if left <= 0:  # re-read: the plan may move the deadline while we wait

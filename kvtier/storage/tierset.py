@@ -55,7 +55,7 @@ class TierSet:
                 if name != CPU:
                     self.add(*self.build(name))
         except BaseException:
-            for tier in self.shut(0.0):  # nothing was queued: the writers close at once
+            for tier in self.shut(self._ctx.config.blocking_timeout_secs):  # nothing queued
                 tier.close()
             raise
 

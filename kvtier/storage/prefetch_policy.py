@@ -1,0 +1,92 @@
+"""Prefetch policies: how long a request waits for its load before it runs without the rest.
+
+- `adaptive` (the default): the load is planned from measured tier and prefill speeds
+  (`kvtier.storage.adaptive`); the request waits until what arrives sooner than it recomputes
+  is in, or that part's deadline. Until the plan exists, the deadline is the recompute time of
+  the whole prompt.
+- `best_effort`: never waits; the load goes on in the background.
+- `timeout`: waits until the load is done or `prefetch_timeout_base_ms` +
+  `prefetch_timeout_per_token_ms` x tokens passed.
+- `wait_complete`: waits until the load is done, at most `prefetch_wait_complete_max_ms` (a
+  ceiling: reaching it logs a warning).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvtier.config import Config
+from kvtier.metrics import RateLimitedLog
+from kvtier.names import PREFETCH_POLICIES
+
+__all__ = ["PrefetchPolicy", "Adaptive", "BestEffort", "Timeout", "WaitComplete", "POLICIES",
+           "prefetch_policy"]
+
+logger = logging.getLogger(__name__)
+_warn = RateLimitedLog(logger)
+
+
+class PrefetchPolicy:
+    """What a prefetch's caller waits for (one shared, stateless instance per policy)."""
+
+    name = "?"
+    waits = True  # whether the caller waits at all
+    planned = False  # whether the load is planned from measured speeds (else: every hit)
+    # Whether a wait that ends at the deadline with the load unfinished counts as a timeout.
+    counts_timeouts = False
+
+    def budget_s(self, config: Config, tokens: int, recompute_s: float) -> float:
+        """How long after the start the caller stops waiting (for a prefetch of `tokens`
+        tokens that take `recompute_s` to recompute), unless the plan moves it."""
+        return 0.0
+
+    def at_deadline(self, chunks: int, waited_s: float) -> None:
+        """The caller stopped waiting at the deadline with the load unfinished."""
+
+
+class Adaptive(PrefetchPolicy):
+    name = "adaptive"
+    planned = True
+    counts_timeouts = True
+
+    def budget_s(self, config: Config, tokens: int, recompute_s: float) -> float:
+        return recompute_s  # no load can win after that
+
+
+class BestEffort(PrefetchPolicy):
+    name = "best_effort"
+    waits = False
+
+
+class Timeout(PrefetchPolicy):
+    name = "timeout"
+    counts_timeouts = True
+
+    def budget_s(self, config: Config, tokens: int, recompute_s: float) -> float:
+        return (config.prefetch_timeout_base_ms
+                + config.prefetch_timeout_per_token_ms * tokens) / 1e3
+
+
+class WaitComplete(PrefetchPolicy):
+    name = "wait_complete"
+
+    def budget_s(self, config: Config, tokens: int, recompute_s: float) -> float:
+        return config.prefetch_wait_complete_max_ms / 1e3
+
+    def at_deadline(self, chunks: int, waited_s: float) -> None:
+        _warn.warning("wait-ceiling", "kvtier: a wait_complete prefetch of %d chunks still ran "
+                      "after %.1f s (prefetch_wait_complete_max_ms); the request goes on with "
+                      "what arrived", chunks, waited_s)
+
+
+POLICIES: dict[str, PrefetchPolicy] = {
+    cls.name: cls() for cls in (Adaptive, BestEffort, Timeout, WaitComplete)}
+assert set(POLICIES) == set(PREFETCH_POLICIES), "kvtier.names lists other prefetch policies"
+
+
+def prefetch_policy(name: str) -> PrefetchPolicy:
+    """The policy called `name`; `ValueError` naming the choices if there is none."""
+    try:
+        return POLICIES[name]
+    except KeyError:
+        raise ValueError(f"policy must be one of {PREFETCH_POLICIES}, got {name!r}") from None
