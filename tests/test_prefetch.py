@@ -290,6 +290,23 @@ def test_an_adaptive_deadline_is_set_by_the_plan() -> None:
     assert prefetch.ready() and not prefetch.done()
 
 
+def test_wait_ready_returns_when_the_plan_moves_the_deadline_not_when_the_load_ends() -> None:
+    # The plan found nothing worth loading, the load still looks for a tail: the request's
+    # first admission check must not wait for that lookup.
+    prefetch = Prefetch(make_keys(32), "adaptive", budget_s=60.0)
+    planner = threading.Timer(0.05, lambda: prefetch.set_deadline(time.monotonic()))
+    planner.start()
+    try:
+        assert prefetch.wait_ready(30.0)  # long before the 30 s bound
+        assert not prefetch.done()
+        assert not Prefetch(make_keys(32), "adaptive", budget_s=60.0).wait_ready(0.01)
+        finished = Prefetch(make_keys(32), "timeout", budget_s=60.0)
+        threading.Timer(0.05, finished.finish, args=(3,)).start()
+        assert finished.wait_ready(30.0) and finished.done()
+    finally:
+        planner.cancel()
+
+
 def test_prefetches_take_turns_window_by_window() -> None:
     """One worker, two long loads: each gets a window in turn; neither waits for the other's
     whole prompt."""

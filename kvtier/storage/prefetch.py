@@ -77,6 +77,7 @@ class Prefetch:
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._cancelled = threading.Event()
+        self._changed = threading.Condition()  # notified when done or the deadline moves
 
     @property
     def cancelled(self) -> bool:
@@ -96,7 +97,22 @@ class Prefetch:
 
     def set_deadline(self, deadline: float) -> None:
         """When `ready()` turns true for the `adaptive` policy (monotonic clock)."""
-        self.deadline = deadline
+        with self._changed:
+            self.deadline = deadline
+            self._changed.notify_all()
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for `ready()`: the load done, or its deadline come
+        (at once when the plan finds nothing worth waiting for, though the load may still
+        look for a tail); returns `ready()`."""
+        end = time.monotonic() + timeout
+        with self._changed:
+            while self.policy.waits and not self._done.is_set():
+                now = time.monotonic()
+                if now >= min(end, self.deadline):
+                    break
+                self._changed.wait(min(end, self.deadline) - now)
+        return self.ready()
 
     def wait(self) -> bool:
         """Block as the policy says (no wait for `best_effort`); True if the load is done."""
@@ -172,6 +188,8 @@ class Prefetch:
                 self._undo()
         finally:
             self._done.set()
+            with self._changed:
+                self._changed.notify_all()
 
     def _undo(self) -> None:
         if self._drop is None:

@@ -231,7 +231,7 @@ class SGLangKVTier:
             return True
         if rid not in self._checked:
             self._checked.add(rid)
-            prefetch.wait_done(FIRST_CHECK_WAIT_S)
+            prefetch.wait_ready(FIRST_CHECK_WAIT_S)
         # One rank's load may finish later: admit only when every rank is ready.
         if not self.agree_min(int(prefetch.ready())):
             self.counters.inc("sglang.prefetch_waits")
