@@ -206,7 +206,7 @@ class _QuickLoad(Prefetch):
         super().__init__([], "wait_complete")
         self.waits: list[float] = []
 
-    def wait_done(self, timeout: float) -> bool:
+    def wait_ready(self, timeout: float) -> bool:
         self.waits.append(timeout)
         self.finish(0)
         return True
