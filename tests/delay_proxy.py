@@ -101,15 +101,16 @@ class DelayProxy:
         while view:
             rate = self.bytes_per_s
             if rate is None:
-                dst.sendall(view)
-                break
-            part, view = view[:SLICE_BYTES], view[SLICE_BYTES:]
-            wait = self._link_slot(len(part), rate) - time.monotonic()
-            if wait > 0:
-                time.sleep(wait)
+                part, view = view, view[:0]
+            else:
+                part, view = view[:SLICE_BYTES], view[SLICE_BYTES:]
+                wait = self._link_slot(len(part), rate) - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait)
+            # Counted before it is sent: a client that has read a reply sees it counted.
+            with self._lock:
+                self.reply_bytes += len(part)
             dst.sendall(part)
-        with self._lock:
-            self.reply_bytes += len(data)
 
     def _delayed_pump(self, src: socket.socket, dst: socket.socket) -> None:
         due: collections.deque[tuple[float, bytes]] = collections.deque()  # in arrival order
