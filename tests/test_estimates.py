@@ -90,7 +90,7 @@ def test_estimates_converge_on_a_tier_whose_speed_is_known(
         sm.put(keys, objs)
     assert sm.flush(timeout=60)
     sm.hot.remove(keys)
-    redis = sm._set.tiers[0]
+    redis = sm.lower_tiers[0]
     for _ in range(READS):
         assert redis.batch_contains(keys) == 4  # one round trip
         got = redis.batch_get(keys)  # 2 MiB through the proxy's link

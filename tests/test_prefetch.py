@@ -364,7 +364,7 @@ def test_a_tier_that_stalls_mid_load_is_given_up_at_the_deadline(
     (nothing), while the read is still stuck; once admitted, the load stops."""
     sm = _gated_manager(tmp_path, monkeypatch, policy="adaptive")
     try:
-        tier = sm._set.tiers[0]
+        tier = sm.lower_tiers[0]
         tier.speed.observe_latency(1e-4)
         tier.speed.observe_read(1 << 20, 1e-3)  # 1 GB/s
         sm.prefill.observe(4096, 4096 / 100.0, 4096)  # recompute: 100 tokens/s

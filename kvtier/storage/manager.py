@@ -102,6 +102,12 @@ class StorageManager:
         return [self.hot, *lower] if self.hot.resident else lower
 
     @property
+    def lower_tiers(self) -> list[GuardedTier]:
+        """The attached lower tiers behind their guards (each with its measured `speed`),
+        fastest first; a snapshot."""
+        return list(self._set.tiers)
+
+    @property
     def closed(self) -> bool:
         """Whether `close()` has started (new calls are refused from then on)."""
         return self._gate.closed
