@@ -5,7 +5,8 @@
     guard.py      the failure rule around every tier: a failing call is a counted miss; timings
     policy.py     write policies: when a put reaches the lower tiers
     writer.py     one background writer per lower tier
-    tierset.py    the live set of lower tiers, changed while stores and loads run
+    tierset.py    the live set of lower tiers and their writers: attach/detach while stores
+                  and loads run, flush
     prefetch.py   background loads into the CPU tier, round-robin, shared by reference
     adaptive.py   load or recompute: how much of a hit a prefetch loads
     estimates.py  measured tier and prefill speeds

@@ -9,7 +9,6 @@ tier sits behind a guard that turns its failures into counted misses (`kvtier.st
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Generator, Iterator, Sequence
 from contextlib import closing, contextmanager
 
@@ -221,51 +220,30 @@ class StorageManager:
             self.counters.inc("prefetch_timeouts")
         return prefetch
 
-    # -- tiers at run time ---------------------------------------------------------------------
+    # -- tiers at run time: `TierSet` holds the contracts ------------------------------------
 
     def attach_tier(self, name: str, config: Config | None = None) -> None:
-        """Add lower tier `name` while stores and loads run; it serves hits at once.
-
-        Args:
-            name: `disk` or `redis`.
-            config: the config to build it from (its `local_disk`/`remote_url` keys); default
-                the manager's own.
-
-        Raises:
-            ValueError: `name` is `cpu` or already attached.
-            ConfigError: the tier cannot be built from `config` (e.g. no `remote_url`).
-        """
-        self._set.publish(*self._set.build(name, config))
+        """Add lower tier `name` (`disk`, `redis`) while stores and loads run, built from
+        `config` (default the manager's own); it serves hits at once. See `TierSet.attach`
+        (and its errors: `ValueError`, `ConfigError`)."""
+        self._set.attach(name, config)
 
     def build_tier(self, name: str, config: Config | None = None,
                    ) -> tuple[GuardedTier, TierWriter]:
-        """The slow half of `attach_tier`: build lower tier `name` (connect, index) and its
-        writer, unpublished; hand them to `publish_tier`, or `discard_tier` them. Same
-        errors as `attach_tier`."""
+        """The slow half of `attach_tier`, unpublished: hand the result to `publish_tier`,
+        or `discard_tier` it; see `TierSet.build`."""
         return self._set.build(name, config)
 
     def publish_tier(self, tier: GuardedTier, writer: TierWriter) -> None:
-        """The fast half of `attach_tier`: the next call uses `tier`. On `ValueError` (attached
-        meanwhile, or closing) the tier is discarded."""
+        """The fast half of `attach_tier`; see `TierSet.publish`."""
         self._set.publish(tier, writer)
 
     discard_tier = staticmethod(discard)  # close a built tier that was never published
 
     def detach_tier(self, name: str, *, drain: bool = True, timeout: float | None = None,
                     wait: bool = True) -> None:
-        """Remove lower tier `name` while stores and loads run, then close it.
-
-        New calls stop using it at once; its queued writes are written (`drain`, bounded by
-        `timeout`, default `blocking_timeout_secs`) or dropped and counted; calls still running
-        on it get up to `timeout` to finish (a call cut off by the close is a counted miss).
-        Without `wait`, that draining and closing happens on a background thread.
-
-        Raises:
-            ValueError: `name` is `cpu` or not attached.
-        """
-        if name == CPU:
-            raise ValueError("the CPU tier cannot be detached")
-        timeout = self.config.blocking_timeout_secs if timeout is None else timeout
+        """Remove lower tier `name` while stores and loads run, then close it, its queued
+        writes written (`drain`) or dropped. See `TierSet.detach` (and its `ValueError`)."""
         self._set.detach(name, drain=drain, timeout=timeout, wait=wait)
 
     def remove(self, keys: Sequence[ChunkKey]) -> int:
@@ -279,14 +257,9 @@ class StorageManager:
         with self._gate.enter() as open_:
             if open_:
                 for tier in self.tiers:
-                    for name, value in tier.stats().items():
-                        out[f"{tier.name}.{name}"] = value
-                for lower in self._set.tiers:
-                    for name, value in lower.speed.stats().items():
-                        out[f"{lower.name}.{name}"] = value
+                    out.update({f"{tier.name}.{k}": v for k, v in tier.stats().items()})
+                out.update(self._set.stats())  # lower tiers' speeds and write queues
                 out.update(self.prefill.stats())
-                for writer in self._writers:
-                    out[f"{writer.backend.name}.write_queue"] = writer.pending()
                 out.update(self.sessions.stats())
         out["prefetch_queue"] = self._loads.pending()
         out["arena_used_bytes"] = self.allocator.used_bytes
@@ -295,15 +268,9 @@ class StorageManager:
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every lower-tier write queued so far is done, `timeout` seconds in all
-        (not per tier); False on timeout, with a warning naming what was left."""
-        timeout = self.config.blocking_timeout_secs if timeout is None else timeout
-        deadline = time.monotonic() + timeout
-        late = [w.backend.name for w in self._writers  # every writer gets what time is left
-                if not w.drain(max(0.0, deadline - time.monotonic()))]
-        if late:
-            self._warn.warning("flush", "kvtier: flush: writes to %s still queued after %.1fs; "
-                               "they land in the background", ", ".join(late), timeout)
-        return not late
+        (not per tier); False on timeout, with a warning naming what was left. See
+        `TierSet.flush`."""
+        return self._set.flush(timeout)
 
     def close(self) -> None:
         """Drain background writes (bounded by `blocking_timeout_secs`), then close tiers.

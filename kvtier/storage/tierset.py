@@ -1,5 +1,6 @@
 """The live set of lower tiers and their writers, built, changed and retired while stores and
-loads run.
+loads run: the storage manager's tier management (`StorageManager.attach_tier` and friends
+delegate here), plus what concerns every writer at once (flush, queue stats).
 
 Readers take the current lists (`tiers`, `writers`) without locking: a change publishes new
 lists and never mutates old ones, so a call that started on the old set finishes on it (the
@@ -21,7 +22,7 @@ from kvtier.names import CPU, TIERS
 from kvtier.storage.guard import GuardedTier
 from kvtier.storage.writer import TierWriter
 
-__all__ = ["TierSet", "TIER_ORDER", "retire"]
+__all__ = ["TierSet", "TIER_ORDER", "retire", "discard"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +60,27 @@ class TierSet:
                 tier.close()
             raise
 
+    def attach(self, name: str, config: Config | None = None) -> None:
+        """Add lower tier `name` while stores and loads run (`build`, then `publish`); it
+        serves hits at once.
+
+        Args:
+            name: `disk` or `redis`.
+            config: the config to build it from (its `local_disk`/`remote_url` keys); default
+                the manager's own.
+
+        Raises:
+            ValueError: `name` is `cpu` or already attached, or the set is closed.
+            ConfigError: the tier cannot be built from `config` (e.g. no `remote_url`).
+        """
+        self.publish(*self.build(name, config))
+
     def build(self, name: str, config: Config | None = None,
               ) -> tuple[GuardedTier, TierWriter]:
-        """Build lower tier `name` (connect, index) from `config` (default the manager's),
-        behind the failure guard, and its writer; unpublished. `ValueError` if `name` is the
-        CPU tier or attached (checked before the build), `ConfigError` if it cannot be built."""
+        """The slow half of `attach`: build lower tier `name` (connect, index) from `config`
+        (default the manager's), behind the failure guard, and its writer; unpublished. Hand
+        them to `publish`, or `discard` them. `ValueError` if `name` is the CPU tier or
+        attached (checked before the build), `ConfigError` if it cannot be built."""
         if name == CPU or self.find(name) is not None:
             raise ValueError(f"tier {name!r} cannot be attached: it is the CPU tier or "
                              f"already attached ({[t.name for t in self.tiers]})")
@@ -77,7 +94,8 @@ class TierSet:
         return tier, writer
 
     def publish(self, tier: GuardedTier, writer: TierWriter) -> None:
-        """`add`, counted and logged; a tier that cannot be added is discarded."""
+        """The fast half of `attach`: `add`, counted and logged, so the next call uses `tier`.
+        On `ValueError` (attached meanwhile, or closed) the tier is discarded."""
         try:
             self.add(tier, writer)
         except ValueError:
@@ -87,8 +105,22 @@ class TierSet:
         logger.info("kvtier: attached tier %s; lower tiers now %s", tier.name,
                     [t.name for t in self.tiers])
 
-    def detach(self, name: str, *, drain: bool, timeout: float, wait: bool) -> None:
-        """`remove` tier `name`, then `retire` it (on a background thread without `wait`)."""
+    def detach(self, name: str, *, drain: bool = True, timeout: float | None = None,
+               wait: bool = True) -> None:
+        """Remove lower tier `name` while stores and loads run, then close it.
+
+        New calls stop using it at once (`remove`); then it is retired (`retire`): its queued
+        writes are written (`drain`, bounded by `timeout`, default `blocking_timeout_secs`) or
+        dropped and counted; calls still running on it get up to `timeout` to finish (a call
+        cut off by the close is a counted miss). Without `wait`, that draining and closing
+        happens on a background thread.
+
+        Raises:
+            ValueError: `name` is `cpu` or not attached.
+        """
+        if name == CPU:
+            raise ValueError("the CPU tier cannot be detached")
+        timeout = self._ctx.config.blocking_timeout_secs if timeout is None else timeout
         tier, writer = self.remove(name)
         if wait:
             self._retire(tier, writer, drain, timeout)
@@ -102,6 +134,32 @@ class TierSet:
         self._ctx.counters.inc("tier_detached")
         logger.info("kvtier: detached tier %s; lower tiers now %s", tier.name,
                     [t.name for t in self.tiers])
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every write queued so far is written, `timeout` seconds in all (not per
+        tier; default `blocking_timeout_secs`). False on timeout, with a warning naming the
+        tiers whose writes are still queued (they land in the background)."""
+        timeout = self._ctx.config.blocking_timeout_secs if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        # Every writer is asked, even after one ran late, and gets what time is left: a slow
+        # tier must not keep the others' queues from being waited for at all.
+        late = [w.backend.name for w in self.writers
+                if not w.drain(max(0.0, deadline - time.monotonic()))]
+        if late:
+            self._warn.warning("flush", "kvtier: flush: writes to %s still queued after %.1fs; "
+                               "they land in the background", ", ".join(late), timeout)
+        return not late
+
+    def stats(self) -> dict[str, float]:
+        """Each lower tier's measured speeds and its writer's queue length, as `tier.name`
+        entries (the tiers' own stats are the caller's: it holds the CPU tier too)."""
+        out: dict[str, float] = {}
+        for tier in self.tiers:
+            for name, value in tier.speed.stats().items():
+                out[f"{tier.name}.{name}"] = value
+        for writer in self.writers:
+            out[f"{writer.backend.name}.write_queue"] = writer.pending()
+        return out
 
     def find(self, name: str) -> GuardedTier | None:
         return next((t for t in self.tiers if t.name == name), None)
