@@ -54,22 +54,12 @@ class StorageManager:
                  allocator: MemoryAllocator | None = None):
         self.config = config
         self.layout = layout
-        if allocator is None:
-            # A config may be sized for a bigger host (check-config only warns): refuse here,
-            # naming the key, before a too-large arena is allocated and faulted in.
-            problem = memory_problem(config)
-            if problem:
-                raise ConfigError(problem)
-        self.allocator = allocator or MemoryAllocator(int(config.max_local_cpu_size * 1e9))
+        self.allocator = allocator if allocator is not None else _new_arena(config)
         self.counters = Counters(*COUNTERS)
         self._warn = RateLimitedLog(logger)
         self._gate = Gate()  # put/stats/start_prefetch calls: close() waits for them
         ctx = BackendContext(config, layout, self.allocator, self.counters)
-        hot: HotTier = NullHotTier()
-        if config.local_cpu:
-            cpu = create_backend(CPU, ctx)
-            assert isinstance(cpu, HotTier), cpu
-            hot = GuardedHotTier(cpu, self.counters, self._warn)
+        hot = _open_hot_tier(ctx, self._warn)
         self.counters.declare(f"{hot.name}.hit_chunks")
         self.hot = hot
         self.policy = make_write_policy(config, hot)
@@ -322,6 +312,26 @@ class StorageManager:
 
     def _in_hot(self, key: str) -> bool:
         return self.hot.batch_contains([stub_key(key)]) == 1
+
+
+def _new_arena(config: Config) -> MemoryAllocator:
+    """An arena of `max_local_cpu_size` GB; `ConfigError` if this host cannot hold it."""
+    # A config may be sized for a bigger host (check-config only warns): refuse here, naming
+    # the key, before a too-large arena is allocated and faulted in.
+    problem = memory_problem(config)
+    if problem:
+        raise ConfigError(problem)
+    return MemoryAllocator(int(config.max_local_cpu_size * 1e9))
+
+
+def _open_hot_tier(ctx: BackendContext, warn: RateLimitedLog) -> HotTier:
+    """The CPU tier behind its failure guard, or (`local_cpu: false`) a stand-in that holds
+    nothing, so no code path needs to ask whether there is a CPU tier."""
+    if not ctx.config.local_cpu:
+        return NullHotTier()
+    cpu = create_backend(CPU, ctx)
+    assert isinstance(cpu, HotTier), cpu
+    return GuardedHotTier(cpu, ctx.counters, warn)
 
 
 def _never(key: str) -> bool:
