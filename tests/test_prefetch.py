@@ -182,7 +182,7 @@ def _running_and_queued(sm: StorageManager, keys: list[ChunkKey]) -> tuple[Prefe
 
 def test_wants_end_on_cancel_refusal_or_garbage(one_worker: StorageManager) -> None:
     keys = make_keys(48)
-    wanting = one_worker._loads.wanting
+    wanting = one_worker.prefetch_wants
     running, queued = _running_and_queued(one_worker, keys)
     refused = one_worker.start_prefetch(keys)  # the queue is full
     assert refused.done() and refused.result() == 0
@@ -206,7 +206,7 @@ def test_wants_end_on_cancel_refusal_or_garbage(one_worker: StorageManager) -> N
 
 def test_wants_of_queued_prefetches_end_at_close(one_worker: StorageManager) -> None:
     keys = make_keys(48)
-    wanting = one_worker._loads.wanting
+    wanting = one_worker.prefetch_wants
     running, queued = _running_and_queued(one_worker, keys)
     closer = threading.Thread(target=one_worker.close)
     closer.start()

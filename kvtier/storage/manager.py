@@ -210,6 +210,11 @@ class StorageManager:
             self.counters.inc("prefetch_timeouts")
         return prefetch
 
+    def prefetch_wants(self, key: ChunkKey) -> int:
+        """How many live prefetches (started, not yet cancelled or garbage) want `key`; an
+        aborted prefetch never drops a chunk another one wants."""
+        return self._loads.wanting(key)
+
     # -- tiers at run time: `TierSet` holds the contracts ------------------------------------
 
     def attach_tier(self, name: str, config: Config | None = None) -> None:
