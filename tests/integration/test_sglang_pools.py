@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
@@ -212,12 +213,19 @@ class _QuickLoad(Prefetch):
         return True
 
 
-def test_a_new_requests_first_check_waits_briefly_for_its_prefetch(engine_for: Any) -> None:
+def test_a_new_requests_first_check_waits_briefly_for_its_prefetch(
+        engine_for: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     pool = make_pool("mla", 1, torch.float32)
-    kv = SGLangKVTier(engine_for(pool), page_size=1)
+    engine = engine_for(pool)
+    quick, slow = _QuickLoad(), Prefetch([], "wait_complete")
+    # The engine hands out these two loads, so the adapter's own start_prefetch registers them.
+    handed = iter([quick, slow])
+    monkeypatch.setattr(engine, "start_prefetch", lambda *args, **kwargs: next(handed))
+    kv = SGLangKVTier(engine, page_size=1)
     try:
-        quick, slow = _QuickLoad(), Prefetch([], "wait_complete")
-        kv._prefetches.update({"quick": quick, "slow": slow})
+        kv.start_prefetch("quick", np.arange(2 * CHUNK))  # nothing in the CPU tier: loads
+        kv.start_prefetch("slow", np.arange(1000, 1000 + 2 * CHUNK))
+        assert kv.pending_prefetches() == 2 and kv.stats()["sglang.prefetches"] == 2
         # Admitted at its first check, not a scheduler step later ...
         assert kv.prefetch_ready("quick") and quick.waits == [FIRST_CHECK_WAIT_S]
         # ... and a load that is still running is waited for only at the first check.
