@@ -329,16 +329,18 @@ def test_arena_larger_than_this_host_warns_in_check_config_and_fails_at_launch(
 
 # ---- behaviour after loading --------------------------------------------------------------
 
-def _pool(seed: int) -> SGLangMHAConnector:
+def _pool(seed: int) -> tuple[SGLangMHAConnector, list[torch.Tensor]]:
+    """A connector over a random pool, and the pool's layers (K of each layer, then V)."""
     gen = torch.Generator().manual_seed(seed)
     k = [torch.randint(-100, 100, (SLOTS, 2, 8), generator=gen).half() for _ in range(2)]
     v = [torch.randint(-100, 100, (SLOTS, 2, 8), generator=gen).half() for _ in range(2)]
-    return SGLangMHAConnector(k, v)
+    return SGLangMHAConnector(k, v), k + v
 
 
-def _round_trip(cfg: Config) -> tuple[CacheEngine, SGLangMHAConnector]:
-    """Store 512 tokens from one pool, load them into another through a second engine."""
-    src, dst = _pool(1), _pool(2)
+def _round_trip(cfg: Config) -> tuple[CacheEngine, list[torch.Tensor]]:
+    """Store 512 tokens from one pool, load them into another through a second engine;
+    returns the reader and the source pool's layers."""
+    (src, src_layers), (dst, dst_layers) = _pool(1), _pool(2)
     tokens = list(range(1000, 1512))
     slots = torch.arange(512)
     writer = CacheEngine(cfg, model_name="m", layout=src.layout, connector=src)
@@ -346,9 +348,9 @@ def _round_trip(cfg: Config) -> tuple[CacheEngine, SGLangMHAConnector]:
     writer.close()  # drains the background writes to disk/Redis
     reader = CacheEngine(cfg, model_name="m", layout=dst.layout, connector=dst)
     assert reader.retrieve(tokens, slots) == 512
-    for a, b in zip(src._layers, dst._layers, strict=True):
+    for a, b in zip(src_layers, dst_layers, strict=True):
         assert same_bytes(a[:512], b[:512])
-    return reader, src
+    return reader, src_layers
 
 
 def _with_port(name: str, tmp_path: Path, port: int) -> Path:
@@ -379,11 +381,11 @@ def test_cachegen_serde_stores_raw_records(redis_server: RedisProcess, tmp_path:
     redis_server.client().flushall()
     cfg = load_config(_with_port("redis_cachegen.yaml", tmp_path, redis_server.port), env={})
     assert cfg.remote_serde == "naive"
-    reader, src = _round_trip(cfg)
+    reader, src_layers = _round_trip(cfg)
     reader.close()
     client = redis_server.client()
     values = [client.get(k) for k in client.keys("*")]
-    raw_k0 = src._layers[0][:256].numpy().tobytes()  # chunk 0, layer 0 K, uncompressed
+    raw_k0 = src_layers[0][:256].numpy().tobytes()  # chunk 0, layer 0 K, uncompressed
     assert any(raw_k0 in v for v in values)
 
 
