@@ -145,9 +145,15 @@ def test_session_ids_are_logged_hashed(caplog: pytest.LogCaptureFixture) -> None
         idle.pin(sid, keys)
         now[0] = 61.0
         idle.expire()  # logs the TTL unpin
-        adapter: Any = SimpleNamespace(_closed_sessions=set(),
-                                       engine=SimpleNamespace(release_session=lambda s: True))
-        SGLangKVTier.release_session(adapter, sid)  # logs the close
+        # An engine where the session held chunks (only what the adapter asks of one).
+        engine = SimpleNamespace(config=Config(chunk_size=16), close=lambda: None,
+                                 storage=SimpleNamespace(hot=SimpleNamespace(resident=True)),
+                                 release_session=lambda s: True)
+        adapter = SGLangKVTier(engine, page_size=1)
+        try:
+            adapter.release_session(sid)  # logs the close
+        finally:
+            adapter.close()
     messages = [r.getMessage() for r in caplog.records]
     for words in ("pins more than", "idle for", "closed"):
         assert any(words in m and tag in m for m in messages), (words, messages)
