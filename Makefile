@@ -5,8 +5,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
+FLEET_ARGS ?=
 
-.PHONY: setup bench demo test lint redis-server sglang-env clean
+.PHONY: setup bench demo fleet test lint redis-server sglang-env clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -25,6 +26,12 @@ bench: setup
 # The main job: real SGLang servers with and without kvtier on a generated model (CPU is fine).
 demo: setup sglang-env
 	$(BIN)/kvtier demo $(DEMO_ARGS)
+
+# N SGLang servers behind sglang-router on one Redis Cluster (3 masters + 3 replicas), with and
+# without kvtier, and a master failover (docs/fleet.md; ~15 min on 2 cores).
+fleet: sglang-env redis-server
+	$(BIN)/pip install -q -e '.[fleet]'
+	PYTHONPATH=. $(BIN)/python benchmarks/bench_fleet.py $(FLEET_ARGS)
 
 redis-server:
 	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null || \

@@ -23,6 +23,13 @@ import pytest
 START_DEADLINE = 15.0  # seconds; a bound on a hang, not a timing expectation
 
 
+def cluster_node_args(node_timeout_ms: int = 5000) -> tuple[str, ...]:
+    """redis-server arguments of a cluster node (`--cluster-node-timeout`: how long a dead
+    master goes unnoticed before its replica is promoted)."""
+    return ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+            "--cluster-node-timeout", str(node_timeout_ms))
+
+
 def _binary(name: str) -> str:
     path = shutil.which(name)
     if path is None:
@@ -154,7 +161,7 @@ class RedisProcess:
 
 
 class RedisCluster:
-    """Three masters, no replicas, all 16384 slots assigned."""
+    """Cluster nodes with all 16384 slots assigned (masters, and replicas where made so)."""
 
     def __init__(self, nodes: list[RedisProcess]):
         self.nodes = nodes
@@ -162,6 +169,53 @@ class RedisCluster:
     @property
     def url(self) -> str:
         return "redis-cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+
+    def masters(self) -> dict[int, RedisProcess]:
+        """Live masters by port, as the first live node that answers reports them."""
+        by_port = {n.port: n for n in self.nodes if n.pid is not None}
+        for node in by_port.values():
+            try:
+                lines = node.client().execute_command("CLUSTER", "NODES").decode().splitlines()
+            except Exception:  # a node that is going down: ask another
+                continue
+            out = {}
+            for line in lines:
+                fields = line.split()
+                port = int(fields[1].split("@")[0].rsplit(":", 1)[1])
+                if "master" in fields[2] and "fail" not in fields[2] and port in by_port:
+                    out[port] = by_port[port]
+            return out
+        return {}
+
+
+def create_cluster(nodes: list[RedisProcess], replicas: int = 0) -> RedisCluster:
+    """Join started `--cluster-enabled` nodes into a cluster (`redis-cli --cluster create`),
+    `replicas` per master, and wait until every node reports it whole."""
+    subprocess.run([_binary("redis-cli"), "--cluster", "create",
+                    *[f"127.0.0.1:{n.port}" for n in nodes], "--cluster-replicas",
+                    str(replicas), "--cluster-yes"], check=True, capture_output=True,
+                   timeout=120)
+    cluster = RedisCluster(nodes)
+    known = f"cluster_known_nodes:{len(nodes)}".encode()
+
+    def ready() -> bool:
+        infos = [n.client().execute_command("CLUSTER", "INFO") for n in nodes]
+        masters = cluster.masters()
+        return all(b"cluster_state:ok" in i and known in i for i in infos) \
+            and len(masters) == len(nodes) // (1 + replicas) \
+            and all(_replicas_online(m) >= replicas for m in masters.values())
+
+    # Replicas count only once in sync: one still waiting for its first copy (Redis delays a
+    # diskless sync by 5 s) cannot be promoted, so a failover test would find no successor.
+    _wait(f"a cluster of {len(nodes)} nodes, {replicas} replica(s) per master, in sync", ready,
+          deadline=START_DEADLINE + 30)
+    return cluster
+
+
+def _replicas_online(master: RedisProcess) -> int:
+    info = master.client().info("replication")
+    return sum(1 for k, v in info.items()
+               if k.startswith("slave") and isinstance(v, dict) and v.get("state") == "online")
 
 
 class RedisSentinel:
@@ -231,8 +285,8 @@ def redis_tls_server(
     return redis_factory(tls_dir=tls)
 
 
-def _wait(what: str, check: Callable[[], bool]) -> None:
-    deadline = time.monotonic() + START_DEADLINE
+def _wait(what: str, check: Callable[[], bool], deadline: float = START_DEADLINE) -> None:
+    deadline = time.monotonic() + deadline
     while not check():
         if time.monotonic() > deadline:
             pytest.fail(f"timed out waiting for {what}")
@@ -242,19 +296,7 @@ def _wait(what: str, check: Callable[[], bool]) -> None:
 @pytest.fixture(scope="session")
 def redis_cluster(redis_factory: Callable[..., RedisProcess]) -> RedisCluster:
     """A 3-master cluster made with `redis-cli --cluster create`."""
-    nodes = [redis_factory(args=("--cluster-enabled", "yes", "--cluster-config-file",
-                                 "nodes.conf", "--cluster-node-timeout", "5000"))
-             for _ in range(3)]
-    subprocess.run([_binary("redis-cli"), "--cluster", "create",
-                    *[f"127.0.0.1:{n.port}" for n in nodes], "--cluster-replicas", "0",
-                    "--cluster-yes"], check=True, capture_output=True, timeout=60)
-
-    def ready() -> bool:
-        infos = [n.client().execute_command("CLUSTER", "INFO") for n in nodes]
-        return all(b"cluster_state:ok" in i and b"cluster_known_nodes:3" in i for i in infos)
-
-    _wait("cluster_state:ok on all nodes", ready)
-    return RedisCluster(nodes)
+    return create_cluster([redis_factory(args=cluster_node_args()) for _ in range(3)])
 
 
 @pytest.fixture(scope="session")

@@ -9,14 +9,13 @@ both servers without a failed request and with the same output (a hit or a recom
 from __future__ import annotations
 
 import signal
-import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import RedisProcess, _binary, _wait
+from tests.conftest import RedisCluster, RedisProcess, _wait, cluster_node_args, create_cluster
 from tests.integration.conftest import CHUNK, cold, prompt, write_config
 from tests.sglang_support.server import SGLangServer
 
@@ -25,54 +24,15 @@ pytestmark = pytest.mark.sglang
 TURN = 12 * CHUNK + 5
 
 
-class _ClusterWithReplicas:
-    def __init__(self, nodes: list[RedisProcess]):
-        self.nodes = nodes
-
-    @property
-    def url(self) -> str:
-        return "redis-cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
-
-    def masters(self) -> dict[int, RedisProcess]:
-        """Live masters by port, as the live nodes report them."""
-        by_port = {n.port: n for n in self.nodes if n.pid is not None}
-        for node in by_port.values():
-            try:
-                lines = node.client().execute_command("CLUSTER", "NODES").decode().splitlines()
-            except Exception:  # a node that is going down: ask another
-                continue
-            out = {}
-            for line in lines:
-                fields = line.split()
-                port = int(fields[1].split("@")[0].rsplit(":", 1)[1])
-                if "master" in fields[2] and "fail" not in fields[2] and port in by_port:
-                    out[port] = by_port[port]
-            return out
-        return {}
-
-
 @pytest.fixture(scope="module")
-def cluster(redis_factory: Callable[..., RedisProcess]) -> Iterator[_ClusterWithReplicas]:
-    nodes = [redis_factory(args=("--cluster-enabled", "yes", "--cluster-config-file",
-                                 "nodes.conf", "--cluster-node-timeout", "2000"))
-             for _ in range(6)]
-    subprocess.run([_binary("redis-cli"), "--cluster", "create",
-                    *[f"127.0.0.1:{n.port}" for n in nodes], "--cluster-replicas", "1",
-                    "--cluster-yes"], check=True, capture_output=True, timeout=120)
-    made = _ClusterWithReplicas(nodes)
-
-    def ready() -> bool:
-        infos = [n.client().execute_command("CLUSTER", "INFO") for n in nodes]
-        return all(b"cluster_state:ok" in i and b"cluster_known_nodes:6" in i for i in infos) \
-            and len(made.masters()) == 3
-
-    _wait("a 3-master, 3-replica cluster", ready)
-    yield made
+def cluster(redis_factory: Callable[..., RedisProcess]) -> RedisCluster:
+    return create_cluster([redis_factory(args=cluster_node_args(2000)) for _ in range(6)],
+                          replicas=1)
 
 
 def test_two_servers_share_a_cluster_and_survive_a_master_failover(
         start_server: Callable[..., SGLangServer], tiny_llama: Path,
-        cluster: _ClusterWithReplicas, tmp_path: Path) -> None:
+        cluster: RedisCluster, tmp_path: Path) -> None:
     config = write_config(tmp_path / "kvtier.yaml", remote_url=cluster.url,
                           remote_timeout_secs=2.0)
     servers = [start_server(tiny_llama, config), start_server(tiny_llama, config)]
