@@ -75,6 +75,7 @@ POLICIES = ("round_robin", "cache_aware")
 FULL_HIT = 0.8  # a probe is a hit when at least this fraction of its prompt was cached
 RESUME_STREAK = 3  # hits resume when this many probes in a row are hits
 PROBE_DEADLINE_S = 90.0  # a bound on a hang: probes stop here, hit or not
+MAIN_RUN = "Starting main benchmark run"  # the client's line after its warm-up
 _TIER_COUNTER = re.compile(r'kvtier_(\w+)_total\{tier="(\w+)"\}\s+(\S+)$')
 _COUNTER = re.compile(r"kvtier_(\w+)_total\s+(\S+)$")
 
@@ -296,6 +297,8 @@ class Fleet:
                 # Mid-run: the run below hits what the fill stored, so it is the faster one.
                 kill_after = min(self.opts.kill_after_s, (fill.duration_s or 0.0) / 4)
             proc, out = self.client(tag, port)
+            if failover:  # the client takes seconds to start: count from its first request
+                _wait_for_line(self.work / f"{tag}.client.log", MAIN_RUN, proc)
             report = self.fail_over(servers, probes, kill_after) if failover else None
             result = self.finish_client(tag, proc, out, kvtier)
             counters = tier_counters(ports) if kvtier else {}
@@ -375,6 +378,15 @@ class Fleet:
                     and report.promoted_s is not None:
                 report.resumed_s = max(0.0, streak[0] - report.promoted_s)
                 return
+
+
+def _wait_for_line(log: Path, text: str, proc: subprocess.Popen[bytes]) -> None:
+    """Return once `text` appears in `log` (or the process ended, or two minutes passed)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if log.exists() and text in log.read_text(errors="replace"):
+            return
+        time.sleep(0.1)
 
 
 # ---- report ----
