@@ -37,12 +37,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import random
 import re
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +49,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from benchmarks.common import work_dir, write_results
 from kvtier.config import ConfigError, load_config
 from kvtier.demo.models import LlamaSpec, cached_llama
 from kvtier.demo.runner import FULL_MODEL, SMALL_MODEL
@@ -65,7 +64,6 @@ from kvtier.demo.server import (
 from tests.conftest import RedisProcess
 from tests.delay_proxy import DelayProxy
 
-RESULTS = Path(__file__).resolve().parent / "results"
 MODELS = {"small": SMALL_MODEL, "full": FULL_MODEL}
 POLICIES = ("adaptive", "timeout", "wait_complete", "best_effort")
 FIRST_ID, VOCAB = 4, 430  # token ids every generated tokenizer has (0-3 are specials)
@@ -450,19 +448,11 @@ def parse_args(argv: list[str] | None = None) -> Options:
 
 def main(argv: list[str] | None = None) -> None:
     opts = parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="kvtier-adaptive-") as tmp:
-        if opts.work_dir is None:
-            work = Path(tmp)
-        else:
-            opts.work_dir.mkdir(parents=True, exist_ok=True)
-            work = Path(tempfile.mkdtemp(prefix="bench-adaptive-", dir=opts.work_dir))
+    with work_dir("adaptive", opts.work_dir) as work:
         bench = Bench(opts, work)
         throttle = bench.run()
         out = report(opts, bench, throttle)
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / "bench_adaptive.json"
-    path.write_text(json.dumps(out, indent=2))
-    print(f"wrote {path}")
+    write_results("bench_adaptive", out)
 
 
 if __name__ == "__main__":

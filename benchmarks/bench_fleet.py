@@ -35,13 +35,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import random
 import re
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -59,6 +57,7 @@ from benchmarks.bench_serving import (
 )
 from benchmarks.bench_serving import Options as ServingOptions
 from benchmarks.bench_serving import client_command as serving_command
+from benchmarks.common import RESULTS, work_dir, write_results
 from kvtier.demo.models import LlamaSpec, make_llama
 from kvtier.demo.server import (
     CPU_FLAGS,
@@ -70,7 +69,6 @@ from kvtier.demo.server import (
 )
 from tests.conftest import RedisCluster, RedisProcess, cluster_node_args, create_cluster
 
-RESULTS = Path(__file__).resolve().parent / "results"
 POLICIES = ("round_robin", "cache_aware")
 FULL_HIT = 0.8  # a probe is a hit when at least this fraction of its prompt was cached
 RESUME_STREAK = 3  # hits resume when this many probes in a row are hits
@@ -480,11 +478,7 @@ def parse_args(argv: list[str] | None = None) -> Options:
 
 def main(argv: list[str] | None = None) -> None:
     opts = parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="kvtier-fleet-") as tmp:
-        work = Path(tmp)
-        if opts.work_dir is not None:
-            opts.work_dir.mkdir(parents=True, exist_ok=True)
-            work = Path(tempfile.mkdtemp(prefix="bench-fleet-", dir=opts.work_dir))
+    with work_dir("fleet", opts.work_dir) as work:
         fleet = Fleet(opts, work)
         fleet.start_cluster()
         try:
@@ -497,10 +491,7 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             fleet.stop_cluster()
         out = report(opts, fleet.runs)
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / "bench_fleet.json"
-    path.write_text(json.dumps(out, indent=2, default=str))
-    print(f"wrote {path}")
+    write_results("bench_fleet", out)
     if plot(fleet.runs, RESULTS / "bench_fleet.png"):
         print(f"wrote {RESULTS / 'bench_fleet.png'}")
 

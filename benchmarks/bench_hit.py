@@ -30,10 +30,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,12 +41,12 @@ import torch
 import yaml
 
 from benchmarks.bench_adaptive import _prompt, kv_bytes_per_token, p99, scrape_metrics
+from benchmarks.common import work_dir, write_results
 from kvtier.demo.models import cached_llama
 from kvtier.demo.runner import FULL_MODEL, SMALL_MODEL
 from kvtier.demo.server import CPU_FLAGS, SGLangServer, cpu_shims_dir, free_port, gpu_available
 from tests.conftest import RedisProcess
 
-RESULTS = Path(__file__).resolve().parent / "results"
 MODELS = {"small": SMALL_MODEL, "full": FULL_MODEL}
 ROWS = ("recompute", "device", "cpu", "disk", "redis")
 PIECES = ("lookup", "gate", "copy", "insert")
@@ -336,18 +334,11 @@ def parse_args(argv: list[str] | None = None) -> Options:
 
 def main(argv: list[str] | None = None) -> None:
     opts = parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="kvtier-hit-") as tmp:
-        work = Path(tmp)
-        if opts.work_dir is not None:
-            opts.work_dir.mkdir(parents=True, exist_ok=True)
-            work = Path(tempfile.mkdtemp(prefix="bench-hit-", dir=opts.work_dir))
+    with work_dir("hit", opts.work_dir) as work:
         bench = Bench(opts, work)
         bench.run()
         out = report(opts, bench)
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / "bench_hit.json"
-    path.write_text(json.dumps(out, indent=2))
-    print(f"wrote {path}")
+    write_results("bench_hit", out)
 
 
 if __name__ == "__main__":

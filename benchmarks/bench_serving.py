@@ -51,7 +51,6 @@ import re
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +59,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from benchmarks.common import work_dir, write_results
 from kvtier.demo.models import LlamaSpec, make_llama
 from kvtier.demo.server import (
     CPU_FLAGS,
@@ -71,7 +71,6 @@ from kvtier.demo.server import (
 )
 from tests.conftest import RedisProcess
 
-RESULTS = Path(__file__).resolve().parent / "results"
 PHASES = ("none", "first", "first-again", "second", "noreuse-none", "noreuse-kv")
 KVTIER_PHASES = frozenset({"first", "first-again", "second", "noreuse-kv"})
 DISCARDED = "kvtier_sglang_loads_discarded_total"
@@ -486,19 +485,12 @@ def parse_args(argv: list[str] | None = None) -> Options:
 
 def main(argv: list[str] | None = None) -> None:
     opts = parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="kvtier-serving-") as tmp:
-        if opts.work_dir is None:
-            work = Path(tmp)
-        else:  # a fresh directory inside it, so every kernel cache starts empty
-            opts.work_dir.mkdir(parents=True, exist_ok=True)
-            work = Path(tempfile.mkdtemp(prefix="bench-serving-", dir=opts.work_dir))
+    # A fresh directory even inside --work-dir, so every kernel cache starts empty.
+    with work_dir("serving", opts.work_dir) as work:
         bench = Bench(opts, work)
         bench.run()
         out = report(opts, bench.results, bench.model)
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / "bench_serving.json"
-    path.write_text(json.dumps(out, indent=2))
-    print(f"wrote {path}")
+    write_results("bench_serving", out)
 
 
 if __name__ == "__main__":
