@@ -28,11 +28,9 @@ import yaml
 from kvtier import lmcache_compat as compat
 from kvtier.config_checks import (
     PREFETCH_POLICIES,
-    REMOTE_SCHEMES,
     TRANSFER_ARENA_GB,
     WRITE_POLICIES,
     physical_memory_bytes,
-    redact_url,
     shown_in_error,
     shown_value,
     validate,
@@ -47,6 +45,7 @@ from kvtier.config_env import (
 )
 from kvtier.errors import ConfigError
 from kvtier.names import CPU, DISK, REDIS
+from kvtier.urls import REMOTE_SCHEMES, redact_url
 
 __all__ = ["Config", "LoadedConfig", "load_config", "load_config_report", "read_config_file",
            "is_config_key", "nearest_key",

@@ -14,28 +14,26 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qsl
 
 import yaml
 
 from kvtier import lmcache_compat as compat
 from kvtier.errors import ConfigError
 from kvtier.names import PREFETCH_POLICIES, WRITE_POLICIES
+from kvtier.urls import REMOTE_SCHEMES, redact_url
 
 if TYPE_CHECKING:
     from kvtier.config import Config
 
-__all__ = ["validate", "redact_url", "physical_memory_bytes",
+__all__ = ["validate", "physical_memory_bytes",
            "cgroup_memory_limit", "host_problems", "check_host", "WRITE_POLICIES",
-           "PREFETCH_POLICIES", "REMOTE_SERDES", "REMOTE_SCHEMES", "TRANSFER_ARENA_GB"]
+           "PREFETCH_POLICIES", "REMOTE_SERDES", "TRANSFER_ARENA_GB"]
 
 REMOTE_SERDES = ("naive",)
-REMOTE_SCHEMES = ("redis", "rediss", "unix", "redis-sentinel", "redis-cluster")
 CHUNK_MULTIPLE = 16
 MAX_CHUNK = 1 << 20  # tokens; a chunk is one arena object, and a prompt is far shorter
 # The arena kvtier still needs to move chunks to and from disk/Redis when LMCache's
@@ -60,34 +58,6 @@ MAX_BY_KEY = {"prefetch_timeout_base_ms": 60_000.0, "prefetch_timeout_per_token_
 def physical_memory_bytes() -> int:
     """The machine's physical memory in bytes."""
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-# A host list after the userinfo: host[:port][,host[:port]...] up to a path, query or fragment.
-_HOSTS = re.compile(r"@([A-Za-z0-9._\-\[\]:,%]*)(?=[/?#]|$)")
-
-
-def redact_url(url: str) -> str:
-    """`url` with any password replaced by `***`: in the userinfo and in query parameters
-    whose name suggests a secret (`?password=...`).
-
-    Passwords may hold `?`, `#`, `/` or `@`: the userinfo runs up to the last `@` that a host
-    list follows, wherever `?` and `#` are. When in doubt this hides too much, never too
-    little."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    prefix = ""
-    if hosts := list(_HOSTS.finditer(rest)):
-        userinfo, rest = rest[:hosts[-1].start()], rest[hosts[-1].start() + 1:]
-        user, colon, _ = userinfo.partition(":")
-        prefix = f"{user}:***@" if colon and not set(user) & set("/?#") else "***@"
-    rest, qmark, query = rest.partition("?")
-    rest = prefix + rest
-    if qmark:
-        parts = [f"{k}=***" if compat.secret_key(k) else f"{k}={v}"
-                 for k, v in parse_qsl(query, keep_blank_values=True)]
-        query = "&".join(parts)
-    return f"{scheme}://{rest}{qmark}{query}"
 
 
 def shown_value(key: str, value: Any) -> Any:
