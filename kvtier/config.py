@@ -18,7 +18,7 @@ import math
 import os
 import types
 import typing
-from collections.abc import Hashable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,6 @@ from kvtier.config_checks import (
     shown_in_error,
     shown_value,
     validate,
-    yaml_problem,
 )
 from kvtier.config_env import (
     LMCACHE_KEYS,
@@ -43,6 +42,7 @@ from kvtier.config_env import (
     override_warnings,
     read_env,
 )
+from kvtier.config_file import read_yaml_mapping
 from kvtier.errors import ConfigError
 from kvtier.names import CPU, DISK, REDIS
 from kvtier.urls import REMOTE_SCHEMES, redact_url
@@ -205,55 +205,16 @@ def _unknown(source: str, key: str) -> ConfigError:
     return _fail(source, key, f"unknown key; {compat.unknown_hint(key, nearest_key(key))}")
 
 
-class _StrictLoader(yaml.SafeLoader):
-    """`yaml.SafeLoader` that rejects a key given twice in one mapping (PyYAML keeps the last)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
-            if isinstance(key, Hashable) and key in seen:
-                raise ConfigError(f"{self.name}: {key}: duplicate key (line "
-                                  f"{key_node.start_mark.line + 1}); give each key once")
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
-                              _StrictLoader.construct_mapping)
-
-
 def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The file's top-level mapping, keys and values as YAML gives them (strict: UTF-8, no
     duplicate keys, string keys; `ConfigError` naming the file otherwise). A leading `~` is
     the home directory."""
     path = Path(path).expanduser()
-    try:
-        raw = path.read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read config file: {exc.strerror}") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{path}: config file is not UTF-8 text (byte {exc.start}: "
-                          f"{raw[exc.start:exc.start + 1]!r})") from None
-    try:
-        loader = _StrictLoader(text)
-        loader.name = str(path)
-        try:
-            data = loader.get_single_data()  # type: ignore[no-untyped-call]
-        finally:
-            loader.dispose()  # type: ignore[no-untyped-call]
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: invalid YAML: {yaml_problem(exc)}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    data = read_yaml_mapping(path)
     for key in data:
         if not isinstance(key, str):
             raise _unknown(str(path), str(key))
-    return dict(data)
+    return data
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Checks of a `Config`'s values, and how values may be shown in messages (URLs redacted,
-secrets masked, YAML errors without the quoted line).
+secrets masked).
 
 Every check raises `ConfigError` naming the key ("config: key: problem"; the loader replaces
 "config" with the file or variable the value came from). Numbers must be finite and within
@@ -18,8 +18,6 @@ from collections.abc import Mapping
 from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-
-import yaml
 
 from kvtier import lmcache_compat as compat
 from kvtier.errors import ConfigError
@@ -84,19 +82,6 @@ def shown_in_error(key: str, value: Any) -> str:
         return "***"
     return repr(value)
 
-
-def yaml_problem(exc: yaml.YAMLError) -> str:
-    """What is wrong and where (line, column), without the quoted source line PyYAML's own
-    message carries: that line may hold a secret (`hash_salt: "unterminated...`)."""
-    if not isinstance(exc, yaml.MarkedYAMLError):
-        return str(exc)  # a ReaderError: one bad character and its position, no line
-    parts = []
-    for what, mark in ((exc.context, exc.context_mark), (exc.problem, exc.problem_mark)):
-        if what is None:
-            continue
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        parts.append(f"{what}{where}")
-    return "; ".join(parts) or type(exc).__name__
 
 def _fail(source: str, key: str, msg: str) -> ConfigError:
     return ConfigError(f"{source}: {key}: {msg}")
