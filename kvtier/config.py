@@ -44,7 +44,7 @@ from kvtier.config_env import (
 )
 from kvtier.config_file import read_yaml_mapping
 from kvtier.errors import ConfigError
-from kvtier.names import CPU, DISK, REDIS
+from kvtier.names import ADAPTIVE, CPU, DISK, REDIS, WRITE_THROUGH
 from kvtier.urls import REMOTE_SCHEMES, redact_url
 
 __all__ = ["Config", "LoadedConfig", "load_config", "load_config_report", "read_config_file",
@@ -77,11 +77,11 @@ class Config:
     # A file holding a secret shared by the instances: records are authenticated with it, and
     # a record without a valid MAC is never loaded (see docs/security.md).
     record_key_file: str | None = None
-    write_policy: str = "write_through"
+    write_policy: str = WRITE_THROUGH
     selective_write_threshold: int = 2
     # A request waits for the part of its disk/Redis load that arrives sooner than it could
     # be recomputed (measured speeds; the running requests go on meanwhile).
-    prefetch_policy: str = "adaptive"
+    prefetch_policy: str = ADAPTIVE
     prefetch_timeout_base_ms: float = 200.0
     prefetch_timeout_per_token_ms: float = 0.02
     prefetch_wait_complete_max_ms: float = 30_000.0
