@@ -27,9 +27,7 @@ import yaml
 
 from kvtier import lmcache_compat as compat
 from kvtier.config_checks import (
-    PREFETCH_POLICIES,
     TRANSFER_ARENA_GB,
-    WRITE_POLICIES,
     physical_memory_bytes,
     shown_in_error,
     shown_value,
@@ -50,7 +48,7 @@ from kvtier.urls import REMOTE_SCHEMES, redact_url
 __all__ = ["Config", "LoadedConfig", "load_config", "load_config_report", "read_config_file",
            "is_config_key", "nearest_key",
            "redact_url", "shown_value",
-           "WRITE_POLICIES", "PREFETCH_POLICIES", "REMOTE_SCHEMES", "physical_memory_bytes"]
+           "REMOTE_SCHEMES", "physical_memory_bytes"]
 
 logger = logging.getLogger(__name__)
 

@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     from kvtier.config import Config
 
 __all__ = ["validate", "physical_memory_bytes",
-           "cgroup_memory_limit", "host_problems", "check_host", "WRITE_POLICIES",
-           "PREFETCH_POLICIES", "REMOTE_SERDES", "TRANSFER_ARENA_GB"]
+           "cgroup_memory_limit", "host_problems", "check_host", "REMOTE_SERDES",
+           "TRANSFER_ARENA_GB"]
 
 REMOTE_SERDES = ("naive",)
 CHUNK_MULTIPLE = 16
