@@ -1,5 +1,5 @@
 """Checks of a `Config`'s values, and how values may be shown in messages (URLs redacted,
-secrets masked, YAML errors without the quoted line).
+secrets masked).
 
 Every check raises `ConfigError` naming the key ("config: key: problem"; the loader replaces
 "config" with the file or variable the value came from). Numbers must be finite and within
@@ -14,28 +14,24 @@ from __future__ import annotations
 
 import math
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qsl
-
-import yaml
 
 from kvtier import lmcache_compat as compat
 from kvtier.errors import ConfigError
 from kvtier.names import PREFETCH_POLICIES, WRITE_POLICIES
+from kvtier.urls import REMOTE_SCHEMES, redact_url
 
 if TYPE_CHECKING:
     from kvtier.config import Config
 
-__all__ = ["validate", "redact_url", "physical_memory_bytes",
-           "cgroup_memory_limit", "host_problems", "check_host", "WRITE_POLICIES",
-           "PREFETCH_POLICIES", "REMOTE_SERDES", "REMOTE_SCHEMES", "TRANSFER_ARENA_GB"]
+__all__ = ["validate", "physical_memory_bytes",
+           "cgroup_memory_limit", "host_problems", "check_host", "REMOTE_SERDES",
+           "TRANSFER_ARENA_GB"]
 
 REMOTE_SERDES = ("naive",)
-REMOTE_SCHEMES = ("redis", "rediss", "unix", "redis-sentinel", "redis-cluster")
 CHUNK_MULTIPLE = 16
 MAX_CHUNK = 1 << 20  # tokens; a chunk is one arena object, and a prompt is far shorter
 # The arena kvtier still needs to move chunks to and from disk/Redis when LMCache's
@@ -62,34 +58,6 @@ def physical_memory_bytes() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-# A host list after the userinfo: host[:port][,host[:port]...] up to a path, query or fragment.
-_HOSTS = re.compile(r"@([A-Za-z0-9._\-\[\]:,%]*)(?=[/?#]|$)")
-
-
-def redact_url(url: str) -> str:
-    """`url` with any password replaced by `***`: in the userinfo and in query parameters
-    whose name suggests a secret (`?password=...`).
-
-    Passwords may hold `?`, `#`, `/` or `@`: the userinfo runs up to the last `@` that a host
-    list follows, wherever `?` and `#` are. When in doubt this hides too much, never too
-    little."""
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return url
-    prefix = ""
-    if hosts := list(_HOSTS.finditer(rest)):
-        userinfo, rest = rest[:hosts[-1].start()], rest[hosts[-1].start() + 1:]
-        user, colon, _ = userinfo.partition(":")
-        prefix = f"{user}:***@" if colon and not set(user) & set("/?#") else "***@"
-    rest, qmark, query = rest.partition("?")
-    rest = prefix + rest
-    if qmark:
-        parts = [f"{k}=***" if compat.secret_key(k) else f"{k}={v}"
-                 for k, v in parse_qsl(query, keep_blank_values=True)]
-        query = "&".join(parts)
-    return f"{scheme}://{rest}{qmark}{query}"
-
-
 def shown_value(key: str, value: Any) -> Any:
     """`value` of `key` as it may be shown to users (logs, CLI output).
 
@@ -114,19 +82,6 @@ def shown_in_error(key: str, value: Any) -> str:
         return "***"
     return repr(value)
 
-
-def yaml_problem(exc: yaml.YAMLError) -> str:
-    """What is wrong and where (line, column), without the quoted source line PyYAML's own
-    message carries: that line may hold a secret (`hash_salt: "unterminated...`)."""
-    if not isinstance(exc, yaml.MarkedYAMLError):
-        return str(exc)  # a ReaderError: one bad character and its position, no line
-    parts = []
-    for what, mark in ((exc.context, exc.context_mark), (exc.problem, exc.problem_mark)):
-        if what is None:
-            continue
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
-        parts.append(f"{what}{where}")
-    return "; ".join(parts) or type(exc).__name__
 
 def _fail(source: str, key: str, msg: str) -> ConfigError:
     return ConfigError(f"{source}: {key}: {msg}")

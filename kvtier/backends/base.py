@@ -17,11 +17,14 @@ from abc import ABC, abstractmethod
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING
 
-from kvtier.config import Config
 from kvtier.keys import ChunkKey
 from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj
 from kvtier.metrics import Counters
+
+if TYPE_CHECKING:  # an annotation only: the tiers' contract does not import the config loader
+    from kvtier.config import Config
 
 __all__ = ["BackendContext", "StorageBackend", "HotTier"]
 

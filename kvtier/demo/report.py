@@ -8,11 +8,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvtier.names import CPU, DISK, REDIS
+
 __all__ = ["summarize", "format_row", "format_summary", "write_results", "HEADER"]
 
 HEADER = (f"{'phase':<16} {'conv':>4} {'turn':>4} {'prompt':>7} {'without':>9} {'with':>9} "
           f"{'ratio':>6}  {'hit tokens (tier)':<20} {'prev turn':>9} identical")
-_COLORS = {"cpu": "#2a9d8f", "disk": "#e9c46a", "redis": "#e76f51", "none": "#3d5a80"}
+_COLORS = {CPU: "#2a9d8f", DISK: "#e9c46a", REDIS: "#e76f51", "none": "#3d5a80"}
 
 
 def summarize(rows: Sequence[dict[str, Any]], system_prompt_tokens: int) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from typing import Any
 from kvtier.demo.models import LlamaSpec, cached_llama, make_llama
 from kvtier.demo.server import SGLangServer, cpu_shims_dir, gpu_available
 from kvtier.demo.workload import FIRST_ID, Conversation, Workload
+from kvtier.names import CPU, DISK, REDIS
 
 __all__ = ["DemoOptions", "run_demo", "FULL_MODEL", "SMALL_MODEL", "demo_config"]
 
@@ -180,7 +181,7 @@ def _multi_turn(run: _Run, base: SGLangServer, kv: SGLangServer,
             with_kv = _measure(kv, prompt, wl.answer_tokens)
             key = (conv.index, turn)
             run.baseline_outputs[key], run.baseline_ttft[key] = without.output_ids, without.ttft_s
-            row = _row("multi-turn", "cpu", conv.index, turn, prompt, without.ttft_s, with_kv,
+            row = _row("multi-turn", CPU, conv.index, turn, prompt, without.ttft_s, with_kv,
                        log.loaded_since(), without.output_ids)
             # What the previous turn computed (its prompt and answer): all of it can hit.
             row["previous_turn_tokens"] = len(conv.history) if conv.history else None
@@ -238,13 +239,13 @@ def run_demo(opts: DemoOptions, note: Callable[[str], None] | None = None,
                 kv.stop()
                 restarted = run.server("kvtier-restarted", run.kvtier_config(True))
                 _start([restarted], run.warmup, bar.write)
-                phases["restart"] = _replay(run, restarted, "restart", "disk", show, bar)
+                phases["restart"] = _replay(run, restarted, "restart", DISK, show, bar)
                 restarted.stop()
                 if opts.redis_url:
                     second = run.server("second-instance", run.kvtier_config(False))
                     _start([second], run.warmup, bar.write)
                     phases["second-instance"] = _replay(run, second, "second-instance",
-                                                        "redis", show, bar)
+                                                        REDIS, show, bar)
                     second.stop()
         finally:
             for server in run.servers:

@@ -21,7 +21,7 @@ from kvtier.keys import ChunkKey
 from kvtier.memory import MemoryObj
 from kvtier.storage.writer import TierWriter
 
-__all__ = ["WritePolicy", "WriteThrough", "WriteBack", "WriteThroughSelective", "WRITE_POLICIES",
+__all__ = ["WritePolicy", "WriteThrough", "WriteBack", "WriteThroughSelective", "POLICY_CLASSES",
            "make_write_policy"]
 
 Writers = Sequence[TierWriter]
@@ -63,7 +63,7 @@ def _submit(keys: Sequence[ChunkKey], objs: Sequence[MemoryObj], writers: Writer
 
 
 class WriteThrough(WritePolicy):
-    name = "write_through"
+    name = names.WRITE_THROUGH
 
     def on_put(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj],
                writers: Writers) -> None:
@@ -71,7 +71,7 @@ class WriteThrough(WritePolicy):
 
 
 class WriteBack(WritePolicy):
-    name = "write_back"
+    name = names.WRITE_BACK
     holds_back = True
 
     def on_evict(self, key: ChunkKey, obj: MemoryObj, writers: Writers) -> None:
@@ -87,7 +87,7 @@ class WriteBack(WritePolicy):
 class WriteThroughSelective(WritePolicy):
     """Counts hits per chunk (bounded: past a million chunks the oldest half is forgotten)."""
 
-    name = "write_through_selective"
+    name = names.WRITE_THROUGH_SELECTIVE
     MAX_TRACKED = 1_000_000
 
     def __init__(self, threshold: int):
@@ -110,13 +110,17 @@ class WriteThroughSelective(WritePolicy):
             _submit([key], [obj], writers)
 
 
-WRITE_POLICIES: dict[str, type[WritePolicy]] = {
+# name -> class; `kvtier.names.WRITE_POLICIES` is the list of names, this builds each.
+POLICY_CLASSES: dict[str, type[WritePolicy]] = {
     p.name: p for p in (WriteThrough, WriteBack, WriteThroughSelective)}
-# The config offers exactly the names in kvtier.names: a policy added there is built here.
-assert set(WRITE_POLICIES) == set(names.WRITE_POLICIES), sorted(WRITE_POLICIES)
+# The config offers exactly the names in kvtier.names: a policy added there is built here. A
+# raise, not an assert, so that `python -O` still refuses a table that lacks one.
+if set(POLICY_CLASSES) != set(names.WRITE_POLICIES):
+    raise RuntimeError(f"kvtier.storage.policy builds {sorted(POLICY_CLASSES)}, but "
+                       f"kvtier.names lists the write policies {sorted(names.WRITE_POLICIES)}")
 
 
 def make_write_policy(config: Config, hot: HotTier) -> WritePolicy:
     """The policy `config.write_policy` names (write-through without a resident hot tier)."""
     name = config.write_policy if hot.resident else WriteThrough.name
-    return WRITE_POLICIES[name].from_config(config)
+    return POLICY_CLASSES[name].from_config(config)

@@ -18,6 +18,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 from kvtier.keys import ChunkKey
 from kvtier.metrics import RateLimitedLog
+from kvtier.names import WAIT_COMPLETE
 from kvtier.storage.prefetch_policy import PrefetchPolicy, prefetch_policy
 
 __all__ = ["Prefetch", "Prefetcher", "PREFETCH_WINDOW", "Tails"]
@@ -49,7 +50,7 @@ class Prefetch:
             tail stored after them is brought up too.
     """
 
-    def __init__(self, keys: Sequence[ChunkKey], policy: str | PrefetchPolicy = "wait_complete",
+    def __init__(self, keys: Sequence[ChunkKey], policy: str | PrefetchPolicy = WAIT_COMPLETE,
                  budget_s: float = float("inf"), *,
                  drop: Callable[[Prefetch], None] | None = None, tails: Tails | None = None):
         self.policy = policy if isinstance(policy, PrefetchPolicy) else prefetch_policy(policy)

@@ -17,7 +17,7 @@ import logging
 
 from kvtier.config import Config
 from kvtier.metrics import RateLimitedLog
-from kvtier.names import PREFETCH_POLICIES
+from kvtier.names import ADAPTIVE, BEST_EFFORT, PREFETCH_POLICIES, TIMEOUT, WAIT_COMPLETE
 
 __all__ = ["PrefetchPolicy", "Adaptive", "BestEffort", "Timeout", "WaitComplete", "POLICIES",
            "prefetch_policy"]
@@ -45,7 +45,7 @@ class PrefetchPolicy:
 
 
 class Adaptive(PrefetchPolicy):
-    name = "adaptive"
+    name = ADAPTIVE
     planned = True
     counts_timeouts = True
 
@@ -54,12 +54,12 @@ class Adaptive(PrefetchPolicy):
 
 
 class BestEffort(PrefetchPolicy):
-    name = "best_effort"
+    name = BEST_EFFORT
     waits = False
 
 
 class Timeout(PrefetchPolicy):
-    name = "timeout"
+    name = TIMEOUT
     counts_timeouts = True
 
     def budget_s(self, config: Config, tokens: int, recompute_s: float) -> float:
@@ -68,7 +68,7 @@ class Timeout(PrefetchPolicy):
 
 
 class WaitComplete(PrefetchPolicy):
-    name = "wait_complete"
+    name = WAIT_COMPLETE
 
     def budget_s(self, config: Config, tokens: int, recompute_s: float) -> float:
         return config.prefetch_wait_complete_max_ms / 1e3
@@ -81,7 +81,11 @@ class WaitComplete(PrefetchPolicy):
 
 POLICIES: dict[str, PrefetchPolicy] = {
     cls.name: cls() for cls in (Adaptive, BestEffort, Timeout, WaitComplete)}
-assert set(POLICIES) == set(PREFETCH_POLICIES), "kvtier.names lists other prefetch policies"
+# The config offers exactly the names in kvtier.names: a policy added there is built here. A
+# raise, not an assert, so that `python -O` still refuses a table that lacks one.
+if set(POLICIES) != set(PREFETCH_POLICIES):
+    raise RuntimeError(f"kvtier.storage.prefetch_policy has {sorted(POLICIES)}, but "
+                       f"kvtier.names lists the prefetch policies {sorted(PREFETCH_POLICIES)}")
 
 
 def prefetch_policy(name: str) -> PrefetchPolicy:

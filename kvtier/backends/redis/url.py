@@ -31,8 +31,8 @@ from redis.connection import ConnectionPool, parse_url
 from redis.retry import Retry
 from redis.sentinel import Sentinel
 
-from kvtier.config_checks import REMOTE_SCHEMES, redact_url
 from kvtier.errors import ConfigError
+from kvtier.urls import REMOTE_SCHEMES, redact_url
 
 __all__ = ["RedisTarget", "Router", "parse_remote_url", "SCHEMES"]
 
