@@ -235,3 +235,80 @@ def test_a_new_requests_first_check_waits_briefly_for_its_prefetch(
         assert kv.prefetch_ready("slow")
     finally:
         kv.close()
+
+
+def _radix_cache(pool: Any, kv: SGLangKVTier) -> Any:
+    """kvtier's radix cache over `pool`, as SGLang builds it (page size 1), with `kv` attached."""
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    from kvtier.integration.sglang.radix_cache import KVTierRadixCache
+
+    cache = KVTierRadixCache(CacheInitParams(
+        disable=False, page_size=1, token_to_kv_pool_allocator=make_allocator(pool, 1),
+        tree_components=(ComponentType.FULL,),
+        req_to_token_pool=ReqToTokenPool(8, POOL_TOKENS, "cpu", enable_memory_saver=False)))
+    cache.attach_kvtier(kv)
+    return cache
+
+
+def _request(rid: str, ids: list[int], multimodal: bool) -> Any:
+    from array import array
+
+    from sglang.srt.managers.schedule_batch import MultimodalInputs, Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    req = Req(rid, "", array("q", ids), SamplingParams(max_new_tokens=1))
+    req.multimodal_inputs = MultimodalInputs(mm_items=[]) if multimodal else None
+    req.refresh_fill_ids()  # what the scheduler does before matching
+    return req
+
+
+def test_multimodal_requests_bypass_kvtier(engine_for: Any) -> None:
+    """SGLang writes a 30-bit hash of each image into the token ids: keyed fleet-wide, a
+    collision would serve one image's KV for another. Such requests are neither looked up,
+    prefetched nor stored; the same tokens as text are."""
+    from array import array
+
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    pool = make_pool("mha", 1, torch.float32)
+    engine = engine_for(pool)
+    kv = SGLangKVTier(engine, page_size=1)
+    try:
+        cache = _radix_cache(pool, kv)
+        ids = list(range(10, 10 + 3 * CHUNK + 1))
+        slots = make_allocator(pool, 1).alloc(3 * CHUNK).to(torch.int64)
+        fill(pool, slots, seed=5)
+        assert engine.store(torch.tensor(ids[:3 * CHUNK]), slots) == 3 * CHUNK
+        image, text = _request("image", ids, True), _request("text", ids, False)
+
+        def match(req: Any) -> Any:
+            key = RadixKey(token_ids=array("q", ids[:-1]), extra_key=None)
+            return cache.match_prefix(MatchPrefixParams(key=key, req=req))
+
+        # Looked up: the CPU tier holds the prefix, a host hit for the text request only.
+        assert match(image).host_hit_length == 0
+        assert match(text).host_hit_length == 3 * CHUNK
+
+        # Prefetched: only the text request starts a load.
+        cache.prefetch_from_storage(image, None, ids)
+        assert kv.pending_prefetches() == 0
+        cache.prefetch_from_storage(text, None, ids)
+        assert kv.pending_prefetches() == 1 and kv.stats()["sglang.prefetches"] == 1
+
+        # Stored: with the prefix in the device tree, only the text request's store is queued.
+        cache.insert(InsertParams(key=RadixKey(token_ids=array("q", ids[:3 * CHUNK]),
+                                               extra_key=None), value=slots))
+        for req in (image, text):
+            req.last_node = match(req).last_device_node
+        cache._submit_store(image)  # what a finished request's checkpoint calls
+        assert kv.pending_stores() == 0 and kv.settle() == []
+        cache._submit_store(text)
+        done = kv.settle()  # the store read its slots: the tree lock comes back
+        assert len(done) == 1 and done[0].error is None
+        cache.unlock(done[0].handle)
+    finally:
+        kv.close()
