@@ -141,8 +141,12 @@ class Router:
         self._log = open(log, "ab")
         self._log.write(f"$ {' '.join(cmd)}\n".encode())
         self._log.flush()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        try:
+            self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        except OSError:
+            self._log.close()
+            raise
         deadline = time.monotonic() + 120
         while not self._healthy():
             if self.proc.poll() is not None or time.monotonic() > deadline:

@@ -208,7 +208,7 @@ def create_cluster(nodes: list[RedisProcess], replicas: int = 0) -> RedisCluster
     # Replicas count only once in sync: one still waiting for its first copy (Redis delays a
     # diskless sync by 5 s) cannot be promoted, so a failover test would find no successor.
     _wait(f"a cluster of {len(nodes)} nodes, {replicas} replica(s) per master, in sync", ready,
-          deadline=START_DEADLINE + 30)
+          timeout=START_DEADLINE + 30)
     return cluster
 
 
@@ -285,8 +285,8 @@ def redis_tls_server(
     return redis_factory(tls_dir=tls)
 
 
-def _wait(what: str, check: Callable[[], bool], deadline: float = START_DEADLINE) -> None:
-    deadline = time.monotonic() + deadline
+def _wait(what: str, check: Callable[[], bool], timeout: float = START_DEADLINE) -> None:
+    deadline = time.monotonic() + timeout
     while not check():
         if time.monotonic() > deadline:
             pytest.fail(f"timed out waiting for {what}")
