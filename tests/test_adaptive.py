@@ -10,9 +10,18 @@ import pytest
 
 from kvtier.config import Config
 from kvtier.memory import lease
+from kvtier.metrics import Counters
 from kvtier.storage import StorageManager
-from kvtier.storage.adaptive import DEADLINE_SLACK, Decision, Span, decide
+from kvtier.storage.adaptive import (
+    DEADLINE_SLACK,
+    GUESS_FLOOR,
+    Decision,
+    LoadPlanner,
+    Span,
+    decide,
+)
 from kvtier.storage.estimates import PrefillSpeed, TierSpeed
+from kvtier.storage.prefetch import Prefetch
 from kvtier.storage.prefetch_policy import prefetch_policy
 from tests.helpers import SMALL_MHA, make_keys, make_obj
 
@@ -82,6 +91,34 @@ def test_the_deadline_never_passes_the_break_even_point() -> None:
     # A fast load saving much: a busy host's scheduling noise must not cut it off.
     short = Decision(chunks=4, tokens=64, expected_s=0.01, saved_s=1.0)
     assert short.deadline_s == pytest.approx(0.5)
+    # The same plan on a guessed bandwidth bets less of the saving.
+    assert short._replace(guessed=True).deadline_s == pytest.approx(GUESS_FLOOR)
+
+
+def test_a_plan_on_an_unmeasured_tier_is_a_guess() -> None:
+    unmeasured = TierSpeed("t")
+    unmeasured.observe_latency(0.02)  # its round trips are timed, its reads not yet
+    got = decide([_span(unmeasured, 8)], _prefill(1000), 128)
+    assert got.chunks == 8 and got.guessed  # the 1 GB/s prior says load
+    assert got.deadline_s == pytest.approx(max(got.expected_s * DEADLINE_SLACK + 0.005,
+                                               GUESS_FLOOR * got.saved_s))
+    assert not decide([_span(_tier(0.02, 1e9), 8)], _prefill(1000), 128).guessed
+
+
+def test_a_guessed_plan_gets_the_measured_deadline_once_its_reads_are_timed(
+        disk_manager: StorageManager) -> None:
+    (disk,) = disk_manager.lower_tiers
+    assert not disk.speed.measured
+    planner = LoadPlanner(lambda: [disk], _prefill(1000), SMALL_MHA.nbytes,  # 16 ms a chunk
+                          arena_bytes=1 << 30, counters=Counters())
+    keys = make_keys(32 * CHUNK)
+    prefetch = Prefetch(keys, "adaptive", budget_s=60.0)
+    assert planner.plan(prefetch, 8) == 32  # the 1 GB/s prior: load the 24 disk chunks
+    guessed = prefetch.deadline
+    disk.speed.observe_read(CHUNK_BYTES, 0.0001)  # its first chunk arrived: fast
+    assert not prefetch.ready(now=guessed)  # worth more than the guess's short wait
+    assert prefetch.deadline > guessed
+    assert prefetch.deadline <= prefetch.started + 24 * CHUNK / 1000 + 1.0  # the saving
 
 
 # -- the policy on a storage manager, with a real disk tier ----------------------------------

@@ -290,6 +290,22 @@ def test_an_adaptive_deadline_is_set_by_the_plan() -> None:
     assert prefetch.ready() and not prefetch.done()
 
 
+def test_a_guessed_plan_is_rechecked_once_at_its_deadline() -> None:
+    prefetch = Prefetch(make_keys(32), "adaptive", budget_s=60.0)
+    t0 = prefetch.started
+    prefetch.set_deadline(t0 + 1.0)
+    answers = [t0 + 5.0]  # the first chunks measured the tier: worth waiting until t0 + 5
+    prefetch.recheck_at_deadline(lambda: answers.pop())
+    assert not prefetch.ready(now=t0 + 0.5)  # before the deadline: not asked yet
+    assert answers and not prefetch.ready(now=t0 + 1.0)  # asked: the deadline moved
+    assert not answers and prefetch.deadline == t0 + 5.0
+    assert prefetch.ready(now=t0 + 5.0)  # asked once only
+    still_guessing = Prefetch(make_keys(32), "adaptive", budget_s=60.0)
+    still_guessing.set_deadline(still_guessing.started)
+    still_guessing.recheck_at_deadline(lambda: None)  # no chunk measured the tier yet
+    assert still_guessing.ready()
+
+
 def test_wait_ready_returns_when_the_plan_moves_the_deadline_not_when_the_load_ends() -> None:
     # The plan found nothing worth loading, the load still looks for a tail: the request's
     # first admission check must not wait for that lookup.

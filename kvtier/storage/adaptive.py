@@ -23,7 +23,7 @@ from kvtier.storage.estimates import PrefillSpeed, TierSpeed
 from kvtier.storage.guard import GuardedTier
 from kvtier.storage.prefetch import PREFETCH_WINDOW, Prefetch
 
-__all__ = ["Span", "Decision", "decide", "LoadPlanner", "REASONS", "DEADLINE_SLACK"]
+__all__ = ["Span", "Decision", "decide", "LoadPlanner", "REASONS", "DEADLINE_SLACK", "GUESS_FLOOR"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,10 @@ REASONS = ("slower_than_recompute", "deadline", "miss", "promotion_cap")
 # would have been done: see `Decision`.
 DEADLINE_SLACK = 1.5
 DEADLINE_GRACE_S = 0.005
+# A plan on a tier whose reads were never timed runs on the bandwidth prior, a guess: it may
+# wait only this share of its saving (not half), so a first request on a slow tier pays a
+# small bet, not half its recompute, before the tier's first read measures it.
+GUESS_FLOOR = 0.125
 # One request's load never promotes more than this share of the CPU tier: a prompt larger
 # than the CPU tier must not evict every other tenant's chunks on its way through.
 MAX_PROMOTE_FRACTION = 0.5
@@ -55,17 +59,21 @@ class Decision(NamedTuple):
     `expected_s`, saving `saved_s` of recompute. `deadline_s` is when the request stops
     waiting for them: after `expected_s` with some slack, or half of `saved_s` if later, and
     never after `saved_s` (a request that waited that long then recomputes: at most twice
-    the recompute, and only when the tier broke its own estimate)."""
+    the recompute, and only when the tier broke its own estimate). `guessed`: some tier of
+    the load has no timed read yet, so `expected_s` rests on the bandwidth prior and the
+    floor is `GUESS_FLOOR` of `saved_s` instead of half."""
 
     chunks: int
     tokens: int
     expected_s: float
     saved_s: float
+    guessed: bool = False
 
     @property
     def deadline_s(self) -> float:
         slack = self.expected_s * DEADLINE_SLACK + DEADLINE_GRACE_S
-        return min(self.saved_s, max(slack, self.saved_s / 2))
+        floor = self.saved_s * (GUESS_FLOOR if self.guessed else 0.5)
+        return min(self.saved_s, max(slack, floor))
 
 
 def decide(spans: Sequence[Span], prefill: PrefillSpeed, prompt_len: int) -> Decision:
@@ -78,15 +86,18 @@ def decide(spans: Sequence[Span], prefill: PrefillSpeed, prompt_len: int) -> Dec
     speed = prefill.tokens_per_s(prompt_len)
     elapsed = 0.0  # arrival of everything in the spans before this one
     tokens = chunks = 0
+    guessed = False
     for span in spans:
         latency, bandwidth = span.tier.latency_s, span.tier.read_bytes_per_s
+        guessed = guessed or not span.tier.measured
         start = elapsed + span.tier.eta_s(0) - latency  # behind what is queued on the tier
         for k in range(1, span.chunks + 1):
             arrival = start + math.ceil(k / PREFETCH_WINDOW) * latency \
                 + k * span.chunk_bytes / bandwidth
             saved = (tokens + k * span.chunk_tokens) / speed
             if saved > arrival and saved - arrival >= best.saved_s - best.expected_s:
-                best = Decision(chunks + k, tokens + k * span.chunk_tokens, arrival, saved)
+                best = Decision(chunks + k, tokens + k * span.chunk_tokens, arrival, saved,
+                                guessed)
             elapsed = arrival
         tokens += span.chunks * span.chunk_tokens
         chunks += span.chunks
@@ -138,6 +149,9 @@ class LoadPlanner:
         planned = self._queue(spans, limit - hot_chunks)
         now = time.monotonic()
         prefetch.set_deadline(now + decision.deadline_s if limit > hot_chunks else now)
+        if decision.guessed and limit > hot_chunks:
+            prefetch.recheck_at_deadline(
+                lambda: self._remeasured(now, spans, limit - hot_chunks, prompt))
         prefetch.after(lambda loaded: self._settle(prefetch, planned, hot_chunks, limit, hits,
                                                    not skipped, loaded))
         logger.debug("kvtier: adaptive plan for %d chunks: %d in CPU, %d more in %s; loading "
@@ -152,6 +166,27 @@ class LoadPlanner:
             if tier.speed.probe_due(now):
                 self._probe(tier, keys[hits:])
         return limit
+
+    def _remeasured(self, start: float, spans: Sequence[Span], chunks: int, prompt: int,
+                    ) -> float | None:
+        """At the deadline of a plan made on the bandwidth prior: the deadline the plan gets
+        on the speeds its first chunks have measured since (None while a tier of it is still
+        unmeasured, or if the load now loses to recompute)."""
+        tokens, expected = 0, 0.0
+        for span in spans:
+            take = min(chunks, span.chunks)
+            if take <= 0:
+                break
+            if not span.tier.measured:
+                return None
+            expected += math.ceil(take / PREFETCH_WINDOW) * span.tier.latency_s \
+                + take * span.chunk_bytes / span.tier.read_bytes_per_s
+            tokens += take * span.chunk_tokens
+            chunks -= take
+        saved = self.prefill.recompute_s(tokens, prompt)
+        if expected >= saved:
+            return None
+        return start + Decision(0, tokens, expected, saved).deadline_s
 
     def tail_worth(self, prefetch: Prefetch, n: int, tier: GuardedTier, tail: ChunkKey,
                    ) -> bool:

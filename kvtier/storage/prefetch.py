@@ -72,6 +72,7 @@ class Prefetch:
         self._drop = drop
         self._release: Callable[[], object] | None = None  # see `hold`
         self._after: list[Callable[[int], object]] = []  # see `after`
+        self._recheck: Callable[[], float | None] | None = None  # see `recheck_at_deadline`
         # Both under _lock, so cancel() and finish() agree on who runs the drop.
         self._drop_asked = False
         self._stopped = False  # finish() ran: the worker touches the load no more
@@ -91,7 +92,8 @@ class Prefetch:
         """Whether the caller may go on now, per the policy (never blocks)."""
         if not self.policy.waits or self._done.is_set():
             return True
-        if (time.monotonic() if now is None else now) < self.deadline:
+        now = time.monotonic() if now is None else now
+        if now < self.deadline or self._rechecked_later(now):
             return False
         self.policy.at_deadline(len(self.keys), self.deadline - self.started)
         return True
@@ -101,6 +103,22 @@ class Prefetch:
         with self._changed:
             self.deadline = deadline
             self._changed.notify_all()
+
+    def recheck_at_deadline(self, recheck: Callable[[], float | None]) -> None:
+        """Call `recheck()` once, when the deadline first comes: a later deadline it returns
+        (monotonic clock) replaces it. For a plan made on guessed speeds, looked at again
+        once its first chunks have measured the tier."""
+        with self._lock:
+            self._recheck = recheck
+
+    def _rechecked_later(self, now: float) -> bool:
+        with self._lock:
+            recheck, self._recheck = self._recheck, None
+        later = recheck() if recheck is not None else None
+        if later is None or later <= now:
+            return False
+        self.set_deadline(later)
+        return True
 
     def wait_ready(self, timeout: float) -> bool:
         """Wait up to `timeout` seconds for `ready()`: the load done, or its deadline come
@@ -119,9 +137,10 @@ class Prefetch:
         """Block as the policy says (no wait for `best_effort`); True if the load is done."""
         if self.policy.waits:
             while not self._done.is_set():
-                left = self.deadline - time.monotonic()
-                if left <= 0:  # re-read: the plan may move the deadline while we wait
-                    break
+                now = time.monotonic()
+                left = self.deadline - now
+                if left <= 0 and not self._rechecked_later(now):
+                    break  # re-read above: the plan may move the deadline while we wait
                 self._done.wait(min(left, 0.05))
         return self._done.is_set()
 
