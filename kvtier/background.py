@@ -14,15 +14,26 @@ there would start a team of compute threads beside the engine's, and on a host w
 the engine's forward pass then waits at its barriers for a core the copy holds. A thread that a
 request may wait for (the store thread: the request's slots stay locked until it read them)
 keeps its priority and only copies alone (`copy_alone()`).
+
+Priority alone is not enough where the engine computes on the CPU itself: its forward pass
+keeps every core busy, so a niced writer still runs on a core the pass wanted (the OS gives it
+a slice), and the kernel work of its disk and socket writes is not niced at all. There
+`ENGINE` (an `EngineActivity`, told by the SGLang integration when a batch runs) makes the
+lower-tier writers wait for a quiet moment: a burst of stores is written after the burst, not
+during it, within a bounded backlog and delay (`TierWriter`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
+import time
+from collections.abc import Callable
 
-__all__ = ["lower_priority", "copy_alone", "copy_threads", "NICE"]
+__all__ = ["lower_priority", "copy_alone", "copy_threads", "NICE", "EngineActivity", "ENGINE",
+           "QUIET_S"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,3 +72,59 @@ def copy_threads() -> int:
     """The most threads a copy kernel called on this thread may use: 1 on a background thread
     (see `copy_alone`), else 0 (no limit)."""
     return 1 if getattr(_marked, "background", False) else 0
+
+
+# The engine counts as busy this long after its last batch: back-to-back batches (decode
+# steps, the next request's prefill) leave gaps far shorter than this.
+QUIET_S = 0.05
+_POLL_S = 0.01
+
+
+class EngineActivity:
+    """Whether the serving engine is computing now, for work that should wait for it.
+
+    The engine brackets each batch with `enter()`/`leave()` (and may `touch()` when it handles
+    a batch's result). Only an `enabled` one is ever `busy()`: the integration enables it
+    where the engine computes on the CPU cores kvtier's threads would take (on a GPU host a
+    busy engine leaves the CPU to kvtier). Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self._lock = threading.Lock()
+        self._running = 0
+        self._last = -math.inf
+
+    def enter(self) -> None:
+        with self._lock:
+            self._running += 1
+
+    def leave(self) -> None:
+        with self._lock:
+            self._running = max(0, self._running - 1)
+            self._last = time.monotonic()
+
+    def touch(self) -> None:
+        with self._lock:
+            self._last = time.monotonic()
+
+    def busy(self, now: float | None = None) -> bool:
+        """Enabled, and a batch is running or ended less than `QUIET_S` ago."""
+        if not self.enabled:
+            return False
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            return self._running > 0 or now - self._last < QUIET_S
+
+    def wait_quiet(self, max_s: float, go_on: Callable[[], bool] = lambda: False) -> float:
+        """Wait until the engine is not `busy()`, at most `max_s` seconds and no longer once
+        `go_on()` is true (polled); returns the seconds waited."""
+        start = time.monotonic()
+        now = start
+        while self.busy(now) and now - start < max_s and not go_on():
+            time.sleep(_POLL_S)
+            now = time.monotonic()
+        return now - start
+
+
+ENGINE = EngineActivity()  # the engine of this process (one serving engine per process)

@@ -4,6 +4,11 @@ The serving thread never waits on a lower tier: `submit` either queues a chunk o
 (counted). The worker keeps the prefix invariant: a chunk is written only when its predecessor
 is reachable (written by this worker, already in the tier, or per `reachable`), so a lower tier
 never holds a chunk that `retrieve` could not get to.
+
+Where the engine computes on the CPU (`kvtier.background.ENGINE` enabled), the worker also
+waits for a moment the engine is not busy before each write, so a burst of stores does not
+slow the burst's own prefills: at most `DEFER_MAX_S` at a stretch, and not while half the
+queue or more is waiting (a longer backlog is written at once: nothing is dropped for it).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from kvtier.backends.base import StorageBackend
-from kvtier.background import lower_priority
+from kvtier.background import ENGINE, EngineActivity, lower_priority
 from kvtier.keys import ChunkKey, stub_key
 from kvtier.memory import MemoryObj
 from kvtier.metrics import Counters, RateLimitedLog
@@ -26,6 +31,9 @@ __all__ = ["TierWriter"]
 logger = logging.getLogger(__name__)
 _RECENT = 65536  # how many written keys to remember for the predecessor check
 _BATCH = 16  # chunks per backend call
+# The longest a writer waits for a quiet engine before it writes anyway (until the next quiet
+# moment, it then writes without waiting): a lower tier lags a busy CPU engine by this much.
+DEFER_MAX_S = 10.0
 
 
 class TierWriter:
@@ -40,13 +48,16 @@ class TierWriter:
         counters: Counters,
         warn: RateLimitedLog,
         reachable: Callable[[str], bool] = lambda key: False,
+        engine: EngineActivity = ENGINE,
     ):
         self.backend = backend
+        self._engine = engine
+        self._deferring_since: float | None = None  # see `_yield_to_engine`
         self._queue: queue.Queue[tuple[ChunkKey, MemoryObj] | None] = queue.Queue(capacity)
         self._counters = counters
         counters.declare(*(f"{backend.name}.{event}" for event in (
             "writes", "write_dropped", "write_errors", "write_orphans", "write_cancelled",
-            "write_present")))
+            "write_present", "write_deferrals")))
         self._warn = warn
         self._reachable = reachable
         self._recent: OrderedDict[str, None] = OrderedDict()
@@ -152,6 +163,7 @@ class TierWriter:
             if item is None:
                 self._queue.task_done()
                 return
+            self._yield_to_engine()
             batch = [item]
             stop = False
             while len(batch) < _BATCH:
@@ -169,6 +181,24 @@ class TierWriter:
                 self._queue.task_done()
             if stop:
                 return
+
+    def _yield_to_engine(self) -> None:
+        """Wait for a quiet moment of a busy CPU engine (see the module doc): not once this
+        writer has waited `DEFER_MAX_S` since the last quiet moment, nor while half its queue
+        or more is waiting, nor once it closes."""
+        if not self._engine.busy():
+            self._deferring_since = None
+            return
+        now = time.monotonic()
+        since = self._deferring_since = self._deferring_since or now
+        left = DEFER_MAX_S - (now - since)
+        if left <= 0:
+            return
+        self._counters.inc(f"{self.backend.name}.write_deferrals")
+        half = max(1, self._queue.maxsize // 2)
+        self._engine.wait_quiet(left, lambda: self._closed or self._queue.qsize() >= half)
+        if not self._engine.busy():
+            self._deferring_since = None
 
     def _write(self, batch: list[tuple[ChunkKey, MemoryObj]]) -> None:
         name = self.backend.name

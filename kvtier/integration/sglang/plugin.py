@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvtier.background import ENGINE
 from kvtier.config import Config, load_config
 from kvtier.errors import ConfigError
 from kvtier.integration.sglang.sglang_api import (
@@ -33,6 +34,7 @@ from kvtier.integration.sglang.sglang_api import (
     all_reduce,
     enable_storage_prefetch,
 )
+from kvtier.storage.writer import DEFER_MAX_S
 
 __all__ = ["register", "BACKEND_NAME", "build_radix_cache"]
 
@@ -58,6 +60,7 @@ def register() -> None:
              (HOOK_TARGETS["from_cli_args"], _from_cli_args, HookType.AROUND),
              (HOOK_TARGETS["scheduler_init"], _enable_prefetch_hooks, HookType.AFTER),
              (HOOK_TARGETS["process_batch_result"], _time_prefill, HookType.BEFORE),
+             (HOOK_TARGETS["run_batch"], _run_batch, HookType.AROUND),
              (HOOK_TARGETS["attach"], admin.wrap_attach, HookType.AROUND),
              (HOOK_TARGETS["detach"], admin.wrap_detach, HookType.AROUND))
     for target, hook, kind in hooks:
@@ -105,8 +108,13 @@ def _add_http_routes() -> None:
 
 
 def _enable_prefetch_hooks(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
-    """After `Scheduler.__init__`: route the scheduler's prefetch calls to a kvtier tree."""
+    """After `Scheduler.__init__`: route the scheduler's prefetch calls to a kvtier tree; on a
+    CPU engine, make the lower-tier writers wait while a batch runs (`background.ENGINE`)."""
     kvtier = getattr(getattr(scheduler, "tree_cache", None), "kvtier", None)
+    if kvtier is not None and _device(scheduler) == "cpu":
+        ENGINE.enabled = True
+        logger.info("kvtier: the engine computes on the CPU: lower-tier writes wait for "
+                    "moments no batch runs (at most %.0f s)", DEFER_MAX_S)
     if kvtier is not None and kvtier.async_loads:
         enable_storage_prefetch(scheduler)
         logger.info("kvtier: loads from lower tiers run in the background (prefetch policy %s)",
@@ -114,9 +122,24 @@ def _enable_prefetch_hooks(result: Any, scheduler: Any, *args: Any, **kwargs: An
     return result
 
 
+def _device(scheduler: Any) -> str:
+    return str(getattr(getattr(scheduler, "server_args", None), "device", ""))
+
+
+def _run_batch(original: Callable[..., Any], scheduler: Any, *args: Any, **kwargs: Any,
+               ) -> Any:
+    """Around `Scheduler.run_batch`: the engine is busy while a batch runs."""
+    ENGINE.enter()
+    try:
+        return original(scheduler, *args, **kwargs)
+    finally:
+        ENGINE.leave()
+
+
 def _time_prefill(scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
     """Before `Scheduler.process_batch_result`: the batch's forward is over, so an extend batch
     tells kvtier how fast this server prefills (the adaptive prefetch policy's yardstick)."""
+    ENGINE.touch()  # the batch's results are handled now: still busy
     kvtier = getattr(getattr(scheduler, "tree_cache", None), "kvtier", None)
     if kvtier is None or batch is None or not batch.forward_mode.is_extend():
         return
