@@ -6,9 +6,11 @@ Redis through a proxy that delays every reply by `--delay-ms` (a remote Redis). 
 mode: the stream's median and worst inter-token gap while the long request is in flight, the
 long request's TTFT and its cached tokens.
 
-Modes: `no kvtier` (the long prompt is recomputed), `kvtier` (shipped: loads run in the
-background through SGLang's prefetch hooks, policy wait_complete), and `kvtier, no CPU tier`
-(`local_cpu: false`, where loads still run on the scheduler thread: the old behaviour).
+Modes: `no kvtier` (the long prompt is recomputed), `kvtier` (loads run in the background
+through SGLang's prefetch hooks, policy wait_complete: the load is always waited for),
+`kvtier, adaptive` (the same with the default policy, which loads only what arrives sooner than
+it recomputes), and `kvtier, no CPU tier` (`local_cpu: false`, where loads still run on the
+scheduler thread: the old behaviour).
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_stall.py [--delay-ms 150] [--prompt-tokens 2700]
         [--chunk-size 64] [--fresh-kernel]
@@ -86,6 +88,7 @@ def run(delay_ms: float, prompt_tokens: int, work: Path, chunk: int = CHUNK,
             store.flush_cache()
         modes = {"no kvtier": None,
                  "kvtier": {"prefetch_policy": "wait_complete"},
+                 "kvtier, adaptive": {},  # the default policy: load only what beats recompute
                  "kvtier, no CPU tier": {"local_cpu": False, "max_local_cpu_size": 0.5}}
         with DelayProxy(redis.port, delay_ms / 1e3) as proxy:
             for name, extra in modes.items():

@@ -181,6 +181,24 @@ def test_tokens_no_tier_holds_count_as_misses(disk_manager: StorageManager) -> N
     assert sm.stats()["adaptive_tokens_recomputed_miss"] == 8 * CHUNK
 
 
+def test_before_any_round_trip_to_a_tier_the_plan_is_waited_for_briefly(
+        tmp_path: Path) -> None:
+    sm = StorageManager(Config(chunk_size=CHUNK, max_local_cpu_size=0.008,
+                               local_disk=str(tmp_path / "d"), max_local_disk_size=0.1),
+                        SMALL_MHA)
+    try:
+        (disk,) = sm.lower_tiers
+        planner = LoadPlanner(lambda: [disk], _prefill(1000), SMALL_MHA.nbytes,
+                              arena_bytes=1 << 30, counters=Counters())
+        assert not disk.speed.latency_measured
+        assert planner.budget_before_plan_s(1000) == pytest.approx(GUESS_FLOOR * 1.0)
+        disk.batch_contains(make_keys(CHUNK))  # one round trip, timed
+        assert disk.speed.latency_measured
+        assert planner.budget_before_plan_s(1000) == pytest.approx(1.0)
+    finally:
+        sm.close()
+
+
 def test_a_request_waits_no_longer_than_recomputing_its_prompt(tmp_path: Path) -> None:
     cfg = Config(chunk_size=CHUNK, max_local_cpu_size=0.008)  # no lower tier at all
     sm = StorageManager(cfg, SMALL_MHA)

@@ -127,10 +127,15 @@ class LoadPlanner:
         counters.declare("adaptive_tokens_loaded",
                           *(f"adaptive_tokens_recomputed_{r}" for r in REASONS))
 
-    def recompute_s(self, tokens: int) -> float:
-        """How long recomputing a prompt of `tokens` tokens takes now (the `adaptive` budget
-        before a plan exists: no load can win after it)."""
-        return self.prefill.recompute_s(tokens, tokens)
+    def budget_before_plan_s(self, tokens: int) -> float:
+        """How long a prompt of `tokens` tokens may wait for its plan under `adaptive`: its
+        recompute time (no load can win after it), or `GUESS_FLOOR` of it while a lower
+        tier's round trip was never timed (the plan's first question to such a tier may take
+        longer than any load from it could save)."""
+        full = self.prefill.recompute_s(tokens, tokens)
+        if all(tier.speed.latency_measured for tier in self._tiers()):
+            return full
+        return full * GUESS_FLOOR
 
     def plan(self, prefetch: Prefetch, hot_chunks: int) -> int:
         """How many leading chunks of `prefetch.keys` the load should bring into the CPU tier

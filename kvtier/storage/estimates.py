@@ -104,6 +104,11 @@ class TierSpeed:
         return self._bandwidth.median() or PRIOR_READ_BYTES_PER_S
 
     @property
+    def latency_measured(self) -> bool:
+        """Whether a round trip was timed yet (else the latency is taken as 0)."""
+        return len(self._latency) > 0
+
+    @property
     def measured(self) -> bool:
         """Whether a read was timed yet (else the bandwidth is the prior)."""
         return len(self._bandwidth) > 0

@@ -87,7 +87,8 @@ class PrefetchLoads:
         """A prefetch of `keys` (and then its tail), queued for the workers if `accept`; else
         (or without keys) done at once with 0 chunks. Never blocks."""
         tokens = sum(k.num_tokens for k in keys)
-        budget = self._policy.budget_s(self._config, tokens, self._planner.recompute_s(tokens))
+        budget = self._policy.budget_s(self._config, tokens,
+                                       self._planner.budget_before_plan_s(tokens))
         prefetch = Prefetch(keys, self._policy, budget, drop=self.drop, tails=tails)
         prefetch.arena_before = self._used_bytes()
         if not accept or not keys:

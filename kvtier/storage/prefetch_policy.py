@@ -3,7 +3,7 @@
 - `adaptive` (the default): the load is planned from measured tier and prefill speeds
   (`kvtier.storage.adaptive`); the request waits until what arrives sooner than it recomputes
   is in, or that part's deadline. Until the plan exists, the deadline is the recompute time of
-  the whole prompt.
+  the whole prompt (1/8 of it while a lower tier's round trip was never timed).
 - `best_effort`: never waits; the load goes on in the background.
 - `timeout`: waits until the load is done or `prefetch_timeout_base_ms` +
   `prefetch_timeout_per_token_ms` x tokens passed.
@@ -50,7 +50,7 @@ class Adaptive(PrefetchPolicy):
     counts_timeouts = True
 
     def budget_s(self, config: Config, tokens: int, recompute_s: float) -> float:
-        return recompute_s  # no load can win after that
+        return recompute_s  # the planner's budget before its plan (`budget_before_plan_s`)
 
 
 class BestEffort(PrefetchPolicy):

@@ -6,9 +6,10 @@ is reachable (written by this worker, already in the tier, or per `reachable`), 
 never holds a chunk that `retrieve` could not get to.
 
 Where the engine computes on the CPU (`kvtier.background.ENGINE` enabled), the worker also
-waits for a moment the engine is not busy before each write, so a burst of stores does not
-slow the burst's own prefills: at most `DEFER_MAX_S` at a stretch, and not while half the
-queue or more is waiting (a longer backlog is written at once: nothing is dropped for it).
+yields to it: while a batch runs, it spends at most `BUSY_SHARE` of its time writing (after a
+write, it waits for the engine to go quiet or for that share to allow the next write), so the
+stores of a burst are written mostly after the burst, not during its prefills. Not while half
+the queue or more is waiting: a longer backlog is written at once (nothing is dropped for it).
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ __all__ = ["TierWriter"]
 logger = logging.getLogger(__name__)
 _RECENT = 65536  # how many written keys to remember for the predecessor check
 _BATCH = 16  # chunks per backend call
-# The longest a writer waits for a quiet engine before it writes anyway (until the next quiet
-# moment, it then writes without waiting): a lower tier lags a busy CPU engine by this much.
-DEFER_MAX_S = 10.0
+# While a CPU engine runs batches, a writer spends at most this share of its time writing
+# (the write's wall time: its copies, its syscalls, and a local Redis's work on the reply).
+BUSY_SHARE = 0.05
 
 
 class TierWriter:
@@ -49,10 +50,12 @@ class TierWriter:
         warn: RateLimitedLog,
         reachable: Callable[[str], bool] = lambda key: False,
         engine: EngineActivity = ENGINE,
+        busy_share: float = BUSY_SHARE,
     ):
         self.backend = backend
         self._engine = engine
-        self._deferring_since: float | None = None  # see `_yield_to_engine`
+        self._busy_share = busy_share
+        self._last_write = (0.0, 0.0)  # (its duration, its end): see `_yield_to_engine`
         self._queue: queue.Queue[tuple[ChunkKey, MemoryObj] | None] = queue.Queue(capacity)
         self._counters = counters
         counters.declare(*(f"{backend.name}.{event}" for event in (
@@ -176,29 +179,26 @@ class TierWriter:
                     stop = True
                     break
                 batch.append(nxt)
+            start = time.monotonic()
             self._write(batch)
+            end = time.monotonic()
+            self._last_write = (end - start, end)
             for _ in batch:
                 self._queue.task_done()
             if stop:
                 return
 
     def _yield_to_engine(self) -> None:
-        """Wait for a quiet moment of a busy CPU engine (see the module doc): not once this
-        writer has waited `DEFER_MAX_S` since the last quiet moment, nor while half its queue
-        or more is waiting, nor once it closes."""
-        if not self._engine.busy():
-            self._deferring_since = None
-            return
-        now = time.monotonic()
-        since = self._deferring_since = self._deferring_since or now
-        left = DEFER_MAX_S - (now - since)
-        if left <= 0:
+        """Before a write, while a CPU engine is busy (see the module doc): wait for it to go
+        quiet, or until the last write's duration is `busy_share` of the time since it
+        began; not while half the queue or more is waiting, nor once closing."""
+        took, ended = self._last_write
+        rest = took / self._busy_share - took - (time.monotonic() - ended)
+        if rest <= 0 or not self._engine.busy():
             return
         self._counters.inc(f"{self.backend.name}.write_deferrals")
         half = max(1, self._queue.maxsize // 2)
-        self._engine.wait_quiet(left, lambda: self._closed or self._queue.qsize() >= half)
-        if not self._engine.busy():
-            self._deferring_since = None
+        self._engine.wait_quiet(rest, lambda: self._closed or self._queue.qsize() >= half)
 
     def _write(self, batch: list[tuple[ChunkKey, MemoryObj]]) -> None:
         name = self.backend.name

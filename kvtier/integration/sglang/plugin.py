@@ -34,7 +34,7 @@ from kvtier.integration.sglang.sglang_api import (
     all_reduce,
     enable_storage_prefetch,
 )
-from kvtier.storage.writer import DEFER_MAX_S
+from kvtier.storage.writer import BUSY_SHARE
 
 __all__ = ["register", "BACKEND_NAME", "build_radix_cache"]
 
@@ -113,8 +113,9 @@ def _enable_prefetch_hooks(result: Any, scheduler: Any, *args: Any, **kwargs: An
     kvtier = getattr(getattr(scheduler, "tree_cache", None), "kvtier", None)
     if kvtier is not None and _device(scheduler) == "cpu":
         ENGINE.enabled = True
-        logger.info("kvtier: the engine computes on the CPU: lower-tier writes wait for "
-                    "moments no batch runs (at most %.0f s)", DEFER_MAX_S)
+        logger.info("kvtier: the engine computes on the CPU: while batches run, lower-tier "
+                    "writers take at most %.0f%% of their time (the rest waits for idle moments)",
+                    BUSY_SHARE * 100)
     if kvtier is not None and kvtier.async_loads:
         enable_storage_prefetch(scheduler)
         logger.info("kvtier: loads from lower tiers run in the background (prefetch policy %s)",
