@@ -103,9 +103,14 @@ def test_a_backlog_of_half_the_queue_is_written_even_while_busy(
     writer, _ = _writer(backend, engine, capacity=8)
     try:
         _first_write(writer, alloc)
-        keys = _submit(writer, alloc, 5)  # 4 (half of 8) wait even if the writer took one
-        assert writer.drain(BOUND_S)  # written, the engine still busy
-        assert backend.batch_contains(keys) == 5 and engine.busy()
+        keys = _submit(writer, alloc, 7)
+        # The engine stays busy, yet the writer brings the backlog below half of 8.
+        deadline = time.monotonic() + BOUND_S
+        while backend.batch_contains(keys) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert backend.batch_contains(keys) >= 3 and engine.busy()
+        engine.leave()
+        assert writer.drain(BOUND_S) and backend.batch_contains(keys) == 7
     finally:
         writer.close(BOUND_S)
 

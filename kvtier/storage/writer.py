@@ -8,8 +8,10 @@ never holds a chunk that `retrieve` could not get to.
 Where the engine computes on the CPU (`kvtier.background.ENGINE` enabled), the worker also
 yields to it: while a batch runs, it spends at most `BUSY_SHARE` of its time writing (after a
 write, it waits for the engine to go quiet or for that share to allow the next write), so the
-stores of a burst are written mostly after the burst, not during its prefills. Not while half
-the queue or more is waiting: a longer backlog is written at once (nothing is dropped for it).
+stores of a burst are written mostly after the burst, not during its prefills; and it writes a
+few chunks per call, so a write begun in a quiet moment ends soon after the next batch starts.
+Not while half the queue or more is waiting: a longer backlog is written at once (nothing is
+dropped for it).
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ __all__ = ["TierWriter"]
 logger = logging.getLogger(__name__)
 _RECENT = 65536  # how many written keys to remember for the predecessor check
 _BATCH = 16  # chunks per backend call
+# Beside a CPU engine: a write, once begun, runs to its end, so keep each one short enough
+# that a batch starting in the meantime waits for little (a chunk is a few MB).
+_BATCH_CPU_ENGINE = 2
 # While a CPU engine runs batches, a writer spends at most this share of its time writing
 # (the write's wall time: its copies, its syscalls, and a local Redis's work on the reply).
 BUSY_SHARE = 0.05
@@ -169,7 +174,8 @@ class TierWriter:
             self._yield_to_engine()
             batch = [item]
             stop = False
-            while len(batch) < _BATCH:
+            size = _BATCH_CPU_ENGINE if self._engine.enabled else _BATCH
+            while len(batch) < size:
                 try:
                     nxt = self._queue.get_nowait()
                 except queue.Empty:
