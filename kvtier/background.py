@@ -76,7 +76,7 @@ def copy_threads() -> int:
 
 # The engine counts as busy this long after its last batch: back-to-back batches (decode
 # steps, the next request's prefill) leave gaps far shorter than this.
-QUIET_S = 0.05
+QUIET_S = 0.1
 _POLL_S = 0.01
 
 

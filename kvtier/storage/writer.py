@@ -39,7 +39,7 @@ _BATCH = 16  # chunks per backend call
 _BATCH_CPU_ENGINE = 2
 # While a CPU engine runs batches, a writer spends at most this share of its time writing
 # (the write's wall time: its copies, its syscalls, and a local Redis's work on the reply).
-BUSY_SHARE = 0.05
+BUSY_SHARE = 0.02
 
 
 class TierWriter:
