@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable
 
 __all__ = ["lower_priority", "copy_alone", "copy_threads", "NICE", "EngineActivity", "ENGINE",
-           "QUIET_S"]
+           "QUIET_S", "STALE_S"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,44 +77,45 @@ def copy_threads() -> int:
 # The engine counts as busy this long after its last batch: back-to-back batches (decode
 # steps, the next request's prefill) leave gaps far shorter than this.
 QUIET_S = 0.1
+STALE_S = 30.0  # longer than any one forward pass
 _POLL_S = 0.01
 
 
 class EngineActivity:
     """Whether the serving engine is computing now, for work that should wait for it.
 
-    The engine brackets each batch with `enter()`/`leave()` (and may `touch()` when it handles
-    a batch's result). Only an `enabled` one is ever `busy()`: the integration enables it
-    where the engine computes on the CPU cores kvtier's threads would take (on a GPU host a
-    busy engine leaves the CPU to kvtier). Thread-safe.
+    The engine calls `enter()` when it launches a batch and `leave()` when it handles that
+    batch's result (its forward is over then, wherever it ran). Only an `enabled` one is ever
+    `busy()`: the integration enables it where the engine computes on the CPU cores kvtier's
+    threads would take (on a GPU host a busy engine leaves the CPU to kvtier). Thread-safe.
     """
 
     def __init__(self) -> None:
         self.enabled = False
         self._lock = threading.Lock()
         self._running = 0
-        self._last = -math.inf
+        self._entered = -math.inf
+        self._left = -math.inf
 
     def enter(self) -> None:
         with self._lock:
             self._running += 1
+            self._entered = time.monotonic()
 
     def leave(self) -> None:
         with self._lock:
             self._running = max(0, self._running - 1)
-            self._last = time.monotonic()
-
-    def touch(self) -> None:
-        with self._lock:
-            self._last = time.monotonic()
+            self._left = time.monotonic()
 
     def busy(self, now: float | None = None) -> bool:
-        """Enabled, and a batch is running or ended less than `QUIET_S` ago."""
+        """Enabled, and a batch is running or ended less than `QUIET_S` ago. A batch whose
+        result never came counts for `STALE_S` at most (nothing waits forever on a miscount)."""
         if not self.enabled:
             return False
         now = time.monotonic() if now is None else now
         with self._lock:
-            return self._running > 0 or now - self._last < QUIET_S
+            running = self._running > 0 and now - self._entered < STALE_S
+            return running or now - self._left < QUIET_S
 
     def wait_quiet(self, max_s: float, go_on: Callable[[], bool] = lambda: False) -> float:
         """Wait until the engine is not `busy()`, at most `max_s` seconds and no longer once

@@ -13,7 +13,7 @@ import pytest
 
 from kvtier.backends import BackendContext
 from kvtier.backends.disk import DiskBackend
-from kvtier.background import QUIET_S, EngineActivity
+from kvtier.background import QUIET_S, STALE_S, EngineActivity
 from kvtier.config import Config
 from kvtier.keys import ChunkKey
 from kvtier.memory import MemoryAllocator, lease
@@ -76,6 +76,8 @@ def test_the_engine_is_busy_while_a_batch_runs_and_shortly_after() -> None:
     now = time.monotonic()
     assert engine.busy(now) and not engine.busy(now + QUIET_S)
     assert engine.wait_quiet(BOUND_S) >= 0 and not engine.busy()
+    engine.enter()  # a batch whose result never comes does not hold writers forever
+    assert engine.busy() and not engine.busy(time.monotonic() + STALE_S)
 
 
 def test_writes_wait_for_a_busy_cpu_engine_and_follow_it(

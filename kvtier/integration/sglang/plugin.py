@@ -60,7 +60,7 @@ def register() -> None:
              (HOOK_TARGETS["from_cli_args"], _from_cli_args, HookType.AROUND),
              (HOOK_TARGETS["scheduler_init"], _enable_prefetch_hooks, HookType.AFTER),
              (HOOK_TARGETS["process_batch_result"], _time_prefill, HookType.BEFORE),
-             (HOOK_TARGETS["run_batch"], _run_batch, HookType.AROUND),
+             (HOOK_TARGETS["run_batch"], _run_batch, HookType.BEFORE),
              (HOOK_TARGETS["attach"], admin.wrap_attach, HookType.AROUND),
              (HOOK_TARGETS["detach"], admin.wrap_detach, HookType.AROUND))
     for target, hook, kind in hooks:
@@ -127,20 +127,17 @@ def _device(scheduler: Any) -> str:
     return str(getattr(getattr(scheduler, "server_args", None), "device", ""))
 
 
-def _run_batch(original: Callable[..., Any], scheduler: Any, *args: Any, **kwargs: Any,
-               ) -> Any:
-    """Around `Scheduler.run_batch`: the engine is busy while a batch runs."""
+def _run_batch(scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """Before `Scheduler.run_batch`: a batch starts; the engine is busy until its result is
+    handled (`process_batch_result`: with the overlap scheduler the forward may still run
+    after `run_batch` returned)."""
     ENGINE.enter()
-    try:
-        return original(scheduler, *args, **kwargs)
-    finally:
-        ENGINE.leave()
 
 
 def _time_prefill(scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
     """Before `Scheduler.process_batch_result`: the batch's forward is over, so an extend batch
     tells kvtier how fast this server prefills (the adaptive prefetch policy's yardstick)."""
-    ENGINE.touch()  # the batch's results are handled now: still busy
+    ENGINE.leave()  # its forward is over (quiet from now on, unless another runs)
     kvtier = getattr(getattr(scheduler, "tree_cache", None), "kvtier", None)
     if kvtier is None or batch is None or not batch.forward_mode.is_extend():
         return

@@ -90,7 +90,8 @@ REACH_INS: tuple[ReachIn, ...] = (
             _has(SCHEDULER, "__init__", "process_batch_result", "run_batch",
                  "attach_hicache_storage_wrapped", "detach_hicache_storage_wrapped")),
     ReachIn("Scheduler.run_batch(batch) runs one forward",
-            "on a CPU engine, lower-tier writers wait while a batch runs (an AROUND hook)",
+            "on a CPU engine, lower-tier writers wait from a batch's launch (a BEFORE hook) "
+            "to its result (process_batch_result)",
             _params(f"{SCHEDULER}.run_batch", "batch")),
     ReachIn("Scheduler.process_batch_result(batch, result)",
             "prefill speed: a BEFORE hook reads the batch after its forward",
