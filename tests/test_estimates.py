@@ -60,6 +60,16 @@ def test_prefill_speed_is_kept_by_prompt_length() -> None:
     assert speed.tokens_per_s(100_000) == pytest.approx(4000)  # the nearest length measured
 
 
+def test_short_prefills_do_not_cost_a_long_prompt_per_token() -> None:
+    speed = PrefillSpeed()
+    speed.observe(64, 0.032, 64)  # a 64-token prompt in 32 ms: mostly fixed cost
+    # A 2700-token prompt then costs no more than that prefill: in doubt, recompute is cheap.
+    assert speed.recompute_s(2700, 2700) == pytest.approx(0.032)
+    assert speed.tokens_per_s(100) == pytest.approx(2000)  # near the sample: its own speed
+    speed.observe(2048, 0.2, 2048)  # a long prompt measured: per token from now on
+    assert speed.recompute_s(2700, 2700) == pytest.approx(2700 / 10_240)
+
+
 # -- a real Redis behind a proxy whose latency and bandwidth the test sets --------------------
 
 DELAY_S = 0.1  # long and slow enough that a busy host's scheduling noise is a few %

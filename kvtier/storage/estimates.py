@@ -22,7 +22,7 @@ import threading
 from collections import deque
 from statistics import median
 
-__all__ = ["Samples", "TierSpeed", "PrefillSpeed", "WINDOW"]
+__all__ = ["Samples", "TierSpeed", "PrefillSpeed", "WINDOW", "SHORT_PREFILL_TOKENS"]
 
 WINDOW = 16
 # Before a tier's first read: assume it streams at 1 GB/s (a local Redis or an SSD); its first
@@ -35,6 +35,10 @@ PRIOR_PREFILL_TOKENS_PER_S = 2000.0
 PROBE_INTERVAL_S = 2.0
 # Prefills shorter than this are mostly fixed cost (scheduling, sampling): not a speed sample.
 MIN_PREFILL_SAMPLE_TOKENS = 64
+# Samples shorter than this still carry much fixed cost: they bound how long a prefill takes,
+# not how fast tokens go, so a longer prompt is not costed per token from them (see
+# `PrefillSpeed.tokens_per_s`).
+SHORT_PREFILL_TOKENS = 512
 
 
 class Samples:
@@ -157,14 +161,21 @@ class PrefillSpeed:
 
     def tokens_per_s(self, prompt_len: int) -> float:
         """The measured speed for prompts of this length (the nearest length measured), or
-        the prior before any measurement."""
+        the prior before any measurement. When every sample is of prompts under
+        `SHORT_PREFILL_TOKENS` and under half this length, a prompt of this length is costed
+        as a prefill of the longest sampled length (its time is mostly fixed cost): in
+        doubt, recompute looks cheap, and the load must beat that."""
         with self._lock:
             buckets = list(self._buckets.items())
         if not buckets:
             return self.prior
         want = _bucket(prompt_len)
-        _, samples = min(buckets, key=lambda kv: (abs(kv[0] - want), -kv[0]))
-        return samples.median() or self.prior
+        bucket, samples = min(buckets, key=lambda kv: (abs(kv[0] - want), -kv[0]))
+        speed = samples.median() or self.prior
+        longest = max(b for b, _ in buckets)
+        if longest < want - 1 and (1 << longest) < SHORT_PREFILL_TOKENS:
+            return speed * prompt_len / (1 << bucket)
+        return speed
 
     def recompute_s(self, tokens: int, prompt_len: int) -> float:
         """Expected seconds to recompute `tokens` of a `prompt_len`-token prompt."""
