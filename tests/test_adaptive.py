@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from kvtier.backends import BackendContext
+from kvtier.backends.disk import DiskBackend
 from kvtier.config import Config
-from kvtier.memory import lease
-from kvtier.metrics import Counters
+from kvtier.memory import MemoryAllocator, lease
+from kvtier.metrics import Counters, RateLimitedLog
 from kvtier.storage import StorageManager
 from kvtier.storage.adaptive import (
     DEADLINE_SLACK,
@@ -21,6 +24,7 @@ from kvtier.storage.adaptive import (
     decide,
 )
 from kvtier.storage.estimates import PrefillSpeed, TierSpeed
+from kvtier.storage.guard import GuardedTier
 from kvtier.storage.prefetch import Prefetch
 from kvtier.storage.prefetch_policy import prefetch_policy
 from tests.helpers import SMALL_MHA, make_keys, make_obj
@@ -183,11 +187,11 @@ def test_tokens_no_tier_holds_count_as_misses(disk_manager: StorageManager) -> N
 
 def test_before_any_round_trip_to_a_tier_the_plan_is_waited_for_briefly(
         tmp_path: Path) -> None:
-    sm = StorageManager(Config(chunk_size=CHUNK, max_local_cpu_size=0.008,
-                               local_disk=str(tmp_path / "d"), max_local_disk_size=0.1),
-                        SMALL_MHA)
+    cfg = Config(chunk_size=CHUNK, local_disk=str(tmp_path / "d"), max_local_disk_size=0.1)
+    alloc = MemoryAllocator(1 << 20)
+    inner = DiskBackend(BackendContext(config=cfg, layout=SMALL_MHA, allocator=alloc))
+    disk = GuardedTier(inner, Counters("disk.errors"), RateLimitedLog(logging.getLogger()))
     try:
-        (disk,) = sm.lower_tiers
         planner = LoadPlanner(lambda: [disk], _prefill(1000), SMALL_MHA.nbytes,
                               arena_bytes=1 << 30, counters=Counters())
         assert not disk.speed.latency_measured
@@ -195,6 +199,21 @@ def test_before_any_round_trip_to_a_tier_the_plan_is_waited_for_briefly(
         disk.batch_contains(make_keys(CHUNK))  # one round trip, timed
         assert disk.speed.latency_measured
         assert planner.budget_before_plan_s(1000) == pytest.approx(1.0)
+    finally:
+        disk.close()
+
+
+def test_a_tier_is_timed_when_it_is_built(tmp_path: Path) -> None:
+    sm = StorageManager(Config(chunk_size=CHUNK, max_local_cpu_size=0.008,
+                               local_disk=str(tmp_path / "d"), max_local_disk_size=0.1),
+                        SMALL_MHA)
+    try:
+        (disk,) = sm.lower_tiers
+        deadline = time.monotonic() + 30.0  # a bound on a hang, never expected to pass
+        while not disk.speed.latency_measured and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert disk.speed.latency_measured  # a round trip off any request's path
+        assert sm.stats()["disk.errors"] == 0
     finally:
         sm.close()
 

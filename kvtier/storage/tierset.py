@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 
 from kvtier.backends import BackendContext, create_backend
 from kvtier.config import Config
+from kvtier.keys import stub_key
 from kvtier.metrics import RateLimitedLog
 from kvtier.names import CPU, TIERS
 from kvtier.storage.guard import GuardedTier
@@ -27,6 +28,7 @@ __all__ = ["TierSet", "TIER_ORDER", "retire", "discard"]
 logger = logging.getLogger(__name__)
 
 TIER_ORDER = TIERS  # fastest first: the order puts and gets walk
+PROBE_KEY = "kvtier/probe/round-trip"  # a name no record has: its lookup is one round trip
 
 
 class TierSet:
@@ -88,6 +90,10 @@ class TierSet:
         if config is not None:
             ctx = BackendContext(config, ctx.layout, ctx.allocator, ctx.counters)
         tier = GuardedTier(create_backend(name, ctx), ctx.counters, self._warn)
+        # One round trip timed now, off any request's path: until a tier's round trip is
+        # timed, the adaptive policy waits for a plan only briefly (`budget_before_plan_s`).
+        threading.Thread(target=tier.batch_contains, args=([stub_key(PROBE_KEY)],),
+                         name=f"kvtier-probe-{tier.name}", daemon=True).start()
         ctx.counters.declare(f"{tier.name}.hit_chunks")
         writer = TierWriter(tier, ctx.config.write_queue_chunks, ctx.counters, self._warn,
                             reachable=self._reachable)
