@@ -19,8 +19,8 @@ Priority alone is not enough where the engine computes on the CPU itself: its fo
 keeps every core busy, so a niced writer still runs on a core the pass wanted (the OS gives it
 a slice), and the kernel work of its disk and socket writes is not niced at all. There
 `ENGINE` (an `EngineActivity`, told by the SGLang integration when a batch runs) makes the
-lower-tier writers wait for a quiet moment: a burst of stores is written after the burst, not
-during it, within a bounded backlog and delay (`TierWriter`).
+lower-tier writers yield: while batches run they write only a small share of the time, so most
+of a burst's stores are written after the burst, within a bounded backlog (`TierWriter`).
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ def register() -> None:
     hooks = ((HOOK_TARGETS["add_cli_args"], _add_cli_args, HookType.AROUND),
              (HOOK_TARGETS["from_cli_args"], _from_cli_args, HookType.AROUND),
              (HOOK_TARGETS["scheduler_init"], _enable_prefetch_hooks, HookType.AFTER),
-             (HOOK_TARGETS["process_batch_result"], _time_prefill, HookType.BEFORE),
+             (HOOK_TARGETS["process_batch_result"], _batch_result, HookType.BEFORE),
              (HOOK_TARGETS["run_batch"], _run_batch, HookType.BEFORE),
              (HOOK_TARGETS["attach"], admin.wrap_attach, HookType.AROUND),
              (HOOK_TARGETS["detach"], admin.wrap_detach, HookType.AROUND))
@@ -134,9 +134,10 @@ def _run_batch(scheduler: Any, *args: Any, **kwargs: Any) -> None:
     ENGINE.enter()
 
 
-def _time_prefill(scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
-    """Before `Scheduler.process_batch_result`: the batch's forward is over, so an extend batch
-    tells kvtier how fast this server prefills (the adaptive prefetch policy's yardstick)."""
+def _batch_result(scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+    """Before `Scheduler.process_batch_result`: the batch's forward is over, so the engine is
+    no longer busy with it (`ENGINE`), and an extend batch tells kvtier how fast this server
+    prefills (the adaptive prefetch policy's yardstick)."""
     ENGINE.leave()  # its forward is over (quiet from now on, unless another runs)
     kvtier = getattr(getattr(scheduler, "tree_cache", None), "kvtier", None)
     if kvtier is None or batch is None or not batch.forward_mode.is_extend():
