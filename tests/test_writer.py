@@ -1,6 +1,6 @@
-"""A lower-tier writer on a CPU engine: while batches run it writes only its share of the time,
-the rest after the burst, within a bounded backlog; a GPU engine (the activity signal not
-enabled) is never waited for."""
+"""A lower-tier writer on a CPU engine: while batches run it holds its writes for after the
+burst, within a bounded backlog and a bounded wait, then writes only its share of the time; a
+GPU engine (the activity signal not enabled) is never waited for."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from kvtier.config import Config
 from kvtier.keys import ChunkKey
 from kvtier.memory import MemoryAllocator, lease
 from kvtier.metrics import Counters, RateLimitedLog
+from kvtier.storage import writer as writer_module
 from kvtier.storage.writer import TierWriter
 from tests.helpers import SMALL_MHA, make_keys, make_obj
 
@@ -37,17 +38,11 @@ def disk(tmp_path: Path) -> Iterator[tuple[DiskBackend, MemoryAllocator]]:
 
 def _writer(backend: DiskBackend, engine: EngineActivity, capacity: int = 64,
             ) -> tuple[TierWriter, Counters]:
-    """A writer that, after its first write, writes nothing more while `engine` is busy (a
-    share so small that the wait it allows outlasts any test)."""
+    """A writer whose share of a busy engine's time is so small that, once its hold is over,
+    the wait between two writes outlasts any test."""
     counters = Counters()
     return TierWriter(backend, capacity, counters, RateLimitedLog(logging.getLogger(__name__)),
                       engine=engine, busy_share=1e-9), counters
-
-
-def _first_write(writer: TierWriter, alloc: MemoryAllocator) -> None:
-    """The writer's first write: nothing before it to pay for, so not held back."""
-    _submit(writer, alloc, 1, seed=99)
-    assert writer.drain(BOUND_S)
 
 
 def _submit(writer: TierWriter, alloc: MemoryAllocator, chunks: int, seed: int = 0,
@@ -80,13 +75,20 @@ def test_the_engine_is_busy_while_a_batch_runs_and_shortly_after() -> None:
     assert engine.busy() and not engine.busy(time.monotonic() + STALE_S)
 
 
+def _written(backend: DiskBackend, keys: list[ChunkKey], at_least: int) -> int:
+    """How many of `keys` the tier holds, once it holds `at_least` (or `BOUND_S` ran out)."""
+    deadline = time.monotonic() + BOUND_S
+    while backend.batch_contains(keys) < at_least and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return backend.batch_contains(keys)
+
+
 def test_writes_wait_for_a_busy_cpu_engine_and_follow_it(
         disk: tuple[DiskBackend, MemoryAllocator]) -> None:
     backend, alloc = disk
     engine = _busy_engine()
     writer, counters = _writer(backend, engine)
     try:
-        _first_write(writer, alloc)
         keys = _submit(writer, alloc, 4)
         time.sleep(SETTLE_S)
         assert backend.batch_contains(keys) == 0  # still waiting: a batch runs
@@ -98,21 +100,37 @@ def test_writes_wait_for_a_busy_cpu_engine_and_follow_it(
         writer.close(BOUND_S)
 
 
-def test_a_backlog_of_half_the_queue_is_written_even_while_busy(
+def test_a_write_is_held_for_a_bounded_time(disk: tuple[DiskBackend, MemoryAllocator],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    backend, alloc = disk
+    monkeypatch.setattr(writer_module, "HOLD_S", SETTLE_S)
+    engine = _busy_engine()
+    writer, _ = _writer(backend, engine)
+    try:
+        keys = _submit(writer, alloc, 1)
+        assert _written(backend, keys, 1) == 1 and engine.busy()  # busy throughout
+    finally:
+        writer.close(BOUND_S)
+
+
+def test_a_long_backlog_is_paced_then_written_at_once_while_busy(
         disk: tuple[DiskBackend, MemoryAllocator]) -> None:
     backend, alloc = disk
     engine = _busy_engine()
-    writer, _ = _writer(backend, engine, capacity=8)
+    writer, _ = _writer(backend, engine, capacity=8)  # held below 6 waiting, urgent from 7
     try:
-        _first_write(writer, alloc)
         keys = _submit(writer, alloc, 7)
-        # The engine stays busy, yet the writer brings the backlog below half of 8.
-        deadline = time.monotonic() + BOUND_S
-        while backend.batch_contains(keys) < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert backend.batch_contains(keys) >= 3 and engine.busy()
+        # 6 waiting behind the first: past the hold, one paced write (of 2 chunks) goes out,
+        # then 4 wait behind the next, and are held.
+        assert _written(backend, keys, 2) == 2
+        time.sleep(SETTLE_S)
+        assert backend.batch_contains(keys) == 2 and engine.busy()
+        # 4 + 3 waiting: urgent, written although the pace (1e-9 of the time) would not allow.
+        more = _submit(writer, alloc, 3, seed=1)
+        assert _written(backend, keys, 4) >= 4 and engine.busy()
         engine.leave()
-        assert writer.drain(BOUND_S) and backend.batch_contains(keys) == 7
+        assert writer.drain(BOUND_S)
+        assert backend.batch_contains(keys) == 7 and backend.batch_contains(more) == 3
     finally:
         writer.close(BOUND_S)
 
@@ -135,7 +153,6 @@ def test_close_writes_what_waits_for_a_busy_engine(
         disk: tuple[DiskBackend, MemoryAllocator]) -> None:
     backend, alloc = disk
     writer, _ = _writer(backend, _busy_engine())
-    _first_write(writer, alloc)
     keys = _submit(writer, alloc, 3)
     writer.close(BOUND_S)  # stops waiting at once: the queue is written, then the worker ends
     assert backend.batch_contains(keys) == 3

@@ -6,12 +6,13 @@ is reachable (written by this worker, already in the tier, or per `reachable`), 
 never holds a chunk that `retrieve` could not get to.
 
 Where the engine computes on the CPU (`kvtier.background.ENGINE` enabled), the worker also
-yields to it: while a batch runs, it spends at most `BUSY_SHARE` of its time writing (after a
-write, it waits for the engine to go quiet or for that share to allow the next write), so the
-stores of a burst are written mostly after the burst, not during its prefills; and it writes a
-few chunks per call, so a write begun in a quiet moment ends soon after the next batch starts.
-Not while half the queue or more is waiting: a longer backlog is written at once (nothing is
-dropped for it).
+yields to it. A write that lands during a forward pass costs that pass more than the write's
+own CPU time: the pass's compute threads wait at their barriers for the core the write took.
+So while batches run, queued writes are held (they wait for the engine to go quiet) until the
+oldest has waited `HOLD_S` or `HOLD_SHARE` of the queue is waiting; from then on the worker
+writes `BUSY_SHARE` of its time, and at `URGENT_SHARE` of the queue (or when closing) at once,
+so nothing is dropped for the holding. It writes a few chunks per call, so a write begun in a
+quiet moment ends soon after the next batch starts.
 """
 
 from __future__ import annotations
@@ -37,9 +38,15 @@ _BATCH = 16  # chunks per backend call
 # Beside a CPU engine: a write, once begun, runs to its end, so keep each one short enough
 # that a batch starting in the meantime waits for little (a chunk is a few MB).
 _BATCH_CPU_ENGINE = 2
-# While a CPU engine runs batches, a writer spends at most this share of its time writing
-# (the write's wall time: its copies, its syscalls, and a local Redis's work on the reply).
+# While a CPU engine runs batches, queued writes are held this long at most, or until this
+# share of the queue waits (the held chunks stay in the CPU tier, which serves them meanwhile).
+HOLD_S = 30.0
+HOLD_SHARE = 0.75
+# Past the hold, a writer spends at most this share of its time writing while batches run (the
+# write's wall time: its copies, its syscalls, and a local Redis's work on the reply) ...
 BUSY_SHARE = 0.02
+# ... and none of it once this share of the queue waits (writes would soon be dropped).
+URGENT_SHARE = 0.875
 
 
 class TierWriter:
@@ -61,7 +68,11 @@ class TierWriter:
         self._engine = engine
         self._busy_share = busy_share
         self._last_write = (0.0, 0.0)  # (its duration, its end): see `_yield_to_engine`
-        self._queue: queue.Queue[tuple[ChunkKey, MemoryObj] | None] = queue.Queue(capacity)
+        # (key, object, when it was queued); None: the stop marker.
+        self._queue: queue.Queue[tuple[ChunkKey, MemoryObj, float] | None] = \
+            queue.Queue(capacity)
+        self._hold_from = max(1, int(capacity * HOLD_SHARE))
+        self._urgent_from = max(1, int(capacity * URGENT_SHARE))
         self._counters = counters
         counters.declare(*(f"{backend.name}.{event}" for event in (
             "writes", "write_dropped", "write_errors", "write_orphans", "write_cancelled",
@@ -84,10 +95,11 @@ class TierWriter:
         with self._lock:
             if self._closed:
                 return 0
+            now = time.monotonic()
             for i, (key, obj) in enumerate(zip(keys, objs, strict=True)):
                 obj.retain()
                 try:
-                    self._queue.put_nowait((key, obj))
+                    self._queue.put_nowait((key, obj, now))
                 except queue.Full:
                     obj.release()
                     self._counters.inc(f"{name}.write_dropped", len(keys) - i)
@@ -171,8 +183,8 @@ class TierWriter:
             if item is None:
                 self._queue.task_done()
                 return
-            self._yield_to_engine()
-            batch = [item]
+            self._yield_to_engine(queued_at=item[2])
+            batch = [item[:2]]
             stop = False
             size = _BATCH_CPU_ENGINE if self._engine.enabled else _BATCH
             while len(batch) < size:
@@ -184,7 +196,7 @@ class TierWriter:
                     self._queue.task_done()
                     stop = True
                     break
-                batch.append(nxt)
+                batch.append(nxt[:2])
             start = time.monotonic()
             self._write(batch)
             end = time.monotonic()
@@ -194,17 +206,25 @@ class TierWriter:
             if stop:
                 return
 
-    def _yield_to_engine(self) -> None:
-        """Before a write, while a CPU engine is busy (see the module doc): wait for it to go
-        quiet, or until the last write's duration is `busy_share` of the time since it
-        began; not while half the queue or more is waiting, nor once closing."""
-        took, ended = self._last_write
-        rest = took / self._busy_share - took - (time.monotonic() - ended)
-        if rest <= 0 or not self._engine.busy():
+    def _yield_to_engine(self, queued_at: float) -> None:
+        """Before a write, while a CPU engine is busy (see the module doc): hold it until the
+        engine goes quiet, the backlog reaches `HOLD_SHARE` of the queue or the oldest queued
+        write (queued at `queued_at`) has waited `HOLD_S`; then pace it to `busy_share` of the
+        time; never once `URGENT_SHARE` of the queue waits, nor once closing."""
+        engine = self._engine
+        if not engine.busy():
             return
         self._counters.inc(f"{self.backend.name}.write_deferrals")
-        half = max(1, self._queue.maxsize // 2)
-        self._engine.wait_quiet(rest, lambda: self._closed or self._queue.qsize() >= half)
+
+        def urgent() -> bool:
+            return self._closed or self._queue.qsize() >= self._urgent_from
+
+        engine.wait_quiet(queued_at + HOLD_S - time.monotonic(),
+                          lambda: urgent() or self._queue.qsize() >= self._hold_from)
+        if not engine.busy() or urgent():
+            return
+        took, ended = self._last_write
+        engine.wait_quiet(took / self._busy_share - took - (time.monotonic() - ended), urgent)
 
     def _write(self, batch: list[tuple[ChunkKey, MemoryObj]]) -> None:
         name = self.backend.name

@@ -34,7 +34,7 @@ from kvtier.integration.sglang.sglang_api import (
     all_reduce,
     enable_storage_prefetch,
 )
-from kvtier.storage.writer import BUSY_SHARE
+from kvtier.storage.writer import BUSY_SHARE, HOLD_S
 
 __all__ = ["register", "BACKEND_NAME", "build_radix_cache"]
 
@@ -114,8 +114,8 @@ def _enable_prefetch_hooks(result: Any, scheduler: Any, *args: Any, **kwargs: An
     if kvtier is not None and _device(scheduler) == "cpu":
         ENGINE.enabled = True
         logger.info("kvtier: the engine computes on the CPU: while batches run, lower-tier "
-                    "writers take at most %.0f%% of their time (the rest waits for idle moments)",
-                    BUSY_SHARE * 100)
+                    "writes wait for idle moments (up to %.0fs, or a long backlog), then take at "
+                    "most %.0f%% of the writers' time", HOLD_S, BUSY_SHARE * 100)
     if kvtier is not None and kvtier.async_loads:
         enable_storage_prefetch(scheduler)
         logger.info("kvtier: loads from lower tiers run in the background (prefetch policy %s)",
