@@ -19,8 +19,8 @@ Priority alone is not enough where the engine computes on the CPU itself: its fo
 keeps every core busy, so a niced writer still runs on a core the pass wanted (the OS gives it
 a slice), and the kernel work of its disk and socket writes is not niced at all. There
 `ENGINE` (an `EngineActivity`, told by the SGLang integration when a batch runs) makes the
-lower-tier writers yield: while batches run they write only a small share of the time, so most
-of a burst's stores are written after the burst, within a bounded backlog (`TierWriter`).
+lower-tier writers yield: while batches run they hold their writes for the engine's quiet
+moments, within a bounded wait and backlog (`TierWriter`).
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def copy_threads() -> int:
 # steps, the next request's prefill) leave gaps far shorter than this.
 QUIET_S = 0.1
 STALE_S = 30.0  # longer than any one forward pass
-_POLL_S = 0.01
+_POLL_S = 0.05  # how often a waiter checks `go_on` while a batch runs
 
 
 class EngineActivity:
@@ -110,20 +110,31 @@ class EngineActivity:
     def busy(self, now: float | None = None) -> bool:
         """Enabled, and a batch is running or ended less than `QUIET_S` ago. A batch whose
         result never came counts for `STALE_S` at most (nothing waits forever on a miscount)."""
+        return self.quiet_in(now) > 0
+
+    def quiet_in(self, now: float | None = None) -> float:
+        """Seconds until the engine is quiet if no batch starts meanwhile: 0 if it is not
+        `busy()`, infinite while a batch runs."""
         if not self.enabled:
-            return False
+            return 0.0
         now = time.monotonic() if now is None else now
         with self._lock:
-            running = self._running > 0 and now - self._entered < STALE_S
-            return running or now - self._left < QUIET_S
+            if self._running > 0 and now - self._entered < STALE_S:
+                return math.inf
+            return max(0.0, self._left + QUIET_S - now)
 
     def wait_quiet(self, max_s: float, go_on: Callable[[], bool] = lambda: False) -> float:
         """Wait until the engine is not `busy()`, at most `max_s` seconds and no longer once
-        `go_on()` is true (polled); returns the seconds waited."""
+        `go_on()` is true (polled); returns the seconds waited. Sleeps until the engine could be
+        quiet, `_POLL_S` at most: a waiter that woke often would take the GIL from the engine's
+        scheduler as often."""
         start = time.monotonic()
         now = start
-        while self.busy(now) and now - start < max_s and not go_on():
-            time.sleep(_POLL_S)
+        while now - start < max_s and not go_on():
+            wait = self.quiet_in(now)
+            if wait <= 0:
+                break
+            time.sleep(min(wait, _POLL_S, start + max_s - now))
             now = time.monotonic()
         return now - start
 

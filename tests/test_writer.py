@@ -5,6 +5,7 @@ GPU engine (the activity signal not enabled) is never waited for."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -66,10 +67,11 @@ def test_the_engine_is_busy_while_a_batch_runs_and_shortly_after() -> None:
     engine.enter()
     assert not engine.busy()  # not enabled: a GPU engine leaves the CPU to kvtier
     engine.enabled = True
-    assert engine.busy()
+    assert engine.busy() and engine.quiet_in() == math.inf
     engine.leave()
     now = time.monotonic()
     assert engine.busy(now) and not engine.busy(now + QUIET_S)
+    assert 0 < engine.quiet_in(now) <= QUIET_S and engine.quiet_in(now + QUIET_S) == 0
     assert engine.wait_quiet(BOUND_S) >= 0 and not engine.busy()
     engine.enter()  # a batch whose result never comes does not hold writers forever
     assert engine.busy() and not engine.busy(time.monotonic() + STALE_S)
