@@ -23,6 +23,9 @@ Runs, each a fresh server, per prompt length and per repetition (`--runs N`):
     second        kvtier, a second server on the Redis and disk that `first-again` filled
     noreuse-none  `--dataset-name random-ids` (no shared prefix), no kvtier
     noreuse-kv    the same with kvtier (fresh disk, flushed Redis)
+A phase named twice in `--phases` runs twice, and the ratios take the mean of its runs:
+`--phases noreuse-none,noreuse-kv,noreuse-kv,noreuse-none` cancels a steady drift of the host's
+speed within a set, which on a shared machine is as large as the effect measured.
 
 Measured per run, from the client's JSON result file: duration, mean/median/p99 TTFT, request
 throughput, completed and failed requests, cached tokens (`--cache-report`); from each kvtier
@@ -115,6 +118,7 @@ class RunResult:
     rep: int
     kvtier: bool
     dataset: str
+    repeat: int = 1  # this phase's how-many-th run in its set (`--phases` may name one twice)
     start_s: float = 0.0
     requests: int = 0
     completed: int = 0
@@ -272,12 +276,12 @@ class Bench:
                             pythonpath=shims, cpu_flags=CPU_FLAGS)
 
     def run_one(self, phase: str, system_len: int, rep: int, kernel_dir: Path,
-                disk: Path | None) -> RunResult:
+                disk: Path | None, repeat: int = 1) -> RunResult:
         noreuse = phase.startswith("noreuse")
         kv = phase in KVTIER_PHASES
-        name = f"L{system_len}-r{rep}-{phase}"
+        name = f"L{system_len}-r{rep}-{phase}" + (f"-{repeat}" if repeat > 1 else "")
         result = RunResult(phase, system_len, rep, kv,
-                           "random-ids" if noreuse else "generated-shared-prefix",
+                           "random-ids" if noreuse else "generated-shared-prefix", repeat,
                            requests=self.opts.num_groups * self.opts.prompts_per_group)
         metrics_port = free_port()
         config = None
@@ -330,18 +334,19 @@ class Bench:
         kernel_dir = self.work / f"kernel-L{system_len}-r{rep}"  # empty until a server builds
         kernel_dir.mkdir()
         shared_disk: Path | None = None
-        for phase in self.opts.phases:
+        for i, phase in enumerate(self.opts.phases):
+            repeat = self.opts.phases[:i + 1].count(phase)
             disk = None
             if phase in KVTIER_PHASES:
                 if phase == "second" and shared_disk is not None:
                     disk = shared_disk  # the Redis and the disk of `first-again`
                 else:
                     self.redis.client().flushall()
-                    disk = self.work / f"disk-L{system_len}-r{rep}-{phase}"
+                    disk = self.work / f"disk-L{system_len}-r{rep}-{phase}-{repeat}"
                     disk.mkdir()
                 if phase == "first-again":
                     shared_disk = disk
-            self.run_one(phase, system_len, rep, kernel_dir, disk)
+            self.run_one(phase, system_len, rep, kernel_dir, disk, repeat)
 
     def run(self) -> None:
         self.redis.start()
@@ -365,7 +370,8 @@ def row(r: RunResult) -> str:
     discarded = r.counters.get(DISCARDED) if r.kvtier else None
     tokens = r.input_tokens / r.client_completed if r.input_tokens and r.client_completed \
         else None
-    return (f"| {r.system_prompt_len} | {_f(tokens, '.0f')} | {r.rep} | {r.phase} "
+    phase = r.phase + (f" #{r.repeat}" if r.repeat > 1 else "")
+    return (f"| {r.system_prompt_len} | {_f(tokens, '.0f')} | {r.rep} | {phase} "
             f"| {_f(r.duration_s, '.2f')} s "
             f"| {_f(r.mean_ttft_ms, '.0f')} | {_f(r.median_ttft_ms, '.0f')} "
             f"| {_f(r.p99_ttft_ms, '.0f')} | {_f(r.request_throughput, '.3f')} "
@@ -388,17 +394,26 @@ RATIOS = {
 }
 
 
+def _mean(runs: list[RunResult], attr: str) -> float | None:
+    """The mean of `attr` over a phase's runs in one set (None if any lacks it)."""
+    values = [getattr(r, attr) for r in runs]
+    return None if not values or None in values else statistics.fmean(values)
+
+
 def ratios(results: list[RunResult]) -> dict[str, dict[str, Any]]:
-    """Each ratio per prompt length: one value per repetition and their median."""
-    by = {(r.system_prompt_len, r.rep, r.phase): r for r in results}
+    """Each ratio per prompt length: one value per repetition and their median. A phase run
+    more than once in a set counts with its mean (e.g. `none,kv,kv,none`: a drift of the
+    host during the set then weighs on both sides alike)."""
+    by: dict[tuple[int, int, str], list[RunResult]] = {}
+    for r in results:
+        by.setdefault((r.system_prompt_len, r.rep, r.phase), []).append(r)
     out: dict[str, dict[str, Any]] = {}
     for label, (num, den, attr) in RATIOS.items():
         for length in sorted({r.system_prompt_len for r in results}):
             values = []
             for rep in sorted({r.rep for r in results}):
-                a, b = by.get((length, rep, num)), by.get((length, rep, den))
-                x = getattr(a, attr) if a else None
-                y = getattr(b, attr) if b else None
+                x = _mean(by.get((length, rep, num), []), attr)
+                y = _mean(by.get((length, rep, den), []), attr)
                 if x is not None and y:
                     values.append(x / y)
             if values:
@@ -465,7 +480,9 @@ def parse_args(argv: list[str] | None = None) -> Options:
     p.add_argument("--hidden", type=int, default=d.hidden)
     p.add_argument("--layers", type=int, default=d.layers)
     p.add_argument("--phases", type=_phases, default=d.phases,
-                   help=f"comma-separated subset of {','.join(PHASES)}, run in that order")
+                   help=f"comma-separated phases of {','.join(PHASES)}, run in that order; one "
+                        "named twice runs twice and its ratios take the mean (e.g. "
+                        "noreuse-none,noreuse-kv,noreuse-kv,noreuse-none cancels a drift)")
     p.add_argument("--warmup-requests", type=int, default=d.warmup_requests,
                    help="the client's warm-up requests before measuring (SGLang's default 1)")
     p.add_argument("--tokenize-prompt", action="store_true",
