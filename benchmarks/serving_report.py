@@ -1,0 +1,128 @@
+"""The serving benchmark's report: its table, its ratios against their bounds, its notes.
+
+`benchmarks/bench_serving.py` runs the servers and the client; this module only formats what
+they measured (`RunResult`s) and derives the ratios.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from benchmarks.bench_serving import Options, RunResult
+
+DISCARDED = "kvtier_sglang_loads_discarded_total"
+# Counters shown in the table's notes (every kvtier counter goes to the JSON).
+SHOWN_COUNTERS = (DISCARDED, "kvtier_sglang_tokens_loaded_total", "kvtier_prefetch_timeouts_total")
+
+
+def _f(value: float | None, fmt: str) -> str:
+    return "n/a" if value is None else format(value, fmt)
+
+
+def row(r: RunResult) -> str:
+    discarded = r.counters.get(DISCARDED) if r.kvtier else None
+    tokens = r.input_tokens / r.client_completed if r.input_tokens and r.client_completed \
+        else None
+    phase = r.phase + (f" #{r.repeat}" if r.repeat > 1 else "")
+    return (f"| {r.system_prompt_len} | {_f(tokens, '.0f')} | {r.rep} | {phase} "
+            f"| {_f(r.duration_s, '.2f')} s "
+            f"| {_f(r.mean_ttft_ms, '.0f')} | {_f(r.median_ttft_ms, '.0f')} "
+            f"| {_f(r.p99_ttft_ms, '.0f')} | {_f(r.request_throughput, '.3f')} "
+            f"| {r.failed}/{r.requests} | {_f(r.cached_tokens, 'd')} "
+            f"| {_f(discarded, '.0f') if r.kvtier else '-'} | {r.start_s:.0f} s |")
+
+
+HEADER = ("| system prompt | prompt tokens | run | phase | duration | mean TTFT ms "
+          "| median TTFT ms | p99 TTFT ms | req/s | failed | cached tokens | loads discarded "
+          "| server start |\n| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: "
+          "| ---: | ---: | ---: |")
+
+class Ratio(NamedTuple):
+    """`num` phase / `den` phase of `attr`, and the bound the serving issue set for it (None:
+    none; the ratio is shown for comparison)."""
+
+    num: str
+    den: str
+    attr: str
+    most: bool  # True: the ratio must stay <= bound; False: >= bound
+    bound: float | None
+
+
+RATIOS = {
+    "p99 TTFT, first kvtier server / no kvtier": Ratio("first", "none", "p99_ttft_ms", True, 1.1),
+    "p99 TTFT, first kvtier server (kernel cached) / no kvtier":
+        Ratio("first-again", "none", "p99_ttft_ms", True, None),
+    "mean TTFT, second kvtier server / no kvtier":
+        Ratio("second", "none", "mean_ttft_ms", True, 0.35),
+    "no-reuse request throughput, kvtier / none":
+        Ratio("noreuse-kv", "noreuse-none", "request_throughput", False, 0.97),
+}
+
+
+def _mean(runs: list[RunResult], attr: str) -> float | None:
+    """The mean of `attr` over a phase's runs in one set (None if any lacks it)."""
+    values = [getattr(r, attr) for r in runs]
+    return None if not values or None in values else statistics.fmean(values)
+
+
+def ratios(results: list[RunResult]) -> dict[str, dict[str, Any]]:
+    """Each ratio per prompt length: one value per repetition, their median, and in how many
+    repetitions the bound held. A phase run more than once in a set counts with its mean
+    (e.g. `none,kv,kv,none`: a drift of the host during the set then weighs on both sides
+    alike)."""
+    by: dict[tuple[int, int, str], list[RunResult]] = {}
+    for r in results:
+        by.setdefault((r.system_prompt_len, r.rep, r.phase), []).append(r)
+    out: dict[str, dict[str, Any]] = {}
+    for label, ratio in RATIOS.items():
+        for length in sorted({r.system_prompt_len for r in results}):
+            values = []
+            for rep in sorted({r.rep for r in results}):
+                x = _mean(by.get((length, rep, ratio.num), []), ratio.attr)
+                y = _mean(by.get((length, rep, ratio.den), []), ratio.attr)
+                if x is not None and y:
+                    values.append(x / y)
+            if not values:
+                continue
+            entry: dict[str, Any] = {"values": values, "median": statistics.median(values)}
+            if ratio.bound is not None:
+                bound = ratio.bound
+                entry["bound"] = f"{'<=' if ratio.most else '>='} {bound}x"
+                entry["held"] = sum(v <= bound if ratio.most else v >= bound for v in values)
+            out[f"{label} (system prompt {length})"] = entry
+    return out
+
+
+def report(opts: Options, results: list[RunResult], model: Path) -> dict[str, Any]:
+    print("\nSGLang serving benchmark (`sglang.benchmark.serving`), "
+          f"{opts.num_groups}x{opts.prompts_per_group} prompts, question {opts.question_len}, "
+          f"output {opts.output_len}, concurrency {opts.max_concurrency}, "
+          f"--max-total-tokens {opts.max_total_tokens}")
+    print(HEADER)
+    for r in results:
+        print(row(r))
+    got = ratios(results)
+    if got:
+        print()
+        for label, v in got.items():
+            each = ", ".join(f"{x:.2f}" for x in v["values"])
+            held = (f"; bound {v['bound']} held in {v['held']} of {len(v['values'])}"
+                    if "bound" in v else "")
+            print(f"{label}: {v['median']:.2f}x (median of {each}){held}")
+    notes = []
+    for r in results:
+        if r.kvtier:
+            shown = ", ".join(f"{k}={_f(r.counters.get(k), '.0f')}" for k in SHOWN_COUNTERS)
+            notes.append(f"  {r.system_prompt_len}/{r.rep}/{r.phase}: kernel compile "
+                         f"{_f(r.kernel_compile_s, '.1f')} s, log loads "
+                         f"{r.log_loaded_tokens} tokens, {shown}")
+        for e in r.errors:
+            notes.append(f"  {r.system_prompt_len}/{r.rep}/{r.phase}: ERROR {e}")
+    if notes:
+        print("\n" + "\n".join(notes))
+    return {"options": {k: (str(v) if isinstance(v, Path) else v)
+                        for k, v in vars(opts).items()},
+            "model": str(model), "results": [vars(r) for r in results], "ratios": got}
