@@ -107,7 +107,28 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     if report.failed and _LIVE:
         for server in _LIVE:
             report.sections.append((f"SGLang server log {server.log_path}",
-                                    server.log()[-20000:]))
+                                    serving_log(server.log())))
+
+
+def serving_log(text: str, lines: int = 150) -> str:
+    """What a failed test's report shows of a server log: kvtier's start-up lines, then the
+    last `lines` from when it began serving, each cut to 500 characters, without SGLang's
+    harmless post-warmup `/freeze_gc` traceback (a failed start is printed whole by
+    `SGLangServer.start`)."""
+    start = text.find("Uvicorn running")
+    start = 0 if start < 0 else text.rfind("\n", 0, start) + 1
+    kept = [line[:500] for line in text[:start].splitlines() if "kvtier" in line]
+    serving: list[str] = []
+    skipping = False
+    for line in text[start:].splitlines():
+        if "post-warmup freeze_gc failed" in line:
+            skipping = True
+        elif skipping and line.startswith("["):  # the next timestamped line ends the traceback
+            skipping = False
+        if not skipping:
+            serving.append(line[:500])
+    kept += serving[-lines:]
+    return "\n".join(kept)
 
 
 @pytest.fixture(scope="module")
