@@ -23,6 +23,10 @@ Runs, each a fresh server, per prompt length and per repetition (`--runs N`):
     second        kvtier, a second server on the Redis and disk that `first-again` filled
     noreuse-none  `--dataset-name random-ids` (no shared prefix), no kvtier
     noreuse-kv    the same with kvtier (fresh disk, flushed Redis)
+    noreuse-pair  both no-reuse servers at once, side by side, each pinned to a core of its own
+                  with one compute thread, their clients started together (results `pair-none`
+                  and `pair-kv`); the cores swap every set and repeat. A drift of the host's
+                  speed, as large as the effect on a shared machine, then weighs on both alike.
 A phase named twice in `--phases` runs twice, and the ratios take the mean of its runs:
 `--phases noreuse-none,noreuse-kv,noreuse-kv,noreuse-none` cancels a steady drift of the host's
 speed within a set, which on a shared machine is as large as the effect measured.
@@ -32,7 +36,8 @@ throughput, completed and failed requests, cached tokens (`--cache-report`); fro
 server's Prometheus endpoint (`metrics_port`): kvtier's counters, among them
 `kvtier_sglang_loads_discarded_total` (loads evicted before their request ran); from its log: the
 kernel compile time. Ratios: p99 TTFT of the first kvtier server / no kvtier, mean TTFT of the
-second server / no kvtier, no-reuse request throughput kvtier / none, each with the bound kvtier
+second server / no kvtier, no-reuse request throughput kvtier / none (run after run, and side by
+side), each with the bound kvtier
 is held to (<= 1.1x, <= 0.35x, >= 0.97x) and in how many runs it held. Nothing is measured
 against a fixed time: these machines are shared and noisy. After each run the benchmark calls
 `sync`, so the disk tier's unflushed records are not written back during the next run.
@@ -75,8 +80,11 @@ from kvtier.demo.server import (
 )
 from tests.conftest import RedisProcess
 
-PHASES = ("none", "first", "first-again", "second", "noreuse-none", "noreuse-kv")
-KVTIER_PHASES = frozenset({"first", "first-again", "second", "noreuse-kv"})
+PHASES = ("none", "first", "first-again", "second", "noreuse-none", "noreuse-kv",
+          "noreuse-pair")
+# `noreuse-pair` runs as two results, `pair-none` and `pair-kv` (see `Bench.run_pair`).
+KVTIER_PHASES = frozenset({"first", "first-again", "second", "noreuse-kv", "pair-kv"})
+NOREUSE_PHASES = frozenset({"noreuse-none", "noreuse-kv", "pair-none", "pair-kv"})
 _COMPILED = re.compile(r"kvtier: compiled the C\+\+ copy kernel in ([\d.]+)s")
 _LOADED = re.compile(r"kvtier: loaded (\d+) tokens")
 _REFUSED = re.compile(r"Input length \(\d+ tokens\) exceeds the maximum allowed length "
@@ -222,6 +230,46 @@ def parse_result(path: Path, result: RunResult) -> None:
         result.cached_tokens = int(report["total_cached_tokens"])
 
 
+# ---- servers ----
+
+@dataclass
+class Run:
+    """One server and what its run measured."""
+
+    name: str
+    result: RunResult
+    server: SGLangServer
+    metrics_port: int
+
+    def ready(self) -> None:
+        t0 = time.monotonic()
+        self.server.wait_ready()
+        self.result.start_s = time.monotonic() - t0
+
+
+def pin_tree(server: SGLangServer, core: int) -> None:
+    """Every thread of the server's processes onto `core` (threads started later inherit it
+    from the thread that starts them)."""
+    assert server.proc is not None
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        try:  # field 4 of /proc/PID/stat, after the parenthesized command name, is the parent
+            stat = Path(f"/proc/{entry}/stat").read_text() if entry.isdigit() else ""
+        except OSError:  # it ended meanwhile
+            continue
+        if stat:
+            children.setdefault(int(stat[stat.rindex(")") + 2:].split()[1]), []).append(
+                int(entry))
+    pids = [server.proc.pid]
+    for pid in pids:
+        pids += children.get(pid, [])
+        try:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                os.sched_setaffinity(int(tid), {core})
+        except (ProcessLookupError, FileNotFoundError):
+            continue
+
+
 # ---- kvtier's side ----
 
 def scrape_counters(port: int) -> dict[str, float]:
@@ -269,72 +317,126 @@ class Bench:
         self.redis = RedisProcess(work / "redis")
         self.results: list[RunResult] = []
 
-    def server(self, name: str, config: Path | None, kernel_dir: Path) -> SGLangServer:
+    def server(self, name: str, config: Path | None, kernel_dir: Path,
+               threads: int = 0) -> SGLangServer:
         args = ["--max-total-tokens", str(self.opts.max_total_tokens),
                 "--context-length", str(self.context)]
         if config is not None:
             args += ["--enable-kvtier", "--kvtier-config-file", str(config)]
-        threads = self.opts.threads or os.cpu_count() or 1
+        threads = threads or self.opts.threads or os.cpu_count() or 1
         shims = [] if gpu_available() else [cpu_shims_dir()]
         return SGLangServer(self.model, self.work / f"{name}.log", args=args,
                             env={"OMP_NUM_THREADS": str(threads),
                                  "KVTIER_CACHE_DIR": str(kernel_dir)},
                             pythonpath=shims, cpu_flags=CPU_FLAGS)
 
-    def run_one(self, phase: str, system_len: int, rep: int, kernel_dir: Path,
-                disk: Path | None, repeat: int = 1) -> RunResult:
-        noreuse = phase.startswith("noreuse")
+    def launch(self, phase: str, system_len: int, rep: int, kernel_dir: Path,
+               disk: Path | None, repeat: int = 1, threads: int = 0) -> Run:
+        """A fresh server for one run of `phase`, launched (not yet ready)."""
         kv = phase in KVTIER_PHASES
         name = f"L{system_len}-r{rep}-{phase}" + (f"-{repeat}" if repeat > 1 else "")
         result = RunResult(phase, system_len, rep, kv,
-                           "random-ids" if noreuse else "generated-shared-prefix", repeat,
-                           requests=self.opts.num_groups * self.opts.prompts_per_group)
+                           "random-ids" if phase in NOREUSE_PHASES else "generated-shared-prefix",
+                           repeat, requests=self.opts.num_groups * self.opts.prompts_per_group)
         metrics_port = free_port()
         config = None
         if kv:
             assert disk is not None
             config = kvtier_config(self.work / f"{name}.yaml", disk, self.redis.url,
                                    metrics_port, self.opts.disk_gb, self.opts.lower_tiers)
-        server = self.server(name, config, kernel_dir)
-        out = self.work / f"{name}.jsonl"
+        run = Run(name, result, self.server(name, config, kernel_dir, threads), metrics_port)
+        run.server.launch()
+        return run
+
+    def run_one(self, phase: str, system_len: int, rep: int, kernel_dir: Path,
+                disk: Path | None, repeat: int = 1) -> RunResult:
+        run = self.launch(phase, system_len, rep, kernel_dir, disk, repeat)
         try:
-            t0 = time.monotonic()
-            server.start()
-            result.start_s = time.monotonic() - t0
-            cmd = client_command(self.opts, server.port, self.model, out, system_len, noreuse)
-            with open(self.work / f"{name}.client.log", "w") as client_log:
-                try:
-                    proc = subprocess.run(cmd, stdout=client_log, stderr=subprocess.STDOUT,
-                                          env=client_env(self.work / "client-home"),
-                                          timeout=CLIENT_TIMEOUT_S, check=False)
-                    result.client_rc = proc.returncode
-                except subprocess.TimeoutExpired:  # run() has killed the client
-                    result.client_rc = -1
-            if result.client_rc != 0:
-                tail = (self.work / f"{name}.client.log").read_text()[-1500:]
-                result.errors.append(f"client exited {result.client_rc}: {tail}")
-            parse_result(out, result)
-            if kv:
-                result.counters = scrape_counters(metrics_port)
-                try:  # lets queued disk/Redis writes land for the next run
-                    server.flush_cache()
-                except OSError as exc:  # urllib's HTTPError included
-                    result.errors.append(f"/flush_cache failed: {exc!r}")
+            run.ready()
+            self.clients([run], system_len)
+            self.collect(run)
         finally:
-            server.stop()
-            # The disk tier does not fsync: without this the kernel writes this run's records
-            # back ~30 s later, on the next run's cores.
-            os.sync()
-        log = server.log()
+            self.stop([run])
+        return self.check(run)
+
+    def run_pair(self, system_len: int, rep: int, kernel_dir: Path, disk: Path,
+                 repeat: int = 1) -> None:
+        """`noreuse-pair`: a server without kvtier and one with it, side by side, each pinned
+        to a core of its own (one compute thread each), their clients started together: a
+        drift of the host weighs on both alike. The cores swap every set and repeat."""
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) < 2:
+            raise SystemExit("noreuse-pair needs two cores")
+        kv_core = cores[(rep + repeat) % 2]
+        none_core = cores[(rep + repeat + 1) % 2]
+        runs = [self.launch("pair-none", system_len, rep, kernel_dir, None, repeat, threads=1),
+                self.launch("pair-kv", system_len, rep, kernel_dir, disk, repeat, threads=1)]
+        try:
+            for run, core in zip(runs, (none_core, kv_core)):
+                run.ready()
+                pin_tree(run.server, core)
+            self.clients(runs, system_len)
+            for run in runs:
+                self.collect(run)
+        finally:
+            self.stop(runs)
+        for run in runs:
+            self.check(run)
+
+    def clients(self, runs: list[Run], system_len: int) -> None:
+        """One `sglang.benchmark.serving` per run, all started at once; waits for all."""
+        procs = []
+        for run in runs:
+            out = self.work / f"{run.name}.jsonl"
+            cmd = client_command(self.opts, run.server.port, self.model, out, system_len,
+                                 run.result.phase in NOREUSE_PHASES)
+            with open(self.work / f"{run.name}.client.log", "w") as log:
+                procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                              env=client_env(self.work / "client-home")))
+        for run, proc in zip(runs, procs):
+            try:
+                run.result.client_rc = proc.wait(timeout=CLIENT_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                run.result.client_rc = -1
+            if run.result.client_rc != 0:
+                tail = (self.work / f"{run.name}.client.log").read_text()[-1500:]
+                run.result.errors.append(f"client exited {run.result.client_rc}: {tail}")
+            parse_result(self.work / f"{run.name}.jsonl", run.result)
+
+    @staticmethod
+    def collect(run: Run) -> None:
+        """kvtier's counters, then its queued disk/Redis writes landed for the next run."""
+        if not run.result.kvtier:
+            return
+        run.result.counters = scrape_counters(run.metrics_port)
+        try:
+            run.server.flush_cache()
+        except OSError as exc:  # urllib's HTTPError included
+            run.result.errors.append(f"/flush_cache failed: {exc!r}")
+
+    @staticmethod
+    def stop(runs: list[Run]) -> None:
+        for run in runs:
+            run.server.stop()
+        # The disk tier does not fsync: without this the kernel writes this run's records
+        # back ~30 s later, on the next run's cores.
+        os.sync()
+
+    def check(self, run: Run) -> RunResult:
+        """The server log's evidence (kernel compile, loads, refused prompts) in the result."""
+        result = run.result
+        log = run.server.log()
         refused = _REFUSED.findall(log)
         if refused:
             result.errors.append(f"server refused {len(refused)} request(s) (warm-up included): "
                                   f"{refused[0]}")
-        if kv:
+        if result.kvtier:
             compiled = _COMPILED.findall(log)
             result.kernel_compile_s = float(compiled[0]) if compiled else None
             result.log_loaded_tokens = sum(int(n) for n in _LOADED.findall(log))
-            if noreuse and result.log_loaded_tokens:
+            if result.phase in NOREUSE_PHASES and result.log_loaded_tokens:
                 result.errors.append(f"the no-reuse prompts shared a prefix: kvtier loaded "
                                      f"{result.log_loaded_tokens} tokens (try another "
                                      f"--noreuse-seed)")
@@ -359,7 +461,13 @@ class Bench:
                     disk.mkdir()
                 if phase == "first-again":
                     shared_disk = disk
-            self.run_one(phase, system_len, rep, kernel_dir, disk, repeat)
+            if phase == "noreuse-pair":
+                self.redis.client().flushall()
+                disk = self.work / f"disk-L{system_len}-r{rep}-{phase}-{repeat}"
+                disk.mkdir()
+                self.run_pair(system_len, rep, kernel_dir, disk, repeat)
+            else:
+                self.run_one(phase, system_len, rep, kernel_dir, disk, repeat)
 
     def run(self) -> None:
         self.redis.start()

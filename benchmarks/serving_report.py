@@ -59,6 +59,8 @@ RATIOS = {
         Ratio("second", "none", "mean_ttft_ms", True, 0.35),
     "no-reuse request throughput, kvtier / none":
         Ratio("noreuse-kv", "noreuse-none", "request_throughput", False, 0.97),
+    "no-reuse request throughput, kvtier / none, side by side on a core each":
+        Ratio("pair-kv", "pair-none", "request_throughput", False, 0.97),
 }
 
 
