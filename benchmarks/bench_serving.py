@@ -274,15 +274,19 @@ def pin_tree(server: SGLangServer, core: int) -> None:
 
 def scrape_counters(port: int) -> dict[str, float]:
     """kvtier's counters from its Prometheus endpoint, summed over labels (`{}` if none),
-    and its time on SGLang's scheduler thread per call (`scheduler_seconds.<call>`)."""
+    its time on SGLang's scheduler thread per call (`scheduler_seconds.<call>`), and the time
+    and count of each piece of serving a request (`hit_seconds.<piece>`, `hit_count.<piece>`:
+    "gate" is the wait on a prefetch, the misses' included)."""
     out: dict[str, float] = {}
     for line in metrics_text(port).splitlines():
         m = re.match(r"(kvtier_\w+_total)(?:\{[^}]*\})?\s+(\S+)$", line)
         if m:
             out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
-        m = re.match(r'kvtier_scheduler_seconds_sum\{call="(\w+)"\}\s+(\S+)$', line)
-        if m:
-            out[f"scheduler_seconds.{m.group(1)}"] = float(m.group(2))
+        m = re.match(r'kvtier_(scheduler|hit)_seconds_(sum|count)\{\w+="(\w+)"\}\s+(\S+)$',
+                     line)
+        if m and not (m.group(1) == "scheduler" and m.group(2) == "count"):
+            name = "seconds" if m.group(2) == "sum" else "count"
+            out[f"{m.group(1)}_{name}.{m.group(3)}"] = float(m.group(4))
     return out
 
 
