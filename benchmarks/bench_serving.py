@@ -37,8 +37,8 @@ server's Prometheus endpoint (`metrics_port`): kvtier's counters, among them
 `kvtier_sglang_loads_discarded_total` (loads evicted before their request ran); from its log: the
 kernel compile time. Ratios: p99 TTFT of the first kvtier server / no kvtier, mean TTFT of the
 second server / no kvtier, no-reuse request throughput kvtier / none (run after run, and side by
-side), each with the bound kvtier
-is held to (<= 1.1x, <= 0.35x, >= 0.97x) and in how many runs it held. Nothing is measured
+side), each with the bound kvtier is held to (<= 1.1x, <= 0.35x, >= 0.97x) and in how many runs
+it held. Nothing is measured
 against a fixed time: these machines are shared and noisy. After each run the benchmark calls
 `sync`, so the disk tier's unflushed records are not written back during the next run.
 
@@ -240,11 +240,13 @@ class Run:
     result: RunResult
     server: SGLangServer
     metrics_port: int
+    launched: float = field(default_factory=time.monotonic)
 
     def ready(self) -> None:
-        t0 = time.monotonic()
+        """Wait for the server; its start time counts from its launch (a pair's second
+        server starts while the first is waited for)."""
         self.server.wait_ready()
-        self.result.start_s = time.monotonic() - t0
+        self.result.start_s = time.monotonic() - self.launched
 
 
 def pin_tree(server: SGLangServer, core: int) -> None:
