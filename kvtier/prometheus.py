@@ -25,6 +25,8 @@ import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from kvtier.background import name_os_thread
+
 __all__ = ["register", "observe", "observe_scheduler", "serve", "sync", "GAUGES", "available"]
 
 logger = logging.getLogger(__name__)
@@ -132,6 +134,7 @@ class _Exporter:
         logger.info("kvtier: Prometheus metrics on port %d (/metrics)", port)
 
     def _run(self) -> None:
+        name_os_thread()
         while True:
             time.sleep(SYNC_INTERVAL_S)
             self.sync()

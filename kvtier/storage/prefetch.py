@@ -16,6 +16,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 
+from kvtier.background import name_os_thread
 from kvtier.keys import ChunkKey
 from kvtier.metrics import RateLimitedLog
 from kvtier.names import WAIT_COMPLETE
@@ -286,6 +287,7 @@ class Prefetcher:
                                timeout)
 
     def _run(self) -> None:
+        name_os_thread()
         while True:
             with self._cond:
                 while not self._queue and not self._closed:
