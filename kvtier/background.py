@@ -92,7 +92,8 @@ def copy_threads() -> int:
 # steps, the next request's prefill) leave gaps far shorter than this.
 QUIET_S = 0.1
 STALE_S = 30.0  # longer than any one forward pass
-_POLL_S = 0.05  # how often a waiter checks `go_on` while a batch runs
+_POLL_S = 0.2  # how often a waiter checks `go_on` while a batch runs (each wake-up costs
+# the engine a thread switch and the GIL; what it checks, a backlog share, moves slower)
 
 
 class EngineActivity:
