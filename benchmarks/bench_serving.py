@@ -25,8 +25,10 @@ Runs, each a fresh server, per prompt length and per repetition (`--runs N`):
     noreuse-kv    the same with kvtier (fresh disk, flushed Redis)
     noreuse-pair  both no-reuse servers at once, side by side, each pinned to a core of its own
                   with one compute thread, their clients started together (results `pair-none`
-                  and `pair-kv`); the cores swap every set and repeat. A drift of the host's
-                  speed, as large as the effect on a shared machine, then weighs on both alike.
+                  and `pair-kv`); each client runs on its server's core, and the Redis server on
+                  kvtier's, so kvtier's whole cost falls on its own side. The cores swap every
+                  set and repeat. A drift of the host's speed, as large as the effect on a
+                  shared machine, then weighs on both alike.
 A phase named twice in `--phases` runs twice, and the ratios take the mean of its runs:
 `--phases noreuse-none,noreuse-kv,noreuse-kv,noreuse-none` cancels a steady drift of the host's
 speed within a set, which on a shared machine is as large as the effect measured.
@@ -249,6 +251,15 @@ class Run:
         self.result.start_s = time.monotonic() - self.launched
 
 
+def pin_threads(pid: int, cores: set[int]) -> None:
+    """Every thread of process `pid` onto `cores`."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except ProcessLookupError:  # the thread ended meanwhile
+            continue
+
+
 def pin_tree(server: SGLangServer, core: int) -> None:
     """Every thread of the server's processes onto `core` (threads started later inherit it
     from the thread that starts them)."""
@@ -266,9 +277,8 @@ def pin_tree(server: SGLangServer, core: int) -> None:
     for pid in pids:
         pids += children.get(pid, [])
         try:
-            for tid in os.listdir(f"/proc/{pid}/task"):
-                os.sched_setaffinity(int(tid), {core})
-        except (ProcessLookupError, FileNotFoundError):
+            pin_threads(pid, {core})
+        except FileNotFoundError:  # it ended meanwhile
             continue
 
 
@@ -377,28 +387,38 @@ class Bench:
         none_core = cores[(rep + repeat + 1) % 2]
         runs = [self.launch("pair-none", system_len, rep, kernel_dir, None, repeat, threads=1),
                 self.launch("pair-kv", system_len, rep, kernel_dir, disk, repeat, threads=1)]
+        redis_pid = self.redis.pid
+        assert redis_pid is not None
         try:
             for run, core in zip(runs, (none_core, kv_core)):
                 run.ready()
                 pin_tree(run.server, core)
-            self.clients(runs, system_len)
+            # Redis works for kvtier alone: on the other core its writes would slow the
+            # server without kvtier (a pair then swings with where the OS puts it).
+            pin_threads(redis_pid, {kv_core})
+            self.clients(runs, system_len, cores=(none_core, kv_core))
             for run in runs:
                 self.collect(run)
         finally:
+            pin_threads(redis_pid, set(cores))
             self.stop(runs)
         for run in runs:
             self.check(run)
 
-    def clients(self, runs: list[Run], system_len: int) -> None:
-        """One `sglang.benchmark.serving` per run, all started at once; waits for all."""
+    def clients(self, runs: list[Run], system_len: int,
+                cores: tuple[int, ...] | None = None) -> None:
+        """One `sglang.benchmark.serving` per run, all started at once (each on `cores[i]`
+        if given, so a client's work weighs on its own server); waits for all."""
         procs = []
-        for run in runs:
+        for i, run in enumerate(runs):
             out = self.work / f"{run.name}.jsonl"
             cmd = client_command(self.opts, run.server.port, self.model, out, system_len,
                                  run.result.phase in NOREUSE_PHASES)
+            pin = (lambda core=cores[i]: os.sched_setaffinity(0, {core})) if cores else None
             with open(self.work / f"{run.name}.client.log", "w") as log:
                 procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                              env=client_env(self.work / "client-home")))
+                                              env=client_env(self.work / "client-home"),
+                                              preexec_fn=pin))
         for run, proc in zip(runs, procs):
             try:
                 run.result.client_rc = proc.wait(timeout=CLIENT_TIMEOUT_S)

@@ -98,6 +98,37 @@ def ratios(results: list[RunResult]) -> dict[str, dict[str, Any]]:
     return out
 
 
+# Student's t at 97.5% for n - 1 degrees of freedom (a 95% interval of a mean of n pairs).
+_T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26,
+         10: 2.23, 11: 2.20, 12: 2.18, 13: 2.16, 14: 2.14, 15: 2.13, 16: 2.12, 17: 2.11,
+         18: 2.10, 19: 2.09, 20: 2.09}
+
+
+def pair_ratios(results: list[RunResult]) -> dict[int, dict[str, Any]]:
+    """Per prompt length, the ratio of each side-by-side pair (`pair-kv` / `pair-none` of the
+    same set and repeat), their mean and its 95% confidence interval. A pair's two servers
+    share the host's moment, so each pair is one measurement of the ratio; the spread between
+    pairs is what noise is left."""
+    sides: dict[tuple[int, int, int], dict[str, float]] = {}
+    for r in results:
+        if r.phase in ("pair-kv", "pair-none") and r.request_throughput:
+            sides.setdefault((r.system_prompt_len, r.rep, r.repeat), {})[r.phase] = \
+                r.request_throughput
+    out: dict[int, dict[str, Any]] = {}
+    for (length, _, _), side in sorted(sides.items()):
+        if len(side) == 2:
+            out.setdefault(length, {"values": []})["values"].append(
+                side["pair-kv"] / side["pair-none"])
+    for entry in out.values():
+        values = entry["values"]
+        mean = statistics.fmean(values)
+        half = (_T975.get(len(values) - 1, 1.96) * statistics.stdev(values) / len(values) ** 0.5
+                if len(values) > 1 else float("nan"))
+        entry.update(mean=mean, ci95=(mean - half, mean + half),
+                     held=sum(v >= 0.97 for v in values), bound=">= 0.97x")
+    return out
+
+
 def report(opts: Options, results: list[RunResult], model: Path) -> dict[str, Any]:
     print("\nSGLang serving benchmark (`sglang.benchmark.serving`), "
           f"{opts.num_groups}x{opts.prompts_per_group} prompts, question {opts.question_len}, "
@@ -114,6 +145,13 @@ def report(opts: Options, results: list[RunResult], model: Path) -> dict[str, An
             held = (f"; bound {v['bound']} held in {v['held']} of {len(v['values'])}"
                     if "bound" in v else "")
             print(f"{label}: {v['median']:.2f}x (median of {each}){held}")
+    pairs = pair_ratios(results)
+    for length, v in pairs.items():
+        low, high = v["ci95"]
+        print(f"no-reuse throughput per side-by-side pair, kvtier / none (system prompt "
+              f"{length}): {', '.join(f'{x:.3f}' for x in v['values'])}; mean {v['mean']:.3f} "
+              f"(95% CI {low:.3f}-{high:.3f}); bound {v['bound']} held in {v['held']} of "
+              f"{len(v['values'])} pairs")
     notes = []
     for r in results:
         if r.kvtier:
@@ -127,4 +165,5 @@ def report(opts: Options, results: list[RunResult], model: Path) -> dict[str, An
         print("\n" + "\n".join(notes))
     return {"options": {k: (str(v) if isinstance(v, Path) else v)
                         for k, v in vars(opts).items()},
-            "model": str(model), "results": [vars(r) for r in results], "ratios": got}
+            "model": str(model), "results": [vars(r) for r in results], "ratios": got,
+            "pairs": {str(length): v for length, v in pairs.items()}}
