@@ -41,6 +41,7 @@ from kvtier.backends import recordfile as rf
 from kvtier.backends.base import BackendContext, StorageBackend
 from kvtier.backends.diskindex import DiskIndex
 from kvtier.backends.record import ForgedEntry, expected_header_len
+from kvtier.background import name_os_thread
 from kvtier.errors import ConfigError, CorruptEntry
 from kvtier.keys import ChunkKey
 from kvtier.memory import MemoryObj
@@ -207,7 +208,8 @@ class DiskBackend(StorageBackend):
     def _pool(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._read_pool is None:
-                self._read_pool = ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="kvtier-disk")
+                self._read_pool = ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="kvtier-disk",
+                                                     initializer=name_os_thread)
             return self._read_pool
 
     def _get_one(self, key: ChunkKey) -> MemoryObj | None:
