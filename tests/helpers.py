@@ -78,3 +78,9 @@ def run_threads(target: Callable[..., None], args: Iterable[tuple], timeout: flo
     assert not any(t.is_alive() for t in threads), f"threads still running after {timeout}s"
     if errors:
         raise errors[0]
+
+
+def os_thread_name() -> str:
+    """The calling thread's name as the OS shows it (Linux's /proc comm)."""
+    with open(f"/proc/self/task/{threading.get_native_id()}/comm") as comm:
+        return comm.read().strip()

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import os
 import threading
+from pathlib import Path
 
 import pytest
 
 from kvtier.background import NICE, copy_alone, lower_priority
 from kvtier.config import Config, load_config
+from tests.helpers import os_thread_name
 
 
 def test_lower_priority_applies_to_the_calling_thread_only() -> None:
@@ -39,18 +41,17 @@ def test_the_environment_can_turn_it_off(monkeypatch: pytest.MonkeyPatch) -> Non
     assert load_config(env={"KVTIER_BACKGROUND_NICE": "0"}) == Config()  # not a config key
 
 
-
 def test_kvtier_threads_show_their_names_to_the_os() -> None:
     """`top -H` and a per-thread profile tell kvtier's threads apart (Linux's 15-byte comm)."""
-    process_name = open("/proc/self/comm").read().strip()
+    process_name = Path("/proc/self/comm").read_text()
     seen: list[str] = []
 
     def worker() -> None:
         copy_alone()  # what the store thread calls first; lower_priority calls it too
-        seen.append(open(f"/proc/self/task/{threading.get_native_id()}/comm").read().strip())
+        seen.append(os_thread_name())
 
     thread = threading.Thread(target=worker, name="kvtier-writer-redis")
     thread.start()
     thread.join()
     assert seen == ["kv-writer-redis"]
-    assert open("/proc/self/comm").read().strip() == process_name  # the process keeps its own
+    assert Path("/proc/self/comm").read_text() == process_name  # the process keeps its own

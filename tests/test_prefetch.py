@@ -22,7 +22,7 @@ from kvtier.storage import StorageManager
 from kvtier.storage import prefetch_policy as prefetch_policy_module
 from kvtier.storage.prefetch import Prefetch, Prefetcher
 from kvtier.storage.prefetch_policy import prefetch_policy
-from tests.helpers import SMALL_MHA, make_keys, make_obj, run_threads, same_bytes
+from tests.helpers import SMALL_MHA, make_keys, make_obj, os_thread_name, run_threads, same_bytes
 
 CHUNK = 16
 
@@ -467,3 +467,18 @@ def test_a_drop_asked_during_the_load_is_done_when_the_load_is() -> None:
     checked.set()
     finisher.join(30)
     assert seen == [prefetch]
+
+
+def test_prefetch_workers_show_their_names_to_the_os() -> None:
+    seen: list[str] = []
+
+    def step(p: Prefetch) -> int:
+        seen.append(os_thread_name())
+        return p.position
+
+    pf = Prefetcher(step, workers=1)
+    job = Prefetch(make_keys(16))
+    assert pf.submit(job)
+    job.result(timeout=30)
+    pf.close(timeout=30)
+    assert seen == ["kv-prefetch-0"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,7 @@ from kvtier.config import Config
 from kvtier.connectors import SGLangMHAConnector
 from kvtier.engine import CacheEngine
 from tests.conftest import RedisProcess, free_port
-from tests.helpers import SMALL_MHA
+from tests.helpers import SMALL_MHA, os_thread_name
 
 CHUNK = 16
 
@@ -123,3 +124,24 @@ def test_kvtier_stats_names_an_endpoint_it_cannot_read(
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     assert main(["stats", "--metrics", url]) == 1
     assert url in capsys.readouterr().err
+
+
+class _NamedCaller:
+    """A metrics source that notes the OS name of the thread that refreshes it."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+        self.seen = threading.Event()
+
+    def stats(self) -> dict[str, float]:
+        if threading.current_thread().name == "kvtier-metrics":
+            self.names.add(os_thread_name())
+            self.seen.set()
+        return {}
+
+
+def test_the_refresh_thread_shows_its_name_to_the_os() -> None:
+    source = _NamedCaller()
+    prometheus.register(source)
+    assert source.seen.wait(30), "the refresh thread never ran"
+    assert source.names == {"kv-metrics"}

@@ -77,6 +77,17 @@ def test_the_engine_is_busy_while_a_batch_runs_and_shortly_after() -> None:
     assert engine.busy() and not engine.busy(time.monotonic() + STALE_S)
 
 
+def test_a_waiter_on_a_busy_engine_wakes_five_times_a_second_at_most() -> None:
+    """Each wake-up takes a thread switch and the GIL from the engine. An upper bound on the
+    count only: a late wake-up (a busy host) makes fewer of them, never more."""
+    engine = EngineActivity()
+    engine.enabled = True
+    engine.enter()  # a batch runs throughout
+    wakes: list[float] = []
+    engine.wait_quiet(1.0, lambda: bool(wakes.append(time.monotonic())))
+    assert len(wakes) <= 6  # the first look, then one every 200 ms
+
+
 def _written(backend: DiskBackend, keys: list[ChunkKey], at_least: int) -> int:
     """How many of `keys` the tier holds, once it holds `at_least` (or `BOUND_S` ran out)."""
     deadline = time.monotonic() + BOUND_S

@@ -25,7 +25,15 @@ from kvtier.config import Config
 from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey
 from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj, lease
-from tests.helpers import SMALL_MHA, SMALL_MLA, make_keys, make_obj, put_random, same_bytes
+from tests.helpers import (
+    SMALL_MHA,
+    SMALL_MLA,
+    make_keys,
+    make_obj,
+    os_thread_name,
+    put_random,
+    same_bytes,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 CHUNK = 16
@@ -652,3 +660,8 @@ def test_a_planted_record_directory_is_never_written_read_or_deleted_through(
     assert disk.stats()["not_regular"] == 2 and disk.stats()["entries"] == 0
     assert open_disk().stats()["entries"] == 0  # a restart does not index it either
     assert _snapshot(watched) == before  # the forged record was not deleted either
+
+
+def test_read_ahead_threads_show_their_names_to_the_os(open_disk: Opener) -> None:
+    disk = open_disk()
+    assert disk._pool().submit(os_thread_name).result(timeout=30) == "kv-disk_0"
