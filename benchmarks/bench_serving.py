@@ -40,9 +40,10 @@ server's Prometheus endpoint (`metrics_port`): kvtier's counters, among them
 kernel compile time. Ratios: p99 TTFT of the first kvtier server / no kvtier, mean TTFT of the
 second server / no kvtier, no-reuse request throughput kvtier / none (run after run, and side by
 side), each with the bound kvtier is held to (<= 1.1x, <= 0.35x, >= 0.97x) and in how many runs
-it held. Nothing is measured
-against a fixed time: these machines are shared and noisy. After each run the benchmark calls
-`sync`, so the disk tier's unflushed records are not written back during the next run.
+it held; side-by-side pairs also each on their own, with their mean and its 95% confidence
+interval. Nothing is measured against a fixed time: these machines are shared and noisy. After
+each run the benchmark calls `sync`, so the disk tier's unflushed records are not written back
+during the next run.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_serving.py [--runs 3]
     # a quick check (about 2 minutes on an idle 2-core machine):

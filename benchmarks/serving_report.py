@@ -62,6 +62,7 @@ RATIOS = {
     "no-reuse request throughput, kvtier / none, side by side on a core each":
         Ratio("pair-kv", "pair-none", "request_throughput", False, 0.97),
 }
+PAIR = RATIOS["no-reuse request throughput, kvtier / none, side by side on a core each"]
 
 
 def _mean(runs: list[RunResult], attr: str) -> float | None:
@@ -111,21 +112,22 @@ def pair_ratios(results: list[RunResult]) -> dict[int, dict[str, Any]]:
     pairs is what noise is left."""
     sides: dict[tuple[int, int, int], dict[str, float]] = {}
     for r in results:
-        if r.phase in ("pair-kv", "pair-none") and r.request_throughput:
+        if r.phase in (PAIR.num, PAIR.den) and r.request_throughput:
             sides.setdefault((r.system_prompt_len, r.rep, r.repeat), {})[r.phase] = \
                 r.request_throughput
     out: dict[int, dict[str, Any]] = {}
     for (length, _, _), side in sorted(sides.items()):
         if len(side) == 2:
             out.setdefault(length, {"values": []})["values"].append(
-                side["pair-kv"] / side["pair-none"])
+                side[PAIR.num] / side[PAIR.den])
     for entry in out.values():
         values = entry["values"]
         mean = statistics.fmean(values)
         half = (_T975.get(len(values) - 1, 1.96) * statistics.stdev(values) / len(values) ** 0.5
                 if len(values) > 1 else float("nan"))
+        assert PAIR.bound is not None
         entry.update(mean=mean, ci95=(mean - half, mean + half),
-                     held=sum(v >= 0.97 for v in values), bound=">= 0.97x")
+                     held=sum(v >= PAIR.bound for v in values), bound=f">= {PAIR.bound}x")
     return out
 
 

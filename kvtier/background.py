@@ -33,8 +33,7 @@ import time
 from collections.abc import Callable
 
 __all__ = ["lower_priority", "copy_alone", "name_os_thread", "copy_threads", "NICE",
-           "EngineActivity", "ENGINE",
-           "QUIET_S", "STALE_S"]
+           "EngineActivity", "ENGINE", "QUIET_S", "STALE_S"]
 
 logger = logging.getLogger(__name__)
 
@@ -92,8 +91,9 @@ def copy_threads() -> int:
 # steps, the next request's prefill) leave gaps far shorter than this.
 QUIET_S = 0.1
 STALE_S = 30.0  # longer than any one forward pass
-_POLL_S = 0.2  # how often a waiter checks `go_on` while a batch runs (each wake-up costs
-# the engine a thread switch and the GIL; what it checks, a backlog share, moves slower)
+# How often a waiter checks `go_on` while a batch runs: each wake-up costs the engine a thread
+# switch and the GIL, and what it checks (a share of the backlog) moves far slower.
+_POLL_S = 0.2
 
 
 class EngineActivity:
