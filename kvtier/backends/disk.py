@@ -69,6 +69,7 @@ class DiskBackend(StorageBackend):
         if root is None:
             raise ConfigError("local_disk: must be set to use the disk tier")
         self.root = Path(os.path.abspath(root))  # what is checked is what is used, whatever the cwd
+        self._root_str = str(self.root)
         self._dirs = rf.RecordDirs(self.root)
         self.capacity = int(ctx.config.max_local_disk_size * 1e9)
         self.ctx = ctx  # public: the layout and arena its records are read into
@@ -160,19 +161,34 @@ class DiskBackend(StorageBackend):
             if self._closed:
                 return 0
             for key in keys:
-                name = rf.file_name(key.key)
-                if name not in self._index:
-                    try:
-                        st = os.lstat(rf.record_path(self.root, name))
-                    except OSError:
-                        break
-                    # Checked after the lstat, so a miss costs nothing more.
-                    if not stat.S_ISREG(st.st_mode) or self._dirs.problem(name) is not None:
-                        self._counts.inc("not_regular")
-                        break
-                    self._adopt_locked(name, st.st_size)
+                if not self._held_locked(key.key):
+                    break
                 n += 1
         return n
+
+    def first_held(self, keys: Sequence[ChunkKey]) -> int:
+        # A prefix's candidate tails are many (one per page of a chunk): one lock for all.
+        with self._lock:
+            if self._closed:
+                return -1
+            return next((i for i, key in enumerate(keys) if self._held_locked(key.key)), -1)
+
+    def _held_locked(self, key: str) -> bool:
+        """Whether the record of `key` is indexed, or on disk (another process wrote it: it
+        is adopted into the index)."""
+        name = rf.file_name(key)
+        if name in self._index:
+            return True
+        try:
+            st = os.lstat(rf.record_file(self._root_str, name))
+        except OSError:
+            return False
+        # Checked after the lstat, so a miss costs nothing more.
+        if not stat.S_ISREG(st.st_mode) or self._dirs.problem(name) is not None:
+            self._counts.inc("not_regular")
+            return False
+        self._adopt_locked(name, st.st_size)
+        return True
 
     def batch_get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
         return list(self.iter_get(keys))

@@ -40,6 +40,23 @@ def test_prefix_semantics_stop_at_first_miss(
     assert backend.batch_contains(keys[3:]) == 1
 
 
+def test_first_held_finds_the_first_alternative_held(
+    backend_ctx: tuple[StorageBackend, BackendContext],
+) -> None:
+    """Alternatives (a prefix's candidate tails), not a prefix: misses before a hit are
+    skipped, not a stop."""
+    backend, ctx = backend_ctx
+    keys = make_keys(64)
+    _put(backend, ctx, [keys[1], keys[3]])
+    assert backend.first_held(keys) == 1
+    assert backend.first_held([keys[0], keys[2], keys[3]]) == 2
+    assert backend.first_held([keys[0], keys[2]]) == -1
+    assert backend.first_held(make_keys(64, seed=1)) == -1
+    assert backend.first_held([]) == -1
+    backend.close()
+    assert backend.first_held(keys) == -1
+
+
 def test_other_prompt_and_other_model_miss(
     backend_ctx: tuple[StorageBackend, BackendContext],
 ) -> None:

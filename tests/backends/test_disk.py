@@ -152,6 +152,7 @@ def test_second_process_sees_new_records_without_restart(
     """)
     _, err = child.communicate(timeout=120)
     assert child.returncode == 0, err
+    assert reader.first_held([make_keys(48, seed=9)[0], first[2]]) == 1  # adopted by a tail probe
     assert reader.batch_contains(first) == 3
     want = [make_obj(arena, SMALL_MHA, k.num_tokens, 7 + i) for i, k in enumerate(second)]
     with lease(want):
@@ -322,6 +323,7 @@ def test_non_regular_file_at_a_record_path_is_a_counted_miss(
     with lease(got[0]) as objs:
         assert len(objs) == 1 and same_bytes(objs[0].tensor, want[0])
     assert disk.batch_contains(keys) == 1
+    assert disk.first_held(keys[1:2]) == -1
     assert disk.stats()["not_regular"] >= 1
     assert victim.exists() or victim.is_symlink()  # not ours: left in place
     # A restart does not index it either.

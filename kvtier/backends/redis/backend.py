@@ -106,7 +106,8 @@ class RedisBackend(StorageBackend):
         out = []
         for k in keys:
             nbytes = self.ctx.layout.nbytes(k.num_tokens)
-            out.append((rio.redis_keys(k, len(rio.segments(nbytes, self._seg))), nbytes))
+            # len(rio.segments(nbytes, seg)), without building them: tails come in hundreds
+            out.append((rio.redis_keys(k, max(1, -(-nbytes // self._seg))), nbytes))
         return out
 
     @staticmethod

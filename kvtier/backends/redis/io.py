@@ -169,7 +169,8 @@ def exchange(client: redis.Redis, parts: list[bytes | memoryview],
     try:
         conn.send_packed_command(parts, check_health=False)
         reader = ReplyReader(_socket(conn))
-        out = [[reader.reply() for _ in range(n)] for n in counts]
+        flat = iter(reader.replies(sum(counts)))
+        out = [[next(flat) for _ in range(n)] for n in counts]
         clean = reader.pending == 0
         return out
     finally:

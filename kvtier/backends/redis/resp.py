@@ -18,6 +18,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 __all__ = ["CommandWriter", "ReplyError", "ReplyReader"]
 
 CRLF = b"\r\n"
+_ONE_LINE = (b":", b"+", b"-")  # reply kinds that end with their first line
 # Buffers below this size are copied into the send buffer: one syscall is cheaper than many.
 _INLINE = 64 * 1024
 # The read buffer for reply lines and small replies. Whatever part of a payload arrives with
@@ -142,6 +143,29 @@ class ReplyReader:
             raise RedisConnectionError(f"protocol error: expected {kind!r}, got {line[:20]!r}")
         size = _number(line)
         return None if size < 0 else size
+
+    def replies(self, n: int) -> list[Any]:
+        """The next `n` replies, each as `reply()` gives it. Runs of one-line replies
+        (integers, statuses, errors: what lookups and writes answer, by the hundred for a
+        prefix's candidate tails) are split off the buffer at once."""
+        out: list[Any] = []
+        while len(out) < n:
+            if self._buf.find(CRLF, self._lo, self._hi) < 0:
+                if self.pending == len(self._buf):
+                    raise RedisConnectionError("protocol error: reply line too long")
+                self._fill()
+                continue
+            if self._buf[self._lo:self._lo + 1] not in _ONE_LINE:
+                out.append(self.reply())
+                continue
+            last = self._buf.rfind(CRLF, self._lo, self._hi)
+            for line in bytes(self._view[self._lo:last]).split(CRLF):
+                if len(out) == n or line[:1] not in _ONE_LINE:
+                    break
+                self._lo += len(line) + 2
+                out.append(_number(line) if line[:1] == b":" else line[1:]
+                           if line[:1] == b"+" else ReplyError(line[1:].decode(errors="replace")))
+        return out
 
     def reply(self) -> Any:
         """A small reply as a value: bytes, int, list, None, or a `ReplyError` (not raised)."""
