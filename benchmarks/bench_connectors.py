@@ -1,7 +1,8 @@
 """Gather/scatter throughput of the connector kernels against this machine's memcpy.
 
 Shape: Llama-3-8B per TP rank (32 layers x K and V, 8 KV heads x 128 dims, bf16), one 256-token
-chunk = 32 MiB, random slots in a pool of 16k slots. Implementations: `ops` (the public
+chunk = 32 MiB, random slots in a pool of 16k slots (`--contiguous`: one run of consecutive
+slots, as a fresh server's allocator hands a request). Implementations: `ops` (the public
 `kvtier.connectors.ops` functions, checks included, with the kernel they dispatch to), `cpp`
 (the compiled kernels called directly), `torch` (the reference) and `naive` (a per-layer
 Python loop with advanced indexing). The baseline is torch `copy_` of a contiguous tensor of
@@ -9,6 +10,7 @@ the same size, measured in the same run. GB/s is the median over the rounds, `be
 fastest round.
 
     .venv/bin/python benchmarks/bench_connectors.py [--rounds 20] [--pool-slots 16384]
+        [--contiguous] [--threads 2]
 """
 
 from __future__ import annotations
@@ -69,7 +71,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(0)
     num_layers, hidden, dtype = 2 * args.layers, args.kv_heads * args.head_dim, torch.bfloat16
     layers = [torch.randn(args.pool_slots, hidden).to(dtype) for _ in range(num_layers)]
-    slots = torch.randperm(args.pool_slots)[: args.tokens].contiguous()
+    slots = (torch.arange(1, args.tokens + 1) if args.contiguous
+             else torch.randperm(args.pool_slots)[: args.tokens].contiguous())
     chunk = torch.empty(num_layers, args.tokens, hidden, dtype=dtype)
     src = torch.randn(num_layers, args.tokens, hidden).to(dtype)
     nbytes = chunk.numel() * chunk.element_size()
@@ -101,6 +104,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "dtype": "bf16",
             "tokens": args.tokens,
             "pool_slots": args.pool_slots,
+            "slots": "contiguous" if args.contiguous else "random",
             "chunk_bytes": nbytes,
             "threads": args.threads,
             "rounds": args.rounds,
@@ -118,9 +122,12 @@ def main() -> None:
     parser.add_argument("--pool-slots", type=int, default=16384)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--contiguous", action="store_true",
+                        help="consecutive slots instead of random ones")
     report = run(parser.parse_args())
     shape = report["shape"]
-    print(f"chunk {shape['chunk_bytes'] / 2**20:.0f} MiB, {shape['threads']} threads")
+    print(f"chunk {shape['chunk_bytes'] / 2**20:.0f} MiB, {shape['slots']} slots, "
+          f"{shape['threads']} threads")
     print(f"{'op':<8} {'impl':<12} {'GB/s':>7} {'best':>7} {'x memcpy':>9}")
     for row in report["results"]:
         print(
