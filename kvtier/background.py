@@ -100,9 +100,13 @@ class EngineActivity:
     """Whether the serving engine is computing now, for work that should wait for it.
 
     The engine calls `enter()` when it launches a batch and `leave()` when it handles that
-    batch's result (its forward is over then, wherever it ran). Only an `enabled` one is ever
-    `busy()`: the integration enables it where the engine computes on the CPU cores kvtier's
-    threads would take (on a GPU host a busy engine leaves the CPU to kvtier). Thread-safe.
+    batch's result (its forward is over then, wherever it ran), and `idle()` on each turn of
+    its loop that ran no batch; the last two say whether requests wait in its queue. A queued
+    request is work about to run, not a quiet moment: a turn without a batch while one waits
+    (for a store to read its slots, a prefetch, room in the pool) ends in a forward pass soon,
+    which a write begun then would slow. Only an `enabled` one is ever `busy()`: the
+    integration enables it where the engine computes on the CPU cores kvtier's threads would
+    take (on a GPU host a busy engine leaves the CPU to kvtier). Thread-safe.
     """
 
     def __init__(self) -> None:
@@ -111,30 +115,42 @@ class EngineActivity:
         self._running = 0
         self._entered = -math.inf
         self._left = -math.inf
+        self._waiting_at = -math.inf  # when the engine last said requests wait; -inf: none
 
     def enter(self) -> None:
         with self._lock:
             self._running += 1
             self._entered = time.monotonic()
 
-    def leave(self) -> None:
+    def leave(self, waiting: bool = False) -> None:
+        """A batch's result is handled; `waiting`: requests wait in the queue."""
         with self._lock:
             self._running = max(0, self._running - 1)
             self._left = time.monotonic()
+            self._waiting_at = self._left if waiting else -math.inf
+
+    def idle(self, waiting: bool) -> None:
+        """A turn of the engine's loop ran no batch; `waiting`: requests wait in the queue."""
+        if waiting or self._waiting_at > -math.inf:  # a lock per turn only when it changes
+            with self._lock:
+                self._waiting_at = time.monotonic() if waiting else -math.inf
 
     def busy(self, now: float | None = None) -> bool:
-        """Enabled, and a batch is running or ended less than `QUIET_S` ago. A batch whose
-        result never came counts for `STALE_S` at most (nothing waits forever on a miscount)."""
+        """Enabled, and a batch is running or ended less than `QUIET_S` ago, or requests wait
+        to run. A batch whose result never came, or a queue the engine stopped reporting,
+        counts for `STALE_S` at most (nothing waits forever on a miscount)."""
         return self.quiet_in(now) > 0
 
     def quiet_in(self, now: float | None = None) -> float:
         """Seconds until the engine is quiet if no batch starts meanwhile: 0 if it is not
-        `busy()`, infinite while a batch runs."""
+        `busy()`, infinite while a batch runs or requests wait."""
         if not self.enabled:
             return 0.0
         now = time.monotonic() if now is None else now
         with self._lock:
             if self._running > 0 and now - self._entered < STALE_S:
+                return math.inf
+            if now - self._waiting_at < STALE_S:
                 return math.inf
             return max(0.0, self._left + QUIET_S - now)
 

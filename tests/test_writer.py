@@ -77,6 +77,26 @@ def test_the_engine_is_busy_while_a_batch_runs_and_shortly_after() -> None:
     assert engine.busy() and not engine.busy(time.monotonic() + STALE_S)
 
 
+def test_queued_requests_keep_the_engine_busy_between_batches() -> None:
+    """A turn without a batch while requests wait (for a store's slots, a prefetch, room in
+    the pool) is the moment before a forward pass, not a quiet one."""
+    engine = EngineActivity()
+    engine.enabled = True
+    engine.enter()
+    engine.leave(waiting=True)
+    now = time.monotonic()
+    assert engine.busy(now + QUIET_S) and engine.quiet_in(now + QUIET_S) == math.inf
+    engine.idle(waiting=True)  # a turn that ran nothing: still waiting
+    assert engine.busy(time.monotonic() + QUIET_S)
+    engine.idle(waiting=False)  # the queue emptied (served, aborted)
+    assert not engine.busy(time.monotonic() + QUIET_S)
+    engine.idle(waiting=True)  # an engine that stops reporting does not hold writers forever
+    assert engine.busy() and not engine.busy(time.monotonic() + STALE_S)
+    engine.enter()
+    engine.leave(waiting=False)  # a batch's result with nothing queued: quiet after QUIET_S
+    assert not engine.busy(time.monotonic() + QUIET_S)
+
+
 def test_a_waiter_on_a_busy_engine_wakes_five_times_a_second_at_most() -> None:
     """Each wake-up takes a thread switch and the GIL from the engine. An upper bound on the
     count only: a late wake-up (a busy host) makes fewer of them, never more."""

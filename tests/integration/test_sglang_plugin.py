@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -93,3 +94,25 @@ def test_admin_routes_are_on_sglangs_http_app(config_env: None, tiny_llama: Path
     methods = {m for r in app.routes if getattr(r, "path", "") == "/kvtier/tiers"
                for m in r.methods}
     assert methods == {"GET", "POST"}
+
+
+def test_a_scheduler_with_queued_requests_keeps_the_writers_waiting(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hooks on `Scheduler.process_batch_result` and `Scheduler.on_idle` tell kvtier's
+    writers whether requests wait: a turn without a batch is quiet only with an empty queue."""
+    from types import SimpleNamespace
+
+    from kvtier.background import QUIET_S, EngineActivity
+    from kvtier.integration.sglang import plugin
+
+    engine = EngineActivity()
+    engine.enabled = True
+    monkeypatch.setattr(plugin, "ENGINE", engine)
+    scheduler = SimpleNamespace(waiting_queue=["a queued request"], tree_cache=None)
+    plugin._run_batch(scheduler)
+    plugin._batch_result(scheduler, None)
+    plugin._on_idle(scheduler)  # waiting for a store's slots, say
+    assert engine.busy(time.monotonic() + QUIET_S)
+    scheduler.waiting_queue.clear()
+    plugin._on_idle(scheduler)
+    assert not engine.busy(time.monotonic() + QUIET_S)

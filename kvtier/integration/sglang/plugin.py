@@ -61,6 +61,7 @@ def register() -> None:
              (HOOK_TARGETS["scheduler_init"], _enable_prefetch_hooks, HookType.AFTER),
              (HOOK_TARGETS["process_batch_result"], _batch_result, HookType.BEFORE),
              (HOOK_TARGETS["run_batch"], _run_batch, HookType.BEFORE),
+             (HOOK_TARGETS["on_idle"], _on_idle, HookType.BEFORE),
              (HOOK_TARGETS["attach"], admin.wrap_attach, HookType.AROUND),
              (HOOK_TARGETS["detach"], admin.wrap_detach, HookType.AROUND))
     for target, hook, kind in hooks:
@@ -134,11 +135,23 @@ def _run_batch(scheduler: Any, *args: Any, **kwargs: Any) -> None:
     ENGINE.enter()
 
 
+def _on_idle(scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """Before `Scheduler.on_idle` (a loop turn that ran no batch): whether requests still wait
+    (then the engine is about to compute, not quiet)."""
+    if ENGINE.enabled:
+        ENGINE.idle(_waiting(scheduler))
+
+
+def _waiting(scheduler: Any) -> bool:
+    return bool(getattr(scheduler, "waiting_queue", None))
+
+
 def _batch_result(scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
     """Before `Scheduler.process_batch_result`: the batch's forward is over, so the engine is
     no longer busy with it (`ENGINE`), and an extend batch tells kvtier how fast this server
     prefills (the adaptive prefetch policy's yardstick)."""
-    ENGINE.leave()  # its forward is over (quiet from now on, unless another runs)
+    # Its forward is over: quiet from now on, unless another runs or requests wait to.
+    ENGINE.leave(waiting=_waiting(scheduler))
     kvtier = getattr(getattr(scheduler, "tree_cache", None), "kvtier", None)
     if kvtier is None or batch is None or not batch.forward_mode.is_extend():
         return

@@ -29,6 +29,7 @@ HOOK_TARGETS = {
     "scheduler_init": f"{SCHEDULER}.__init__",
     "process_batch_result": f"{SCHEDULER}.process_batch_result",
     "run_batch": f"{SCHEDULER}.run_batch",
+    "on_idle": f"{SCHEDULER}.on_idle",
     "attach": f"{SCHEDULER}.attach_hicache_storage_wrapped",
     "detach": f"{SCHEDULER}.detach_hicache_storage_wrapped",
 }
@@ -87,8 +88,13 @@ REACH_INS: tuple[ReachIn, ...] = (
             _has(SERVER_ARGS, "add_cli_args", "from_cli_args")),
     ReachIn("Scheduler hook targets",
             "turning on the prefetch gate, timing prefills, tier attach over HTTP",
-            _has(SCHEDULER, "__init__", "process_batch_result", "run_batch",
+            _has(SCHEDULER, "__init__", "process_batch_result", "run_batch", "on_idle",
                  "attach_hicache_storage_wrapped", "detach_hicache_storage_wrapped")),
+    ReachIn("Scheduler.on_idle runs on each loop turn without a batch; waiting_queue",
+            "on a CPU engine, lower-tier writers wait while requests are queued, not only "
+            "while a batch runs (a BEFORE hook on on_idle, and process_batch_result's, read "
+            "whether the scheduler's waiting_queue is empty)",
+            _source_has(f"{SCHEDULER}.is_fully_idle", "len(self.waiting_queue) == 0")),
     ReachIn("Scheduler.run_batch(batch) runs one forward",
             "on a CPU engine, lower-tier writers wait from a batch's launch (a BEFORE hook) "
             "to its result (process_batch_result)",
