@@ -23,6 +23,9 @@ Runs, each a fresh server, per prompt length and per repetition (`--runs N`):
     second        kvtier, a second server on the Redis and disk that `first-again` filled
     noreuse-none  `--dataset-name random-ids` (no shared prefix), no kvtier
     noreuse-kv    the same with kvtier (fresh disk, flushed Redis)
+    null-pair     `noreuse-pair` with no kvtier on either side (results `null-a` and `null-b`,
+                  the second in kvtier's place, its core and the idle Redis's): the method's
+                  own spread and bias, to read the kvtier pairs against
     noreuse-pair  both no-reuse servers at once, side by side, each pinned to a core of its own
                   with one compute thread, their clients started together (results `pair-none`
                   and `pair-kv`); each client runs on its server's core, and the Redis server on
@@ -37,13 +40,18 @@ Measured per run, from the client's JSON result file: duration, mean/median/p99 
 throughput, completed and failed requests, cached tokens (`--cache-report`); from each kvtier
 server's Prometheus endpoint (`metrics_port`): kvtier's counters, among them
 `kvtier_sglang_loads_discarded_total` (loads evicted before their request ran); from its log: the
-kernel compile time. Ratios: p99 TTFT of the first kvtier server / no kvtier, mean TTFT of the
+kernel compile time; from /proc, while its client runs: the CPU seconds of each of the server's
+threads (and of the Redis server, for a kvtier run), shown per request in groups (the engine's
+scheduler thread, kvtier's threads, Redis, the rest). SGLang's scheduler polls while requests
+wait, so the engine's CPU is about the run's wall time; kvtier's threads and Redis show what
+kvtier's work cost. Ratios: p99 TTFT of the first kvtier server / no kvtier, mean TTFT of the
 second server / no kvtier, no-reuse request throughput kvtier / none (run after run, and side by
 side), each with the bound kvtier is held to (<= 1.1x, <= 0.35x, >= 0.97x) and in how many runs
 it held; side-by-side pairs also each on their own, with their mean and its 95% confidence
-interval. Nothing is measured against a fixed time: these machines are shared and noisy. After
-each run the benchmark calls `sync`, so the disk tier's unflushed records are not written back
-during the next run.
+interval, and in core-balanced blocks (a pair with kvtier on each core: the two cores of a
+shared host differ in speed). Nothing is measured against a fixed time: these machines are
+shared and noisy. After each run the benchmark calls `sync`, so the disk tier's unflushed
+records are not written back during the next run.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_serving.py [--runs 3]
     # a quick check (about 2 minutes on an idle 2-core machine):
@@ -64,6 +72,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,6 +81,7 @@ import yaml
 
 from benchmarks.common import work_dir, write_results
 from benchmarks.serving_report import report, row
+from benchmarks.serving_timeline import Sampler, forward_totals, in_window
 from kvtier.demo.models import LlamaSpec, make_llama
 from kvtier.demo.server import (
     CPU_FLAGS,
@@ -84,10 +94,13 @@ from kvtier.demo.server import (
 from tests.conftest import RedisProcess
 
 PHASES = ("none", "first", "first-again", "second", "noreuse-none", "noreuse-kv",
-          "noreuse-pair")
-# `noreuse-pair` runs as two results, `pair-none` and `pair-kv` (see `Bench.run_pair`).
+          "noreuse-pair", "null-pair")
+# `noreuse-pair` runs as two results, `pair-none` and `pair-kv`, `null-pair` as `null-a` and
+# `null-b` (see `Bench.run_pair`).
+PAIRS = {"noreuse-pair": ("pair-none", "pair-kv"), "null-pair": ("null-a", "null-b")}
 KVTIER_PHASES = frozenset({"first", "first-again", "second", "noreuse-kv", "pair-kv"})
-NOREUSE_PHASES = frozenset({"noreuse-none", "noreuse-kv", "pair-none", "pair-kv"})
+NOREUSE_PHASES = frozenset({"noreuse-none", "noreuse-kv", "pair-none", "pair-kv", "null-a",
+                            "null-b"})
 _COMPILED = re.compile(r"kvtier: compiled the C\+\+ copy kernel in ([\d.]+)s")
 _LOADED = re.compile(r"kvtier: loaded (\d+) tokens")
 _REFUSED = re.compile(r"Input length \(\d+ tokens\) exceeds the maximum allowed length "
@@ -123,6 +136,7 @@ class Options:
     # device cache kept in one run and not the other (an extend is slower than a prefill on
     # CPU). At 43 no two share more than 9 tokens, at both default lengths.
     noreuse_seed: int = 43
+    timeline: bool = False  # also sample kvtier's lower-tier writes every second
 
 
 @dataclass
@@ -135,6 +149,7 @@ class RunResult:
     kvtier: bool
     dataset: str
     repeat: int = 1  # this phase's how-many-th run in its set (`--phases` may name one twice)
+    core: int | None = None  # the one core the server ran on (`noreuse-pair`)
     start_s: float = 0.0
     requests: int = 0
     completed: int = 0
@@ -152,6 +167,16 @@ class RunResult:
     counters: dict[str, float] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     client_rc: int = 0
+    # CPU seconds by thread name over the client's run (`thread_cpu`; kvtier runs include the
+    # Redis server's): what each side spent, host noise (other processes' CPU) left out.
+    cpu_s: dict[str, float] = field(default_factory=dict)
+    # The same in groups, sampled every second (`serving_timeline`), and what each group spent
+    # inside the client's measured window alone ("writes": kvtier's lower-tier writes, with
+    # `--timeline`).
+    timeline: list[list[float]] = field(default_factory=list)
+    in_run: dict[str, float] | None = None
+    # The model forwards inside that window (`serving_timeline.forward_totals`).
+    forward: dict[str, float] | None = None
 
 
 # ---- the client ----
@@ -261,9 +286,8 @@ def pin_threads(pid: int, cores: set[int]) -> None:
             continue
 
 
-def pin_tree(server: SGLangServer, core: int) -> None:
-    """Every thread of the server's processes onto `core` (threads started later inherit it
-    from the thread that starts them)."""
+def server_pids(server: SGLangServer) -> list[int]:
+    """The server's process and its descendants (the scheduler, the detokenizer, ...)."""
     assert server.proc is not None
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
@@ -277,10 +301,47 @@ def pin_tree(server: SGLangServer, core: int) -> None:
     pids = [server.proc.pid]
     for pid in pids:
         pids += children.get(pid, [])
+    return pids
+
+
+def pin_tree(server: SGLangServer, core: int) -> None:
+    """Every thread of the server's processes onto `core` (threads started later inherit it
+    from the thread that starts them)."""
+    for pid in server_pids(server):
         try:
             pin_threads(pid, {core})
         except FileNotFoundError:  # it ended meanwhile
             continue
+
+
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu(pids: list[int]) -> dict[str, float]:
+    """CPU seconds (user + system) so far of every thread of `pids`, summed by thread name; a
+    process's main thread is named with a trailing "*" (SGLang's scheduler computes there)."""
+    out: dict[str, float] = {}
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except FileNotFoundError:  # it ended meanwhile
+            continue
+        for tid in tids:
+            try:
+                stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            except OSError:
+                continue
+            name = stat[stat.index("(") + 1:stat.rindex(")")] + ("*" if tid == str(pid) else "")
+            fields = stat[stat.rindex(")") + 2:].split()
+            out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) * _TICK_S
+    return out
+
+
+def cpu_spent(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What each thread name spent between two `thread_cpu` readings (threads that ended
+    meanwhile are not counted; those that started count from zero)."""
+    spent = {name: after[name] - before.get(name, 0.0) for name in after}
+    return {name: round(s, 3) for name, s in sorted(spent.items()) if s > 0}
 
 
 # ---- kvtier's side ----
@@ -344,7 +405,8 @@ class Bench:
         shims = [] if gpu_available() else [cpu_shims_dir()]
         return SGLangServer(self.model, self.work / f"{name}.log", args=args,
                             env={"OMP_NUM_THREADS": str(threads),
-                                 "KVTIER_CACHE_DIR": str(kernel_dir)},
+                                 "KVTIER_CACHE_DIR": str(kernel_dir),
+                                 "KVTIER_BENCH_FORWARD_LOG": str(self.work / f"{name}.forward")},
                             pythonpath=shims, cpu_flags=CPU_FLAGS)
 
     def launch(self, phase: str, system_len: int, rep: int, kernel_dir: Path,
@@ -377,23 +439,25 @@ class Bench:
         return self.check(run)
 
     def run_pair(self, system_len: int, rep: int, kernel_dir: Path, disk: Path,
-                 repeat: int = 1) -> None:
+                 repeat: int = 1, sides: tuple[str, str] = PAIRS["noreuse-pair"]) -> None:
         """`noreuse-pair`: a server without kvtier and one with it, side by side, each pinned
         to a core of its own (one compute thread each), their clients started together: a
-        drift of the host weighs on both alike. The cores swap every set and repeat."""
+        drift of the host weighs on both alike. The cores swap every set and repeat. `sides`:
+        the two results' phases (`PAIRS`); only a `KVTIER_PHASES` one runs kvtier."""
         cores = sorted(os.sched_getaffinity(0))
         if len(cores) < 2:
             raise SystemExit("noreuse-pair needs two cores")
         kv_core = cores[(rep + repeat) % 2]
         none_core = cores[(rep + repeat + 1) % 2]
-        runs = [self.launch("pair-none", system_len, rep, kernel_dir, None, repeat, threads=1),
-                self.launch("pair-kv", system_len, rep, kernel_dir, disk, repeat, threads=1)]
+        runs = [self.launch(sides[0], system_len, rep, kernel_dir, None, repeat, threads=1),
+                self.launch(sides[1], system_len, rep, kernel_dir, disk, repeat, threads=1)]
         redis_pid = self.redis.pid
         assert redis_pid is not None
         try:
             for run, core in zip(runs, (none_core, kv_core)):
                 run.ready()
                 pin_tree(run.server, core)
+                run.result.core = core
             # Redis works for kvtier alone: on the other core its writes would slow the
             # server without kvtier (a pair then swings with where the OS puts it).
             pin_threads(redis_pid, {kv_core})
@@ -420,17 +484,60 @@ class Bench:
                 procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                               env=client_env(self.work / "client-home"),
                                               preexec_fn=pin))
-        for run, proc in zip(runs, procs):
-            try:
-                run.result.client_rc = proc.wait(timeout=CLIENT_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-                run.result.client_rc = -1
-            if run.result.client_rc != 0:
-                tail = (self.work / f"{run.name}.client.log").read_text()[-1500:]
-                run.result.errors.append(f"client exited {run.result.client_rc}: {tail}")
-            parse_result(self.work / f"{run.name}.jsonl", run.result)
+        before = [self.cpu(run) for run in runs]
+        sampler = Sampler([lambda run=run: self.cpu(run) for run in runs],
+                          [self.writes(run) for run in runs])
+        sampler.start()
+        waiting = dict(enumerate(procs))
+        deadline = time.monotonic() + CLIENT_TIMEOUT_S
+        while waiting:
+            for i, proc in list(waiting.items()):
+                rc = proc.poll()
+                if rc is None and time.monotonic() < deadline:
+                    continue
+                if rc is None:
+                    proc.kill()
+                    proc.wait()
+                    rc = -1
+                # Read when its client is done: a kvtier server's writers then catch up.
+                runs[i].result.cpu_s = cpu_spent(before[i], self.cpu(runs[i]))
+                runs[i].result.client_rc = rc
+                del waiting[i]
+            time.sleep(0.05)
+        sampler.stop()
+        for run, rows in zip(runs, sampler.rows):
+            self.client_result(run, rows)
+
+    def client_result(self, run: Run, timeline: list[list[float]]) -> None:
+        """The client's result file, and what the server spent inside its measured window
+        (`timeline`, the forward log)."""
+        result = run.result
+        if result.client_rc != 0:
+            tail = (self.work / f"{run.name}.client.log").read_text()[-1500:]
+            result.errors.append(f"client exited {result.client_rc}: {tail}")
+        out = self.work / f"{run.name}.jsonl"
+        parse_result(out, result)
+        result.timeline = timeline
+        if result.duration_s and out.exists():
+            end = out.stat().st_mtime  # written right after the last response
+            start = end - result.duration_s
+            result.in_run = in_window(timeline, start, end)
+            result.forward = forward_totals(self.work / f"{run.name}.forward", start, end)
+
+    def writes(self, run: Run) -> Callable[[], float] | None:
+        """With `--timeline`, a kvtier run's lower-tier writes so far (one scrape of its
+        metrics endpoint a second: a little work on its side, hence optional)."""
+        if not (self.opts.timeline and run.result.kvtier):
+            return None
+        return lambda: scrape_counters(run.metrics_port).get("kvtier_writes_total", 0.0)
+
+    def cpu(self, run: Run) -> dict[str, float]:
+        """`thread_cpu` of the run's server, and of the Redis server for a kvtier run (it
+        works for kvtier alone)."""
+        pids = server_pids(run.server)
+        if run.result.kvtier and self.redis.pid is not None:
+            pids.append(self.redis.pid)
+        return thread_cpu(pids)
 
     @staticmethod
     def collect(run: Run) -> None:
@@ -488,11 +595,11 @@ class Bench:
                     disk.mkdir()
                 if phase == "first-again":
                     shared_disk = disk
-            if phase == "noreuse-pair":
+            if phase in PAIRS:
                 self.redis.client().flushall()
                 disk = self.work / f"disk-L{system_len}-r{rep}-{phase}-{repeat}"
                 disk.mkdir()
-                self.run_pair(system_len, rep, kernel_dir, disk, repeat)
+                self.run_pair(system_len, rep, kernel_dir, disk, repeat, PAIRS[phase])
             else:
                 self.run_one(phase, system_len, rep, kernel_dir, disk, repeat)
 
@@ -552,6 +659,9 @@ def parse_args(argv: list[str] | None = None) -> Options:
                    "(attributes the no-reuse cost)")
     p.add_argument("--noreuse-seed", type=int, default=d.noreuse_seed,
                    help="the client's --seed for the no-reuse prompts (see Options)")
+    p.add_argument("--timeline", action="store_true",
+                   help="also scrape each kvtier server's lower-tier writes every second (the "
+                   "report then says how many landed inside the measured run)")
     p.add_argument("--work-dir", type=Path, default=None,
                    help="keep models, configs and logs here (default: a temp dir, removed)")
     ns = p.parse_args(argv)

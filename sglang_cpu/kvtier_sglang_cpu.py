@@ -12,11 +12,20 @@ extension's keys, under the causal mask shifted by the prefix length. Extends wi
 (and every case the fast path does not cover: encoder-decoder, sliding windows, non-causal)
 take SGLang's own code unchanged. Loaded by every SGLang process that has this directory on its
 PYTHONPATH; never part of the kvtier package.
+
+With `KVTIER_BENCH_FORWARD_LOG=PATH` (benchmarks only) it also appends one line per model
+forward to PATH: its end (wall clock), extend or decode, its tokens, its wall seconds and the
+seconds the calling thread ran on a core meanwhile. A forward whose wall time exceeds its CPU
+time waited for a core another thread or process held; the same CPU time for the same tokens
+on two servers means they compute alike.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import os
+import threading
+import time
+from typing import Any, TextIO
 
 _TARGET = ("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend."
            "_run_sdpa_forward_extend")
@@ -26,6 +35,31 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     HookRegistry.register(_TARGET, _extend_without_redundant_queries, HookType.AROUND)
+    if os.environ.get(_FORWARD_LOG):
+        HookRegistry.register(_FORWARD, _timed_forward, HookType.AROUND)
+
+
+_FORWARD = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
+_FORWARD_LOG = "KVTIER_BENCH_FORWARD_LOG"
+_log: list[TextIO] = []
+_log_lock = threading.Lock()
+
+
+def _timed_forward(original: Any, self: Any, forward_batch: Any, *args: Any,
+                   **kwargs: Any) -> Any:
+    wall, cpu = time.perf_counter(), time.thread_time()
+    try:
+        return original(self, forward_batch, *args, **kwargs)
+    finally:
+        wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+        extend = forward_batch.forward_mode.is_extend()
+        tokens = (int(getattr(forward_batch, "extend_num_tokens", 0) or 0) if extend
+                  else int(forward_batch.batch_size))
+        with _log_lock:
+            if not _log:
+                _log.append(open(os.environ[_FORWARD_LOG], "a", buffering=1))  # noqa: SIM115
+            _log[0].write(f"{time.time():.3f} {'extend' if extend else 'decode'} {tokens} "
+                          f"{wall:.6f} {cpu:.6f}\n")
 
 
 def _extend_without_redundant_queries(

@@ -15,6 +15,7 @@ records once `/flush_cache` has let the background writes land. No timing is ass
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from benchmarks.serving_timeline import forward_totals
 from tests.conftest import RedisProcess
 from tests.integration.conftest import prompt, write_config
 from tests.sglang_support.server import SGLangServer
@@ -53,9 +55,17 @@ def redis(redis_factory: Callable[..., RedisProcess]) -> RedisProcess:
 
 
 @pytest.fixture(scope="module")
-def expected(start_server: Callable[..., SGLangServer], tiny_llama: Path) -> list[list[int]]:
+def forward_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the baseline server's CPU plugin logs its model forwards (the benchmarks' log)."""
+    return tmp_path_factory.mktemp("forwards") / "baseline.forward"
+
+
+@pytest.fixture(scope="module")
+def expected(start_server: Callable[..., SGLangServer], tiny_llama: Path,
+             forward_log: Path) -> list[list[int]]:
     """Each prompt's greedy output ids from a server without kvtier, one request at a time."""
-    baseline = start_server(tiny_llama, None, *POOL)
+    baseline = start_server(tiny_llama, None, *POOL,
+                            env={"KVTIER_BENCH_FORWARD_LOG": str(forward_log)})
     outputs = [list(baseline.generate(ids, NEW_TOKENS)["output_ids"]) for ids in workload()]
     baseline.stop()
     return outputs
@@ -109,3 +119,17 @@ def test_concurrent_shared_prefix_load_with_thrashing_device_cache(
     server.flush_cache()  # waits for kvtier's stores and the disk and Redis writes
     assert redis.client().dbsize() > 0
     assert any(p.is_file() for p in disk.rglob("*"))
+
+
+def test_the_cpu_plugin_logs_every_model_forward_when_asked(
+        expected: list[list[int]], forward_log: Path) -> None:
+    """`KVTIER_BENCH_FORWARD_LOG` (sglang_cpu/kvtier_sglang_cpu.py): the baseline server, sent
+    each prompt alone, logged an extend per prompt and a decode per further output token."""
+    prompts = workload()
+    got = forward_totals(forward_log, 0.0, math.inf)
+    assert got is not None
+    assert got["extend_count"] >= len(prompts)
+    assert 0 < got["extend_tokens"] <= sum(len(p) for p in prompts)
+    assert got["decode_count"] == sum(len(out) - 1 for out in expected)
+    assert got["decode_tokens"] == got["decode_count"]  # one request at a time: batches of one
+    assert got["extend_cpu_s"] > 0 and got["extend_wall_s"] > 0
