@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from contextlib import closing
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -12,10 +13,14 @@ import torch
 from kvtier.config import Config
 from kvtier.connectors import ops
 from kvtier.connectors.base import KVConnector
+from kvtier.connectors.host_copy import STATUS_BAD
 from kvtier.keys import ChunkKey, KeyBuilder, KeyChain
 from kvtier.memory import KVLayout, MemoryFormat, MemoryObj, lease
 from kvtier.storage import StorageManager
 from kvtier.storage.prefetch import Prefetch, Tails
+
+if TYPE_CHECKING:
+    from kvtier.connectors.streams import DeviceCopies
 
 __all__ = ["CacheEngine"]
 
@@ -74,6 +79,11 @@ class CacheEngine:
         storage: share one StorageManager between engines (default: build one from config).
         page_size: the engine's KV page size in tokens: tails (`save_tails`) are whole pages.
 
+    On a CUDA pool the chunks stay in the pinned host arena and every copy runs on kvtier's own
+    CUDA streams (`connectors.streams`): `store` waits for its copy on the calling thread (call
+    it off the serving thread), `retrieve` never waits: the caller's current stream waits for
+    the loaded bytes before the work enqueued next.
+
     Raises:
         ValueError: the layout does not match the connector, or bad rank/world_size.
     """
@@ -117,13 +127,19 @@ class CacheEngine:
         self.storage.counters.declare("tokens_stored", "tokens_loaded", "tokens_requested",
                                       "store_no_memory")
         self._owns_storage = storage is None
+        self._device: DeviceCopies | None = None
+        if connector.device.type == "cuda":
+            from kvtier.connectors.streams import DeviceCopies
+
+            self._device = DeviceCopies(connector, self.storage.counters)
         if config.metrics_port is not None:
             _serve_metrics(config.metrics_port + rank)
         self._closed = False
 
     def store(self, token_ids: TokenIds, slot_mapping: torch.Tensor, *,
               session_id: str | None = None, on_read: Callable[[], None] | None = None,
-              salt: str = "", also_prefix: int | None = None) -> int:
+              salt: str = "", also_prefix: int | None = None,
+              ready: torch.cuda.Event | None = None) -> int:
         """Save the KV of `token_ids` (in pool rows `slot_mapping`) chunk by chunk.
 
         Chunks the CPU tier already holds are skipped (lower tiers are never asked here: their
@@ -134,8 +150,10 @@ class CacheEngine:
         (see `release_session`). `salt`: the request's own salt (see `chunk_keys`).
         `also_prefix`: the length of a shorter prefix whose tail is stored too, when it ends
         inside the last chunk (SGLang: the prompt without its answer, which the same prompt
-        sent again looks up; tails are found by exact length). Returns the number of tokens
-        newly stored.
+        sent again looks up; tails are found by exact length). `ready` (CUDA pools): the event
+        recorded after the forward that wrote the KV; the copy starts once it has fired (None:
+        once the caller's current stream has run what it holds now). Returns the number of
+        tokens newly stored.
         """
         keys, slots = self._prepare(token_ids, slot_mapping,
                                     self.keys.keys(token_ids, salt) if salt else None)
@@ -144,7 +162,10 @@ class CacheEngine:
                 on_read()
             return 0
         extra = self._inner_tail(token_ids, keys, also_prefix, salt)
-        stored = self._store_chunks(keys, slots, on_read, extra)
+        if self._device is not None:
+            stored = self._store_on_device(keys, slots, on_read, extra, ready)
+        else:
+            stored = self._store_chunks(keys, slots, on_read, extra)
         if session_id is not None:
             self.storage.sessions.pin(session_id, keys)
         return stored
@@ -191,6 +212,44 @@ class CacheEngine:
         self.storage.counters.inc("tokens_stored", n)
         return n
 
+    def _store_on_device(self, keys: Sequence[ChunkKey], slots: torch.Tensor,
+                         on_read: Callable[[], None] | None, extra: ChunkKey | None,
+                         ready: torch.cuda.Event | None) -> int:
+        """`_store_chunks` for a CUDA pool: one copy for every chunk, slots checked by the
+        kernel; chunks up to the first one that met a -1 slot are kept."""
+        assert self._device is not None
+        hot = self.storage.contains
+        todo = list(keys[hot(keys, hot_only=True):])
+        inner = extra is not None and not hot([extra], hot_only=True)
+        if inner and extra is not None:
+            todo.insert(0, extra)
+        objs: list[MemoryObj] = []
+        with lease(objs):
+            for key in todo:
+                obj = self.storage.allocator.allocate(self.layout, key.num_tokens)
+                if obj is None:
+                    self.storage.counters.inc("store_no_memory")
+                    break
+                objs.append(obj)
+            todo = todo[:len(objs)]
+            status = self._device.gather(
+                torch.cat([slots[k.start:k.end] for k in todo]), objs, ready) if objs else []
+            if on_read is not None:
+                on_read()
+            if any(word & STATUS_BAD for word in status):
+                raise ValueError(f"slot_mapping holds values outside [-1, "
+                                 f"{self.connector.num_slots}); nothing was stored")
+            whole = [word == 0 for word in status]
+            if inner and objs:
+                if whole[0]:
+                    self.storage.put(todo[:1], objs[:1])
+                todo, objs, whole = todo[1:], objs[1:], whole[1:]
+            n = whole.index(False) if False in whole else len(whole)
+            self.storage.put(todo[:n], objs[:n])
+        stored = sum(k.num_tokens for k in todo[:n])
+        self.storage.counters.inc("tokens_stored", stored)
+        return stored
+
     def _gather_one(self, key: ChunkKey, slots: torch.Tensor) -> MemoryObj | None:
         """A new object holding `key`'s rows, or None (held already, no memory, -1 slots)."""
         rows = slots[key.start:key.end]
@@ -233,7 +292,12 @@ class CacheEngine:
                                              hot_only=True)
             loaded = load(wanted, slots, skip, limit)
         else:
-            loaded = load(wanted, slots, skip, limit)
+            start = skip
+            if self._device is not None:  # what the CPU tier holds first, in one copy
+                n = self.storage.contains(wanted, hot_only=True)
+                start = self._retrieve_hot(wanted[:n], slots, skip, limit)
+                wanted = [k for k in wanted if k.end > start]
+            loaded = load(wanted, slots, start, limit)
             loaded = load(self._tail(keys, loaded, limit, hot_only=False), slots, loaded, limit)
         loaded = min(loaded, limit)
         self.storage.counters.inc("tokens_loaded", loaded - skip)
@@ -259,8 +323,16 @@ class CacheEngine:
             if not objs:
                 return skip
             start, end = wanted[0].start, wanted[len(objs) - 1].end
-            self.connector.scatter_many(objs, _rows(slots, start, end, skip, limit))
+            self._scatter(objs, _rows(slots, start, end, skip, limit))
         return end
+
+    def _scatter(self, objs: list[MemoryObj], rows: torch.Tensor) -> None:
+        if self._device is not None:
+            self._device.scatter(objs, rows)  # holds objs until the copy has run
+        elif len(objs) == 1:
+            self.connector.scatter(objs[0], rows)
+        else:
+            self.connector.scatter_many(objs, rows)
 
     def _retrieve_streaming(self, wanted: Sequence[ChunkKey], slots: torch.Tensor,
                             skip: int, limit: int) -> int:
@@ -271,7 +343,7 @@ class CacheEngine:
         with closing(self.storage.stream(wanted)) as chunks:
             for key, obj in zip(wanted, chunks):
                 with lease([obj]):
-                    self.connector.scatter(obj, _rows(slots, key.start, key.end, skip, limit))
+                    self._scatter([obj], _rows(slots, key.start, key.end, skip, limit))
                 loaded = key.end
         return loaded
 
@@ -344,6 +416,8 @@ class CacheEngine:
         if self._closed:
             return
         self._closed = True
+        if self._device is not None:  # loads still copying hold arena objects
+            self._device.close(self.config.blocking_timeout_secs)
         if self._owns_storage:
             self.storage.close()
 

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
+from kvtier.connectors import host_copy
 from kvtier.memory import KVLayout, MemoryObj
 
 __all__ = ["KVConnector"]
@@ -24,6 +25,7 @@ class KVConnector(ABC):
     layout: KVLayout
     num_slots: int
     device: torch.device
+    _layers: list[torch.Tensor]  # the pool as `[num_slots, hidden]` rows, in a chunk's order
 
     @abstractmethod
     def gather(self, slots: torch.Tensor, out: MemoryObj) -> None:
@@ -43,6 +45,32 @@ class KVConnector(ABC):
         if start != slots.numel():
             raise ValueError(f"objs hold {start} tokens, slots has {slots.numel()}")
 
+    def gather_host(self, slots: torch.Tensor, objs: Sequence[MemoryObj],
+                    status: torch.Tensor) -> None:
+        """CUDA pools: enqueue the copy of the KV of `slots` into `objs` (consecutive chunks in
+        the pinned arena) on the current stream, slots checked on the GPU into `status`; see
+        `host_copy.gather_host`."""
+        host_copy.gather_host(self._layers, slots, self._planes(objs, "objs"), status)
+
+    def scatter_host(self, objs: Sequence[MemoryObj], slots: torch.Tensor,
+                     status: torch.Tensor) -> None:
+        """CUDA pools: enqueue the copy of `objs` (pinned arena) into the pool rows `slots` on
+        the current stream; see `host_copy.scatter_host`. `objs` must stay leased until the
+        copy has run."""
+        host_copy.scatter_host(self._planes(objs, "objs"), slots, self._layers, status)
+
+    def _planes(self, objs: Sequence[MemoryObj], name: str) -> list[torch.Tensor]:
+        """Each object's tensor as `[planes * layers, tokens, hidden]`, the pool layers' order
+        (the kernels check shapes and dtypes; only the format is Python's to see)."""
+        out = []
+        for obj in objs:
+            if obj.fmt is not self.layout.fmt:
+                raise ValueError(f"{name} hold {obj.fmt.name} chunks, expected "
+                                 f"{self.layout.fmt.name}")
+            t = obj.tensor
+            out.append(t.view(t.shape[0] * t.shape[1], t.shape[2], t.shape[3]))
+        return out
+
     def check_slots(self, slots: torch.Tensor, *, name: str = "slots",
                     allow_skip: bool = True) -> None:
         """`ValueError` naming `name` unless `slots` is a valid slot vector for this pool: a
@@ -58,7 +86,8 @@ class KVConnector(ABC):
             # The copy kernels need contiguous slot vectors; finding out at the second chunk
             # would leave the first one written.
             raise ValueError(f"{name} must be contiguous (call .contiguous() on it)")
-        if slots.numel():
+        # On a GPU the copy kernels check the values (reading them here would wait for the GPU).
+        if slots.numel() and slots.device.type != "cuda":
             lo, hi = int(slots.min()), int(slots.max())
             low_ok = -1 if allow_skip else 0
             if lo < low_ok or hi >= self.num_slots:

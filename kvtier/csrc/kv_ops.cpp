@@ -198,7 +198,8 @@ void scatter_chunks_cpu(const std::vector<at::Tensor>& srcs, const at::Tensor& s
   const int64_t* slot = slots.data_ptr<int64_t>();
   parallel_rows(num_rows, row_bytes, max_threads, [&](int64_t b, int64_t e) {
     // The last chunk starting at or before b (empty chunks share a start: take the last).
-    size_t c = std::upper_bound(first_row.begin(), first_row.end(), b) - first_row.begin() - 1;
+    size_t c = static_cast<size_t>(
+        find_chunk(first_row.data(), static_cast<int64_t>(first_row.size()), b));
     for (int64_t r = b; r < e; ++r) {
       while (c + 1 < first_row.size() && r >= first_row[c + 1]) ++c;
       const RowIndex i = row_index(r - first_row[c], tokens[c]);
@@ -275,6 +276,62 @@ void scatter_chunks(const std::vector<at::Tensor>& srcs, const at::Tensor& slots
   scatter_chunks_cpu(srcs, slots, layers, row_bytes, max_threads);
 }
 
+// Validates host copies' arguments: a CUDA pool, slots on it, pinned-able CPU chunks of the
+// pool's dtype and row size holding one token per slot, one int32 status word per chunk.
+int64_t check_host_args(const std::vector<at::Tensor>& layers, const at::Tensor& slots,
+                        const std::vector<at::Tensor>& chunks, const at::Tensor& status,
+                        const char* name) {
+  const int64_t row_bytes = check_pool(layers, slots);
+  const auto& first = layers[0];
+  TORCH_CHECK_VALUE(first.is_cuda(), "layers must be on a CUDA device, got ", first.device());
+  TORCH_CHECK_VALUE(!chunks.empty(), name, " must not be empty");
+  const int64_t n = static_cast<int64_t>(layers.size());
+  int64_t total = 0;
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    const auto& chunk = chunks[c];
+    TORCH_CHECK_VALUE(chunk.is_cpu() && chunk.dtype() == first.dtype(), name, "[", c,
+                      "] must be a CPU tensor of the layers' dtype ", first.dtype(), ", got ",
+                      chunk.dtype(), " on ", chunk.device());
+    TORCH_CHECK_VALUE(chunk.is_contiguous(), name, "[", c, "] must be contiguous");
+    TORCH_CHECK_VALUE(chunk.dim() == 3 && chunk.size(0) == n && chunk.size(2) == first.size(1),
+                      name, "[", c, "] must have shape [", n, ", tokens, ", first.size(1),
+                      "], got ", chunk.sizes());
+    total += chunk.size(1);
+  }
+  TORCH_CHECK_VALUE(total == slots.numel(), name, " hold ", total, " tokens, slots has ",
+                    slots.numel());
+  TORCH_CHECK_VALUE(status.is_cpu() && status.scalar_type() == at::kInt &&
+                        status.is_contiguous() &&
+                        status.numel() == static_cast<int64_t>(chunks.size()),
+                    "status must be a contiguous CPU int32 tensor with one word per chunk (",
+                    chunks.size(), ")");
+  return row_bytes;
+}
+
+void gather_host(const std::vector<at::Tensor>& layers, const at::Tensor& slots,
+                 const std::vector<at::Tensor>& outs, at::Tensor status, int64_t max_blocks) {
+  const int64_t row_bytes = check_host_args(layers, slots, outs, status, "outs");
+#ifdef KVTIER_WITH_CUDA
+  gather_host_cuda(layers, slots, outs, status, row_bytes, max_blocks);
+#else
+  (void)row_bytes;
+  (void)max_blocks;
+  TORCH_CHECK_VALUE(false, "kvtier._C was built without CUDA");
+#endif
+}
+
+void scatter_host(const std::vector<at::Tensor>& srcs, const at::Tensor& slots,
+                  const std::vector<at::Tensor>& layers, at::Tensor status, int64_t max_blocks) {
+  const int64_t row_bytes = check_host_args(layers, slots, srcs, status, "srcs");
+#ifdef KVTIER_WITH_CUDA
+  scatter_host_cuda(srcs, slots, layers, status, row_bytes, max_blocks);
+#else
+  (void)row_bytes;
+  (void)max_blocks;
+  TORCH_CHECK_VALUE(false, "kvtier._C was built without CUDA");
+#endif
+}
+
 }  // namespace kvtier
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -296,4 +353,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "the slots checked once",
         py::arg("srcs"), py::arg("slots"), py::arg("layers"), py::arg("max_threads") = 0,
         py::call_guard<py::gil_scoped_release>());
+  m.def("gather_host", &kvtier::gather_host,
+        "outs[c][l, t] = layers[l][slots[first_c + t]] for CUDA layers and pinned host chunks, "
+        "enqueued on the current stream; slots checked on the GPU into status",
+        py::arg("layers"), py::arg("slots"), py::arg("outs"), py::arg("status"),
+        py::arg("max_blocks"), py::call_guard<py::gil_scoped_release>());
+  m.def("scatter_host", &kvtier::scatter_host,
+        "layers[l][slots[first_c + t]] = srcs[c][l, t] for pinned host chunks and CUDA layers "
+        "(-1 slots skipped), enqueued on the current stream; slots checked on the GPU",
+        py::arg("srcs"), py::arg("slots"), py::arg("layers"), py::arg("status"),
+        py::arg("max_blocks"), py::call_guard<py::gil_scoped_release>());
 }

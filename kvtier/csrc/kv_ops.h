@@ -41,11 +41,41 @@ KV_HD int64_t slot_offset(int64_t slot, int64_t row_bytes) { return slot * row_b
 // -1 marks "do not touch" in scatter; anything else must be a valid slot.
 constexpr int64_t kSkipSlot = -1;
 
+// Per-chunk status bits of the host copies (gather_host/scatter_host), which check slots on the
+// GPU instead of the host: a row with a bad slot is not copied and its chunk's word says why.
+constexpr int32_t kStatusSkipSlot = 1;  // gather met a -1 slot: the chunk is incomplete
+constexpr int32_t kStatusBadSlot = 2;   // a slot outside [-1, num_slots): its rows not copied
+
+// The chunk holding concatenated token t: the last c with first[c] <= t (first[0, num_chunks)
+// ascending; empty chunks share a start, and the last of them wins).
+KV_HD int64_t find_chunk(const int64_t* first, int64_t num_chunks, int64_t t) {
+  int64_t lo = 0, hi = num_chunks - 1;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    if (first[mid] <= t) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
 #ifdef KVTIER_WITH_CUDA
 void gather_cuda(const std::vector<at::Tensor>& layers, const at::Tensor& slots,
                  at::Tensor& out, int64_t row_bytes);
 void scatter_cuda(const at::Tensor& src, const at::Tensor& slots,
                   const std::vector<at::Tensor>& layers, int64_t row_bytes);
+// Between a CUDA pool and chunks in pinned host memory, which the kernel reads or writes
+// directly (mapped, over PCIe): one launch for all chunks, on the current stream, no host
+// synchronisation. `status` (pinned int32, one word per chunk) is written on the stream after
+// the copy. `max_blocks` bounds the grid so that the forward pass keeps the other SMs.
+void gather_host_cuda(const std::vector<at::Tensor>& layers, const at::Tensor& slots,
+                      const std::vector<at::Tensor>& outs, at::Tensor& status, int64_t row_bytes,
+                      int64_t max_blocks);
+void scatter_host_cuda(const std::vector<at::Tensor>& srcs, const at::Tensor& slots,
+                       const std::vector<at::Tensor>& layers, at::Tensor& status,
+                       int64_t row_bytes, int64_t max_blocks);
 #endif
 
 }  // namespace kvtier

@@ -321,8 +321,11 @@ class SGLangKVTier:
         sid = job.session_id if job.session_id not in self._closed_sessions else None
         # A repeat of the prompt matches all but its last token.
         also = None if job.prompt_len is None else job.prompt_len - 1
+        # On a GPU the copy waits for `job.ready` on kvtier's stream, not on this thread, and
+        # the slots are released once it has run there.
         stored = self.engine.store(job.token_ids, job.slots, session_id=sid,
-                                   on_read=job.release_slots, salt=job.salt, also_prefix=also)
+                                   on_read=job.release_slots, salt=job.salt, also_prefix=also,
+                                   ready=job.ready)
         self.counters.inc("sglang.stores")
         self.counters.inc("sglang.tokens_stored", stored)
         logger.debug("kvtier: stored %d new tokens of a %d-token prefix", stored,

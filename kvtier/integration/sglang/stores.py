@@ -46,7 +46,7 @@ class StoreJob:
     token_ids: np.ndarray
     slots: torch.Tensor
     handle: Any
-    ready: Any = None  # a CUDA event the pool writes are ordered before, on GPUs
+    ready: Any = None  # on GPUs, the CUDA event recorded after the forward that wrote the KV
     session_id: str | None = None  # pin the prefix for this SGLang session
     salt: str = ""  # the request's cache_salt
     prompt_len: int | None = None  # the prompt alone, whose tail is stored too
@@ -182,8 +182,6 @@ class StoreWorker:
         if not job.start_reading():
             return  # cancelled at its deadline; already handed back
         try:
-            if job.ready is not None:
-                job.ready.synchronize()
             job.stored = self._store(job)
         except Exception as exc:  # a failed store is a miss later, never a crash now
             job.error = exc
