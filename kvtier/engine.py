@@ -232,8 +232,10 @@ class CacheEngine:
                     break
                 objs.append(obj)
             todo = todo[:len(objs)]
-            status = self._device.gather(
-                torch.cat([slots[k.start:k.end] for k in todo]), objs, ready) if objs else []
+            runs = [slots[k.start:k.end] for k in todo[:1 if inner else 0]]
+            if len(todo) > len(runs):  # the chunks after the inner tail are consecutive
+                runs.append(slots[todo[len(runs)].start:todo[-1].end])
+            status = self._device.gather(runs, objs, ready) if objs else []
             if on_read is not None:
                 on_read()
             if any(word & STATUS_BAD for word in status):

@@ -121,11 +121,13 @@ class DeviceCopies:
         counters.declare("gpu_load_bad_slots")
         self._warn = RateLimitedLog(logger)
 
-    def gather(self, slots: torch.Tensor, objs: Sequence[MemoryObj],
+    def gather(self, slot_runs: Sequence[torch.Tensor], objs: Sequence[MemoryObj],
                ready: torch.cuda.Event | None = None) -> list[int]:
-        """Copy the KV of `slots` into `objs` (consecutive chunks) once `ready` has fired (if
-        None: once the caller's current stream has run what it holds now); waits for the copy
-        on this thread and returns each chunk's status word (0: copied whole)."""
+        """Copy the KV of the slots in `slot_runs` (in order, one per token of `objs`) into
+        `objs` once `ready` has fired (if None: once the caller's current stream has run what
+        it holds now); waits for the copy on this thread and returns each chunk's status word
+        (0: copied whole). `slot_runs` must be ready when `ready` is (views, not results of
+        kernels enqueued after it): they are joined on the store stream."""
         status = torch.zeros(len(objs), dtype=torch.int32, pin_memory=True)
         stream = self.store_stream
         if ready is not None:
@@ -133,10 +135,12 @@ class DeviceCopies:
         else:
             stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
+            slots = slot_runs[0] if len(slot_runs) == 1 else torch.cat(list(slot_runs))
             self.connector.gather_host(slots, objs, status)
             done = torch.cuda.Event()
             done.record(stream)
-        slots.record_stream(stream)  # the caller may drop slots before the copy has run
+        for run in slot_runs:
+            run.record_stream(stream)  # the caller may drop them before the copy has run
         done.synchronize()
         return status.tolist()
 
