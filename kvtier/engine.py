@@ -13,9 +13,9 @@ import torch
 from kvtier.config import Config
 from kvtier.connectors import ops
 from kvtier.connectors.base import KVConnector
-from kvtier.connectors.host_copy import STATUS_BAD
 from kvtier.keys import ChunkKey, KeyBuilder, KeyChain
 from kvtier.memory import KVLayout, MemoryFormat, MemoryObj, lease
+from kvtier.saving import PrefixSaver
 from kvtier.storage import StorageManager
 from kvtier.storage.prefetch import Prefetch, Tails
 
@@ -132,6 +132,7 @@ class CacheEngine:
             from kvtier.connectors.streams import DeviceCopies
 
             self._device = DeviceCopies(connector, self.storage.counters)
+        self._saver = PrefixSaver(self.storage, layout, connector, self._device)
         if config.metrics_port is not None:
             _serve_metrics(config.metrics_port + rank)
         self._closed = False
@@ -162,10 +163,7 @@ class CacheEngine:
                 on_read()
             return 0
         extra = self._inner_tail(token_ids, keys, also_prefix, salt)
-        if self._device is not None:
-            stored = self._store_on_device(keys, slots, on_read, extra, ready)
-        else:
-            stored = self._store_chunks(keys, slots, on_read, extra)
+        stored = self._saver.save(keys, slots, on_read, extra, ready)
         if session_id is not None:
             self.storage.sessions.pin(session_id, keys)
         return stored
@@ -182,85 +180,6 @@ class CacheEngine:
         if last.num_tokens == kb.chunk_size or not last.start < n < last.end:
             return None
         return kb.keys(token_ids[:n], salt)[-1]
-
-    def _store_chunks(self, keys: Sequence[ChunkKey], slots: torch.Tensor,
-                      on_read: Callable[[], None] | None, extra: ChunkKey | None = None) -> int:
-        first = self.storage.contains(keys, hot_only=True)
-        objs: list[MemoryObj] = []
-        with lease(objs):
-            inner = self._gather_one(extra, slots) if extra is not None else None
-            if inner is not None:
-                objs.append(inner)  # released with the others
-            for key in keys[first:]:
-                chunk_slots = slots[key.start:key.end]
-                if bool((chunk_slots < 0).any()):
-                    break
-                obj = self.storage.allocator.allocate(self.layout, key.num_tokens)
-                if obj is None:
-                    self.storage.counters.inc("store_no_memory")
-                    break
-                objs.append(obj)
-                self.connector.gather(chunk_slots, obj)
-            if on_read is not None:
-                on_read()
-            chunks = objs[1:] if inner is not None else objs
-            stored = keys[first:first + len(chunks)]
-            self.storage.put(stored, chunks)
-            if inner is not None and extra is not None:
-                self.storage.put([extra], [inner])
-        n = sum(k.num_tokens for k in stored)
-        self.storage.counters.inc("tokens_stored", n)
-        return n
-
-    def _store_on_device(self, keys: Sequence[ChunkKey], slots: torch.Tensor,
-                         on_read: Callable[[], None] | None, extra: ChunkKey | None,
-                         ready: torch.cuda.Event | None) -> int:
-        """`_store_chunks` for a CUDA pool: one copy for every chunk, slots checked by the
-        kernel; chunks up to the first one that met a -1 slot are kept."""
-        assert self._device is not None
-        hot = self.storage.contains
-        todo = list(keys[hot(keys, hot_only=True):])
-        inner = extra is not None and not hot([extra], hot_only=True)
-        if inner and extra is not None:
-            todo.insert(0, extra)
-        objs: list[MemoryObj] = []
-        with lease(objs):
-            for key in todo:
-                obj = self.storage.allocator.allocate(self.layout, key.num_tokens)
-                if obj is None:
-                    self.storage.counters.inc("store_no_memory")
-                    break
-                objs.append(obj)
-            todo = todo[:len(objs)]
-            runs = [slots[k.start:k.end] for k in todo[:1 if inner else 0]]
-            if len(todo) > len(runs):  # the chunks after the inner tail are consecutive
-                runs.append(slots[todo[len(runs)].start:todo[-1].end])
-            status = self._device.gather(runs, objs, ready) if objs else []
-            if on_read is not None:
-                on_read()
-            if any(word & STATUS_BAD for word in status):
-                raise ValueError(f"slot_mapping holds values outside [-1, "
-                                 f"{self.connector.num_slots}); nothing was stored")
-            whole = [word == 0 for word in status]
-            if inner and objs:
-                if whole[0]:
-                    self.storage.put(todo[:1], objs[:1])
-                todo, objs, whole = todo[1:], objs[1:], whole[1:]
-            n = whole.index(False) if False in whole else len(whole)
-            self.storage.put(todo[:n], objs[:n])
-        stored = sum(k.num_tokens for k in todo[:n])
-        self.storage.counters.inc("tokens_stored", stored)
-        return stored
-
-    def _gather_one(self, key: ChunkKey, slots: torch.Tensor) -> MemoryObj | None:
-        """A new object holding `key`'s rows, or None (held already, no memory, -1 slots)."""
-        rows = slots[key.start:key.end]
-        if self.storage.contains([key], hot_only=True) or bool((rows < 0).any()):
-            return None
-        obj = self.storage.allocator.allocate(self.layout, key.num_tokens)
-        if obj is not None:
-            self.connector.gather(rows, obj)
-        return obj
 
     def retrieve(self, token_ids: TokenIds, slot_mapping: torch.Tensor, skip: int = 0, *,
                  hot_only: bool = False, session_id: str | None = None,

@@ -1,4 +1,4 @@
-"""The engine's GPU path (`CacheEngine._store_on_device`, the one-copy loads and their held
+"""The engine's GPU path (`PrefixSaver._save_on_gpu`, the one-copy loads and their held
 objects) run on CPU pools: a stand-in for `DeviceCopies` does the copies with the sync-free
 reference and holds each load's objects until the test fires its event, as a CUDA event would.
 tests/gpu/ runs the same paths on real CUDA streams."""
@@ -77,7 +77,8 @@ def engines(request: pytest.FixtureRequest) -> Iterator[tuple[CacheEngine, Cache
     cfg = Config(chunk_size=CHUNK, max_local_cpu_size=0.01, save_unfull_chunk=True)
     a = CacheEngine(cfg, model_name="m", layout=src.layout, connector=src)
     b = CacheEngine(cfg, model_name="m", layout=dst.layout, connector=dst, storage=a.storage)
-    a._device, b._device = CopiesOnCPU(src), CopiesOnCPU(dst)  # type: ignore[assignment]
+    for engine, conn in ((a, src), (b, dst)):  # what a CUDA pool would get
+        engine._device = engine._saver._device = CopiesOnCPU(conn)  # type: ignore[assignment]
     yield a, b
     b.close()
     a.close()

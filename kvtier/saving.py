@@ -1,0 +1,125 @@
+"""Saving a prefix's chunks from the serving engine's pool into the CPU tier (the engine's
+`store`): objects allocated in the arena, filled from the pool rows, then put.
+
+On a CPU pool each chunk is one kernel call, and storing stops before a chunk with a `-1` slot.
+On a CUDA pool every chunk of a store is filled by one copy on kvtier's store stream
+(`DeviceCopies.gather`), which checks the slots on the GPU: chunks up to the first one that met a
+`-1` slot are kept, and a slot out of range fails the whole store before anything is put.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvtier.connectors.base import KVConnector
+from kvtier.connectors.host_copy import STATUS_BAD
+from kvtier.keys import ChunkKey
+from kvtier.memory import KVLayout, MemoryObj, lease
+from kvtier.storage import StorageManager
+
+if TYPE_CHECKING:
+    from kvtier.connectors.streams import DeviceCopies
+
+__all__ = ["PrefixSaver"]
+
+
+class PrefixSaver:
+    """Fills and puts the chunks of one store (see the module docstring)."""
+
+    def __init__(self, storage: StorageManager, layout: KVLayout, connector: KVConnector,
+                 device: DeviceCopies | None):
+        self._storage = storage
+        self._layout = layout
+        self._connector = connector
+        self._device = device
+
+    def save(self, keys: Sequence[ChunkKey], slots: torch.Tensor,
+             on_read: Callable[[], None] | None, extra: ChunkKey | None,
+             ready: torch.cuda.Event | None) -> int:
+        """Put `keys` (from the first the CPU tier lacks) and the inner tail `extra`; calls
+        `on_read` once the pool rows are read; returns the number of tokens newly stored."""
+        if self._device is not None:
+            return self._save_on_gpu(keys, slots, on_read, extra, ready)
+        return self._save_on_cpu(keys, slots, on_read, extra)
+
+    def _save_on_cpu(self, keys: Sequence[ChunkKey], slots: torch.Tensor,
+                      on_read: Callable[[], None] | None, extra: ChunkKey | None = None) -> int:
+        first = self._storage.contains(keys, hot_only=True)
+        objs: list[MemoryObj] = []
+        with lease(objs):
+            inner = self._gather_one(extra, slots) if extra is not None else None
+            if inner is not None:
+                objs.append(inner)  # released with the others
+            for key in keys[first:]:
+                chunk_slots = slots[key.start:key.end]
+                if bool((chunk_slots < 0).any()):
+                    break
+                obj = self._storage.allocator.allocate(self._layout, key.num_tokens)
+                if obj is None:
+                    self._storage.counters.inc("store_no_memory")
+                    break
+                objs.append(obj)
+                self._connector.gather(chunk_slots, obj)
+            if on_read is not None:
+                on_read()
+            chunks = objs[1:] if inner is not None else objs
+            stored = keys[first:first + len(chunks)]
+            self._storage.put(stored, chunks)
+            if inner is not None and extra is not None:
+                self._storage.put([extra], [inner])
+        n = sum(k.num_tokens for k in stored)
+        self._storage.counters.inc("tokens_stored", n)
+        return n
+
+    def _save_on_gpu(self, keys: Sequence[ChunkKey], slots: torch.Tensor,
+                         on_read: Callable[[], None] | None, extra: ChunkKey | None,
+                         ready: torch.cuda.Event | None) -> int:
+        """`_save_on_cpu` for a CUDA pool: one copy for every chunk, slots checked by the
+        kernel; chunks up to the first one that met a -1 slot are kept."""
+        assert self._device is not None
+        hot = self._storage.contains
+        todo = list(keys[hot(keys, hot_only=True):])
+        inner = extra is not None and not hot([extra], hot_only=True)
+        if inner and extra is not None:
+            todo.insert(0, extra)
+        objs: list[MemoryObj] = []
+        with lease(objs):
+            for key in todo:
+                obj = self._storage.allocator.allocate(self._layout, key.num_tokens)
+                if obj is None:
+                    self._storage.counters.inc("store_no_memory")
+                    break
+                objs.append(obj)
+            todo = todo[:len(objs)]
+            runs = [slots[k.start:k.end] for k in todo[:1 if inner else 0]]
+            if len(todo) > len(runs):  # the chunks after the inner tail are consecutive
+                runs.append(slots[todo[len(runs)].start:todo[-1].end])
+            status = self._device.gather(runs, objs, ready) if objs else []
+            if on_read is not None:
+                on_read()
+            if any(word & STATUS_BAD for word in status):
+                raise ValueError(f"slot_mapping holds values outside [-1, "
+                                 f"{self._connector.num_slots}); nothing was stored")
+            whole = [word == 0 for word in status]
+            if inner and objs:
+                if whole[0]:
+                    self._storage.put(todo[:1], objs[:1])
+                todo, objs, whole = todo[1:], objs[1:], whole[1:]
+            n = whole.index(False) if False in whole else len(whole)
+            self._storage.put(todo[:n], objs[:n])
+        stored = sum(k.num_tokens for k in todo[:n])
+        self._storage.counters.inc("tokens_stored", stored)
+        return stored
+
+    def _gather_one(self, key: ChunkKey, slots: torch.Tensor) -> MemoryObj | None:
+        """A new object holding `key`'s rows, or None (held already, no memory, -1 slots)."""
+        rows = slots[key.start:key.end]
+        if self._storage.contains([key], hot_only=True) or bool((rows < 0).any()):
+            return None
+        obj = self._storage.allocator.allocate(self._layout, key.num_tokens)
+        if obj is not None:
+            self._connector.gather(rows, obj)
+        return obj
