@@ -1,7 +1,9 @@
 """kvtier against SGLang's real KV pools and allocators, in process (no server).
 
 Round trips through `CacheEngine` with the SGLang connectors must be byte-exact at page sizes
-1, 4 and 16, for MHA and MLA pools, with slots handed out by SGLang's own allocators.
+1, 4 and 16, for MHA and MLA pools, with slots handed out by SGLang's own allocators: on CPU
+pools everywhere, and on CUDA pools where a GPU is present (skipped, with that reason, where
+torch sees none).
 """
 
 from __future__ import annotations
@@ -27,29 +29,32 @@ from kvtier.integration.sglang.adapter import (
     model_key_name,
 )
 from kvtier.storage.prefetch import Prefetch
+from tests.gpu import cuda
 
 pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("sglang_parallel_context")]
 
 POOL_TOKENS = 512
 CHUNK = 16
+DEVICES = ["cpu", pytest.param("cuda", marks=cuda)]
 
 
-def make_pool(kind: str, page_size: int, dtype: torch.dtype) -> Any:
+def make_pool(kind: str, page_size: int, dtype: torch.dtype, device: str = "cpu") -> Any:
     if kind == "mha":
         return MHATokenToKVPool(POOL_TOKENS, page_size=page_size, dtype=dtype, head_num=2,
-                                head_dim=8, layer_num=3, device="cpu",
+                                head_dim=8, layer_num=3, device=device,
                                 enable_memory_saver=False)
     return MLATokenToKVPool(POOL_TOKENS, page_size=page_size, dtype=dtype, kv_lora_rank=32,
-                            qk_rope_head_dim=8, layer_num=2, device="cpu",
+                            qk_rope_head_dim=8, layer_num=2, device=device,
                             enable_memory_saver=False)
 
 
 def make_allocator(pool: Any, page_size: int) -> Any:
+    device = str(pool.device)
     if page_size == 1:
-        return TokenToKVPoolAllocator(POOL_TOKENS, dtype=pool.dtype, device="cpu",
+        return TokenToKVPoolAllocator(POOL_TOKENS, dtype=pool.dtype, device=device,
                                       kvcache=pool, need_sort=False)
     return PagedTokenToKVPoolAllocator(POOL_TOKENS, page_size=page_size, dtype=pool.dtype,
-                                       device="cpu", kvcache=pool, need_sort=False)
+                                       device=device, kvcache=pool, need_sort=False)
 
 
 def buffers(pool: Any) -> list[torch.Tensor]:
@@ -63,11 +68,13 @@ def fill(pool: Any, slots: torch.Tensor, seed: int) -> None:
         rows = buf[slots]
         raw = torch.randint(0, 256, rows.view(torch.uint8).shape, dtype=torch.uint8,
                             generator=gen)
-        buf[slots] = raw.view(buf.dtype).view(rows.shape)
+        buf[slots] = raw.to(buf.device).view(buf.dtype).view(rows.shape)
 
 
 def rows_bytes(pool: Any, slots: torch.Tensor) -> list[bytes]:
-    return [buf[slots].contiguous().view(torch.uint8).numpy().tobytes() for buf in buffers(pool)]
+    """The rows' bytes, read on the current stream (on a GPU: after any load it waits for)."""
+    return [buf[slots].contiguous().view(torch.uint8).cpu().numpy().tobytes()
+            for buf in buffers(pool)]
 
 
 @pytest.fixture
@@ -87,11 +94,12 @@ def engine_for() -> Iterator[Any]:
         engine.close()
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("kind,dtype", [("mha", torch.bfloat16), ("mla", torch.float32)])
 def test_round_trip_is_byte_exact(engine_for: Any, kind: str, dtype: torch.dtype,
-                                  page_size: int) -> None:
-    pool = make_pool(kind, page_size, dtype)
+                                  page_size: int, device: str) -> None:
+    pool = make_pool(kind, page_size, dtype, device)
     alloc = make_allocator(pool, page_size)
     engine = engine_for(pool, page_size)
     n = 4 * CHUNK + 5  # four whole chunks and a partial one: its whole pages are a tail
@@ -110,10 +118,11 @@ def test_round_trip_is_byte_exact(engine_for: Any, kind: str, dtype: torch.dtype
     assert rows_bytes(pool, dst) == expected
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("page_size", [4, 16])
-def test_retrieve_skips_device_prefix_and_minus_one_slots(engine_for: Any,
-                                                          page_size: int) -> None:
-    pool = make_pool("mha", page_size, torch.float16)
+def test_retrieve_skips_device_prefix_and_minus_one_slots(engine_for: Any, page_size: int,
+                                                          device: str) -> None:
+    pool = make_pool("mha", page_size, torch.float16, device)
     alloc = make_allocator(pool, page_size)
     engine = engine_for(pool)
     tokens = torch.arange(3 * CHUNK)
@@ -131,8 +140,9 @@ def test_retrieve_skips_device_prefix_and_minus_one_slots(engine_for: Any,
     assert rows_bytes(pool, dst[CHUNK:]) == rows_bytes(pool, src[CHUNK:])
 
 
-def test_background_store_then_load_through_adapter(engine_for: Any) -> None:
-    pool = make_pool("mla", 4, torch.bfloat16)
+@pytest.mark.parametrize("device", DEVICES)
+def test_background_store_then_load_through_adapter(engine_for: Any, device: str) -> None:
+    pool = make_pool("mla", 4, torch.bfloat16, device)
     alloc = make_allocator(pool, 4)
     kv = SGLangKVTier(engine_for(pool, 4), page_size=4)
     try:
@@ -312,3 +322,33 @@ def test_multimodal_requests_bypass_kvtier(engine_for: Any) -> None:
         cache.unlock(done[0].handle)
     finally:
         kv.close()
+
+
+@pytest.mark.parametrize("kind", ["mha", "mla"])
+@pytest.mark.parametrize("device", [pytest.param("cuda", marks=cuda)])
+def test_an_admitted_load_is_read_by_the_next_forward_with_the_overlap_streams(
+        engine_for: Any, kind: str, device: str) -> None:
+    # SGLang's overlap scheduler: the scheduler thread runs on a schedule stream (where
+    # init_load_back enqueues the load), batches run on a forward stream that waits for the
+    # schedule stream before each launch, and batch N may still run while N+1 is admitted.
+    pool = make_pool(kind, 1, torch.bfloat16, device)
+    alloc = make_allocator(pool, 1)
+    engine = engine_for(pool)
+    n = 3 * CHUNK
+    tokens = torch.arange(n)
+    src = alloc.alloc(n).to(torch.int64)
+    fill(pool, src, seed=11)
+    expected = rows_bytes(pool, src)
+    assert engine.store(tokens, src) == n
+    dst = alloc.alloc(n).to(torch.int64)
+    schedule, forward = torch.cuda.Stream(), torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(forward):
+        torch.cuda._sleep(1_000_000_000)  # batch N, about half a second
+    with torch.cuda.stream(schedule):
+        assert engine.retrieve(tokens, dst) == n  # returns without waiting for the GPU
+        forward.wait_stream(schedule)
+    with torch.cuda.stream(forward):
+        seen = [buf[dst].clone() for buf in buffers(pool)]  # batch N+1 reads the slots
+    torch.cuda.synchronize()
+    assert [t.view(torch.uint8).cpu().numpy().tobytes() for t in seen] == expected
