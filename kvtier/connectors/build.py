@@ -104,7 +104,10 @@ def _recipe(cuda: bool) -> list[str]:
     from torch.utils import cpp_extension
 
     lines = [f"torch {torch.__version__} abi {int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
-             f"python {sys.version_info[0]}.{sys.version_info[1]} {sys.executable}",
+             # Resolved: `python` and `python3` of one venv are one environment (the
+             # include paths below name the venv itself).
+             f"python {sys.version_info[0]}.{sys.version_info[1]} "
+             f"{os.path.realpath(sys.executable)} {os.path.realpath(sys.prefix)}",
              f"cuda {torch.version.cuda if cuda else 'none'}",
              f"cxx {_compiler_identity()}", f"cflags {' '.join(CXX_FLAGS)}",
              f"ldflags {' '.join(LD_FLAGS)}", f"cudaflags {' '.join(CUDA_FLAGS) if cuda else ''}",

@@ -60,3 +60,17 @@ def test_a_built_kernel_loads_without_compiling(tmp_path: Path) -> None:
     assert build.load() is not None
     assert build.load(compile=False) is not None
     assert [b for b in build.builds() if not b.thread.startswith("MainThread")] == []
+
+
+def test_every_python_of_one_environment_uses_one_build(tmp_path: Path) -> None:
+    # `make setup` builds with .venv/bin/python; the `kvtier` script and servers run python3.
+    names = [Path(sys.executable)]
+    for name in ("python", "python3", f"python{sys.version_info[0]}.{sys.version_info[1]}"):
+        alias = Path(sys.prefix) / "bin" / name
+        if alias.exists():
+            names.append(alias)
+    env = {**os.environ, "KVTIER_CACHE_DIR": str(tmp_path)}
+    dirs = {subprocess.run([str(exe), "-c", "from kvtier.connectors import build; "
+                            "print(build.build_dir())"], env=env, cwd=REPO, capture_output=True,
+                           text=True, timeout=120, check=True).stdout.strip() for exe in names}
+    assert len(names) >= 2 and len(dirs) == 1, dirs

@@ -116,3 +116,21 @@ def test_a_scheduler_with_queued_requests_keeps_the_writers_waiting(
     scheduler.waiting_queue.clear()
     plugin._on_idle(scheduler)
     assert not engine.busy(time.monotonic() + QUIET_S)
+
+
+def test_a_bad_key_at_launch_prints_one_line_naming_it(tiny_llama: Path, tmp_path: Path) -> None:
+    import subprocess
+
+    from kvtier.demo.server import cpu_shims_dir, server_env
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("chunk_sise: 16\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "sglang.launch_server", "--model-path", str(tiny_llama),
+         "--device", "cpu", "--enable-kvtier", "--kvtier-config-file", str(bad)],
+        env=server_env(pythonpath=[cpu_shims_dir()]), capture_output=True, text=True,
+        timeout=240)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr, out.stderr[-2000:]
+    lines = [line for line in out.stderr.splitlines() if line.startswith("kvtier: ")]
+    assert len(lines) == 1 and "chunk_sise" in lines[0] and "chunk_size" in lines[0], out.stderr

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -81,6 +82,7 @@ def _add_cli_args(original: Callable[..., Any], parser: argparse.ArgumentParser)
 
 
 def _from_cli_args(original: Callable[..., Any], cls: type, args: argparse.Namespace) -> Any:
+    _one_line_launch_errors()
     enabled = bool(getattr(args, "enable_kvtier", False))
     config_file = getattr(args, "kvtier_config_file", None)
     if config_file and not enabled and args.radix_cache_backend != BACKEND_NAME:
@@ -97,6 +99,24 @@ def _from_cli_args(original: Callable[..., Any], cls: type, args: argparse.Names
         _check_launch(load_config(), args)
         _add_http_routes()
     return original(cls, args)
+
+
+def _one_line_launch_errors() -> None:
+    """In the launcher, a kvtier `ConfigError` nobody catches ends the process with one line
+    naming the problem (exit status 1), not a traceback through SGLang's argument parsing.
+    Other exceptions keep the hook that was there. Idempotent."""
+    previous = sys.excepthook
+    if getattr(previous, "kvtier", False):
+        return
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        if issubclass(kind, ConfigError):
+            print(f"kvtier: {exc}", file=sys.stderr)
+            return
+        previous(kind, exc, tb)
+
+    hook.kvtier = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
 
 
 def _add_http_routes() -> None:
