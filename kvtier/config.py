@@ -180,7 +180,9 @@ def _coerce(source: str, key: str, value: Any, from_env: bool) -> Any:
             return number
     elif typ is str:
         if isinstance(value, str):
-            return value
+            # A URL copied with a trailing space or newline is the URL (and a password
+            # followed by a space must not end up in a message).
+            return value.strip() if key == "remote_url" else value
         if from_env is False and isinstance(value, (int, float)) and key == "hash_salt":
             return str(value)
     raise _fail(source, key, f"must be a {typ.__name__}, got {type(value).__name__} "

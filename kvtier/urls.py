@@ -13,29 +13,31 @@ from urllib.parse import parse_qsl
 
 from kvtier.lmcache_compat import secret_key
 
-__all__ = ["REMOTE_SCHEMES", "redact_url"]
+__all__ = ["REMOTE_SCHEMES", "redact_url", "withhold_pieces"]
 
 REMOTE_SCHEMES = ("redis", "rediss", "unix", "redis-sentinel", "redis-cluster")
 
-# A host list after the userinfo: host[:port][,host[:port]...] up to a path, query or fragment.
-_HOSTS = re.compile(r"@([A-Za-z0-9._\-\[\]:,%]*)(?=[/?#]|$)")
+# A user name shown beside a redacted password: plain characters only, or nothing is shown.
+_PLAIN_USER = re.compile(r"[A-Za-z0-9._\-]*")
 
 
 def redact_url(url: str) -> str:
     """`url` with any password replaced by `***`: in the userinfo and in query parameters
     whose name suggests a secret (`?password=...`).
 
-    Passwords may hold `?`, `#`, `/` or `@`: the userinfo runs up to the last `@` that a host
-    list follows, wherever `?` and `#` are. When in doubt this hides too much, never too
-    little."""
+    By structure, not by pattern: everything between `://` and the last `@` is the userinfo
+    (passwords may hold `?`, `#`, `/`, `@`, spaces or any other character), shown as `***`, or
+    as `user:***` when the user name is plain. A URL with an `@` but no `://` is `***`
+    altogether. When in doubt this hides too much (an `@` in a query hides the host too),
+    never too little."""
     scheme, sep, rest = url.partition("://")
     if not sep:
-        return url
+        return "***" if "@" in url else url
+    userinfo, at, rest = rest.rpartition("@")
     prefix = ""
-    if hosts := list(_HOSTS.finditer(rest)):
-        userinfo, rest = rest[:hosts[-1].start()], rest[hosts[-1].start() + 1:]
+    if at:
         user, colon, _ = userinfo.partition(":")
-        prefix = f"{user}:***@" if colon and not set(user) & set("/?#") else "***@"
+        prefix = f"{user}:***@" if colon and _PLAIN_USER.fullmatch(user) else "***@"
     rest, qmark, query = rest.partition("?")
     rest = prefix + rest
     if qmark:
@@ -43,3 +45,21 @@ def redact_url(url: str) -> str:
                  for k, v in parse_qsl(query, keep_blank_values=True)]
         query = "&".join(parts)
     return f"{scheme}://{rest}{qmark}{query}"
+
+
+_QUOTED = re.compile(r"'([^']*)'|\"([^\"]*)\"")
+
+
+def withhold_pieces(url: str, message: str) -> str:
+    """`message` (about `url`) with every quoted piece of `url` past its scheme replaced by
+    `'***'` when `url` holds credentials (an `@`): a parser, ours or a library's, may have cut
+    a password anywhere and quoted a piece of it as a port, a path or a parameter name."""
+    if "@" not in url:
+        return message
+    body = url.partition("://")[2] or url
+
+    def hide(m: re.Match[str]) -> str:
+        piece = m.group(1) if m.group(1) is not None else m.group(2)
+        return "'***'" if piece and piece in body else m.group(0)
+
+    return _QUOTED.sub(hide, message)

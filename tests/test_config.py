@@ -326,3 +326,35 @@ def test_log_level_sets_kvtier_loggers_and_rejects_unknown_levels() -> None:
             assert logger.level == logging.DEBUG
     finally:
         logger.setLevel(before)
+
+
+@pytest.mark.parametrize("url, secret", [
+    ("redis://:SECRETpw@host:6379 ", "SECRETpw"),  # a trailing space
+    ("redis://:SECRETpw@bücher.example:6379", "SECRETpw"),  # an IDN host
+    ("redis://:SECRETpw@h:1#frag", "SECRETpw"),
+    ("redis://us er:SECRETpw@h:1", "SECRETpw"),  # not a plain user: all of it hidden
+    ("redis:/:SECRETpw@h", "SECRETpw"),  # no "://": nothing of it shown
+])
+def test_redact_url_works_by_structure(url: str, secret: str) -> None:
+    redacted = redact_url(url)
+    assert secret not in redacted and "***" in redacted
+
+
+@pytest.mark.parametrize("url, pieces", [
+    ("redis://:ab/cd+ef==@h", ["ab", "cd+ef=="]),  # urllib quotes 'ab' as a port
+    ("redis://user:s3cr?et@h", ["s3cr", "et"]),  # the parse takes '?et@h' for a query
+    ("redis://:SECRETpw@host:6379 ", ["SECRETpw"]),
+    ("redis://:SECRETpw@bücher.example:notaport", ["SECRETpw"]),
+])
+def test_no_piece_of_a_password_reaches_a_config_error(url: str, pieces: list[str],
+                                                       tmp_path: Path) -> None:
+    path = _write(tmp_path, f"remote_url: {url!r}\n")
+    try:
+        cfg = load_config(path, env={})
+    except ConfigError as exc:
+        text = str(exc)
+    else:  # it parsed (whitespace stripped): its shown forms must hold no secret either
+        assert cfg.remote_url == url.strip()
+        text = repr(cfg) + str(cfg.redacted())
+    for piece in pieces:
+        assert f"'{piece}'" not in text and f":{piece}@" not in text and piece + "@" not in text

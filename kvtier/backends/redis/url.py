@@ -32,7 +32,7 @@ from redis.retry import Retry
 from redis.sentinel import Sentinel
 
 from kvtier.errors import ConfigError
-from kvtier.urls import REMOTE_SCHEMES, redact_url
+from kvtier.urls import REMOTE_SCHEMES, redact_url, withhold_pieces
 
 __all__ = ["RedisTarget", "Router", "parse_remote_url", "SCHEMES"]
 
@@ -65,7 +65,7 @@ class RedisTarget:
 
 
 def _bad(url: str, what: str) -> ConfigError:
-    return ConfigError(f"remote_url {redact_url(url)!r}: {what}")
+    return ConfigError(f"remote_url {redact_url(url)!r}: {withhold_pieces(url, what)}")
 
 
 def _query(url: str, query: str, allowed: frozenset[str]) -> dict[str, str]:
