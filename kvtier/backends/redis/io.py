@@ -167,8 +167,9 @@ def exchange(client: redis.Redis, parts: list[bytes | memoryview],
     conn = pool.get_connection()
     clean = False
     try:
-        conn.send_packed_command(parts, check_health=False)
         reader = ReplyReader(_socket(conn))
+        reader.expect(0)  # small replies: all within remote_timeout_secs of the send
+        conn.send_packed_command(parts, check_health=False)
         flat = iter(reader.replies(sum(counts)))
         out = [[next(flat) for _ in range(n)] for n in counts]
         clean = reader.pending == 0
@@ -224,9 +225,11 @@ class GetStream:
         parts = out.finish()
         if parts:
             self._conn.send_packed_command(parts, check_health=False)
-        self._inflight -= self._sent.popleft()
+        nbytes = self._sent.popleft()
+        self._inflight -= nbytes
         self._clean = False
         assert self._reader is not None
+        self._reader.expect(nbytes)  # this record's deadline
         return self._reader
 
     def done(self) -> None:

@@ -10,6 +10,7 @@ kvtier.backends.redis.io.
 from __future__ import annotations
 
 import socket
+import time
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -30,6 +31,9 @@ _SCRATCH = 64 * 1024
 # choose how much memory a lookup takes. Payloads go through `header()` + `read_into`, into
 # objects sized by the layout, never by the server.
 MAX_SMALL_BULK = 64 * 1024
+# The slowest reply rate a call's deadline allows for (`ReplyReader.expect`): far below any
+# network a shared cache runs on, so only a stuck or dripping server reaches it.
+MIN_BYTES_PER_S = 20e6
 
 
 class ReplyError(Exception):
@@ -75,6 +79,17 @@ class ReplyReader:
         self._buf = bytearray(_SCRATCH)
         self._view = memoryview(self._buf)
         self._lo = self._hi = 0
+        self._timeout = sock.gettimeout()  # remote_timeout_secs: the bound of one recv
+        self._deadline: float | None = None
+
+    def expect(self, nbytes: int) -> None:
+        """Start a call: its replies, about `nbytes` long, must be read within the socket's
+        timeout plus `nbytes` at `MIN_BYTES_PER_S`, however the bytes trickle in (the socket
+        timeout alone bounds each recv, so a server sending a byte a second would hold a call
+        for ever). Past the deadline a read raises `TimeoutError`; the caller drops the
+        connection, and the tier's failure rule marks it down."""
+        if self._timeout is not None:
+            self._deadline = time.monotonic() + self._timeout + nbytes / MIN_BYTES_PER_S
 
     @property
     def pending(self) -> int:
@@ -82,12 +97,23 @@ class ReplyReader:
         return self._hi - self._lo
 
     def _recv_into(self, view: memoryview) -> int:
+        deadline = self._deadline
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RedisTimeoutError("Redis did not complete its reply within the call's "
+                                        "deadline (remote_timeout_secs plus the reply's size "
+                                        f"at {MIN_BYTES_PER_S / 1e6:.0f} MB/s)")
+            self._sock.settimeout(min(left, self._timeout or left))
         try:
             n = self._sock.recv_into(view)
         except TimeoutError:
             raise RedisTimeoutError("timeout reading from Redis") from None
         except OSError as exc:
             raise RedisConnectionError(f"error reading from Redis: {exc}") from None
+        finally:
+            if deadline is not None:
+                self._sock.settimeout(self._timeout)
         if n == 0:
             raise RedisConnectionError("connection closed by Redis")
         return n

@@ -1,0 +1,89 @@
+"""A Redis call has a total deadline: a server that answers a byte at a time (each recv within
+the socket timeout) cannot hold a call past remote_timeout_secs plus its reply's size at the
+slowest allowed rate; the call is a miss and the tier is marked down."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+from kvtier.backends.redis import RedisBackend
+from kvtier.memory import lease
+from tests.backends.conftest import SMALL_MHA
+from tests.conftest import RedisProcess
+from tests.helpers import make_keys, make_obj
+
+
+class DripProxy:
+    """Loopback proxy to `upstream_port`; with `drip` set, replies pass one byte every `gap_s`."""
+
+    def __init__(self, upstream_port: int, gap_s: float = 0.05):
+        self.upstream_port = upstream_port
+        self.gap_s = gap_s
+        self.drip = False
+        self._stop = threading.Event()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.upstream_port))
+            threading.Thread(target=self._pipe, args=(client, server, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, True), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, replies: bool) -> None:
+        try:
+            while not self._stop.is_set():
+                data = src.recv(65536)
+                if not data:
+                    break
+                if not (replies and self.drip):
+                    dst.sendall(data)
+                    continue
+                for i in range(len(data)):
+                    if self._stop.wait(self.gap_s):
+                        return
+                    dst.sendall(data[i:i + 1])
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                s.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._listener.close()
+
+
+def test_a_dripping_server_cannot_hold_a_call_past_its_deadline(
+        redis_server: RedisProcess, make_backend: Callable[..., RedisBackend]) -> None:
+    proxy = DripProxy(redis_server.port)
+    try:
+        backend = make_backend(f"redis://127.0.0.1:{proxy.port}")  # remote_timeout_secs 2
+        keys = make_keys(16 * 4, layout=SMALL_MHA, seed=31)
+        objs = [make_obj(backend.ctx.allocator, SMALL_MHA, k.num_tokens, seed=i)
+                for i, k in enumerate(keys)]
+        with lease(objs):
+            assert backend.batch_put(keys, objs) == len(keys)
+        assert backend.batch_contains(keys) == len(keys)
+        proxy.drip = True  # each reply byte 50 ms after the last: every recv "succeeds"
+        start = time.monotonic()
+        got = backend.batch_get(keys)  # 4 records of 2 KiB+: 400 s at one byte per 50 ms
+        elapsed = time.monotonic() - start
+        for obj in got:
+            obj.release()
+        assert len(got) < len(keys)
+        # The deadline is about 2 s; without one the call would drip for 400 s.
+        assert elapsed < 60, f"the call took {elapsed:.1f}s"
+        stats = backend.stats()
+        assert stats["down_events"] >= 1 and stats["errors"] >= 1
+        assert backend.batch_contains(keys) == 0  # down: a miss without touching the network
+    finally:
+        proxy.close()
