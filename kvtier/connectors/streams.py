@@ -137,7 +137,7 @@ class DeviceCopies:
         with torch.cuda.stream(stream):
             slots = slot_runs[0] if len(slot_runs) == 1 else torch.cat(list(slot_runs))
             self.connector.gather_host(slots, objs, status)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(blocking=True)  # a waiter sleeps, not spins
             done.record(stream)
         for run in slot_runs:
             run.record_stream(stream)  # the caller may drop them before the copy has run
@@ -153,7 +153,7 @@ class DeviceCopies:
         stream.wait_stream(caller)
         with torch.cuda.stream(stream):
             self.connector.scatter_host(objs, slots, status)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(blocking=True)  # a waiter sleeps, not spins
             done.record(stream)
         caller.wait_event(done)
         held = [obj.retain() for obj in objs]

@@ -171,7 +171,8 @@ void host_copy(const std::vector<at::Tensor>& layers, const at::Tensor& slots,
   int64_t* first = chunk_ptrs + num_chunks;
   first[0] = 0;
   for (int64_t c = 0; c < num_chunks; ++c) {
-    chunk_ptrs[c] = mapped_address(chunks[c], name, c);
+    // An empty chunk has no rows, so its address is never used (and may be null).
+    chunk_ptrs[c] = chunks[c].numel() ? mapped_address(chunks[c], name, c) : 0;
     aligned = aligned && chunk_ptrs[c] % 16 == 0;
     first[c + 1] = first[c] + chunks[c].size(1);
   }
