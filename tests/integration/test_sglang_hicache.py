@@ -9,13 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheStorageExtraInfo
-from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _mha_host_inputs
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
-from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
-from sglang.srt.mem_cache.storage import StorageBackendFactory
 
-from kvtier.integration.sglang.hicache_storage import KVTierHiCacheStorage
 from tests.integration.conftest import write_config
 
 pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("sglang_parallel_context")]
@@ -23,8 +17,26 @@ pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("sglang_parallel_conte
 PAGE = 4
 
 
+def storage_class() -> type:
+    """kvtier's HiCache backend (a subclass of SGLang's: imported when a test runs, so the
+    module is collected without SGLang)."""
+    from kvtier.integration.sglang.hicache_storage import KVTierHiCacheStorage
+
+    return KVTierHiCacheStorage
+
+
+def extra_info(**kwargs: Any) -> Any:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+
+    return HiCacheStorageExtraInfo(**kwargs)
+
+
 def host_pool(kind: str, layout: str) -> Any:
     """A device pool and its HiCache host mirror, in pageable memory (no CUDA here)."""
+    from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _mha_host_inputs
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
     common = {"host_to_device_ratio": 2.0, "host_size": 0, "page_size": PAGE,
               "layout": layout, "pin_memory": False, "device": "cpu"}
     if kind == "mha":
@@ -48,6 +60,9 @@ def make_backend(tmp_path: Path) -> Iterator[Callable[..., Any]]:
 
     def make(pool: Any, *, is_mla: bool = False, tp_rank: int = 0, tp_size: int = 1,
              **config: Any) -> Any:
+        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+        from sglang.srt.mem_cache.storage import StorageBackendFactory
+
         cfg = write_config(tmp_path / f"kvtier-{len(made)}.yaml", **config)
         storage_config = HiCacheStorageConfig(
             tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
@@ -94,11 +109,11 @@ def test_set_exists_get_round_trip(make_backend: Callable[..., Any], kind: str,
                                    layout: str) -> None:
     pool = host_pool(kind, layout)
     backend = make_backend(pool, is_mla=kind == "mla")
-    assert isinstance(backend, KVTierHiCacheStorage)
+    assert isinstance(backend, storage_class())
     src = fill_pages(pool, 3, seed=1)
     assert backend.batch_exists(KEYS) == 0
 
-    info = HiCacheStorageExtraInfo(prefix_keys=["00" * 32])
+    info = extra_info(prefix_keys=["00" * 32])
     assert backend.batch_set_v1(KEYS, src, info) == [True, True, True]
     assert backend.batch_exists(KEYS, info) == 3
     assert backend.batch_exists([*KEYS, "dd" * 32]) == 3

@@ -6,10 +6,9 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
-from sglang.srt.plugins import load_plugins
-from sglang.srt.server_args import ServerArgs, prepare_server_args
 
 from kvtier.errors import ConfigError
 from tests.integration.conftest import write_config
@@ -19,6 +18,8 @@ pytestmark = pytest.mark.sglang
 
 @pytest.fixture(scope="module", autouse=True)
 def plugins_loaded() -> None:
+    from sglang.srt.plugins import load_plugins
+
     load_plugins()  # what `python -m sglang.launch_server` does before it parses
 
 
@@ -29,12 +30,16 @@ def config_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("LMCACHE_CONFIG_FILE", raising=False)
 
 
-def parse(model: Path, *args: str) -> ServerArgs:
+def parse(model: Path, *args: str) -> Any:
+    from sglang.srt.server_args import prepare_server_args
+
     return prepare_server_args(["--model-path", str(model), "--device", "cpu", *args])
 
 
 def test_flags_are_in_sglangs_help() -> None:
     parser = argparse.ArgumentParser()
+    from sglang.srt.server_args import ServerArgs
+
     ServerArgs.add_cli_args(parser)
     text = parser.format_help()
     assert "--enable-kvtier" in text and "--kvtier-config-file" in text

@@ -15,8 +15,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
 from kvtier import CacheEngine
 from kvtier.config import Config
@@ -39,6 +37,8 @@ DEVICES = ["cpu", pytest.param("cuda", marks=cuda)]
 
 
 def make_pool(kind: str, page_size: int, dtype: torch.dtype, device: str = "cpu") -> Any:
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+
     if kind == "mha":
         return MHATokenToKVPool(POOL_TOKENS, page_size=page_size, dtype=dtype, head_num=2,
                                 head_dim=8, layer_num=3, device=device,
@@ -49,6 +49,11 @@ def make_pool(kind: str, page_size: int, dtype: torch.dtype, device: str = "cpu"
 
 
 def make_allocator(pool: Any, page_size: int) -> Any:
+    from sglang.srt.mem_cache.allocator import (
+        PagedTokenToKVPoolAllocator,
+        TokenToKVPoolAllocator,
+    )
+
     device = str(pool.device)
     if page_size == 1:
         return TokenToKVPoolAllocator(POOL_TOKENS, dtype=pool.dtype, device=device,
@@ -58,6 +63,8 @@ def make_allocator(pool: Any, page_size: int) -> Any:
 
 
 def buffers(pool: Any) -> list[torch.Tensor]:
+    from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+
     return list(pool.kv_buffer) if isinstance(pool, MLATokenToKVPool) \
         else [*pool.k_buffer, *pool.v_buffer]
 
