@@ -29,8 +29,9 @@ from kvtier.errors import ConfigError
 from kvtier.lmcache_keys import KEYS, PREFIXES, UNSUPPORTED_SCHEMES, LMCacheKey
 
 __all__ = ["KEYS", "UNIMPLEMENTED", "UNSUPPORTED", "UNSUPPORTED_SCHEMES", "EXTRA_STORAGE",
-           "NOT_LMCACHE", "classify", "instead_of", "unknown_hint", "unsupported_storage",
-           "Translated", "translate_values", "extra_config_ignored", "secret_key"]
+           "NOT_LMCACHE", "IN_EXAMPLES", "classify", "instead_of", "unknown_hint",
+           "unsupported_storage", "Translated", "translate_values", "extra_config_ignored",
+           "secret_key"]
 
 # LMCache keys kvtier accepts and ignores -> why, and what kvtier does instead. (The loader
 # also suggests the nearest of these for a misspelt key, so storage kvtier lacks is not here.)
@@ -47,6 +48,13 @@ NOT_LMCACHE: dict[str, str] = {
     "enable_disagg_prefill": ("a vLLM setting, not an LMCache key; kvtier does not do PD "
                               "transfer: drop it and keep local_cpu (instances share KV "
                               "through remote_url: redis://host:6379)"),
+}
+# Keys no LMCache release reads that LMCache's own example files set (users copy examples):
+# accepted and ignored, with a note, like the LMCache key they stand for.
+IN_EXAMPLES: dict[str, str] = {
+    "async_loading": ("ignored: set by LMCache's RESP example (kv_cache_reuse/remote_backends/"
+                      "resp), read by no LMCache release (whose switch is enable_async_loading); "
+                      "retrieve() loads synchronously, prefetch_policy loads lower tiers ahead"),
 }
 _OFF_STRINGS = frozenset({"", "false", "0", "no", "off", "none", "null"})
 # Unsupported keys that are sizes, never a place KV is kept.
@@ -66,10 +74,12 @@ def classify(key: str) -> LMCacheKey | None:
 
 def instead_of(key: str) -> str | None:
     """The load-warning note of LMCache key `key` ("ignored: why; what kvtier does instead" or
-    "not supported: what to use instead"), or None for a kvtier key or a key no LMCache version
-    had."""
+    "not supported: what to use instead"), or of a key LMCache's examples set
+    (`IN_EXAMPLES`); None for a kvtier key or any other key no LMCache version had."""
     entry = classify(key)
-    return None if entry is None or entry.status == "same" else entry.note
+    if entry is None:
+        return IN_EXAMPLES.get(key)
+    return None if entry.status == "same" else entry.note
 
 
 def unknown_hint(key: str, nearest: str | None) -> str:

@@ -287,6 +287,8 @@ UNSUPPORTED_SCHEMES: dict[str, str] = {
     "fs": "LMCache's file-system connector; use local_disk: file:///path/",
     "sagemaker-hyperpod": "SageMaker HyperPod; " + _SHARE,
     "mock": "LMCache's mock test connector; drop remote_url",
+    "benchmark": "LMCache's simulated benchmark connector; drop remote_url (benchmarks/ "
+                 "measures kvtier's own tiers)",
     "plugin": "an LMCache remote storage plugin; " + _SHARE,
     "eic": "Volcano Engine EIC; " + _SHARE,
     "azure": "Azure Blob storage; " + _SHARE,

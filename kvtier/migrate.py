@@ -87,6 +87,8 @@ def _row(key: str, value: Any, notes: dict[str, str]) -> KeyMapping:
     entry = compat.classify(key)
     if entry is not None and entry.status != "same":
         return KeyMapping(key, shown, entry.status, entry.note)
+    if key in compat.IN_EXAMPLES:
+        return KeyMapping(key, shown, "ignored", compat.IN_EXAMPLES[key])
     return KeyMapping(key, shown, "unknown",
                       f"unknown key (no LMCache version had it): an error in kvtier; "
                       f"{compat.unknown_hint(key, nearest_key(key))}")

@@ -304,7 +304,16 @@ def test_local_disk_file_url_without_path_is_not_the_current_directory(
 
 def test_unknown_lmcache_like_key_suggests_the_lmcache_key(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="did you mean 'enable_async_loading'"):
-        load_config(_write(tmp_path, "async_loading: false\n"), env={})
+        load_config(_write(tmp_path, "enable_async_load: false\n"), env={})
+
+
+def test_a_key_lmcaches_own_examples_set_loads_ignored(tmp_path: Path,
+                                                       caplog: pytest.LogCaptureFixture) -> None:
+    # LMCache's RESP example sets async_loading, which no LMCache release reads.
+    with caplog.at_level(logging.WARNING, logger="kvtier.config"):
+        cfg = load_config(_write(tmp_path, "chunk_size: 256\nasync_loading: false\n"), env={})
+    assert cfg.chunk_size == 256
+    assert "async_loading: ignored: set by LMCache's RESP example" in caplog.text
 
 
 def test_log_level_sets_kvtier_loggers_and_rejects_unknown_levels() -> None:

@@ -112,6 +112,7 @@ LOADS: dict[str, tuple[tuple[str, ...], set[str], set[str]]] = {
                                   "controller_reply_url", "lmcache_worker_ports",
                                   "internal_api_server_enabled", "numa_mode"}, set()),
     "big_host_cpu.yaml": (("cpu",), set(), set()),
+    "example_async_loading.yaml": (("cpu",), {"async_loading"}, set()),
     "lmcache_05_full.yaml": (("cpu", "disk"), set(), set()),  # ignored: every other key
 }
 # file -> (the key the load error names, a phrase of the message, the key `migrate-config`
@@ -126,7 +127,6 @@ FAILS: dict[str, tuple[str, str, str | None]] = {
     "s3.yaml": ("remote_url", "cannot serve s3://", None),
     "external.yaml": ("remote_url", "cannot serve external://", None),
     "multi_disk.yaml": ("local_disk", "several disks", None),
-    "typo_async_loading.yaml": ("async_loading", "did you mean 'enable_async_loading'", None),
     "typo_disk_path.yaml": ("disk_path", "unknown key", None),
     "vllm_disagg_flag.yaml": ("enable_disagg_prefill", "unknown key", None),
 }
@@ -193,7 +193,7 @@ def test_corpus_storage_kvtier_has_loads() -> None:
     storage_kvtier_lacks = {n for n, (_, _, storage) in FAILS.items() if storage}
     storage_kvtier_lacks |= {"mooncake.yaml", "lm_server.yaml", "s3.yaml", "external.yaml",
                              "multi_disk.yaml"}
-    not_lmcache = {"typo_async_loading.yaml", "typo_disk_path.yaml", "vllm_disagg_flag.yaml"}
+    not_lmcache = {"typo_disk_path.yaml", "vllm_disagg_flag.yaml"}
     assert set(FAILS) == storage_kvtier_lacks | not_lmcache
 
 
@@ -273,7 +273,7 @@ def test_unsupported_storage_needs_the_feature_on_and_no_kvtier_tier() -> None:
 
 
 @pytest.mark.parametrize("key, alternative", [
-    ("async_loading", "enable_async_loading"), ("disk_path", "local_disk"),
+    ("enable_async_load", "enable_async_loading"), ("disk_path", "local_disk"),
     ("enable_disagg_prefill", "does not do PD transfer"), ("chunk_sise", "chunk_size"),
     ("cache_engine_args", "docs/lmcache.md"),
 ])
