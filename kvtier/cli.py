@@ -104,8 +104,8 @@ def _info(args: argparse.Namespace) -> int:
             ("torch", torch.__version__), ("cuda", str(torch.cuda.is_available())),
             ("redis-py", _version("redis")), ("sglang", _version("sglang")),
             ("copy kernel", ops.kernel_name())]
-    if _version("sglang") != "not installed":
-        rows.append(("sglang internals", _sglang_internals()))
+    if getattr(args, "sglang", False) and _version("sglang") != "not installed":
+        rows.append(("sglang internals", _sglang_internals()))  # imports SGLang: seconds
     # Reachability: build the CPU and Redis tiers against a tiny arena and ask for their stats
     # (the CPU tier is memory only; the Redis tier's start-up sends read commands only).
     alloc = MemoryAllocator(1 << 20, pin=False)
@@ -122,7 +122,9 @@ def _info(args: argparse.Namespace) -> int:
             # A tier that cannot reach its server starts "down" (and serves misses), not raises.
             health = "DOWN (serving misses)" if stats.get("down") else "ok"
             shown = [k for k in ("entries", "bytes", "capacity_bytes") if k in stats]
-            status = health + " " + ", ".join(f"{k}={stats[k]:g}" for k in shown)
+            status = health + " " + ", ".join(
+                f"{k.removesuffix('_bytes')}={_size(stats[k])}" if k.endswith("bytes")
+                else f"{k}={stats[k]:g}" for k in shown)
         except (KVTierError, OSError) as exc:
             status = f"UNAVAILABLE: {exc}"
         rows.append((f"tier {name}", status))
@@ -130,6 +132,14 @@ def _info(args: argparse.Namespace) -> int:
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
     return 0
+
+
+def _size(nbytes: float) -> str:
+    """`nbytes` in human units (decimal, as max_local_cpu_size and friends are in GB)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:g} B"
 
 
 def _disk_stats(path: Path, capacity_gb: float) -> dict[str, float]:
@@ -197,6 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_migrate_config)
     p = sub.add_parser("info", help="versions, copy kernel and tier reachability")
     p.add_argument("file", nargs="?")
+    p.add_argument("--sglang", action="store_true", help="also check the SGLang internals "
+                   "kvtier uses (imports SGLang: several seconds)")
     p.set_defaults(func=_info)
     p = sub.add_parser("bench", help="throughput of connectors and tiers on a Llama-3-8B shape")
     p.add_argument("file", nargs="?")

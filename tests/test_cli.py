@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -100,6 +101,19 @@ def test_info_reports_kernel_and_tiers(capsys: pytest.CaptureFixture[str]) -> No
     assert main(["info"]) == 0
     out = capsys.readouterr().out
     assert "copy kernel" in out and "tier cpu" in out and "ok" in out
+    assert "sglang internals" not in out  # only with --sglang: importing SGLang takes seconds
+
+
+def test_info_shows_sizes_in_human_units(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                         redis_server: Any) -> None:
+    disk = tmp_path / "disk"
+    cfg = _tiers_config(tmp_path, disk, f"{redis_server.url}/6")
+    _seed(cfg)
+    assert main(["info", str(cfg)]) == 0
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.startswith("tier disk"))
+    assert re.search(r"bytes=\d[\d.]* (kB|MB|GB)\b", line), line
+    assert "e+" not in out
 
 
 def test_bench_writes_json(tmp_path: Path) -> None:
