@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 DEMO_ARGS ?=
 FLEET_ARGS ?=
 
-.PHONY: setup bench demo fleet test lint redis-server sglang-env clean
+.PHONY: setup bench demo fleet test test-fast lint redis-server sglang-env wheel clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -19,6 +19,12 @@ $(BIN)/python:
 setup: $(BIN)/python
 	$(BIN)/pip install -q -e '.[dev]'
 	$(BIN)/python -c "from kvtier.connectors import ops; print('kvtier copy kernel:', ops.prepare())"
+
+# kvtier is not on the package index: this builds dist/kvtier-<version>-py3-none-any.whl from the
+# checkout (sources only: the kernel compiles on first use against the installed torch).
+wheel: $(BIN)/python
+	$(BIN)/pip wheel -q --no-deps -w dist .
+	@ls dist/kvtier-*.whl
 
 bench: setup
 	$(BIN)/kvtier bench
@@ -48,5 +54,11 @@ lint: setup
 test: setup redis-server sglang-env lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
+# The quick loop while working: no SGLang servers, no installs (`make setup` and a redis-server
+# on PATH first); `make test` runs everything.
+test-fast:
+	@test -x $(BIN)/python || { echo "make test-fast: run 'make setup' first"; exit 2; }
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not sglang and not slow" $(PYTEST_ARGS)
+
 clean:
-	rm -rf $(VENV) build kvtier/*.so *.egg-info
+	rm -rf $(VENV) build dist kvtier/*.so *.egg-info
