@@ -16,8 +16,10 @@ size, in LRU order), the size cap and the counters.
   below what others wrote. Shrinking a directory is an explicit `kvtier purge`.
 - Durability: no fsync (a device flush per chunk). A killed process loses nothing the kernel
   has; a power loss may leave a torn file, which the checksums turn into a counted miss.
-- Failures never raise: a failed write (ENOSPC, EIO, ...) is dropped and counted; a corrupt or
-  forged record is counted, deleted, a miss; so is a file removed behind the tier's back.
+- Failures never raise: a failed write (ENOSPC, EIO, ...) is dropped and counted; a corrupt
+  record is counted, deleted, a miss; so is a file removed behind the tier's back. A forged one
+  (its MAC does not match this reader's record key, or it has one and the reader none) is a
+  counted miss left in place: another node's key is not proof of corruption.
 - Foreign files and privacy (`recordfile.py`): what is not a regular file at a record path is
   a counted miss (`not_regular`), never opened blocking or followed; a root that is another
   user's, writable by others or reached through a symlink is a `ConfigError`, and nothing is
@@ -286,7 +288,13 @@ class DiskBackend(StorageBackend):
         self._warn.warning("read", "kvtier disk: cannot read %s: %s", path, exc)
 
     def _discard(self, name: str, path: Path, st: os.stat_result, exc: CorruptEntry) -> None:
-        """Delete a corrupt record, unless a writer has replaced it meanwhile."""
+        """Delete a corrupt record, unless a writer has replaced it meanwhile; a forged one
+        (another record key's, or none) is a miss left in place (`record.ForgedEntry`)."""
+        if isinstance(exc, ForgedEntry):
+            self._count("forged")
+            self._warn.warning("forged", "kvtier disk: %s: %s; a miss (left in place)", path,
+                               exc)
+            return
         with self._lock:
             self._counts.inc("forged" if isinstance(exc, ForgedEntry) else "corrupt")
             self._index.forget(name)

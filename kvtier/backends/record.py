@@ -20,7 +20,8 @@ digest verifies them without telling a reader of the record what the prompt was.
 
 Checksums catch accidents, not a neighbour who can write the tier: with a record key (a secret
 shared by the instances, `record_key_file`), every record carries a MAC, and a reader holding
-the key loads only records whose MAC verifies (anything else is a `ForgedEntry`). Every failure
+the key loads only records whose MAC verifies; a reader without a key loads no authenticated
+record (either is a `ForgedEntry`: a counted miss that no reader deletes). Every failure
 is a `CorruptEntry` whose message names the field. No pickle: a record is plain bytes any
 version of kvtier can reject safely (version 1 records are rejected by their version).
 """
@@ -66,8 +67,10 @@ _FORMATS = {int(f) for f in MemoryFormat}
 
 
 class ForgedEntry(CorruptEntry):
-    """A record whose MAC is missing or wrong, read by an instance that holds the record key:
-    someone who can write the tier but does not hold the key made it (or changed it)."""
+    """A record whose MAC does not match this reader's record key: missing or wrong (a writer
+    without the key, or with another key), or present where this reader holds no key. A miss,
+    counted, and never deleted: a reader with a stale or mistyped key must not erase a cache
+    its fleet shares, and nobody loads what they cannot verify."""
 
 
 class RecordHeader(NamedTuple):
@@ -295,6 +298,10 @@ def verify_payload(header: RecordHeader, view: memoryview | bytes, *,
         seal.update(view)
     if seal.checksum != header.checksum:
         raise CorruptEntry("payload checksum mismatch")
+    if not mac_key and header.mac:
+        # Never loaded unverified: the writers hold a key this reader lacks.
+        raise ForgedEntry("mac: the record is authenticated with a record key this reader "
+                          "does not hold (set the same record_key_file on every instance)")
     if mac_key:
         if not header.mac:
             raise ForgedEntry("mac: the record is not authenticated (written without the "

@@ -146,9 +146,11 @@ def test_an_authenticated_record_loads_only_with_its_key() -> None:
         signed = _record(key, obj, mac_key=MAC_KEY)
         plain = _record(key, obj)
         payload = bytes(obj.byte_view())
-    assert len(signed) == len(plain)  # one format: readers without the key read both
+    assert len(signed) == len(plain)  # one format
     _verify(signed, key, MAC_KEY)
-    _verify(signed, key, None)
+    _verify(plain, key, None)
+    with pytest.raises(record.ForgedEntry, match="does not hold"):
+        _verify(signed, key, None)  # no key: never loaded unverified
     with pytest.raises(record.ForgedEntry, match="not authenticated"):
         _verify(plain, key, MAC_KEY)
     with pytest.raises(record.ForgedEntry, match="does not verify"):
@@ -163,7 +165,8 @@ def test_an_authenticated_record_loads_only_with_its_key() -> None:
     fixed = bytes(forged[: FIXED_SIZE - 8])
     hsum = xxhash.xxh3_64_intdigest(fixed + bytes(forged[FIXED_SIZE:hlen]))
     forged[FIXED_SIZE - 8 : FIXED_SIZE] = struct.pack("<Q", hsum)
-    _verify(forged, key, None)  # checksums alone cannot tell
+    with pytest.raises(record.ForgedEntry, match="does not hold"):
+        _verify(forged, key, None)  # its checksums are right, but it claims a key
     with pytest.raises(record.ForgedEntry):
         _verify(forged, key, MAC_KEY)
 

@@ -234,9 +234,12 @@ class RedisBackend(StorageBackend):
             self._reply_error("get", exc)
             return False
         # (WRONGTYPE: a non-string value is not our record either)
-        forged = isinstance(exc, record.ForgedEntry)
-        self._health.count("forged" if forged else "corrupt")
-        self._health.warn("forged" if forged else "corrupt", "%s: %s; deleted", key.key, exc)
+        if isinstance(exc, record.ForgedEntry):  # another key's, or a forgery: never deleted
+            self._health.count("forged")
+            self._health.warn("forged", "%s: %s; a miss (left in place)", key.key, exc)
+            return False
+        self._health.count("corrupt")
+        self._health.warn("corrupt", "%s: %s; deleted", key.key, exc)
         return True
 
     def _delete(self, items: list[tuple[redis.Redis, list[str]]]) -> int:
