@@ -32,6 +32,10 @@ TokenIds = torch.Tensor | Sequence[int] | np.ndarray
 def _serve_metrics(port: int) -> None:
     from kvtier import prometheus
 
+    if port > 65535:  # metrics_port + rank: the launcher refuses this; a direct caller may not
+        logger.warning("kvtier: metrics_port + rank = %d is past 65535; no metrics endpoint on "
+                       "this rank (lower metrics_port)", port)
+        return
     try:
         if not prometheus.serve(port):
             logger.warning("kvtier: metrics_port is set but prometheus-client is not installed "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -145,3 +146,15 @@ def test_the_refresh_thread_shows_its_name_to_the_os() -> None:
     prometheus.register(source)
     assert source.seen.wait(30), "the refresh thread never ran"
     assert source.names == {"kv-metrics"}
+
+
+def test_a_rank_whose_metrics_port_passes_65535_serves_without_metrics(
+        caplog: pytest.LogCaptureFixture) -> None:
+    k = [torch.zeros(16, 1, 8, dtype=torch.float16)]
+    conn = SGLangMHAConnector(k, [t.clone() for t in k])
+    cfg = Config(chunk_size=16, max_local_cpu_size=0.001, metrics_port=65535)
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        engine = CacheEngine(cfg, model_name="m", layout=conn.layout, connector=conn,
+                             world_size=2, rank=1)  # metrics_port + 1 = 65536
+    engine.close()
+    assert "past 65535" in caplog.text

@@ -139,3 +139,11 @@ def test_a_bad_key_at_launch_prints_one_line_naming_it(tiny_llama: Path, tmp_pat
     assert "Traceback" not in out.stderr, out.stderr[-2000:]
     lines = [line for line in out.stderr.splitlines() if line.startswith("kvtier: ")]
     assert len(lines) == 1 and "chunk_sise" in lines[0] and "chunk_size" in lines[0], out.stderr
+
+
+def test_a_metrics_port_that_ranks_would_push_past_65535_fails_at_launch(
+        config_env: None, tiny_llama: Path, tmp_path: Path) -> None:
+    config = write_config(tmp_path / "kvtier.yaml", metrics_port=65535)
+    with pytest.raises(ConfigError, match=r"metrics_port: 65535 .*65534"):
+        parse(tiny_llama, "--enable-kvtier", "--kvtier-config-file", str(config),
+              "--tp-size", "2")

@@ -196,7 +196,12 @@ def _check_launch(config: Config, args: argparse.Namespace) -> None:
         for tier in config.tiers:
             check_dependencies(tier)
         # Memory (every TP rank's arena, cgroup limit) and disk space: refused at launch.
-        check_host(config, local_ranks=int(getattr(args, "tp_size", None) or 1))
+        tp_size = int(getattr(args, "tp_size", None) or 1)
+        check_host(config, local_ranks=tp_size)
+        if config.metrics_port is not None and config.metrics_port + tp_size - 1 > 65535:
+            raise ConfigError(f"metrics_port: {config.metrics_port} + TP rank (up to "
+                              f"{tp_size - 1}) passes 65535: each rank serves on metrics_port "
+                              f"+ rank; use at most {65536 - tp_size}")
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
     for flag in ("enable_hierarchical_cache", "disable_radix_cache"):
