@@ -241,3 +241,19 @@ def test_tls_sentinel_refuses_queries_without_its_own_password(
     for secret in ("wrong-sentinel-pw", redis_tls_sentinel.master.password,
                    redis_tls_sentinel.sentinel.password):
         assert secret and secret not in caplog.text
+
+
+@pytest.mark.parametrize("template", [
+    "rediss://:hunter2@{host}:6379?ssl_cert_reqs=none",
+    "redis-cluster://:hunter2@{host}:7000?ssl=true&ssl_cert_reqs=none",
+])
+def test_a_password_over_tls_that_verifies_nothing_warns_once(
+    template: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    url = template.format(host=_host())
+    with caplog.at_level(logging.WARNING, logger=WARN_LOGGER):
+        parse_remote_url(url)
+        Config(remote_url=url)
+    (message,) = _warnings(caplog)
+    assert "ssl_cert_reqs=none" in message and "whoever answers" in message
+    assert "hunter2" not in caplog.text

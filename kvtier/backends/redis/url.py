@@ -121,9 +121,20 @@ def _is_loopback(host: str) -> bool:
 
 
 def _warn_clear_password(target: RedisTarget, hosts: Iterable[str], tls: bool) -> None:
-    """One warning per URL when a password would cross the network without TLS."""
+    """One warning per URL when a password would cross the network without TLS, or over TLS
+    that verifies no certificate (`ssl_cert_reqs=none`: whoever answers gets it)."""
     has_password = bool(target.kwargs.get("password")
                         or target.sentinel_kwargs.get("password"))
+    if tls and has_password and target.kwargs.get("ssl_cert_reqs") == "none":
+        with _warned_lock:
+            if target.url + "#cert" in _warned:
+                return
+            _warned.add(target.url + "#cert")
+        logger.warning("remote_url %r: a password is configured and ssl_cert_reqs=none: TLS "
+                       "verifies no certificate, so the password goes to whoever answers at "
+                       "that address; drop ssl_cert_reqs=none (and give ssl_ca_certs for a "
+                       "private CA)", target.url)
+        return
     remote = sorted({h for h in hosts if not _is_loopback(h)})
     if tls or not has_password or not remote:
         return
@@ -237,8 +248,8 @@ def parse_remote_url(url: str) -> RedisTarget:
     if not isinstance(kwargs.get("db", 0), int):
         raise _bad(url, f"db must be an integer, got {kwargs['db']!r}")
     target = RedisTarget("standalone", redact_url(url), (), "", kwargs)
-    if scheme == "redis":
-        _warn_clear_password(target, [str(kwargs["host"])], tls=False)
+    if scheme in ("redis", "rediss"):
+        _warn_clear_password(target, [str(kwargs["host"])], tls=scheme == "rediss")
     return target
 
 
