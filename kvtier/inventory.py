@@ -3,12 +3,13 @@
 Keys name their namespace, model and layout
 (`kvtier/v2/{namespace}/{model}@{fingerprint}/{layout}/{rank}of{world}/{digest}`), so
 both tiers can be listed without a running engine: the disk tier by reading each record's
-header (its key string, checksummed), Redis by `SCAN` over the `kvtier/v2/` key space on every
+header (its key string, checksummed), Redis by `SCAN MATCH kvtier/v2/{namespace}/*` on every
 primary (never `KEYS`, which would block the server). Used by `kvtier stats | ls | purge`.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from kvtier.keys import ALL_KEYS, KeySpace, key_of_redis_name, model_name_of
 from kvtier.names import DISK, REDIS
 
 __all__ = ["Entry", "Group", "entries", "groups", "purge"]
+
+logger = logging.getLogger(__name__)
 
 SCAN_BATCH = 1000
 
@@ -74,7 +77,8 @@ def entries(config: Config, model: str | None = None) -> Iterator[Entry]:
     if config.local_disk_path is not None:
         yield from _select(_disk_entries(config.local_disk_path), config.key_namespace, model)
     if config.remote_url is not None:
-        yield from _select(_redis_entries(config), config.key_namespace, model)
+        yield from _select(_redis_entries(config, config.key_namespace), config.key_namespace,
+                           model)
 
 
 def _select(found: Iterator[Entry], namespace: str, model: str | None) -> Iterator[Entry]:
@@ -137,18 +141,24 @@ def _router(config: Config):  # noqa: ANN202 - redis-py types only when the extr
     return Router(parse_remote_url(config.remote_url), config.remote_timeout_secs)
 
 
-def _redis_entries(config: Config) -> Iterator[Entry]:
+def _redis_entries(config: Config, namespace: str) -> Iterator[Entry]:
     router = _router(config)
     try:
         for client in router.primaries():
-            yield from _scan_node(client)
+            yield from _scan_node(client, namespace)
     finally:
         router.close()
 
 
-def _scan_node(client) -> Iterator[Entry]:  # noqa: ANN001
+def _scan_node(client, namespace: str) -> Iterator[Entry]:  # noqa: ANN001
+    """The records of `namespace` on one node. SCAN is not filtered by ACL key patterns, so
+    it is asked for this namespace only (`MATCH`): a tenant never lists another's names. A
+    record this user may not read (NOPERM) is skipped and counted in a warning."""
     segments: dict[str, list[str]] = {}  # key string -> its record's Redis names
-    for raw in client.scan_iter(match=ALL_KEYS, count=SCAN_BATCH):
+    # Namespaces are [A-Za-z0-9._-]: nothing in them is a glob character.
+    pattern = ALL_KEYS.removesuffix("*") + f"{namespace}/*"
+    denied = 0
+    for raw in client.scan_iter(match=pattern, count=SCAN_BATCH):
         rkey = raw.decode() if isinstance(raw, bytes) else raw
         segments.setdefault(key_of_redis_name(rkey), []).append(rkey)
     keys = list(segments)
@@ -158,10 +168,16 @@ def _scan_node(client) -> Iterator[Entry]:  # noqa: ANN001
         for key in batch:
             for rkey in segments[key]:
                 pipe.strlen(rkey)
-        sizes = iter(pipe.execute())
+        sizes = iter(pipe.execute(raise_on_error=False))
         for key in batch:
-            nbytes = sum(next(sizes) for _ in segments[key])
-            yield Entry(REDIS, key, nbytes, tuple(segments[key]))
+            lengths = [next(sizes) for _ in segments[key]]
+            if any(isinstance(n, Exception) for n in lengths):
+                denied += 1
+                continue
+            yield Entry(REDIS, key, sum(lengths), tuple(segments[key]))
+    if denied:
+        logger.warning("kvtier: %d records in namespace %r could not be read (ACL: NOPERM, "
+                       "or gone); skipped", denied, namespace)
 
 
 def _redis_delete(config: Config, keys: list[str]) -> None:

@@ -79,3 +79,29 @@ def test_ls_and_purge_span_every_cluster_primary(
     assert "deleted 20 chunks" in capsys.readouterr().out
     assert main(["ls", str(cfg), "--model", "gamma"]) == 0
     assert "nothing stored" in capsys.readouterr().out
+
+
+def test_a_tenant_limited_by_acl_lists_only_its_namespace(
+        tmp_path: Path, redis_factory,  # noqa: ANN001
+        capsys: pytest.CaptureFixture[str]) -> None:
+    redis: RedisProcess = redis_factory()
+    for name in ("a", "b"):  # two tenants' records, written by the admin (default user)
+        (tmp_path / name).mkdir()
+        path = _config(tmp_path / name, redis.url, disk=False)
+        data = yaml.safe_load(path.read_text())
+        path.write_text(yaml.safe_dump({**data, "key_namespace": f"tenant-{name}"}))
+        _store(path, f"model-{name}", range(2))
+    # Tenant a may read its own prefix only; SCAN itself is not filtered by key patterns.
+    redis.client().execute_command("ACL", "SETUSER", "ta", "on", ">ta-pass",
+                                   "~kvtier/v2/tenant-a/*", "+@read", "+@connection", "+scan")
+    tenant = tmp_path / "tenant.yaml"
+    tenant.write_text(yaml.safe_dump({
+        "chunk_size": CHUNK, "max_local_cpu_size": 0.01, "key_namespace": "tenant-a",
+        "remote_url": f"redis://ta:ta-pass@127.0.0.1:{redis.port}"}))
+    assert main(["ls", str(tenant)]) == 0
+    out = capsys.readouterr().out
+    assert "model-a" in out and "tenant-b" not in out and "model-b" not in out
+    rows = [line.split() for line in out.splitlines()[1:]]
+    assert [(r[0], r[1]) for r in rows] == [("redis", "8")]
+    assert main(["stats", str(tenant)]) == 0
+    assert "model-b" not in capsys.readouterr().out
