@@ -367,3 +367,13 @@ def test_no_piece_of_a_password_reaches_a_config_error(url: str, pieces: list[st
         text = repr(cfg) + str(cfg.redacted())
     for piece in pieces:
         assert f"'{piece}'" not in text and f":{piece}@" not in text and piece + "@" not in text
+
+
+@pytest.mark.parametrize("text", ["hash_salt: yes\n", "hash_salt: on\n", "hash_salt: 0123\n",
+                                  "hash_salt: 1.0000000000000000001\n"])
+def test_hash_salt_is_a_string_only(tmp_path: Path, text: str) -> None:
+    # Different salts that str() of the YAML value would make one ('True', '83', '1.0').
+    with pytest.raises(ConfigError, match=r"hash_salt: must be a string: quote it") as err:
+        load_config(_write(tmp_path, text), env={})
+    assert "0123" not in str(err.value) and "yes" not in str(err.value)  # a secret: not shown
+    assert load_config(_write(tmp_path, "hash_salt: 'yes'\n"), env={}).hash_salt == "yes"
