@@ -45,12 +45,4 @@ class SGLangMHAConnector(KVConnector):
         ops.scatter(t.view(2 * t.shape[1], t.shape[2], t.shape[3]), slots, self._layers)
 
     def scatter_many(self, objs: Sequence[MemoryObj], slots: torch.Tensor) -> None:
-        # The kernel checks every chunk's shape and dtype; only the format is Python's to see.
-        views = []
-        for obj in objs:
-            if obj.fmt is not self.layout.fmt:
-                raise ValueError(f"objs hold {obj.fmt.name} chunks, expected "
-                                 f"{self.layout.fmt.name}")
-            t = obj.tensor
-            views.append(t.view(2 * t.shape[1], t.shape[2], t.shape[3]))
-        ops.scatter_chunks(views, slots, self._layers)
+        ops.scatter_chunks(self._planes(objs, "objs"), slots, self._layers)

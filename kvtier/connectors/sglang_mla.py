@@ -35,9 +35,4 @@ class SGLangMLAConnector(KVConnector):
         ops.scatter(obj.tensor[0], slots, self._layers)
 
     def scatter_many(self, objs: Sequence[MemoryObj], slots: torch.Tensor) -> None:
-        # The kernel checks every chunk's shape and dtype; only the format is Python's to see.
-        for obj in objs:
-            if obj.fmt is not self.layout.fmt:
-                raise ValueError(f"objs hold {obj.fmt.name} chunks, expected "
-                                 f"{self.layout.fmt.name}")
-        ops.scatter_chunks([obj.tensor[0] for obj in objs], slots, self._layers)
+        ops.scatter_chunks(self._planes(objs, "objs"), slots, self._layers)
