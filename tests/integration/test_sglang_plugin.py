@@ -147,3 +147,17 @@ def test_a_metrics_port_that_ranks_would_push_past_65535_fails_at_launch(
     with pytest.raises(ConfigError, match=r"metrics_port: 65535 .*65534"):
         parse(tiny_llama, "--enable-kvtier", "--kvtier-config-file", str(config),
               "--tp-size", "2")
+
+
+def test_the_memory_check_at_launch_counts_data_parallel_ranks_too(
+        config_env: None, tiny_llama: Path, tmp_path: Path) -> None:
+    from kvtier.config import physical_memory_bytes
+    from kvtier.config_checks import cgroup_memory_limit
+
+    limit = min(physical_memory_bytes(), cgroup_memory_limit(None) or physical_memory_bytes())
+    per_rank = round(limit * 0.4 / 1e9, 3)  # two ranks fit, three do not
+    config = write_config(tmp_path / "kvtier.yaml", max_local_cpu_size=per_rank)
+    parse(tiny_llama, "--enable-kvtier", "--kvtier-config-file", str(config), "--dp-size", "2")
+    with pytest.raises(ConfigError, match=r"x 3 local rank\(s\)"):
+        parse(tiny_llama, "--enable-kvtier", "--kvtier-config-file", str(config),
+              "--dp-size", "3")

@@ -195,9 +195,11 @@ def _check_launch(config: Config, args: argparse.Namespace) -> None:
         check_page_size(config, int(getattr(args, "page_size", None) or 1))
         for tier in config.tiers:
             check_dependencies(tier)
-        # Memory (every TP rank's arena, cgroup limit) and disk space: refused at launch.
+        # Memory (every rank's arena: TP x DP ranks on this host, cgroup limit) and disk
+        # space: refused at launch.
         tp_size = int(getattr(args, "tp_size", None) or 1)
-        check_host(config, local_ranks=tp_size)
+        dp_size = int(getattr(args, "dp_size", None) or 1)
+        check_host(config, local_ranks=tp_size * dp_size)
         if config.metrics_port is not None and config.metrics_port + tp_size - 1 > 65535:
             raise ConfigError(f"metrics_port: {config.metrics_port} + TP rank (up to "
                               f"{tp_size - 1}) passes 65535: each rank serves on metrics_port "
