@@ -26,9 +26,13 @@ def test_demo_small(tmp_path: Path) -> None:
         p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p),
         "KVTIER_CACHE_DIR": str(tmp_path / "cache")}
     proc = subprocess.run(
-        [sys.executable, "-m", "kvtier.cli", "demo", "--small", "--quiet", "--out", str(out)],
+        [sys.executable, "-m", "kvtier.cli", "demo", "--small", "--out", str(out)],
         env=env, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
+    # stderr is a pipe here: no progress bar in it; and the logs are said to be where they stay
+    assert "kvtier demo:" not in proc.stderr and "req/s" not in proc.stderr
+    assert f"kept in {out / 'logs'}" in proc.stderr
+    assert sorted(p.name for p in (out / "logs").glob("*.log"))
     results = json.loads((out / "demo.json").read_text())
     rows = results["rows"]
     turns = [r for r in rows if r["phase"] == "multi-turn"]

@@ -86,5 +86,7 @@ def _options(args: argparse.Namespace) -> DemoOptions:
         raise ValueError(f"--threads must be >= 0, got {args.threads}")
     opts = DemoOptions(workload=workload, model=model, out_dir=Path(args.out),
                        redis_url=args.redis_url, small=args.small, keep_model=args.keep_model,
-                       threads=args.threads, progress=not args.quiet)
+                       threads=args.threads,
+                       # a bar only where someone watches: not into a CI log or a pipe
+                       progress=not args.quiet and sys.stderr.isatty())
     return opts

@@ -131,11 +131,13 @@ class _Run:
 
 
 def _start(servers: Sequence[SGLangServer], warmup: tuple[int, int],
-           note: Callable[[str], None]) -> None:
+           note: Callable[[str], None], kept: Path) -> None:
     """Start `servers` together, then warm each up: the servers skip SGLang's own warm-up,
-    and a process's first long prefill pays one-time costs no later request does."""
+    and a process's first long prefill pays one-time costs no later request does. `kept`:
+    where the logs are copied when the demo ends (the work directory is then deleted)."""
     names = ", ".join(s.log_path.stem for s in servers)
-    note(f"starting SGLang ({names}); logs in {servers[0].log_path.parent}")
+    note(f"starting SGLang ({names}); logs in {servers[0].log_path.parent} while it runs, "
+         f"kept in {kept} when the demo ends")
     for s in servers:
         s.launch()
     for s in servers:
@@ -232,18 +234,18 @@ def run_demo(opts: DemoOptions, note: Callable[[str], None] | None = None,
         base, kv = run.server("baseline", None), run.server("kvtier", run.kvtier_config(True))
         phases: dict[str, list[dict[str, Any]]] = {}
         try:
-            _start([base, kv], run.warmup, say)
+            _start([base, kv], run.warmup, say, opts.out_dir / "logs")
             with tqdm(total=steps, desc="kvtier demo", unit="req", disable=not opts.progress,
                       file=sys.stderr) as bar:
                 phases["multi-turn"] = _multi_turn(run, base, kv, show, bar)
                 kv.stop()
                 restarted = run.server("kvtier-restarted", run.kvtier_config(True))
-                _start([restarted], run.warmup, bar.write)
+                _start([restarted], run.warmup, bar.write, opts.out_dir / "logs")
                 phases["restart"] = _replay(run, restarted, "restart", DISK, show, bar)
                 restarted.stop()
                 if opts.redis_url:
                     second = run.server("second-instance", run.kvtier_config(False))
-                    _start([second], run.warmup, bar.write)
+                    _start([second], run.warmup, bar.write, opts.out_dir / "logs")
                     phases["second-instance"] = _replay(run, second, "second-instance",
                                                         REDIS, show, bar)
                     second.stop()
