@@ -183,7 +183,8 @@ def _coerce(source: str, key: str, value: Any, from_env: bool) -> Any:
             # A URL copied with a trailing space or newline is the URL (and a password
             # followed by a space must not end up in a message).
             return value.strip() if key == "remote_url" else value
-        if key == "hash_salt":  # str() would turn yes/on/true into 'True', 1e30 into 1e+30
+        if key == "hash_salt" and isinstance(value, (bool, int, float)):
+            # str() would turn yes/on/true into 'True', 1e30 into 1e+30
             raise _fail(source, key, f"must be a string: quote it (hash_salt: '...'); YAML "
                         f"read a {type(value).__name__} here, which would lose what was "
                         "written")
