@@ -46,7 +46,7 @@ class PrefixSaver:
         return self._save_on_cpu(keys, slots, on_read, extra)
 
     def _save_on_cpu(self, keys: Sequence[ChunkKey], slots: torch.Tensor,
-                      on_read: Callable[[], None] | None, extra: ChunkKey | None = None) -> int:
+                     on_read: Callable[[], None] | None, extra: ChunkKey | None = None) -> int:
         first = self._storage.contains(keys, hot_only=True)
         objs: list[MemoryObj] = []
         with lease(objs):
@@ -75,8 +75,8 @@ class PrefixSaver:
         return n
 
     def _save_on_gpu(self, keys: Sequence[ChunkKey], slots: torch.Tensor,
-                         on_read: Callable[[], None] | None, extra: ChunkKey | None,
-                         ready: torch.cuda.Event | None) -> int:
+                     on_read: Callable[[], None] | None, extra: ChunkKey | None,
+                     ready: torch.cuda.Event | None) -> int:
         """`_save_on_cpu` for a CUDA pool: one copy for every chunk, slots checked by the
         kernel; chunks up to the first one that met a -1 slot are kept."""
         assert self._device is not None

@@ -296,7 +296,7 @@ class DiskBackend(StorageBackend):
                                exc)
             return
         with self._lock:
-            self._counts.inc("forged" if isinstance(exc, ForgedEntry) else "corrupt")
+            self._counts.inc("corrupt")
             self._index.forget(name)
             with contextlib.suppress(OSError):
                 now = os.stat(path)
