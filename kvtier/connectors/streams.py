@@ -52,17 +52,19 @@ class Fence:
 
     def __init__(self, name: str = "kv-gpu-fence"):
         self._jobs: queue.Queue[object] = queue.Queue()
+        self._lock = threading.Lock()  # no job is queued behind the stop marker
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         self._closed = False
 
     def defer(self, event: Waitable, done: Callable[[], None]) -> None:
         """Call `done()` once `event` has fired (at once, on the caller's thread, if closed)."""
-        if self._closed:
-            event.synchronize()
-            done()
-            return
-        self._jobs.put((event, done))
+        with self._lock:
+            if not self._closed:
+                self._jobs.put((event, done))
+                return
+        event.synchronize()
+        done()
 
     def pending(self) -> int:
         return self._jobs.unfinished_tasks
@@ -75,10 +77,11 @@ class Fence:
 
     def close(self, timeout: float = 10.0) -> None:
         """Run what is queued, then stop the thread. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._jobs.put(_STOP)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._jobs.put(_STOP)
         self._thread.join(timeout)
         if self._thread.is_alive():
             logger.warning("kvtier: the GPU fence thread did not stop within %.1fs", timeout)
