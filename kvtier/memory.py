@@ -17,6 +17,7 @@ import enum
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -192,10 +193,14 @@ class MemoryAllocator:
         start = time.monotonic()
         self.raw = torch.empty(size_bytes, dtype=torch.uint8)
         self.raw.zero_()  # fault every page in now, not on the serving path
-        self._registered = pin and _register(self.raw)
-        if pin and not self._registered:  # the slow way: the driver allocates and pins
+        registered = pin and _register(self.raw)
+        if pin and not registered:  # the slow way: the driver allocates and pins
             self.raw = torch.empty(size_bytes, dtype=torch.uint8, pin_memory=True)
             self.raw.zero_()
+        # Unregistered by close() or, for an arena dropped without it, when it is collected:
+        # never freed while registered (a later allocation at those addresses could not be
+        # pinned: cudaErrorHostMemoryAlreadyRegistered, which SGLang's host pool then hit).
+        self._unregister = weakref.finalize(self, _unregister, self.raw) if registered else None
         self.view = self.raw.numpy().data.cast("B")
         self._typed: dict[torch.dtype, torch.Tensor] = {}
         self.size = size_bytes
@@ -291,14 +296,38 @@ class MemoryAllocator:
         if self._used:
             logger.warning("arena closed with %d objects still referenced", len(self._used))
         self._evictor = None
-        if self._registered:
-            self._registered = False
-            torch.cuda.cudart().cudaHostUnregister(self.raw.data_ptr())
+        if self._unregister is not None:
+            self._unregister()  # once: a finalizer runs at most once
 
 
 # cudaHostRegisterPortable | cudaHostRegisterMapped: every device may copy from and to it, and
 # kernels may read and write it directly (the GPU copy kernels do).
 _REGISTER_FLAGS = 1 | 2
+
+
+def _unregister(raw: torch.Tensor) -> None:
+    err = int(torch.cuda.cudart().cudaHostUnregister(raw.data_ptr()))
+    if err != 0:
+        clear_cuda_error()
+        logger.warning("arena: cudaHostUnregister failed (cudaError %d)", err)
+
+
+def clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error after a failed call whose code was handled.
+
+    A failed runtime call (cudaHostRegister) leaves its code behind, and PyTorch reports it at
+    the next kernel launch as if that kernel had failed. torch does not expose
+    cudaGetLastError, so it is called in the runtime library torch loaded (found by path in
+    this process's maps: the same copy, hence the same error state); best effort."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart" in line}
+        for path in paths:
+            ctypes.CDLL(path).cudaGetLastError()
+    except OSError:
+        pass
 
 
 def _register(raw: torch.Tensor) -> bool:
@@ -310,6 +339,7 @@ def _register(raw: torch.Tensor) -> bool:
     """
     err = int(torch.cuda.cudart().cudaHostRegister(raw.data_ptr(), raw.numel(), _REGISTER_FLAGS))
     if err != 0:
+        clear_cuda_error()
         logger.warning("arena: cudaHostRegister failed (cudaError %d); allocating pinned memory "
                        "instead (slower start-up)", err)
     return err == 0
