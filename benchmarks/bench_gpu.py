@@ -6,10 +6,13 @@ of `--tokens`, every round measures, interleaved so that all see the same machin
 
 - `memcpy d2h` / `memcpy h2d`: a pinned contiguous copy of the same bytes (the baseline);
 - `kernel gather` / `kernel scatter`: `host_copy.gather_host`/`scatter_host` alone (random
-  slots, 256-token chunks in the pinned arena);
+  slots, 256-token chunks in the pinned arena): the kernel reading or writing host memory
+  over PCIe (`KVTIER_GPU_COPY=mapped`);
+- `staged gather` / `staged scatter`: `staging.Staging` alone: the same kernel into GPU
+  buffers, pipelined with the copy engines' memcpys (the default path);
 - `engine store` / `engine retrieve`: `CacheEngine.store` of a new prompt (hashing, allocation,
   the copy, the CPU-tier put) and `CacheEngine.retrieve` of it into another pool, until the
-  loaded bytes are in the pool.
+  loaded bytes are in the pool (on the path `KVTIER_GPU_COPY` names, staged by default).
 
 GB/s at the median and at the p99 time, and the median's ratio to the memcpy of the same
 direction in the same run. Also the arena's start-up: `--arena-gb` faulted in and registered
@@ -32,6 +35,7 @@ from benchmarks.common import write_results
 from kvtier.config import Config
 from kvtier.connectors import KVConnector, SGLangMHAConnector, SGLangMLAConnector, ops
 from kvtier.connectors.host_copy import gather_host, scatter_host
+from kvtier.connectors.staging import Staging, copy_path
 from kvtier.engine import CacheEngine
 from kvtier.memory import MemoryAllocator
 
@@ -75,9 +79,10 @@ def run_case(kind: str, tokens: int, args: argparse.Namespace) -> dict[str, Any]
     objs = [a.storage.allocator.allocate(src.layout, CHUNK) for _ in range(tokens // CHUNK)]
     planes = src._planes([o for o in objs if o is not None], "objs")
     status = torch.zeros(len(planes), dtype=torch.int32, pin_memory=True)
+    staging = Staging(torch.device("cuda", torch.cuda.current_device()))
     times: dict[str, list[float]] = {name: [] for name in (
-        "memcpy d2h", "memcpy h2d", "kernel gather", "kernel scatter", "engine store",
-        "engine retrieve")}
+        "memcpy d2h", "memcpy h2d", "kernel gather", "kernel scatter", "staged gather",
+        "staged scatter", "engine store", "engine retrieve")}
     for i in range(args.rounds + 2):  # two warm-up rounds
         toks = torch.randint(0, 30000, (tokens,))
         s_slots = torch.randperm(src.num_slots, device="cuda")[:tokens]
@@ -87,6 +92,8 @@ def run_case(kind: str, tokens: int, args: argparse.Namespace) -> dict[str, Any]
             "memcpy h2d": lambda: dev.copy_(host, non_blocking=True),
             "kernel gather": lambda s=s_slots: gather_host(src._layers, s, planes, status),
             "kernel scatter": lambda d=d_slots: scatter_host(planes, d, dst._layers, status),
+            "staged gather": lambda s=s_slots: staging.gather(src._layers, s, planes, status),
+            "staged scatter": lambda d=d_slots: staging.scatter(planes, d, dst._layers, status),
             "engine store": lambda t=toks, s=s_slots: a.store(t, s),
             "engine retrieve": lambda t=toks, d=d_slots: b.retrieve(t, d),
         }
@@ -102,8 +109,8 @@ def run_case(kind: str, tokens: int, args: argparse.Namespace) -> dict[str, Any]
     a.close()
     out = {name: summary(nbytes, t) for name, t in times.items()}
     for name, row in out.items():
-        base = out["memcpy d2h" if name in ("memcpy d2h", "kernel gather", "engine store")
-                   else "memcpy h2d"]
+        base = out["memcpy d2h" if name in ("memcpy d2h", "kernel gather", "staged gather",
+                                            "engine store") else "memcpy h2d"]
         row["x_memcpy"] = row["gbps"] / base["gbps"]
     return {"kind": kind, "tokens": tokens, "bytes": nbytes, "results": out}
 
@@ -134,9 +141,11 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_gpu needs a CUDA GPU (torch.cuda.is_available() is False)")
     kernel = ops.prepare()
-    print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, kernel {kernel}")
+    print(f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, kernel {kernel}, "
+          f"engine copies {copy_path()}")
     report: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "kernel": kernel,
-                              "torch": torch.__version__, "cases": []}
+                              "torch": torch.__version__, "copy_path": copy_path(),
+                              "cases": []}
     print(f"{'pool':<5}{'tokens':>7}  {'path':<16}{'GB/s':>7}{'p99':>7}{'x memcpy':>10}")
     for kind in args.kinds.split(","):
         for tokens in (int(t) for t in args.tokens.split(",")):

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvtier.connectors import host_copy
 from kvtier.memory import KVLayout, MemoryObj
+
+if TYPE_CHECKING:
+    from kvtier.connectors.staging import Staging
 
 __all__ = ["KVConnector"]
 
@@ -46,18 +50,26 @@ class KVConnector(ABC):
             raise ValueError(f"objs hold {start} tokens, slots has {slots.numel()}")
 
     def gather_host(self, slots: torch.Tensor, objs: Sequence[MemoryObj],
-                    status: torch.Tensor) -> None:
+                    status: torch.Tensor, staging: Staging | None = None) -> None:
         """CUDA pools: enqueue the copy of the KV of `slots` into `objs` (consecutive chunks in
         the pinned arena) on the current stream, slots checked on the GPU into `status`; see
-        `host_copy.gather_host`."""
-        host_copy.gather_host(self._layers, slots, self._planes(objs, "objs"), status)
+        `host_copy.gather_host`. With `staging`, through its GPU buffers and copy engines."""
+        planes = self._planes(objs, "objs")
+        if staging is not None:
+            staging.gather(self._layers, slots, planes, status)
+        else:
+            host_copy.gather_host(self._layers, slots, planes, status)
 
     def scatter_host(self, objs: Sequence[MemoryObj], slots: torch.Tensor,
-                     status: torch.Tensor) -> None:
+                     status: torch.Tensor, staging: Staging | None = None) -> None:
         """CUDA pools: enqueue the copy of `objs` (pinned arena) into the pool rows `slots` on
         the current stream; see `host_copy.scatter_host`. `objs` must stay leased until the
-        copy has run."""
-        host_copy.scatter_host(self._planes(objs, "objs"), slots, self._layers, status)
+        copy has run. With `staging`, through its GPU buffers and copy engines."""
+        planes = self._planes(objs, "objs")
+        if staging is not None:
+            staging.scatter(planes, slots, self._layers, status)
+        else:
+            host_copy.scatter_host(planes, slots, self._layers, status)
 
     def _planes(self, objs: Sequence[MemoryObj], name: str) -> list[torch.Tensor]:
         """Each object's tensor as `[planes * layers, tokens, hidden]`, the pool layers' order

@@ -153,12 +153,14 @@ def _check(layers: Sequence[torch.Tensor], slots: torch.Tensor,
                 (chunk.shape[0], chunk.shape[2]) != want:
             raise ValueError(f"{name}[{i}] must be a [{want[0]}, tokens, {want[1]}] tensor, "
                              f"got {ops._describe(chunk)}")
-        pinned = chunk.numel() == 0 or chunk.is_pinned()  # an empty chunk is never read
-        if chunk.dtype != first.dtype or chunk.device.type != "cpu" or \
+        # A chunk on the pool's device is a staging buffer (`staging`); an empty one is never read.
+        staged = chunk.device == first.device
+        pinned = staged or chunk.numel() == 0 or chunk.is_pinned()
+        if chunk.dtype != first.dtype or not (staged or chunk.device.type == "cpu") or \
                 not chunk.is_contiguous() or not pinned:
             raise ValueError(f"{name}[{i}] must be a contiguous {first.dtype} tensor in pinned "
-                             f"host memory, got {chunk.dtype} on {chunk.device}"
-                             f"{'' if pinned else ' (not pinned)'}")
+                             f"host memory (or on {first.device}), got {chunk.dtype} on "
+                             f"{chunk.device}{'' if pinned else ' (not pinned)'}")
         total += chunk.shape[1]
     if total != slots.numel():
         raise ValueError(f"{name} hold {total} tokens, slots has {slots.numel()}")

@@ -26,6 +26,7 @@ import torch
 
 from kvtier.connectors.base import KVConnector
 from kvtier.connectors.host_copy import STATUS_BAD
+from kvtier.connectors.staging import Staging, copy_path
 from kvtier.memory import MemoryObj
 from kvtier.metrics import Counters, RateLimitedLog
 
@@ -119,6 +120,7 @@ class DeviceCopies:
         self.device = connector.device
         self.store_stream = torch.cuda.Stream(self.device)
         self.load_stream = torch.cuda.Stream(self.device)
+        self.staging = Staging(self.device) if copy_path() == "staged" else None
         self.fence = Fence()
         self._counters = counters
         counters.declare("gpu_load_bad_slots")
@@ -139,7 +141,7 @@ class DeviceCopies:
             stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             slots = slot_runs[0] if len(slot_runs) == 1 else torch.cat(list(slot_runs))
-            self.connector.gather_host(slots, objs, status)
+            self.connector.gather_host(slots, objs, status, self.staging)
             done = torch.cuda.Event(blocking=True)  # a waiter sleeps, not spins
             done.record(stream)
         for run in slot_runs:
@@ -155,7 +157,7 @@ class DeviceCopies:
         status = torch.zeros(len(objs), dtype=torch.int32, pin_memory=True)
         stream.wait_stream(caller)
         with torch.cuda.stream(stream):
-            self.connector.scatter_host(objs, slots, status)
+            self.connector.scatter_host(objs, slots, status, self.staging)
             done = torch.cuda.Event(blocking=True)  # a waiter sleeps, not spins
             done.record(stream)
         caller.wait_event(done)

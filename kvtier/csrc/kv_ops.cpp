@@ -276,8 +276,9 @@ void scatter_chunks(const std::vector<at::Tensor>& srcs, const at::Tensor& slots
   scatter_chunks_cpu(srcs, slots, layers, row_bytes, max_threads);
 }
 
-// Validates host copies' arguments: a CUDA pool, slots on it, pinned-able CPU chunks of the
-// pool's dtype and row size holding one token per slot, one int32 status word per chunk.
+// Validates host copies' arguments: a CUDA pool, slots on it, pinned CPU chunks (or chunks in a
+// staging buffer on the pool's device) of the pool's dtype and row size holding one token per
+// slot, one int32 status word per chunk.
 int64_t check_host_args(const std::vector<at::Tensor>& layers, const at::Tensor& slots,
                         const std::vector<at::Tensor>& chunks, const at::Tensor& status,
                         const char* name) {
@@ -289,9 +290,12 @@ int64_t check_host_args(const std::vector<at::Tensor>& layers, const at::Tensor&
   int64_t total = 0;
   for (size_t c = 0; c < chunks.size(); ++c) {
     const auto& chunk = chunks[c];
-    TORCH_CHECK_VALUE(chunk.is_cpu() && chunk.dtype() == first.dtype(), name, "[", c,
-                      "] must be a CPU tensor of the layers' dtype ", first.dtype(), ", got ",
-                      chunk.dtype(), " on ", chunk.device());
+    // Pinned host chunks (mapped), or a staging buffer on the layers' device.
+    TORCH_CHECK_VALUE((chunk.is_cpu() || chunk.device() == first.device()) &&
+                          chunk.dtype() == first.dtype(),
+                      name, "[", c, "] must be a CPU tensor or one on ", first.device(),
+                      " of the layers' dtype ", first.dtype(), ", got ", chunk.dtype(), " on ",
+                      chunk.device());
     TORCH_CHECK_VALUE(chunk.is_contiguous(), name, "[", c, "] must be contiguous");
     TORCH_CHECK_VALUE(chunk.dim() == 3 && chunk.size(0) == n && chunk.size(2) == first.size(1),
                       name, "[", c, "] must have shape [", n, ", tokens, ", first.size(1),

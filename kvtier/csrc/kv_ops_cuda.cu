@@ -172,7 +172,11 @@ void host_copy(const std::vector<at::Tensor>& layers, const at::Tensor& slots,
   first[0] = 0;
   for (int64_t c = 0; c < num_chunks; ++c) {
     // An empty chunk has no rows, so its address is never used (and may be null).
-    chunk_ptrs[c] = chunks[c].numel() ? mapped_address(chunks[c], name, c) : 0;
+    // A chunk on the device (a staging buffer) is addressed as it is.
+    const auto& chunk = chunks[c];
+    chunk_ptrs[c] = chunk.numel() == 0 ? 0
+                    : chunk.is_cuda() ? reinterpret_cast<int64_t>(chunk.data_ptr())
+                                      : mapped_address(chunk, name, c);
     aligned = aligned && chunk_ptrs[c] % 16 == 0;
     first[c + 1] = first[c] + chunks[c].size(1);
   }

@@ -32,9 +32,12 @@ def mla(seed: int) -> SGLangMLAConnector:
                                            generator=gen) for _ in range(5)])
 
 
-@pytest.fixture(params=["mha", "mla"])
-def pair(request: pytest.FixtureRequest) -> Iterator[tuple[CacheEngine, CacheEngine]]:
-    make = mha if request.param == "mha" else mla
+@pytest.fixture(params=["mha-staged", "mha-mapped", "mla-staged", "mla-mapped"])
+def pair(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
+         ) -> Iterator[tuple[CacheEngine, CacheEngine]]:
+    kind, path = request.param.split("-")
+    monkeypatch.setenv("KVTIER_GPU_COPY", path)  # read when the engine is built
+    make = mha if kind == "mha" else mla
     src, dst = make(1), make(2)
     cfg = Config(chunk_size=CHUNK, max_local_cpu_size=0.5, save_unfull_chunk=True)
     a = CacheEngine(cfg, model_name="m", layout=src.layout, connector=src)

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.gpu import cuda
 from tests.integration.conftest import write_config
 
 pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("sglang_parallel_context")]
@@ -31,22 +32,23 @@ def extra_info(**kwargs: Any) -> Any:
     return HiCacheStorageExtraInfo(**kwargs)
 
 
-def host_pool(kind: str, layout: str) -> Any:
-    """A device pool and its HiCache host mirror, in pageable memory (no CUDA here)."""
+def host_pool(kind: str, layout: str, device: str = "cpu") -> Any:
+    """A device pool and its HiCache host mirror: on a CPU server the mirror is pageable, on a
+    GPU server (`device="cuda"`) it is pinned, as SGLang allocates it there."""
     from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _mha_host_inputs
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
     common = {"host_to_device_ratio": 2.0, "host_size": 0, "page_size": PAGE,
-              "layout": layout, "pin_memory": False, "device": "cpu"}
+              "layout": layout, "pin_memory": device == "cuda", "device": "cpu"}
     if kind == "mha":
         dev = MHATokenToKVPool(64, page_size=PAGE, dtype=torch.bfloat16, head_num=2,
-                               head_dim=8, layer_num=3, device="cpu",
+                               head_dim=8, layer_num=3, device=device,
                                enable_memory_saver=False)
         cls, info, kwargs = _mha_host_inputs(dev)
         return cls(info, **kwargs, **common)
     dev = MLATokenToKVPool(64, page_size=PAGE, dtype=torch.float32, kv_lora_rank=32,
-                           qk_rope_head_dim=8, layer_num=2, device="cpu",
+                           qk_rope_head_dim=8, layer_num=2, device=device,
                            enable_memory_saver=False)
     return MLATokenToKVPoolHost(
         dev.get_device_pool_infos()[0].buffer_info, device_capacity_tokens=dev.size,
@@ -103,11 +105,12 @@ def page_bytes(pool: Any, indices: torch.Tensor, num_pages: int) -> list[bytes]:
 KEYS = ["a1" * 32, "b2" * 32, "c3" * 32]
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
 @pytest.mark.parametrize("kind,layout", [("mha", "layer_first"), ("mha", "page_first"),
                                          ("mla", "layer_first")])
 def test_set_exists_get_round_trip(make_backend: Callable[..., Any], kind: str,
-                                   layout: str) -> None:
-    pool = host_pool(kind, layout)
+                                   layout: str, device: str) -> None:
+    pool = host_pool(kind, layout, device)
     backend = make_backend(pool, is_mla=kind == "mla")
     assert isinstance(backend, storage_class())
     src = fill_pages(pool, 3, seed=1)
