@@ -1,12 +1,14 @@
-"""Copies between a CUDA KV pool and chunks in pinned host memory: the GPU path's data move.
+"""The copy kernel between a CUDA KV pool and chunks: pinned host chunks, or a staging buffer.
 
 On a GPU, kvtier's memory objects stay in the pinned host arena. `gather_host` copies pool rows
-straight into them and `scatter_host` the reverse: one kernel launch for all the chunks of a
-call, which reads or writes the host memory directly over PCIe (mapped, UVA), enqueued on the
-caller's current CUDA stream. Nothing here synchronises with the GPU: slot values are checked by
-the kernel, which leaves a row with a bad slot alone and sets its chunk's word in `status` (a
-pinned int32 tensor, one word per chunk, written on the stream after the copy; 0 = copied
-whole). Read `status` only once an event recorded after the call has completed.
+into chunks and `scatter_host` the reverse: one kernel launch for all the chunks of a call,
+enqueued on the caller's current CUDA stream. Chunks in pinned host memory are read or written
+directly over PCIe (mapped, UVA: `KVTIER_GPU_COPY=mapped`); chunks on the pool's device are the
+staged path's buffers (`staging`, the default), which the copy engines move to the arena.
+Nothing here synchronises with the GPU: slot values are checked by the kernel, which leaves a
+row with a bad slot alone and sets its chunk's word in `status` (a pinned int32 tensor, one word
+per chunk, written on the stream after the copy; 0 = copied whole). Read `status` only once an
+event recorded after the call has completed.
 
 Without the CUDA kernel (a CUDA torch, but no CUDA toolkit when the kernels were built) the
 PyTorch reference does the same through a GPU staging buffer, still without a sync. The grid is

@@ -1,17 +1,18 @@
 """kvtier's own CUDA streams for one pool: stores and loads ordered by events, never by the host.
 
-A store (`DeviceCopies.gather`) runs on the store stream after an event: the one the caller
-recorded when it enqueued the forward that wrote the KV, or else everything enqueued on the
-caller's current stream so far. It then waits for its own copy on the calling thread (the
-engine's store runs on a background thread in a server), because the objects it fills go into
-the CPU tier, where other threads read them, and the caller may reuse the pool rows once this
-returns.
+The copies go through `staging` (GPU buffers and the copy engines; the default) or the mapped
+kernel alone (`KVTIER_GPU_COPY=mapped`). A store (`DeviceCopies.gather`) runs on the store
+stream after an event: the one the caller recorded when it enqueued the forward that wrote the
+KV, or else everything enqueued on the caller's current stream so far. It then waits for its own
+copy on the calling thread (the engine's store runs on a background thread in a server), because
+the objects it fills go into the CPU tier, where other threads read them, and the caller may
+reuse the pool rows once this returns.
 
 A load (`DeviceCopies.scatter`) never waits: the load stream first waits for the work already
 enqueued on the caller's current stream (which may still read or write those rows), the copy is
-enqueued, and the caller's stream waits for the copy's event, so the forward enqueued next
-reads the loaded bytes. The objects it reads stay leased until that event has fired: a `Fence`
-thread waits for it, releases them and reports slot errors the kernel found.
+enqueued, and the caller's stream waits for the copy's event, so the forward enqueued next reads
+the loaded bytes. The objects it reads stay leased until that event has fired: a `Fence` thread
+waits for it, releases them and reports slot errors the kernel found.
 """
 
 from __future__ import annotations
