@@ -27,7 +27,7 @@ from kvtier.urls import REMOTE_SCHEMES, redact_url
 if TYPE_CHECKING:
     from kvtier.config import Config
 
-__all__ = ["validate", "physical_memory_bytes",
+__all__ = ["validate", "physical_memory_bytes", "available_memory_bytes", "arena_now_problem",
            "cgroup_memory_limit", "host_problems", "check_host", "REMOTE_SERDES",
            "TRANSFER_ARENA_GB"]
 
@@ -228,6 +228,8 @@ CGROUP_ROOT = "/sys/fs/cgroup"
 # already holds back 5% for root, outside the free space counted here).
 DISK_RESERVE_FRACTION = 0.05
 DISK_RESERVE_BYTES = 10**9
+# Memory left free beside a new arena, for the process itself (its threads, allocator slack).
+MEMORY_HEADROOM_BYTES = 10**9
 MAX_DISK_WALK = 200_000  # entries; a larger directory is not summed (and the check skipped)
 
 
@@ -279,6 +281,47 @@ def memory_problem(cfg: Config, *, local_ranks: int = 1,
             f"= {need / 1e9:.2f} GB of arenas (each TP rank allocates its own) is more than "
             f"this host's {what} of {limit / 1e9:.2f} GB: at most "
             f"{limit / local_ranks / 1e9:.2f} GB per rank")
+
+
+def available_memory_bytes(meminfo: str | os.PathLike[str] = "/proc/meminfo") -> int | None:
+    """What can be allocated now without swapping: `MemAvailable`, and under each cgroup v2
+    limit of this process, that limit less the cgroup's `memory.current`; the smallest. None
+    when none of them can be read."""
+    found = []
+    try:
+        for line in Path(meminfo).read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit_file in _own_memory_max_files():
+        try:
+            limit = limit_file.read_text().strip()
+            current = (limit_file.parent / "memory.current").read_text().strip()
+        except OSError:
+            continue
+        if limit.isdigit() and current.isdigit():
+            found.append(max(0, int(limit) - int(current)))
+    return min(found, default=None)
+
+
+def arena_now_problem(cfg: Config, *, available: int | None = None) -> str | None:
+    """Why an arena of `max_local_cpu_size` does not fit the memory available now
+    (`available`, default `available_memory_bytes()`) with `MEMORY_HEADROOM_BYTES` left over;
+    None when it fits or availability cannot be read. Checked where the arena is allocated:
+    in a server that is after the engine's own allocations (on a CPU server, SGLang's KV pool
+    and weights), which a check at launch cannot know."""
+    avail = available_memory_bytes() if available is None else available
+    need = cfg.max_local_cpu_size * 1e9
+    if avail is None or need + MEMORY_HEADROOM_BYTES <= avail:
+        return None
+    room = max(0, avail - MEMORY_HEADROOM_BYTES)
+    return (f"max_local_cpu_size: {cfg.max_local_cpu_size:g} GB does not fit the memory "
+            f"available now: {avail / 1e9:.2f} GB available (after what the serving engine "
+            f"has allocated: on a CPU server its KV pool and weights) - "
+            f"{MEMORY_HEADROOM_BYTES / 1e9:.2f} GB kept free = at most {room / 1e9:.2f} GB; "
+            f"lower max_local_cpu_size, or the engine's own pool (SGLang: --max-total-tokens, "
+            f"--mem-fraction-static)")
 
 
 def _bytes_under(root: Path) -> int | None:

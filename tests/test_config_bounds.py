@@ -18,6 +18,9 @@ from kvtier.backends.disk import DiskBackend
 from kvtier.cli import main
 from kvtier.config import Config, load_config, load_config_report, physical_memory_bytes
 from kvtier.config_checks import (
+    MEMORY_HEADROOM_BYTES,
+    arena_now_problem,
+    available_memory_bytes,
     cgroup_memory_limit,
     check_host,
     disk_problem,
@@ -269,3 +272,26 @@ def test_unknown_kvtier_variable_warns_with_the_nearest_key(
     assert "KVTIER_CHUNKSIZE" in lines[0]
     assert "did you mean KVTIER_CHUNK_SIZE (chunk_size)?" in lines[0]
     assert "KVTIER_TEST_REDIS" in lines[1] and "redis://" not in lines[1]
+
+
+# ---- the arena against the memory available when it is allocated ---------------------------
+
+def test_an_arena_must_fit_the_memory_available_now_with_headroom() -> None:
+    cfg = Config(max_local_cpu_size=2.0)
+    room = int(2e9) + MEMORY_HEADROOM_BYTES
+    assert arena_now_problem(cfg, available=room) is None
+    problem = arena_now_problem(cfg, available=room - 1)
+    assert problem is not None
+    assert problem.startswith("max_local_cpu_size: 2 GB does not fit the memory available "
+                              f"now: {(room - 1) / 1e9:.2f} GB available")
+    assert f"at most {(room - 1 - MEMORY_HEADROOM_BYTES) / 1e9:.2f} GB" in problem
+    assert "--max-total-tokens" in problem
+
+
+def test_available_memory_is_at_most_memavailable(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       8000 kB\nMemAvailable:    2048 kB\n")
+    got = available_memory_bytes(meminfo)
+    assert got is not None and got <= 2048 * 1024  # a cgroup limit may lower it further
+    real = available_memory_bytes()
+    assert real is not None and 0 < real <= physical_memory_bytes()

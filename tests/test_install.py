@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,8 @@ def test_a_wheel_of_the_checkout_installs_and_uses_the_cpp_kernel(tmp_path: Path
                     "-w", str(tmp_path / "dist"), str(_copy_checkout(tmp_path / "src"))],
                    check=True)
     [wheel] = (tmp_path / "dist").glob("kvtier-*.whl")
+    with zipfile.ZipFile(wheel) as whl:  # the CPU engine's sgl_kernel stand-in ships in it
+        assert "kvtier/integration/sglang/cpu_shims/sgl_kernel/__init__.py" in whl.namelist()
     subprocess.run([*pip, str(wheel)], check=True)
     env = {**os.environ, "KVTIER_CACHE_DIR": str(tmp_path / "cache"), "KVTIER_KERNEL": "cpp",
            "KVTIER_CONFIG_FILE": "", "KVTIER_MAX_LOCAL_CPU_SIZE": "0.01",

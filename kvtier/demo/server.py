@@ -5,8 +5,10 @@ scheduler and detokenizer processes it spawned. Its output goes to a log file (k
 it loads there), printed when the server fails to start.
 
 On a machine without a GPU SGLang runs its CPU engine, which imports `sgl_kernel` (no CPU build
-on PyPI): the stand-in in the repository's `sglang_cpu/` directory is put on the server's
-PYTHONPATH. `KVTIER_SGLANG_CPU_SHIMS` names that directory explicitly.
+on PyPI): kvtier's stand-in (`kvtier.integration.sglang.cpu.SHIM_DIR`) is put on every server's
+PYTHONPATH, servers without kvtier included, and the repository's `sglang_cpu/` directory (a
+plugin that makes prefix hits save attention work on CPU) beside it where the caller asks;
+`KVTIER_SGLANG_CPU_SHIMS` names that directory explicitly.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from kvtier.integration.sglang.cpu import SHIM_DIR
 
 __all__ = ["SGLangServer", "StreamResult", "free_port", "cpu_shims_dir", "server_env",
            "CPU_FLAGS", "gpu_available"]
@@ -63,18 +67,19 @@ def gpu_available() -> bool:
 
 
 def cpu_shims_dir() -> Path:
-    """The directory holding the `sgl_kernel` stand-in for SGLang's CPU engine.
+    """The directory holding the demo's SGLang CPU plugin (`kvtier_sglang_cpu`: prefix hits
+    that save attention work on CPU).
 
     `$KVTIER_SGLANG_CPU_SHIMS` if set, else `sglang_cpu/` beside the `kvtier` package (a
-    source checkout). `FileNotFoundError` names both when neither holds `sgl_kernel`.
+    source checkout). `FileNotFoundError` names both when neither holds the plugin.
     """
     explicit = os.environ.get(SHIMS_ENV)
     candidate = Path(explicit) if explicit else \
         Path(__file__).resolve().parents[2] / "sglang_cpu"
-    if not (candidate / "sgl_kernel" / "__init__.py").is_file():
+    if not (candidate / "kvtier_sglang_cpu.py").is_file():
         raise FileNotFoundError(
-            f"no sgl_kernel stand-in in {candidate}: SGLang's CPU engine needs one; run from a "
-            f"kvtier checkout or set {SHIMS_ENV} to its sglang_cpu/ directory")
+            f"no kvtier_sglang_cpu plugin in {candidate}: run from a kvtier checkout or set "
+            f"{SHIMS_ENV} to its sglang_cpu/ directory")
     return candidate
 
 
@@ -85,8 +90,9 @@ def server_env(extra: dict[str, str] | None = None,
     config comes from its flags only)."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("KVTIER_", "LMCACHE_", "SGLANG_PLUGINS"))}
+    # The sgl_kernel stand-in too: servers without kvtier (the baselines) need it as well.
     env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (*map(str, pythonpath), env.get("PYTHONPATH", "")) if p)
+        p for p in (*map(str, pythonpath), str(SHIM_DIR), env.get("PYTHONPATH", "")) if p)
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     env.setdefault("OMP_NUM_THREADS", "1")
     env["HF_HUB_OFFLINE"] = "1"

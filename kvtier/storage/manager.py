@@ -16,7 +16,7 @@ from kvtier import prometheus
 from kvtier.backends import BackendContext, HotTier, StorageBackend, create_backend
 from kvtier.backends.cpu import NullHotTier
 from kvtier.config import Config
-from kvtier.config_checks import memory_problem
+from kvtier.config_checks import arena_now_problem, memory_problem
 from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey, stub_key
 from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj, lease
@@ -323,7 +323,8 @@ def _new_arena(config: Config) -> MemoryAllocator:
     """An arena of `max_local_cpu_size` GB; `ConfigError` if this host cannot hold it."""
     # A config may be sized for a bigger host (check-config only warns): refuse here, naming
     # the key, before a too-large arena is allocated and faulted in.
-    problem = memory_problem(config)
+    # Then against what is free now: a serving engine allocates its own pool first.
+    problem = memory_problem(config) or arena_now_problem(config)
     if problem:
         raise ConfigError(problem)
     return MemoryAllocator(int(config.max_local_cpu_size * 1e9))

@@ -1,8 +1,8 @@
 """Real `python -m sglang.launch_server` processes on CPU for tests.
 
 The server class is the demo's (`kvtier.demo.server`); tests add their own SGLang plugin
-(`pythonpath/`: CPU fixes for tiny MLA models) beside the `sgl_kernel` stand-in in
-`sglang_cpu/`, and serve with a 2048-token KV pool.
+(`pythonpath/`: CPU fixes for tiny MLA models) beside the demo's CPU plugin in `sglang_cpu/`
+(the `sgl_kernel` stand-in comes from kvtier's package), and serve with a 2048-token KV pool.
 """
 
 from __future__ import annotations
@@ -16,11 +16,12 @@ from typing import Any
 
 from kvtier.demo import server as _server
 from kvtier.demo.server import cpu_shims_dir, free_port
+from kvtier.integration.sglang.cpu import SHIM_DIR
 
 __all__ = ["SGLangServer", "free_port", "PYTHONPATH_DIRS", "SHIMS_DIR", "CPU_FLAGS", "running"]
 
-SHIMS_DIR = cpu_shims_dir()
-PYTHONPATH_DIRS = (SHIMS_DIR, Path(__file__).resolve().parent / "pythonpath")
+SHIMS_DIR = SHIM_DIR  # the sgl_kernel stand-in (in-process SGLang imports need it too)
+PYTHONPATH_DIRS = (cpu_shims_dir(), Path(__file__).resolve().parent / "pythonpath")
 CPU_FLAGS = (*_server.CPU_FLAGS, "--max-total-tokens", "2048")
 
 

@@ -95,6 +95,11 @@ def _from_cli_args(original: Callable[..., Any], cls: type, args: argparse.Names
     if args.radix_cache_backend == BACKEND_NAME:
         if config_file:
             os.environ["KVTIER_CONFIG_FILE"] = os.path.abspath(config_file)
+        if getattr(args, "device", None) == "cpu":  # before any worker starts: they inherit it
+            from kvtier.integration.sglang.cpu import prepare_cpu_engine
+
+            for change in prepare_cpu_engine():
+                logger.info("kvtier: --device cpu: %s", change)
         # Fail in the launcher, with the file and key named, not later in a worker.
         _check_launch(load_config(), args)
         _add_http_routes()

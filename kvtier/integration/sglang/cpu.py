@@ -1,0 +1,42 @@
+"""SGLang's CPU engine, switched on by kvtier's plugin for `--device cpu`.
+
+SGLang 0.5.23 runs on a CPU only with `SGLANG_USE_CPU_ENGINE=1` in every process's environment
+(without it the launch fails importing `vllm`) and an importable `sgl_kernel` (its CPU build is
+not on PyPI: without it, `No module named 'sgl_kernel'`). A launch with `--enable-kvtier
+--device cpu` gets both from the plugin, in the launcher before any worker starts, so the
+workers inherit them: the variable, and `cpu_shims/` (kvtier's stand-in for `sgl_kernel`,
+shipped in the package) on `PYTHONPATH`, unless a real `sgl_kernel` is importable. What a user
+set is left alone.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import sys
+from collections.abc import MutableMapping
+from pathlib import Path
+
+__all__ = ["SHIM_DIR", "CPU_ENGINE_ENV", "prepare_cpu_engine"]
+
+logger = logging.getLogger(__name__)
+
+SHIM_DIR = Path(__file__).resolve().parent / "cpu_shims"
+CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"
+
+
+def prepare_cpu_engine(env: MutableMapping[str, str] = os.environ) -> list[str]:
+    """Switch SGLang's CPU engine on in `env` (and make the `sgl_kernel` stand-in importable
+    here and in processes started with `env`); returns what it changed, for the log."""
+    done = []
+    if env.get(CPU_ENGINE_ENV) is None:
+        env[CPU_ENGINE_ENV] = "1"
+        done.append(f"{CPU_ENGINE_ENV}=1")
+    if importlib.util.find_spec("sgl_kernel") is None:
+        shims = str(SHIM_DIR)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (shims, env.get("PYTHONPATH", "")) if p)
+        if shims not in sys.path:
+            sys.path.insert(0, shims)
+        done.append(f"kvtier's sgl_kernel stand-in ({shims}) on PYTHONPATH")
+    return done

@@ -1,0 +1,87 @@
+"""The README's CPU launch line, run as written with nothing in the environment but PATH and
+HOME: kvtier's plugin switches SGLang's CPU engine on (its variable and the `sgl_kernel`
+stand-in shipped in the package), and the server serves a kvtier hit. And the arena check a
+launch cannot make: an arena that fits physical memory but not beside SGLang's own KV pool
+stops the server, naming both numbers, before it is allocated."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from kvtier.config_checks import MEMORY_HEADROOM_BYTES, available_memory_bytes
+from tests.integration.conftest import full_hit, prompt, write_config
+from tests.sglang_support.server import SGLangServer
+
+pytestmark = pytest.mark.sglang
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def readme_cpu_launch() -> list[str]:
+    """The README's CPU launch line, after `python -m sglang.launch_server`."""
+    lines = [line for line in README.read_text().splitlines()
+             if line.startswith("python -m sglang.launch_server") and "--device cpu" in line]
+    assert len(lines) == 1, f"README must show one CPU launch line, found {lines}"
+    return shlex.split(lines[0])[3:]
+
+
+def bare_server(model: Path, log: Path, args: Sequence[str]) -> SGLangServer:
+    """A server started with `args` as given, in an environment of PATH and HOME only (the
+    launcher is this venv's python, as `python` on a user's PATH would be)."""
+    server = SGLangServer(model, log, args=args)
+    server.cpu_flags = []
+    server.env = {"PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
+                  "HOME": os.environ.get("HOME", "/root")}
+    return server
+
+
+def test_the_readme_cpu_launch_line_serves_a_kvtier_hit(tiny_llama: Path,
+                                                         tmp_path: Path) -> None:
+    config = write_config(tmp_path / "kvtier.yaml")
+    args = readme_cpu_launch()
+    assert args[:2] == ["--model-path", "M"] and "kvtier.yaml" in args
+    args = [str(config) if a == "kvtier.yaml" else a for a in args[2:]]
+    server = bare_server(tiny_llama, tmp_path / "server.log", args)
+    with server:
+        ids = prompt(21, 40)
+        first = server.generate(ids)
+        server.flush_cache()
+        again = server.generate(ids)
+        log = server.log()
+    assert again["meta_info"]["cached_tokens"] == full_hit(server, 40), log[-3000:]
+    assert again["output_ids"] == first["output_ids"]
+    assert "kvtier: --device cpu: SGLANG_USE_CPU_ENGINE=1" in log
+    assert "sgl_kernel stand-in" in log
+
+
+def test_an_arena_that_does_not_fit_beside_the_engines_pool_stops_the_server(
+        tiny_llama: Path, tmp_path: Path) -> None:
+    before = available_memory_bytes()
+    assert before is not None
+    pool_tokens = 16 * 2**20  # 4 GiB of KV at this model's 256 bytes a token (fp16)
+    # Fits physical memory and what is free now, but not once the pool is allocated.
+    arena_gb = round((before - MEMORY_HEADROOM_BYTES - 2 * 2**30) / 1e9, 2)
+    assert arena_gb > 1, f"too little memory free for this test: {before / 1e9:.1f} GB"
+    config = write_config(tmp_path / "kvtier.yaml", max_local_cpu_size=arena_gb)
+    server = bare_server(tiny_llama, tmp_path / "server.log", [
+        "--device", "cpu", "--max-total-tokens", str(pool_tokens), "--enable-kvtier",
+        "--kvtier-config-file", str(config)])
+    server.launch()
+    try:
+        assert server.proc is not None
+        server.proc.wait(240)
+    finally:
+        server.stop()
+    log = server.log()
+    found = re.search(rf"max_local_cpu_size: {arena_gb:g} GB does not fit the memory available "
+                      r"now: ([\d.]+) GB available .* at most ([\d.]+) GB", log)
+    assert found, log[-3000:]
+    assert float(found[1]) < arena_gb  # the pool took what the arena needed
+    assert "arena: " not in log  # refused before it was allocated
