@@ -1,9 +1,10 @@
 """`kvtier demo --small` end to end: real SGLang servers with and without kvtier.
 
 Runs the command as a user would (a subprocess) and checks the JSON it writes: later turns hit
-kvtier's tiers (CPU while the server runs, disk after its restart), every output equals the
-recomputing baseline's, and a hit makes the first token come sooner than recomputing the prefix
-(the small model's 1.5K-token prefill costs several times a load, so this holds on any machine).
+kvtier's tiers (CPU while the server runs, disk after its restart, Redis from a second instance
+on the redis-server the demo starts itself), every output equals the recomputing baseline's, and
+a hit makes the first token come sooner than recomputing the prefix (the small model's
+1.5K-token prefill costs several times a load, so this holds on any machine).
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ def test_demo_small(tmp_path: Path) -> None:
     turns = [r for r in rows if r["phase"] == "multi-turn"]
     assert len(turns) == 4  # 2 conversations x 2 turns
     assert [r["tier"] for r in rows if r["phase"] == "restart"] == ["disk", "disk"]
+    # The Redis row by default: a redis-server the demo started (and stopped) for it.
+    assert "a local redis-server for the Redis row: redis://127.0.0.1:" in proc.stderr
+    assert [r["tier"] for r in rows if r["phase"] == "second-instance"] == ["redis", "redis"]
 
     # Only the very first request misses: everything after it shares the system prompt.
     first, *later = turns
@@ -49,5 +53,5 @@ def test_demo_small(tmp_path: Path) -> None:
     assert results["summary"]["all_identical"]
     # Loading the prefix beats recomputing it, from the CPU tier and from disk alike.
     assert all(r["ttft_with_s"] < r["ttft_without_s"] for r in hits), hits
-    assert set(results["summary"]["hit_tokens_per_tier"]) == {"cpu", "disk"}
+    assert set(results["summary"]["hit_tokens_per_tier"]) == {"cpu", "disk", "redis"}
     assert "demo.json" in proc.stdout

@@ -24,8 +24,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--conversations", type=int, default=None, help="conversations (3)")
     p.add_argument("--system-prompt-tokens", type=int, default=None,
                    help="tokens in the shared system prompt (4096)")
-    p.add_argument("--redis-url", default=None,
-                   help="add a Redis tier, and a second server sharing it (cross-instance hits)")
+    p.add_argument("--redis-url", default="auto",
+                   help="a Redis tier, and a second server sharing it (cross-instance hits): "
+                        "a URL, 'auto' (default: a local redis-server the demo starts and "
+                        "stops, if one is on PATH) or 'none'")
     p.add_argument("--out", default="demo-results", help="directory for demo.json, demo.png "
                    "and the server logs (default: demo-results)")
     p.add_argument("--keep-model", action="store_true",
@@ -43,6 +45,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 def run_command(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    from kvtier.demo.local_redis import local_redis, redis_server_binary
     from kvtier.demo.report import HEADER, format_row, format_summary, write_results
     from kvtier.demo.runner import run_demo
 
@@ -63,7 +66,19 @@ def run_command(args: argparse.Namespace) -> int:
             printed.append(True)
         tqdm.write(format_row(row))  # type: ignore[arg-type]
 
-    results = run_demo(opts, note=lambda msg: print(msg, file=sys.stderr), emit=emit)
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr)
+
+    if args.redis_url != "auto":
+        results = run_demo(opts, note=say, emit=emit)
+    elif (binary := redis_server_binary()) is None:
+        say("no redis-server on PATH: the demo runs without its Redis row (apt-get install "
+            "redis-server, or --redis-url URL)")
+        results = run_demo(opts, note=say, emit=emit)
+    else:
+        with local_redis(binary) as url:
+            say(f"a local redis-server for the Redis row: {url} (stopped when the demo ends)")
+            results = run_demo(dataclasses.replace(opts, redis_url=url), note=say, emit=emit)
     print(format_summary(results))
     for note in write_results(results, opts.out_dir):
         print(note)
@@ -84,8 +99,9 @@ def _options(args: argparse.Namespace) -> DemoOptions:
                          f"context ({model.max_positions})")
     if args.threads < 0:
         raise ValueError(f"--threads must be >= 0, got {args.threads}")
+    redis_url = None if args.redis_url in ("auto", "none") else args.redis_url
     opts = DemoOptions(workload=workload, model=model, out_dir=Path(args.out),
-                       redis_url=args.redis_url, small=args.small, keep_model=args.keep_model,
+                       redis_url=redis_url, small=args.small, keep_model=args.keep_model,
                        threads=args.threads,
                        # a bar only where someone watches: not into a CI log or a pipe
                        progress=not args.quiet and sys.stderr.isatty())
