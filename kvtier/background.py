@@ -33,11 +33,22 @@ import time
 from collections.abc import Callable
 
 __all__ = ["lower_priority", "copy_alone", "name_os_thread", "copy_threads", "NICE",
-           "EngineActivity", "ENGINE", "QUIET_S", "STALE_S"]
+           "EngineActivity", "ENGINE", "QUIET_S", "STALE_S", "HOLD_S", "HOLD_SHARE",
+           "BUSY_SHARE", "URGENT_SHARE"]
 
 logger = logging.getLogger(__name__)
 
 NICE = 10
+# How the lower-tier writers (`TierWriter`) share a CPU engine's cores while batches run: queued
+# writes are held this long at most, or until this share of the queue waits (the held chunks
+# stay in the CPU tier, which serves them meanwhile) ...
+HOLD_S = 30.0
+HOLD_SHARE = 0.75
+# ... past the hold, a writer spends at most this share of its time writing (the write's wall
+# time: its copies, its syscalls, and a local Redis's work on the reply) ...
+BUSY_SHARE = 0.02
+# ... and none of it once this share of the queue waits (writes would soon be dropped).
+URGENT_SHARE = 0.875
 _marked = threading.local()  # .background: this thread's copies run on it alone
 
 

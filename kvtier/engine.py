@@ -18,11 +18,13 @@ from kvtier.memory import KVLayout, MemoryFormat, MemoryObj, lease
 from kvtier.saving import PrefixSaver
 from kvtier.storage import StorageManager
 from kvtier.storage.prefetch import Prefetch, Tails
+from kvtier.storage.sessions import session_tag
 
 if TYPE_CHECKING:
     from kvtier.connectors.streams import DeviceCopies
 
-__all__ = ["CacheEngine"]
+# `Prefetch`: the handle `start_prefetch` returns, named here so callers need only this module.
+__all__ = ["CacheEngine", "Prefetch"]
 
 logger = logging.getLogger(__name__)
 
@@ -310,9 +312,30 @@ class CacheEngine:
         return self.storage.prefetch(keys, tails=_tails_of(keys, len(token_ids)))
 
     def release_session(self, session_id: str) -> bool:
-        """Unpin the chunks `store(..., session_id=)` pinned; False if the session held none.
-        Sessions idle for `session_ttl_secs` are released by themselves."""
-        return self.storage.sessions.release(session_id)
+        """Unpin the chunks `store(..., session_id=)` pinned (logged with the session's tag,
+        never its id); False if the session held none. Sessions idle for `session_ttl_secs`
+        are released by themselves."""
+        released = self.storage.sessions.release(session_id)
+        if released:
+            logger.info("kvtier: session %s closed; its prefix is no longer pinned",
+                        session_tag(session_id))
+        return released
+
+    @property
+    def loads_in_background(self) -> bool:
+        """Whether lower-tier loads can run ahead of a request (`start_prefetch` into the CPU
+        tier); without a CPU tier (`local_cpu: false`) `retrieve` reads them itself."""
+        return self.storage.hot.resident
+
+    def observe_prefill(self, tokens: int, seconds: float, prompt_len: int) -> None:
+        """The serving engine computed `tokens` new tokens of prompts up to `prompt_len` long
+        in `seconds`: the recompute speed the adaptive prefetch policy weighs loads against."""
+        self.storage.prefill.observe(tokens, seconds, prompt_len)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the lower-tier writes queued so far have landed, `timeout` seconds at
+        most (default `blocking_timeout_secs`); False if some are still queued."""
+        return self.storage.flush(timeout)
 
     def attach_tier(self, name: str, config: Config | None = None) -> None:
         """Add a lower tier (`disk`, `redis`) while serving; see `StorageManager.attach_tier`."""

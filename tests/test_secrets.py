@@ -11,10 +11,10 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 import yaml
 
 from kvtier.backends import BackendContext
@@ -22,6 +22,8 @@ from kvtier.backends.cpu import CPUBackend
 from kvtier.cli import main
 from kvtier.cli_tiers import TiersError, check_server
 from kvtier.config import Config, load_config
+from kvtier.connectors import SGLangMHAConnector
+from kvtier.engine import CacheEngine
 from kvtier.integration.sglang.adapter import SGLangKVTier
 from kvtier.lmcache_compat import secret_key
 from kvtier.memory import MemoryAllocator, lease
@@ -145,10 +147,12 @@ def test_session_ids_are_logged_hashed(caplog: pytest.LogCaptureFixture) -> None
         idle.pin(sid, keys)
         now[0] = 61.0
         idle.expire()  # logs the TTL unpin
-        # An engine where the session held chunks (only what the adapter asks of one).
-        engine = SimpleNamespace(config=Config(chunk_size=16), close=lambda: None,
-                                 storage=SimpleNamespace(hot=SimpleNamespace(resident=True)),
-                                 release_session=lambda s: True)
+        # A real engine whose session pinned a stored prefix, closed through the adapter.
+        pool = [torch.randn(64, 2, 8) for _ in range(2)]
+        conn = SGLangMHAConnector(pool[:1], pool[1:])
+        engine = CacheEngine(Config(chunk_size=16, max_local_cpu_size=0.01), model_name="m",
+                             layout=conn.layout, connector=conn)
+        assert engine.store(list(range(32)), torch.arange(32), session_id=sid) == 32
         adapter = SGLangKVTier(engine, page_size=1)
         try:
             adapter.release_session(sid)  # logs the close

@@ -25,7 +25,15 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from kvtier.backends.base import StorageBackend
-from kvtier.background import ENGINE, EngineActivity, lower_priority
+from kvtier.background import (
+    BUSY_SHARE,
+    ENGINE,
+    HOLD_S,
+    HOLD_SHARE,
+    URGENT_SHARE,
+    EngineActivity,
+    lower_priority,
+)
 from kvtier.keys import ChunkKey, stub_key
 from kvtier.memory import MemoryObj
 from kvtier.metrics import Counters, RateLimitedLog
@@ -38,15 +46,6 @@ _BATCH = 16  # chunks per backend call
 # Beside a CPU engine: a write, once begun, runs to its end, so keep each one short enough
 # that a batch starting in the meantime waits for little (a chunk is a few MB).
 _BATCH_CPU_ENGINE = 2
-# While a CPU engine runs batches, queued writes are held this long at most, or until this
-# share of the queue waits (the held chunks stay in the CPU tier, which serves them meanwhile).
-HOLD_S = 30.0
-HOLD_SHARE = 0.75
-# Past the hold, a writer spends at most this share of its time writing while batches run (the
-# write's wall time: its copies, its syscalls, and a local Redis's work on the reply) ...
-BUSY_SHARE = 0.02
-# ... and none of it once this share of the queue waits (writes would soon be dropped).
-URGENT_SHARE = 0.875
 
 
 class TierWriter:

@@ -29,6 +29,7 @@ import torch
 from kvtier import prometheus
 from kvtier.config import Config
 from kvtier.connectors import KVConnector, SGLangMHAConnector, SGLangMLAConnector
+from kvtier.engine import CacheEngine, Prefetch
 from kvtier.errors import ConfigError
 from kvtier.integration.sglang.attach import Attachments
 from kvtier.integration.sglang.budget import SchedulerBudget
@@ -36,8 +37,6 @@ from kvtier.integration.sglang.stores import StoreJob, StoreWorker
 from kvtier.keys import ChunkKey, KeyChain, model_component
 from kvtier.memory import MemoryFormat
 from kvtier.metrics import Counters
-from kvtier.storage.prefetch import Prefetch
-from kvtier.storage.sessions import session_tag
 
 __all__ = ["SGLangKVTier", "StoreJob", "build_connector", "model_key_name", "model_fingerprint",
            "check_page_size"]
@@ -114,7 +113,7 @@ class SGLangKVTier:
         stores: whether this rank stores (MLA KV is replicated: only rank 0 does).
     """
 
-    def __init__(self, engine: Any, page_size: int,
+    def __init__(self, engine: CacheEngine, page_size: int,
                  reduce_min: Callable[[torch.Tensor], None] | None = None, *,
                  stores: bool = True):
         check_page_size(engine.config, page_size)
@@ -136,7 +135,7 @@ class SGLangKVTier:
         self._checked: set[str] = set()  # requests whose prefetch was asked about once
         self._keys: dict[str, KeyChain] = {}  # request id -> its key chain
         # Without a CPU tier there is nowhere to prefetch into: loads stay synchronous.
-        self.async_loads = engine.storage.hot.resident
+        self.async_loads = engine.loads_in_background
         if not self.async_loads:
             logger.warning("kvtier: no CPU tier (local_cpu: false), so loads from disk/Redis "
                            "run on SGLang's scheduler thread; set local_cpu: true to load them "
@@ -259,16 +258,12 @@ class SGLangKVTier:
         if len(self._closed_sessions) > 10_000:
             self._closed_sessions.clear()
         self._closed_sessions.add(session_id)
-        if self.engine.release_session(session_id):
-            logger.info("kvtier: session %s closed; its prefix is no longer pinned",
-                        session_tag(session_id))
+        self.engine.release_session(session_id)  # logs the release
 
     def observe_prefill(self, tokens: int, seconds: float, prompt_len: int) -> None:
         """SGLang computed `tokens` new tokens of prompts up to `prompt_len` long in `seconds`
         (one extend batch, scheduler thread): the recompute speed loads are weighed against."""
-        storage = getattr(self.engine, "storage", None)
-        if storage is not None:
-            storage.prefill.observe(tokens, seconds, prompt_len)
+        self.engine.observe_prefill(tokens, seconds, prompt_len)
 
     def pending_prefetches(self) -> int:
         return len(self._prefetches)
@@ -336,9 +331,7 @@ class SGLangKVTier:
 
     def flush(self, timeout: float) -> None:
         """Let queued lower-tier writes land (bounded), e.g. before a device-cache flush."""
-        storage = getattr(self.engine, "storage", None)
-        if storage is not None and hasattr(storage, "flush"):
-            storage.flush(timeout)
+        self.engine.flush(timeout)
 
     def stats(self) -> dict[str, float]:
         out: dict[str, float] = dict(self.counters.snapshot(declared=True))

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvtier.background import ENGINE
+from kvtier.background import BUSY_SHARE, ENGINE, HOLD_S
 from kvtier.config import Config, load_config
 from kvtier.errors import ConfigError
 from kvtier.integration.sglang.sglang_api import (
@@ -35,7 +35,6 @@ from kvtier.integration.sglang.sglang_api import (
     all_reduce,
     enable_storage_prefetch,
 )
-from kvtier.storage.writer import BUSY_SHARE, HOLD_S
 
 __all__ = ["register", "BACKEND_NAME", "build_radix_cache"]
 
