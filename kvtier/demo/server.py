@@ -6,9 +6,9 @@ it loads there), printed when the server fails to start.
 
 On a machine without a GPU SGLang runs its CPU engine, which imports `sgl_kernel` (no CPU build
 on PyPI): kvtier's stand-in (`kvtier.integration.sglang.cpu.SHIM_DIR`) is put on every server's
-PYTHONPATH, servers without kvtier included, and the repository's `sglang_cpu/` directory (a
-plugin that makes prefix hits save attention work on CPU) beside it where the caller asks;
-`KVTIER_SGLANG_CPU_SHIMS` names that directory explicitly.
+PYTHONPATH, servers without kvtier included, unless a real `sgl_kernel` is installed; the
+repository's `sglang_cpu/` directory (a plugin that makes prefix hits save attention work on
+CPU) goes beside it where the caller asks (`KVTIER_SGLANG_CPU_SHIMS` names it explicitly).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtier.integration.sglang.cpu import SHIM_DIR
+from kvtier.integration.sglang.cpu import SHIM_DIR, shims_needed
 
 __all__ = ["SGLangServer", "StreamResult", "free_port", "cpu_shims_dir", "server_env",
            "CPU_FLAGS", "gpu_available"]
@@ -90,9 +90,11 @@ def server_env(extra: dict[str, str] | None = None,
     config comes from its flags only)."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("KVTIER_", "LMCACHE_", "SGLANG_PLUGINS"))}
-    # The sgl_kernel stand-in too: servers without kvtier (the baselines) need it as well.
+    # The sgl_kernel stand-in too (servers without kvtier, the baselines, need it as well),
+    # unless a real sgl_kernel is installed: it must not be shadowed.
+    shims = [str(SHIM_DIR)] if shims_needed() else []
     env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (*map(str, pythonpath), str(SHIM_DIR), env.get("PYTHONPATH", "")) if p)
+        p for p in (*map(str, pythonpath), *shims, env.get("PYTHONPATH", "")) if p)
     env["SGLANG_USE_CPU_ENGINE"] = "1"
     env.setdefault("OMP_NUM_THREADS", "1")
     env["HF_HUB_OFFLINE"] = "1"

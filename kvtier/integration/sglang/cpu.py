@@ -18,12 +18,21 @@ import sys
 from collections.abc import MutableMapping
 from pathlib import Path
 
-__all__ = ["SHIM_DIR", "CPU_ENGINE_ENV", "prepare_cpu_engine"]
+__all__ = ["SHIM_DIR", "CPU_ENGINE_ENV", "prepare_cpu_engine", "shims_needed"]
 
 logger = logging.getLogger(__name__)
 
 SHIM_DIR = Path(__file__).resolve().parent / "cpu_shims"
 CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"
+
+
+def shims_needed() -> bool:
+    """Whether `sgl_kernel` must come from `SHIM_DIR`: no real one is importable here (the
+    stand-in itself, already on this process's path, does not count)."""
+    spec = importlib.util.find_spec("sgl_kernel")
+    if spec is None or spec.origin is None:
+        return True
+    return Path(spec.origin).resolve().is_relative_to(SHIM_DIR)
 
 
 def prepare_cpu_engine(env: MutableMapping[str, str] = os.environ) -> list[str]:
@@ -33,7 +42,7 @@ def prepare_cpu_engine(env: MutableMapping[str, str] = os.environ) -> list[str]:
     if env.get(CPU_ENGINE_ENV) is None:
         env[CPU_ENGINE_ENV] = "1"
         done.append(f"{CPU_ENGINE_ENV}=1")
-    if importlib.util.find_spec("sgl_kernel") is None:
+    if shims_needed():
         shims = str(SHIM_DIR)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (shims, env.get("PYTHONPATH", "")) if p)
         if shims not in sys.path:

@@ -1,0 +1,47 @@
+"""`kvtier.integration.sglang.cpu` without SGLang: what the plugin sets for `--device cpu`, and
+that a real `sgl_kernel` is never shadowed by the stand-in (the launch itself:
+tests/integration/test_sglang_quickstart.py)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier.integration.sglang.cpu import SHIM_DIR, prepare_cpu_engine, shims_needed
+
+
+@pytest.fixture
+def fresh_import(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """`sgl_kernel` resolved anew from the test's sys.path, restored afterwards."""
+    monkeypatch.delitem(sys.modules, "sgl_kernel", raising=False)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    yield
+
+
+@pytest.mark.usefixtures("fresh_import")
+def test_the_stand_in_is_needed_unless_a_real_sgl_kernel_is_installed(tmp_path: Path) -> None:
+    sys.path.insert(0, str(SHIM_DIR))  # the stand-in on the path is not a real one
+    assert shims_needed()
+    real = tmp_path / "sgl_kernel"
+    real.mkdir()
+    (real / "__init__.py").write_text("")
+    sys.path.insert(0, str(tmp_path))
+    assert not shims_needed()
+    env = {"PYTHONPATH": "/elsewhere"}
+    assert prepare_cpu_engine(env) == ["SGLANG_USE_CPU_ENGINE=1"]
+    assert env == {"PYTHONPATH": "/elsewhere", "SGLANG_USE_CPU_ENGINE": "1"}
+
+
+@pytest.mark.usefixtures("fresh_import")
+def test_prepare_sets_the_engine_and_the_stand_in_leaving_what_the_user_set() -> None:
+    sys.path[:] = [p for p in sys.path if not (Path(p) / "sgl_kernel").exists()]
+    env = {"SGLANG_USE_CPU_ENGINE": "0", "PYTHONPATH": "/elsewhere"}
+    done = prepare_cpu_engine(env)
+    assert env["SGLANG_USE_CPU_ENGINE"] == "0"  # the user's choice stands
+    assert env["PYTHONPATH"] == os.pathsep.join((str(SHIM_DIR), "/elsewhere"))
+    assert len(done) == 1 and "stand-in" in done[0]
+    assert str(SHIM_DIR) in sys.path
