@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from bench_disk import _drop_cache as drop_page_cache  # this directory is on sys.path
 
-from kvtier.bench import LLAMA3_8B
+from kvtier.cli.bench import LLAMA3_8B
 from kvtier.config import Config
 from kvtier.connectors import SGLangMHAConnector
 from kvtier.engine import CacheEngine

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import array
 import hashlib
-import re
 import sys
 import urllib.parse
 from collections.abc import Sequence
@@ -28,13 +27,14 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from kvtier.config.names import NAMESPACE_PATTERN
+
 __all__ = ["ChunkKey", "KeyBuilder", "KeyChain", "KeySpace", "encode_tokens", "stub_key",
            "redis_names", "key_of_redis_name", "KEY_VERSION", "ALL_KEYS", "model_component",
            "model_name_of", "NAMESPACE_PATTERN"]
 
 KEY_VERSION = "kvtier/v2"
 ALL_KEYS = f"{KEY_VERSION}/*"  # a glob (Redis SCAN MATCH) over every kvtier key
-NAMESPACE_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,64}")
 # Characters a model name keeps as they are; everything else (/, space, #, {, }, @, %, ...)
 # is percent-encoded, so the name is one key component, reversibly.
 _NAME_SAFE = "-._~+=,"

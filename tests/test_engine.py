@@ -39,7 +39,7 @@ def _mla_pool(dtype: torch.dtype, layers: int = 3, dim: int = 24) -> list[torch.
 
 
 def _config(**kw: object) -> Config:
-    # Whole chunks here; tails have their own tests (tests/test_tails.py).
+    # Whole chunks here; tails have their own tests (tests/storage/test_tails.py).
     args: dict = {"chunk_size": CHUNK, "max_local_cpu_size": 0.016, "save_tails": False}
     args.update(kw)
     return Config(**args)

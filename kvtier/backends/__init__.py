@@ -6,8 +6,8 @@ import importlib
 import importlib.util
 
 from kvtier.backends.base import BackendContext, HotTier, StorageBackend
+from kvtier.config.names import CPU, DISK, REDIS
 from kvtier.errors import ConfigError
-from kvtier.names import CPU, DISK, REDIS
 
 __all__ = ["BackendContext", "HotTier", "StorageBackend", "create_backend", "check_dependencies",
            "BACKENDS"]

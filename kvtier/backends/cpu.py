@@ -13,9 +13,9 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
 from kvtier.backends.base import BackendContext, HotTier
+from kvtier.config.names import CPU
 from kvtier.keys import ChunkKey
 from kvtier.memory import MemoryObj
-from kvtier.names import CPU
 
 __all__ = ["CPUBackend", "NullHotTier"]
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvtier.names import CPU, DISK, REDIS
+from kvtier.config.names import CPU, DISK, REDIS
 
 __all__ = ["summarize", "format_row", "format_summary", "write_results", "HEADER"]
 

@@ -29,10 +29,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtier.config.names import CPU, DISK, REDIS
 from kvtier.demo.models import LlamaSpec, cached_llama, make_llama
 from kvtier.demo.server import SGLangServer, cpu_shims_dir, gpu_available
 from kvtier.demo.workload import FIRST_ID, Conversation, Workload
-from kvtier.names import CPU, DISK, REDIS
 
 __all__ = ["DemoOptions", "run_demo", "FULL_MODEL", "SMALL_MODEL", "demo_config"]
 

@@ -16,12 +16,12 @@ from kvtier import prometheus
 from kvtier.backends import BackendContext, HotTier, StorageBackend, create_backend
 from kvtier.backends.cpu import NullHotTier
 from kvtier.config import Config
-from kvtier.config_checks import arena_now_problem, memory_problem
+from kvtier.config.host import arena_now_problem, memory_problem
+from kvtier.config.names import CPU
 from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey, stub_key
 from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj, lease
 from kvtier.metrics import Counters, RateLimitedLog
-from kvtier.names import CPU
 from kvtier.storage.adaptive import LoadPlanner
 from kvtier.storage.estimates import PrefillSpeed
 from kvtier.storage.gate import Gate

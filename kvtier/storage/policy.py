@@ -14,9 +14,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from kvtier import names
 from kvtier.backends.base import HotTier
-from kvtier.config import Config
+from kvtier.config import Config, names
 from kvtier.keys import ChunkKey
 from kvtier.memory import MemoryObj
 from kvtier.storage.writer import TierWriter
@@ -110,14 +109,14 @@ class WriteThroughSelective(WritePolicy):
             _submit([key], [obj], writers)
 
 
-# name -> class; `kvtier.names.WRITE_POLICIES` is the list of names, this builds each.
+# name -> class; `kvtier.config.names.WRITE_POLICIES` is the list of names, this builds each.
 POLICY_CLASSES: dict[str, type[WritePolicy]] = {
     p.name: p for p in (WriteThrough, WriteBack, WriteThroughSelective)}
-# The config offers exactly the names in kvtier.names: a policy added there is built here. A
+# The config offers exactly the names in kvtier.config.names: a policy added there is built here. A
 # raise, not an assert, so that `python -O` still refuses a table that lacks one.
 if set(POLICY_CLASSES) != set(names.WRITE_POLICIES):
     raise RuntimeError(f"kvtier.storage.policy builds {sorted(POLICY_CLASSES)}, but "
-                       f"kvtier.names lists the write policies {sorted(names.WRITE_POLICIES)}")
+                       f"kvtier.config.names lists {sorted(names.WRITE_POLICIES)}")
 
 
 def make_write_policy(config: Config, hot: HotTier) -> WritePolicy:

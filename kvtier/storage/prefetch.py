@@ -17,9 +17,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from kvtier.background import name_os_thread
+from kvtier.config.names import WAIT_COMPLETE
 from kvtier.keys import ChunkKey
 from kvtier.metrics import RateLimitedLog
-from kvtier.names import WAIT_COMPLETE
 from kvtier.storage.prefetch_policy import PrefetchPolicy, prefetch_policy
 
 __all__ = ["Prefetch", "Prefetcher", "PREFETCH_WINDOW", "Tails"]

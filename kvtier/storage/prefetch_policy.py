@@ -16,8 +16,8 @@ from __future__ import annotations
 import logging
 
 from kvtier.config import Config
+from kvtier.config.names import ADAPTIVE, BEST_EFFORT, PREFETCH_POLICIES, TIMEOUT, WAIT_COMPLETE
 from kvtier.metrics import RateLimitedLog
-from kvtier.names import ADAPTIVE, BEST_EFFORT, PREFETCH_POLICIES, TIMEOUT, WAIT_COMPLETE
 
 __all__ = ["PrefetchPolicy", "Adaptive", "BestEffort", "Timeout", "WaitComplete", "POLICIES",
            "prefetch_policy"]
@@ -81,11 +81,11 @@ class WaitComplete(PrefetchPolicy):
 
 POLICIES: dict[str, PrefetchPolicy] = {
     cls.name: cls() for cls in (Adaptive, BestEffort, Timeout, WaitComplete)}
-# The config offers exactly the names in kvtier.names: a policy added there is built here. A
+# The config offers exactly the names in kvtier.config.names: a policy added there is built here. A
 # raise, not an assert, so that `python -O` still refuses a table that lacks one.
 if set(POLICIES) != set(PREFETCH_POLICIES):
     raise RuntimeError(f"kvtier.storage.prefetch_policy has {sorted(POLICIES)}, but "
-                       f"kvtier.names lists the prefetch policies {sorted(PREFETCH_POLICIES)}")
+                       f"kvtier.config.names lists {sorted(PREFETCH_POLICIES)}")
 
 
 def prefetch_policy(name: str) -> PrefetchPolicy:

@@ -17,9 +17,9 @@ from collections.abc import Callable, Iterable
 
 from kvtier.backends import BackendContext, create_backend
 from kvtier.config import Config
+from kvtier.config.names import CPU, TIERS
 from kvtier.keys import stub_key
 from kvtier.metrics import RateLimitedLog
-from kvtier.names import CPU, TIERS
 from kvtier.storage.guard import GuardedTier
 from kvtier.storage.writer import TierWriter
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtier.backends.diskindex import DiskIndex
+from kvtier.backends.disk.index import DiskIndex
 
 
 def _index(capacity: int, *records: tuple[str, int]) -> DiskIndex:

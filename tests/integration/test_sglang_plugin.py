@@ -152,7 +152,7 @@ def test_a_metrics_port_that_ranks_would_push_past_65535_fails_at_launch(
 def test_the_memory_check_at_launch_counts_data_parallel_ranks_too(
         config_env: None, tiny_llama: Path, tmp_path: Path) -> None:
     from kvtier.config import physical_memory_bytes
-    from kvtier.config_checks import cgroup_memory_limit
+    from kvtier.config.host import cgroup_memory_limit
 
     limit = min(physical_memory_bytes(), cgroup_memory_limit(None) or physical_memory_bytes())
     per_rank = round(limit * 0.4 / 1e9, 3)  # two ranks fit, three do not

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.config_checks import MEMORY_HEADROOM_BYTES, available_memory_bytes
+from kvtier.config.host import MEMORY_HEADROOM_BYTES, available_memory_bytes
 from tests.integration.conftest import full_hit, prompt, write_config
 from tests.sglang_support.server import SGLangServer
 

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier import cli_tiers
 from kvtier.cli import main as kvtier_main
+from kvtier.cli import tiers as cli_tiers
 from kvtier.storage.sessions import session_tag
 from tests.conftest import RedisProcess
 from tests.delay_proxy import DelayProxy

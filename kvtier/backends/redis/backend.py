@@ -16,10 +16,10 @@ from kvtier.backends.base import BackendContext, StorageBackend
 from kvtier.backends.redis import io as rio
 from kvtier.backends.redis.health import Health
 from kvtier.backends.redis.url import Router, parse_remote_url
+from kvtier.config.names import REDIS
 from kvtier.errors import ConfigError, CorruptEntry
 from kvtier.keys import ChunkKey
 from kvtier.memory import MemoryObj
-from kvtier.names import REDIS
 
 __all__ = ["RedisBackend"]
 

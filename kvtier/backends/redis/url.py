@@ -31,8 +31,8 @@ from redis.connection import ConnectionPool, parse_url
 from redis.retry import Retry
 from redis.sentinel import Sentinel
 
+from kvtier.config.urls import REMOTE_SCHEMES, redact_url, withhold_pieces
 from kvtier.errors import ConfigError
-from kvtier.urls import REMOTE_SCHEMES, redact_url, withhold_pieces
 
 __all__ = ["RedisTarget", "Router", "parse_remote_url", "SCHEMES"]
 

@@ -35,10 +35,10 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from kvtier.config.names import LOWER_TIERS
 from kvtier.errors import ConfigError
 from kvtier.integration.sglang.attach import MAX_TIMEOUT_S, attach_config
 from kvtier.integration.sglang.sglang_api import tokenizer_manager
-from kvtier.names import LOWER_TIERS
 
 __all__ = ["apply", "add_routes", "wrap_attach", "wrap_detach"]
 

@@ -19,7 +19,7 @@ import threading
 from typing import Any
 
 from kvtier.config import Config, with_overrides
-from kvtier.names import DISK, REDIS
+from kvtier.config.names import DISK, REDIS
 
 __all__ = ["Attachments", "attach_config", "OVERRIDABLE", "MAX_TIMEOUT_S"]
 

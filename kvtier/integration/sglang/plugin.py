@@ -193,7 +193,7 @@ def _check_launch(config: Config, args: argparse.Namespace) -> None:
     source = os.environ.get("KVTIER_CONFIG_FILE") or os.environ.get("LMCACHE_CONFIG_FILE") \
         or "kvtier defaults"
     from kvtier.backends import check_dependencies
-    from kvtier.config_checks import check_host
+    from kvtier.config.host import check_host
 
     try:
         check_page_size(config, int(getattr(args, "page_size", None) or 1))

@@ -20,22 +20,17 @@ from __future__ import annotations
 
 import difflib
 import logging
-import os
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
-from kvtier import lmcache_compat as compat
-from kvtier.config_checks import shown_value
-from kvtier.errors import ConfigError
+from kvtier.config.lmcache import compat
+from kvtier.config.redaction import shown_value
 
-if TYPE_CHECKING:
-    from kvtier.config import Config
-
-__all__ = ["LMCACHE_KEYS", "NOT_CONFIG_VARS", "PATH_KEYS", "EnvSettings", "read_env",
-           "override_warnings", "explicit_file", "expanded_paths"]
+__all__ = ["LMCACHE_KEYS", "NOT_CONFIG_VARS", "EnvSettings", "read_env",
+           "override_warnings", "explicit_file"]
 
 # The config module's logger: these are messages about loading the config.
 logger = logging.getLogger("kvtier.config")
@@ -51,7 +46,6 @@ LMCACHE_KEYS = frozenset({
 NOT_CONFIG_VARS = frozenset({"KVTIER_CONFIG_FILE", "LMCACHE_CONFIG_FILE", "KVTIER_KERNEL",
                              "KVTIER_CACHE_DIR", "KVTIER_BUILD_EXT", "KVTIER_BUILD_VERBOSE",
                              "KVTIER_SGLANG_CPU_SHIMS", "KVTIER_BACKGROUND_NICE"})
-PATH_KEYS = ("local_disk",)  # keys holding a filesystem path: `~` is expanded in each
 
 
 @dataclass
@@ -131,27 +125,3 @@ def override_warnings(file_values: Mapping[str, Any], env_values: Mapping[str, A
             lines.append(f"{names[key]}={shown_value(key, value)!r} overrides {key}: "
                          f"{shown_value(key, file_values[key])!r} from {source}")
     return lines
-
-
-def expanded_paths(cfg: Config) -> dict[str, str]:
-    """The path keys of `cfg` (`PATH_KEYS`) whose path starts with `~`, with it expanded
-    (`os.path.expanduser`; a `file://` prefix is kept), for `Config` to store instead.
-
-    `ConfigError` naming the key when `~` cannot be expanded (no such user, or `HOME` empty):
-    left as it is, the path would be relative and create a directory literally named `~`."""
-    out = {}
-    for key in PATH_KEYS:
-        value = getattr(cfg, key)
-        if not isinstance(value, str):
-            continue
-        prefix = "file://" if value.strip().startswith("file://") else ""
-        path = value.strip().removeprefix("file://").strip()
-        if not path.startswith("~"):
-            continue
-        expanded = os.path.expanduser(path)
-        own_home = path == "~" or path.startswith("~/")
-        if expanded.startswith("~") or (own_home and os.environ.get("HOME") == ""):
-            raise ConfigError(f"config: {key}: cannot expand '~' in {value!r} (no home "
-                              "directory for that user): give an absolute path")
-        out[key] = prefix + expanded
-    return out

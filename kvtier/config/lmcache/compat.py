@@ -1,8 +1,8 @@
 """LMCache config files in kvtier: what each LMCache key means here, and the LMCache value forms
 kvtier translates.
 
-Every key of every released LMCache engine config is in `kvtier.lmcache_keys.KEYS` (the sources
-are listed there), with one of three statuses:
+Every key of every released LMCache engine config is in `kvtier.config.lmcache.keys.KEYS` (the
+sources are listed there), with one of three statuses:
 
 1. `same`: a kvtier key with the same meaning (a field of `kvtier.config.Config`);
 2. `ignored`: accepted and listed in the load warning with why, and what kvtier does instead;
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
+from kvtier.config.lmcache.keys import KEYS, PREFIXES, UNSUPPORTED_SCHEMES, LMCacheKey
 from kvtier.errors import ConfigError
-from kvtier.lmcache_keys import KEYS, PREFIXES, UNSUPPORTED_SCHEMES, LMCacheKey
 
 __all__ = ["KEYS", "UNIMPLEMENTED", "UNSUPPORTED", "UNSUPPORTED_SCHEMES", "EXTRA_STORAGE",
            "NOT_LMCACHE", "IN_EXAMPLES", "classify", "instead_of", "unknown_hint",

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.config import Config, load_config, physical_memory_bytes, redact_url
-from kvtier.config_checks import TRANSFER_ARENA_GB
+from kvtier.config.schema import TRANSFER_ARENA_GB
 from kvtier.errors import ConfigError
 
 
@@ -246,7 +246,7 @@ def test_more_cpu_memory_than_the_machine_has(tmp_path: Path) -> None:
     about to allocate its arena, refuse it naming the key."""
     import torch
 
-    from kvtier.config_checks import check_host
+    from kvtier.config.host import check_host
     from kvtier.memory import KVLayout
     from kvtier.storage import StorageManager
 

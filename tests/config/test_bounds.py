@@ -17,7 +17,7 @@ from kvtier.backends import BackendContext
 from kvtier.backends.disk import DiskBackend
 from kvtier.cli import main
 from kvtier.config import Config, load_config, load_config_report, physical_memory_bytes
-from kvtier.config_checks import (
+from kvtier.config.host import (
     MEMORY_HEADROOM_BYTES,
     arena_now_problem,
     available_memory_bytes,

@@ -36,10 +36,10 @@ from typing import IO, Any, NamedTuple
 
 import yaml
 
+from kvtier.config.lmcache.compat import secret_key
+from kvtier.config.names import LOWER_TIERS
+from kvtier.config.urls import redact_url
 from kvtier.errors import KVTierError
-from kvtier.lmcache_compat import secret_key
-from kvtier.names import LOWER_TIERS
-from kvtier.urls import redact_url
 
 __all__ = ["add_parser", "request", "check_server", "TiersError", "RedirectRefused"]
 

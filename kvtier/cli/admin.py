@@ -8,9 +8,9 @@ import argparse
 import sys
 from typing import Any
 
-from kvtier import inventory
+from kvtier.cli import inventory
 from kvtier.config import load_config
-from kvtier.names import CPU
+from kvtier.config.names import CPU
 
 __all__ = ["add_parsers"]
 

@@ -39,16 +39,16 @@ from collections.abc import Generator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from kvtier.backends import recordfile as rf
 from kvtier.backends.base import BackendContext, StorageBackend
-from kvtier.backends.diskindex import DiskIndex
+from kvtier.backends.disk import files as rf
+from kvtier.backends.disk.index import DiskIndex
 from kvtier.backends.record import ForgedEntry, expected_header_len
 from kvtier.background import name_os_thread
+from kvtier.config.names import DISK
 from kvtier.errors import ConfigError, CorruptEntry
 from kvtier.keys import ChunkKey
 from kvtier.memory import MemoryObj
 from kvtier.metrics import RateLimitedLog
-from kvtier.names import DISK
 
 __all__ = ["DiskBackend"]
 

@@ -20,15 +20,15 @@ import yaml
 from kvtier.backends import BackendContext
 from kvtier.backends.cpu import CPUBackend
 from kvtier.cli import main
-from kvtier.cli_tiers import TiersError, check_server
+from kvtier.cli.tiers import TiersError, check_server
 from kvtier.config import Config, load_config
+from kvtier.config.lmcache.compat import secret_key
+from kvtier.config.lmcache.migrate import explain
 from kvtier.connectors import SGLangMHAConnector
 from kvtier.engine import CacheEngine
 from kvtier.integration.sglang.adapter import SGLangKVTier
-from kvtier.lmcache_compat import secret_key
 from kvtier.memory import MemoryAllocator, lease
 from kvtier.metrics import Counters
-from kvtier.migrate import explain
 from kvtier.storage.sessions import SessionPins, session_tag
 from tests.helpers import SMALL_MHA, make_keys, make_obj
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import yaml
 
 from kvtier.config import load_config, load_config_report
-from kvtier.config_checks import host_problems
+from kvtier.config.host import host_problems
+from kvtier.config.names import DISK
 from kvtier.errors import KVTierError
-from kvtier.names import DISK
 
 __all__ = ["main"]
 
@@ -51,7 +51,7 @@ def _check_config(args: argparse.Namespace) -> int:
 
 def _migrate_config(args: argparse.Namespace) -> int:
     """Print what each key of an LMCache file becomes, then the kvtier keys it amounts to."""
-    from kvtier.migrate import explain, kvtier_yaml
+    from kvtier.config.lmcache.migrate import explain, kvtier_yaml
 
     migration = explain(args.file)
     width = max((len(r.key) for r in migration.rows), default=0)
@@ -149,7 +149,7 @@ def _disk_stats(path: Path, capacity_gb: float) -> dict[str, float]:
     import os
     import stat as st
 
-    from kvtier.backends import recordfile as rf
+    from kvtier.backends.disk import files as rf
 
     root = Path(os.path.abspath(path))
     if not os.path.lexists(root):
@@ -180,7 +180,7 @@ def _disk_stats(path: Path, capacity_gb: float) -> dict[str, float]:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from kvtier.bench import run_bench
+    from kvtier.cli.bench import run_bench
 
     result = run_bench(load_config(args.file), prompts=args.prompts, tokens=args.tokens,
                        progress=not args.quiet, real_tiers=args.real_tiers)
@@ -220,7 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "directory and Redis (the bench's records are deleted at the end); by "
                    "default a temporary directory, and no Redis")
     p.set_defaults(func=_bench)
-    from kvtier import cli_admin, cli_tiers
+    from kvtier.cli import admin as cli_admin
+    from kvtier.cli import tiers as cli_tiers
     from kvtier.demo import add_parser as add_demo_parser
 
     add_demo_parser(sub)
@@ -239,6 +240,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kvtier: error: {exc}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

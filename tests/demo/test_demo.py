@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.sglang
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_demo_small(tmp_path: Path) -> None:

@@ -1,5 +1,5 @@
 """Every key of every released LMCache engine config, and what kvtier does with it (data only;
-`kvtier.lmcache_compat` applies it).
+`kvtier.config.lmcache.compat` applies it).
 
 Sources: the config modules of every LMCache release on PyPI, 0.3.0 to 0.5.6
 (`lmcache/v1/config.py`, its `_CONFIG_DEFINITIONS` and `_CONFIG_ALIASES` from 0.3.12 on, the

@@ -12,16 +12,8 @@ import yaml
 
 from kvtier.cli import main
 from kvtier.config import Config, is_config_key, load_config, load_config_report
-from kvtier.config_checks import (
-    TRANSFER_ARENA_GB,
-    check_host,
-    memory_problem,
-    physical_memory_bytes,
-)
-from kvtier.connectors import SGLangMHAConnector
-from kvtier.engine import CacheEngine
-from kvtier.errors import ConfigError
-from kvtier.lmcache_compat import (
+from kvtier.config.host import check_host, memory_problem, physical_memory_bytes
+from kvtier.config.lmcache.compat import (
     KEYS,
     NOT_LMCACHE,
     UNIMPLEMENTED,
@@ -31,12 +23,16 @@ from kvtier.lmcache_compat import (
     instead_of,
     unsupported_storage,
 )
-from kvtier.lmcache_keys import PREFIXES, STATUSES
-from kvtier.migrate import explain
+from kvtier.config.lmcache.keys import PREFIXES, STATUSES
+from kvtier.config.lmcache.migrate import explain
+from kvtier.config.schema import TRANSFER_ARENA_GB
+from kvtier.connectors import SGLangMHAConnector
+from kvtier.engine import CacheEngine
+from kvtier.errors import ConfigError
 from tests.conftest import RedisProcess
 from tests.helpers import same_bytes
 
-CORPUS = Path(__file__).resolve().parent / "lmcache_configs"
+CORPUS = Path(__file__).resolve().parents[1] / "lmcache_configs"
 SLOTS = 1024
 
 # Every top-level key the config modules of LMCache 0.3.0 ... 0.5.6 (PyPI sdists) define: the

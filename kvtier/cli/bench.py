@@ -31,14 +31,14 @@ import torch
 from tqdm import tqdm
 
 from kvtier.backends import BackendContext, create_backend
-from kvtier.backends import recordfile as rf
+from kvtier.backends.disk import files as rf
 from kvtier.config import Config
+from kvtier.config.names import CPU, REDIS
 from kvtier.connectors import SGLangMHAConnector, ops
 from kvtier.engine import CacheEngine
 from kvtier.errors import KVTierError
 from kvtier.keys import ChunkKey, KeyBuilder
 from kvtier.memory import KVLayout, MemoryAllocator
-from kvtier.names import CPU, REDIS
 
 __all__ = ["run_bench", "LLAMA3_8B"]
 

@@ -4,9 +4,12 @@ that they implement exactly these, and refuse to load otherwise)."""
 
 from __future__ import annotations
 
+import re
+
 __all__ = ["TIERS", "CPU", "DISK", "REDIS", "LOWER_TIERS",
            "WRITE_THROUGH", "WRITE_THROUGH_SELECTIVE", "WRITE_BACK", "WRITE_POLICIES",
-           "ADAPTIVE", "BEST_EFFORT", "WAIT_COMPLETE", "TIMEOUT", "PREFETCH_POLICIES"]
+           "ADAPTIVE", "BEST_EFFORT", "WAIT_COMPLETE", "TIMEOUT", "PREFETCH_POLICIES",
+           "NAMESPACE_PATTERN"]
 
 CPU, DISK, REDIS = "cpu", "disk", "redis"
 TIERS = (CPU, DISK, REDIS)  # fastest first: the order puts and gets walk
@@ -24,3 +27,6 @@ BEST_EFFORT = "best_effort"
 WAIT_COMPLETE = "wait_complete"
 TIMEOUT = "timeout"
 PREFETCH_POLICIES = (ADAPTIVE, BEST_EFFORT, WAIT_COMPLETE, TIMEOUT)
+
+# `key_namespace`: it appears in every key string, so tenants stay apart in ACL patterns.
+NAMESPACE_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,64}")

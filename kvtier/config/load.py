@@ -1,10 +1,10 @@
-"""kvtier's configuration: one frozen dataclass, loaded strictly from YAML and the environment.
+"""Loading the config: strictly from YAML and the environment into one frozen `Config`.
 
 Key names follow LMCache where LMCache has the concept, so an LMCache YAML file loads unchanged.
 Sources, later ones winning: defaults, the YAML file, `LMCACHE_<KEY>` (LMCache keys only; not
-over an explicit file), then `KVTIER_<KEY>` (`kvtier.config_env`). A file's keys fall in three
+over an explicit file), then `KVTIER_<KEY>` (`kvtier.config.env`). A file's keys fall in three
 groups: kvtier's own (every field of `Config`, checked strictly), LMCache keys kvtier does not
-implement (`kvtier.lmcache_compat`: accepted, listed in one warning with what kvtier does
+implement (`kvtier.config.lmcache.compat`: accepted, listed in one warning with what kvtier does
 instead), and unknown keys (`ConfigError` with the nearest valid key). Every value is
 validated; a bad one raises `ConfigError` naming its source and key.
 """
@@ -25,99 +25,18 @@ from typing import Any
 
 import yaml
 
-from kvtier import lmcache_compat as compat
-from kvtier.config_checks import (
-    TRANSFER_ARENA_GB,
-    physical_memory_bytes,
-    shown_in_error,
-    shown_value,
-    validate,
-)
-from kvtier.config_env import (
-    LMCACHE_KEYS,
-    expanded_paths,
-    explicit_file,
-    override_warnings,
-    read_env,
-)
-from kvtier.config_file import read_yaml_mapping
+from kvtier.config.env import LMCACHE_KEYS, explicit_file, override_warnings, read_env
+from kvtier.config.file import read_yaml_mapping
+from kvtier.config.host import physical_memory_bytes
+from kvtier.config.lmcache import compat
+from kvtier.config.redaction import shown_in_error, shown_value
+from kvtier.config.schema import TRANSFER_ARENA_GB, Config
 from kvtier.errors import ConfigError
-from kvtier.names import ADAPTIVE, CPU, DISK, REDIS, WRITE_THROUGH
-from kvtier.urls import REMOTE_SCHEMES, redact_url
 
-__all__ = ["Config", "LoadedConfig", "load_config", "load_config_report", "read_config_file",
-           "is_config_key", "nearest_key",
-           "redact_url", "shown_value",
-           "REMOTE_SCHEMES", "physical_memory_bytes"]
+__all__ = ["LoadedConfig", "load_config", "load_config_report", "read_config_file",
+           "is_config_key", "nearest_key", "with_overrides"]
 
 logger = logging.getLogger(__name__)
-
-@dataclass(frozen=True)
-class Config:
-    """The effective configuration. Sizes are in GB (10**9 bytes), as in LMCache."""
-
-    chunk_size: int = 256
-    local_cpu: bool = True
-    max_local_cpu_size: float = 5.0
-    local_disk: str | None = None
-    max_local_disk_size: float = 0.0
-    remote_url: str | None = None
-    remote_serde: str = "naive"
-    save_unfull_chunk: bool = False
-    blocking_timeout_secs: float = 10.0
-    # kvtier's own keys
-    hash_salt: str = ""
-    # Also store each prefix's partial last chunk, in whole pages, where a longer prompt (the
-    # conversation's next turn) finds it: hits reach to the page, not just to the chunk.
-    save_tails: bool = True
-    # Appears in every key string: tenants apart in Redis ACL patterns, `ls` and `purge`.
-    key_namespace: str = "default"
-    # A file holding a secret shared by the instances: records are authenticated with it, and
-    # a record without a valid MAC is never loaded (see docs/security.md).
-    record_key_file: str | None = None
-    write_policy: str = WRITE_THROUGH
-    selective_write_threshold: int = 2
-    # A request waits for the part of its disk/Redis load that arrives sooner than it could
-    # be recomputed (measured speeds; the running requests go on meanwhile).
-    prefetch_policy: str = ADAPTIVE
-    prefetch_timeout_base_ms: float = 200.0
-    prefetch_timeout_per_token_ms: float = 0.02
-    prefetch_wait_complete_max_ms: float = 30_000.0
-    write_queue_chunks: int = 256
-    remote_ttl_secs: int | None = None
-    remote_timeout_secs: float = 2.0
-    remote_segment_mb: float = 1.0  # measured: 1 MiB segments beat 4 MiB and unsegmented
-    max_session_pinned_fraction: float = 0.5
-    session_ttl_secs: float = 600.0
-    log_level: str | None = None
-    metrics_port: int | None = None  # serve Prometheus metrics on this port
-
-    def __post_init__(self) -> None:
-        for key, path in expanded_paths(self).items():  # "~/kv" must not make a directory "~"
-            object.__setattr__(self, key, path)
-        validate(self)
-
-    @property
-    def tiers(self) -> tuple[str, ...]:
-        """Tier names from fastest to slowest; the order puts and gets walk."""
-        order = ((CPU, self.local_cpu), (DISK, self.local_disk is not None),
-                 (REDIS, self.remote_url is not None))
-        return tuple(name for name, enabled in order if enabled)
-
-    @property
-    def local_disk_path(self) -> Path | None:
-        if self.local_disk is None:
-            return None
-        return Path(self.local_disk.removeprefix("file://"))
-
-    def __repr__(self) -> str:  # credentials never reach a log line or a traceback
-        return "Config(" + ", ".join(f"{k}={v!r}" for k, v in self.redacted().items()) + ")"
-
-    def redacted(self) -> dict[str, Any]:
-        """The config as a plain dict as it may be shown (logs, `check-config`,
-        `migrate-config`, `repr`): every value through `shown_value`, so URL passwords and
-        secret keys (`hash_salt`, names holding auth/cred/key/pass/secret/token) are `***`."""
-        return {k: shown_value(k, v) for k, v in dataclasses.asdict(self).items()}
 
 
 def _fail(source: str, key: str, msg: str) -> ConfigError:
@@ -353,7 +272,7 @@ def load_config(
     Args:
         path: a YAML file; when None, `KVTIER_CONFIG_FILE`, else `LMCACHE_CONFIG_FILE`, else
             defaults only.
-        env: the environment to read (default `os.environ`); see `kvtier.config_env` for
+        env: the environment to read (default `os.environ`); see `kvtier.config.env` for
             which variables apply (no `LMCACHE_<KEY>` over an explicit file) and what warns.
 
     Raises:

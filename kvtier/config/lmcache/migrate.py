@@ -1,5 +1,5 @@
 """What each key of an LMCache config file becomes in kvtier (`kvtier migrate-config FILE`): the
-classification of `kvtier.lmcache_keys`, row by row, then the load result."""
+classification of `kvtier.config.lmcache.keys`, row by row, then the load result."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier import lmcache_compat as compat
 from kvtier.config import (
     Config,
     LoadedConfig,
@@ -17,6 +16,7 @@ from kvtier.config import (
     read_config_file,
     shown_value,
 )
+from kvtier.config.lmcache import compat
 from kvtier.errors import ConfigError
 
 __all__ = ["KeyMapping", "Migration", "explain"]

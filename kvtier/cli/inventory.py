@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvtier.backends import check_dependencies
-from kvtier.backends import recordfile as rf
+from kvtier.backends.disk import files as rf
 from kvtier.backends.record import FIXED_SIZE, header_len, read_key
 from kvtier.config import Config
+from kvtier.config.names import DISK, REDIS
 from kvtier.errors import CorruptEntry
 from kvtier.keys import ALL_KEYS, KeySpace, key_of_redis_name, model_name_of
-from kvtier.names import DISK, REDIS
 
 __all__ = ["Entry", "Group", "entries", "groups", "purge"]
 

@@ -1,0 +1,278 @@
+"""The `Config` tree and the checks of its values (no host facts: see `kvtier.config.host`).
+
+Every check raises `ConfigError` naming the key ("config: key: problem"; the loader replaces
+"config" with the file or variable the value came from). Numbers must be finite and within
+ceilings derived from what they do; `remote_url` is parsed in full here (by the parser its tier
+registers in `kvtier.config.urls`), so a URL kvtier cannot serve fails at `check-config` time,
+not when the tier is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from kvtier.config.lmcache import compat
+from kvtier.config.names import (
+    ADAPTIVE,
+    CPU,
+    DISK,
+    NAMESPACE_PATTERN,
+    PREFETCH_POLICIES,
+    REDIS,
+    WRITE_POLICIES,
+    WRITE_THROUGH,
+)
+from kvtier.config.redaction import shown_value
+from kvtier.config.urls import REMOTE_SCHEMES, parse_with_tier, redact_url
+from kvtier.errors import ConfigError
+
+__all__ = ["Config", "validate", "REMOTE_SERDES", "TRANSFER_ARENA_GB", "PATH_KEYS"]
+
+REMOTE_SERDES = ("naive",)
+CHUNK_MULTIPLE = 16
+MAX_CHUNK = 1 << 20  # tokens; a chunk is one arena object, and a prompt is far shorter
+# The arena kvtier still needs to move chunks to and from disk/Redis when LMCache's
+# `local_cpu: false` comes with `max_local_cpu_size: 0` (LMCache's "no CPU cache").
+TRANSFER_ARENA_GB = 1.0
+MAX_SESSION_PINNED_FRACTION = 0.8
+MAX_SECONDS = 7 * 86400.0  # longer waits are mistakes (and overflow thread/socket timeouts)
+# Ceilings derived from what each value does; above them a value is a typo or a unit mistake.
+# Segments: below 64 KiB the per-command round trips dominate; Redis holds at most 512 MiB in
+# one string (proto-max-bulk-len).
+SEGMENT_MB_RANGE = (0.0625, 512.0)
+# Each queued write holds an arena chunk until written; no arena holds more chunks than this.
+MAX_WRITE_QUEUE_CHUNKS = 65536
+# Upper bounds, by key: a request's wait for its load (recompute is faster than a minute's
+# wait), the per-token budget (10 ms/token reaches 60 s at 6K tokens), `wait_complete`'s cap,
+# the drain at close/flush, and one Redis socket operation.
+MAX_BY_KEY = {"prefetch_timeout_base_ms": 60_000.0, "prefetch_timeout_per_token_ms": 10.0,
+              "prefetch_wait_complete_max_ms": 600_000.0, "blocking_timeout_secs": 3600.0,
+              "remote_timeout_secs": 600.0}
+
+
+PATH_KEYS = ("local_disk",)  # keys holding a filesystem path: `~` is expanded in each
+
+
+@dataclass(frozen=True)
+class Config:
+    """The effective configuration. Sizes are in GB (10**9 bytes), as in LMCache."""
+
+    chunk_size: int = 256
+    local_cpu: bool = True
+    max_local_cpu_size: float = 5.0
+    local_disk: str | None = None
+    max_local_disk_size: float = 0.0
+    remote_url: str | None = None
+    remote_serde: str = "naive"
+    save_unfull_chunk: bool = False
+    blocking_timeout_secs: float = 10.0
+    # kvtier's own keys
+    hash_salt: str = ""
+    # Also store each prefix's partial last chunk, in whole pages, where a longer prompt (the
+    # conversation's next turn) finds it: hits reach to the page, not just to the chunk.
+    save_tails: bool = True
+    # Appears in every key string: tenants apart in Redis ACL patterns, `ls` and `purge`.
+    key_namespace: str = "default"
+    # A file holding a secret shared by the instances: records are authenticated with it, and
+    # a record without a valid MAC is never loaded (see docs/security.md).
+    record_key_file: str | None = None
+    write_policy: str = WRITE_THROUGH
+    selective_write_threshold: int = 2
+    # A request waits for the part of its disk/Redis load that arrives sooner than it could
+    # be recomputed (measured speeds; the running requests go on meanwhile).
+    prefetch_policy: str = ADAPTIVE
+    prefetch_timeout_base_ms: float = 200.0
+    prefetch_timeout_per_token_ms: float = 0.02
+    prefetch_wait_complete_max_ms: float = 30_000.0
+    write_queue_chunks: int = 256
+    remote_ttl_secs: int | None = None
+    remote_timeout_secs: float = 2.0
+    remote_segment_mb: float = 1.0  # measured: 1 MiB segments beat 4 MiB and unsegmented
+    max_session_pinned_fraction: float = 0.5
+    session_ttl_secs: float = 600.0
+    log_level: str | None = None
+    metrics_port: int | None = None  # serve Prometheus metrics on this port
+
+    def __post_init__(self) -> None:
+        for key, path in expanded_paths(self).items():  # "~/kv" must not make a directory "~"
+            object.__setattr__(self, key, path)
+        validate(self)
+
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        """Tier names from fastest to slowest; the order puts and gets walk."""
+        order = ((CPU, self.local_cpu), (DISK, self.local_disk is not None),
+                 (REDIS, self.remote_url is not None))
+        return tuple(name for name, enabled in order if enabled)
+
+    @property
+    def local_disk_path(self) -> Path | None:
+        if self.local_disk is None:
+            return None
+        return Path(self.local_disk.removeprefix("file://"))
+
+    def __repr__(self) -> str:  # credentials never reach a log line or a traceback
+        return "Config(" + ", ".join(f"{k}={v!r}" for k, v in self.redacted().items()) + ")"
+
+    def redacted(self) -> dict[str, Any]:
+        """The config as a plain dict as it may be shown (logs, `check-config`,
+        `migrate-config`, `repr`): every value through `shown_value`, so URL passwords and
+        secret keys (`hash_salt`, names holding auth/cred/key/pass/secret/token) are `***`."""
+        return {k: shown_value(k, v) for k, v in dataclasses.asdict(self).items()}
+
+
+def _fail(source: str, key: str, msg: str) -> ConfigError:
+    return ConfigError(f"{source}: {key}: {msg}")
+
+
+def validate(cfg: Config) -> None:
+    """`ConfigError` naming the first bad key of `cfg`."""
+    _validate_numbers(cfg)
+    _validate_memory(cfg)
+    _validate_choices(cfg)
+    _validate_tiers(cfg)
+
+
+def _validate_numbers(cfg: Config) -> None:
+    src = "config"
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise _fail(src, f.name, f"must be a finite number, got {value}")
+    if not 0 < cfg.chunk_size <= MAX_CHUNK or cfg.chunk_size % CHUNK_MULTIPLE:
+        raise _fail(src, "chunk_size", f"must be a positive multiple of {CHUNK_MULTIPLE} "
+                    f"up to {MAX_CHUNK}, got {cfg.chunk_size}")
+    for key in ("max_local_cpu_size", "max_local_disk_size", "blocking_timeout_secs",
+                "prefetch_timeout_base_ms", "prefetch_timeout_per_token_ms",
+                "prefetch_wait_complete_max_ms"):
+        if getattr(cfg, key) < 0:
+            raise _fail(src, key, f"must not be negative, got {getattr(cfg, key)}")
+    for key, limit in MAX_BY_KEY.items():
+        if getattr(cfg, key) > limit:
+            raise _fail(src, key, f"must be at most {limit:g}, got {getattr(cfg, key):g}")
+    if cfg.selective_write_threshold < 1:
+        raise _fail(src, "selective_write_threshold",
+                    f"must be >= 1, got {cfg.selective_write_threshold}")
+    if not 1 <= cfg.write_queue_chunks <= MAX_WRITE_QUEUE_CHUNKS:
+        raise _fail(src, "write_queue_chunks", f"must be in 1..{MAX_WRITE_QUEUE_CHUNKS}, got "
+                    f"{cfg.write_queue_chunks}")
+    if cfg.remote_ttl_secs is not None and not 0 < cfg.remote_ttl_secs <= 2**31:
+        raise _fail(src, "remote_ttl_secs", f"must be in 1..2**31, got {cfg.remote_ttl_secs}")
+    if cfg.remote_timeout_secs <= 0:
+        raise _fail(src, "remote_timeout_secs", f"must be > 0, got {cfg.remote_timeout_secs}")
+    low, high = SEGMENT_MB_RANGE
+    if not low <= cfg.remote_segment_mb <= high:
+        raise _fail(src, "remote_segment_mb", f"must be in [{low:g}, {high:g}] (MiB: 64 KiB to "
+                    f"Redis's 512 MiB string limit), got {cfg.remote_segment_mb:g}")
+    if cfg.metrics_port is not None and not 1 <= cfg.metrics_port <= 65535:
+        raise _fail(src, "metrics_port", f"must be in 1..65535 or null, got {cfg.metrics_port}")
+    if not 0.0 <= cfg.max_session_pinned_fraction <= MAX_SESSION_PINNED_FRACTION:
+        raise _fail(src, "max_session_pinned_fraction",
+                    f"must lie in [0, {MAX_SESSION_PINNED_FRACTION}] (the rest of the CPU tier "
+                    f"stays evictable for stores and prefetches), got "
+                    f"{cfg.max_session_pinned_fraction}")
+    if not 0 < cfg.session_ttl_secs <= MAX_SECONDS:
+        raise _fail(src, "session_ttl_secs",
+                    f"must be in (0, {MAX_SECONDS:g}], got {cfg.session_ttl_secs}")
+
+
+def _validate_memory(cfg: Config) -> None:
+    # Whether the arena fits this machine is a host check (`memory_problem`), not a property of
+    # the file: a file sized for a bigger host must pass `check-config` with a warning.
+    if cfg.max_local_cpu_size * 1e9 < 4096:
+        raise _fail("config", "max_local_cpu_size",
+                    f"must be > 0 (it sizes the staging arena), got {cfg.max_local_cpu_size}")
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def _validate_choices(cfg: Config) -> None:
+    if cfg.log_level is not None and cfg.log_level.lower() not in LOG_LEVELS:
+        raise _fail("config", "log_level",
+                    f"must be one of {list(LOG_LEVELS)} or null, got {cfg.log_level!r}")
+    choices = (("write_policy", WRITE_POLICIES), ("prefetch_policy", PREFETCH_POLICIES),
+               ("remote_serde", REMOTE_SERDES))
+    for key, allowed in choices:
+        if getattr(cfg, key) not in allowed:
+            raise _fail("config", key, f"must be one of {list(allowed)}, got {getattr(cfg, key)!r}")
+    if not NAMESPACE_PATTERN.fullmatch(str(cfg.key_namespace)):
+        raise _fail("config", "key_namespace", f"must be 1-64 of A-Z a-z 0-9 . _ - (it is part "
+                    f"of every key), got {cfg.key_namespace!r}")
+
+
+def _validate_tiers(cfg: Config) -> None:
+    src = "config"
+    if cfg.local_disk is not None:
+        _check_local_disk(cfg.local_disk)
+        if cfg.max_local_disk_size <= 0:
+            raise _fail(src, "max_local_disk_size",
+                        f"must be > 0 when local_disk is set, got {cfg.max_local_disk_size}")
+    if cfg.remote_url is not None:
+        _check_remote_url(cfg.remote_url)
+    if not cfg.local_cpu and not cfg.local_disk and not cfg.remote_url:
+        raise _fail(src, "local_cpu", "no tier enabled: local_cpu is false and neither "
+                    "local_disk nor remote_url is set, so kvtier would store nothing. Storage "
+                    "only LMCache has is not supported: kvtier does not do PD transfer (drop "
+                    "enable_pd/nixl_* and keep local_cpu), GPU-direct or Weka storage "
+                    "(gds_path, weka_path: use local_disk: file:///path/) or storage plugins; "
+                    "keep local_cpu: true, or set local_disk or a shared remote_url: "
+                    "redis://host:6379 (`kvtier migrate-config FILE` names the key)")
+
+
+def _check_local_disk(value: str) -> None:
+    parts = [p.strip() for p in value.split(",")]
+    if len(parts) > 1 and all(p.startswith(("file://", "/", "~")) for p in parts[1:]):
+        raise _fail("config", "local_disk",
+                    f"several disks ({value!r}) are not supported: kvtier keeps one directory "
+                    "(pick one, or put the disks behind one mount)")
+    path = value.strip().removeprefix("file://").strip()
+    if not path or value.startswith(("redis", "http")) or "://" in path:
+        raise _fail("config", "local_disk",
+                    f"must be a directory path or file:///path URL, got {value!r}")
+
+
+def _check_remote_url(url: str) -> None:
+    """Scheme first (no imports), then the full parse of the tier serving it, at config time."""
+    scheme, sep, _ = url.partition("://")
+    shown = redact_url(url)
+    supported = ", ".join(s + "://" for s in REMOTE_SCHEMES) + " (resp:// = redis://)"
+    if scheme in compat.UNSUPPORTED_SCHEMES:
+        raise _fail("config", "remote_url",
+                    f"{shown!r}: kvtier cannot serve {scheme}:// "
+                    f"({compat.UNSUPPORTED_SCHEMES[scheme]}); supported schemes: {supported}")
+    if not sep or scheme not in (*REMOTE_SCHEMES, "resp"):
+        raise _fail("config", "remote_url", f"{shown!r}: scheme must be one of {supported}")
+    try:
+        parse_with_tier(url)
+    except ConfigError as exc:
+        raise ConfigError(f"config: {exc}") from None
+
+
+def expanded_paths(cfg: Config) -> dict[str, str]:
+    """The path keys of `cfg` (`PATH_KEYS`) whose path starts with `~`, with it expanded
+    (`os.path.expanduser`; a `file://` prefix is kept), for `Config` to store instead.
+
+    `ConfigError` naming the key when `~` cannot be expanded (no such user, or `HOME` empty):
+    left as it is, the path would be relative and create a directory literally named `~`."""
+    out = {}
+    for key in PATH_KEYS:
+        value = getattr(cfg, key)
+        if not isinstance(value, str):
+            continue
+        prefix = "file://" if value.strip().startswith("file://") else ""
+        path = value.strip().removeprefix("file://").strip()
+        if not path.startswith("~"):
+            continue
+        expanded = os.path.expanduser(path)
+        own_home = path == "~" or path.startswith("~/")
+        if expanded.startswith("~") or (own_home and os.environ.get("HOME") == ""):
+            raise ConfigError(f"config: {key}: cannot expand '~' in {value!r} (no home "
+                              "directory for that user): give an absolute path")
+        out[key] = prefix + expanded
+    return out

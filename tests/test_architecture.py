@@ -1,0 +1,108 @@
+"""The package's shape, read from the source: no import cycle (imports inside functions and under
+TYPE_CHECKING count), config is the foundation, integration code goes through the engine, and
+the package root holds the data path only."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "kvtier"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py") if "cpu_shims" not in p.parts}
+
+
+def _resolve(name: str) -> str | None:
+    """The kvtier module `name` lands in: itself, or the nearest package or module above it."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imports_of(module: str) -> set[str]:
+    """Every kvtier module `module` imports, anywhere in its body."""
+    tree = ast.parse(MODULES[module].read_text())
+    is_package = MODULES[module].name == "__init__.py"
+    package = module if is_package else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[:len(anchor) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            # `from a.b import c` imports the module a.b.c when there is one
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base
+                       for alias in node.names]
+        else:
+            continue
+        found |= {r for t in targets if t.startswith("kvtier") and (r := _resolve(t))}
+    found.discard(module)
+    return found
+
+
+GRAPH = {m: imports_of(m) for m in MODULES}
+
+
+def _cycle_from(start: str) -> list[str] | None:
+    stack = [(start, [start])]
+    seen: set[str] = set()
+    while stack:
+        node, path = stack.pop()
+        for nxt in GRAPH[node]:
+            # a package's __init__ re-exporting its own modules is not an arrow back up
+            if nxt == start and not start.startswith(node + "."):
+                return [*path, nxt]
+            if nxt not in seen and not nxt.startswith(start + "."):
+                seen.add(nxt)
+                stack.append((nxt, [*path, nxt]))
+    return None
+
+
+def test_the_scan_sees_the_imports_it_must():
+    assert "kvtier.config.schema" in GRAPH["kvtier.config.load"]
+    assert "kvtier.backends.disk.files" in GRAPH["kvtier.backends.disk.backend"]
+    assert "kvtier.engine" in GRAPH["kvtier"]  # a function-level import counts
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_import_cycle(module):
+    cycle = _cycle_from(module)
+    assert cycle is None, " -> ".join(cycle or [])
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("kvtier.config")))
+def test_config_imports_no_tier_no_keys_no_storage(module):
+    below = ("kvtier.backends", "kvtier.storage", "kvtier.keys", "kvtier.engine",
+             "kvtier.connectors", "kvtier.integration", "kvtier.memory", "kvtier.cli")
+    bad = sorted(m for m in GRAPH[module] if m.startswith(below))
+    assert not bad, f"{module} imports {bad}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("kvtier.integration")
+                                          and not m.endswith("hicache_storage")))
+def test_integration_goes_through_the_engine(module):
+    # The HiCache storage backend is SGLang's own interface over kvtier's storage manager (its
+    # one documented entry); everything else talks to CacheEngine.
+    bad = sorted(m for m in GRAPH[module] if m.startswith("kvtier.storage"))
+    assert not bad, f"{module} imports {bad}"
+
+
+def test_the_package_root_holds_the_data_path_only():
+    root = {p.stem for p in PACKAGE.glob("*.py")}
+    folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert root == {"__init__", "background", "engine", "errors", "keys", "memory", "metrics",
+                    "prometheus", "saving"}
+    assert {"backends", "cli", "config", "connectors", "integration", "storage"} <= folders
