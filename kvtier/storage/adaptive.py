@@ -4,15 +4,22 @@
 lives and how fast each tier and the engine are now, it picks the leading span whose loading
 saves the most time over recomputing it (none if loading loses everywhere). `LoadPlanner`
 applies it to a live prefetch: it asks the lower tiers where the chunks are (one round trip
-each, skipping a tier whose round trip alone costs more than recomputing the whole prompt),
-decides, caps one request's promotion to a share of the CPU tier, sets the prefetch's
-deadline, and counts what was loaded and what was recomputed, and why.
+each, or none where the tier's recent answers cover them, skipping a tier whose round trip
+alone costs more than recomputing the whole prompt), decides, caps one request's promotion to
+a share of the CPU tier, sets the prefetch's deadline, and counts what was loaded and what was
+recomputed, and why.
+
+Guesses never cost a wait. Until a tier's round trip and read bandwidth are both measured (a
+probe times them when the tier is built, off every request's path), a request does not wait
+for a plan or a load that involves it: it is admitted at once, and the load goes on in the
+background, promoting the chunks for later requests and timing the tier.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -23,26 +30,24 @@ from kvtier.storage.estimates import PrefillSpeed, TierSpeed
 from kvtier.storage.guard import GuardedTier
 from kvtier.storage.prefetch import PREFETCH_WINDOW, Prefetch
 
-__all__ = ["Span", "Decision", "decide", "LoadPlanner", "REASONS", "DEADLINE_SLACK", "GUESS_FLOOR"]
+__all__ = ["Span", "Decision", "decide", "LoadPlanner", "REASONS", "DEADLINE_SLACK",
+           "probe_reads"]
 
 logger = logging.getLogger(__name__)
 
-# Why prompt tokens past a load were recomputed.
-REASONS = ("slower_than_recompute", "deadline", "miss", "promotion_cap")
+# Why prompt tokens past a load were recomputed (`unmeasured`: the load ran in the background,
+# since a tier of it had no measured speed yet).
+REASONS = ("slower_than_recompute", "deadline", "miss", "promotion_cap", "unmeasured")
 # A load may run this much past its expected arrival before the request goes on without the
 # rest, and at least until half its saving is spent (a busy host's scheduling noise must not
 # cut off a load that saves far more than it costs); never past the point where recomputing
 # would have been done: see `Decision`.
 DEADLINE_SLACK = 1.5
 DEADLINE_GRACE_S = 0.005
-# A plan on a tier whose reads were never timed runs on the bandwidth prior, a guess: it may
-# wait only this share of its saving (not half), so a first request on a slow tier pays a
-# small bet, not half its recompute, before the tier's first read measures it.
-GUESS_FLOOR = 0.125
+PROBE_CHUNKS = 1  # a probe reads one chunk: a bandwidth sample, and little load on a slow tier
 # One request's load never promotes more than this share of the CPU tier: a prompt larger
 # than the CPU tier must not evict every other tenant's chunks on its way through.
 MAX_PROMOTE_FRACTION = 0.5
-PROBE_CHUNKS = 1  # a probe reads one chunk: a bandwidth sample, and little load on a slow tier
 
 
 class Span(NamedTuple):
@@ -60,8 +65,8 @@ class Decision(NamedTuple):
     waiting for them: after `expected_s` with some slack, or half of `saved_s` if later, and
     never after `saved_s` (a request that waited that long then recomputes: at most twice
     the recompute, and only when the tier broke its own estimate). `guessed`: some tier of
-    the load has no timed read yet, so `expected_s` rests on the bandwidth prior and the
-    floor is `GUESS_FLOOR` of `saved_s` instead of half."""
+    the load has no measured speed yet, so `expected_s` is a guess: the request does not
+    wait for it (`LoadPlanner.plan` loads in the background)."""
 
     chunks: int
     tokens: int
@@ -72,8 +77,7 @@ class Decision(NamedTuple):
     @property
     def deadline_s(self) -> float:
         slack = self.expected_s * DEADLINE_SLACK + DEADLINE_GRACE_S
-        floor = self.saved_s * (GUESS_FLOOR if self.guessed else 0.5)
-        return min(self.saved_s, max(slack, floor))
+        return min(self.saved_s, max(slack, self.saved_s * 0.5))
 
 
 def decide(spans: Sequence[Span], prefill: PrefillSpeed, prompt_len: int) -> Decision:
@@ -89,7 +93,7 @@ def decide(spans: Sequence[Span], prefill: PrefillSpeed, prompt_len: int) -> Dec
     guessed = False
     for span in spans:
         latency, bandwidth = span.tier.latency_s, span.tier.read_bytes_per_s
-        guessed = guessed or not span.tier.measured
+        guessed = guessed or not span.tier.known
         start = elapsed + span.tier.eta_s(0) - latency  # behind what is queued on the tier
         for k in range(1, span.chunks + 1):
             arrival = start + math.ceil(k / PREFETCH_WINDOW) * latency \
@@ -127,20 +131,32 @@ class LoadPlanner:
         counters.declare("adaptive_tokens_loaded",
                           *(f"adaptive_tokens_recomputed_{r}" for r in REASONS))
 
+    def unmeasured(self) -> bool:
+        """Whether some lower tier has no measured speed yet (`TierSpeed.known`)."""
+        return not all(tier.speed.known for tier in self._tiers())
+
     def budget_before_plan_s(self, tokens: int) -> float:
-        """How long a prompt of `tokens` tokens may wait for its plan under `adaptive`: its
-        recompute time (no load can win after it), or `GUESS_FLOOR` of it while a lower
-        tier's round trip was never timed (the plan's first question to such a tier may take
-        longer than any load from it could save)."""
+        """How long a prompt of `tokens` tokens may wait for its plan under `adaptive`: what a
+        load of all of it could save at the speeds measured now (its recompute time less the
+        fastest tier's round trip and transfer), and nothing while a lower tier's speed is
+        unmeasured (asking it may take longer than any load from it could save)."""
         full = self.prefill.recompute_s(tokens, tokens)
-        if all(tier.speed.latency_measured for tier in self._tiers()):
-            return full
-        return full * GUESS_FLOOR
+        tiers = list(self._tiers())
+        if self.unmeasured():
+            return 0.0
+        nbytes = self._chunk_bytes(tokens)
+        best = max((full - t.speed.latency_s - nbytes / t.speed.read_bytes_per_s
+                    for t in tiers), default=full)
+        return max(0.0, min(full, best))
 
     def plan(self, prefetch: Prefetch, hot_chunks: int) -> int:
         """How many leading chunks of `prefetch.keys` the load should bring into the CPU tier
         (the first `hot_chunks` are there). Sets the deadline under `adaptive`; makes round
-        trips to the lower tiers, so it runs on a prefetch worker."""
+        trips to the lower tiers, so it runs on a prefetch worker.
+
+        The request waits only for the part of the load on tiers with measured speeds (the
+        spans before the first unmeasured tier); the rest of the hits load in the background
+        (`Prefetch.background`), for later requests."""
         keys = prefetch.keys
         cap = hot_chunks + self._cap_bytes // max(1, self._chunk_bytes(keys[0].num_tokens))
         if not prefetch.policy.planned:
@@ -149,49 +165,31 @@ class LoadPlanner:
         spans, skipped = self._locate(keys, hot_chunks, prompt)
         hits = hot_chunks + sum(s.chunks for s in spans)
         prefetch.hits = hits
-        decision = decide(spans, self.prefill, prompt)
-        limit = min(hot_chunks + decision.chunks, cap)
+        known = 0
+        while known < len(spans) and spans[known].tier.known:
+            known += 1
+        decision = decide(spans[:known], self.prefill, prompt)
+        waited = min(hot_chunks + decision.chunks, cap)
+        limit = min(hits, cap) if known < len(spans) else waited
+        prefetch.background = limit > waited
         planned = self._queue(spans, limit - hot_chunks)
         now = time.monotonic()
-        prefetch.set_deadline(now + decision.deadline_s if limit > hot_chunks else now)
-        if decision.guessed and limit > hot_chunks:
-            prefetch.recheck_at_deadline(
-                lambda: self._remeasured(now, spans, limit - hot_chunks, prompt))
-        prefetch.after(lambda loaded: self._settle(prefetch, planned, hot_chunks, limit, hits,
-                                                   not skipped, loaded))
-        logger.debug("kvtier: adaptive plan for %d chunks: %d in CPU, %d more in %s; loading "
-                     "%d (expected %.1f ms, saves %.1f ms of recompute at %.0f tokens/s)%s",
+        prefetch.set_deadline(now + decision.deadline_s if waited > hot_chunks else now)
+        prefetch.after(lambda loaded: self._settle(prefetch, planned, hot_chunks, waited, limit,
+                                                   hits, not skipped, loaded))
+        logger.debug("kvtier: adaptive plan for %d chunks: %d in CPU, %d more in %s; waiting "
+                     "for %d (expected %.1f ms, saves %.1f ms of recompute at %.0f tokens/s), "
+                     "%d more in the background (tiers not measured yet)%s",
                      len(keys), hot_chunks, hits - hot_chunks,
-                     [(s.tier.name, s.chunks) for s in spans], limit - hot_chunks,
+                     [(s.tier.name, s.chunks) for s in spans], waited - hot_chunks,
                      decision.expected_s * 1e3, decision.saved_s * 1e3,
-                     self.prefill.tokens_per_s(prompt),
+                     self.prefill.tokens_per_s(prompt), limit - waited,
                      f"; not asked (slower than recompute): {[t.name for t in skipped]}"
                      if skipped else "")
-        for tier in skipped:  # the request has its deadline: a round trip now delays nobody
+        for tier in skipped:  # on the tier's probe thread: no prefetch worker waits for it
             if tier.speed.probe_due(now):
-                self._probe(tier, keys[hits:])
+                probe_reads(tier, keys[hits:])
         return limit
-
-    def _remeasured(self, start: float, spans: Sequence[Span], chunks: int, prompt: int,
-                    ) -> float | None:
-        """At the deadline of a plan made on the bandwidth prior: the deadline the plan gets
-        on the speeds its first chunks have measured since (None while a tier of it is still
-        unmeasured, or if the load now loses to recompute)."""
-        tokens, expected = 0, 0.0
-        for span in spans:
-            take = min(chunks, span.chunks)
-            if take <= 0:
-                break
-            if not span.tier.measured:
-                return None
-            expected += math.ceil(take / PREFETCH_WINDOW) * span.tier.latency_s \
-                + take * span.chunk_bytes / span.tier.read_bytes_per_s
-            tokens += take * span.chunk_tokens
-            chunks -= take
-        saved = self.prefill.recompute_s(tokens, prompt)
-        if expected >= saved:
-            return None
-        return start + Decision(0, tokens, expected, saved).deadline_s
 
     def tail_worth(self, prefetch: Prefetch, n: int, tier: GuardedTier, tail: ChunkKey,
                    ) -> bool:
@@ -227,7 +225,7 @@ class LoadPlanner:
                     if tier not in skipped:
                         skipped.append(tier)
                     continue
-                got = tier.batch_contains(keys[n:])
+                got = tier.recall_contains(keys[n:])
                 if got:
                     spans.append(best._replace(chunks=got))
                     n += got
@@ -235,13 +233,6 @@ class LoadPlanner:
             else:
                 break
         return spans, skipped
-
-    def _probe(self, tier: GuardedTier, keys: Sequence[ChunkKey]) -> None:
-        """Refresh the estimates of a tier no request asks any more: a round trip, and a read
-        of what it holds of `keys` (at most `PROBE_CHUNKS`), for no request (worker thread)."""
-        got = tier.batch_contains(keys)
-        for obj in tier.batch_get(keys[:min(got, PROBE_CHUNKS)]) if got else []:
-            obj.release()
 
     def _queue(self, spans: Sequence[Span], chunks: int) -> list[tuple[TierSpeed, int]]:
         planned = []
@@ -255,7 +246,7 @@ class LoadPlanner:
         return planned
 
     def _settle(self, prefetch: Prefetch, planned: list[tuple[TierSpeed, int]], hot: int,
-                limit: int, hits: int, asked_all: bool, loaded: int) -> None:
+                waited: int, limit: int, hits: int, asked_all: bool, loaded: int) -> None:
         for tier, nbytes in planned:
             tier.unqueue(nbytes)
         keys = prefetch.keys
@@ -264,10 +255,11 @@ class LoadPlanner:
             return sum(k.num_tokens for k in keys[a:b])
 
         # What the request got: a chunk that arrived after it was admitted was not its.
-        loaded = min(loaded, limit, loaded if prefetch.used is None else prefetch.used)
+        got = min(loaded, limit, loaded if prefetch.used is None else prefetch.used)
         count = self._counters.inc
-        count("adaptive_tokens_loaded", tokens(0, loaded))
-        count("adaptive_tokens_recomputed_deadline", tokens(loaded, limit))
+        count("adaptive_tokens_loaded", tokens(0, got))
+        count("adaptive_tokens_recomputed_deadline", tokens(got, waited))
+        count("adaptive_tokens_recomputed_unmeasured", tokens(max(got, waited), limit))
         capped = hot + self._cap_bytes // max(1, self._chunk_bytes(keys[0].num_tokens))
         chosen = min(hits, capped)
         count("adaptive_tokens_recomputed_slower_than_recompute", tokens(limit, chosen))
@@ -275,3 +267,15 @@ class LoadPlanner:
         rest = tokens(hits, len(keys))
         count("adaptive_tokens_recomputed_miss" if asked_all
               else "adaptive_tokens_recomputed_slower_than_recompute", rest)
+
+
+def probe_reads(tier: GuardedTier, keys: Sequence[ChunkKey]) -> None:
+    """Refresh the estimates of a tier no request asks any more, on a thread of its own (no
+    prefetch worker waits for a slow tier): a round trip, and a read of what it holds of
+    `keys` (at most `PROBE_CHUNKS`)."""
+    def probe() -> None:
+        got = tier.batch_contains(keys)
+        for obj in tier.batch_get(keys[:min(got, PROBE_CHUNKS)]) if got else []:
+            obj.release()
+
+    threading.Thread(target=probe, name=f"kvtier-probe-{tier.name}", daemon=True).start()

@@ -25,8 +25,8 @@ from statistics import median
 __all__ = ["Samples", "TierSpeed", "PrefillSpeed", "WINDOW", "SHORT_PREFILL_TOKENS"]
 
 WINDOW = 16
-# Before a tier's first read: assume it streams at 1 GB/s (a local Redis or an SSD); its first
-# read replaces the guess, and a load that runs late is cut off at its deadline anyway.
+# Before a tier's first read: 1 GB/s (a local Redis or an SSD) for the plan's arithmetic; no
+# request waits on such a guess (`TierSpeed.known`), and the first read replaces it.
 PRIOR_READ_BYTES_PER_S = 1e9
 # Before the engine's first measured prefill: a small model on a CPU, or a large one on a GPU.
 PRIOR_PREFILL_TOKENS_PER_S = 2000.0
@@ -116,6 +116,12 @@ class TierSpeed:
     def measured(self) -> bool:
         """Whether a read was timed yet (else the bandwidth is the prior)."""
         return len(self._bandwidth) > 0
+
+    @property
+    def known(self) -> bool:
+        """Whether both the round trip and the read bandwidth were timed: until then the
+        adaptive policy makes no request wait on this tier."""
+        return self.latency_measured and self.measured
 
     def eta_s(self, nbytes: int) -> float:
         """Expected seconds until `nbytes` more, read after what is queued, have arrived."""

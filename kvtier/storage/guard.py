@@ -6,7 +6,9 @@ tier): same interface, same types, but every exception becomes the call's miss v
 counted as `{tier}.errors` and logged at a limited rate. The guard also times each call
 (Prometheus), feeds those timings to the tier's speed estimate (`speed`: round trips from
 `contains`, bandwidth from reads) and counts the calls in flight, so a detached tier is closed
-only after the calls still using it are done.
+only after the calls still using it are done. It also remembers recent `contains` answers
+(`kvtier.storage.existence`) for the admission path (`recall_contains`), forgetting those its
+own writes, removals and missed reads make stale.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from kvtier.keys import ChunkKey
 from kvtier.memory import MemoryObj
 from kvtier.metrics import Counters, RateLimitedLog
 from kvtier.storage.estimates import TierSpeed
+from kvtier.storage.existence import Existence
 
 __all__ = ["GuardedTier", "GuardedHotTier"]
 
@@ -40,6 +43,22 @@ class GuardedTier(StorageBackend):
         self._active = 0
         self._idle = threading.Condition()
         self.speed = TierSpeed(self.name)
+        self.existence = Existence()
+
+    def recall_contains(self, keys: Sequence[ChunkKey]) -> int:
+        """`batch_contains`, answered from recent answers where they cover `keys` (no round
+        trip); the tier is asked only from the first chunk not remembered. A failed call
+        remembers nothing."""
+        n, answered = self.existence.leading(keys)
+        if answered:
+            return n
+        rest = keys[n:]
+        with _Call(self, "contains") as call:
+            got = self.inner.batch_contains(rest)
+            self.speed.observe_latency(call.elapsed())
+            self.existence.remember(rest, got)
+            return n + got
+        return n
 
     def batch_contains(self, keys: Sequence[ChunkKey]) -> int:
         with _Call(self, "contains") as call:
@@ -59,6 +78,8 @@ class GuardedTier(StorageBackend):
         with _Call(self, "get") as call:
             objs = self.inner.batch_get(keys)
             self.speed.observe_read(sum(o.nbytes for o in objs), call.elapsed())
+            if len(objs) < len(keys):
+                self.existence.forget(keys[len(objs):])
             return objs
         return []
 
@@ -67,6 +88,7 @@ class GuardedTier(StorageBackend):
         # so a slow tier shows while its first long read is still running; what the caller
         # does with each object between our yields is not the tier's time.
         first = True
+        got = 0
         with _Call(self, "get"), closing(self.inner.iter_get(keys)) as objs:
             start = time.perf_counter()
             for obj in objs:
@@ -76,18 +98,27 @@ class GuardedTier(StorageBackend):
                 else:
                     self.speed.observe_transfer(obj.nbytes, took)
                 first = False
+                got += 1
                 yield obj
                 start = time.perf_counter()
+        if got < len(keys):
+            self.existence.forget(keys[got:])
 
     def batch_put(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]) -> int:
-        with _Call(self, "put"):
-            return self.inner.batch_put(keys, objs)
-        return 0
+        try:
+            with _Call(self, "put"):
+                return self.inner.batch_put(keys, objs)
+            return 0
+        finally:  # after the write: an answer taken while it ran may be stale
+            self.existence.forget(keys)
 
     def remove(self, keys: Sequence[ChunkKey]) -> int:
-        with _Call(self, "remove"):
-            return self.inner.remove(keys)
-        return 0
+        try:
+            with _Call(self, "remove"):
+                return self.inner.remove(keys)
+            return 0
+        finally:
+            self.existence.forget(keys)
 
     def stats(self) -> dict[str, float]:
         with _Call(self, "stats", timed=False):

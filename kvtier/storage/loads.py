@@ -90,6 +90,9 @@ class PrefetchLoads:
         budget = self._policy.budget_s(self._config, tokens,
                                        self._planner.budget_before_plan_s(tokens))
         prefetch = Prefetch(keys, self._policy, budget, drop=self.drop, tails=tails)
+        # Admitted at once while a tier is unmeasured: its load must still run, for later
+        # requests and to time the tier (the plan narrows this down).
+        prefetch.background = self._policy.planned and self._planner.unmeasured()
         prefetch.arena_before = self._used_bytes()
         if not accept or not keys:
             prefetch.finish(0)
@@ -141,7 +144,7 @@ class PrefetchLoads:
             prefetch.position = self._hot.batch_contains(keys)
             prefetch.limit = self._planner.plan(prefetch, prefetch.position)
         n, limit = prefetch.position, prefetch.limit
-        if n >= limit or prefetch.cancelled or self._stopped():
+        if n >= limit or prefetch.stopping or self._stopped():
             return n
         mine, busy = self._claim(keys[:limit], n)
         if busy is not None:  # another prefetch is reading this chunk: wait, then look

@@ -73,7 +73,10 @@ class Prefetch:
         self._drop = drop
         self._release: Callable[[], object] | None = None  # see `hold`
         self._after: list[Callable[[int], object]] = []  # see `after`
-        self._recheck: Callable[[], float | None] | None = None  # see `recheck_at_deadline`
+        # Set by a plan made before the tier's speeds were measured: the request does not
+        # wait, and the load goes on after the request was admitted (`cancel()` without
+        # drop), promoting the chunks for later requests and timing the tier.
+        self.background = False
         # Both under _lock, so cancel() and finish() agree on who runs the drop.
         self._drop_asked = False
         self._stopped = False  # finish() ran: the worker touches the load no more
@@ -94,7 +97,7 @@ class Prefetch:
         if not self.policy.waits or self._done.is_set():
             return True
         now = time.monotonic() if now is None else now
-        if now < self.deadline or self._rechecked_later(now):
+        if now < self.deadline:
             return False
         self.policy.at_deadline(len(self.keys), self.deadline - self.started)
         return True
@@ -105,21 +108,16 @@ class Prefetch:
             self.deadline = deadline
             self._changed.notify_all()
 
-    def recheck_at_deadline(self, recheck: Callable[[], float | None]) -> None:
-        """Call `recheck()` once, when the deadline first comes: a later deadline it returns
-        (monotonic clock) replaces it. For a plan made on guessed speeds, looked at again
-        once its first chunks have measured the tier."""
-        with self._lock:
-            self._recheck = recheck
+    @property
+    def stopping(self) -> bool:
+        """Whether the load should stop: cancelled, unless it is a `background` load the
+        request merely stopped waiting for (a drop stops every load)."""
+        return self._cancelled.is_set() and (self._drop_asked or not self.background)
 
-    def _rechecked_later(self, now: float) -> bool:
-        with self._lock:
-            recheck, self._recheck = self._recheck, None
-        later = recheck() if recheck is not None else None
-        if later is None or later <= now:
-            return False
-        self.set_deadline(later)
-        return True
+    def waiting(self, now: float) -> bool:
+        """Whether a request is waiting for this load now (not cancelled, deadline ahead)."""
+        return (self.policy.waits and not self._cancelled.is_set() and not self._done.is_set()
+                and now < self.deadline)
 
     def wait_ready(self, timeout: float) -> bool:
         """Wait up to `timeout` seconds for `ready()`: the load done, or its deadline come
@@ -140,7 +138,7 @@ class Prefetch:
             while not self._done.is_set():
                 now = time.monotonic()
                 left = self.deadline - now
-                if left <= 0 and not self._rechecked_later(now):
+                if left <= 0:
                     break  # re-read above: the plan may move the deadline while we wait
                 self._done.wait(min(left, 0.05))
         return self._done.is_set()
@@ -224,9 +222,11 @@ class Prefetch:
 class Prefetcher:
     """Runs prefetches on `workers` threads; at most `max_pending` wait for a thread.
 
-    Loads take turns: a worker runs one step of the prefetch at the head of the queue (one
-    read window) and puts it back at the tail unless it is done, so concurrent requests all
-    progress, each at its share of the tiers.
+    Loads take turns: a worker runs one step of a prefetch (one read window) and puts it back
+    at the tail unless it is done, so concurrent requests all progress, each at its share of
+    the tiers. A load some request waits for goes before the others (background loads: their
+    request was admitted, or never waited), and background loads never hold the last worker
+    (with more than one), so a waiting request never queues behind a slow tier's promotion.
 
     Args:
         step: does one turn of a prefetch's work on a worker thread: returns the leading
@@ -243,6 +243,8 @@ class Prefetcher:
         self._step = step
         self._on_dropped = on_dropped
         self._max_pending = max_pending
+        self._workers = workers
+        self._background = 0  # workers running a step of a load no request waits for
         self._queue: deque[Prefetch] = deque()
         self._cond = threading.Condition()
         self._closed = False
@@ -290,19 +292,41 @@ class Prefetcher:
         name_os_thread()
         while True:
             with self._cond:
-                while not self._queue and not self._closed:
-                    self._cond.wait()
-                if not self._queue:
+                taken = self._take_locked()
+                if taken is None:
                     return
-                prefetch = self._queue.popleft()
+                prefetch, background = taken
+                del taken  # only `prefetch` holds the handle, and it is let go below
+                self._background += background
             try:
-                loaded = prefetch.position if prefetch.cancelled else self._step(prefetch)
+                loaded = prefetch.position if prefetch.stopping else self._step(prefetch)
             except Exception as exc:  # a failed prefetch is a miss, never a dead worker
                 logger.warning("kvtier: prefetch failed: %r", exc)
                 loaded = prefetch.position
+            finally:
+                if background:
+                    with self._cond:
+                        self._background -= 1
+                        self._cond.notify_all()
             if loaded is not None or not self._requeue(prefetch):
                 prefetch.finish(prefetch.position if loaded is None else loaded)
             del prefetch  # idle workers hold no handle: one its caller dropped is garbage
+
+    def _take_locked(self) -> tuple[Prefetch, bool] | None:
+        """The next step to run (waiting loads first) and whether it is a background one;
+        None once closed and empty. Waits on the condition (held) while there is none."""
+        while True:
+            if not self._queue and self._closed:
+                return None
+            now = time.monotonic()
+            for i, prefetch in enumerate(self._queue):
+                if prefetch.waiting(now):
+                    del self._queue[i]
+                    return prefetch, False
+            if self._queue and (self._background < self._workers - 1 or self._workers == 1
+                                or self._closed):
+                return self._queue.popleft(), True
+            self._cond.wait()
 
     def _requeue(self, prefetch: Prefetch) -> bool:
         """Put an unfinished prefetch back at the tail; False once closing."""

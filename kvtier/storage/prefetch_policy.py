@@ -2,8 +2,8 @@
 
 - `adaptive` (the default): the load is planned from measured tier and prefill speeds
   (`kvtier.storage.adaptive`); the request waits until what arrives sooner than it recomputes
-  is in, or that part's deadline. Until the plan exists, the deadline is the recompute time of
-  the whole prompt (1/8 of it while a lower tier's round trip was never timed).
+  is in, or that part's deadline. Until the plan exists, the deadline is what a load could
+  save at the measured speeds (none while a lower tier is unmeasured: admitted at once).
 - `best_effort`: never waits; the load goes on in the background.
 - `timeout`: waits until the load is done or `prefetch_timeout_base_ms` +
   `prefetch_timeout_per_token_ms` x tokens passed.

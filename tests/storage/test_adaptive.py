@@ -17,7 +17,6 @@ from kvtier.metrics import Counters, RateLimitedLog
 from kvtier.storage import StorageManager
 from kvtier.storage.adaptive import (
     DEADLINE_SLACK,
-    GUESS_FLOOR,
     Decision,
     LoadPlanner,
     Span,
@@ -95,34 +94,37 @@ def test_the_deadline_never_passes_the_break_even_point() -> None:
     # A fast load saving much: a busy host's scheduling noise must not cut it off.
     short = Decision(chunks=4, tokens=64, expected_s=0.01, saved_s=1.0)
     assert short.deadline_s == pytest.approx(0.5)
-    # The same plan on a guessed bandwidth bets less of the saving.
-    assert short._replace(guessed=True).deadline_s == pytest.approx(GUESS_FLOOR)
 
 
 def test_a_plan_on_an_unmeasured_tier_is_a_guess() -> None:
     unmeasured = TierSpeed("t")
     unmeasured.observe_latency(0.02)  # its round trips are timed, its reads not yet
+    assert not unmeasured.known
     got = decide([_span(unmeasured, 8)], _prefill(1000), 128)
     assert got.chunks == 8 and got.guessed  # the 1 GB/s prior says load
     assert got.deadline_s == pytest.approx(max(got.expected_s * DEADLINE_SLACK + 0.005,
-                                               GUESS_FLOOR * got.saved_s))
+                                               0.5 * got.saved_s))
     assert not decide([_span(_tier(0.02, 1e9), 8)], _prefill(1000), 128).guessed
 
 
-def test_a_guessed_plan_gets_the_measured_deadline_once_its_reads_are_timed(
+def test_hits_on_an_unmeasured_tier_load_in_the_background_and_nobody_waits(
         disk_manager: StorageManager) -> None:
     (disk,) = disk_manager.lower_tiers
-    assert not disk.speed.measured
-    planner = LoadPlanner(lambda: [disk], _prefill(1000), SMALL_MHA.nbytes,  # 16 ms a chunk
+    fresh = GuardedTier(disk.inner, Counters("disk.errors"), RateLimitedLog(logging.getLogger()))
+    assert not fresh.speed.known
+    planner = LoadPlanner(lambda: [fresh], _prefill(1000), SMALL_MHA.nbytes,  # 16 ms a chunk
                           arena_bytes=1 << 30, counters=Counters())
+    assert planner.unmeasured() and planner.budget_before_plan_s(32 * CHUNK) == 0.0
     keys = make_keys(32 * CHUNK)
     prefetch = Prefetch(keys, "adaptive", budget_s=60.0)
-    assert planner.plan(prefetch, 8) == 32  # the 1 GB/s prior: load the 24 disk chunks
-    guessed = prefetch.deadline
-    disk.speed.observe_read(CHUNK_BYTES, 0.0001)  # its first chunk arrived: fast
-    assert not prefetch.ready(now=guessed)  # worth more than the guess's short wait
-    assert prefetch.deadline > guessed
-    assert prefetch.deadline <= prefetch.started + 24 * CHUNK / 1000 + 1.0  # the saving
+    before = time.monotonic()
+    assert planner.plan(prefetch, 8) == 32  # every hit, for later requests
+    assert prefetch.background and prefetch.deadline <= time.monotonic()
+    assert prefetch.ready(now=before + 1e-3)  # the request goes on at once
+    prefetch.cancel()  # admitted: a background load goes on ...
+    assert not prefetch.stopping
+    prefetch.cancel(drop=True)  # ... until the request is gone
+    assert prefetch.stopping
 
 
 # -- the policy on a storage manager, with a real disk tier ----------------------------------
@@ -142,6 +144,11 @@ def disk_manager(tmp_path: Path) -> Iterator[StorageManager]:
         sm.put(keys, objs)
     assert sm.flush()
     sm.hot.remove(keys[8:])
+    (disk,) = sm.lower_tiers
+    disk.batch_contains(keys[:1])  # the disk's speeds, as its probe and first read time them
+    for obj in disk.batch_get(keys[:1]):
+        obj.release()
+    assert disk.speed.known
     try:
         yield sm
     finally:
@@ -185,8 +192,7 @@ def test_tokens_no_tier_holds_count_as_misses(disk_manager: StorageManager) -> N
     assert sm.stats()["adaptive_tokens_recomputed_miss"] == 8 * CHUNK
 
 
-def test_before_any_round_trip_to_a_tier_the_plan_is_waited_for_briefly(
-        tmp_path: Path) -> None:
+def test_before_a_tier_is_measured_nobody_waits_for_a_plan(tmp_path: Path) -> None:
     cfg = Config(chunk_size=CHUNK, local_disk=str(tmp_path / "d"), max_local_disk_size=0.1)
     alloc = MemoryAllocator(1 << 20)
     inner = DiskBackend(BackendContext(config=cfg, layout=SMALL_MHA, allocator=alloc))
@@ -194,11 +200,16 @@ def test_before_any_round_trip_to_a_tier_the_plan_is_waited_for_briefly(
     try:
         planner = LoadPlanner(lambda: [disk], _prefill(1000), SMALL_MHA.nbytes,
                               arena_bytes=1 << 30, counters=Counters())
-        assert not disk.speed.latency_measured
-        assert planner.budget_before_plan_s(1000) == pytest.approx(GUESS_FLOOR * 1.0)
-        disk.batch_contains(make_keys(CHUNK))  # one round trip, timed
-        assert disk.speed.latency_measured
-        assert planner.budget_before_plan_s(1000) == pytest.approx(1.0)
+        assert planner.budget_before_plan_s(1000) == 0.0
+        disk.speed.observe_latency(0.01)  # a round trip timed, no read yet: still a guess
+        assert planner.budget_before_plan_s(1000) == 0.0
+        disk.speed.observe_read(10**6, 0.01 + 10**6 / 1e9)  # ~1 GB/s
+        # What a load of it all could save: recompute less a round trip and the bytes.
+        expected = 1.0 - 0.01 - SMALL_MHA.nbytes(1000) / disk.speed.read_bytes_per_s
+        assert planner.budget_before_plan_s(1000) == pytest.approx(expected)
+        disk.speed.observe_latency(5.0)
+        disk.speed.observe_latency(5.0)  # now 5 s away (the median): nothing to wait for
+        assert planner.budget_before_plan_s(1000) == 0.0
     finally:
         disk.close()
 
