@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import logging
 import os
 import stat
 import struct
@@ -48,7 +47,6 @@ __all__ = [
     "token_digest", "MIN_KEY_BYTES", "load_record_key",
 ]
 
-logger = logging.getLogger(__name__)
 
 MAGIC = b"KVTR"
 VERSION = 2
@@ -125,8 +123,9 @@ def load_record_key(path: str | None) -> bytes | None:
     """The record key in file `path` (surrounding whitespace dropped); None without a path.
 
     Raises:
-        ConfigError: naming `record_key_file` (never the key) when the file cannot be read or
-            holds fewer than `MIN_KEY_BYTES` bytes.
+        ConfigError: naming `record_key_file` (never the key) when the file cannot be read,
+            holds fewer than `MIN_KEY_BYTES` bytes, or is open to the group or others (a
+            mode other than 0600 or 0400).
     """
     if not path:
         return None
@@ -142,9 +141,10 @@ def load_record_key(path: str | None) -> bytes | None:
         raise ConfigError(f"record_key_file: {path!r} holds {len(data)} bytes; a record key "
                           f"needs at least {MIN_KEY_BYTES} (e.g. `head -c 32 /dev/urandom | "
                           f"base64 > {path}`)")
-    if mode & (stat.S_IRGRP | stat.S_IROTH):
-        logger.warning("kvtier: record_key_file %s is readable by other users; anyone who "
-                       "reads it can forge records (chmod 600 it)", path)
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ConfigError(f"record_key_file: {path!r} is open to other users (mode "
+                          f"{stat.S_IMODE(mode):03o}); whoever reads it can forge records and "
+                          f"whoever writes it can change the key: chmod 600 {path}")
     return data
 
 

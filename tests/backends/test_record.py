@@ -184,6 +184,12 @@ def test_a_record_key_file_is_read_and_checked(tmp_path: Path) -> None:
     assert "tiny" not in str(err.value)
     with pytest.raises(ConfigError, match="record_key_file.*cannot read"):
         record.load_record_key(str(tmp_path / "missing"))
+    good.chmod(0o400)
+    assert record.load_record_key(str(good)) == MAC_KEY
+    for mode in (0o640, 0o604, 0o620):  # others may read it (forge) or write it (swap it)
+        good.chmod(mode)
+        with pytest.raises(ConfigError, match=f"record_key_file.*mode {mode:03o}.*chmod 600"):
+            record.load_record_key(str(good))
 
 
 def _mismatch_cases() -> list[tuple[str, ChunkKey, KVLayout]]:

@@ -204,6 +204,11 @@ def _check_launch(config: Config, args: argparse.Namespace) -> None:
         tp_size = int(getattr(args, "tp_size", None) or 1)
         dp_size = int(getattr(args, "dp_size", None) or 1)
         check_host(config, local_ranks=tp_size * dp_size)
+        # A missing, short or open key file stops the launch here, not each worker later.
+        from kvtier.backends.record import load_record_key
+
+        load_record_key(config.record_key_file)
+        _check_load_format(config, args)
         if config.metrics_port is not None and config.metrics_port + tp_size - 1 > 65535:
             raise ConfigError(f"metrics_port: {config.metrics_port} + TP rank (up to "
                               f"{tp_size - 1}) passes 65535: each rank serves on metrics_port "
@@ -214,6 +219,18 @@ def _check_launch(config: Config, args: argparse.Namespace) -> None:
         if getattr(args, flag, False):
             raise ConfigError(f"--enable-kvtier cannot be combined with "
                               f"--{flag.replace('_', '-')}")
+
+
+def _check_load_format(config: Config, args: argparse.Namespace) -> None:
+    """Random weights (`--load-format dummy`) compute KV no real server computes: stored on
+    disk or in Redis under the model's name, it would poison every reader of that model."""
+    load_format = str(getattr(args, "load_format", None) or "auto")
+    lower = [tier for tier in config.tiers if tier != "cpu"]
+    if load_format == "dummy" and lower:
+        raise ConfigError(f"--load-format dummy (random weights) with the {'/'.join(lower)} "
+                          "tier: its KV would be stored under the model's name and loaded by "
+                          "real servers of that model; use local_cpu only (drop local_disk and "
+                          "remote_url) for a dummy-weights run")
 
 
 def build_radix_cache(ctx: Any) -> Any:
