@@ -14,16 +14,22 @@ each (nothing comes from SGLang's device cache), in this order:
                 every reply by `--delay-ms` and caps the replies at `--mbps` MB/s; by default
                 the cap makes loading a prompt's cached chunks (after one delay) take
                 `--slowdown` times recomputing the prompt
+    coldstart   a server's first kvtier requests: a fresh server warmed up with requests
+                kvtier does not see (so its tier is timed by nothing but its own start-up
+                probe), on the same Redis behind a proxy that holds every reply burst
+                `--cold-delay-ms` (150 ms) and streams at `--cold-mbps` (2 MB/s): a far tier
+                whose round trip alone costs about a prompt's recompute
 
-`fast` and `throttled` run once per policy in `--policies` (`prefetch_policy` in the kvtier
-config; `timeout` with its default budget). Each server is warmed up with two prompts no case
-uses (its first long prefill pays one-time costs; the adaptive policy also measures the prefill
-speed there). Measured per request: TTFT (streaming, `--max-new-tokens` greedy tokens), SGLang's
-`cached_tokens`, whether the output equals the storing server's, the tokens kvtier's log reports
-loading and (throttled) the bytes through the proxy; per server, kvtier's metrics. The table
-gives per case and policy the median and p99 TTFT over every request of every run, the median
-cached tokens, and the ratios of the median and p99 TTFT to `none` measured in the same
-invocation. Nothing is compared with a fixed number: these machines are shared and noisy.
+`fast`, `throttled` and `coldstart` run once per policy in `--policies` (`prefetch_policy` in
+the kvtier config; `timeout` with its default budget). Each server is warmed up with two
+prompts no case uses (its first long prefill pays one-time costs; the adaptive policy also
+measures the prefill speed there). Measured per request: TTFT (streaming, `--max-new-tokens`
+greedy tokens), SGLang's `cached_tokens`, whether the output equals the storing server's, the
+tokens kvtier's log reports loading and (throttled) the bytes through the proxy; per server,
+kvtier's metrics. The table gives per case and policy the median and p99 TTFT over every
+request of every run, the median cached tokens, and the ratios of the median and p99 TTFT to
+`none` measured in the same invocation. Nothing is compared with a fixed number: these
+machines are shared and noisy.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_adaptive.py [--prompts 8] [--prompt-len 2048]
         [--runs 1] [--delay-ms 20] [--mbps auto] [--slowdown 4] [--policies adaptive,timeout]
@@ -42,16 +48,14 @@ import random
 import re
 import statistics
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import yaml
 
+from benchmarks.adaptive_report import CaseRun, Options, Request, kv_bytes_per_token, report
 from benchmarks.common import work_dir, write_results
 from kvtier.config import ConfigError, load_config
-from kvtier.demo.models import LlamaSpec, cached_llama
+from kvtier.demo.models import cached_llama
 from kvtier.demo.runner import FULL_MODEL, SMALL_MODEL
 from kvtier.demo.server import (
     CPU_FLAGS,
@@ -61,60 +65,13 @@ from kvtier.demo.server import (
     gpu_available,
     metrics_text,
 )
-from tests.conftest import RedisProcess
 from tests.delay_proxy import DelayProxy
+from tests.support.redis import RedisProcess
 
 MODELS = {"small": SMALL_MODEL, "full": FULL_MODEL}
 POLICIES = ("adaptive", "timeout", "wait_complete", "best_effort")
 FIRST_ID, VOCAB = 4, 430  # token ids every generated tokenizer has (0-3 are specials)
 _LOADED = re.compile(r"kvtier: loaded (\d+) tokens")
-# Shown under the table, with every `kvtier_adaptive_*` metric that is not 0 (every kvtier
-# counter and gauge goes to the JSON).
-SHOWN_COUNTERS = ("kvtier_sglang_tokens_loaded_total", "kvtier_bytes_read_total")
-SHOWN_PREFIX = "kvtier_adaptive_"
-
-
-@dataclass
-class Options:
-    """What one invocation runs (see `--help`)."""
-
-    prompts: int = 8
-    prompt_len: int = 2048
-    runs: int = 1
-    delay_ms: float = 20.0
-    mbps: float | None = None  # MB/s (10^6 bytes/s); None: from --slowdown
-    slowdown: float = 4.0
-    policies: tuple[str, ...] = ("adaptive", "timeout")
-    model: str = "small"
-    chunk_size: int = 256
-    max_new_tokens: int = 2
-    threads: int = 0  # OMP threads per server; 0: every core
-    work_dir: Path | None = None
-
-
-@dataclass
-class Request:
-    """One measured request."""
-
-    prompt: int
-    ttft_ms: float
-    cached_tokens: int
-    prompt_tokens: int
-    output_matches: bool
-    log_loaded_tokens: int
-    proxy_bytes: int | None = None
-
-
-@dataclass
-class CaseRun:
-    """One fresh server serving every prompt once."""
-
-    case: str  # none, fast, throttled
-    policy: str | None  # None for `none`
-    run: int
-    start_s: float = 0.0
-    requests: list[Request] = field(default_factory=list)
-    metrics: dict[str, float] = field(default_factory=dict)
 
 
 # ---- helpers ----
@@ -122,11 +79,6 @@ class CaseRun:
 def _prompt(seed: str, n: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(FIRST_ID, VOCAB) for _ in range(n)]
-
-
-def kv_bytes_per_token(spec: LlamaSpec) -> int:
-    """K and V of every layer in the float32 pool the CPU servers run with."""
-    return 2 * spec.layers * spec.kv_heads * (spec.hidden // spec.heads) * 4
 
 
 def scrape_metrics(port: int) -> dict[str, float]:
@@ -138,15 +90,6 @@ def scrape_metrics(port: int) -> dict[str, float]:
         if m and not re.search(r"_(bucket|created)\b", m.group(1)):
             out[m.group(1)] = float(m.group(2))
     return out
-
-
-def _summed(metrics: dict[str, float], name: str) -> float | None:
-    values = [v for k, v in metrics.items() if k == name or k.startswith(name + "{")]
-    return sum(values) if values else None
-
-
-def p99(values: list[float]) -> float:
-    return float(np.percentile(values, 99))
 
 
 # ---- the runs ----
@@ -166,6 +109,7 @@ class Bench:
         self.store_ttft_ms: list[float] = []  # the storing server's TTFTs (JSON only)
         self.redis = RedisProcess(work / "redis")
         self.proxy: DelayProxy | None = None
+        self.cold_proxy: DelayProxy | None = None
         self.results: list[CaseRun] = []
         self._servers = 0
 
@@ -192,15 +136,22 @@ class Bench:
                             env={"OMP_NUM_THREADS": str(threads)}, pythonpath=shims,
                             cpu_flags=CPU_FLAGS)
 
-    def _started(self, server: SGLangServer) -> float:
+    def _started(self, server: SGLangServer, *, unseen: bool = False) -> float:
         """Start and warm up `server` (two prompts no case uses, different per server, so a
-        warm-up is never a hit and leaves none behind); returns the start time in seconds."""
+        warm-up is never a hit and leaves none behind; `unseen`: namespaced with an
+        `extra_key`, which kvtier bypasses, so kvtier's tiers see none of them); returns the
+        start time in seconds."""
         t0 = time.monotonic()
         server.start()
         self._servers += 1
         for i in range(2):
             server.flush_cache()
-            server.generate(_prompt(f"warmup-{self._servers}-{i}", self.opts.prompt_len), 1)
+            ids = _prompt(f"warmup-{self._servers}-{i}", self.opts.prompt_len)
+            if unseen:
+                server.post("/generate", {"input_ids": ids, "extra_key": f"warmup-{i}",
+                                          "sampling_params": {"max_new_tokens": 1}})
+            else:
+                server.generate(ids, 1)
         return time.monotonic() - t0
 
     def check_configs(self) -> None:
@@ -266,14 +217,14 @@ class Bench:
         name = f"r{run}-{case}" + (f"-{policy}" if policy else "")
         metrics = free_port()
         config = None
-        proxy = self.proxy if case == "throttled" else None
+        proxy = {"throttled": self.proxy, "coldstart": self.cold_proxy}.get(case)
         if case != "none":
             assert policy is not None and (case == "fast" or proxy is not None)
             url = proxy.url if proxy is not None else self.redis.url
             config = self.config(name, url, policy, metrics)
         server = self.server(name, config)
         try:
-            result.start_s = self._started(server)
+            result.start_s = self._started(server, unseen=case == "coldstart")
             offset = len(server.log())
             marks = []  # proxy bytes before each request's flush, and at the end
             for i, ids in enumerate(self.prompts):
@@ -308,7 +259,10 @@ class Bench:
         self.redis.start()
         try:
             self.store()
-            cases = [("none", None)] + [(case, policy) for case in ("fast", "throttled")
+            self.cold_proxy = DelayProxy(self.redis.port, self.opts.cold_delay_ms / 1e3,
+                                         bytes_per_s=self.opts.cold_mbps * 1e6)
+            cases = [("none", None)] + [(case, policy)
+                                        for case in ("fast", "throttled", "coldstart")
                                         for policy in self.opts.policies]
             for run in range(1, self.opts.runs + 1):
                 for case, policy in cases:
@@ -316,83 +270,11 @@ class Bench:
                         throttle = self.throttle()
                     self.run_case(case, policy, run)
         finally:
-            if self.proxy is not None:
-                self.proxy.close()
+            for proxy in (self.proxy, self.cold_proxy):
+                if proxy is not None:
+                    proxy.close()
             self.redis.stop()
         return throttle
-
-
-# ---- report ----
-
-def summarize(results: list[CaseRun]) -> list[dict[str, Any]]:
-    """Per case and policy, over every request of every run; ratios to `none`."""
-    groups: dict[tuple[str, str | None], list[CaseRun]] = {}
-    for r in results:
-        groups.setdefault((r.case, r.policy), []).append(r)
-    base = groups.get(("none", None), [])
-    base_ttft = [q.ttft_ms for r in base for q in r.requests]
-    rows = []
-    for (case, policy), runs in groups.items():
-        reqs = [q for r in runs for q in r.requests]
-        ttft = [q.ttft_ms for q in reqs]
-        row: dict[str, Any] = {
-            "case": case, "policy": policy, "requests": len(reqs),
-            "median_ttft_ms": statistics.median(ttft), "p99_ttft_ms": p99(ttft),
-            "median_cached_tokens": statistics.median(q.cached_tokens for q in reqs),
-            "outputs_matching": sum(q.output_matches for q in reqs),
-            "median_ratio": None, "p99_ratio": None, "median_ratio_per_run": []}
-        if base_ttft:
-            row["median_ratio"] = row["median_ttft_ms"] / statistics.median(base_ttft)
-            row["p99_ratio"] = row["p99_ttft_ms"] / p99(base_ttft)
-            by_run = {r.run: r for r in base}
-            for r in runs:
-                if r.run in by_run:
-                    row["median_ratio_per_run"].append(
-                        statistics.median(q.ttft_ms for q in r.requests)
-                        / statistics.median(q.ttft_ms for q in by_run[r.run].requests))
-        rows.append(row)
-    return rows
-
-
-def _f(value: float | None, fmt: str) -> str:
-    return "n/a" if value is None else format(value, fmt)
-
-
-def report(opts: Options, bench: Bench, throttle: dict[str, float]) -> dict[str, Any]:
-    rows = summarize(bench.results)
-    print(f"\nTTFT of {opts.prompts} cached prompts of {opts.prompt_len} tokens, "
-          f"{opts.runs} run(s), a fresh server per case and run; throttled tier: "
-          f"+{opts.delay_ms:.0f} ms per reply, {throttle['bytes_per_s'] / 1e6:.2f} MB/s "
-          f"(a load >= {throttle['load_over_recompute']:.1f}x recompute)")
-    print("| case | policy | median TTFT ms | p99 TTFT ms | median cached tokens "
-          "| median / none | p99 / none | outputs as stored |\n"
-          "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for r in rows:
-        print(f"| {r['case']} | {r['policy'] or '-'} | {r['median_ttft_ms']:.0f} "
-              f"| {r['p99_ttft_ms']:.0f} | {r['median_cached_tokens']:.0f} "
-              f"| {_f(r['median_ratio'], '.2f')}x | {_f(r['p99_ratio'], '.2f')}x "
-              f"| {r['outputs_matching']}/{r['requests']} |")
-    notes = []
-    for c in bench.results:
-        if c.case == "none":
-            continue
-        names = [*SHOWN_COUNTERS, *sorted(k for k, v in c.metrics.items()
-                                          if k.startswith(SHOWN_PREFIX) and v)]
-        shown = ", ".join(f"{k.removeprefix('kvtier_')}={_f(_summed(c.metrics, k), '.0f')}"
-                          for k in names)
-        loaded = sum(q.log_loaded_tokens for q in c.requests)
-        proxied = [q.proxy_bytes for q in c.requests if q.proxy_bytes is not None]
-        via = f", {sum(proxied) / 1e6:.1f} MB through the proxy" if proxied else ""
-        notes.append(f"  run {c.run} {c.case}/{c.policy}: log loads {loaded} tokens{via}, "
-                     f"{shown}")
-    if notes:
-        print("\n" + "\n".join(notes))
-    return {"options": {k: (str(v) if isinstance(v, Path) else v)
-                        for k, v in vars(opts).items()},
-            "model": dataclasses.asdict(bench.spec), "chunk_size": opts.chunk_size,
-            "kv_bytes_per_token": kv_bytes_per_token(bench.spec),
-            "throttle": throttle, "store_ttft_ms": bench.store_ttft_ms, "summary": rows,
-            "runs": [dataclasses.asdict(r) for r in bench.results]}
 
 
 def _policies(text: str) -> tuple[str, ...]:
@@ -421,6 +303,10 @@ def parse_args(argv: list[str] | None = None) -> Options:
     p.add_argument("--slowdown", type=float, default=d.slowdown,
                    help="without --mbps: loading a prompt from the throttled tier takes this "
                         "many times its recompute")
+    p.add_argument("--cold-delay-ms", type=float, default=d.cold_delay_ms,
+                   help="the coldstart case's Redis: delay on every reply burst")
+    p.add_argument("--cold-mbps", type=float, default=d.cold_mbps,
+                   help="the coldstart case's Redis: bandwidth in MB/s")
     p.add_argument("--policies", type=_policies, default=d.policies,
                    help=f"comma-separated prefetch policies for the kvtier cases "
                         f"(default {','.join(d.policies)})")
@@ -451,7 +337,7 @@ def main(argv: list[str] | None = None) -> None:
     with work_dir("adaptive", opts.work_dir) as work:
         bench = Bench(opts, work)
         throttle = bench.run()
-        out = report(opts, bench, throttle)
+        out = report(opts, bench.results, bench.spec, bench.store_ttft_ms, throttle)
     write_results("bench_adaptive", out)
 
 

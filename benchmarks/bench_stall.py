@@ -34,9 +34,9 @@ from typing import Any
 import yaml
 
 from kvtier.demo.models import make_llama
-from tests.conftest import RedisProcess
 from tests.delay_proxy import DelayProxy
-from tests.sglang_support.server import SGLangServer
+from tests.support.redis import RedisProcess
+from tests.support.sglang_server import SGLangServer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FLAGS = ("--context-length", "8192", "--max-total-tokens", "16384")

@@ -1,7 +1,7 @@
 """The serving benchmark's report: its table, its ratios against their bounds, its notes.
 
 `benchmarks/bench_serving.py` runs the servers and the client; this module only formats what
-they measured (`RunResult`s) and derives the ratios.
+they measured (`RunResult`s, from `serving_types`) and derives the ratios.
 """
 
 from __future__ import annotations
@@ -9,10 +9,9 @@ from __future__ import annotations
 import math
 import statistics
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
-if TYPE_CHECKING:
-    from benchmarks.bench_serving import Options, RunResult
+from benchmarks.serving_types import Options, RunResult
 
 DISCARDED = "kvtier_sglang_loads_discarded_total"
 # Counters shown in the table's notes (every kvtier counter goes to the JSON).
@@ -350,8 +349,6 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
     import json
     import sys
-
-    from benchmarks.bench_serving import Options, RunResult
 
     p = argparse.ArgumentParser(description="the serving benchmark's report, from its JSON")
     p.add_argument("files", nargs="+", type=Path)

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import RedisProcess
 from tests.delay_proxy import DelayProxy
+from tests.support.redis import RedisProcess
 
 MB = 1_000_000
 RATE = 4 * MB  # bytes/s

@@ -17,8 +17,8 @@ from kvtier import prometheus
 from kvtier.config import Config
 from kvtier.connectors import SGLangMHAConnector
 from kvtier.engine import CacheEngine
-from tests.conftest import RedisProcess, free_port
 from tests.helpers import SMALL_MHA, os_thread_name
+from tests.support.redis import RedisProcess, free_port
 
 CHUNK = 16
 

@@ -1,4 +1,5 @@
-"""The `backend` fixture: every storage tier behind one conformance suite.
+"""The `backend` fixture: every storage tier behind one conformance suite; the disk tier's
+`arena` and `open_disk`; the Redis tier's `make_backend`.
 
 To add a tier, add its name to BACKEND_NAMES and a branch to `_config_for`.
 """
@@ -6,13 +7,16 @@ To add a tier, add its name to BACKEND_NAMES and a branch to `_config_for`.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 from kvtier.backends import BackendContext, StorageBackend, create_backend
+from kvtier.backends.disk import DiskBackend
 from kvtier.backends.redis import RedisBackend
 from kvtier.config import Config
 from kvtier.memory import KVLayout, MemoryAllocator
+from tests.backends.disk_helpers import CHUNK, Opener
 from tests.helpers import SMALL_MHA
 
 BACKEND_NAMES = ["cpu", "disk", "redis"]
@@ -44,6 +48,34 @@ def backend_ctx(request: pytest.FixtureRequest) -> Iterator[tuple[StorageBackend
         backend.close()
     alloc.check_integrity()
     assert alloc.used_bytes == 0, "a backend leaked arena memory"
+
+
+@pytest.fixture
+def arena() -> Iterator[MemoryAllocator]:
+    """The engine's arena, shared by every tier a test opens."""
+    alloc = MemoryAllocator(16 << 20)
+    yield alloc
+    assert alloc.used_bytes == 0, "the disk tier leaked arena memory"
+    alloc.check_integrity()
+
+
+@pytest.fixture
+def open_disk(tmp_path: Path, arena: MemoryAllocator) -> Iterator[Opener]:
+    """Opens disk tiers (default: on `tmp_path/disk`); checks and closes them at the end."""
+    opened: list[DiskBackend] = []
+
+    def _open(layout: KVLayout = SMALL_MHA, cap_gb: float = 0.01,
+              root: Path | None = None) -> DiskBackend:
+        config = Config(chunk_size=CHUNK, max_local_cpu_size=0.016, max_local_disk_size=cap_gb,
+                        local_disk=str(root or tmp_path / "disk"))
+        backend = DiskBackend(BackendContext(config=config, layout=layout, allocator=arena))
+        opened.append(backend)
+        return backend
+
+    yield _open
+    for backend in opened:
+        backend.check_integrity()
+        backend.close()
 
 
 def redis_backend(url: str, layout: KVLayout = SMALL_MHA, arena_mb: int = 64,

@@ -16,8 +16,8 @@ from kvtier.backends.redis import RedisBackend
 from kvtier.config import Config
 from kvtier.errors import ConfigError
 from kvtier.memory import MemoryAllocator, lease
-from tests.conftest import RedisProcess
 from tests.helpers import SMALL_MHA, make_keys, put_random, same_bytes
+from tests.support.redis import RedisProcess
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 

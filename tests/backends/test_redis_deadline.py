@@ -11,8 +11,8 @@ from collections.abc import Callable
 from kvtier.backends.redis import RedisBackend
 from kvtier.memory import lease
 from tests.backends.conftest import SMALL_MHA
-from tests.conftest import RedisProcess
 from tests.helpers import make_keys, make_obj
+from tests.support.redis import RedisProcess
 
 
 class DripProxy:

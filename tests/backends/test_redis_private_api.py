@@ -10,8 +10,8 @@ import redis
 from redis.cluster import ClusterNode, NodesManager, RedisCluster
 
 from kvtier.backends.redis.io import ReplyReader, _socket
-from tests.conftest import RedisCluster as ClusterProcesses
-from tests.conftest import RedisProcess
+from tests.support.redis import RedisCluster as ClusterProcesses
+from tests.support.redis import RedisProcess
 
 VERSION = f"redis-py {redis.__version__}"
 

@@ -15,8 +15,8 @@ from kvtier.backends.redis.url import parse_remote_url
 from kvtier.config import Config
 from kvtier.errors import ConfigError
 from kvtier.memory import lease
-from tests.conftest import RedisTLSCluster, RedisTLSSentinel
 from tests.helpers import make_keys, put_random, same_bytes
+from tests.support.redis import RedisTLSCluster, RedisTLSSentinel
 
 WARN_LOGGER = "kvtier.backends.redis.url"
 CA = "/etc/kv/ca.pem"

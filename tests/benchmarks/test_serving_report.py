@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from benchmarks.bench_serving import RunResult
 from benchmarks.serving_report import calibrated, same_speed
+from benchmarks.serving_types import RunResult
 
 
 def _run(duration: float, extend_cpu: float, decode_cpu: float = 2.0,

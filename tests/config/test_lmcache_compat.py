@@ -29,8 +29,8 @@ from kvtier.config.schema import TRANSFER_ARENA_GB
 from kvtier.connectors import SGLangMHAConnector
 from kvtier.engine import CacheEngine
 from kvtier.errors import ConfigError
-from tests.conftest import RedisProcess
 from tests.helpers import same_bytes
+from tests.support.redis import RedisProcess
 
 CORPUS = Path(__file__).resolve().parents[1] / "lmcache_configs"
 SLOTS = 1024

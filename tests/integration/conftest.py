@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from kvtier.demo.models import make_deepseek_mla, make_llama
-from tests.sglang_support.server import SHIMS_DIR, SGLangServer
+from tests.support.sglang_server import SHIMS_DIR, SGLangServer
 
 # In-process tests import SGLang's pools the way a CPU server does: CPU engine mode, which
 # imports the sgl_kernel stand-in in sglang_cpu/. (Set before any test module imports SGLang.)

@@ -16,8 +16,8 @@ from kvtier.config import Config
 from kvtier.errors import ConfigError
 from kvtier.integration.sglang.attach import MAX_TIMEOUT_S, Attachments, attach_config
 from kvtier.storage import StorageManager
-from tests.conftest import RedisProcess, free_port
 from tests.helpers import SMALL_MHA
+from tests.support.redis import RedisProcess, free_port
 
 
 def _until(check, what: str, timeout: float = 60) -> None:  # noqa: ANN001

@@ -14,7 +14,7 @@ import pytest
 
 from kvtier.config import Config
 from kvtier.errors import ConfigError
-from kvtier.integration.sglang.adapter import model_fingerprint, weights_digest
+from kvtier.integration.sglang.identity import model_fingerprint, weights_digest
 from kvtier.integration.sglang.plugin import _check_launch
 
 

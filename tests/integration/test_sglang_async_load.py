@@ -22,10 +22,10 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import RedisProcess
 from tests.delay_proxy import DelayProxy
 from tests.integration.conftest import prompt, write_config
-from tests.sglang_support.server import SGLangServer
+from tests.support.redis import RedisProcess
+from tests.support.sglang_server import SGLangServer
 
 pytestmark = pytest.mark.sglang
 

@@ -15,9 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import RedisCluster, RedisProcess, _wait, cluster_node_args, create_cluster
 from tests.integration.conftest import CHUNK, cold, prompt, write_config
-from tests.sglang_support.server import SGLangServer
+from tests.support.redis import (
+    RedisCluster,
+    RedisProcess,
+    cluster_node_args,
+    create_cluster,
+    wait_for,
+)
+from tests.support.sglang_server import SGLangServer
 
 pytestmark = pytest.mark.sglang
 
@@ -51,8 +57,8 @@ def test_two_servers_share_a_cluster_and_survive_a_master_failover(
     victim = max(masters.values(), key=lambda m: int(m.client().dbsize()))
     assert int(victim.client().dbsize()) > 0
     victim.stop(signal.SIGKILL)
-    _wait("a replica promoted in place of the killed master",
-          lambda: len(cluster.masters()) == 3 and victim.port not in cluster.masters())
+    wait_for("a replica promoted in place of the killed master",
+             lambda: len(cluster.masters()) == 3 and victim.port not in cluster.masters())
 
     for server in servers:  # no failed request, same output: a hit or a recompute
         server.flush_cache()

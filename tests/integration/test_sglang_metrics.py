@@ -15,7 +15,7 @@ from tests.integration.conftest import (
     prompt,
     write_config,
 )
-from tests.sglang_support.server import SGLangServer
+from tests.support.sglang_server import SGLangServer
 
 pytestmark = pytest.mark.sglang
 

@@ -24,8 +24,8 @@ from kvtier.integration.sglang.adapter import (
     SGLangKVTier,
     build_connector,
     check_page_size,
-    model_key_name,
 )
+from kvtier.integration.sglang.identity import model_key_name
 from kvtier.storage.prefetch import Prefetch
 from tests.gpu import cuda
 
@@ -203,7 +203,7 @@ def test_model_names_become_one_key_component() -> None:
 def test_the_model_fingerprint_follows_what_changes_the_kv(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
-    from kvtier.integration.sglang.adapter import model_fingerprint
+    from kvtier.integration.sglang.identity import model_fingerprint
 
     (tmp_path / "config.json").write_text('{"hidden_size": 64}')
     args = SimpleNamespace(model_path=str(tmp_path), revision=None, quantization=None,

@@ -17,7 +17,7 @@ import pytest
 
 from kvtier.config.host import MEMORY_HEADROOM_BYTES, available_memory_bytes
 from tests.integration.conftest import full_hit, prompt, write_config
-from tests.sglang_support.server import SGLangServer
+from tests.support.sglang_server import SGLangServer
 
 pytestmark = pytest.mark.sglang
 

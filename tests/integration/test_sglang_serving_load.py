@@ -25,9 +25,9 @@ from typing import Any
 import pytest
 
 from benchmarks.serving_timeline import forward_totals
-from tests.conftest import RedisProcess
 from tests.integration.conftest import prompt, write_config
-from tests.sglang_support.server import SGLangServer
+from tests.support.redis import RedisProcess
+from tests.support.sglang_server import SGLangServer
 
 pytestmark = pytest.mark.sglang
 

@@ -15,7 +15,7 @@ import pytest
 
 from kvtier.demo.server import free_port
 from tests.integration.conftest import CHUNK, cold, prompt, write_config
-from tests.sglang_support.server import SGLangServer
+from tests.support.sglang_server import SGLangServer
 
 pytestmark = pytest.mark.sglang
 

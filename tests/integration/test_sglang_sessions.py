@@ -18,10 +18,10 @@ import pytest
 from kvtier.cli import main as kvtier_main
 from kvtier.cli import tiers as cli_tiers
 from kvtier.storage.sessions import session_tag
-from tests.conftest import RedisProcess
 from tests.delay_proxy import DelayProxy
 from tests.integration.conftest import CHUNK, cold, prompt, write_config
-from tests.sglang_support.server import SGLangServer
+from tests.support.redis import RedisProcess
+from tests.support.sglang_server import SGLangServer
 
 pytestmark = pytest.mark.sglang
 

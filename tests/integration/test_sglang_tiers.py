@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import RedisProcess
 from tests.integration.conftest import (
     PROMPT_LEN,
     check_conversation,
@@ -27,7 +26,8 @@ from tests.integration.conftest import (
     prompt,
     write_config,
 )
-from tests.sglang_support.server import SGLangServer
+from tests.support.redis import RedisProcess
+from tests.support.sglang_server import SGLangServer
 
 pytestmark = pytest.mark.sglang
 

@@ -17,9 +17,9 @@ from kvtier.storage.estimates import (
     PrefillSpeed,
     TierSpeed,
 )
-from tests.conftest import RedisProcess
 from tests.delay_proxy import DelayProxy
 from tests.helpers import make_keys, make_obj
+from tests.support.redis import RedisProcess
 
 
 def test_one_outlier_moves_an_estimate_not_at_all() -> None:

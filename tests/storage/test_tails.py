@@ -14,7 +14,7 @@ from kvtier.connectors.base import KVConnector
 from kvtier.engine import CacheEngine
 from kvtier.keys import KeyBuilder
 from kvtier.storage import StorageManager
-from tests.conftest import RedisProcess
+from tests.support.redis import RedisProcess
 
 SLOTS = 1024
 CHUNK = 16

@@ -15,8 +15,8 @@ from kvtier.config import Config
 from kvtier.connectors import SGLangMHAConnector
 from kvtier.engine import CacheEngine
 from kvtier.errors import ConfigError
-from tests.conftest import RedisProcess
 from tests.helpers import SMALL_MHA
+from tests.support.redis import RedisProcess
 
 CHUNK = 16
 SLOTS = 2048

@@ -34,12 +34,11 @@ from kvtier.errors import ConfigError
 from kvtier.integration.sglang.attach import Attachments
 from kvtier.integration.sglang.budget import SchedulerBudget
 from kvtier.integration.sglang.stores import StoreJob, StoreWorker
-from kvtier.keys import ChunkKey, KeyChain, model_component
+from kvtier.keys import ChunkKey, KeyChain
 from kvtier.memory import MemoryFormat
 from kvtier.metrics import Counters
 
-__all__ = ["SGLangKVTier", "StoreJob", "build_connector", "model_key_name", "model_fingerprint",
-           "weights_digest", "check_page_size"]
+__all__ = ["SGLangKVTier", "StoreJob", "build_connector", "check_page_size"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,74 +55,6 @@ def check_page_size(config: Config, page_size: int) -> None:
         raise ConfigError(
             f"chunk_size: {config.chunk_size} must be a multiple of SGLang's --page-size "
             f"({page_size}); set chunk_size to a multiple of {page_size}")
-
-
-def model_key_name(name: str, fingerprint: str = "") -> str:
-    """`name` (a served model name or path) as one key component: percent-encoded (so
-    different names stay different keys, and `kvtier ls --model` takes the name as given),
-    with the model's `fingerprint` (`model_fingerprint`) after an `@`."""
-    if not name:
-        raise ConfigError(f"model name: cannot derive a key component from {name!r}")
-    return model_component(name, fingerprint)
-
-
-def model_fingerprint(server_args: Any) -> str:
-    """What else makes two servers of one model name compute different KV: the weights (a
-    sample of each local safetensors file, `weights_digest`), the model's config.json, its
-    revision, load format, quantization, dtype and override arguments. 16 hex digits of their
-    SHA-256."""
-    import hashlib
-    import json
-    import os
-
-    path = str(getattr(server_args, "model_path", "") or "")
-    config_json = os.path.join(path, "config.json")
-    parts: dict[str, Any] = {
-        name: str(getattr(server_args, name, None))
-        for name in ("revision", "quantization", "dtype", "json_model_override_args",
-                     "kv_cache_dtype", "load_format")}
-    try:
-        with open(config_json, "rb") as f:
-            parts["config.json"] = hashlib.sha256(f.read()).hexdigest()
-    except OSError:  # a hub name: its revision (above) names the weights
-        parts["model_path"] = path
-    weights = weights_digest(path) if os.path.isdir(path) else None
-    if weights is not None:
-        parts["weights"] = weights
-    blob = json.dumps(parts, sort_keys=True).encode()
-    return hashlib.sha256(blob).hexdigest()[:16]
-
-
-# Bytes read from each weights file: its safetensors header plus this many evenly spaced
-# samples. Two checkpoints of one training run share every header (same names, shapes and
-# offsets) but no tensor data; a few hundred KiB per file tell them apart in milliseconds.
-WEIGHT_SAMPLES = 16
-WEIGHT_SAMPLE_BYTES = 4096
-MAX_HEADER_BYTES = 1 << 24
-
-
-def weights_digest(model_dir: str) -> str | None:
-    """A digest of the `*.safetensors` files in `model_dir` (names, sizes, headers, and
-    `WEIGHT_SAMPLES` samples of their data), or None when there are none."""
-    import hashlib
-    import os
-    import struct
-
-    names = sorted(n for n in os.listdir(model_dir) if n.endswith(".safetensors"))
-    if not names:
-        return None
-    digest = hashlib.sha256()
-    for name in names:
-        with open(os.path.join(model_dir, name), "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            digest.update(f"{name}\0{size}\0".encode())
-            head = f.read(8)
-            header = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
-            digest.update(head + f.read(min(header, MAX_HEADER_BYTES)))
-            for i in range(WEIGHT_SAMPLES):
-                f.seek(size * i // WEIGHT_SAMPLES)
-                digest.update(f.read(WEIGHT_SAMPLE_BYTES))
-    return digest.hexdigest()
 
 
 def build_connector(pool: Any) -> KVConnector:

@@ -30,7 +30,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from kvtier.config import load_config
 from kvtier.errors import ConfigError
-from kvtier.integration.sglang.adapter import model_key_name
+from kvtier.integration.sglang.identity import model_key_name
 from kvtier.keys import ChunkKey, KeySpace
 from kvtier.memory import KVLayout
 from kvtier.storage import StorageManager

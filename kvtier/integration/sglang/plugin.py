@@ -243,9 +243,8 @@ def build_radix_cache(ctx: Any) -> Any:
         build_connector,
         check_page_size,
         is_mla,
-        model_fingerprint,
-        model_key_name,
     )
+    from kvtier.integration.sglang.identity import model_fingerprint, model_key_name
     from kvtier.integration.sglang.radix_cache import KVTierRadixCache
 
     unsupported = [name for name in ("is_hybrid_swa", "is_hybrid_ssm", "is_dsa",

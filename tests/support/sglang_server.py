@@ -1,8 +1,9 @@
 """Real `python -m sglang.launch_server` processes on CPU for tests.
 
 The server class is the demo's (`kvtier.demo.server`); tests add their own SGLang plugin
-(`pythonpath/`: CPU fixes for tiny MLA models) beside the demo's CPU plugin in `sglang_cpu/`
-(the `sgl_kernel` stand-in comes from kvtier's package), and serve with a 2048-token KV pool.
+(`sglang_pythonpath/`: CPU fixes for tiny MLA models) beside the demo's CPU plugin in
+`sglang_cpu/` (the `sgl_kernel` stand-in comes from kvtier's package), and serve with a
+2048-token KV pool.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from kvtier.integration.sglang.cpu import SHIM_DIR
 __all__ = ["SGLangServer", "free_port", "PYTHONPATH_DIRS", "SHIMS_DIR", "CPU_FLAGS", "running"]
 
 SHIMS_DIR = SHIM_DIR  # the sgl_kernel stand-in (in-process SGLang imports need it too)
-PYTHONPATH_DIRS = (cpu_shims_dir(), Path(__file__).resolve().parent / "pythonpath")
+PYTHONPATH_DIRS = (cpu_shims_dir(), Path(__file__).resolve().parent / "sglang_pythonpath")
 CPU_FLAGS = (*_server.CPU_FLAGS, "--max-total-tokens", "2048")
 
 
