@@ -106,3 +106,10 @@ def test_the_package_root_holds_the_data_path_only():
     assert root == {"__init__", "background", "engine", "errors", "keys", "memory", "metrics",
                     "prometheus", "saving"}
     assert {"backends", "cli", "config", "connectors", "integration", "storage"} <= folders
+
+
+@pytest.mark.parametrize("folder", ["kvtier", "benchmarks", "tests"])
+def test_no_file_over_400_lines(folder):
+    long = {str(p.relative_to(ROOT)): n for p in (ROOT / folder).rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, f"split by topic: {long}"
