@@ -191,6 +191,15 @@ class LoadPlanner:
                 probe_reads(tier, keys[hits:])
         return limit
 
+    def unplanned(self, prefetch: Prefetch) -> None:
+        """Account for a prefetch that ended before its plan: its request was admitted at
+        once because no load could beat recomputing it at the measured speeds (a budget of 0
+        with every tier measured; an unmeasured tier's load runs in the background and is
+        planned), so its tokens count as slower than recompute."""
+        if prefetch.limit is None and prefetch.keys:
+            self._counters.inc("adaptive_tokens_recomputed_slower_than_recompute",
+                               sum(k.num_tokens for k in prefetch.keys))
+
     def tail_worth(self, prefetch: Prefetch, n: int, tier: GuardedTier, tail: ChunkKey,
                    ) -> bool:
         """Whether to read `tail` (after `prefetch`'s first `n` chunks, held by lower `tier`):

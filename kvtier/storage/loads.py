@@ -98,6 +98,8 @@ class PrefetchLoads:
             prefetch.finish(0)
             return prefetch
         self._counters.inc("prefetches")
+        if self._policy.planned:
+            prefetch.after(lambda _: self._planner.unplanned(prefetch))
         self.want(prefetch)  # until cancelled; a refused submit cancels it
         self._workers.submit(prefetch)
         return prefetch

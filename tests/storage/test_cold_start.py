@@ -212,3 +212,20 @@ def test_background_loads_never_take_the_last_worker() -> None:
     finally:
         release.set()
         workers.close(HANG_BOUND_S)
+
+
+def test_a_request_admitted_before_its_plan_is_accounted_for(measured_disk) -> None:
+    sm = measured_disk
+    (disk,) = sm.lower_tiers
+    for _ in range(32):
+        disk.speed.observe_latency(5.0)  # no load can beat the recompute: budget 0
+    sm.prefill.observe(4096, 4096 / 1000.0, 4096)
+    keys = make_keys(32 * CHUNK)
+    prefetch = sm.start_prefetch(keys)
+    assert prefetch.ready()
+    prefetch.cancel()  # admitted at once; the worker may never plan it
+    assert prefetch.wait_done(HANG_BOUND_S)
+    stats = sm.stats()
+    counted = sum(v for k, v in stats.items() if k.startswith("adaptive_tokens_"))
+    assert counted == 32 * CHUNK  # once: planned or not
+    assert stats["adaptive_tokens_recomputed_slower_than_recompute"] == 32 * CHUNK
