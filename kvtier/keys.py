@@ -48,7 +48,9 @@ class ChunkKey(NamedTuple):
     key: str  # kvtier/v2/{namespace}/{model}/{fingerprint}/{rank}of{world}/{hex digest}
     start: int  # first token index of the chunk in the sequence
     end: int  # one past the last token index
-    tokens: bytes  # the chunk's own token ids, little-endian uint32
+    # The chunk's own token ids, little-endian uint32: bytes, or for a tail candidate a
+    # read-only view of the one copy its position's candidates share (`KeyBuilder.tail_keys`).
+    tokens: bytes | memoryview
     prev: str | None  # the previous chunk's key, None for the first chunk
 
     @property
@@ -293,16 +295,20 @@ class KeyBuilder:
         if avail <= 0:
             return []
         h = root if before is None else bytes.fromhex(before.key.rpartition("/")[2])
+        # Linear in the candidates' tokens (issue 36, item 7): one running hash over the pages,
+        # snapshotted (copy) at each page boundary, and one copy of the tokens they span, which
+        # every candidate views (a candidate's own copy cost 35 MB at chunk_size 4096, page 1).
         d = hashlib.sha256(h)
         page = self.page_size * 4
-        base = start * 4
+        span = memoryview(data[start * 4:(start + avail) * 4].tobytes())
         out: list[ChunkKey] = []
         make = tuple.__new__
+        prefix = self.prefix
         prev = None if before is None else before.key
-        for stop in range(base + page, base + avail * 4 + 1, page):
-            d.update(data[stop - page:stop])
-            key = self.prefix + d.copy().hexdigest()
-            out.append(make(ChunkKey, (key, start, stop >> 2, data[base:stop].tobytes(), prev)))
+        for stop in range(page, avail * 4 + 1, page):
+            d.update(span[stop - page:stop])
+            key = prefix + d.copy().hexdigest()
+            out.append(make(ChunkKey, (key, start, start + (stop >> 2), span[:stop], prev)))
         out.reverse()
         return out
 

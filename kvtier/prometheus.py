@@ -12,7 +12,9 @@ second by a background thread and at every scrape of kvtier's own endpoint. Live
 what SGLang's `/metrics` can show: with `--enable-metrics` SGLang runs prometheus-client in
 multiprocess mode, where values travel between processes through files and custom collectors
 are never asked. kvtier's own endpoint (`metrics_port`) serves this process's values, or all
-processes' values in multiprocess mode.
+processes' values in multiprocess mode, on loopback only (`METRICS_ADDR`): the series name
+models, tenants' namespaces and traffic, and the endpoint has no authentication. To scrape from
+elsewhere, put a sidecar or a port-forward in front of it (docs/metrics.md).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ GAUGES = frozenset({
 })
 _BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
 SYNC_INTERVAL_S = 1.0
+# The one address kvtier's endpoint binds (issue 36, item 7: it bound every interface).
+METRICS_ADDR = "127.0.0.1"
 
 
 class _Exporter:
@@ -115,7 +119,7 @@ class _Exporter:
         return metric
 
     def serve(self, port: int) -> None:
-        """Serve `/metrics` on `port` (all interfaces), once per port and process."""
+        """Serve `/metrics` on `METRICS_ADDR`:`port` (loopback), once per port and process."""
         with self._lock:
             if port in self._served:
                 return
@@ -130,8 +134,9 @@ class _Exporter:
         else:
             registry = pc.CollectorRegistry(auto_describe=False)
             registry.register(_SyncThenCollect(self.sync, pc.REGISTRY))
-        pc.start_http_server(port, registry=registry)
-        logger.info("kvtier: Prometheus metrics on port %d (/metrics)", port)
+        pc.start_http_server(port, addr=METRICS_ADDR, registry=registry)
+        logger.info("kvtier: Prometheus metrics on %s:%d (/metrics; loopback only)",
+                    METRICS_ADDR, port)
 
     def _run(self) -> None:
         name_os_thread()
@@ -205,7 +210,8 @@ def observe_hit(piece: str, seconds: float) -> None:
 
 
 def serve(port: int) -> bool:
-    """Serve `/metrics` on `port`; False when prometheus-client is not installed.
+    """Serve `/metrics` on `port` of loopback (`METRICS_ADDR`); False when prometheus-client
+    is not installed.
 
     Raises:
         OSError: the port cannot be bound.

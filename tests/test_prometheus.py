@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import logging
 import threading
 import urllib.request
@@ -45,6 +46,33 @@ def engine(tmp_path: Path) -> Iterator[tuple[CacheEngine, int]]:
     with CacheEngine(cfg, model_name="m", layout=SMALL_MHA,
                      connector=SGLangMHAConnector(pool[:2], pool[2:])) as eng:
         yield eng, port
+
+
+def _listening(port: int) -> set[str]:
+    """The local addresses of the sockets listening on TCP `port` (Linux /proc/net)."""
+    found = set()
+    for table in ("tcp", "tcp6"):
+        path = Path("/proc/net") / table
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines()[1:]:
+            fields = line.split()
+            addr, _, hex_port = fields[1].partition(":")
+            if fields[3] == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                raw = bytes.fromhex(addr)
+                # /proc writes each 32-bit word in host (little-endian) order
+                words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                found.add(str(ipaddress.ip_address(words)))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads Linux /proc/net/tcp")
+def test_the_endpoint_listens_on_loopback_only(engine: tuple[CacheEngine, int]) -> None:
+    """Issue 36, item 7: the endpoint bound every interface (0.0.0.0) and has no auth."""
+    _, port = engine
+    assert _listening(port) == {"127.0.0.1"}
+    ctype, _ = scrape(port)  # and it answers there
+    assert ctype.startswith("text/plain")
 
 
 def test_endpoint_speaks_prometheus_text_and_series_move(
@@ -123,8 +151,9 @@ def test_kvtier_stats_names_an_endpoint_it_cannot_read(
     from kvtier.cli import main
 
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
-    assert main(["stats", "--metrics", url]) == 1
-    assert url in capsys.readouterr().err
+    assert main(["stats", "--metrics", url]) == 2
+    err = capsys.readouterr().err
+    assert url in err and err.startswith("kvtier: error: ")
 
 
 class _NamedCaller:

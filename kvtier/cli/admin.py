@@ -11,6 +11,7 @@ from typing import Any
 from kvtier.cli import inventory
 from kvtier.config import load_config
 from kvtier.config.names import CPU
+from kvtier.config.urls import redact_url
 
 __all__ = ["add_parsers"]
 
@@ -38,6 +39,8 @@ def _stats(args: argparse.Namespace) -> int:
 
 # What `--metrics` shows: the adaptive policy's estimates and decisions.
 _LIVE_PREFIXES = ("kvtier_est_", "kvtier_adaptive_tokens_")
+METRICS_TIMEOUT_S = 10.0
+MAX_METRICS_BYTES = 64 << 20  # a scrape of every series of a big server is a few MB
 
 
 def _live(url: str) -> int:
@@ -47,20 +50,27 @@ def _live(url: str) -> int:
     if not url.rstrip("/").endswith("/metrics"):
         url = url.rstrip("/") + "/metrics"
     try:
-        with urllib.request.urlopen(url, timeout=10) as resp:
-            text = resp.read().decode(errors="replace")
-    except (OSError, ValueError) as exc:  # URLError is an OSError
-        print(f"kvtier: cannot read metrics from {url}: {exc}", file=sys.stderr)
-        return 1
-    rows = [line for line in text.splitlines()
-            if line.startswith(_LIVE_PREFIXES) and not line.startswith("#")]
-    if not rows:
-        print(f"kvtier: {url} reports no kvtier estimates (is it a kvtier server's metrics "
-              "endpoint, with --enable-metrics or metrics_port?)", file=sys.stderr)
-        return 1
-    for line in sorted(rows):
+        with urllib.request.urlopen(url, timeout=METRICS_TIMEOUT_S) as resp:
+            text = resp.read(MAX_METRICS_BYTES).decode(errors="replace")
+    except (OSError, ValueError) as exc:  # URLError is an OSError; ValueError: not a URL
+        print(f"kvtier: error: cannot read metrics from {redact_url(url)}: {exc}",
+              file=sys.stderr)
+        return 2
+    rows = []
+    for line in text.splitlines():
         name, _, value = line.rpartition(" ")
-        print(f"{name:<72}{float(value):>16.6g}")
+        if line.startswith(_LIVE_PREFIXES):
+            try:
+                rows.append((name, float(value)))
+            except ValueError:
+                continue  # not a sample line (or a timestamp after the value): skipped
+    if not rows:
+        print(f"kvtier: {redact_url(url)} reports no kvtier estimates (is it a kvtier "
+              "server's metrics endpoint, with --enable-metrics or metrics_port?)",
+              file=sys.stderr)
+        return 1
+    for name, number in sorted(rows):
+        print(f"{name:<72}{number:>16.6g}")
     return 0
 
 

@@ -5,6 +5,11 @@ Keys name their namespace, model and layout
 both tiers can be listed without a running engine: the disk tier by reading each record's
 header (its key string, checksummed), Redis by `SCAN MATCH kvtier/v2/{namespace}/*` on every
 primary (never `KEYS`, which would block the server). Used by `kvtier stats | ls | purge`.
+
+On disk only what the tier itself would use is looked at, and deleted: a root that is not the
+filesystem root, a home or system directory, nor reached through a symlink (`ConfigError`
+naming `local_disk`), and under it only files named as records in private `ab/cd`
+directories, read and unlinked without following a symlink (`backends.disk.paths`).
 """
 
 from __future__ import annotations
@@ -17,10 +22,11 @@ from pathlib import Path
 
 from kvtier.backends import check_dependencies
 from kvtier.backends.disk import files as rf
+from kvtier.backends.disk import paths
 from kvtier.backends.record import FIXED_SIZE, header_len, read_key
 from kvtier.config import Config
 from kvtier.config.names import DISK, REDIS
-from kvtier.errors import CorruptEntry
+from kvtier.errors import ConfigError, CorruptEntry
 from kvtier.keys import ALL_KEYS, KeySpace, key_of_redis_name, model_name_of
 
 __all__ = ["Entry", "Group", "entries", "groups", "purge"]
@@ -103,10 +109,9 @@ def purge(config: Config, model: str | None = None) -> list[Group]:
     redis_keys: list[str] = []
     for e in entries(config, model):
         if e.tier == DISK:
-            try:
-                os.unlink(e.location[0])
-            except FileNotFoundError:
-                continue
+            path = Path(e.location[0])
+            if not paths.unlink_record(path.parents[2], path.name):
+                continue  # gone meanwhile, or no longer a record file of ours
         else:
             redis_keys.extend(e.location)
         total = deleted.setdefault((e.tier, e.model, e.layout), [0, 0])
@@ -117,20 +122,42 @@ def purge(config: Config, model: str | None = None) -> list[Group]:
     return [Group(t, m, lay, c, b) for (t, m, lay), (c, b) in deleted.items()]
 
 
-def _disk_entries(root: Path) -> Iterator[Entry]:
+def disk_root(path: Path) -> Path:
+    """The disk tier's root `path` made absolute; `ConfigError` naming `local_disk` when the
+    tier would refuse it (`paths.root_problem`, a symlink on the way)."""
+    root = Path(os.path.abspath(path))
+    why = paths.root_problem(root)
+    link = paths.first_symlink(root)
+    if why is None and link is not None:
+        why = f"goes through the symlink {link}"
+    if why is not None:
+        raise ConfigError(f"local_disk: {root} {why}; the disk tier refuses it, and kvtier "
+                          "lists and deletes nothing there")
+    return root
+
+
+def _disk_entries(path: Path) -> Iterator[Entry]:
+    root = disk_root(path)
     if not root.is_dir():
         return
-    found, _ = rf.scan(root)
+    dirs = rf.RecordDirs(root)
+    found, _ = rf.scan(root, dirs)  # never enters a directory that is not private
     for _, name, size in found:
-        path = rf.record_path(root, name)
         try:
-            with open(path, "rb") as f:
-                prefix = f.read(FIXED_SIZE)
-                head = prefix + f.read(max(0, header_len(prefix) - FIXED_SIZE))
+            fd, _st = rf.open_record(dirs, name)  # O_NOFOLLOW | O_NONBLOCK, regular files only
+        except rf.NotRegular:
+            continue  # not a record file of ours: neither listed nor deleted
+        except OSError:
+            continue  # gone meanwhile
+        try:
+            prefix = os.pread(fd, FIXED_SIZE, 0)
+            head = prefix + os.pread(fd, max(0, header_len(prefix) - FIXED_SIZE), FIXED_SIZE)
             key = read_key(head)
         except (OSError, CorruptEntry):
             key = "corrupt"  # listed (and purged) as model "?"
-        yield Entry(DISK, key, size, (str(path),))
+        finally:
+            os.close(fd)
+        yield Entry(DISK, key, size, (str(rf.record_path(root, name)),))
 
 
 def _router(config: Config):  # noqa: ANN202 - redis-py types only when the extra is there

@@ -1,5 +1,11 @@
 """The `kvtier` command: check-config, migrate-config, info, bench, demo, stats, ls, purge,
-tiers."""
+tiers.
+
+Bad input (arguments, files, numbers, an unreachable server) is one line, `kvtier: error:
+...`, and exit status 2, never a traceback (`-v` logs one); every network call has a timeout
+(Redis: `remote_timeout_secs`), and a config file is read only when it is a regular file of at
+most `MAX_CONFIG_BYTES` (a FIFO would block the read, /dev/zero never end it).
+"""
 
 from __future__ import annotations
 
@@ -7,9 +13,12 @@ import argparse
 import importlib.metadata
 import json
 import logging
+import os
 import platform
+import stat
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import yaml
 
@@ -18,7 +27,19 @@ from kvtier.config.host import host_problems
 from kvtier.config.names import DISK
 from kvtier.errors import KVTierError
 
-__all__ = ["main"]
+__all__ = ["main", "MAX_CONFIG_BYTES"]
+
+MAX_CONFIG_BYTES = 1 << 20  # a config file is a few kB; anything this large is not one
+_CONFIG_ENV = ("KVTIER_CONFIG_FILE", "LMCACHE_CONFIG_FILE")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors as one `kvtier: error:` line (no usage block), status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        command = self.prog.partition(" ")[2]
+        self.exit(2, f"kvtier: error: {command + ': ' if command else ''}{message} (see "
+                     f"{self.prog} --help)\n")
 
 
 def _check_config(args: argparse.Namespace) -> int:
@@ -146,10 +167,10 @@ def _disk_stats(path: Path, capacity_gb: float) -> dict[str, float]:
     """What the disk tier's directory `path` holds, looked at without changing anything (the
     tier's own start-up creates a missing root, writes a probe and removes stale temp files);
     `OSError` saying why the tier could not use it."""
-    import os
     import stat as st
 
     from kvtier.backends.disk import files as rf
+    from kvtier.backends.disk import paths
 
     root = Path(os.path.abspath(path))
     if not os.path.lexists(root):
@@ -160,7 +181,7 @@ def _disk_stats(path: Path, capacity_gb: float) -> dict[str, float]:
         if st.S_ISLNK(os.lstat(current).st_mode):
             raise OSError(f"{root} goes through the symlink {current}, which the disk tier "
                           "refuses")
-    why = rf.dir_problem(os.lstat(root))
+    why = paths.root_problem(root) or rf.dir_problem(os.lstat(root))
     if why is not None:
         raise OSError(f"{root} {why}")
     if not os.access(root, os.W_OK | os.X_OK):
@@ -182,6 +203,9 @@ def _disk_stats(path: Path, capacity_gb: float) -> dict[str, float]:
 def _bench(args: argparse.Namespace) -> int:
     from kvtier.cli.bench import run_bench
 
+    if Path(args.json).is_dir():  # found before the bench runs, not after
+        print(f"kvtier: error: --json {args.json} is a directory", file=sys.stderr)
+        return 2
     result = run_bench(load_config(args.file), prompts=args.prompts, tokens=args.tokens,
                        progress=not args.quiet, real_tiers=args.real_tiers)
     out = Path(args.json)
@@ -191,8 +215,19 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive(text: str) -> int:
+    """An argparse `type`: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvtier", description=__doc__)
+    parser = _Parser(prog="kvtier", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("check-config", help="validate a config and print the effective values")
@@ -212,8 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_info)
     p = sub.add_parser("bench", help="throughput of connectors and tiers on a Llama-3-8B shape")
     p.add_argument("file", nargs="?")
-    p.add_argument("--prompts", type=int, default=8, help="prompts stored and loaded")
-    p.add_argument("--tokens", type=int, default=2048, help="tokens per prompt")
+    p.add_argument("--prompts", type=_positive, default=8, help="prompts stored and loaded")
+    p.add_argument("--tokens", type=_positive, default=2048, help="tokens per prompt")
     p.add_argument("--json", default="benchmarks/results/bench.json", help="JSON output path")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.add_argument("--real-tiers", action="store_true", help="measure the configured disk "
@@ -230,13 +265,57 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _config_file_problem(args: argparse.Namespace) -> str | None:
+    """Why the config file this command would read (its `file`, else the variables) must not
+    be read, or None; a missing file is left to the loader, which names it."""
+    if not hasattr(args, "file") or getattr(args, "metrics", None):
+        return None  # a command that reads no config file
+    given = args.file
+    path = given or next((os.environ[v] for v in _CONFIG_ENV if os.environ.get(v)), None)
+    if not path:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if stat.S_ISDIR(st.st_mode):
+        return f"{path}: cannot read config file: Is a directory"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{path}: cannot read config file: not a regular file (a FIFO, device or socket)"
+    if st.st_size > MAX_CONFIG_BYTES:
+        return f"{path}: cannot read config file: {st.st_size} bytes is not a config file"
+    return None
+
+
+def _describe(exc: Exception) -> str:
+    """One line for an error a command did not turn into a `KVTierError` itself."""
+    module = type(exc).__module__
+    if module.startswith("redis"):  # redis-py: the server is unreachable, refuses, times out
+        return f"Redis: {str(exc) or type(exc).__name__} (remote_url, remote_timeout_secs)"
+    if isinstance(exc, OSError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc} (kvtier -v ... logs where)"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    problem = _config_file_problem(args)
+    if problem is not None:
+        print(f"kvtier: error: {problem}", file=sys.stderr)
+        return 2
     try:
         return int(args.func(args))
     except KVTierError as exc:
         print(f"kvtier: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kvtier: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # bad input must never end in a traceback
+        if args.verbose:
+            logging.getLogger(__name__).exception("kvtier %s failed", args.command)
+        print(f"kvtier: error: {_describe(exc)}", file=sys.stderr)
         return 2
 

@@ -24,6 +24,7 @@ import argparse
 import ipaddress
 import json
 import os
+import stat
 import sys
 import time
 import urllib.error
@@ -45,6 +46,9 @@ __all__ = ["add_parser", "request", "check_server", "TiersError", "RedirectRefus
 
 ADMIN_KEY_ENV = "SGLANG_ADMIN_API_KEY"
 ATTACH_WAIT_S = 120.0  # longer than the server's own attach deadline
+REQUEST_TIMEOUT_S = 60.0  # one HTTP request (a detach may drain queued writes first)
+MAX_ANSWER_BYTES = 16 << 20
+MAX_SET_FILE_BYTES = 1 << 20  # a secret or a URL, not a data file
 
 
 class TiersError(KVTierError):
@@ -74,11 +78,12 @@ class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
 
 
 def request(server: str, body: dict[str, Any] | None, admin_key: str | None = None,
-            timeout: float = 60.0) -> tuple[int, dict[str, Any]]:
+            timeout: float = REQUEST_TIMEOUT_S) -> tuple[int, dict[str, Any]]:
     """GET (no body) or POST `body` to `server`'s `/kvtier/tiers`; (HTTP status, JSON).
 
     Does not check `server` (see `check_server`). Raises `RedirectRefused` on a 3xx with a
-    Location rather than follow it; other HTTP errors are returned as (status, JSON body)."""
+    Location rather than follow it, `TiersError` on a 2xx that is not a JSON object (not a
+    kvtier server); other HTTP errors are returned as (status, JSON body)."""
     url = server.rstrip("/") + "/kvtier/tiers"
     data = None if body is None else json.dumps(body).encode()
     headers = {"Content-Type": "application/json"}
@@ -89,13 +94,24 @@ def request(server: str, body: dict[str, Any] | None, admin_key: str | None = No
     opener = urllib.request.build_opener(_RefuseRedirects)
     try:
         with opener.open(req, timeout=timeout) as resp:
-            return resp.status, json.loads(resp.read())
+            status, raw = resp.status, resp.read(MAX_ANSWER_BYTES)
     except urllib.error.HTTPError as exc:
-        raw = exc.read()
+        raw = exc.read(MAX_ANSWER_BYTES)
         try:
-            return exc.code, json.loads(raw)
-        except json.JSONDecodeError:
-            return exc.code, {"error": raw.decode(errors="replace")}
+            answer = json.loads(raw)
+        except ValueError:
+            answer = None
+        if not isinstance(answer, dict):
+            answer = {"error": raw.decode(errors="replace")[:2000]}
+        return exc.code, answer
+    try:
+        answer = json.loads(raw)
+    except ValueError:
+        answer = None
+    if not isinstance(answer, dict):
+        raise TiersError(f"{redact_url(url)} answered {status} with something other than a "
+                         "JSON object: is it an SGLang server with kvtier?")
+    return status, answer
 
 
 def _is_loopback(host: str) -> bool:
@@ -168,6 +184,11 @@ def _value(item: _Setting) -> Any:
                              f"{item.spec} is not set")
         return os.environ[item.spec]
     try:
+        st = os.stat(item.spec)
+        if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_SET_FILE_BYTES:
+            reason = "not a regular file" if not stat.S_ISREG(st.st_mode) else \
+                f"{st.st_size} bytes, more than a value ({MAX_SET_FILE_BYTES})"
+            raise TiersError(f"--set-file {item.key}={item.spec}: cannot read: {reason}")
         text = Path(item.spec).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         reason = (exc.strerror or str(exc)) if isinstance(exc, OSError) else "not UTF-8 text"
@@ -203,7 +224,11 @@ def _run(args: argparse.Namespace) -> int:
     try:
         status, answer = request(args.server, body, key)
         if status == 202:  # an attach runs in the background: wait for its outcome
-            status, answer = _wait_for(args.server, key, answer["operation"]["id"])
+            op = answer.get("operation")
+            if not isinstance(op, dict) or "id" not in op:
+                raise TiersError(f"{redact_url(args.server)} accepted the attach without an "
+                                 "operation id to follow")
+            status, answer = _wait_for(args.server, key, str(op["id"]))
     except (urllib.error.URLError, OSError) as exc:
         print(f"kvtier: error: cannot reach {redact_url(args.server)}: {exc}", file=sys.stderr)
         return 2
@@ -218,7 +243,9 @@ def _wait_for(server: str, admin_key: str | None, op_id: str,
     deadline = time.monotonic() + timeout
     while True:
         status, answer = request(server, None, admin_key)
-        ops = [op for op in answer.get("operations", []) if op.get("id") == op_id]
+        listed = answer.get("operations")
+        ops = [op for op in (listed if isinstance(listed, list) else [])
+               if isinstance(op, dict) and str(op.get("id")) == op_id]
         state = ops[0]["state"] if ops else "unknown"
         if state != "building" or time.monotonic() > deadline:
             answer = {**answer, "operation": ops[0] if ops else {"id": op_id, "state": state}}

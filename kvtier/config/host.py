@@ -66,23 +66,26 @@ def _own_memory_max_files() -> list[Path]:
 def memory_problem(cfg: Config, *, local_ranks: int = 1,
                    cgroup_path: str | os.PathLike[str] | None = None) -> str | None:
     """Why `local_ranks` arenas of `max_local_cpu_size` (each TP rank on this host allocates
-    its own) do not fit this host's memory, the smaller of physical memory and the cgroup v2
-    limit (`cgroup_memory_limit(cgroup_path)`); None when they fit. No headroom beyond that.
-    One rank is checked too: a single arena larger than the host is refused here, at launch
-    (`check_host`), and only warned about by `check-config`."""
+    its own), each with `MEMORY_HEADROOM_BYTES` beside it for its process (threads, allocator
+    slack: what `arena_now_problem` keeps free too), do not fit this host's memory, the
+    smaller of physical memory and the cgroup v2 limit (`cgroup_memory_limit(cgroup_path)`);
+    None when they fit. One rank is checked too: a single arena larger than the host is
+    refused here, at launch (`check_host`), and only warned about by `check-config`."""
     if local_ranks < 1:
         raise ValueError(f"local_ranks must be >= 1, got {local_ranks}")
     limit, what = physical_memory_bytes(), "physical memory"
     cgroup = cgroup_memory_limit(cgroup_path)
     if cgroup is not None and cgroup < limit:
         limit, what = cgroup, "cgroup memory limit (memory.max)"
-    need = cfg.max_local_cpu_size * 1e9 * local_ranks
-    if need <= limit:
+    arenas = cfg.max_local_cpu_size * 1e9 * local_ranks
+    headroom = MEMORY_HEADROOM_BYTES * local_ranks
+    if arenas + headroom <= limit:
         return None
+    per_rank = max(0.0, limit / local_ranks - MEMORY_HEADROOM_BYTES)
     return (f"max_local_cpu_size: {cfg.max_local_cpu_size:g} GB x {local_ranks} local rank(s) "
-            f"= {need / 1e9:.2f} GB of arenas (each TP rank allocates its own) is more than "
-            f"this host's {what} of {limit / 1e9:.2f} GB: at most "
-            f"{limit / local_ranks / 1e9:.2f} GB per rank")
+            f"= {arenas / 1e9:.2f} GB of arenas (each TP rank allocates its own), with "
+            f"{MEMORY_HEADROOM_BYTES / 1e9:.2f} GB kept free beside each, is more than this "
+            f"host's {what} of {limit / 1e9:.2f} GB: at most {per_rank / 1e9:.2f} GB per rank")
 
 
 def available_memory_bytes(meminfo: str | os.PathLike[str] = "/proc/meminfo") -> int | None:

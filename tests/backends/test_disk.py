@@ -193,22 +193,32 @@ def test_cap_holds_under_a_stream_three_times_the_cap_and_prefixes_stay_usable(
     assert disk.batch_contains(prompts[-1]) == 6
 
 
-def test_a_second_instance_with_a_smaller_cap_deletes_nothing(
+def test_opening_with_a_lowered_cap_evicts_down_to_it_least_recent_first(
     open_disk: Opener, arena: MemoryAllocator, caplog: pytest.LogCaptureFixture,
 ) -> None:
+    """Issue 36, item 7: a lowered max_local_disk_size never shrank the directory."""
     first = open_disk(cap_gb=0.01)
-    prompts = [make_keys(16 * 4, seed=s) for s in range(8)]  # 32 records
+    prompts = [make_keys(16 * 4, seed=s) for s in range(8)]  # 32 records, oldest prompt first
     for seed, keys in enumerate(prompts):
         _put(first, keys, arena, seed=seed)
-    before = _files(first.root)
-    assert len(before) == 32
-    small = open_disk(cap_gb=2 * (CHUNK_BYTES + 300) / 1e9)  # room for two records
-    assert _files(first.root) == before  # opening it deleted nothing ...
-    assert "nothing was deleted" in caplog.text
-    assert small.stats()["evictions"] == 0
-    _put(small, make_keys(16, seed=99), arena, seed=99)  # ... and a write evicts one record
-    assert len(_files(first.root)) == 32 and small.stats()["evictions"] == 1
-    assert all(first.batch_contains(keys) >= 1 for keys in prompts[1:])
+    with lease(first.batch_get(prompts[0][:2])) as got:  # the oldest prefix, used again
+        assert len(got) == 2
+    record = _files(first.root)[0].stat().st_size
+    assert len(_files(first.root)) == 32
+    first.close()
+    small = open_disk(cap_gb=10 * record / 1e9)  # room for ten records
+    files = _files(small.root)
+    assert len(files) == 10 and sum(p.stat().st_size for p in files) <= small.capacity
+    stats = small.stats()
+    assert (stats["entries"], stats["bytes"], stats["evictions"]) == (10, 10 * record, 22)
+    assert "evicted its 22 least recently used records" in caplog.text
+    # Least recently used first: the reused prefix and the newest prompts' prefixes stay.
+    assert small.batch_contains(prompts[0]) == 2
+    assert small.batch_contains(prompts[7]) == 4 and small.batch_contains(prompts[6]) == 4
+    assert [small.batch_contains(keys) for keys in prompts[1:6]] == [0, 0, 0, 0, 0]
+    small.close()
+    again = open_disk(cap_gb=10 * record / 1e9)  # within its cap: opening deletes nothing
+    assert len(_files(again.root)) == 10 and again.stats()["evictions"] == 0
 
 
 def test_record_larger_than_the_cap_is_dropped_and_counted(

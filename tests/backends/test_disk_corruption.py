@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import threading
@@ -11,7 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.backends.disk import DiskBackend
+from kvtier.backends.disk import files as rf
+from kvtier.backends.disk.backend import DISK_FULL_EVICT_WRITES
 from kvtier.errors import ConfigError
+from kvtier.keys import ChunkKey
 from kvtier.memory import MemoryAllocator, MemoryObj, lease
 from tests.backends.disk_helpers import (
     _CHILD_PRELUDE,
@@ -161,6 +166,60 @@ def test_write_errors_are_dropped_counted_and_serving_goes_on(tmp_path: Path) ->
     out, err = child.communicate(timeout=120)
     assert child.returncode == 0, err
     assert out.strip() == "ok"
+
+
+def _try_put(disk: DiskBackend, keys: list[ChunkKey], arena: MemoryAllocator) -> int:
+    objs = [make_obj(arena, SMALL_MHA, k.num_tokens, i) for i, k in enumerate(keys)]
+    with lease(objs):
+        return disk.batch_put(keys, objs)
+
+
+def test_a_full_disk_evicts_some_records_counts_it_and_is_a_miss(
+    open_disk: Opener, arena: MemoryAllocator, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 36, item 7: ENOSPC below the cap (the filesystem is shared) freed nothing, so
+    every later write failed too. One write's ENOSPC, injected into the real tier's file
+    write, evicts DISK_FULL_EVICT_WRITES times its size, least recent first."""
+    disk = open_disk(cap_gb=0.01)
+    old = [make_keys(16, seed=s) for s in range(8)]  # 8 one-chunk prompts, oldest first
+    for seed, keys in enumerate(old):
+        _put(disk, keys, arena, seed=seed)
+    record = _files(disk.root)[0].stat().st_size
+    real, failed = rf._pwrite_all, []
+
+    def full_once(fd: int, data: bytes | memoryview, offset: int) -> None:
+        if not failed:
+            failed.append(offset)
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd, data, offset)
+
+    monkeypatch.setattr(rf, "_pwrite_all", full_once)
+    new = make_keys(16, seed=99)
+    assert _try_put(disk, new, arena) == 0 and disk.batch_contains(new) == 0  # a miss
+    stats = disk.stats()
+    assert failed and stats["disk_full"] == 1 and stats["write_errors"] == 1
+    assert stats["evictions"] == DISK_FULL_EVICT_WRITES
+    assert [disk.batch_contains(keys) for keys in old] == [0] * 4 + [1] * 4
+    assert len(_files(disk.root)) == 4 and _files(disk.root, "*.tmp") == []
+    assert stats["bytes"] == 4 * record
+    _put(disk, new, arena, seed=99)  # the next write fits
+    assert disk.batch_contains(new) == 1 and disk.stats()["disk_full"] == 1
+
+
+def test_other_write_errors_evict_nothing(
+    open_disk: Opener, arena: MemoryAllocator, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    disk = open_disk(cap_gb=0.01)
+    _put(disk, make_keys(16 * 3, seed=1), arena, seed=1)
+
+    def broken(fd: int, data: bytes | memoryview, offset: int) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(rf, "_pwrite_all", broken)
+    assert _try_put(disk, make_keys(16, seed=2), arena) == 0
+    stats = disk.stats()
+    assert (stats["write_errors"], stats["disk_full"], stats["evictions"]) == (1, 0, 0)
+    assert stats["entries"] == 3
 
 
 def test_put_rejects_mismatched_objects_before_writing(

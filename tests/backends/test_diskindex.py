@@ -68,3 +68,12 @@ def test_stamps_are_strictly_decreasing_and_newer_than_any_record_found() -> Non
     first, second = index.stamps(3), index.stamps(2)
     assert first[0] > first[1] > first[2] > future
     assert min(second) > max(first)
+
+
+def test_oldest_picks_least_recent_unpinned_records_holding_at_least_the_bytes() -> None:
+    index = _index(50, ("a", 30), ("b", 30), ("c", 30))
+    assert index.oldest(0) == []
+    assert index.oldest(40) == ["a", "b"]  # a shrink to the cap: 90 - 50 over
+    index.pin("a")
+    assert index.oldest(30) == ["b"]
+    assert index.oldest(1000) == ["b", "c"]  # everything that may go

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 
 from kvtier.backends.redis import RedisBackend
-from kvtier.backends.redis.url import parse_remote_url
+from kvtier.backends.redis.url import Router, parse_remote_url
 from kvtier.config import Config
 from kvtier.errors import ConfigError
 from kvtier.memory import lease
@@ -57,7 +57,7 @@ def test_sentinel_tls_reaches_sentinels_and_data_nodes_with_separate_credentials
         "&sentinel_username=sent-user&sentinel_password=s%26nt+pw")
     assert (target.kind, target.service) == ("sentinel", "svc")
     assert target.nodes == (("s1", 5000), ("s2", 26379))
-    tls = {"ssl": True, "ssl_ca_certs": CA}
+    tls = {"ssl": True, "ssl_ca_certs": CA, "ssl_check_hostname": True}
     assert dict(target.kwargs) == {**tls, "username": "data-user", "password": "data+pw"}
     # `+` stays `+`, `%26` is `&`: a password is taken byte for byte.
     assert dict(target.sentinel_kwargs) == {**tls, "username": "sent-user",
@@ -257,3 +257,54 @@ def test_a_password_over_tls_that_verifies_nothing_warns_once(
     (message,) = _warnings(caplog)
     assert "ssl_cert_reqs=none" in message and "whoever answers" in message
     assert "hunter2" not in caplog.text
+
+
+# ---- host name checks (issue 36, item 7) -------------------------------------------------
+# redis-py checks a TLS server's host name by default only from 6.0, and a cluster hands the
+# setting to its nodes only from 6.1: kvtier sets it on every TLS connection it builds.
+
+@pytest.mark.parametrize("url, check", [
+    ("rediss://h:1", True),
+    (f"rediss://h:1?ssl_ca_certs={CA}&ssl_cert_reqs=optional", True),
+    ("rediss://h:1?ssl_check_hostname=false", False),  # the URL's own choice stands
+    ("rediss://h:1?ssl_cert_reqs=none", False),  # no certificate: no name to match
+    ("redis-cluster://h1:1,h2:2?ssl=true", True),
+    ("redis-sentinel://s1:1/svc?ssl=true&sentinel_password=x", True),
+    ("redis-cluster://h1:1?ssl=true&ssl_cert_reqs=none", False),
+])
+def test_tls_targets_check_host_names_explicitly(url: str, check: bool) -> None:
+    target = parse_remote_url(url)
+    assert target.kwargs["ssl_check_hostname"] is check
+    if target.kind == "sentinel":
+        assert target.sentinel_kwargs["ssl_check_hostname"] is check
+
+
+def test_plain_targets_carry_no_tls_settings() -> None:
+    for url in ("redis://h:1", "redis-cluster://h1:1?ssl=false", "unix:///run/r.sock"):
+        assert "ssl_check_hostname" not in parse_remote_url(url).kwargs
+
+
+def test_built_tls_connections_check_host_names() -> None:
+    """The connection pools kvtier builds (no network: standalone and sentinel) ask for it."""
+    for url in ("rediss://:pw@127.0.0.1:1", "redis-sentinel://127.0.0.1:1/svc?ssl=true"):
+        router = Router(parse_remote_url(url), timeout=0.1)
+        try:
+            pool = router.node_for("k").connection_pool
+            assert pool.connection_class.__name__.endswith("SSLConnection")
+            assert pool.connection_kwargs["ssl_check_hostname"] is True
+        finally:
+            router.close()
+
+
+def test_a_tls_cluster_checks_the_host_name_of_every_node(
+    redis_tls_cluster: RedisTLSCluster,
+) -> None:
+    router = Router(parse_remote_url(redis_tls_cluster.url), timeout=2.0)
+    try:
+        primaries = router.primaries()
+        assert len(primaries) == 3
+        for client in primaries:
+            assert client.connection_pool.connection_kwargs["ssl_check_hostname"] is True
+        router.ping()  # the test certificate names 127.0.0.1: the check passes
+    finally:
+        router.close()

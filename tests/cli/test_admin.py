@@ -105,3 +105,65 @@ def test_a_tenant_limited_by_acl_lists_only_its_namespace(
     assert [(r[0], r[1]) for r in rows] == [("redis", "8")]
     assert main(["stats", str(tenant)]) == 0
     assert "model-b" not in capsys.readouterr().out
+
+
+# -- issue 36, item 7: purge deletes only the tier's own record files ------------------------
+
+def _disk_config(tmp_path: Path, disk: Path) -> Path:
+    path = tmp_path / "disk.yaml"
+    path.write_text(yaml.safe_dump({"chunk_size": CHUNK, "max_local_cpu_size": 0.01,
+                                    "local_disk": str(disk), "max_local_disk_size": 0.1}))
+    return path
+
+
+def test_purge_deletes_only_record_files_and_follows_no_symlink(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    disk, outside = tmp_path / "disk", tmp_path / "outside"
+    cfg = _disk_config(tmp_path, disk)
+    _store(cfg, "alpha", range(2))  # 8 records
+    stored = sorted(disk.glob("*/*/*.kvt"))
+    assert len(stored) == 8
+    outside.mkdir()
+    record = "ab" * 32  # a record name (of no stored key) for ab/ab/
+    bait = {outside / f"{record}.kvt": b"outside the root", outside / "notes.txt": b"mine"}
+    for path, data in bait.items():
+        path.write_bytes(data)
+    (disk / "ab" / "ab").mkdir(parents=True, exist_ok=True, mode=0o700)
+    foreign = {disk / "ab" / "ab" / "notes.kvt": b"not a record name",
+               disk / "ab" / "ab" / "abab-notes.kvt": b"nor this, in the directory it names",
+               disk / "ab" / "ab" / "abab.kvt": b"nor this",
+               disk / "ab" / "ab" / f"{record}.kvt.orig": b"nor this",
+               disk / "readme.kvt": b"nor this"}
+    for path, data in foreign.items():
+        path.write_bytes(data)
+    (disk / "cd").mkdir(exist_ok=True, mode=0o700)
+    (disk / "cd" / "cd").symlink_to(outside)  # a symlinked ab/cd directory
+    (disk / "ab" / "ab" / f"{record}.kvt").symlink_to(outside / "notes.txt")  # at a record path
+    assert main(["purge", str(cfg), "--yes"]) == 0
+    assert "deleted 8 chunks" in capsys.readouterr().out
+    assert not any(p.exists() for p in stored)
+    for path, data in {**bait, **foreign}.items():
+        assert path.read_bytes() == data, path
+    assert (disk / "ab" / "ab" / f"{record}.kvt").is_symlink()
+
+
+@pytest.mark.parametrize("where, why", [
+    ("root", "is the filesystem root"), ("home", "is the home directory"),
+    ("above home", "holds the home directory"), ("symlink", "goes through the symlink"),
+])
+@pytest.mark.parametrize("command", [["ls"], ["stats"], ["purge", "--yes"]],
+                         ids=lambda c: c[0])
+def test_ls_stats_and_purge_refuse_a_dangerous_local_disk(
+        where: str, why: str, command: list[str], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    home = tmp_path / "users" / "me"
+    home.mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    (tmp_path / "real").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    disk = {"root": Path("/"), "home": home, "above home": home.parent,
+            "symlink": tmp_path / "link"}[where]
+    assert main([*command, str(_disk_config(tmp_path, disk))]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvtier: error: local_disk: ") and why in err
+    assert len(err.strip().splitlines()) == 1

@@ -170,17 +170,35 @@ def test_cgroup_memory_limit_reads_the_given_file(tmp_path: Path) -> None:
 def test_arenas_of_every_rank_must_fit_the_cgroup(tmp_path: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     limit = tmp_path / "memory.max"
-    limit.write_text("1000000000\n")
+    limit.write_text("3000000000\n")  # 2 x (0.6 GB + 1 GB kept free) does not fit
     cfg = Config(max_local_cpu_size=0.6)
     assert memory_problem(cfg, local_ranks=1, cgroup_path=limit) is None
     problem = memory_problem(cfg, local_ranks=2, cgroup_path=limit)
     assert problem is not None
     assert problem.startswith("max_local_cpu_size: 0.6 GB x 2 local rank(s) = 1.20 GB")
-    assert "cgroup memory limit (memory.max) of 1.00 GB: at most 0.50 GB per rank" in problem
+    assert "1.00 GB kept free beside each" in problem
+    assert "cgroup memory limit (memory.max) of 3.00 GB: at most 0.50 GB per rank" in problem
     with pytest.raises(ConfigError, match=r"max_local_cpu_size: 0\.6 GB x 2"):
         check_host(cfg, local_ranks=2, cgroup_path=limit)
     limit.write_text("max\n")
     assert memory_problem(cfg, local_ranks=2, cgroup_path=limit) is None
+
+
+def test_the_arenas_of_every_rank_leave_headroom_beside_them(tmp_path: Path) -> None:
+    """Issue 36, item 7: arenas that filled the cgroup to the byte passed; each rank's process
+    needs MEMORY_HEADROOM_BYTES beside its arena (as `arena_now_problem` keeps)."""
+    limit = tmp_path / "memory.max"
+    cfg = Config(max_local_cpu_size=0.5)
+    for ranks in (1, 2, 4):
+        fits = int(ranks * (0.5e9 + MEMORY_HEADROOM_BYTES))
+        limit.write_text(f"{fits}\n")
+        assert memory_problem(cfg, local_ranks=ranks, cgroup_path=limit) is None
+        limit.write_text(f"{fits - 1}\n")
+        problem = memory_problem(cfg, local_ranks=ranks, cgroup_path=limit)
+        assert problem is not None and f"x {ranks} local rank(s)" in problem
+        limit.write_text(f"{int(ranks * 0.5e9)}\n")  # the arenas alone: no room left
+        problem = memory_problem(cfg, local_ranks=ranks, cgroup_path=limit)
+        assert problem is not None and "at most 0.00 GB per rank" in problem
 
 
 def test_arenas_of_every_rank_must_fit_physical_memory(

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import hashlib
+import tracemalloc
 import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from kvtier import keys as keys_module
 from kvtier.config import Config
 from kvtier.connectors import SGLangMHAConnector, SGLangMLAConnector
 from kvtier.connectors.base import KVConnector
 from kvtier.engine import CacheEngine
-from kvtier.keys import KeyBuilder
+from kvtier.keys import KeyBuilder, encode_tokens
 from kvtier.storage import StorageManager
 from tests.support.redis import RedisProcess
 
@@ -101,6 +105,75 @@ def test_tails_never_share_keys_across_salts_or_with_whole_chunks() -> None:
     salted = {k.key for i in range(3) for k in kb.chain(tokens, "tenant").tails(i)}
     assert len(plain) == len(salted) == 15 + 15 + 8 and not plain & salted
     assert not plain & {k.key for k in kb.keys(tokens)[:-1]}
+
+
+def _tails_as_first_defined(kb: KeyBuilder, tokens: torch.Tensor, i: int,
+                            salt: str = "") -> list[tuple]:
+    """Tail candidates after `i` full chunks by the first definition: each candidate's tokens
+    hashed from scratch after the digest before them, longest first."""
+    data = encode_tokens(tokens).tobytes()
+    h = kb.root(salt)
+    for c in range(i):
+        h = hashlib.sha256(h + data[c * kb.chunk_size * 4:(c + 1) * kb.chunk_size * 4]).digest()
+    start = i * kb.chunk_size
+    room = min(kb.chunk_size - 1, len(tokens) - start)
+    out = []
+    for end in range(start + room - room % kb.page_size, start, -kb.page_size):
+        part = data[start * 4:end * 4]
+        out.append((kb.prefix + hashlib.sha256(h + part).hexdigest(), start, end, part))
+    return out
+
+
+@pytest.mark.parametrize(("chunk", "page", "n"), [(16, 4, 60), (16, 1, 40), (8, 8, 30),
+                                                  (32, 2, 95), (4, 1, 4)])
+def test_tails_are_the_keys_of_their_first_definition(chunk: int, page: int, n: int) -> None:
+    kb = KeyBuilder(model="m", fingerprint="f", chunk_size=chunk, tails=True, page_size=page)
+    tokens = _tokens(n, chunk + page + n)
+    for salt in ("", "tenant"):
+        chain = kb.chain(tokens, salt)
+        for i in range(len(chain) + 1):
+            got = [(k.key, k.start, k.end, bytes(k.tokens)) for k in chain.tails(i)]
+            assert got == _tails_as_first_defined(kb, tokens, i, salt)
+
+
+def test_tails_of_a_4096_token_chunk_cost_linear_hashing_and_memory(monkeypatch) -> None:
+    """Issue 36, item 7: a tail candidate per page held its own copy of its tokens (4095
+    candidates, 35 MB at chunk_size 4096, page 1). Now: each token hashed once, one copy."""
+    hashed = [0]
+
+    class Counting:
+        def __init__(self, d: object) -> None:
+            self.d = d
+
+        def update(self, b: bytes) -> None:
+            hashed[0] += memoryview(b).nbytes
+            self.d.update(b)
+
+        def copy(self) -> Counting:
+            return Counting(self.d.copy())
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(self.d, name)
+
+    def sha256(b: bytes = b"") -> Counting:
+        hashed[0] += len(b)
+        return Counting(hashlib.sha256(b))
+
+    kb = KeyBuilder(model="m", fingerprint="f", chunk_size=4096, tails=True, page_size=1)
+    chain = kb.chain(_tokens(2 * 4096 - 1, 7))
+    monkeypatch.setattr(keys_module, "hashlib", SimpleNamespace(sha256=sha256))
+    tracemalloc.start()
+    try:
+        cands = chain.tails(1)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(cands) == 4095
+    assert hashed[0] == 32 + 4095 * 4  # the digest before them, then each token once
+    assert peak < 4 << 20, peak  # was 35 MB: quadratic in chunk_size
+    owners = {id(k.tokens.obj) if isinstance(k.tokens, memoryview) else id(k.tokens)
+              for k in cands}
+    assert len(owners) == 1
 
 
 def test_a_page_size_that_does_not_divide_the_chunk_is_refused() -> None:

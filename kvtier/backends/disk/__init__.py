@@ -1,5 +1,6 @@
 """The disk tier: `backend` (the tier: index, eviction, reads and writes), `index` (what is
-where, what to evict), `files` (the record files, their layout and their privacy)."""
+where, what to evict), `files` (the record files, their layout and their privacy), `paths`
+(which roots it may use, which files under one are its own)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The disk tier: one checksummed record file per chunk, persistent across restarts.
 
-Files and their format are `recordfile.py`'s business; this module keeps the index (key ->
-size, in LRU order), the size cap and the counters.
+Files and their format are `files.py`'s business, the LRU index `index.py`'s; this module
+keeps the cap, the lock and the counters.
 
 - Persistence: the index is rebuilt at start-up from directory entries (mtime = recency), so a
   restarted process hits what an earlier one stored. A miss in the index is checked against the
@@ -10,17 +10,17 @@ size, in LRU order), the size cap and the counters.
   eviction (here and after a restart) therefore takes suffixes before prefixes. A record being
   read is never evicted. Processes sharing a directory each enforce the cap over the records
   they know, so together they may exceed it by what the others wrote.
-- Sharing: opening a tier never deletes a record (a second instance with a smaller cap, or
-  `kvtier info`, must not wipe what a running instance stores); a write evicts at most its own
-  size, so a directory that is over this process's cap stays as big as it is, never shrinks
-  below what others wrote. Shrinking a directory is an explicit `kvtier purge`.
+- The cap: opened over a lowered cap, the tier evicts down to it at once, least recently used
+  first (`kvtier info` only reads). A write evicts at most its own size (what others sharing the
+  directory wrote is theirs to evict); one failing with ENOSPC (the filesystem full below the
+  cap) also evicts `DISK_FULL_EVICT_WRITES` times its size, counted in `disk_full`.
 - Durability: no fsync (a device flush per chunk). A killed process loses nothing the kernel
   has; a power loss may leave a torn file, which the checksums turn into a counted miss.
-- Failures never raise: a failed write (ENOSPC, EIO, ...) is dropped and counted; a corrupt
+- Failures never raise: a failed write (ENOSPC, EIO, ...) is a counted miss; a corrupt
   record is counted, deleted, a miss; so is a file removed behind the tier's back. A forged one
   (its MAC does not match this reader's record key, or it has one and the reader none) is a
   counted miss left in place: another node's key is not proof of corruption.
-- Foreign files and privacy (`recordfile.py`): what is not a regular file at a record path is
+- Foreign files and privacy (`files.py`): what is not a regular file at a record path is
   a counted miss (`not_regular`), never opened blocking or followed; a root that is another
   user's, writable by others or reached through a symlink is a `ConfigError`, and nothing is
   read, written or deleted in an `ab/cd` directory that is not private.
@@ -29,6 +29,7 @@ size, in LRU order), the size cap and the counters.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import stat
@@ -56,9 +57,10 @@ logger = logging.getLogger(__name__)
 
 _COUNTERS = ("hits", "misses", "puts", "put_bytes", "evictions", "corrupt", "forged", "vanished",
              "adopted", "write_errors", "write_dropped", "read_errors", "alloc_failures",
-             "stale_tmp_removed", "not_regular")
+             "stale_tmp_removed", "not_regular", "disk_full")
 READ_AHEAD = 4  # chunk reads in flight per batch: keeps the device queue busy while a chunk
 # is checksummed or copied on, without holding much arena for a prefix that may miss early
+DISK_FULL_EVICT_WRITES = 4  # ENOSPC frees room for the next few writes, not half the cache
 
 
 class DiskBackend(StorageBackend):
@@ -84,11 +86,13 @@ class DiskBackend(StorageBackend):
         self._read_pool: ThreadPoolExecutor | None = None  # made on the first read
         start = time.perf_counter()
         self._index.load(self._open_root(root))
-        if self._index.bytes > self.capacity:
-            logger.warning("kvtier disk: %s holds %.2f GB, more than this tier's cap of %.2f GB "
-                           "(max_local_disk_size); nothing was deleted: each new write evicts "
-                           "at most its own size (`kvtier purge` shrinks it)", root,
-                           self._index.bytes / 1e9, self.capacity / 1e9)
+        if self._index.bytes > self.capacity:  # the cap was lowered: down to it, LRU first
+            held = self._index.bytes
+            with self._lock:
+                n = self._evict_locked(self._index.oldest(held - self.capacity))
+            logger.warning("kvtier disk: %s held %.2f GB, over the cap of %.2f GB (max_local_"
+                           "disk_size): evicted its %d least recently used records", root,
+                           held / 1e9, self.capacity / 1e9, n)
         logger.info("kvtier disk: %s holds %d records (%.2f of %.2f GB), indexed in %.2fs",
                     root, len(self._index), self._index.bytes / 1e9, self.capacity / 1e9,
                     time.perf_counter() - start)
@@ -112,9 +116,6 @@ class DiskBackend(StorageBackend):
         """Where the record of key string `key` lives (whether or not it exists)."""
         return rf.record_path(self.root, rf.file_name(key))
 
-    def _count(self, name: str) -> None:
-        self._counts.inc(name)
-
     def _stamps(self, n: int) -> list[int]:
         with self._lock:
             return self._index.stamps(n)
@@ -137,11 +138,15 @@ class DiskBackend(StorageBackend):
         victims = self._index.victims(need)
         if victims is None:
             return False
-        for name in victims:
+        self._evict_locked(victims)
+        return True
+
+    def _evict_locked(self, names: list[str]) -> int:  # forget, delete, count; how many
+        for name in names:
             self._index.forget(name)
             self._delete(name)
-        self._counts.inc("evictions", len(victims))
-        return True
+        self._counts.inc("evictions", len(names))
+        return len(names)
 
     def _delete(self, name: str) -> bool:
         """Unlink record `name`, unless its directory is not private (nothing there is ours)."""
@@ -250,7 +255,7 @@ class DiskBackend(StorageBackend):
             obj = rf.read_record(fd, st.st_size, key, self.ctx.layout, self.ctx.allocate,
                                  self._mac_key)
             if obj is None:
-                self._count("alloc_failures")
+                self._counts.inc("alloc_failures")
             else:
                 with self._lock:
                     self._adopt_locked(name, st.st_size)
@@ -284,14 +289,14 @@ class DiskBackend(StorageBackend):
                            "treated as a miss", path, what)
 
     def _read_error(self, path: Path, exc: OSError) -> None:
-        self._count("read_errors")
+        self._counts.inc("read_errors")
         self._warn.warning("read", "kvtier disk: cannot read %s: %s", path, exc)
 
     def _discard(self, name: str, path: Path, st: os.stat_result, exc: CorruptEntry) -> None:
         """Delete a corrupt record, unless a writer has replaced it meanwhile; a forged one
         (another record key's, or none) is a miss left in place (`record.ForgedEntry`)."""
         if isinstance(exc, ForgedEntry):
-            self._count("forged")
+            self._counts.inc("forged")
             self._warn.warning("forged", "kvtier disk: %s: %s; a miss (left in place)", path,
                                exc)
             return
@@ -352,8 +357,12 @@ class DiskBackend(StorageBackend):
                     self._counts.inc("puts")
                     self._counts.inc("put_bytes", size)
         except OSError as exc:
-            self._count("write_errors")
+            self._counts.inc("write_errors")
             self._warn.warning("write", "kvtier disk: write to %s failed, dropped: %s", tmp, exc)
+            if exc.errno == errno.ENOSPC:  # full below the cap: others' files, a small disk
+                with self._lock:
+                    self._counts.inc("disk_full")
+                    self._evict_locked(self._index.oldest(DISK_FULL_EVICT_WRITES * size))
         finally:
             with self._lock:
                 self._index.reserved -= size

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from kvtier.backends.disk.paths import SUFFIX, is_temp_name, record_stem, root_problem
 from kvtier.backends.record import (
     Seal,
     encode_header,
@@ -41,7 +42,6 @@ __all__ = ["SUFFIX", "file_name", "record_path", "record_file", "temp_path", "wr
            "read_record", "scan", "prepare_root", "RecordDirs", "UnsafeDirectory", "dir_problem",
            "NotRegular", "open_record"]
 
-SUFFIX = ".kvt"
 STALE_TMP_SECS = 3600.0  # older than this, a temp file is garbage even if its pid was reused
 _HEX = frozenset("0123456789abcdef")
 # I/O size: large enough that syscalls are cheap, small enough to stay in the CPU cache
@@ -130,6 +130,10 @@ def prepare_root(root: Path) -> str | None:
             by others (`strerror` says how to fix it).
         OSError: a component is not a directory, cannot be created, or the root not written.
     """
+    why = root_problem(root)
+    if why is not None:  # checked before anything is created
+        raise UnsafeDirectory(errno.EPERM, f"{root} {why}: the disk tier makes its directories "
+                                           "and deletes records there; use a directory of its own")
     st = _walk_root(root)
     why = dir_problem(st)
     if why is not None:
@@ -339,10 +343,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _stale_tmp(entry: os.DirEntry[str]) -> bool:
-    parts = entry.name.split(".")  # <stem>.<pid>.<seq>.tmp
-    if len(parts) != 4 or not parts[1].isdigit():
-        return False  # not ours: leave it alone
-    pid = int(parts[1])
+    pid = int(entry.name.split(".")[1])  # <stem>.<pid>.<seq>.tmp (`is_temp_name`)
     age = time.time() - entry.stat().st_mtime
     # Our own pid counts as alive: another tier instance in this process may be writing it.
     return not _pid_alive(pid) or age > STALE_TMP_SECS
@@ -364,9 +365,10 @@ def _subdirs(path: Path | str, check: bool) -> list[str]:
 
 def scan(root: Path, dirs: RecordDirs | None = None) -> tuple[list[tuple[int, str, int]], int]:
     """Every record under `root` as (mtime ns, stem, size), oldest first, from directory
-    entries and `stat` only (no file is opened; only regular files count); removes stale temp
-    files on the way. Symlinked directories are never entered; with `dirs`, neither are
-    directories that are not private (`dir_problem`), and the others are marked in `dirs`.
+    entries and `stat` only (no file is opened; only regular files named as records in their
+    `ab/cd` count: `paths.record_stem`); removes stale temp files (`paths.is_temp_name`).
+    Symlinked directories are never entered; with `dirs`, neither are directories that are not
+    private (`dir_problem`), and the others are marked in `dirs`.
 
     Returns the records and how many temp files were removed.
     """
@@ -376,16 +378,16 @@ def scan(root: Path, dirs: RecordDirs | None = None) -> tuple[list[tuple[int, st
         for sub in _subdirs(top, dirs is not None):
             if dirs is not None:
                 dirs.mark(os.path.basename(top) + os.path.basename(sub))
+            names = os.path.basename(top), os.path.basename(sub)
             with os.scandir(sub) as it:
                 for entry in it:
                     try:
-                        if entry.name.endswith(SUFFIX):
+                        if (stem := record_stem(entry.name, *names)) is not None:
                             if not entry.is_file(follow_symlinks=False):
                                 continue  # a FIFO, device, directory or symlink: not a record
                             st = entry.stat(follow_symlinks=False)
-                            found.append((st.st_mtime_ns, entry.name[: -len(SUFFIX)],
-                                          st.st_size))
-                        elif entry.name.endswith(".tmp") and _stale_tmp(entry):
+                            found.append((st.st_mtime_ns, stem, st.st_size))
+                        elif is_temp_name(entry.name, *names) and _stale_tmp(entry):
                             os.unlink(entry.path)
                             removed += 1
                     except FileNotFoundError:

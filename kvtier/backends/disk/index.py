@@ -98,6 +98,19 @@ class DiskIndex:
                 over -= size
         return None if over > 0 else chosen
 
+    def oldest(self, nbytes: int) -> list[str]:
+        """The least recently used records, none being read, that hold at least `nbytes`
+        (all of them when they hold less): what a shrink to the cap or a full disk evicts.
+        Picks only, as `victims`."""
+        chosen = []
+        for name, size in self._sizes.items():
+            if nbytes <= 0:
+                break
+            if not self._readers[name]:
+                chosen.append(name)
+                nbytes -= size
+        return chosen
+
     def check(self) -> None:
         """Raise `AssertionError` unless the byte count matches the index (for tests)."""
         assert self.bytes == sum(self._sizes.values()), "byte count drifted"

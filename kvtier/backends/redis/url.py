@@ -11,7 +11,9 @@ nodes' credentials; the sentinels are asked with `?sentinel_username=...&sentine
 (without credentials when those are absent). Query values are percent-decoded (`+` stays `+`).
 
 Parsing never touches the network; every problem is a `ConfigError` naming the redacted URL. A
-password sent without TLS to a host that is not loopback gets one warning per URL.
+password sent without TLS to a host that is not loopback, or over TLS that verifies no
+certificate, gets one warning per URL. TLS checks the server's host name unless the URL says
+`ssl_check_hostname=false` or `ssl_cert_reqs=none` (`_check_hostname`).
 """
 
 from __future__ import annotations
@@ -111,6 +113,17 @@ def _tls_kwargs(url: str, params: Mapping[str, str]) -> dict[str, Any]:
     return out
 
 
+def _check_hostname(tls_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`tls_kwargs` of a TLS connection with `ssl_check_hostname` set explicitly: True unless the
+    URL says otherwise. redis-py checked host names by default only from 6.0 (5.x: off, so a
+    certificate of any host the CA signed was accepted), and a cluster passes the setting on to
+    its nodes only from 6.1; an explicit value holds whatever redis-py is installed. With
+    `ssl_cert_reqs=none` there is no certificate to match (and redis-py < 6.1 fails the
+    handshake when asked to): False."""
+    tls_kwargs.setdefault("ssl_check_hostname", tls_kwargs.get("ssl_cert_reqs") != "none")
+    return tls_kwargs
+
+
 def _is_loopback(host: str) -> bool:
     if host.lower() == "localhost" or host.lower().endswith(".localhost"):
         return True
@@ -125,6 +138,10 @@ def _warn_clear_password(target: RedisTarget, hosts: Iterable[str], tls: bool) -
     that verifies no certificate (`ssl_cert_reqs=none`: whoever answers gets it)."""
     has_password = bool(target.kwargs.get("password")
                         or target.sentinel_kwargs.get("password"))
+    # Warned about, not refused: ssl_cert_reqs=none is spelled out in the URL by whoever set it
+    # (a self-signed server in a private network, a TLS-terminating sidecar), and refusing it
+    # would take a running fleet's cache down on an upgrade for a choice the operator made.
+    # The warning names the URL (redacted) and the fix, once per URL, at WARNING.
     if tls and has_password and target.kwargs.get("ssl_cert_reqs") == "none":
         with _warned_lock:
             if target.url + "#cert" in _warned:
@@ -179,6 +196,7 @@ def _multi_host(url: str, scheme: str) -> RedisTarget:
                         "every node) or drop them")
     if tls:
         tls_kwargs["ssl"] = True
+        _check_hostname(tls_kwargs)
     kwargs: dict[str, Any] = {**tls_kwargs}
     if "client_name" in params:
         kwargs["client_name"] = params["client_name"]
@@ -227,6 +245,8 @@ def parse_remote_url(url: str) -> RedisTarget:
     # Reject unknown parameters and bad ssl_* values before redis-py sees them.
     params = _query(url, query, allowed)
     tls_kwargs = _tls_kwargs(url, params)
+    if scheme == "rediss":
+        _check_hostname(tls_kwargs)
     try:
         kwargs = parse_url(url)
     except ValueError as exc:  # redis-py's and urllib's messages name the field, never the URL
