@@ -40,3 +40,20 @@ def test_the_canary_names_what_moved() -> None:
     assert "some_hook_sglang_renamed" in failed[0] and "outcome" in failed[1]
     for target in sglang_api.HOOK_TARGETS.values():  # the plugin's hook targets resolve
         assert callable(sglang_api._resolve(target)), target
+
+
+def test_kvtier_subclasses_shadow_nothing_of_sglang() -> None:
+    """kvtier's own members of its subclasses of SGLang classes (helpers, state) are not
+    SGLang's: an SGLang upgrade adding `_load` to its tree would otherwise be overridden
+    silently. Overrides are listed in SURFACE (and checked to exist above)."""
+    from tests.integration.test_sglang_boundary import scan_integration
+
+    subclasses = scan_integration().subclasses
+    assert len(subclasses) == 2
+    for sub in subclasses:
+        base = sglang_api._resolve(sub.base)
+        own = sorted(n for n in sub.own - set(sglang_api.SURFACE[sub.base])
+                     - set(sglang_api.CALLED_BY_SGLANG) if not n.startswith("__"))
+        assert own, sub.name
+        shadowed = [n for n in own if sglang_api._exists(base, n)]
+        assert not shadowed, f"{sub.name} shadows {sub.base}'s {shadowed}"

@@ -1,10 +1,14 @@
 """The HiCache L3 contract of `KVTierHiCacheStorage`, built the way SGLang builds it
-(`StorageBackendFactory.create_backend("dynamic", ...)`), against real host pools on CPU."""
+(`StorageBackendFactory.create_backend("dynamic", ...)`), against real host pools on CPU, and
+its model identity: the radix-cache backend's, from SGLang's server args (issue 36)."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -56,8 +60,35 @@ def host_pool(kind: str, layout: str, device: str = "cpu") -> Any:
         override_kv_cache_dim=dev.kv_cache_dim, **common)
 
 
+SERVED = "org/tiny-model"
+
+
+def publish(monkeypatch: pytest.MonkeyPatch, server_args: Any) -> Any:
+    """`server_args` as the SGLang server args of this process (a scheduler publishes them
+    before it builds its cache); None: none published."""
+    def get_server_args() -> Any:
+        if server_args is None:
+            raise ValueError("Global server args is not set yet!")
+        return server_args
+
+    monkeypatch.setattr("sglang.srt.runtime_context.get_server_args", get_server_args)
+    return server_args
+
+
+def server_args(model: Path, served: str | None = SERVED) -> Any:
+    from sglang.srt.server_args import ServerArgs
+
+    return ServerArgs(model_path=str(model), served_model_name=served, device="cpu")
+
+
 @pytest.fixture
-def make_backend(tmp_path: Path) -> Iterator[Callable[..., Any]]:
+def published(monkeypatch: pytest.MonkeyPatch, tiny_llama: Path) -> Any:
+    """The server args of a text model, published in this process."""
+    return publish(monkeypatch, server_args(tiny_llama))
+
+
+@pytest.fixture
+def make_backend(tmp_path: Path, published: Any) -> Iterator[Callable[..., Any]]:
     made: list[Any] = []
 
     def make(pool: Any, *, is_mla: bool = False, tp_rank: int = 0, tp_size: int = 1,
@@ -178,3 +209,85 @@ def test_mla_pages_are_written_by_rank_zero_only(make_backend: Callable[..., Any
     rank0.close()
     # MLA keys carry no rank: rank 1 reads what rank 0 wrote.
     assert rank1.batch_exists(KEYS[:2]) == 2
+
+
+# ---- the model identity (issue 36): the radix-cache backend's, or no start ----
+
+
+def test_pages_are_keyed_by_the_radix_cache_backends_model_identity(
+        make_backend: Callable[..., Any], published: Any) -> None:
+    from kvtier.integration.sglang.identity import (
+        model_fingerprint,
+        model_identity,
+        model_key_name,
+    )
+
+    backend = make_backend(host_pool("mha", "layer_first"))
+    model = model_key_name(SERVED, model_fingerprint(published))  # as build_radix_cache keys
+    assert backend._space.model == model == model_identity(published)
+    assert backend._space.layout.startswith("hicache-layer_first-mha-")
+    key = backend._keys(KEYS[:1])[0].key
+    assert f"/{model}/hicache-layer_first-" in key and "org%2Ftiny-model@" in key
+
+
+def test_other_weights_under_the_same_served_name_share_no_pages(
+        make_backend: Callable[..., Any], monkeypatch: pytest.MonkeyPatch, tiny_llama: Path,
+        tmp_path: Path) -> None:
+    disk = {"local_disk": str(tmp_path / "disk"), "max_local_disk_size": 0.01}
+    pool = host_pool("mha", "page_first")
+    first = make_backend(pool, **disk)
+    assert all(first.batch_set_v1(KEYS, fill_pages(pool, 3, seed=5)))
+    first.close()
+
+    # Another checkpoint served under the same name: its config differs.
+    other = tmp_path / "other-model"
+    shutil.copytree(tiny_llama, other)
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-5}))
+    publish(monkeypatch, server_args(other))
+    assert make_backend(pool, local_cpu=False, **disk).batch_exists(KEYS) == 0
+
+    publish(monkeypatch, server_args(tiny_llama))  # the first model again: its pages are there
+    assert make_backend(pool, local_cpu=False, **disk).batch_exists(KEYS) == 3
+
+
+def test_no_start_without_server_args_to_fingerprint_the_model(
+        make_backend: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtier.errors import ConfigError
+
+    publish(monkeypatch, None)
+    with pytest.raises(ConfigError, match="server args are not published.*fingerprint"):
+        make_backend(host_pool("mha", "layer_first"))
+
+
+def test_no_start_for_a_model_served_with_multimodal_input(
+        make_backend: Callable[..., Any], monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path) -> None:
+    """HiCache hands its L3 page hashes only, so multimodal requests cannot bypass kvtier one
+    by one as on the radix-cache path: such a model is refused (hicache_storage docstring)."""
+    from kvtier.errors import ConfigError
+
+    vl = tmp_path / "tiny-vl"
+    vl.mkdir()
+    (vl / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl",
+        "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 2,
+        "num_hidden_layers": 2, "num_key_value_heads": 2, "vocab_size": 512,
+        "max_position_embeddings": 512, "torch_dtype": "float32", "bos_token_id": 0,
+        "eos_token_id": 1, "rope_scaling": {"type": "mrope", "mrope_section": [4, 6, 6]},
+        "vision_config": {"depth": 1, "embed_dim": 32, "hidden_size": 64, "num_heads": 2,
+                          "in_chans": 3, "patch_size": 14, "spatial_merge_size": 2,
+                          "temporal_patch_size": 2}}))
+    publish(monkeypatch, server_args(vl))
+    with pytest.raises(ConfigError, match="multimodal input.*--enable-kvtier"):
+        make_backend(host_pool("mha", "layer_first"))
+
+
+def test_no_start_when_sglang_cannot_say_whether_the_model_is_multimodal(
+        make_backend: Callable[..., Any], monkeypatch: pytest.MonkeyPatch,
+        tmp_path: Path) -> None:
+    from kvtier.errors import ConfigError
+
+    publish(monkeypatch, SimpleNamespace(model_path=str(tmp_path / "no-such-model")))
+    with pytest.raises(ConfigError, match="cannot tell whether model .* multimodal"):
+        make_backend(host_pool("mha", "layer_first"))

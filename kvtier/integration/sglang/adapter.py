@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import cast
 
 import numpy as np
 import torch
@@ -33,6 +33,7 @@ from kvtier.engine import CacheEngine, Prefetch
 from kvtier.errors import ConfigError
 from kvtier.integration.sglang.attach import Attachments
 from kvtier.integration.sglang.budget import SchedulerBudget
+from kvtier.integration.sglang.sglang_views import MHAPoolView, MLAPoolView, Opaque
 from kvtier.integration.sglang.stores import StoreJob, StoreWorker
 from kvtier.keys import ChunkKey, KeyChain
 from kvtier.memory import MemoryFormat
@@ -57,14 +58,15 @@ def check_page_size(config: Config, page_size: int) -> None:
             f"({page_size}); set chunk_size to a multiple of {page_size}")
 
 
-def build_connector(pool: Any) -> KVConnector:
+def build_connector(pool: object) -> KVConnector:
     """The kvtier connector for an SGLang device KV pool; `ConfigError` for other pools."""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 
     if isinstance(pool, MLATokenToKVPool):
-        return SGLangMLAConnector(pool.kv_buffer)
+        return SGLangMLAConnector(cast(MLAPoolView, pool).kv_buffer)
     if isinstance(pool, MHATokenToKVPool):
-        return SGLangMHAConnector(pool.k_buffer, pool.v_buffer)
+        mha = cast(MHAPoolView, pool)
+        return SGLangMHAConnector(mha.k_buffer, mha.v_buffer)
     raise ConfigError(f"kvtier supports SGLang's MHATokenToKVPool and MLATokenToKVPool; this "
                       f"model uses {type(pool).__name__}")
 
@@ -248,7 +250,7 @@ class SGLangKVTier:
 
     # ---- stores ----
 
-    def submit_store(self, token_ids: np.ndarray, slots: torch.Tensor, handle: Any,
+    def submit_store(self, token_ids: np.ndarray, slots: torch.Tensor, handle: Opaque,
                      session_id: str | None = None, salt: str = "",
                      prompt_len: int | None = None) -> bool:
         """Queue a background store of `token_ids` from pool `slots` (scheduler thread);

@@ -33,12 +33,22 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.config.names import LOWER_TIERS
 from kvtier.errors import ConfigError
 from kvtier.integration.sglang.attach import MAX_TIMEOUT_S, attach_config
 from kvtier.integration.sglang.sglang_api import tokenizer_manager
+from kvtier.integration.sglang.sglang_views import (
+    SchedulerView,
+    StorageReqInputView,
+    StorageReqOutputView,
+)
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from kvtier.integration.sglang.adapter import SGLangKVTier
 
 __all__ = ["apply", "add_routes", "wrap_attach", "wrap_detach"]
 
@@ -51,7 +61,7 @@ POLL_S = 0.1
 KEEP_OPERATIONS = 16
 
 
-def apply(kvtier: Any, request: dict[str, Any]) -> dict[str, Any]:
+def apply(kvtier: SGLangKVTier, request: dict[str, Any]) -> dict[str, Any]:
     """Run one admin operation on this rank's kvtier (scheduler thread; never waits for a
     tier build); returns the rank's JSON answer.
 
@@ -93,16 +103,17 @@ def _tier_name(request: dict[str, Any]) -> str:
     return str(name)
 
 
-def _answer(kvtier: Any, request: dict[str, Any]) -> tuple[bool, str]:
+def _answer(kvtier: SGLangKVTier, request: dict[str, Any]) -> tuple[bool, str]:
     try:
         return True, json.dumps(apply(kvtier, request))
     except (ValueError, ConfigError, TypeError) as exc:
         return False, json.dumps({"error": str(exc)})
 
 
-def wrap_attach(original: Callable[..., Any], scheduler: Any, recv_req: Any) -> Any:
+def wrap_attach(original: Callable[..., StorageReqOutputView], scheduler: SchedulerView,
+                recv_req: StorageReqInputView) -> StorageReqOutputView:
     """AROUND `Scheduler.attach_hicache_storage_wrapped`: kvtier trees answer themselves."""
-    kvtier = getattr(scheduler.tree_cache, "kvtier", None)
+    kvtier: SGLangKVTier | None = getattr(scheduler.tree_cache, "kvtier", None)
     if kvtier is None:
         return original(scheduler, recv_req)
     from sglang.srt.managers.io_struct import AttachHiCacheStorageReqOutput
@@ -119,9 +130,10 @@ def wrap_attach(original: Callable[..., Any], scheduler: Any, recv_req: Any) -> 
     return AttachHiCacheStorageReqOutput(success=ok, message=message)
 
 
-def wrap_detach(original: Callable[..., Any], scheduler: Any, recv_req: Any) -> Any:
+def wrap_detach(original: Callable[..., StorageReqOutputView], scheduler: SchedulerView,
+                recv_req: object) -> StorageReqOutputView:
     """AROUND `Scheduler.detach_hicache_storage_wrapped`: detach every lower kvtier tier."""
-    kvtier = getattr(scheduler.tree_cache, "kvtier", None)
+    kvtier: SGLangKVTier | None = getattr(scheduler.tree_cache, "kvtier", None)
     if kvtier is None:
         return original(scheduler, recv_req)
     from sglang.srt.managers.io_struct import DetachHiCacheStorageReqOutput
@@ -193,7 +205,7 @@ async def _settle_attach(send: Send, op: dict[str, Any]) -> None:
             return
 
 
-def add_routes(app: Any) -> None:
+def add_routes(app: FastAPI) -> None:
     """Add `GET/POST /kvtier/tiers` to SGLang's HTTP app (launcher process). Idempotent."""
     if any(getattr(r, "path", None) == "/kvtier/tiers" for r in app.routes):
         return

@@ -8,43 +8,115 @@
 
 HiCache moves pages between its host pool and the L3 by page hash (SGLang's chained SHA-256 of
 the prefix), never by token ids, so each page is stored as one kvtier chunk under
-`kvtier/v2/{namespace}/{model}@hicache-{host layout}/{layout fingerprint}/{rank}of{world}/{page
-hash}` (with `hash_salt`, a salted digest of the page hash). The
-record's token field, which kvtier verifies on every read, then carries bytes derived from the
-page hash. Reads and writes go through kvtier's StorageManager, so the tiers (CPU, disk, Redis),
-write policy and failure handling are kvtier's: a tier that fails is a miss, never an error.
+`kvtier/v2/{namespace}/{model}/hicache-{host layout}-{layout fingerprint}/{rank}of{world}/{page
+hash}` (with `hash_salt`, a salted digest of the page hash). `{model}` is the radix-cache
+backend's model identity (`identity.model_identity`: the served name and a fingerprint of the
+weights, config.json, revision, dtypes...), read from SGLang's server args in this process; a
+backend that cannot make it refuses to start. The record's token field, which kvtier verifies on
+every read, then carries bytes derived from the page hash. Reads and writes go through kvtier's
+StorageManager, so the tiers (CPU, disk, Redis), write policy and failure handling are kvtier's:
+a tier that fails is a miss, never an error.
+
+Multimodal input: the radix-cache backend keeps requests with images, audio or video out of
+kvtier (`radix_cache._multimodal`). HiCache gives its L3 no request: `batch_exists`,
+`batch_get_v1` and `batch_set_v1` see page hashes (and the hashes before them) only, so a page
+of an image request cannot be told from a text page. Those hashes cover the items' pad values,
+which derive from an item hash a client may choose (`mm_hashes`), so one client could name its
+own image's KV after another's: in kvtier's shared, long-lived tiers that is poisoning. The
+backend therefore refuses to start for a model SGLang serves with multimodal input
+(`ModelConfig.is_multimodal`); serve such a model with `--enable-kvtier` (the radix-cache
+backend, which bypasses multimodal requests one by one) instead.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
-from sglang.srt.mem_cache.hicache_storage import (
-    HiCacheStorage,
-    HiCacheStorageConfig,
-    HiCacheStorageExtraInfo,
-)
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from kvtier.config import load_config
 from kvtier.errors import ConfigError
-from kvtier.integration.sglang.identity import model_key_name
+from kvtier.integration.sglang.identity import model_identity
+from kvtier.integration.sglang.sglang_views import (
+    HiCacheStorageConfigView,
+    HiCacheStorageExtraInfoView,
+    HostPoolView,
+    LayeredHostPoolView,
+    MHAHostPoolView,
+    ModelConfigView,
+    Opaque,
+    ServerArgsView,
+)
 from kvtier.keys import ChunkKey, KeySpace
 from kvtier.memory import KVLayout
 from kvtier.storage import StorageManager
 
-__all__ = ["KVTierHiCacheStorage", "host_page_layout"]
+__all__ = ["KVTierHiCacheStorage", "host_page_layout", "hicache_model"]
 
 logger = logging.getLogger(__name__)
 
 
-def host_page_layout(pool: Any) -> KVLayout:
+def _server_args() -> ServerArgsView | None:
+    """SGLang's server args in this process (the scheduler publishes them before it builds
+    its cache), or None where nobody published them."""
+    from sglang.srt.runtime_context import get_server_args
+
+    try:
+        server_args: ServerArgsView = get_server_args()
+    except ValueError:  # "Global server args is not set yet!"
+        return None
+    return server_args
+
+
+def _takes_multimodal_input(server_args: ServerArgsView) -> bool:
+    """Whether SGLang serves this model with multimodal input (its own `ModelConfig` answer:
+    the architecture, sub-configs and `--enable-multimodal`)."""
+    from sglang.srt.configs.model_config import ModelConfig
+
+    try:
+        model_config: ModelConfigView = ModelConfig.from_server_args(server_args)
+        return bool(model_config.is_multimodal)
+    except Exception as exc:  # an unreadable config: refuse rather than guess
+        raise ConfigError(f"kvtier HiCache storage: cannot tell whether model "
+                          f"{server_args.model_path!r} takes multimodal input "
+                          f"({type(exc).__name__}: {exc}); kvtier refuses to store its pages "
+                          f"without knowing") from None
+
+
+def hicache_model(server_args: ServerArgsView | None) -> str:
+    """The model key component of the HiCache backend: the same identity as the radix-cache
+    backend's (`identity.model_identity`).
+
+    Raises:
+        ConfigError: no server args (nothing to fingerprint the model by: keys by name alone
+            would share KV across weights, revisions and dtypes), or a model served with
+            multimodal input (see the module docstring).
+    """
+    if server_args is None:
+        raise ConfigError(
+            "kvtier HiCache storage: SGLang's server args are not published in this process "
+            "(sglang.srt.runtime_context.get_server_args()), so the model's fingerprint "
+            "(weights, config.json, revision, dtypes) cannot be made; kvtier refuses to key "
+            "pages by the model name alone")
+    model = model_identity(server_args)
+    if _takes_multimodal_input(server_args):
+        raise ConfigError(
+            f"kvtier HiCache storage: model {server_args.model_path!r} takes multimodal input, "
+            "and HiCache hands its storage page hashes only, so kvtier cannot keep image, audio "
+            "and video requests out of its shared tiers (their pages are keyed by item hashes "
+            "a client may choose); use --enable-kvtier (the radix-cache backend, which bypasses "
+            "multimodal requests) for this model")
+    return model
+
+
+def host_page_layout(pool: HostPoolView) -> KVLayout:
     """The kvtier layout of one host-pool page (`page_size` tokens); ConfigError if unknown."""
     page = int(pool.page_size)
     flat = pool.get_dummy_flat_data_page()
-    layers = int(pool.layer_num)
+    layers = int(cast(LayeredHostPoolView, pool).layer_num)
     numel = flat.numel()
     if hasattr(pool, "kv_lora_rank"):  # MLA: one latent row per token and layer
         kv_dim, rem = divmod(numel, layers * page)
@@ -52,7 +124,7 @@ def host_page_layout(pool: Any) -> KVLayout:
             return KVLayout.mla(layers, kv_dim, flat.dtype)
     elif hasattr(pool, "head_num"):
         hidden, rem = divmod(numel, 2 * layers * page)
-        heads = int(pool.head_num)
+        heads = int(cast(MHAHostPoolView, pool).head_num)
         if rem == 0 and hidden % heads == 0:
             return KVLayout.mha(layers, heads, hidden // heads, flat.dtype)
     raise ConfigError(f"kvtier HiCache storage: unsupported host pool {type(pool).__name__} "
@@ -63,17 +135,23 @@ class KVTierHiCacheStorage(HiCacheStorage):
     """HiCache L3 backed by kvtier's tiers. Keys are page hashes; values are host-pool pages.
 
     Args (as SGLang's dynamic backend factory passes them):
-        storage_config: ranks, model name and `extra_config`; `extra_config["kvtier_config_file"]`
-            names the kvtier YAML (else `KVTIER_CONFIG_FILE` / `LMCACHE_CONFIG_FILE`).
+        storage_config: ranks and `extra_config`; `extra_config["kvtier_config_file"]` names
+            the kvtier YAML (else `KVTIER_CONFIG_FILE` / `LMCACHE_CONFIG_FILE`). The model is
+            named from SGLang's server args (`hicache_model`), not its `model_name`.
         kwargs: unused (SGLang passes its factory keyword arguments here).
+
+    Raises:
+        ConfigError: a bad kvtier config, or a model `hicache_model` refuses.
     """
 
-    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None):
+    mem_pool_host: HostPoolView  # set by HiCacheStorage.register_mem_pool_host
+
+    def __init__(self, storage_config: HiCacheStorageConfigView, kwargs: Opaque = None):
         extra = storage_config.extra_config or {}
         self.config = load_config(extra.get("kvtier_config_file"))
         self.storage_config = storage_config
         self._writes = storage_config.is_storage_writer
-        self._model = model_key_name(storage_config.model_name or "model")
+        self._model = hicache_model(_server_args())
         mla = storage_config.is_mla_model
         self._rank = "0of1" if mla else f"{storage_config.tp_rank}of{storage_config.tp_size}"
         if storage_config.pp_size > 1:
@@ -83,7 +161,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         self.page_size = 0
         self._space = KeySpace("", "")
 
-    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+    def register_mem_pool_host(self, mem_pool_host: HostPoolView) -> None:
         """Bind the host pool; builds the storage stack for its page layout."""
         super().register_mem_pool_host(mem_pool_host)
         layout = host_page_layout(mem_pool_host)
@@ -94,9 +172,12 @@ class KVTierHiCacheStorage(HiCacheStorage):
         self.layout = layout
         self.page_size = int(mem_pool_host.page_size)
         host_layout = str(getattr(mem_pool_host, "layout", "flat"))
-        self._space = KeySpace(f"{self._model}@hicache-{host_layout}",
-                               layout.fingerprint(self.page_size), self._rank,
-                               self.config.key_namespace)
+        tag = getattr(mem_pool_host, "storage_format_tag", None)  # a page format of its own
+        if tag:
+            host_layout += f"-{tag}"
+        self._space = KeySpace(self._model,
+                               f"hicache-{host_layout}-{layout.fingerprint(self.page_size)}",
+                               self._rank, self.config.key_namespace)
         self.storage = StorageManager(self.config, layout)
         logger.info("kvtier HiCache storage: %s, tiers %s", self._space.prefix,
                     self.config.tiers)
@@ -104,7 +185,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
     # ---- keys ----
 
     def _keys(self, keys: Sequence[str],
-              extra_info: HiCacheStorageExtraInfo | None = None) -> list[ChunkKey]:
+              extra_info: HiCacheStorageExtraInfoView | None = None) -> list[ChunkKey]:
         prev = None
         if extra_info is not None and extra_info.prefix_keys:
             prev = extra_info.prefix_keys[-1]
@@ -117,7 +198,8 @@ class KVTierHiCacheStorage(HiCacheStorage):
 
     # ---- page copies ----
 
-    def _read_pages(self, keys: list[ChunkKey], dests: Sequence[Any]) -> int:
+    def _read_pages(self, keys: list[ChunkKey],
+                    dests: Sequence[Callable[[torch.Tensor], object]]) -> int:
         """Copy the leading hits of `keys` into `dests[i](flat_page)`; returns how many."""
         with self._ready().get(keys) as objs:
             for obj, put in zip(objs, dests, strict=False):
@@ -146,12 +228,12 @@ class KVTierHiCacheStorage(HiCacheStorage):
     # ---- HiCacheStorage, zero-copy interface (extra_config "interface_v1": 1) ----
 
     def batch_exists(self, keys: list[str],
-                     extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+                     extra_info: HiCacheStorageExtraInfoView | None = None) -> int:
         """How many leading pages of `keys` some kvtier tier holds."""
         return self._ready().contains(self._keys(keys, extra_info))
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
-                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+                     extra_info: HiCacheStorageExtraInfoView | None = None) -> list[bool]:
         """Load pages into the host pool at `host_indices` (one page per key, in order)."""
         pool = self.mem_pool_host
         page = self.page_size
@@ -161,7 +243,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         return [True] * n + [False] * (len(keys) - n)
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
-                     extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
+                     extra_info: HiCacheStorageExtraInfoView | None = None) -> list[bool]:
         """Store host-pool pages at `host_indices` under `keys`; lower tiers in the background."""
         pool = self.mem_pool_host
         pages = [pool.get_data_page(int(host_indices[i * self.page_size]), flat=True)
@@ -173,7 +255,8 @@ class KVTierHiCacheStorage(HiCacheStorage):
 
     # ---- HiCacheStorage, copying interface ----
 
-    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
+    def get(self, key: str, target_location: torch.Tensor | None = None,
+            target_sizes: Opaque = None) -> torch.Tensor | None:
         """The page stored under `key` copied into `target_location` (or a new tensor), or
         None on a miss."""
         out: list[torch.Tensor] = []
@@ -188,10 +271,11 @@ class KVTierHiCacheStorage(HiCacheStorage):
         self._read_pages(self._keys([key]), [put])
         return out[0] if out else None
 
-    def batch_get(self, keys: list[str], target_locations: Any = None,
-                  target_sizes: Any = None) -> list[Any]:
+    def batch_get(self, keys: list[str],
+                  target_locations: Sequence[torch.Tensor | None] | None = None,
+                  target_sizes: Opaque = None) -> list[torch.Tensor | None]:
         targets = target_locations or [None] * len(keys)
-        out: list[Any] = []
+        out: list[torch.Tensor | None] = []
         for key, target in zip(keys, targets, strict=True):
             got = self.get(key, target)
             out.append(got)
@@ -200,14 +284,14 @@ class KVTierHiCacheStorage(HiCacheStorage):
                 break
         return out
 
-    def set(self, key: str, value: Any = None, target_location: Any = None,
-            target_sizes: Any = None) -> bool:
+    def set(self, key: str, value: torch.Tensor | None = None, target_location: Opaque = None,
+            target_sizes: Opaque = None) -> bool:
         if value is None:
             raise ValueError("value must be a page tensor")
         return self._write_pages(self._keys([key]), [value])
 
-    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
-                  target_sizes: Any = None) -> bool:
+    def batch_set(self, keys: list[str], values: Sequence[torch.Tensor] | None = None,
+                  target_locations: Opaque = None, target_sizes: Opaque = None) -> bool:
         if values is None or len(values) != len(keys):
             raise ValueError("values must hold one page tensor per key")
         return self._write_pages(self._keys(keys), list(values))

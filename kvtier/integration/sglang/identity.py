@@ -4,12 +4,16 @@ config.json, revision, load format, quantization, dtypes, overrides)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import ConfigError
 from kvtier.keys import model_component
 
-__all__ = ["model_key_name", "model_fingerprint", "weights_digest"]
+if TYPE_CHECKING:
+    from kvtier.integration.sglang.sglang_views import ServerArgsView
+
+__all__ = ["model_key_name", "model_fingerprint", "model_identity", "served_model_name",
+           "weights_digest"]
 
 
 def model_key_name(name: str, fingerprint: str = "") -> str:
@@ -21,7 +25,19 @@ def model_key_name(name: str, fingerprint: str = "") -> str:
     return model_component(name, fingerprint)
 
 
-def model_fingerprint(server_args: Any) -> str:
+def served_model_name(server_args: ServerArgsView) -> str:
+    """The name a server's KV is keyed under: `--served-model-name`, else `--model-path`."""
+    return str(getattr(server_args, "served_model_name", None) or server_args.model_path)
+
+
+def model_identity(server_args: ServerArgsView) -> str:
+    """A server's model as one key component: `model_key_name(served name,
+    model_fingerprint(server_args))`. The radix-cache backend and the HiCache backend both key
+    on it, so neither shares KV across weights, revisions or dtypes under one name."""
+    return model_key_name(served_model_name(server_args), model_fingerprint(server_args))
+
+
+def model_fingerprint(server_args: ServerArgsView) -> str:
     """What else makes two servers of one model name compute different KV: the weights (a
     sample of each local safetensors file, `weights_digest`), the model's config.json, its
     revision, load format, quantization, dtype and override arguments. 16 hex digits of their

@@ -25,7 +25,8 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from types import TracebackType
+from typing import TYPE_CHECKING
 
 from kvtier.background import BUSY_SHARE, ENGINE, HOLD_S
 from kvtier.config import Config, load_config
@@ -35,6 +36,19 @@ from kvtier.integration.sglang.sglang_api import (
     all_reduce,
     enable_storage_prefetch,
 )
+from kvtier.integration.sglang.sglang_views import (
+    LaunchArgsView,
+    Opaque,
+    ScheduleBatchView,
+    SchedulerView,
+    TreeCacheBuildContextView,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvtier.integration.sglang.adapter import SGLangKVTier
+    from kvtier.integration.sglang.radix_cache import KVTierRadixCache
 
 __all__ = ["register", "BACKEND_NAME", "build_radix_cache"]
 
@@ -68,7 +82,7 @@ def register() -> None:
         HookRegistry.register(target, hook, kind)
 
 
-def _add_cli_args(original: Callable[..., Any], parser: argparse.ArgumentParser) -> Any:
+def _add_cli_args(original: Callable[..., Opaque], parser: argparse.ArgumentParser) -> Opaque:
     out = original(parser)
     group = parser.add_argument_group("kvtier")
     group.add_argument("--enable-kvtier", action="store_true",
@@ -80,7 +94,7 @@ def _add_cli_args(original: Callable[..., Any], parser: argparse.ArgumentParser)
     return out
 
 
-def _from_cli_args(original: Callable[..., Any], cls: type, args: argparse.Namespace) -> Any:
+def _from_cli_args(original: Callable[..., Opaque], cls: type, args: LaunchArgsView) -> Opaque:
     _one_line_launch_errors()
     enabled = bool(getattr(args, "enable_kvtier", False))
     config_file = getattr(args, "kvtier_config_file", None)
@@ -113,7 +127,7 @@ def _one_line_launch_errors() -> None:
     if getattr(previous, "kvtier", False):
         return
 
-    def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+    def hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         if issubclass(kind, ConfigError):
             print(f"kvtier: {exc}", file=sys.stderr)
             return
@@ -132,10 +146,12 @@ def _add_http_routes() -> None:
     admin.add_routes(http_server.app)
 
 
-def _enable_prefetch_hooks(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+def _enable_prefetch_hooks(result: Opaque, scheduler: SchedulerView, *args: Opaque,
+                           **kwargs: Opaque) -> Opaque:
     """After `Scheduler.__init__`: route the scheduler's prefetch calls to a kvtier tree; on a
     CPU engine, make the lower-tier writers wait while a batch runs (`background.ENGINE`)."""
-    kvtier = getattr(getattr(scheduler, "tree_cache", None), "kvtier", None)
+    kvtier: SGLangKVTier | None = getattr(getattr(scheduler, "tree_cache", None), "kvtier",
+                                          None)
     if kvtier is not None and _device(scheduler) == "cpu":
         ENGINE.enabled = True
         logger.info("kvtier: the engine computes on the CPU: while batches run, lower-tier "
@@ -148,35 +164,37 @@ def _enable_prefetch_hooks(result: Any, scheduler: Any, *args: Any, **kwargs: An
     return result
 
 
-def _device(scheduler: Any) -> str:
+def _device(scheduler: SchedulerView) -> str:
     return str(getattr(getattr(scheduler, "server_args", None), "device", ""))
 
 
-def _run_batch(scheduler: Any, *args: Any, **kwargs: Any) -> None:
+def _run_batch(scheduler: SchedulerView, *args: Opaque, **kwargs: Opaque) -> None:
     """Before `Scheduler.run_batch`: a batch starts; the engine is busy until its result is
     handled (`process_batch_result`: with the overlap scheduler the forward may still run
     after `run_batch` returned)."""
     ENGINE.enter()
 
 
-def _on_idle(scheduler: Any, *args: Any, **kwargs: Any) -> None:
+def _on_idle(scheduler: SchedulerView, *args: Opaque, **kwargs: Opaque) -> None:
     """Before `Scheduler.on_idle` (a loop turn that ran no batch): whether requests still wait
     (then the engine is about to compute, not quiet)."""
     if ENGINE.enabled:
         ENGINE.idle(_waiting(scheduler))
 
 
-def _waiting(scheduler: Any) -> bool:
+def _waiting(scheduler: SchedulerView) -> bool:
     return bool(getattr(scheduler, "waiting_queue", None))
 
 
-def _batch_result(scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None:
+def _batch_result(scheduler: SchedulerView, batch: ScheduleBatchView | None, *args: Opaque,
+                  **kwargs: Opaque) -> None:
     """Before `Scheduler.process_batch_result`: the batch's forward is over, so the engine is
     no longer busy with it (`ENGINE`), and an extend batch tells kvtier how fast this server
     prefills (the adaptive prefetch policy's yardstick)."""
     # Its forward is over: quiet from now on, unless another runs or requests wait to.
     ENGINE.leave(waiting=_waiting(scheduler))
-    kvtier = getattr(getattr(scheduler, "tree_cache", None), "kvtier", None)
+    kvtier: SGLangKVTier | None = getattr(getattr(scheduler, "tree_cache", None), "kvtier",
+                                          None)
     if kvtier is None or batch is None or not batch.forward_mode.is_extend():
         return
     launched = getattr(batch, "launch_ts", None)
@@ -187,7 +205,7 @@ def _batch_result(scheduler: Any, batch: Any, *args: Any, **kwargs: Any) -> None
                            int(lens.max()))
 
 
-def _check_launch(config: Config, args: argparse.Namespace) -> None:
+def _check_launch(config: Config, args: LaunchArgsView) -> None:
     from kvtier.integration.sglang.adapter import check_page_size
 
     source = os.environ.get("KVTIER_CONFIG_FILE") or os.environ.get("LMCACHE_CONFIG_FILE") \
@@ -221,7 +239,7 @@ def _check_launch(config: Config, args: argparse.Namespace) -> None:
                               f"--{flag.replace('_', '-')}")
 
 
-def _check_load_format(config: Config, args: argparse.Namespace) -> None:
+def _check_load_format(config: Config, args: LaunchArgsView) -> None:
     """Random weights (`--load-format dummy`) compute KV no real server computes: stored on
     disk or in Redis under the model's name, it would poison every reader of that model."""
     load_format = str(getattr(args, "load_format", None) or "auto")
@@ -233,7 +251,7 @@ def _check_load_format(config: Config, args: argparse.Namespace) -> None:
                           "remote_url) for a dummy-weights run")
 
 
-def build_radix_cache(ctx: Any) -> Any:
+def build_radix_cache(ctx: TreeCacheBuildContextView) -> KVTierRadixCache:
     """The `kvtier` radix-cache factory: SGLang's unified tree plus a kvtier engine."""
     from sglang.srt.mem_cache.registry import create_unified_radix_cache
 
@@ -244,7 +262,7 @@ def build_radix_cache(ctx: Any) -> Any:
         check_page_size,
         is_mla,
     )
-    from kvtier.integration.sglang.identity import model_fingerprint, model_key_name
+    from kvtier.integration.sglang.identity import model_identity, served_model_name
     from kvtier.integration.sglang.radix_cache import KVTierRadixCache
 
     unsupported = [name for name in ("is_hybrid_swa", "is_hybrid_ssm", "is_dsa",
@@ -260,15 +278,15 @@ def build_radix_cache(ctx: Any) -> Any:
     check_page_size(config, page_size)
     connector = build_connector(params.token_to_kv_pool_allocator.get_kvcache())
     server_args = ctx.server_args
-    name = getattr(server_args, "served_model_name", None) or server_args.model_path
-    model = model_key_name(str(name), model_fingerprint(server_args))
+    name = served_model_name(server_args)
+    model = model_identity(server_args)
     engine = CacheEngine(config, model_name=model, layout=connector.layout,
                          connector=connector, world_size=int(ctx.tp_size),
                          rank=int(ctx.tp_rank), page_size=page_size)
     try:
-        cache = create_unified_radix_cache(ctx, cache_class=KVTierRadixCache)
+        cache: KVTierRadixCache = create_unified_radix_cache(ctx, cache_class=KVTierRadixCache)
 
-        def reduce_min(t: Any) -> None:
+        def reduce_min(t: torch.Tensor) -> None:
             import torch.distributed as dist
 
             all_reduce(cache, t, dist.ReduceOp.MIN)

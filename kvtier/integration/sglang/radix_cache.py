@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -43,13 +43,23 @@ from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from kvtier import prometheus
 from kvtier.integration.sglang.adapter import SGLangKVTier
+from kvtier.integration.sglang.sglang_views import (
+    InitLoadBackParamsView,
+    KVAllocatorView,
+    MatchPrefixParamsView,
+    MatchResultView,
+    Opaque,
+    RadixKeyView,
+    ReqView,
+    TreeCoreView,
+)
 
 __all__ = ["KVTierRadixCache"]
 
 logger = logging.getLogger(__name__)
 
 
-def _token_array(ids: Any) -> np.ndarray:
+def _token_array(ids: Sequence[int] | np.ndarray) -> np.ndarray:
     """A copy of SGLang's token ids as int64. Never a view: SGLang grows its token arrays in
     place (`array.extend`), which fails while any view of one is alive, and a view handed down
     the stack can outlive the call (an exception's traceback keeps every frame's locals)."""
@@ -60,25 +70,30 @@ class KVTierRadixCache(UnifiedRadixCache):
     """`UnifiedRadixCache` that loads prefixes from kvtier and stores finished requests."""
 
     kvtier: SGLangKVTier | None = None
+    # What kvtier reads of the tree it extends (set by UnifiedRadixCache.__init__; annotations
+    # only: nothing is assigned here).
+    disable: bool
+    tree_core: TreeCoreView
+    token_to_kv_pool_allocator: KVAllocatorView
 
     def attach_kvtier(self, kvtier: SGLangKVTier) -> None:
         """Connect the kvtier engine (once, right after construction)."""
         self.kvtier = kvtier
         # request id -> (key, device tokens, end) that match_prefix reported as a host hit
-        self._promised: dict[str, tuple[RadixKey, int, int]] = {}
+        self._promised: dict[str, tuple[RadixKeyView, int, int]] = {}
         # request id -> end of what init_load_back loaded, until the request's prefill runs
         self._loaded: dict[str, int] = {}
 
     # ---- load ----
 
-    def match_prefix(self, params: MatchPrefixParams) -> MatchResult:
+    def match_prefix(self, params: MatchPrefixParamsView) -> MatchResult:
         kv = self.kvtier
         req = params.req
         if kv is None:
             return super().match_prefix(params)
         with kv.budget.timed("match_prefix", getattr(req, "rid", None)) as call:
             self._release_finished_stores()
-            result = super().match_prefix(params)
+            result: MatchResultView = super().match_prefix(params)
             if req is None or not self._eligible(params.key) or _multimodal(req):
                 return result
             self._check_discarded(req.rid, result.device_prefix_len)
@@ -88,12 +103,12 @@ class KVTierRadixCache(UnifiedRadixCache):
                 result = result._replace(host_hit_length=hit)
             return result
 
-    def _eligible(self, key: RadixKey) -> bool:
+    def _eligible(self, key: RadixKeyView) -> bool:
         # kvtier keys cover token ids and a per-request cache_salt: LoRA adapters (extra_key)
         # and EAGLE bigram keys would need their own namespace, so they bypass kvtier.
         return key.extra_key is None and not key.is_bigram and not self.disable
 
-    def _host_hit(self, req: Any, key: RadixKey, device_len: int) -> int:
+    def _host_hit(self, req: ReqView, key: RadixKeyView, device_len: int) -> int:
         """Tokens past the device hit kvtier can load at admission (whole pages, agreed by
         every rank); remembered as this request's promise for `init_load_back`."""
         kv = self.kvtier
@@ -112,7 +127,7 @@ class KVTierRadixCache(UnifiedRadixCache):
         self._promised[rid] = (key, device_len, hit)
         return hit - device_len
 
-    def init_load_back(self, params: Any) -> tuple[int, Any] | None:
+    def init_load_back(self, params: InitLoadBackParamsView) -> tuple[int, Opaque] | None:
         """The scheduler admitted a request with a kvtier host hit and made room for it: copy
         the promised chunks into new slots and insert them. Returns (tokens loaded, the node
         ending the loaded prefix): all promised tokens or (0, the request's device node)."""
@@ -135,7 +150,7 @@ class KVTierRadixCache(UnifiedRadixCache):
             kv.forget(req.rid)
             return end - device_len, loaded
 
-    def _load(self, req: Any, key: RadixKey, device_len: int, end: int) -> Any:
+    def _load(self, req: ReqView, key: RadixKeyView, device_len: int, end: int) -> Opaque:
         """Copy tokens [device_len, end) from the CPU tier into new slots and insert them;
         returns the node ending the prefix, or None (nothing changed) if any is missing."""
         kv = self.kvtier
@@ -164,7 +179,7 @@ class KVTierRadixCache(UnifiedRadixCache):
         # prev_prefix_len: the leading indices are the tree's own, not duplicates to free.
         self.insert(InsertParams(key=loaded_key, value=torch.cat([prefix.to(torch.int64), slots]),
                                  prev_prefix_len=device_len, inserted_len=device_len))
-        matched = super().match_prefix(MatchPrefixParams(key=loaded_key))
+        matched: MatchResultView = super().match_prefix(MatchPrefixParams(key=loaded_key))
         prometheus.observe_hit("insert", time.perf_counter() - copied)
         logger.info("kvtier: loaded %d tokens at admission of %s (device had %d of %d)",
                     end - device_len, req.rid, device_len, len(key))
@@ -196,15 +211,16 @@ class KVTierRadixCache(UnifiedRadixCache):
 
     # ---- background prefetch (SGLang's storage-prefetch hooks) ----
 
-    def is_backuped(self, node_id: Any) -> bool:
+    def is_backuped(self, node_id: Opaque) -> bool:
         # kvtier keys are rebuilt from token ids, so a prefetch may start from any node.
         return True
 
-    def prefetch_from_storage(self, request: Any, last_host_node_id: Any,
-                              new_input_tokens: Any, last_hash: Any = None,
-                              prefix_keys: Any = None, matched_prefix_tokens: Any = None,
-                              extra_key: Any = None, cache_salt: Any = None,
-                              storage_hit_end: Any = None) -> None:
+    def prefetch_from_storage(self, request: ReqView, last_host_node_id: Opaque,
+                              new_input_tokens: Sequence[int], last_hash: Opaque = None,
+                              prefix_keys: Opaque = None,
+                              matched_prefix_tokens: Sequence[int] | None = None,
+                              extra_key: str | None = None, cache_salt: str | None = None,
+                              storage_hit_end: Opaque = None) -> None:
         """A request joined the waiting queue: start loading its chunks in the background."""
         kv = self.kvtier
         if kv is None or self.disable or extra_key is not None \
@@ -215,7 +231,7 @@ class KVTierRadixCache(UnifiedRadixCache):
                                      _token_array(new_input_tokens)])
             kv.start_prefetch(request.rid, tokens, _salt(cache_salt))
 
-    def check_prefetch_progress(self, request: Any) -> bool:
+    def check_prefetch_progress(self, request: ReqView) -> bool:
         """Whether the waiting request may be admitted now (per `prefetch_policy`)."""
         kv = self.kvtier
         if kv is None:
@@ -224,11 +240,11 @@ class KVTierRadixCache(UnifiedRadixCache):
             self._release_finished_stores()
             return kv.prefetch_ready(request.rid)
 
-    def pop_prefetch_loaded_span(self, request: Any) -> tuple[int, int | None]:
+    def pop_prefetch_loaded_span(self, request: ReqView) -> tuple[int, int | None]:
         # Prefetched chunks reach the pool through init_load_back, as host hits.
         return 0, None
 
-    def release_aborted_request(self, request: Any) -> None:
+    def release_aborted_request(self, request: ReqView) -> None:
         """The request is gone before admission: cancel its prefetch, free what it loaded."""
         kv = self.kvtier
         if kv is None:
@@ -269,7 +285,7 @@ class KVTierRadixCache(UnifiedRadixCache):
 
     # ---- store ----
 
-    def checkpoint(self, req: Any, *, up_to: int, **kwargs: Any) -> None:
+    def checkpoint(self, req: ReqView, *, up_to: int, **kwargs: Opaque) -> None:
         kv = self.kvtier
         if kv is None:
             return super().checkpoint(req, up_to=up_to, **kwargs)
@@ -283,12 +299,12 @@ class KVTierRadixCache(UnifiedRadixCache):
                     self._submit_store(req)
 
     @staticmethod
-    def _aborted(req: Any) -> bool:
+    def _aborted(req: ReqView) -> bool:
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
         return isinstance(req.finished_reason, FINISH_ABORT)
 
-    def _submit_store(self, req: Any) -> None:
+    def _submit_store(self, req: ReqView) -> None:
         kv = self.kvtier
         assert kv is not None
         node = req.last_node
@@ -320,11 +336,11 @@ class KVTierRadixCache(UnifiedRadixCache):
 
     # ---- eviction and reset ----
 
-    def evict(self, params: EvictParams) -> Any:
+    def evict(self, params: EvictParams) -> Opaque:
         self._release_finished_stores()
         return super().evict(params)
 
-    def evict_for_alloc(self, params: EvictParams, *args: Any, **kwargs: Any) -> Any:
+    def evict_for_alloc(self, params: EvictParams, *args: Opaque, **kwargs: Opaque) -> Opaque:
         self._release_finished_stores()
         return super().evict_for_alloc(params, *args, **kwargs)
 
@@ -349,15 +365,16 @@ class KVTierRadixCache(UnifiedRadixCache):
         super().shutdown()
 
 
-def _multimodal(req: Any) -> bool:
-    """Whether a request carries images, audio or video. SGLang puts a 30-bit hash of each
-    item into the token ids in its place; keyed fleet-wide and kept for days, a collision of
-    those (likely among ~46K items, or made on purpose) would serve one image's KV for
-    another, and token verification cannot see it. So such requests bypass kvtier."""
+def _multimodal(req: ReqView) -> bool:
+    """Whether a request carries images, audio or video. SGLang puts values derived from each
+    item's hash into the token ids in its place, and a client may choose that hash itself
+    (`mm_hashes`); keyed fleet-wide and kept for days, a collision of those (made on purpose,
+    or by a weak hash) would serve one image's KV for another, and token verification cannot
+    see it. So such requests bypass kvtier (the HiCache backend refuses such models)."""
     return getattr(req, "multimodal_inputs", None) is not None
 
 
-def _full_ids(req: Any, key: RadixKey) -> np.ndarray:
+def _full_ids(req: ReqView, key: RadixKeyView) -> np.ndarray:
     """The request's whole token sequence: the match key stops before the last prompt token,
     but the chunk holding it is named by all of its tokens (and loads in part)."""
     matched = _token_array(key.raw_token_ids())
@@ -368,6 +385,6 @@ def _full_ids(req: Any, key: RadixKey) -> np.ndarray:
     return ids
 
 
-def _salt(cache_salt: Any) -> str:
+def _salt(cache_salt: str | None) -> str:
     """A request's `cache_salt` as kvtier mixes it into its keys ("" for none)."""
     return "" if cache_salt is None else str(cache_salt)

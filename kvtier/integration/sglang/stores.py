@@ -45,7 +45,7 @@ class StoreJob:
 
     token_ids: np.ndarray
     slots: torch.Tensor
-    handle: Any
+    handle: Any  # what SGLang's tree returned for the lock (passed back to it unread)
     ready: Any = None  # on GPUs, the CUDA event recorded after the forward that wrote the KV
     session_id: str | None = None  # pin the prefix for this SGLang session
     salt: str = ""  # the request's cache_salt
