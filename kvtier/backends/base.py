@@ -111,6 +111,12 @@ class StorageBackend(ABC):
     def remove(self, keys: Sequence[ChunkKey]) -> int:
         """Delete `keys` that are present; returns how many were deleted."""
 
+    def sample_read(self, max_bytes: int) -> int:
+        """Read up to `max_bytes` of some record this tier holds, unverified and thrown away:
+        a bandwidth sample for a tier no request has read yet. Returns the bytes read (0 when
+        it holds none, or cannot tell cheaply). A failure raises, as any call."""
+        return 0
+
     @abstractmethod
     def stats(self) -> dict[str, float]:
         """This tier's counters (all declared ones, zeros included) and gauges, snake_case

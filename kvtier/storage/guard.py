@@ -60,6 +60,16 @@ class GuardedTier(StorageBackend):
             return n + got
         return n
 
+    def probe_bandwidth(self, max_bytes: int) -> int:
+        """Time a read of up to `max_bytes` of some record (`sample_read`) as a bandwidth
+        sample; returns the bytes read (0: nothing to read, or it failed)."""
+        with _Call(self, "get") as call:
+            got = self.inner.sample_read(max_bytes)
+            if got:
+                self.speed.observe_read(got, call.elapsed())
+            return got
+        return 0
+
     def batch_contains(self, keys: Sequence[ChunkKey]) -> int:
         with _Call(self, "contains") as call:
             got = self.inner.batch_contains(keys)

@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 TIER_ORDER = TIERS  # fastest first: the order puts and gets walk
 PROBE_KEY = "kvtier/probe/round-trip"  # a name no record has: its lookup is one round trip
+PROBE_BYTES = 4 << 20  # a bandwidth sample long enough to see a throttled link, short on a slow one
 
 
 class TierSet:
@@ -90,10 +91,10 @@ class TierSet:
         if config is not None:
             ctx = BackendContext(config, ctx.layout, ctx.allocator, ctx.counters)
         tier = GuardedTier(create_backend(name, ctx), ctx.counters, self._warn)
-        # One round trip timed now, off any request's path: until a tier's round trip is
-        # timed, the adaptive policy waits for a plan only briefly (`budget_before_plan_s`).
-        threading.Thread(target=tier.batch_contains, args=([stub_key(PROBE_KEY)],),
-                         name=f"kvtier-probe-{tier.name}", daemon=True).start()
+        # Its speeds timed now, off any request's path: until both are, no request waits on
+        # the tier (the adaptive policy's guesses never cost a wait).
+        threading.Thread(target=_probe, args=(tier,), name=f"kvtier-probe-{tier.name}",
+                         daemon=True).start()
         ctx.counters.declare(f"{tier.name}.hit_chunks")
         writer = TierWriter(tier, ctx.config.write_queue_chunks, ctx.counters, self._warn,
                             reachable=self._reachable)
@@ -211,6 +212,13 @@ class TierSet:
         for writer in writers:
             writer.close(max(0.0, deadline - time.monotonic()))
         return tiers
+
+
+def _probe(tier: GuardedTier) -> None:
+    """One round trip (a lookup of a name no record has) and one read of a record it holds
+    (`PROBE_BYTES` at most): the tier's latency and bandwidth, before a request needs them."""
+    tier.batch_contains([stub_key(PROBE_KEY)])
+    tier.probe_bandwidth(PROBE_BYTES)
 
 
 def retire(tier: GuardedTier, writer: TierWriter, *, drain: bool, timeout: float,

@@ -229,3 +229,47 @@ def test_a_request_admitted_before_its_plan_is_accounted_for(measured_disk) -> N
     counted = sum(v for k, v in stats.items() if k.startswith("adaptive_tokens_"))
     assert counted == 32 * CHUNK  # once: planned or not
     assert stats["adaptive_tokens_recomputed_slower_than_recompute"] == 32 * CHUNK
+
+
+def test_a_tier_is_measured_when_it_is_built_before_any_request(tmp_path: Path) -> None:
+    cfg = Config(chunk_size=CHUNK, max_local_cpu_size=0.008, local_disk=str(tmp_path / "d"),
+                 max_local_disk_size=0.1)
+    first = StorageManager(cfg, SMALL_MHA)  # an earlier server's records
+    keys = make_keys(4 * CHUNK)
+    objs = [make_obj(first.allocator, SMALL_MHA, k.num_tokens, i) for i, k in enumerate(keys)]
+    with lease(objs):
+        first.put(keys, objs)
+    assert first.flush()
+    first.close()
+    sm = StorageManager(cfg, SMALL_MHA)  # a restart: no request has read the disk yet
+    try:
+        (disk,) = sm.lower_tiers
+        deadline = time.monotonic() + HANG_BOUND_S
+        while not disk.speed.known and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert disk.speed.known  # round trip and bandwidth, off any request's path
+        assert sm.prefill.recompute_s(1, 1) > 0 and sm.stats()["disk.errors"] == 0
+    finally:
+        sm.close()
+
+
+def test_a_redis_tier_samples_a_record_of_its_namespace(redis_server) -> None:
+    from tests.backends.conftest import redis_backend
+
+    redis_server.client().flushall()
+    backend = redis_backend(redis_server.url)  # namespace "default", as make_keys' keys
+    try:
+        assert backend.sample_read(1024) == 0  # holds nothing: nothing to time
+        keys = make_keys(2 * CHUNK)
+        objs = [make_obj(backend.ctx.allocator, SMALL_MHA, k.num_tokens, i)
+                for i, k in enumerate(keys)]
+        with lease(objs):
+            assert backend.batch_put(keys, objs) == 2
+        assert backend.sample_read(1024) == 1024
+        other = redis_backend(redis_server.url, key_namespace="other-ns")
+        try:
+            assert other.sample_read(1024) == 0  # another tenant's records are not its own
+        finally:
+            other.close()
+    finally:
+        backend.close()

@@ -43,6 +43,7 @@ from pathlib import Path
 from kvtier.backends.base import BackendContext, StorageBackend
 from kvtier.backends.disk import files as rf
 from kvtier.backends.disk.index import DiskIndex
+from kvtier.backends.disk.root import open_root
 from kvtier.backends.record import ForgedEntry, expected_header_len
 from kvtier.background import name_os_thread
 from kvtier.config.names import DISK
@@ -85,7 +86,9 @@ class DiskBackend(StorageBackend):
         self._closed = False
         self._read_pool: ThreadPoolExecutor | None = None  # made on the first read
         start = time.perf_counter()
-        self._index.load(self._open_root(root))
+        found, stale = open_root(self.root, root, self._dirs)
+        self._counts.inc("stale_tmp_removed", stale)
+        self._index.load(found)
         if self._index.bytes > self.capacity:  # the cap was lowered: down to it, LRU first
             held = self._index.bytes
             with self._lock:
@@ -96,21 +99,6 @@ class DiskBackend(StorageBackend):
         logger.info("kvtier disk: %s holds %d records (%.2f of %.2f GB), indexed in %.2fs",
                     root, len(self._index), self._index.bytes / 1e9, self.capacity / 1e9,
                     time.perf_counter() - start)
-
-    def _open_root(self, given: Path) -> list[tuple[int, str, int]]:
-        """Create or check the root (`recordfile.prepare_root`) and list its records;
-        `ConfigError` if it cannot be used or is not private."""
-        try:
-            note = rf.prepare_root(self.root)
-            found, stale = rf.scan(self.root, self._dirs)
-        except rf.UnsafeDirectory as exc:  # says what is wrong and how to fix it
-            raise ConfigError(f"local_disk: {exc.strerror}") from None
-        except OSError as exc:
-            raise ConfigError(f"local_disk: cannot use {given}: {exc.strerror}") from None
-        if note is not None:
-            logger.warning("kvtier disk: %s", note)
-        self._counts.inc("stale_tmp_removed", stale)
-        return found
 
     def path_for(self, key: str) -> Path:
         """Where the record of key string `key` lives (whether or not it exists)."""
@@ -161,6 +149,14 @@ class DiskBackend(StorageBackend):
         except OSError as exc:
             self._warn.warning("unlink", "kvtier disk: cannot delete %s: %s", path, exc)
             return False
+
+    def sample_read(self, max_bytes: int) -> int:
+        with self._lock:  # the most recently used record: likely in the page cache, as hits are
+            name = next(reversed(self._index.names()), None)
+        if name is None or max_bytes <= 0:
+            return 0
+        with open(rf.record_path(self.root, name), "rb", buffering=0) as f:
+            return f.readinto(bytearray(max_bytes)) or 0
 
     def batch_contains(self, keys: Sequence[ChunkKey]) -> int:
         n = 0

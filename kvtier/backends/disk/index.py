@@ -34,6 +34,10 @@ class DiskIndex:
     def __len__(self) -> int:
         return len(self._sizes)
 
+    def names(self) -> list[str]:
+        """Indexed record names, least recently used first."""
+        return list(self._sizes)
+
     def load(self, found: Iterable[tuple[int, str, int]]) -> None:
         """Index `(mtime_ns, name, size)` records found on disk, oldest first."""
         for mtime, name, size in found:

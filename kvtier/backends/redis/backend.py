@@ -18,7 +18,7 @@ from kvtier.backends.redis.health import Health
 from kvtier.backends.redis.url import Router, parse_remote_url
 from kvtier.config.names import REDIS
 from kvtier.errors import ConfigError, CorruptEntry
-from kvtier.keys import ChunkKey
+from kvtier.keys import KEY_VERSION, ChunkKey
 from kvtier.memory import MemoryObj
 
 __all__ = ["RedisBackend"]
@@ -26,6 +26,7 @@ __all__ = ["RedisBackend"]
 logger = logging.getLogger(__name__)
 
 _TIER_ERRORS = (RedisError, RedisClusterException, OSError)
+SAMPLE_SCAN_COUNT = 1000  # keys one SCAN step looks at for `sample_read`
 # Reply bytes requested ahead per connection in a batch_get. Split reads want a few MiB: Redis
 # then reuses warm reply buffers (2-16 MiB measured alike); MGETs want two 32 MiB chunks.
 _WINDOW = {True: 4 << 20, False: 64 << 20}
@@ -127,6 +128,19 @@ class RedisBackend(StorageBackend):
             except _TIER_ERRORS as err:
                 self._health.failed("refresh", err)
         self._health.warn("reply", "%s: server replied %s", op, exc)
+
+    def sample_read(self, max_bytes: int) -> int:
+        # One SCAN step on one primary (bounded work, never a walk of the keyspace), then a
+        # GETRANGE of the first record found in this namespace.
+        router = self._usable()
+        if router is None or max_bytes <= 0:
+            return 0
+        pattern = f"{KEY_VERSION}/{self.ctx.config.key_namespace}/*"
+        for client in router.primaries():
+            _, names = client.scan(0, match=pattern, count=SAMPLE_SCAN_COUNT)
+            if names:
+                return len(client.getrange(names[0], 0, max_bytes - 1))
+        return 0
 
     def batch_contains(self, keys: Sequence[ChunkKey]) -> int:
         found = self._exists(keys, "contains")
