@@ -2,21 +2,26 @@
 
 Shape: Llama-3-8B per TP rank (32 layers x K and V, 8 KV heads x 128 dims, bf16), one 256-token
 chunk = 32 MiB, random slots in a pool of 16k slots (`--contiguous`: one run of consecutive
-slots, as a fresh server's allocator hands a request). Implementations: `ops` (the public
+slots, as a fresh server's allocator hands a request; `--page-size N`: random pages of N
+consecutive slots, as SGLang's paged allocator hands them). Implementations: `ops` (the public
 `kvtier.connectors.ops` functions, checks included, with the kernel they dispatch to), `cpp`
 (the compiled kernels called directly), `torch` (the reference) and `naive` (a per-layer
-Python loop with advanced indexing). The baseline is torch `copy_` of a contiguous tensor of
-the same size, measured in the same run. GB/s is the median over the rounds, `best` the
-fastest round.
+Python loop with advanced indexing). `engine` stores the chunk from the pool into a CPU tier
+and retrieves it back through `kvtier.engine.CacheEngine` (keys, lookup, arena, connector,
+kernel), on the same pool and slots. The baseline is torch `copy_` of a contiguous tensor of
+the same size with the same threads, measured in the same run; the engine rows are also given
+against the kernel alone (`cpp`). GB/s is the median over the rounds, `p99` the rate at the
+99th percentile of the times (the slowest round below 100 rounds), `best` the fastest round.
 
     .venv/bin/python benchmarks/bench_connectors.py [--rounds 20] [--pool-slots 16384]
-        [--contiguous] [--threads 2]
+        [--contiguous | --page-size N] [--threads 2] [--no-engine]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import time
@@ -31,29 +36,42 @@ from kvtier.connectors import build, ops
 _C = build.load()  # the compiled kernels; fails loudly when they cannot be built
 
 RESULTS = Path(__file__).parent / "results" / "connectors.json"
+MEMCPY = "memcpy/torch copy_"
+# The engine rows' second baseline: the kernel call they make, in the same run.
+KERNEL_OF = {"store/engine": "gather/cpp", "retrieve/engine": "scatter/cpp"}
 
 
 def measure(
-    cases: dict[str, Callable[[], None]], nbytes: int, rounds: int
+    cases: dict[str, Callable[[], None]], nbytes: int, rounds: int,
+    setups: dict[str, Callable[[], None]] | None = None,
 ) -> dict[str, dict[str, float]]:
-    """GB/s (1e9 bytes/s) of each case: median and best over `rounds`.
+    """GB/s (1e9 bytes/s) of each case: median, p99 and best over `rounds`.
 
     The cases run interleaved, one call each per round, so every implementation sees the same
-    background load (the machine is shared).
+    background load (the machine is shared). `setups[name]` runs untimed before each call of
+    that case.
     """
+    setups = setups or {}
     times: dict[str, list[float]] = {name: [] for name in cases}
     names = list(cases)
     for i in range(rounds + 2):  # the first two rounds warm caches and thread pools
         # Rotate the order so that no case always follows the same one (cache state).
         for name in names[i % len(names) :] + names[: i % len(names)]:
+            if name in setups:
+                setups[name]()
             start = time.perf_counter()
             cases[name]()
             if i >= 2:
                 times[name].append(time.perf_counter() - start)
-    return {
-        name: {"gbps": nbytes / statistics.median(t) / 1e9, "best_gbps": nbytes / min(t) / 1e9}
-        for name, t in times.items()
-    }
+    return {name: {"gbps": nbytes / statistics.median(t) / 1e9,
+                   "p99_gbps": nbytes / p99(t) / 1e9,
+                   "best_gbps": nbytes / min(t) / 1e9} for name, t in times.items()}
+
+
+def p99(values: list[float]) -> float:
+    """The 99th percentile (nearest rank): the largest value below 100 values."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
 
 
 def naive_gather(layers: list[torch.Tensor], slots: torch.Tensor, out: torch.Tensor) -> None:
@@ -66,19 +84,56 @@ def naive_scatter(src: torch.Tensor, slots: torch.Tensor, layers: list[torch.Ten
         layer[slots] = src[i]
 
 
+def make_slots(args: argparse.Namespace) -> torch.Tensor:
+    if args.contiguous:
+        return torch.arange(1, args.tokens + 1)
+    page = args.page_size
+    pages = torch.randperm(args.pool_slots // page)[: -(-args.tokens // page)]
+    return (pages[:, None] * page + torch.arange(page)).flatten()[: args.tokens].contiguous()
+
+
+def engine_cases(
+    args: argparse.Namespace, layers: list[torch.Tensor], slots: torch.Tensor
+) -> tuple[dict[str, Callable[[], None]], dict[str, Callable[[], None]], Any]:
+    """Store and retrieve of one chunk through a CPU-tier-only engine on the bench's pool:
+    the cases, their untimed set-ups (the store's chunk is dropped before each store, or it
+    would be skipped as held) and the engine (close it)."""
+    from kvtier.config import Config
+    from kvtier.connectors import SGLangMHAConnector
+    from kvtier.engine import CacheEngine
+
+    heads = [layer.view(args.pool_slots, args.kv_heads, args.head_dim) for layer in layers]
+    connector = SGLangMHAConnector(heads[: args.layers], heads[args.layers :])
+    chunk_bytes = connector.layout.nbytes(args.tokens)
+    config = Config(chunk_size=args.tokens, max_local_cpu_size=4 * chunk_bytes / 1e9)
+    engine = CacheEngine(config, model_name="bench-connectors", layout=connector.layout,
+                         connector=connector)
+    stored = torch.randint(0, 128_000, (args.tokens,), generator=torch.Generator().manual_seed(1))
+    loaded = stored + 1  # another prompt, stored once, retrieved every round
+    assert engine.store(loaded, slots) == args.tokens
+
+    def store() -> None:
+        assert engine.store(stored, slots) == args.tokens
+
+    def retrieve() -> None:
+        assert engine.retrieve(loaded, slots) == args.tokens
+
+    setups = {"store/engine": lambda: engine.storage.remove(engine.chunk_keys(stored))}
+    return {"store/engine": store, "retrieve/engine": retrieve}, setups, engine
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     num_layers, hidden, dtype = 2 * args.layers, args.kv_heads * args.head_dim, torch.bfloat16
     layers = [torch.randn(args.pool_slots, hidden).to(dtype) for _ in range(num_layers)]
-    slots = (torch.arange(1, args.tokens + 1) if args.contiguous
-             else torch.randperm(args.pool_slots)[: args.tokens].contiguous())
+    slots = make_slots(args)
     chunk = torch.empty(num_layers, args.tokens, hidden, dtype=dtype)
     src = torch.randn(num_layers, args.tokens, hidden).to(dtype)
     nbytes = chunk.numel() * chunk.element_size()
     kernel = ops.kernel_name()
     cases: dict[str, Callable[[], None]] = {
-        "memcpy/torch copy_": lambda: chunk.copy_(src),
+        MEMCPY: lambda: chunk.copy_(src),
         f"gather/ops ({kernel})": lambda: ops.gather(layers, slots, chunk),
         "gather/cpp": lambda: _C.gather(layers, slots, chunk),
         "gather/torch": lambda: ops.reference_gather(layers, slots, chunk),
@@ -88,13 +143,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "scatter/torch": lambda: ops.reference_scatter(src, slots, layers),
         "scatter/naive": lambda: naive_scatter(src, slots, layers),
     }
-    speeds = measure(cases, nbytes, args.rounds)
-    memcpy = speeds["memcpy/torch copy_"]
+    setups: dict[str, Callable[[], None]] = {}
+    engine = None
+    if args.engine:
+        more, setups, engine = engine_cases(args, layers, slots)
+        cases.update(more)
+    try:
+        speeds = measure(cases, nbytes, args.rounds, setups)
+    finally:
+        if engine is not None:
+            engine.close()
+    memcpy = speeds[MEMCPY]
     rows = []
     for name, speed in speeds.items():
         op, impl = name.split("/", 1)
-        ratio = speed["gbps"] / memcpy["gbps"]
-        rows.append({"op": op, "impl": impl, **speed, "ratio_to_memcpy": ratio})
+        row = {"op": op, "impl": impl, **speed, "ratio_to_memcpy": speed["gbps"] / memcpy["gbps"]}
+        if name in KERNEL_OF:
+            row["ratio_to_kernel"] = speed["gbps"] / speeds[KERNEL_OF[name]]["gbps"]
+        rows.append(row)
+    slot_kind = ("contiguous" if args.contiguous else "random" if args.page_size == 1
+                 else f"random pages of {args.page_size}")
     return {
         "machine": {"platform": platform.platform(), "torch": torch.__version__},
         "shape": {
@@ -104,7 +172,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "dtype": "bf16",
             "tokens": args.tokens,
             "pool_slots": args.pool_slots,
-            "slots": "contiguous" if args.contiguous else "random",
+            "slots": slot_kind,
             "chunk_bytes": nbytes,
             "threads": args.threads,
             "rounds": args.rounds,
@@ -124,19 +192,29 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--contiguous", action="store_true",
                         help="consecutive slots instead of random ones")
-    report = run(parser.parse_args())
+    parser.add_argument("--page-size", type=int, default=1,
+                        help="random pages of this many consecutive slots")
+    parser.add_argument("--no-engine", dest="engine", action="store_false",
+                        help="leave out the engine's store and retrieve")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="the JSON report")
+    args = parser.parse_args()
+    if args.page_size < 1 or args.pool_slots % args.page_size:
+        parser.error("--page-size must be a positive divisor of --pool-slots")
+    report = run(args)
     shape = report["shape"]
     print(f"chunk {shape['chunk_bytes'] / 2**20:.0f} MiB, {shape['slots']} slots, "
-          f"{shape['threads']} threads")
-    print(f"{'op':<8} {'impl':<12} {'GB/s':>7} {'best':>7} {'x memcpy':>9}")
+          f"{shape['threads']} threads, {shape['rounds']} rounds")
+    print(f"{'op':<9} {'impl':<12} {'GB/s':>7} {'p99':>7} {'best':>7} {'x memcpy':>9} "
+          f"{'x kernel':>9}")
     for row in report["results"]:
+        kernel = f"{row['ratio_to_kernel']:>9.2f}" if "ratio_to_kernel" in row else ""
         print(
-            f"{row['op']:<8} {row['impl']:<12} {row['gbps']:>7.2f} {row['best_gbps']:>7.2f} "
-            f"{row['ratio_to_memcpy']:>9.2f}"
+            f"{row['op']:<9} {row['impl']:<12} {row['gbps']:>7.2f} {row['p99_gbps']:>7.2f} "
+            f"{row['best_gbps']:>7.2f} {row['ratio_to_memcpy']:>9.2f} {kernel}"
         )
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

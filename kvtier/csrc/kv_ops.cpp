@@ -15,9 +15,10 @@
 #include <atomic>
 #include <cstring>
 #include <string>
+#include <utility>
 
-#if defined(__SSE2__)
-#include <emmintrin.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
 #endif
 
 namespace kvtier {
@@ -27,35 +28,178 @@ namespace {
 // scheduling cost stays small against the copy.
 constexpr int64_t kGrainBytes = 256 * 1024;
 
-// Asks for the whole row ahead of the copy; the hardware prefetcher only follows it once the
-// copy has started, and each row starts at a random address.
-inline void prefetch_row(const char* row, int64_t row_bytes) {
-  for (int64_t k = 0; k < row_bytes; k += 64) __builtin_prefetch(row + k);
+// Adjacent slots (a page, or a fresh server's whole request) are copied as one piece, cut at
+// this size so that a fully contiguous copy still splits into tasks for every thread.
+constexpr int64_t kMaxPieceBytes = kGrainBytes / 2;
+
+// With 4 KiB pages every random pool row costs a TLB miss, and its page walk stalls the copy
+// unless it started earlier: the first line of the piece this far ahead is asked for early.
+constexpr int64_t kTlbAhead = 8;
+
+// How far ahead of its copy a gather asks for the pool bytes: the hardware prefetcher only
+// follows a stream once it has seen it start, and each random row starts a new one.
+constexpr int64_t kPrefetchBytes = 4096;
+
+// A scatter this large streams into the pool: its first rows leave the cache before the model
+// reads them anyway. A smaller one keeps them cached for the forward pass that follows.
+constexpr int64_t kStreamScatterBytes = 1 << 20;
+
+#if defined(__x86_64__)
+bool has_avx2() {
+  static const bool avx2 = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") != 0;
+  }();
+  return avx2;
 }
 
-// Copies one row into a chunk with streaming stores where the row allows (x86-64, 16-byte
-// aligned destination and size): a stored chunk is read next by a disk or Redis writer, not by
-// this core, so its lines need not pass through the cache. Plain stores would first read every
-// destination line (a read-for-ownership), a third memory stream on top of the copy's two.
-inline void copy_row_streaming(char* dst, const char* src, int64_t row_bytes) {
-#if defined(__SSE2__)
-  if ((reinterpret_cast<uintptr_t>(dst) & 15) == 0 && (row_bytes & 15) == 0) {
-    for (int64_t k = 0; k < row_bytes; k += 16) {
-      const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k));
-      _mm_stream_si128(reinterpret_cast<__m128i*>(dst + k), v);
-    }
+// n bytes to a 32-byte aligned dst, in streaming stores where whole 32-byte blocks allow.
+__attribute__((target("avx2"))) void stream_avx2(char* dst, const char* src, int64_t n) {
+  int64_t k = 0;
+  for (; k + 128 <= n; k += 128) {  // four loads in flight before the stores wait on them
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k + 32));
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k + 64));
+    const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k + 96));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + k), a);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + k + 32), b);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + k + 64), c);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + k + 96), d);
+  }
+  for (; k + 32 <= n; k += 32) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + k),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + k)));
+  }
+  std::memcpy(dst + k, src + k, n - k);
+}
+#endif
+
+// Copies with streaming stores where the CPU has them (x86-64 with AVX2): a copy's destination
+// is read next by another thread or much later, not by this core, so its lines need not pass
+// through the cache, and plain stores would first read every destination line (a
+// read-for-ownership), a third memory stream on top of the copy's two. glibc's memcpy streams
+// only above a threshold our pieces never reach.
+inline void copy_streaming(char* dst, const char* src, int64_t n) {
+#if defined(__x86_64__)
+  if (n >= 128 && has_avx2()) {
+    const int64_t head = static_cast<int64_t>(-reinterpret_cast<uintptr_t>(dst) & 31);
+    std::memcpy(dst, src, head);
+    stream_avx2(dst + head, src + head, n - head);
     return;
   }
 #endif
-  std::memcpy(dst, src, row_bytes);
+  std::memcpy(dst, src, n);
 }
 
 // Orders a thread's streaming stores before whatever it does next (the caller then hands
-// the chunk to other threads).
+// the chunk or the pool to other threads).
 inline void end_streaming() {
-#if defined(__SSE2__)
+#if defined(__x86_64__)
   _mm_sfence();
 #endif
+}
+
+inline void prefetch_bytes(const char* p, int64_t n) {
+  for (int64_t k = 0; k < n; k += 64) __builtin_prefetch(p + k);
+}
+
+// The rows of one copy as pieces. A piece is one layer's rows for a run of tokens of one chunk
+// whose slots are consecutive: its pool rows are adjacent like its chunk rows, so it is one
+// copy. Pieces are numbered chunk by chunk, then layer by layer, so consecutive pieces touch
+// consecutive chunk bytes (the chunk side streams, the pool side jumps unless the slots run).
+// Tokens with a -1 slot belong to no piece.
+class Pieces {
+ public:
+  struct Piece {
+    char* chunk;    // the piece's first row in its chunk
+    int64_t layer;
+    int64_t pool;   // byte offset of its first row in the layer
+    int64_t bytes;
+  };
+
+  // chunks[c] holds tokens[c] tokens of every layer; their slots follow each other in `slot`.
+  Pieces(std::vector<char*> chunks, std::vector<int64_t> tokens, const int64_t* slot,
+         int64_t num_layers, int64_t row_bytes)
+      : chunks_(std::move(chunks)), tokens_(std::move(tokens)), row_bytes_(row_bytes) {
+    const int64_t max_rows = std::max<int64_t>(1, kMaxPieceBytes / row_bytes);
+    int64_t rows = 0;
+    for (size_t c = 0; c < chunks_.size(); slot += tokens_[c++]) {
+      const int64_t first_run = static_cast<int64_t>(runs_.size());
+      for (int64_t t = 0; t < tokens_[c];) {
+        if (slot[t] == kSkipSlot) {
+          ++t;
+          continue;
+        }
+        int64_t n = 1;
+        while (t + n < tokens_[c] && n < max_rows && slot[t + n] == slot[t] + n) ++n;
+        runs_.push_back({t, slot[t], n});
+        rows += n;
+        t += n;
+      }
+      first_run_.push_back(first_run);
+      num_runs_.push_back(static_cast<int64_t>(runs_.size()) - first_run);
+      first_piece_.push_back(size_);
+      size_ += num_layers * num_runs_.back();
+    }
+    bytes_ = rows * num_layers * row_bytes;
+  }
+
+  int64_t size() const { return size_; }
+  int64_t bytes() const { return bytes_; }
+
+  Piece operator[](int64_t p) const {
+    const int64_t c =
+        find_chunk(first_piece_.data(), static_cast<int64_t>(first_piece_.size()), p);
+    const int64_t local = p - first_piece_[c];
+    const Run& run = runs_[first_run_[c] + local % num_runs_[c]];
+    const RowIndex row{local / num_runs_[c], run.token};
+    return {chunks_[c] + chunk_offset(row, tokens_[c], row_bytes_), row.layer,
+            slot_offset(run.slot, row_bytes_), run.rows * row_bytes_};
+  }
+
+ private:
+  struct Run {
+    int64_t token;  // within its chunk
+    int64_t slot;
+    int64_t rows;
+  };
+
+  std::vector<char*> chunks_;
+  std::vector<int64_t> tokens_;
+  int64_t row_bytes_;
+  std::vector<Run> runs_;
+  std::vector<int64_t> first_run_, num_runs_, first_piece_;  // per chunk
+  int64_t size_ = 0, bytes_ = 0;
+};
+
+// Runs fn(begin, end) over the pieces in tasks of about kGrainBytes, handed out dynamically:
+// when a thread is descheduled (the host is busy serving), the others take over its share
+// instead of the whole call waiting for it. A small copy runs inline on the calling thread, and
+// so does every copy with max_threads 1 (a background copy must not take the serving engine's
+// cores).
+template <typename F>
+void parallel_pieces(const Pieces& pieces, int64_t max_threads, const F& fn) {
+  const int64_t num_pieces = pieces.size();
+  if (num_pieces == 0) return;
+  const int64_t piece_bytes = std::max<int64_t>(1, pieces.bytes() / num_pieces);
+  const int64_t per_task = std::max<int64_t>(1, kGrainBytes / piece_bytes);
+  const int64_t num_tasks = (num_pieces + per_task - 1) / per_task;
+  std::atomic<int64_t> next{0};
+  const auto worker = [&](int64_t, int64_t) {
+    for (int64_t t = next++; t < num_tasks; t = next++) {
+      fn(t * per_task, std::min(num_pieces, (t + 1) * per_task));
+    }
+  };
+  int64_t threads = at::get_num_threads();
+  if (max_threads > 0) threads = std::min(threads, max_threads);
+  at::parallel_for(0, std::min(num_tasks, threads), 1, worker);
+}
+
+template <typename T>
+std::vector<T> layer_bases(const std::vector<at::Tensor>& layers) {
+  std::vector<T> base;
+  for (const auto& layer : layers) base.push_back(static_cast<T>(layer.data_ptr()));
+  return base;
 }
 
 // Validates the layers and the slot vector (not its values); returns the row size in bytes.
@@ -117,97 +261,69 @@ int64_t check_args(const std::vector<at::Tensor>& layers, const at::Tensor& slot
   return row_bytes;
 }
 
-// Runs fn(begin, end) over [0, num_rows) in tasks of about kGrainBytes, handed out dynamically:
-// when a thread is descheduled (the host is busy serving), the others take over its share instead
-// of the whole call waiting for it. A small copy runs inline on the calling thread, and so does
-// every copy with max_threads 1 (a background copy must not take the serving engine's cores).
-template <typename F>
-void parallel_rows(int64_t num_rows, int64_t row_bytes, int64_t max_threads, const F& fn) {
-  const int64_t rows_per_task = std::max<int64_t>(1, kGrainBytes / row_bytes);
-  const int64_t num_tasks = (num_rows + rows_per_task - 1) / rows_per_task;
-  std::atomic<int64_t> next{0};
-  const auto worker = [&](int64_t, int64_t) {
-    for (int64_t t = next++; t < num_tasks; t = next++) {
-      fn(t * rows_per_task, std::min(num_rows, (t + 1) * rows_per_task));
-    }
-  };
-  int64_t threads = at::get_num_threads();
-  if (max_threads > 0) threads = std::min(threads, max_threads);
-  at::parallel_for(0, std::min(num_tasks, threads), 1, worker);
-}
-
 void gather_cpu(const std::vector<at::Tensor>& layers, const at::Tensor& slots, at::Tensor& out,
                 int64_t row_bytes, int64_t max_threads) {
-  const int64_t num_tokens = slots.numel();
-  const int64_t num_rows = num_tokens * static_cast<int64_t>(layers.size());
-  std::vector<const char*> base;
-  for (const auto& layer : layers) base.push_back(static_cast<const char*>(layer.data_ptr()));
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  char* dst = static_cast<char*>(out.data_ptr());
-  const auto src_row = [&](int64_t r) {
-    const RowIndex i = row_index(r, num_tokens);
-    return base[i.layer] + slot_offset(slot[i.token], row_bytes);
-  };
-  parallel_rows(num_rows, row_bytes, max_threads, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      if (r + 1 < num_rows) prefetch_row(src_row(r + 1), row_bytes);
-      copy_row_streaming(dst + chunk_offset(row_index(r, num_tokens), num_tokens, row_bytes),
-                         src_row(r), row_bytes);
+  const auto base = layer_bases<const char*>(layers);
+  const Pieces pieces({static_cast<char*>(out.data_ptr())}, {slots.numel()},
+                      slots.data_ptr<int64_t>(), static_cast<int64_t>(layers.size()), row_bytes);
+  const auto pool_row = [&](const Pieces::Piece& p) { return base[p.layer] + p.pool; };
+  parallel_pieces(pieces, max_threads, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < std::min(b + kTlbAhead, e); ++i) {
+      __builtin_prefetch(pool_row(pieces[i]));
+    }
+    Pieces::Piece p = pieces[b];
+    prefetch_bytes(pool_row(p), std::min(p.bytes, kPrefetchBytes));
+    for (int64_t i = b; i < e; ++i) {
+      if (i + kTlbAhead < e) __builtin_prefetch(pool_row(pieces[i + kTlbAhead]));
+      const bool last = i + 1 == e;
+      const Pieces::Piece next = last ? p : pieces[i + 1];
+      const char* src = pool_row(p);
+      // Block by block, each asking for the block after it (in this piece, else the next one):
+      // a long piece spans pages, and the hardware prefetcher stops at every page boundary.
+      for (int64_t k = 0; k < p.bytes; k += kPrefetchBytes) {
+        const int64_t ahead = k + kPrefetchBytes;
+        if (ahead < p.bytes) {
+          prefetch_bytes(src + ahead, std::min(kPrefetchBytes, p.bytes - ahead));
+        } else if (!last) {
+          prefetch_bytes(pool_row(next), std::min(next.bytes, kPrefetchBytes));
+        }
+        copy_streaming(p.chunk + k, src + k, std::min(kPrefetchBytes, p.bytes - k));
+      }
+      p = next;
     }
     end_streaming();
   });
 }
 
-void scatter_cpu(const at::Tensor& src, const at::Tensor& slots,
+// srcs[c] holds the rows of the slots after those of srcs[0, c); -1 slots are left alone.
+void scatter_cpu(const std::vector<at::Tensor>& srcs, const at::Tensor& slots,
                  const std::vector<at::Tensor>& layers, int64_t row_bytes, int64_t max_threads) {
-  const int64_t num_tokens = slots.numel();
-  const int64_t num_rows = num_tokens * static_cast<int64_t>(layers.size());
-  std::vector<char*> base;
-  for (const auto& layer : layers) base.push_back(static_cast<char*>(layer.data_ptr()));
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  const char* from = static_cast<const char*>(src.data_ptr());
-  parallel_rows(num_rows, row_bytes, max_threads, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      const RowIndex i = row_index(r, num_tokens);
-      if (slot[i.token] == kSkipSlot) continue;
-      std::memcpy(base[i.layer] + slot_offset(slot[i.token], row_bytes),
-                  from + chunk_offset(i, num_tokens, row_bytes), row_bytes);
-    }
-  });
-}
-
-// scatter_cpu over consecutive chunks in one parallel loop: flat row r of the whole batch is
-// chunk c's row r - first_row[c], so the threads never wait at a chunk boundary.
-void scatter_chunks_cpu(const std::vector<at::Tensor>& srcs, const at::Tensor& slots,
-                        const std::vector<at::Tensor>& layers, int64_t row_bytes,
-                        int64_t max_threads) {
-  const int64_t num_layers = static_cast<int64_t>(layers.size());
-  std::vector<char*> base;
-  for (const auto& layer : layers) base.push_back(static_cast<char*>(layer.data_ptr()));
-  std::vector<const char*> from;
-  std::vector<int64_t> first_row, first_token, tokens;
-  int64_t num_rows = 0, num_tokens = 0;
+  const auto base = layer_bases<char*>(layers);
+  std::vector<char*> chunks;
+  std::vector<int64_t> tokens;
   for (const auto& src : srcs) {
-    from.push_back(static_cast<const char*>(src.data_ptr()));
-    first_row.push_back(num_rows);
-    first_token.push_back(num_tokens);
+    chunks.push_back(static_cast<char*>(src.data_ptr()));
     tokens.push_back(src.size(1));
-    num_rows += num_layers * src.size(1);
-    num_tokens += src.size(1);
   }
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  parallel_rows(num_rows, row_bytes, max_threads, [&](int64_t b, int64_t e) {
-    // The last chunk starting at or before b (empty chunks share a start: take the last).
-    size_t c = static_cast<size_t>(
-        find_chunk(first_row.data(), static_cast<int64_t>(first_row.size()), b));
-    for (int64_t r = b; r < e; ++r) {
-      while (c + 1 < first_row.size() && r >= first_row[c + 1]) ++c;
-      const RowIndex i = row_index(r - first_row[c], tokens[c]);
-      const int64_t s = slot[first_token[c] + i.token];
-      if (s == kSkipSlot) continue;
-      std::memcpy(base[i.layer] + slot_offset(s, row_bytes),
-                  from[c] + chunk_offset(i, tokens[c], row_bytes), row_bytes);
+  const Pieces pieces(std::move(chunks), std::move(tokens), slots.data_ptr<int64_t>(),
+                      static_cast<int64_t>(layers.size()), row_bytes);
+  const bool stream = pieces.bytes() >= kStreamScatterBytes;
+  const auto pool_row = [&](const Pieces::Piece& p) { return base[p.layer] + p.pool; };
+  parallel_pieces(pieces, max_threads, [&](int64_t b, int64_t e) {
+    // A streaming store needs no line read first, but it does need its page's translation.
+    for (int64_t i = b; i < std::min(b + kTlbAhead, e); ++i) {
+      __builtin_prefetch(pool_row(pieces[i]), 1, 0);
     }
+    for (int64_t i = b; i < e; ++i) {
+      if (i + kTlbAhead < e) __builtin_prefetch(pool_row(pieces[i + kTlbAhead]), 1, 0);
+      const Pieces::Piece p = pieces[i];
+      if (stream) {
+        copy_streaming(pool_row(p), p.chunk, p.bytes);
+      } else {
+        std::memcpy(pool_row(p), p.chunk, p.bytes);
+      }
+    }
+    if (stream) end_streaming();
   });
 }
 
@@ -242,7 +358,7 @@ void scatter(const at::Tensor& src, const at::Tensor& slots,
 #endif
   }
   TORCH_CHECK_VALUE(src.is_cpu(), "src must be on the CPU or a CUDA device");
-  scatter_cpu(src, slots, layers, row_bytes, max_threads);
+  scatter_cpu({src}, slots, layers, row_bytes, max_threads);
 }
 
 void scatter_chunks(const std::vector<at::Tensor>& srcs, const at::Tensor& slots,
@@ -273,7 +389,7 @@ void scatter_chunks(const std::vector<at::Tensor>& srcs, const at::Tensor& slots
 #endif
   }
   TORCH_CHECK_VALUE(slots.is_cpu(), "slots must be on the CPU or a CUDA device");
-  scatter_chunks_cpu(srcs, slots, layers, row_bytes, max_threads);
+  scatter_cpu(srcs, slots, layers, row_bytes, max_threads);
 }
 
 // Validates host copies' arguments: a CUDA pool, slots on it, pinned CPU chunks (or chunks in a

@@ -2,9 +2,10 @@
 //
 // Both kernels treat KV as rows of bytes: a layer is [num_slots, row_bytes] and a chunk is
 // [num_layers, num_tokens, row_bytes], so one implementation serves every dtype (fp8 included).
-// The CPU kernel numbers rows by a flat index r in [0, num_layers * num_tokens), layer-major, so
-// consecutive r touch consecutive chunk bytes (the chunk side streams, the pool side is random);
-// the CUDA kernel maps (token, layer) to its grid directly. Both share the offsets below.
+// The CPU kernel copies layer by layer, a run of adjacent slots as one piece, so consecutive
+// pieces touch consecutive chunk bytes (the chunk side streams, the pool side jumps unless the
+// slots run); the CUDA kernel maps (token, layer) to its grid directly. Both share the offsets
+// below.
 #pragma once
 
 #include <cstdint>

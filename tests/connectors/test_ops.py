@@ -88,15 +88,15 @@ def test_gather_and_scatter_match_reference(
 
 @pytest.mark.parametrize("offset", [0, 4, 16, 20])
 def test_gather_into_a_chunk_at_any_alignment(offset: int) -> None:
-    """Rows of 16-byte multiples take streaming stores into a 16-byte aligned chunk and plain
-    copies elsewhere; both land the same bytes."""
-    layers = make_pool(6, 40, 8, torch.float32)  # 32-byte rows
+    """Rows of 128 bytes and more take streaming stores after a plain copy up to a 32-byte
+    boundary, shorter ones plain copies; at any alignment they land the same bytes."""
+    layers = make_pool(6, 40, 40, torch.float32)  # 160-byte rows
     slots = make_slots("random", 25, 40, unique=False)
-    raw = torch.zeros(6 * 25 * 8 * 4 + offset, dtype=torch.uint8)
-    chunk = raw[offset:].view(torch.float32).view(6, 25, 8)
-    assert chunk.is_contiguous() and chunk.data_ptr() % 16 == offset % 16
+    raw = torch.zeros(6 * 25 * 40 * 4 + offset, dtype=torch.uint8)
+    chunk = raw[offset:].view(torch.float32).view(6, 25, 40)
+    assert chunk.is_contiguous() and chunk.data_ptr() % 32 == offset % 32
     _C.gather(layers, slots, chunk)
-    expected = torch.empty(6, 25, 8)
+    expected = torch.empty(6, 25, 40)
     ops.reference_gather(layers, slots, expected)
     assert same_bytes(chunk, expected)
     assert not raw[:offset].any()  # nothing written before the chunk
@@ -354,3 +354,41 @@ def test_a_background_threads_copy_runs_on_that_thread_alone() -> None:
         assert limit == 0 and started >= 1
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("hidden, dtype", [(8, torch.float16), (33, torch.bfloat16),
+                                           (576, torch.bfloat16)], ids=str)
+def test_runs_of_adjacent_slots_match_reference(hidden: int, dtype: torch.dtype) -> None:
+    """Adjacent slots copy as one piece, cut at 128 KiB: pages of 1-40 slots, a run longer than
+    a piece, runs broken by -1 (scatter), rows of odd sizes (MLA's 576 too, in its
+    [1, layers, tokens, dim] object); these scatters pass 1 MiB, so they stream."""
+    gen = torch.Generator().manual_seed(hidden)
+    long = (1 << 17) // (hidden * dtype.itemsize) + 3
+    starts = torch.randperm(60, generator=gen) * 40 + long + 8
+    lengths = torch.randint(1, 41, (60,), generator=gen)
+    slots = torch.cat([torch.arange(5, 5 + long), *map(torch.arange, starts, starts + lengths)])
+    layers = make_pool(8, long + 8 + 60 * 40, hidden, dtype)
+    expected = torch.empty(8, slots.numel(), hidden, dtype=dtype)
+    ops.reference_gather(layers, slots, expected)
+    got = torch.empty(1, *expected.shape, dtype=dtype)[0]
+    _C.gather(layers, slots, got)
+    assert same_bytes(got, expected)
+    slots[torch.randperm(slots.numel(), generator=gen)[:50]] = -1
+    want = [layer.clone() for layer in layers]
+    ops.reference_scatter(expected.flip(0), slots, want)
+    _C.scatter(expected.flip(0).contiguous(), slots, layers)
+    assert all(same_bytes(a, b) for a, b in zip(layers, want, strict=True))
+
+
+@pytest.mark.parametrize("hidden", [24, 4096])  # 4096: 1 MiB, so it streams
+def test_scatter_chunks_ends_a_run_with_its_chunk(hidden: int) -> None:
+    """Slots running on across chunks are adjacent in the pool but not in memory."""
+    sizes = [7, 0, 9, 1, 16]  # an empty chunk between two, a -1 ending chunk 0
+    srcs = [random_rows((4, t, hidden), torch.bfloat16, seed=20 + i) for i, t in enumerate(sizes)]
+    slots = torch.arange(10, 10 + sum(sizes))
+    slots[6] = -1
+    batched, one_by_one = (make_pool(4, 60, hidden, torch.bfloat16) for _ in range(2))
+    _C.scatter_chunks(srcs, slots, batched)
+    for src, rows in zip(srcs, slots.split(sizes), strict=True):
+        ops.reference_scatter(src, rows, one_by_one)
+    assert all(same_bytes(a, b) for a, b in zip(batched, one_by_one, strict=True))
