@@ -28,7 +28,9 @@ from kvtier.metrics import Counters, RateLimitedLog
 from kvtier.storage.estimates import TierSpeed
 from kvtier.storage.existence import Existence
 
-__all__ = ["GuardedTier", "GuardedHotTier"]
+__all__ = ["GuardedTier", "GuardedHotTier", "MIN_SAMPLE_BYTES"]
+
+MIN_SAMPLE_BYTES = 256 << 10  # the smallest probe read taken as a bandwidth sample
 
 
 class GuardedTier(StorageBackend):
@@ -65,7 +67,7 @@ class GuardedTier(StorageBackend):
         sample; returns the bytes read (0: nothing to read, or it failed)."""
         with _Call(self, "get") as call:
             got = self.inner.sample_read(max_bytes)
-            if got:
+            if got >= MIN_SAMPLE_BYTES:  # less is mostly the round trip: no bandwidth in it
                 self.speed.observe_read(got, call.elapsed())
             return got
         return 0
