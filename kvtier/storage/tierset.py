@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 
 from kvtier.backends import BackendContext, create_backend
 from kvtier.config import Config
-from kvtier.config.names import CPU, TIERS
+from kvtier.config.names import CPU, DISK, TIERS
 from kvtier.keys import stub_key
 from kvtier.metrics import RateLimitedLog
 from kvtier.storage.guard import GuardedTier
@@ -93,8 +93,13 @@ class TierSet:
         tier = GuardedTier(create_backend(name, ctx), ctx.counters, self._warn)
         # Its speeds timed now, off any request's path: until both are, no request waits on
         # the tier (the adaptive policy's guesses never cost a wait).
-        threading.Thread(target=_probe, args=(tier,), name=f"kvtier-probe-{tier.name}",
-                         daemon=True).start()
+        # A local disk answers in milliseconds: timed here, so a restart's first request
+        # finds it measured; a remote tier may take seconds, on a thread of its own.
+        if name == DISK:
+            _probe(tier)
+        else:
+            threading.Thread(target=_probe, args=(tier,), name=f"kvtier-probe-{tier.name}",
+                             daemon=True).start()
         ctx.counters.declare(f"{tier.name}.hit_chunks")
         writer = TierWriter(tier, ctx.config.write_queue_chunks, ctx.counters, self._warn,
                             reachable=self._reachable)
