@@ -30,8 +30,8 @@ from kvtier.storage.estimates import PrefillSpeed, TierSpeed
 from kvtier.storage.guard import GuardedTier
 from kvtier.storage.prefetch import PREFETCH_WINDOW, Prefetch
 
-__all__ = ["Span", "Decision", "decide", "LoadPlanner", "REASONS", "DEADLINE_SLACK",
-           "probe_reads"]
+__all__ = ["Span", "Decision", "decide", "Admission", "LoadPlanner", "REASONS",
+           "DEADLINE_SLACK", "probe_reads"]
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +108,17 @@ def decide(spans: Sequence[Span], prefill: PrefillSpeed, prompt_len: int) -> Dec
     return best
 
 
+class Admission(NamedTuple):
+    """What a prompt's request may wait for before its plan. `budget_s`: how long (0: admitted
+    at once). `reason`: why its tokens count as recomputed if it is admitted before its plan
+    (one of `REASONS`: `deadline` when it waited its budget). `guessing`: some tier that might
+    pay has no measured speed yet, so a load from it goes on in the background."""
+
+    budget_s: float
+    reason: str
+    guessing: bool
+
+
 class LoadPlanner:
     """Plans each prefetch's load under the `adaptive` policy (the other policies load every
     hit, within the promotion cap).
@@ -135,19 +146,32 @@ class LoadPlanner:
         """Whether some lower tier has no measured speed yet (`TierSpeed.known`)."""
         return not all(tier.speed.known for tier in self._tiers())
 
-    def budget_before_plan_s(self, tokens: int) -> float:
+    def admission(self, tokens: int) -> Admission:
         """How long a prompt of `tokens` tokens may wait for its plan under `adaptive`: what a
         load of all of it could save at the speeds measured now (its recompute time less the
-        fastest tier's round trip and transfer), and nothing while a lower tier's speed is
-        unmeasured (asking it may take longer than any load from it could save)."""
+        round trip and transfer of the best measured tier). A tier whose measured round trip
+        alone is longer than the recompute cannot pay and is left out; a tier not measured yet
+        adds nothing to the budget (asking it may take longer than any load could save), and
+        its hits load in the background."""
         full = self.prefill.recompute_s(tokens, tokens)
-        tiers = list(self._tiers())
-        if self.unmeasured():
-            return 0.0
         nbytes = self._chunk_bytes(tokens)
-        best = max((full - t.speed.latency_s - nbytes / t.speed.read_bytes_per_s
-                    for t in tiers), default=full)
-        return max(0.0, min(full, best))
+        budget, guessing = 0.0, False
+        for tier in self._tiers():
+            speed = tier.speed
+            if speed.latency_measured and speed.latency_s >= full:
+                continue  # hopeless for this prompt, whatever its bandwidth
+            if not speed.known:
+                guessing = True
+                continue
+            budget = max(budget, full - speed.latency_s - nbytes / speed.read_bytes_per_s)
+        budget = min(full, budget)
+        reason = "deadline" if budget > 0 else \
+            "unmeasured" if guessing else "slower_than_recompute"
+        return Admission(budget, reason, guessing)
+
+    def budget_before_plan_s(self, tokens: int) -> float:
+        """`admission(tokens).budget_s`."""
+        return self.admission(tokens).budget_s
 
     def plan(self, prefetch: Prefetch, hot_chunks: int) -> int:
         """How many leading chunks of `prefetch.keys` the load should bring into the CPU tier
@@ -161,6 +185,10 @@ class LoadPlanner:
         cap = hot_chunks + self._cap_bytes // max(1, self._chunk_bytes(keys[0].num_tokens))
         if not prefetch.policy.planned:
             return min(len(keys), cap)
+        # Admitted before this plan (a budget of 0, or its budget ran out first): it waited for
+        # none of this load, which goes on for later requests; what the CPU tier holds now may
+        # be the request's own stores, so its accounting cannot be read off this plan.
+        early = prefetch.used
         prompt = sum(k.num_tokens for k in keys)
         spans, skipped = self._locate(keys, hot_chunks, prompt)
         hits = hot_chunks + sum(s.chunks for s in spans)
@@ -171,12 +199,16 @@ class LoadPlanner:
         decision = decide(spans[:known], self.prefill, prompt)
         waited = min(hot_chunks + decision.chunks, cap)
         limit = min(hits, cap) if known < len(spans) else waited
+        if early is not None:
+            self._count_early(prefetch, early)
+            waited = hot_chunks
         prefetch.background = limit > waited
         planned = self._queue(spans, limit - hot_chunks)
         now = time.monotonic()
         prefetch.set_deadline(now + decision.deadline_s if waited > hot_chunks else now)
         prefetch.after(lambda loaded: self._settle(prefetch, planned, hot_chunks, waited, limit,
-                                                   hits, not skipped, loaded))
+                                                   hits, not skipped, loaded,
+                                                   counted=early is not None))
         logger.debug("kvtier: adaptive plan for %d chunks: %d in CPU, %d more in %s; waiting "
                      "for %d (expected %.1f ms, saves %.1f ms of recompute at %.0f tokens/s), "
                      "%d more in the background (tiers not measured yet)%s",
@@ -192,12 +224,11 @@ class LoadPlanner:
         return limit
 
     def unplanned(self, prefetch: Prefetch) -> None:
-        """Account for a prefetch that ended before its plan: its request was admitted at
-        once because no load could beat recomputing it at the measured speeds (a budget of 0
-        with every tier measured; an unmeasured tier's load runs in the background and is
-        planned), so its tokens count as slower than recompute."""
+        """Account for a prefetch that ended before its plan (its request admitted first,
+        with no background load to run: see `admission`): its tokens count as recomputed for
+        the reason it was not waited for."""
         if prefetch.limit is None and prefetch.keys:
-            self._counters.inc("adaptive_tokens_recomputed_slower_than_recompute",
+            self._counters.inc(f"adaptive_tokens_recomputed_{prefetch.unwaited}",
                                sum(k.num_tokens for k in prefetch.keys))
 
     def tail_worth(self, prefetch: Prefetch, n: int, tier: GuardedTier, tail: ChunkKey,
@@ -254,10 +285,21 @@ class LoadPlanner:
             chunks -= take
         return planned
 
+    def _count_early(self, prefetch: Prefetch, used: int) -> None:
+        """Account for a request admitted before its plan with `used` leading chunks: the
+        rest was recomputed for the reason it was not waited for (`Prefetch.unwaited`)."""
+        keys = prefetch.keys
+        self._counters.inc("adaptive_tokens_loaded", sum(k.num_tokens for k in keys[:used]))
+        self._counters.inc(f"adaptive_tokens_recomputed_{prefetch.unwaited}",
+                           sum(k.num_tokens for k in keys[used:]))
+
     def _settle(self, prefetch: Prefetch, planned: list[tuple[TierSpeed, int]], hot: int,
-                waited: int, limit: int, hits: int, asked_all: bool, loaded: int) -> None:
+                waited: int, limit: int, hits: int, asked_all: bool, loaded: int, *,
+                counted: bool) -> None:
         for tier, nbytes in planned:
             tier.unqueue(nbytes)
+        if counted:  # admitted before its plan: `_count_early` did
+            return
         keys = prefetch.keys
 
         def tokens(a: int, b: int) -> int:

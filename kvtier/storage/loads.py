@@ -87,12 +87,13 @@ class PrefetchLoads:
         """A prefetch of `keys` (and then its tail), queued for the workers if `accept`; else
         (or without keys) done at once with 0 chunks. Never blocks."""
         tokens = sum(k.num_tokens for k in keys)
-        budget = self._policy.budget_s(self._config, tokens,
-                                       self._planner.budget_before_plan_s(tokens))
+        admission = self._planner.admission(tokens)
+        budget = self._policy.budget_s(self._config, tokens, admission.budget_s)
         prefetch = Prefetch(keys, self._policy, budget, drop=self.drop, tails=tails)
-        # Admitted at once while a tier is unmeasured: its load must still run, for later
-        # requests and to time the tier (the plan narrows this down).
-        prefetch.background = self._policy.planned and self._planner.unmeasured()
+        # Admitted before its plan while a tier that might pay is unmeasured: its load must
+        # still run, for later requests and to time the tier (the plan narrows this down).
+        prefetch.background = self._policy.planned and admission.guessing
+        prefetch.unwaited = admission.reason
         prefetch.arena_before = self._used_bytes()
         if not accept or not keys:
             prefetch.finish(0)

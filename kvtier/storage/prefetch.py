@@ -77,6 +77,9 @@ class Prefetch:
         # wait, and the load goes on after the request was admitted (`cancel()` without
         # drop), promoting the chunks for later requests and timing the tier.
         self.background = False
+        # Why the request's tokens count as recomputed if it is admitted before the plan (one
+        # of `adaptive.REASONS`): it waited its whole budget, or had none and why.
+        self.unwaited = "deadline"
         # Both under _lock, so cancel() and finish() agree on who runs the drop.
         self._drop_asked = False
         self._stopped = False  # finish() ran: the worker touches the load no more

@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -17,6 +18,7 @@ from kvtier.metrics import Counters, RateLimitedLog
 from kvtier.storage import StorageManager
 from kvtier.storage.adaptive import (
     DEADLINE_SLACK,
+    Admission,
     Decision,
     LoadPlanner,
     Span,
@@ -125,6 +127,46 @@ def test_hits_on_an_unmeasured_tier_load_in_the_background_and_nobody_waits(
     assert not prefetch.stopping
     prefetch.cancel(drop=True)  # ... until the request is gone
     assert prefetch.stopping
+
+
+def _planner_over(*speeds: TierSpeed, counters: Counters | None = None) -> LoadPlanner:
+    tiers = [SimpleNamespace(speed=s, name=s.name) for s in speeds]  # admission reads speeds
+    return LoadPlanner(lambda: tiers, _prefill(1000), SMALL_MHA.nbytes,  # type: ignore[arg-type]
+                       arena_bytes=1 << 30, counters=counters or Counters())
+
+
+def test_a_tier_whose_round_trip_exceeds_the_recompute_is_left_out_of_the_budget() -> None:
+    far = TierSpeed("far")
+    far.observe_latency(5.0)  # its reads never timed: records too small, or none read yet
+    assert planner_admission(_planner_over(far)) == Admission(0.0, "slower_than_recompute",
+                                                                 False)
+    near = TierSpeed("near")
+    near.observe_latency(0.001)  # might pay, not measured yet: a guess, in the background
+    assert planner_admission(_planner_over(near, far)) == Admission(0.0, "unmeasured", True)
+    disk = _tier(0.001, 1e9)  # measured: a request may wait what a load from it could save
+    got = planner_admission(_planner_over(disk, near, far))
+    assert 0 < got.budget_s <= 1.0 and got.reason == "deadline" and got.guessing
+
+
+def planner_admission(planner: LoadPlanner) -> Admission:
+    return planner.admission(1000)  # 1 s of recompute at 1000 tokens/s
+
+
+def test_a_plan_made_after_its_request_was_admitted_counts_no_wait() -> None:
+    counters = Counters()
+    near = TierSpeed("near")
+    near.observe_latency(0.001)
+    planner = _planner_over(near, counters=counters)
+    keys = make_keys(32 * CHUNK)
+    prefetch = Prefetch(keys, "adaptive", budget_s=0.0)
+    prefetch.unwaited = planner.admission(32 * CHUNK).reason
+    prefetch.cancel()  # admitted at once; then its store filled the CPU tier ...
+    assert planner.plan(prefetch, 32) == 32  # ... before the worker planned the load
+    prefetch.finish(32)
+    stats = counters.snapshot(declared=True)
+    assert stats["adaptive_tokens_recomputed_unmeasured"] == 32 * CHUNK
+    assert stats["adaptive_tokens_recomputed_deadline"] == 0  # it never waited
+    assert stats["adaptive_tokens_loaded"] == 0
 
 
 # -- the policy on a storage manager, with a real disk tier ----------------------------------
