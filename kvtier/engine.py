@@ -227,6 +227,7 @@ class CacheEngine:
             loaded = load(wanted, slots, start, limit)
             loaded = load(self._tail(keys, loaded, limit, hot_only=False), slots, loaded, limit)
         loaded = min(loaded, limit)
+        self.storage.unstage(wanted)  # `local_cpu: false`: delivered, so no longer held
         self.storage.counters.inc("tokens_loaded", loaded - skip)
         self.storage.counters.inc("tokens_requested", limit - skip)
         return loaded
@@ -320,12 +321,6 @@ class CacheEngine:
             logger.info("kvtier: session %s closed; its prefix is no longer pinned",
                         session_tag(session_id))
         return released
-
-    @property
-    def loads_in_background(self) -> bool:
-        """Whether lower-tier loads can run ahead of a request (`start_prefetch` into the CPU
-        tier); without a CPU tier (`local_cpu: false`) `retrieve` reads them itself."""
-        return self.storage.hot.resident
 
     def observe_prefill(self, tokens: int, seconds: float, prompt_len: int) -> None:
         """The serving engine computed `tokens` new tokens of prompts up to `prompt_len` long

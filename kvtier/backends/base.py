@@ -131,11 +131,12 @@ class HotTier(StorageBackend):
     """The tier puts land in first and lower-tier hits are promoted into: objects resident in
     the arena. Besides the tier calls it gives the arena eviction and sessions pinning.
 
-    `resident` is False only for the null hot tier (no CPU tier configured), which holds
-    nothing: puts are no-ops and every lookup misses.
+    `keeps_puts` is False for a staging tier (`local_cpu: false`): it
+    holds only what loads bring up from the lower tiers, until the load's request took it
+    (`StorageManager.unstage`); puts pass it by, straight to the lower tiers.
     """
 
-    resident: bool = True
+    keeps_puts: bool = True
 
     @abstractmethod
     def pop_lru(self, nbytes: int) -> list[tuple[ChunkKey, MemoryObj]]:

@@ -17,7 +17,7 @@ from kvtier.config.names import CPU
 from kvtier.keys import ChunkKey
 from kvtier.memory import MemoryObj
 
-__all__ = ["CPUBackend", "NullHotTier"]
+__all__ = ["CPUBackend"]
 
 
 class CPUBackend(HotTier):
@@ -25,7 +25,9 @@ class CPUBackend(HotTier):
 
     name = CPU
 
-    def __init__(self, ctx: BackendContext):
+    def __init__(self, ctx: BackendContext, *, name: str | None = None):
+        if name is not None:  # another role (`staging`): its counters' prefix too
+            self.name = name
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, tuple[ChunkKey, MemoryObj]] = OrderedDict()  # LRU first
         self._children: dict[str, int] = {}  # key -> number of cached chunks whose prev it is
@@ -173,45 +175,3 @@ class CPUBackend(HotTier):
             self._bytes = 0
         for _, obj in entries.values():
             obj.release()
-
-
-class NullHotTier(HotTier):
-    """The hot tier when `local_cpu` is off: holds nothing, so the storage manager needs no
-    special case for a missing CPU tier (puts go straight to the lower tiers)."""
-
-    name = "none"
-    resident = False
-
-    def __init__(self, ctx: BackendContext | None = None):
-        pass
-
-    def batch_contains(self, keys: Sequence[ChunkKey]) -> int:
-        return 0
-
-    def batch_get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
-        return []
-
-    def batch_put(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]) -> int:
-        return 0
-
-    def remove(self, keys: Sequence[ChunkKey]) -> int:
-        return 0
-
-    def pop_lru(self, nbytes: int) -> list[tuple[ChunkKey, MemoryObj]]:
-        return []
-
-    def pin(self, keys: Sequence[ChunkKey]) -> int:
-        return 0
-
-    def unpin(self, keys: Sequence[ChunkKey]) -> None:
-        pass
-
-    @property
-    def pinned_bytes(self) -> int:
-        return 0
-
-    def stats(self) -> dict[str, float]:
-        return {}
-
-    def close(self) -> None:
-        pass

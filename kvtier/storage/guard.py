@@ -28,8 +28,9 @@ from kvtier.metrics import Counters, RateLimitedLog
 from kvtier.storage.estimates import TierSpeed
 from kvtier.storage.existence import Existence
 
-__all__ = ["GuardedTier", "GuardedHotTier", "MIN_SAMPLE_BYTES"]
+__all__ = ["STAGING", "StagingTier", "GuardedTier", "GuardedHotTier", "MIN_SAMPLE_BYTES"]
 
+STAGING = "staging"  # the name of the CPU tier that only stages loads (`local_cpu: false`)
 MIN_SAMPLE_BYTES = 256 << 10  # the smallest probe read taken as a bandwidth sample
 
 
@@ -182,7 +183,6 @@ class GuardedHotTier(GuardedTier, HotTier):
     def __init__(self, inner: HotTier, counters: Counters, warn: RateLimitedLog):
         super().__init__(inner, counters, warn)
         self._hot = inner
-        self.resident = inner.resident
 
     def pop_lru(self, nbytes: int) -> list[tuple[ChunkKey, MemoryObj]]:
         return self._hot.pop_lru(nbytes)
@@ -196,6 +196,14 @@ class GuardedHotTier(GuardedTier, HotTier):
     @property
     def pinned_bytes(self) -> int:
         return self._hot.pinned_bytes
+
+
+class StagingTier(GuardedHotTier):
+    """A CPU tier that only stages loads (`local_cpu: false`): the lower tiers' chunks arrive
+    here in the background, as they would in a CPU tier, so no read of a lower tier runs on
+    the serving thread; nothing a request stores is kept, and a chunk goes once delivered."""
+
+    keeps_puts = False
 
 
 class _Call:

@@ -14,7 +14,7 @@ from contextlib import closing, contextmanager
 
 from kvtier import prometheus
 from kvtier.backends import BackendContext, HotTier, StorageBackend, create_backend
-from kvtier.backends.cpu import NullHotTier
+from kvtier.backends.cpu import CPUBackend
 from kvtier.config import Config
 from kvtier.config.host import arena_now_problem, memory_problem
 from kvtier.config.names import CPU
@@ -25,7 +25,7 @@ from kvtier.metrics import Counters, RateLimitedLog
 from kvtier.storage.adaptive import LoadPlanner
 from kvtier.storage.estimates import PrefillSpeed
 from kvtier.storage.gate import Gate
-from kvtier.storage.guard import GuardedHotTier, GuardedTier
+from kvtier.storage.guard import STAGING, GuardedHotTier, GuardedTier, StagingTier
 from kvtier.storage.loads import PrefetchLoads, longest_held
 from kvtier.storage.policy import make_write_policy
 from kvtier.storage.prefetch import Prefetch, Tails
@@ -88,7 +88,7 @@ class StorageManager:
     def tiers(self) -> list[StorageBackend]:
         """The attached tiers, fastest first (a snapshot: attach/detach publish new lists)."""
         lower: list[StorageBackend] = list(self._set.tiers)
-        return [self.hot, *lower] if self.hot.resident else lower
+        return [self.hot, *lower]
 
     @property
     def lower_tiers(self) -> list[GuardedTier]:
@@ -115,7 +115,8 @@ class StorageManager:
         with self._gate.enter() as open_:
             if not open_ or not keys:
                 return
-            self.hot.batch_put(keys, objs)
+            if self.hot.keeps_puts:
+                self.hot.batch_put(keys, objs)
             self.policy.on_put(keys, objs, self._writers)
             self.counters.inc("chunks_put", len(keys))
 
@@ -197,11 +198,11 @@ class StorageManager:
         `prefetch_wait_complete_max_ms`); `timeout`: once loaded or after
         `prefetch_timeout_base_ms` + `prefetch_timeout_per_token_ms` x tokens. `cancel()`
         stops the load at its next chunk. Chunks being loaded by another prefetch are waited
-        for, not read twice. Without a CPU tier there is nowhere to load into: the handle is
-        done at once with 0 chunks.
+        for, not read twice. With `local_cpu: false` the chunks are staged in the transfer
+        arena until `retrieve` delivers them (`unstage`).
         """
         with self._gate.enter() as open_:
-            return self._loads.start(keys, tails, accept=open_ and self.hot.resident)
+            return self._loads.start(keys, tails, accept=open_)
 
     def prefetch(self, keys: Sequence[ChunkKey], *, tails: Tails | None = None) -> Prefetch:
         """`start_prefetch`, then wait as `prefetch_policy` says (none for `best_effort`)."""
@@ -209,6 +210,15 @@ class StorageManager:
         if not prefetch.wait() and prefetch.policy.counts_timeouts:
             self.counters.inc("prefetch_timeouts")
         return prefetch
+
+    def unstage(self, keys: Sequence[ChunkKey]) -> None:
+        """`keys` were delivered to their request: a staging tier (`local_cpu: false`) lets go
+        of those no live prefetch still wants. A CPU tier keeps them (it is a cache)."""
+        if self.hot.keeps_puts:
+            return
+        done = [k for k in keys if not self._loads.wanting(k)]
+        if done:
+            self.hot.remove(done)
 
     def prefetch_wants(self, key: ChunkKey) -> int:
         """How many live prefetches (started, not yet cancelled or garbage) want `key`; an
@@ -331,10 +341,11 @@ def _new_arena(config: Config) -> MemoryAllocator:
 
 
 def _open_hot_tier(ctx: BackendContext, warn: RateLimitedLog) -> HotTier:
-    """The CPU tier behind its failure guard, or (`local_cpu: false`) a stand-in that holds
-    nothing, so no code path needs to ask whether there is a CPU tier."""
+    """The CPU tier behind its failure guard; with `local_cpu: false`, a CPU tier that only
+    stages loads (`StagingTier`), so lower tiers are read in the background in every
+    configuration and no code path needs to ask whether there is a CPU tier."""
     if not ctx.config.local_cpu:
-        return NullHotTier()
+        return StagingTier(CPUBackend(ctx, name=STAGING), ctx.counters, warn)
     cpu = create_backend(CPU, ctx)
     assert isinstance(cpu, HotTier), cpu
     return GuardedHotTier(cpu, ctx.counters, warn)

@@ -6,7 +6,8 @@
 - `write_through_selective`: once it was served `selective_write_threshold` times; only
   popular prefixes spend lower-tier space.
 
-Without a resident hot tier there is nothing to write back from: every policy writes through.
+A hot tier that keeps no puts (`local_cpu: false`) has nothing to write back from: every policy
+writes through.
 """
 
 from __future__ import annotations
@@ -120,6 +121,7 @@ if set(POLICY_CLASSES) != set(names.WRITE_POLICIES):
 
 
 def make_write_policy(config: Config, hot: HotTier) -> WritePolicy:
-    """The policy `config.write_policy` names (write-through without a resident hot tier)."""
-    name = config.write_policy if hot.resident else WriteThrough.name
+    """The policy `config.write_policy` names (write-through without a hot tier that keeps
+    what is put: nothing there to write back from)."""
+    name = config.write_policy if hot.keeps_puts else WriteThrough.name
     return POLICY_CLASSES[name].from_config(config)

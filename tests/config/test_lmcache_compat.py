@@ -365,7 +365,7 @@ def test_resp_url_and_extra_config_credentials_reach_redis(
     reader, _ = _round_trip(cfg)
     try:
         stats = reader.stats()
-        assert not any(k.startswith("cpu") for k in stats)  # local_cpu: false: no CPU tier
+        assert not any(k.startswith("cpu") for k in stats), sorted(stats)  # no CPU tier
         # ... but a transfer arena of the size the warning names
         assert reader.storage.allocator.size == pytest.approx(TRANSFER_ARENA_GB * 1e9, rel=1e-3)
     finally:

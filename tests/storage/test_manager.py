@@ -226,17 +226,23 @@ def test_stream_yields_every_chunk_in_order_from_disk(manager: StorageManager) -
 
 
 @pytest.mark.parametrize("policy", ["write_back", "write_through_selective"])
-def test_without_a_cpu_tier_every_policy_writes_through(tmp_path: Path, policy: str) -> None:
+def test_without_a_cpu_tier_stores_are_not_kept_and_loads_are_staged(tmp_path: Path,
+                                                                       policy: str) -> None:
     sm = StorageManager(_config(tmp_path, local_cpu=False, write_policy=policy), SMALL_MHA)
     try:
-        assert [t.name for t in sm.tiers] == ["disk"] and sm.policy.name == "write_through"
+        assert [t.name for t in sm.tiers] == ["staging", "disk"]
+        assert sm.policy.name == "write_through"  # nothing kept in memory to write back
         keys = make_keys(48)
         want = _put(sm, keys)
         assert sm.flush()
-        assert sm.allocator.used_bytes == 0  # nothing held in memory
-        with sm.get(keys) as objs:
+        assert sm.allocator.used_bytes == 0  # what was stored is not kept in memory
+        prefetch = sm.start_prefetch(keys)
+        assert prefetch.result(timeout=5) == 3  # read in the background, staged ...
+        prefetch.cancel()  # (the request is admitted)
+        with sm.get(keys, hot_only=True) as objs:
             assert [same_bytes(o.tensor, w) for o, w in zip(objs, want)] == [True] * 3
-        assert sm.start_prefetch(keys).result(timeout=5) == 0  # nowhere to load into
+        sm.unstage(keys)  # ... until delivered
+        assert sm.hot.batch_contains(keys) == 0 and sm.allocator.used_bytes == 0
     finally:
         sm.close()
 

@@ -103,12 +103,6 @@ class SGLangKVTier:
         self._prefetches: dict[str, Prefetch] = {}
         self._checked: set[str] = set()  # requests whose prefetch was asked about once
         self._keys: dict[str, KeyChain] = {}  # request id -> its key chain
-        # Without a CPU tier there is nowhere to prefetch into: loads stay synchronous.
-        self.async_loads = engine.loads_in_background
-        if not self.async_loads:
-            logger.warning("kvtier: no CPU tier (local_cpu: false), so loads from disk/Redis "
-                           "run on SGLang's scheduler thread; set local_cpu: true to load them "
-                           "in the background")
         self._exported = _AdapterStats(self.counters)
         prometheus.register(self._exported)  # the engine's own stats are exported by storage
         self.stores = StoreWorker(self._store, self.counters)
@@ -145,11 +139,10 @@ class SGLangKVTier:
     def lookup(self, rid: str | None, token_ids: np.ndarray, salt: str = "", *,
                limit: int | None = None) -> int:
         """Leading tokens of `token_ids` (at most `limit`) every rank can load now, in whole
-        pages (metadata only; with background loads, only what the CPU tier holds counts).
+        pages (metadata only: what the CPU tier holds; lower tiers load in the background).
         Tokens past `limit` still name the chunks: a chunk the limit cuts loads in part."""
         keys = self.chunk_keys(rid, token_ids, salt)
-        hit = self.engine.lookup(token_ids, hot_only=self.async_loads, keys=keys, salt=salt,
-                                 limit=limit)
+        hit = self.engine.lookup(token_ids, hot_only=True, keys=keys, salt=salt, limit=limit)
         return self.agree_min(hit - hit % self.page_size)
 
     def retrieve(self, rid: str | None, token_ids: np.ndarray, slots: torch.Tensor,
@@ -157,7 +150,7 @@ class SGLangKVTier:
         """Scatter cached KV into `slots` past `skip` (at most `limit` tokens); returns the
         leading tokens now valid on every rank, in whole pages (at least `skip`)."""
         keys = self.chunk_keys(rid, token_ids, salt)
-        got = self.engine.retrieve(token_ids, slots, skip=skip, hot_only=self.async_loads,
+        got = self.engine.retrieve(token_ids, slots, skip=skip, hot_only=True,
                                    keys=keys, salt=salt, limit=limit)
         got = max(self.agree_min(got - got % self.page_size), skip)
         if got > skip:
@@ -171,7 +164,7 @@ class SGLangKVTier:
 
     def start_prefetch(self, rid: str, token_ids: np.ndarray, salt: str = "") -> None:
         """Start loading `token_ids`' lower-tier chunks into the CPU tier for request `rid`."""
-        if not self.async_loads or self._closed or rid in self._prefetches:
+        if self._closed or rid in self._prefetches:
             return
         end = self.loadable_end(len(token_ids))
         if end == 0:

@@ -157,7 +157,7 @@ def _enable_prefetch_hooks(result: Opaque, scheduler: SchedulerView, *args: Opaq
         logger.info("kvtier: the engine computes on the CPU: while batches run, lower-tier "
                     "writes wait for idle moments (up to %.0fs, or a long backlog), then take at "
                     "most %.0f%% of the writers' time", HOLD_S, BUSY_SHARE * 100)
-    if kvtier is not None and kvtier.async_loads:
+    if kvtier is not None:
         enable_storage_prefetch(scheduler)
         logger.info("kvtier: loads from lower tiers run in the background (prefetch policy %s)",
                     kvtier.engine.config.prefetch_policy)

@@ -1,0 +1,84 @@
+"""`local_cpu: false` on the serving path: no read of a lower tier runs on the scheduler thread.
+
+The adapter (as SGLang's scheduler drives it) asks the CPU tier only; loads from disk/Redis run
+on the prefetch workers into a staging tier in the transfer arena, and what was delivered to
+the pool is dropped from it, so nothing stays cached in memory.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvtier.config import Config
+from kvtier.connectors import SGLangMHAConnector
+from kvtier.engine import CacheEngine
+from kvtier.integration.sglang.adapter import SGLangKVTier
+from kvtier.keys import ChunkKey
+from tests.helpers import SMALL_MHA
+
+TOKENS = 64
+HANG_BOUND_S = 60.0  # a bound on a hang, not a timing
+
+
+def _pool() -> list[torch.Tensor]:
+    shape = (TOKENS + 1, SMALL_MHA.num_kv_heads, SMALL_MHA.head_dim)
+    return [torch.randn(shape).to(SMALL_MHA.dtype) for _ in range(2 * SMALL_MHA.num_layers)]
+
+
+def _spy_threads(engine: CacheEngine) -> list[str]:
+    """The threads that call into the lower tier from now on."""
+    (tier,) = engine.storage.lower_tiers
+    inner: Any = tier.inner
+    seen: list[str] = []
+    contains, iter_get = inner.batch_contains, inner.iter_get
+
+    def spied_contains(keys: Sequence[ChunkKey]) -> int:
+        seen.append(threading.current_thread().name)
+        return contains(keys)
+
+    def spied_iter_get(keys: Sequence[ChunkKey]) -> Iterator[Any]:
+        seen.append(threading.current_thread().name)
+        yield from iter_get(keys)
+
+    inner.batch_contains, inner.iter_get = spied_contains, spied_iter_get
+    return seen
+
+
+def test_without_a_cpu_tier_loads_run_off_the_scheduler_thread(tmp_path: Path) -> None:
+    cfg = Config(chunk_size=16, local_cpu=False, max_local_cpu_size=0.01,
+                 local_disk=str(tmp_path / "disk"), max_local_disk_size=0.1,
+                 prefetch_policy="wait_complete")
+    tokens = torch.arange(100, 100 + TOKENS)
+    slots = torch.arange(1, TOKENS + 1)
+    source = _pool()
+    writer = CacheEngine(cfg, model_name="m", layout=SMALL_MHA,
+                         connector=SGLangMHAConnector(source[::2], source[1::2]))
+    assert writer.store(tokens, slots) == TOKENS and writer.storage.flush()
+    assert writer.storage.allocator.used_bytes == 0  # stored, and not kept in memory
+    writer.close()
+
+    pool = _pool()
+    engine = CacheEngine(cfg, model_name="m", layout=SMALL_MHA,
+                         connector=SGLangMHAConnector(pool[::2], pool[1::2]))
+    kv = SGLangKVTier(engine, page_size=1)
+    seen = _spy_threads(engine)
+    try:
+        scheduler = threading.current_thread().name
+        assert kv.lookup("req", tokens.numpy()) == 0  # nothing staged yet: no tier asked
+        kv.start_prefetch("req", tokens.numpy())
+        prefetch = kv._prefetches["req"]
+        assert prefetch.wait_done(HANG_BOUND_S)
+        assert kv.prefetch_ready("req")
+        assert kv.lookup("req", tokens.numpy()) == TOKENS
+        assert kv.retrieve("req", tokens.numpy(), slots, 0) == TOKENS
+        assert all(torch.equal(a[1:], b[1:]) for a, b in zip(pool, source))
+        assert seen and scheduler not in seen  # every lower-tier call ran on a worker
+        assert engine.storage.allocator.used_bytes == 0  # delivered, so no longer held
+    finally:
+        kv.close()
+        engine.close()
