@@ -22,6 +22,8 @@ from kvtier.storage.sessions import session_tag
 
 if TYPE_CHECKING:
     from kvtier.connectors.streams import DeviceCopies
+    from kvtier.storage.guard import GuardedTier
+    from kvtier.storage.writer import TierWriter
 
 # `Prefetch`: the handle `start_prefetch` returns, named here so callers need only this module.
 __all__ = ["CacheEngine", "Prefetch"]
@@ -29,21 +31,6 @@ __all__ = ["CacheEngine", "Prefetch"]
 logger = logging.getLogger(__name__)
 
 TokenIds = torch.Tensor | Sequence[int] | np.ndarray
-
-
-def _serve_metrics(port: int) -> None:
-    from kvtier import prometheus
-
-    if port > 65535:  # metrics_port + rank: the launcher refuses this; a direct caller may not
-        logger.warning("kvtier: metrics_port + rank = %d is past 65535; no metrics endpoint on "
-                       "this rank (lower metrics_port)", port)
-        return
-    try:
-        if not prometheus.serve(port):
-            logger.warning("kvtier: metrics_port is set but prometheus-client is not installed "
-                           "(pip install 'kvtier[metrics]'); no metrics endpoint")
-    except OSError as exc:  # a busy port must not take serving down
-        logger.warning("kvtier: cannot serve metrics on port %d: %s", port, exc)
 
 
 def _tails_of(keys: Sequence[ChunkKey], limit: int) -> Tails | None:
@@ -140,7 +127,9 @@ class CacheEngine:
             self._device = DeviceCopies(connector, self.storage.counters)
         self._saver = PrefixSaver(self.storage, layout, connector, self._device)
         if config.metrics_port is not None:
-            _serve_metrics(config.metrics_port + rank)
+            from kvtier import prometheus
+
+            prometheus.serve_rank(config.metrics_port + rank)
         self._closed = False
 
     def store(self, token_ids: TokenIds, slot_mapping: torch.Tensor, *,
@@ -171,7 +160,7 @@ class CacheEngine:
         extra = self._inner_tail(token_ids, keys, also_prefix, salt)
         stored = self._saver.save(keys, slots, on_read, extra, ready)
         if session_id is not None:
-            self.storage.sessions.pin(session_id, keys)
+            self.storage.pin_session(session_id, keys)
         return stored
 
     def _inner_tail(self, token_ids: TokenIds, keys: Sequence[ChunkKey], n: int | None,
@@ -209,7 +198,7 @@ class CacheEngine:
         limit = _limit(limit, slots.numel())
         wanted = [k for k in keys if k.end > skip and k.start < limit]
         if session_id is not None:
-            self.storage.sessions.touch(session_id)
+            self.storage.touch_session(session_id)
         if self._closed or skip >= limit:
             return skip
         load = self._retrieve_hot if hot_only else self._retrieve_streaming
@@ -316,7 +305,7 @@ class CacheEngine:
         """Unpin the chunks `store(..., session_id=)` pinned (logged with the session's tag,
         never its id); False if the session held none. Sessions idle for `session_ttl_secs`
         are released by themselves."""
-        released = self.storage.sessions.release(session_id)
+        released = self.storage.release_session(session_id)
         if released:
             logger.info("kvtier: session %s closed; its prefix is no longer pinned",
                         session_tag(session_id))
@@ -325,7 +314,7 @@ class CacheEngine:
     def observe_prefill(self, tokens: int, seconds: float, prompt_len: int) -> None:
         """The serving engine computed `tokens` new tokens of prompts up to `prompt_len` long
         in `seconds`: the recompute speed the adaptive prefetch policy weighs loads against."""
-        self.storage.prefill.observe(tokens, seconds, prompt_len)
+        self.storage.observe_prefill(tokens, seconds, prompt_len)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until the lower-tier writes queued so far have landed, `timeout` seconds at
@@ -339,6 +328,24 @@ class CacheEngine:
     def detach_tier(self, name: str, *, drain: bool = True, wait: bool = True) -> None:
         """Remove a lower tier while serving; see `StorageManager.detach_tier`."""
         self.storage.detach_tier(name, drain=drain, wait=wait)
+
+    # An attach in two halves, so a server builds the tier off its serving thread and
+    # publishes it there: see `StorageManager.build_tier` / `publish_tier` / `discard_tier`.
+
+    def build_tier(self, name: str, config: Config | None = None,
+                   ) -> tuple[GuardedTier, TierWriter]:
+        return self.storage.build_tier(name, config)
+
+    def publish_tier(self, tier: GuardedTier, writer: TierWriter) -> None:
+        self.storage.publish_tier(tier, writer)
+
+    def discard_tier(self, tier: GuardedTier, writer: TierWriter) -> None:
+        self.storage.discard_tier(tier, writer)
+
+    @property
+    def tier_names(self) -> list[str]:
+        """The attached tiers' names, fastest first (the CPU or staging tier first)."""
+        return [t.name for t in self.storage.tiers]
 
     def chunk_keys(self, token_ids: TokenIds, salt: str = "") -> list[ChunkKey]:
         """The keys `store` puts `token_ids` under (whole chunks, then the partial one per

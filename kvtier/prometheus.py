@@ -29,7 +29,8 @@ from typing import Any
 
 from kvtier.background import name_os_thread
 
-__all__ = ["register", "observe", "observe_scheduler", "serve", "sync", "GAUGES", "available"]
+__all__ = ["register", "observe", "observe_scheduler", "serve", "serve_rank", "sync", "GAUGES",
+           "available"]
 
 logger = logging.getLogger(__name__)
 
@@ -227,3 +228,18 @@ def sync() -> None:
     """Refresh the metrics now (tests; the background thread does it every second)."""
     if _exporter is not None:
         _exporter.sync()
+
+
+def serve_rank(port: int) -> None:
+    """`serve(port)` for a TP rank (`metrics_port` + rank): every failure is a warning, never
+    an error (no metrics endpoint must not take serving down)."""
+    if port > 65535:  # the launcher refuses this; a direct caller may not
+        logger.warning("kvtier: metrics_port + rank = %d is past 65535; no metrics endpoint on "
+                       "this rank (lower metrics_port)", port)
+        return
+    try:
+        if not serve(port):
+            logger.warning("kvtier: metrics_port is set but prometheus-client is not installed "
+                           "(pip install 'kvtier[metrics]'); no metrics endpoint")
+    except OSError as exc:  # a busy port
+        logger.warning("kvtier: cannot serve metrics on port %d: %s", port, exc)

@@ -211,6 +211,24 @@ class StorageManager:
             self.counters.inc("prefetch_timeouts")
         return prefetch
 
+    # -- what the serving engine tells the tiers ---------------------------------------------
+
+    def pin_session(self, session_id: str, keys: Sequence[ChunkKey]) -> None:
+        """Pin `keys` in the CPU tier as session `session_id`'s latest turn (`SessionPins`)."""
+        self.sessions.pin(session_id, keys)
+
+    def touch_session(self, session_id: str) -> None:
+        """Session `session_id` is active: its idle clock restarts."""
+        self.sessions.touch(session_id)
+
+    def release_session(self, session_id: str) -> bool:
+        """Unpin session `session_id`'s chunks; False if it held none."""
+        return self.sessions.release(session_id)
+
+    def observe_prefill(self, tokens: int, seconds: float, prompt_len: int) -> None:
+        """A prefill's speed, for the adaptive policy (`PrefillSpeed.observe`)."""
+        self.prefill.observe(tokens, seconds, prompt_len)
+
     def unstage(self, keys: Sequence[ChunkKey]) -> None:
         """`keys` were delivered to their request: a staging tier (`local_cpu: false`) lets go
         of those no live prefetch still wants. A CPU tier keeps them (it is a cache)."""

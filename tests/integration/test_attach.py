@@ -11,11 +11,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvtier.config import Config
+from kvtier.connectors import SGLangMHAConnector
+from kvtier.engine import CacheEngine
 from kvtier.errors import ConfigError
 from kvtier.integration.sglang.attach import MAX_TIMEOUT_S, Attachments, attach_config
-from kvtier.storage import StorageManager
 from tests.helpers import SMALL_MHA
 from tests.support.redis import RedisProcess, free_port
 
@@ -35,11 +37,14 @@ def declared(redis_server: RedisProcess, tmp_path: Path) -> Config:
 
 
 @pytest.fixture
-def storage(declared: Config) -> Iterator[StorageManager]:
-    sm = StorageManager(dataclasses.replace(declared, remote_url=None, local_disk=None),
-                        SMALL_MHA)
-    yield sm
-    sm.close()
+def engine(declared: Config) -> Iterator[CacheEngine]:
+    pool = [torch.zeros(8, SMALL_MHA.num_kv_heads, SMALL_MHA.head_dim, dtype=SMALL_MHA.dtype)
+            for _ in range(2 * SMALL_MHA.num_layers)]
+    eng = CacheEngine(dataclasses.replace(declared, remote_url=None, local_disk=None),
+                      model_name="m", layout=SMALL_MHA,
+                      connector=SGLangMHAConnector(pool[::2], pool[1::2]))
+    yield eng
+    eng.close()
 
 
 def test_http_may_attach_only_declared_tiers_and_behaviour_keys(declared: Config) -> None:
@@ -62,22 +67,22 @@ def test_http_may_attach_only_declared_tiers_and_behaviour_keys(declared: Config
 
 
 def test_a_tier_is_built_in_the_background_and_published_on_commit(
-        storage: StorageManager, declared: Config) -> None:
-    attach = Attachments(storage)
+        engine: CacheEngine, declared: Config) -> None:
+    attach = Attachments(engine)
     attach.start("redis", declared)
     with pytest.raises(ValueError, match="already"):
         attach.start("redis", declared)
     _until(lambda: attach.states()["redis"]["state"] == "built", "never built")
-    assert [t.name for t in storage.tiers] == ["cpu"]  # built, not yet published
+    assert engine.tier_names == ["cpu"]  # built, not yet published
     attach.commit("redis")
-    assert [t.name for t in storage.tiers] == ["cpu", "redis"] and attach.states() == {}
+    assert engine.tier_names == ["cpu", "redis"] and attach.states() == {}
     with pytest.raises(ValueError, match="cannot be committed"):
         attach.commit("redis")
 
 
 def test_an_unreachable_tier_fails_and_is_never_published(
-        storage: StorageManager, declared: Config) -> None:
-    attach = Attachments(storage)
+        engine: CacheEngine, declared: Config) -> None:
+    attach = Attachments(engine)
     dead = dataclasses.replace(declared, remote_url=f"redis://127.0.0.1:{free_port()}")
     attach.start("redis", dead)
     _until(lambda: attach.states()["redis"]["state"] != "building", "never ended")
@@ -86,14 +91,14 @@ def test_an_unreachable_tier_fails_and_is_never_published(
     with pytest.raises(ValueError):
         attach.commit("redis")
     attach.abort("redis")
-    assert [t.name for t in storage.tiers] == ["cpu"] and attach.states() == {}
+    assert engine.tier_names == ["cpu"] and attach.states() == {}
 
 
 def test_an_attach_aborted_while_it_builds_is_thrown_away(
-        storage: StorageManager, declared: Config) -> None:
+        engine: CacheEngine, declared: Config) -> None:
     with socket.create_server(("127.0.0.1", 0)) as tarpit:  # accepts, never answers
         url = f"redis://127.0.0.1:{tarpit.getsockname()[1]}"
-        attach = Attachments(storage)
+        attach = Attachments(engine)
         attach.start("redis", dataclasses.replace(declared, remote_url=url), commit=True)
         assert attach.states()["redis"]["state"] == "building"  # start() did not wait
         attach.abort("redis")
@@ -101,4 +106,4 @@ def test_an_attach_aborted_while_it_builds_is_thrown_away(
         threads = [t for t in threading.enumerate() if t.name == "kvtier-attach-redis"]
         for t in threads:
             t.join(60)
-        assert [t.name for t in storage.tiers] == ["cpu"]
+        assert engine.tier_names == ["cpu"]

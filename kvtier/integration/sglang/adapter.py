@@ -106,7 +106,7 @@ class SGLangKVTier:
         self._exported = _AdapterStats(self.counters)
         prometheus.register(self._exported)  # the engine's own stats are exported by storage
         self.stores = StoreWorker(self._store, self.counters)
-        self.attachments = Attachments(engine.storage)  # tiers attached over HTTP
+        self.attachments = Attachments(engine)  # tiers attached over HTTP
         self._closed = False
 
     # ---- loads (scheduler thread) ----

@@ -90,7 +90,7 @@ def apply(kvtier: SGLangKVTier, request: dict[str, Any]) -> dict[str, Any]:
     elif op != "list":
         raise ValueError(f"op: must be list, attach or detach, got {op!r}")
     stats = engine.stats()
-    return {"tiers": [t.name for t in engine.storage.tiers],
+    return {"tiers": engine.tier_names,
             "attaching": kvtier.attachments.states(),
             "sessions_pinned": stats.get("sessions_pinned", 0),
             "session_pinned_bytes": stats.get("session_pinned_bytes", 0)}
@@ -139,7 +139,7 @@ def wrap_detach(original: Callable[..., StorageReqOutputView], scheduler: Schedu
     from sglang.srt.managers.io_struct import DetachHiCacheStorageReqOutput
 
     ok, message = True, ""
-    for tier in [t.name for t in kvtier.engine.storage.tiers if t.name in LOWER_TIERS]:
+    for tier in [t for t in kvtier.engine.tier_names if t in LOWER_TIERS]:
         ok, message = _answer(kvtier, {"op": "detach", "tier": tier})
     if not message:
         message = json.dumps(apply(kvtier, {"op": "list"}))

@@ -20,6 +20,7 @@ from typing import Any
 
 from kvtier.config import Config, with_overrides
 from kvtier.config.names import DISK, REDIS
+from kvtier.engine import CacheEngine
 
 __all__ = ["Attachments", "attach_config", "OVERRIDABLE", "MAX_TIMEOUT_S"]
 
@@ -76,8 +77,8 @@ class Attachments:
     """This rank's attaches in flight. `start`, `states`, `commit` and `abort` are called on
     the scheduler thread and never wait for a build."""
 
-    def __init__(self, storage: Any):
-        self._storage = storage
+    def __init__(self, engine: CacheEngine):
+        self._engine = engine
         self._lock = threading.Lock()
         self._builds: dict[str, _Build] = {}
 
@@ -89,7 +90,7 @@ class Attachments:
             ValueError: `tier` is attached or being attached already.
         """
         with self._lock:
-            if tier in self._builds or tier in [t.name for t in self._storage.tiers]:
+            if tier in self._builds or tier in self._engine.tier_names:
                 raise ValueError(f"tier {tier!r} is already attached or being attached")
             build = self._builds[tier] = _Build()
         threading.Thread(target=self._build, args=(tier, config, build, commit),
@@ -110,7 +111,7 @@ class Attachments:
                 raise ValueError(f"tier {tier!r} cannot be committed: {state}")
             del self._builds[tier]
         assert build.built is not None
-        self._storage.publish_tier(*build.built)
+        self._engine.publish_tier(*build.built)
 
     def abort(self, tier: str) -> None:
         """Give up attaching `tier`: a built tier is closed, one still building is closed when
@@ -122,7 +123,7 @@ class Attachments:
             build.aborted = True
             built, build.built = build.built, None
         if built is not None:
-            threading.Thread(target=self._storage.discard_tier, args=built,
+            threading.Thread(target=self._engine.discard_tier, args=built,
                              name=f"kvtier-discard-{tier}", daemon=True).start()
 
     def close(self) -> None:
@@ -131,14 +132,14 @@ class Attachments:
 
     def _build(self, tier: str, config: Config, build: _Build, commit: bool) -> None:
         try:
-            built = self._storage.build_tier(tier, config)
+            built = self._engine.build_tier(tier, config)
         except Exception as exc:  # reported to the caller; the rank goes on without it
             with self._lock:
                 build.state, build.error = "failed", _reason(exc)
             logger.warning("kvtier: attaching tier %s failed: %s", tier, build.error)
             return
         if built[0].stats().get("down"):  # built, but nothing answers there
-            self._storage.discard_tier(*built)
+            self._engine.discard_tier(*built)
             with self._lock:
                 build.state = "failed"
                 build.error = (f"tier {tier!r} is unreachable: its connect failed or timed "
@@ -150,7 +151,7 @@ class Attachments:
             if not discard:
                 build.state, build.built = "built", built
         if discard:
-            self._storage.discard_tier(*built)
+            self._engine.discard_tier(*built)
         elif commit:
             try:
                 self.commit(tier)
