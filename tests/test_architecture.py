@@ -98,6 +98,11 @@ def test_integration_goes_through_the_engine(module):
     # one documented entry); everything else talks to CacheEngine.
     bad = sorted(m for m in GRAPH[module] if m.startswith("kvtier.storage"))
     assert not bad, f"{module} imports {bad}"
+    # ... nor reaches the storage manager through the engine's attribute
+    tree = ast.parse(MODULES[module].read_text())
+    reach = sorted(node.lineno for node in ast.walk(tree)
+                   if isinstance(node, ast.Attribute) and node.attr == "storage")
+    assert not reach, f"{module} uses `.storage` on lines {reach}"
 
 
 def test_the_package_root_holds_the_data_path_only():
