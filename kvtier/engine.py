@@ -285,11 +285,14 @@ class CacheEngine:
         """Start moving the lower-tier chunks of `token_ids`, and the longest tail after them,
         into CPU memory in the background and return at once; poll the handle's `ready()`
         (per `prefetch_policy`) or wait on it, and `cancel()` it when the request goes away.
+        When the CPU tier holds all of it, the handle is done at once, with no keys.
         See `StorageManager.start_prefetch`. `keys`, `salt`, `limit`: as in `retrieve`."""
         if self._closed:
             return self.storage.start_prefetch([])
         keys = self.key_chain(token_ids, salt) if keys is None else keys
         limit = _limit(limit, len(token_ids))
+        if self.lookup(token_ids, hot_only=True, keys=keys, limit=limit) >= limit:
+            return self.storage.start_prefetch([])  # all in the CPU tier: nothing to load
         return self.storage.start_prefetch([k for k in keys if k.start < limit],
                                            tails=_tails_of(keys, limit))
 

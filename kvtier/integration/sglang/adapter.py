@@ -172,14 +172,11 @@ class SGLangKVTier:
         # The request's match (just before) hashed its whole prompt: the chunk that holds the
         # last prompt token is loaded too, for all but that token.
         keys = self.chunk_keys(rid, token_ids, salt)
-        # All of it in the CPU tier already (every rank): admitted with no prefetch round.
-        hot = self.engine.lookup(token_ids, hot_only=True, keys=keys, salt=salt, limit=end)
-        if self.agree_min(int(hot >= end)):
-            self.counters.inc("sglang.prefetches_skipped_hot")
-            return
-        self._prefetches[rid] = self.engine.start_prefetch(token_ids, keys=keys, salt=salt,
-                                                           limit=end)
-        self.counters.inc("sglang.prefetches")
+        prefetch = self.engine.start_prefetch(token_ids, keys=keys, salt=salt, limit=end)
+        # Registered on every rank, done or not: `prefetch_ready` agrees across ranks, so one
+        # rank whose CPU tier held it all (a done handle, nothing to load) waits for the rest.
+        self._prefetches[rid] = prefetch
+        self.counters.inc("sglang.prefetches" if prefetch.keys else "sglang.prefetches_skipped_hot")
 
     def prefetch_ready(self, rid: str) -> bool:
         """Whether request `rid` may be admitted now, per `prefetch_policy`, on every rank.
