@@ -23,6 +23,7 @@ import argparse
 import json
 import math
 import platform
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -43,22 +44,29 @@ KERNEL_OF = {"store/engine": "gather/cpp", "retrieve/engine": "scatter/cpp"}
 
 def measure(
     cases: dict[str, Callable[[], None]], nbytes: int, rounds: int,
-    setups: dict[str, Callable[[], None]] | None = None,
+    setups: dict[str, Callable[[], None]] | None = None, flush_bytes: int = 0,
 ) -> dict[str, dict[str, float]]:
     """GB/s (1e9 bytes/s) of each case: median, p99 and best over `rounds`.
 
-    The cases run interleaved, one call each per round, so every implementation sees the same
-    background load (the machine is shared). `setups[name]` runs untimed before each call of
-    that case.
+    The cases run interleaved, one call each per round, in a new random order each round, so
+    every implementation sees the same background load (the machine is shared) and none always
+    follows the same one. `setups[name]` runs untimed before each call of that case; then, with
+    `flush_bytes`, an untimed sweep over that many bytes leaves the caches cold: otherwise a
+    case that reads the pool rows the one before it just read (the same slots) runs from the
+    cache, which serving never does.
     """
     setups = setups or {}
     times: dict[str, list[float]] = {name: [] for name in cases}
     names = list(cases)
-    for i in range(rounds + 2):  # the first two rounds warm caches and thread pools
-        # Rotate the order so that no case always follows the same one (cache state).
-        for name in names[i % len(names) :] + names[: i % len(names)]:
+    order = random.Random(0)
+    sweep = torch.empty(flush_bytes // 8, dtype=torch.int64) if flush_bytes else None
+    for i in range(rounds + 2):  # the first two rounds warm thread pools and page tables
+        order.shuffle(names)
+        for name in names:
             if name in setups:
                 setups[name]()
+            if sweep is not None:
+                sweep.add_(1)  # reads and writes every line: the pool and chunk lines go
             start = time.perf_counter()
             cases[name]()
             if i >= 2:
@@ -66,6 +74,16 @@ def measure(
     return {name: {"gbps": nbytes / statistics.median(t) / 1e9,
                    "p99_gbps": nbytes / p99(t) / 1e9,
                    "best_gbps": nbytes / min(t) / 1e9} for name, t in times.items()}
+
+
+def _default_flush_mb() -> float:
+    """Twice this machine's last-level cache in MiB (64 if it cannot be read)."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = index.read_text().strip()
+        if text[:-1].isdigit() and text[-1] in "KM":
+            sizes.append(int(text[:-1]) / (1024 if text[-1] == "K" else 1))
+    return 2 * max(sizes) if sizes else 64.0
 
 
 def p99(values: list[float]) -> float:
@@ -149,7 +167,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         more, setups, engine = engine_cases(args, layers, slots)
         cases.update(more)
     try:
-        speeds = measure(cases, nbytes, args.rounds, setups)
+        speeds = measure(cases, nbytes, args.rounds, setups, int(args.flush_mb * 2**20))
     finally:
         if engine is not None:
             engine.close()
@@ -176,6 +194,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "chunk_bytes": nbytes,
             "threads": args.threads,
             "rounds": args.rounds,
+            "flush_mb": args.flush_mb,
         },
         "results": rows,
     }
@@ -190,6 +209,9 @@ def main() -> None:
     parser.add_argument("--pool-slots", type=int, default=16384)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--flush-mb", type=float, default=_default_flush_mb(),
+                        help="sweep this many MiB before each timed call, so it starts with cold "
+                             "caches (default: twice the last-level cache; 0: warm caches)")
     parser.add_argument("--contiguous", action="store_true",
                         help="consecutive slots instead of random ones")
     parser.add_argument("--page-size", type=int, default=1,

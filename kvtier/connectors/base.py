@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.connectors import host_copy
+from kvtier.connectors import host_copy, ops
 from kvtier.memory import KVLayout, MemoryObj
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ class KVConnector(ABC):
     layout: KVLayout
     num_slots: int
     device: torch.device
-    _layers: list[torch.Tensor]  # the pool as `[num_slots, hidden]` rows, in a chunk's order
+    _layers: ops.CheckedLayers  # the pool as `[num_slots, hidden]` rows, in a chunk's order
 
     @abstractmethod
     def gather(self, slots: torch.Tensor, out: MemoryObj) -> None:
@@ -100,7 +100,7 @@ class KVConnector(ABC):
             raise ValueError(f"{name} must be contiguous (call .contiguous() on it)")
         # On a GPU the copy kernels check the values (reading them here would wait for the GPU).
         if slots.numel() and slots.device.type != "cuda":
-            lo, hi = int(slots.min()), int(slots.max())
+            lo, hi = torch.stack(torch.aminmax(slots)).tolist()  # one pass over them
             low_ok = -1 if allow_skip else 0
             if lo < low_ok or hi >= self.num_slots:
                 raise ValueError(f"{name} out of range: values in [{lo}, {hi}], pool has "

@@ -30,7 +30,7 @@ from kvtier.background import copy_threads
 from kvtier.errors import ConfigError
 
 __all__ = ["gather", "scatter", "scatter_chunks", "prepare", "kernel_name", "reference_gather",
-           "reference_scatter"]
+           "reference_scatter", "CheckedLayers"]
 
 logger = logging.getLogger(__name__)
 
@@ -283,8 +283,25 @@ def _check_range(slots: torch.Tensor, first: torch.Tensor, allow_skip: bool) -> 
             )
 
 
+class CheckedLayers(tuple):  # type: ignore[type-arg]
+    """Pool layers checked once (`_check_layers`), for a caller that passes the same pool on
+    every chunk (a connector): the copy functions skip the per-layer checks for them, which
+    cost more than a small chunk's copy. A tensor's dtype, shape and device are fixed, so the
+    check holds for as long as the tuple lives."""
+
+    first: torch.Tensor
+
+    def __new__(cls, layers: Sequence[torch.Tensor]) -> CheckedLayers:
+        first = _check_layers(layers)
+        self = super().__new__(cls, layers)
+        self.first = first
+        return self
+
+
 def _check_layers(layers: Sequence[torch.Tensor]) -> torch.Tensor:
     """Checks the layers agree with each other; returns the first."""
+    if isinstance(layers, CheckedLayers):
+        return layers.first
     if isinstance(layers, torch.Tensor) or not isinstance(layers, Sequence) or not layers:
         raise ValueError("layers must be a non-empty sequence of tensors")
     first = layers[0]

@@ -32,7 +32,7 @@ class SGLangMHAConnector(KVConnector):
         self.layout = KVLayout.mha(len(k), heads, head_dim, k[0].dtype)
         self.num_slots = k[0].shape[0]
         self.device = k[0].device
-        self._layers = k + v  # one kernel call covers K and V of every layer
+        self._layers = ops.CheckedLayers(k + v)  # one kernel call: K and V of every layer
 
     def gather(self, slots: torch.Tensor, out: MemoryObj) -> None:
         self.check_obj(out, slots, name="out")

@@ -24,7 +24,7 @@ class SGLangMLAConnector(KVConnector):
         self.layout = KVLayout.mla(len(flat), flat[0].shape[1], flat[0].dtype)
         self.num_slots = flat[0].shape[0]
         self.device = flat[0].device
-        self._layers = flat
+        self._layers = ops.CheckedLayers(flat)
 
     def gather(self, slots: torch.Tensor, out: MemoryObj) -> None:
         self.check_obj(out, slots, name="out")
