@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,7 +13,7 @@ import pytest
 from kvtier.backends import BackendContext
 from kvtier.backends.disk import DiskBackend
 from kvtier.config import Config
-from kvtier.memory import MemoryAllocator, lease
+from kvtier.memory import MemoryAllocator
 from kvtier.metrics import Counters, RateLimitedLog
 from kvtier.storage import StorageManager
 from kvtier.storage.adaptive import (
@@ -28,7 +28,7 @@ from kvtier.storage.estimates import PrefillSpeed, TierSpeed
 from kvtier.storage.guard import GuardedTier
 from kvtier.storage.prefetch import Prefetch
 from kvtier.storage.prefetch_policy import prefetch_policy
-from tests.helpers import SMALL_MHA, make_keys, make_obj
+from tests.helpers import SMALL_MHA, make_keys
 
 CHUNK = 16
 CHUNK_BYTES = SMALL_MHA.nbytes(CHUNK)
@@ -173,28 +173,10 @@ def test_a_plan_made_after_its_request_was_admitted_counts_no_wait() -> None:
 
 
 @pytest.fixture
-def disk_manager(tmp_path: Path) -> Iterator[StorageManager]:
+def disk_manager(disk_with_chunks: Callable[[int], StorageManager]) -> StorageManager:
     """CPU tier (policy adaptive) over a disk tier holding 32 chunks; the first 8 also in the
     CPU tier."""
-    cfg = Config(chunk_size=CHUNK, max_local_cpu_size=0.008, local_disk=str(tmp_path / "d"),
-                 max_local_disk_size=0.1)
-    assert cfg.prefetch_policy == "adaptive"  # the default
-    sm = StorageManager(cfg, SMALL_MHA)
-    keys = make_keys(32 * CHUNK)
-    objs = [make_obj(sm.allocator, SMALL_MHA, k.num_tokens, i) for i, k in enumerate(keys)]
-    with lease(objs):
-        sm.put(keys, objs)
-    assert sm.flush()
-    sm.hot.remove(keys[8:])
-    (disk,) = sm.lower_tiers
-    disk.batch_contains(keys[:1])  # the disk's speeds, as its probe and first read time them
-    for obj in disk.batch_get(keys[:1]):
-        obj.release()
-    assert disk.speed.known
-    try:
-        yield sm
-    finally:
-        sm.close()
+    return disk_with_chunks(8)
 
 
 def _settled(sm: StorageManager, keys: list, timeout: float = 30) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -97,26 +97,10 @@ def test_a_fresh_engine_admits_at_once_when_its_tier_never_answers(silent_redis)
 
 
 @pytest.fixture
-def measured_disk(tmp_path: Path) -> Iterator[StorageManager]:
-    """CPU tier over a disk tier holding 32 chunks, both its speeds measured."""
-    cfg = Config(chunk_size=CHUNK, max_local_cpu_size=0.008, local_disk=str(tmp_path / "d"),
-                 max_local_disk_size=0.1)
-    sm = StorageManager(cfg, SMALL_MHA)
-    keys = make_keys(32 * CHUNK)
-    objs = [make_obj(sm.allocator, SMALL_MHA, k.num_tokens, i) for i, k in enumerate(keys)]
-    with lease(objs):
-        sm.put(keys, objs)
-    assert sm.flush()
-    sm.hot.remove(keys)
-    (disk,) = sm.lower_tiers
-    disk.batch_contains(keys[:1])
-    for obj in disk.batch_get(keys[:1]):
-        obj.release()
-    assert disk.speed.known
-    try:
-        yield sm
-    finally:
-        sm.close()
+def measured_disk(disk_with_chunks: Callable[[int], StorageManager]) -> StorageManager:
+    """CPU tier over a disk tier holding 32 chunks, none in the CPU tier, both speeds
+    measured."""
+    return disk_with_chunks(0)
 
 
 def _spy(tier: GuardedTier) -> list[str]:
