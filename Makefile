@@ -52,7 +52,7 @@ lint: setup
 	$(BIN)/mypy
 
 test: setup redis-server sglang-env lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25 $(PYTEST_ARGS)
 
 # The quick loop while working: no SGLang servers, no installs (`make setup` and a redis-server
 # on PATH first); `make test` runs everything.
