@@ -31,7 +31,8 @@ from kvtier.config.redaction import shown_value
 from kvtier.config.urls import REMOTE_SCHEMES, parse_with_tier, redact_url
 from kvtier.errors import ConfigError
 
-__all__ = ["Config", "validate", "REMOTE_SERDES", "TRANSFER_ARENA_GB", "PATH_KEYS"]
+__all__ = ["Config", "PrefetchSection", "WriteSection", "validate", "REMOTE_SERDES",
+           "TRANSFER_ARENA_GB", "PATH_KEYS"]
 
 REMOTE_SERDES = ("naive",)
 CHUNK_MULTIPLE = 16
@@ -56,6 +57,27 @@ MAX_BY_KEY = {"prefetch_timeout_base_ms": 60_000.0, "prefetch_timeout_per_token_
 
 
 PATH_KEYS = ("local_disk",)  # keys holding a filesystem path: `~` is expanded in each
+
+
+# Typed views of the flat config (the YAML stays flat, as LMCache's): each storage part takes
+# the section it reads, not the whole `Config`.
+
+@dataclass(frozen=True)
+class PrefetchSection:
+    """What the prefetch policies read (`Config.prefetch`)."""
+
+    policy: str
+    timeout_base_ms: float
+    timeout_per_token_ms: float
+    wait_complete_max_ms: float
+
+
+@dataclass(frozen=True)
+class WriteSection:
+    """What the write policies read (`Config.writes`)."""
+
+    policy: str
+    selective_threshold: int
 
 
 @dataclass(frozen=True)
@@ -109,6 +131,16 @@ class Config:
         order = ((CPU, self.local_cpu), (DISK, self.local_disk is not None),
                  (REDIS, self.remote_url is not None))
         return tuple(name for name, enabled in order if enabled)
+
+    @property
+    def prefetch(self) -> PrefetchSection:
+        return PrefetchSection(self.prefetch_policy, self.prefetch_timeout_base_ms,
+                               self.prefetch_timeout_per_token_ms,
+                               self.prefetch_wait_complete_max_ms)
+
+    @property
+    def writes(self) -> WriteSection:
+        return WriteSection(self.write_policy, self.selective_write_threshold)
 
     @property
     def local_disk_path(self) -> Path | None:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from kvtier.backends.base import HotTier, StorageBackend
-from kvtier.config import Config
+from kvtier.config.schema import PrefetchSection
 from kvtier.keys import ChunkKey
 from kvtier.metrics import Counters
 from kvtier.storage import prefetch as _prefetch
@@ -47,7 +47,7 @@ class PrefetchLoads:
     the other requests that wait for them by sending and aborting the same prefix.
 
     Args:
-        config: `prefetch_policy` and its budgets.
+        section: the prefetch policy and its budgets (`Config.prefetch`).
         hot: the tier loads go into.
         read: reads leading keys from the lower tiers into `hot`; returns how many arrived.
         planner: how many leading chunks of a prefetch to bring into `hot`, given how many are
@@ -59,12 +59,13 @@ class PrefetchLoads:
         used_bytes: the arena's bytes in use, for the drop's log line.
     """
 
-    def __init__(self, config: Config, hot: HotTier, read: Callable[[Sequence[ChunkKey]], int],
-                 planner: LoadPlanner, lower: Callable[[], Sequence[GuardedTier]],
+    def __init__(self, section: PrefetchSection, hot: HotTier,
+                 read: Callable[[Sequence[ChunkKey]], int], planner: LoadPlanner,
+                 lower: Callable[[], Sequence[GuardedTier]],
                  stopped: Callable[[], bool], counters: Counters,
                  used_bytes: Callable[[], int]):
-        self._config = config
-        self._policy = prefetch_policy(config.prefetch_policy)
+        self._section = section
+        self._policy = prefetch_policy(section.policy)
         self._hot = hot
         self._read = read
         self._planner = planner
@@ -88,7 +89,7 @@ class PrefetchLoads:
         (or without keys) done at once with 0 chunks. Never blocks."""
         tokens = sum(k.num_tokens for k in keys)
         admission = self._planner.admission(tokens)
-        budget = self._policy.budget_s(self._config, tokens, admission.budget_s)
+        budget = self._policy.budget_s(self._section, tokens, admission.budget_s)
         prefetch = Prefetch(keys, self._policy, budget, drop=self.drop, tails=tails)
         # Admitted before its plan while a tier that might pay is unmeasured: its load must
         # still run, for later requests and to time the tier (the plan narrows this down).

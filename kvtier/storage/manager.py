@@ -62,7 +62,7 @@ class StorageManager:
         hot = _open_hot_tier(ctx, self._warn)
         self.counters.declare(f"{hot.name}.hit_chunks")
         self.hot = hot
-        self.policy = make_write_policy(config, hot)
+        self.policy = make_write_policy(config.writes, hot)
         self._set = TierSet(ctx, self._warn,
                             reachable=self._in_hot if self.policy.holds_back else _never)
         try:
@@ -76,7 +76,7 @@ class StorageManager:
         self.prefill = PrefillSpeed()  # fed by the serving engine's prefills
         self._planner = LoadPlanner(lambda: self._set.tiers, self.prefill, layout.nbytes,
                                     self.allocator.size, self.counters)
-        self._loads = PrefetchLoads(config, hot, self._load_lower, self._planner,
+        self._loads = PrefetchLoads(config.prefetch, hot, self._load_lower, self._planner,
                                     lambda: self._set.tiers, lambda: self._gate.closed,
                                     self.counters, lambda: self.allocator.used_bytes)
         self.allocator.set_evictor(self._evict)

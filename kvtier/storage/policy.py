@@ -16,7 +16,8 @@ import threading
 from collections.abc import Sequence
 
 from kvtier.backends.base import HotTier
-from kvtier.config import Config, names
+from kvtier.config import names
+from kvtier.config.schema import WriteSection
 from kvtier.keys import ChunkKey
 from kvtier.memory import MemoryObj
 from kvtier.storage.writer import TierWriter
@@ -40,7 +41,7 @@ class WritePolicy:
     holds_back = False
 
     @classmethod
-    def from_config(cls, config: Config) -> WritePolicy:
+    def from_section(cls, section: WriteSection) -> WritePolicy:
         return cls()
 
     def on_put(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj],
@@ -96,8 +97,8 @@ class WriteThroughSelective(WritePolicy):
         self._lock = threading.Lock()
 
     @classmethod
-    def from_config(cls, config: Config) -> WritePolicy:
-        return cls(config.selective_write_threshold)
+    def from_section(cls, section: WriteSection) -> WritePolicy:
+        return cls(section.selective_threshold)
 
     def on_hit(self, key: ChunkKey, obj: MemoryObj, writers: Writers) -> None:
         with self._lock:
@@ -120,8 +121,8 @@ if set(POLICY_CLASSES) != set(names.WRITE_POLICIES):
                        f"kvtier.config.names lists {sorted(names.WRITE_POLICIES)}")
 
 
-def make_write_policy(config: Config, hot: HotTier) -> WritePolicy:
-    """The policy `config.write_policy` names (write-through without a hot tier that keeps
-    what is put: nothing there to write back from)."""
-    name = config.write_policy if hot.keeps_puts else WriteThrough.name
-    return POLICY_CLASSES[name].from_config(config)
+def make_write_policy(section: WriteSection, hot: HotTier) -> WritePolicy:
+    """The policy `section.policy` names (write-through without a hot tier that keeps what is
+    put: nothing there to write back from)."""
+    name = section.policy if hot.keeps_puts else WriteThrough.name
+    return POLICY_CLASSES[name].from_section(section)

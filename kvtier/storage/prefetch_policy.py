@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import logging
 
-from kvtier.config import Config
 from kvtier.config.names import ADAPTIVE, BEST_EFFORT, PREFETCH_POLICIES, TIMEOUT, WAIT_COMPLETE
+from kvtier.config.schema import PrefetchSection
 from kvtier.metrics import RateLimitedLog
 
 __all__ = ["PrefetchPolicy", "Adaptive", "BestEffort", "Timeout", "WaitComplete", "POLICIES",
@@ -35,7 +35,7 @@ class PrefetchPolicy:
     # Whether a wait that ends at the deadline with the load unfinished counts as a timeout.
     counts_timeouts = False
 
-    def budget_s(self, config: Config, tokens: int, recompute_s: float) -> float:
+    def budget_s(self, section: PrefetchSection, tokens: int, recompute_s: float) -> float:
         """How long after the start the caller stops waiting (for a prefetch of `tokens`
         tokens that take `recompute_s` to recompute), unless the plan moves it."""
         return 0.0
@@ -49,7 +49,7 @@ class Adaptive(PrefetchPolicy):
     planned = True
     counts_timeouts = True
 
-    def budget_s(self, config: Config, tokens: int, recompute_s: float) -> float:
+    def budget_s(self, section: PrefetchSection, tokens: int, recompute_s: float) -> float:
         return recompute_s  # the planner's budget before its plan (`budget_before_plan_s`)
 
 
@@ -62,16 +62,15 @@ class Timeout(PrefetchPolicy):
     name = TIMEOUT
     counts_timeouts = True
 
-    def budget_s(self, config: Config, tokens: int, recompute_s: float) -> float:
-        return (config.prefetch_timeout_base_ms
-                + config.prefetch_timeout_per_token_ms * tokens) / 1e3
+    def budget_s(self, section: PrefetchSection, tokens: int, recompute_s: float) -> float:
+        return (section.timeout_base_ms + section.timeout_per_token_ms * tokens) / 1e3
 
 
 class WaitComplete(PrefetchPolicy):
     name = WAIT_COMPLETE
 
-    def budget_s(self, config: Config, tokens: int, recompute_s: float) -> float:
-        return config.prefetch_wait_complete_max_ms / 1e3
+    def budget_s(self, section: PrefetchSection, tokens: int, recompute_s: float) -> float:
+        return section.wait_complete_max_ms / 1e3
 
     def at_deadline(self, chunks: int, waited_s: float) -> None:
         _warn.warning("wait-ceiling", "kvtier: a wait_complete prefetch of %d chunks still ran "

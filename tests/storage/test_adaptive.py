@@ -262,7 +262,7 @@ def test_a_request_waits_no_longer_than_recomputing_its_prompt(tmp_path: Path) -
         prefetch = sm.start_prefetch(keys)
         # Before its plan the budget is the prompt's recompute time: no load can win later.
         tokens = 8 * CHUNK
-        budget = prefetch_policy("adaptive").budget_s(cfg, tokens,
+        budget = prefetch_policy("adaptive").budget_s(cfg.prefetch, tokens,
                                                       sm.prefill.recompute_s(tokens, tokens))
         assert budget == pytest.approx(tokens / 1000.0)
         assert prefetch.wait_done(30) and prefetch.ready(now=time.monotonic())

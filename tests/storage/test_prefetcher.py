@@ -60,7 +60,7 @@ def test_wait_complete_has_a_ceiling(caplog: pytest.LogCaptureFixture,
     monkeypatch.setattr(prefetch_policy_module, "_warn",
                         RateLimitedLog(prefetch_policy_module.logger))
     cfg = Config(prefetch_wait_complete_max_ms=30_000.0, prefetch_timeout_base_ms=1.0)
-    budget = prefetch_policy("wait_complete").budget_s(cfg, 32, recompute_s=1.0)
+    budget = prefetch_policy("wait_complete").budget_s(cfg.prefetch, 32, recompute_s=1.0)
     prefetch = Prefetch(make_keys(32), "wait_complete", budget_s=budget)
     assert not prefetch.ready(now=prefetch.started + 29.0)  # neither timeout nor recompute
     with caplog.at_level("WARNING", logger="kvtier.storage.prefetch_policy"):
