@@ -259,3 +259,21 @@ def test_a_redis_tier_samples_a_record_of_its_namespace(redis_server) -> None:
             other.close()
     finally:
         backend.close()
+
+
+def test_a_redis_tier_samples_its_largest_record_not_a_short_tail(redis_server) -> None:
+    from tests.backends.conftest import redis_backend
+
+    redis_server.client().flushall()
+    backend = redis_backend(redis_server.url)
+    try:
+        # 15 records of 2 tokens (tails: a few KB, mostly round trip) and one whole chunk: a
+        # SCAN lists them in hash order, so the chunk is rarely the first
+        for seed in range(16):
+            keys = make_keys(CHUNK if seed == 7 else 2, seed=seed)
+            objs = [make_obj(backend.ctx.allocator, SMALL_MHA, k.num_tokens, 0) for k in keys]
+            with lease(objs):
+                assert backend.batch_put(keys, objs) == 1
+        assert backend.sample_read(1 << 30) > SMALL_MHA.nbytes(CHUNK)  # the chunk, with header
+    finally:
+        backend.close()

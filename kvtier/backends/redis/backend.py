@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 
 _TIER_ERRORS = (RedisError, RedisClusterException, OSError)
 SAMPLE_SCAN_COUNT = 1000  # keys one SCAN step looks at for `sample_read`
+SAMPLE_CANDIDATES = 16  # main keys whose sizes `sample_read` compares (one pipelined STRLEN)
 # Reply bytes requested ahead per connection in a batch_get. Split reads want a few MiB: Redis
 # then reuses warm reply buffers (2-16 MiB measured alike); MGETs want two 32 MiB chunks.
 _WINDOW = {True: 4 << 20, False: 64 << 20}
@@ -131,7 +132,8 @@ class RedisBackend(StorageBackend):
 
     def sample_read(self, max_bytes: int) -> int:
         # One SCAN step on one primary (bounded work, never a walk of the keyspace), then a
-        # GETRANGE of the first record found in this namespace.
+        # GETRANGE of the largest of a few records found in this namespace: a prompt's tail
+        # records may be a few KB, which time a round trip, not a bandwidth.
         router = self._usable()
         if router is None or max_bytes <= 0:
             return 0
@@ -140,9 +142,14 @@ class RedisBackend(StorageBackend):
             _, names = client.scan(0, match=pattern, count=SAMPLE_SCAN_COUNT)
             # A record's main key (header and its first segment), not a short last segment:
             # a few KB time a round trip, not a bandwidth.
-            mains = [n for n in names if b"#" not in (n if isinstance(n, bytes) else n.encode())]
+            mains = [n for n in names
+                     if b"#" not in (n if isinstance(n, bytes) else n.encode())]
             if mains:
-                return len(client.getrange(mains[0], 0, max_bytes - 1))
+                pipe = client.pipeline(transaction=False)
+                for name in mains[:SAMPLE_CANDIDATES]:
+                    pipe.strlen(name)
+                _, largest = max(zip(pipe.execute(), mains))
+                return len(client.getrange(largest, 0, max_bytes - 1))
         return 0
 
     def batch_contains(self, keys: Sequence[ChunkKey]) -> int:
