@@ -220,11 +220,14 @@ def test_a_tier_is_measured_when_it_is_built_before_any_request(tmp_path: Path) 
     assert big.nbytes(CHUNK) >= MIN_SAMPLE_BYTES  # a chunk long enough to time a bandwidth
     cfg = Config(chunk_size=CHUNK, max_local_cpu_size=0.05, local_disk=str(tmp_path / "d"),
                  max_local_disk_size=0.1)
-    first = StorageManager(cfg, big)  # an earlier server's records
-    keys = make_keys(2 * CHUNK, layout=big)
+    first = StorageManager(cfg, big)  # an earlier server's records, a short tail written last
+    keys = make_keys(2 * CHUNK + 1, layout=big)
+    assert big.nbytes(keys[-1].num_tokens) < MIN_SAMPLE_BYTES  # no bandwidth sample in it
     objs = [make_obj(first.allocator, big, k.num_tokens, i) for i, k in enumerate(keys)]
     with lease(objs):
-        first.put(keys, objs)
+        first.put(keys[:-1], objs[:-1])
+        assert first.flush()
+        first.put(keys[-1:], objs[-1:])  # a conversation's next turn stores only its tail
     assert first.flush()
     first.close()
     sm = StorageManager(cfg, big)  # a restart: no request has read the disk yet

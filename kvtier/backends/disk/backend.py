@@ -61,6 +61,7 @@ _COUNTERS = ("hits", "misses", "puts", "put_bytes", "evictions", "corrupt", "for
              "stale_tmp_removed", "not_regular", "disk_full")
 READ_AHEAD = 4  # chunk reads in flight per batch: keeps the device queue busy while a chunk
 # is checksummed or copied on, without holding much arena for a prefix that may miss early
+SAMPLE_CANDIDATES = 16  # recent records `sample_read` picks the largest of
 DISK_FULL_EVICT_WRITES = 4  # ENOSPC frees room for the next few writes, not half the cache
 
 
@@ -151,10 +152,13 @@ class DiskBackend(StorageBackend):
             return False
 
     def sample_read(self, max_bytes: int) -> int:
-        with self._lock:  # the most recently used record: likely in the page cache, as hits are
-            name = next(reversed(self._index.names()), None)
-        if name is None or max_bytes <= 0:
+        # The largest of the most recently used records (likely in the page cache, as hits are):
+        # a prompt's tail record may be a few KB, which times a round trip, not a bandwidth.
+        with self._lock:
+            recent = self._index.recent(SAMPLE_CANDIDATES)
+        if not recent or max_bytes <= 0:
             return 0
+        name, _ = max(recent, key=lambda entry: entry[1])
         with open(rf.record_path(self.root, name), "rb", buffering=0) as f:
             return f.readinto(bytearray(max_bytes)) or 0
 
