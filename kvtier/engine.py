@@ -206,17 +206,21 @@ class CacheEngine:
             n = self.storage.contains(wanted, hot_only=True)
             wanted = wanted[:n] + self._tail(keys, wanted[n - 1].end if n else skip, limit,
                                              hot_only=True)
+            asked = wanted
             loaded = load(wanted, slots, skip, limit)
         else:
+            asked = list(wanted)
             start = skip
             if self._device is not None:  # what the CPU tier holds first, in one copy
                 n = self.storage.contains(wanted, hot_only=True)
                 start = self._retrieve_hot(wanted[:n], slots, skip, limit)
                 wanted = [k for k in wanted if k.end > start]
             loaded = load(wanted, slots, start, limit)
-            loaded = load(self._tail(keys, loaded, limit, hot_only=False), slots, loaded, limit)
+            tail = self._tail(keys, loaded, limit, hot_only=False)
+            loaded = load(tail, slots, loaded, limit)
+            asked += tail
         loaded = min(loaded, limit)
-        self.storage.unstage(wanted)  # `local_cpu: false`: delivered, so no longer held
+        self.storage.unstage(asked)  # `local_cpu: false`: delivered, so no longer held
         self.storage.counters.inc("tokens_loaded", loaded - skip)
         self.storage.counters.inc("tokens_requested", limit - skip)
         return loaded

@@ -82,3 +82,20 @@ def test_without_a_cpu_tier_loads_run_off_the_scheduler_thread(tmp_path: Path) -
     finally:
         kv.close()
         engine.close()
+
+
+def test_without_a_cpu_tier_a_direct_retrieve_keeps_nothing_staged(tmp_path: Path) -> None:
+    cfg = Config(chunk_size=16, local_cpu=False, max_local_cpu_size=0.01,
+                 local_disk=str(tmp_path / "disk"), max_local_disk_size=0.1)
+    n = TOKENS - 5  # whole chunks and a tail after them
+    tokens, slots = torch.arange(100, 100 + n), torch.arange(1, n + 1)
+    source = _pool()
+    with CacheEngine(cfg, model_name="m", layout=SMALL_MHA,
+                     connector=SGLangMHAConnector(source[::2], source[1::2])) as writer:
+        assert writer.store(tokens, slots) == n and writer.storage.flush()
+    pool = _pool()
+    with CacheEngine(cfg, model_name="m", layout=SMALL_MHA,
+                     connector=SGLangMHAConnector(pool[::2], pool[1::2])) as engine:
+        assert engine.retrieve(tokens, slots) == n  # read through the staging tier, tail too
+        assert all(torch.equal(a[1:n + 1], b[1:n + 1]) for a, b in zip(pool, source))
+        assert engine.storage.allocator.used_bytes == 0  # nothing left staged
