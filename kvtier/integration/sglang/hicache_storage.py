@@ -201,10 +201,13 @@ class KVTierHiCacheStorage(HiCacheStorage):
     def _read_pages(self, keys: list[ChunkKey],
                     dests: Sequence[Callable[[torch.Tensor], object]]) -> int:
         """Copy the leading hits of `keys` into `dests[i](flat_page)`; returns how many."""
-        with self._ready().get(keys) as objs:
+        storage = self._ready()
+        with storage.get(keys) as objs:
             for obj, put in zip(objs, dests, strict=False):
                 put(obj.tensor.view(-1))
-            return len(objs)
+            got = len(objs)
+        storage.unstage(keys[:got])  # `local_cpu: false`: in the host pool now, not kept
+        return got
 
     def _write_pages(self, keys: list[ChunkKey], pages: Sequence[torch.Tensor]) -> bool:
         storage = self._ready()
