@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 DEMO_ARGS ?=
 FLEET_ARGS ?=
 
-.PHONY: setup bench demo fleet test test-fast lint redis-server sglang-env wheel clean
+.PHONY: setup bench demo fleet anchors test test-fast lint redis-server sglang-env wheel clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -38,6 +38,13 @@ demo: setup sglang-env
 fleet: sglang-env redis-server
 	$(BIN)/pip install -q -e '.[fleet]'
 	PYTHONPATH=. $(BIN)/python benchmarks/bench_fleet.py $(FLEET_ARGS)
+
+# The two methods operators and the anchors publish, on real SGLang servers with and without
+# kvtier (generated model, CPU is fine; 4-5 min on 2 cores): SGLang HiCache's multi-turn method,
+# then LMCache's long-document QA. Tables on stdout, JSON in benchmarks/results/.
+anchors: sglang-env redis-server
+	PYTHONPATH=. $(BIN)/python benchmarks/bench_multiturn.py --round-barrier --flush-between-rounds
+	PYTHONPATH=. $(BIN)/python benchmarks/bench_longdoc.py
 
 redis-server:
 	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null || \
