@@ -23,7 +23,8 @@ from kvtier.keys import ChunkKey
 from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj
 from kvtier.metrics import Counters
 
-if TYPE_CHECKING:  # an annotation only: the tiers' contract does not import the config loader
+if TYPE_CHECKING:  # annotations only: the tiers' contract does not import the config loader
+    from kvtier.backends.sealing import RecordKeys
     from kvtier.config import Config
 
 __all__ = ["BackendContext", "StorageBackend", "HotTier"]
@@ -44,12 +45,12 @@ class BackendContext:
         return self.allocator.allocate(self.layout, num_tokens)
 
     @cached_property
-    def record_key(self) -> bytes | None:
-        """The key records are authenticated with (`record_key_file`, read once), or None.
+    def record_key(self) -> RecordKeys | None:
+        """The keys records are encrypted with (`record_key_file`, read once), or None.
         `ConfigError` if the file cannot be read or holds too short a key."""
-        from kvtier.backends.record import load_record_key
+        from kvtier.backends.sealing import load_record_keys
 
-        return load_record_key(self.config.record_key_file)
+        return load_record_keys(self.config.record_key_file)
 
 
 class StorageBackend(ABC):

@@ -8,21 +8,30 @@ Layout (all integers little-endian)::
         | flags u8 | payload checksum u64 | header checksum u64
     key string (utf-8, key_len bytes)
     token digest (32 bytes): SHA-256 of the key string and the chunk's token ids
-    MAC (32 bytes): HMAC-SHA256 of the payload and the header before it, when flags has
-        `AUTHENTICATED`; zeros otherwise
-    payload (payload_len bytes; segment_bytes > 0 means a reader may find it stored in pieces)
+    seal field (32 bytes): when flags has `ENCRYPTED`, key id (4) | nonce (12) | GCM tag (16)
+        (kvtier.backends.sealing); zeros in a plain record
+    payload (payload_len bytes, encrypted when flags has `ENCRYPTED`; segment_bytes > 0 means
+        a reader may find it stored in pieces)
 
 The header checksum (xxh3_64) covers every header byte except itself; the payload checksum
-(xxh3_64) covers the payload. `parse_header` validates every field against the requested key
-and the engine's layout, so nothing that fails validation ever reaches the arena and a digest
-collision can never load another prompt's KV. The token ids themselves are not stored: the
-digest verifies them without telling a reader of the record what the prompt was.
+(xxh3_64) covers the payload as stored (the ciphertext of an encrypted one). `parse_header`
+validates every field against the requested key and the engine's layout, so nothing that fails
+validation ever reaches the arena and a digest collision can never load another prompt's KV.
+The token ids themselves are not stored: the digest verifies them.
 
-Checksums catch accidents, not a neighbour who can write the tier: with a record key (a secret
-shared by the instances, `record_key_file`), every record carries a MAC, and a reader holding
-the key loads only records whose MAC verifies; a reader without a key loads no authenticated
-record (either is a `ForgedEntry`: a counted miss that no reader deletes). Every failure
-is a `CorruptEntry` whose message names the field. No pickle: a record is plain bytes any
+But the payload is the KV, and layer 0's V rows give the prompt back to anyone holding the
+model's weights. With a record key (`record_key_file`, a secret shared by the instances) every
+record is encrypted with AES-256-GCM, authenticated together with its header (the associated
+data: every header byte but the two checksums and the seal field, then the key id); a reader
+holding keys loads only records encrypted under one of them, a reader without keys loads no
+encrypted record (either is a `ForgedEntry`: a counted miss that no reader deletes). Every
+other failure is a `CorruptEntry` whose message names the field.
+
+Flags: `ENCRYPTED` records also set `AUTHENTICATED`, the bit with which kvtier versions before
+encryption marked an HMAC-SHA256 in the seal field: such a version, with or without a key,
+rejects an encrypted record as forged (kept) instead of loading ciphertext, so the format kept
+its version. Records with `AUTHENTICATED` alone (an HMAC, payload in clear) are no longer
+written; they are a `ForgedEntry` for every reader. No pickle: a record is plain bytes any
 version of kvtier can reject safely (version 1 records are rejected by their version).
 """
 
@@ -30,45 +39,50 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import os
-import stat
 import struct
 from typing import NamedTuple
 
 import xxhash
 
-from kvtier.errors import ConfigError, CorruptEntry
+from kvtier.backends.sealing import (
+    FIELD,
+    MIN_KEY_BYTES,
+    ForgedEntry,
+    KeyMismatch,
+    RecordKeys,
+    Seal,
+    Unseal,
+    load_record_keys,
+)
+from kvtier.errors import CorruptEntry
 from kvtier.keys import ChunkKey
 from kvtier.memory import DTYPES, KVLayout, MemoryFormat, MemoryObj, dtype_name
 
 __all__ = [
-    "MAGIC", "VERSION", "FIXED_SIZE", "RecordHeader", "Seal", "ForgedEntry", "encode_header",
-    "header_len", "parse_header", "payload_checksum", "verify_payload", "expected_header_len",
-    "token_digest", "MIN_KEY_BYTES", "load_record_key",
+    "MAGIC", "VERSION", "FIXED_SIZE", "RecordHeader", "Seal", "Unseal", "ForgedEntry",
+    "KeyMismatch", "RecordKeys", "encode_header", "header_len", "open_payload", "parse_header",
+    "payload_checksum", "seal_for", "seal_record", "verify_payload", "expected_header_len",
+    "token_digest", "MIN_KEY_BYTES", "load_record_keys",
 ]
 
 
 MAGIC = b"KVTR"
-VERSION = 2
+VERSION = 2  # unchanged by encryption: see the module docstring
 _FIXED = struct.Struct("<4sHIB8s4IQIIHBQQ")
 FIXED_SIZE: int = _FIXED.size
 _CHECKED = FIXED_SIZE - 8  # the header checksum is the fixed prefix's last 8 bytes
+_SUM_AT = _CHECKED - 8  # the payload checksum: known after the payload, so not in the AAD
 DIGEST = 32
-MAC = 32
-AUTHENTICATED = 1  # flags bit: the MAC field holds a MAC
-MIN_KEY_BYTES = 16  # a record key shorter than this is refused
+MAC = FIELD  # the seal field (named for the HMAC it held before encryption)
+AUTHENTICATED = 1  # flags bit: the seal field is not zeros (see the module docstring)
+ENCRYPTED = 2  # flags bit: AES-256-GCM ciphertext; the seal field: key id, nonce, tag
+_SEALED = AUTHENTICATED | ENCRYPTED
+_FLAGS = {0, AUTHENTICATED, _SEALED}
 # Plausibility bounds: they keep a corrupt length field from making a reader allocate or read
 # absurd amounts before the checksum has been verified.
 MAX_KEY_LEN = 4096
 MAX_TOKENS = 1 << 20
 _FORMATS = {int(f) for f in MemoryFormat}
-
-
-class ForgedEntry(CorruptEntry):
-    """A record whose MAC does not match this reader's record key: missing or wrong (a writer
-    without the key, or with another key), or present where this reader holds no key. A miss,
-    counted, and never deleted: a reader with a stale or mistyped key must not erase a cache
-    its fleet shares, and nobody loads what they cannot verify."""
 
 
 class RecordHeader(NamedTuple):
@@ -80,72 +94,16 @@ class RecordHeader(NamedTuple):
     shape: tuple[int, int, int, int]
     payload_len: int
     segment_bytes: int
-    checksum: int  # of the payload
+    checksum: int  # of the payload as stored
     key: str
-    mac: bytes  # b"" when the record is not authenticated
-    signed: bytes  # the header bytes the MAC covers (after the payload)
+    flags: int
+    seal: bytes  # the seal field when flags has ENCRYPTED or AUTHENTICATED, else b""
+    aad: bytes  # the header bytes GCM authenticates (see `_aad`)
 
 
 def payload_checksum(view: memoryview | bytes) -> int:
     """The checksum of a payload (xxh3_64: fast enough never to cap disk or network speed)."""
     return xxhash.xxh3_64_intdigest(view)
-
-
-class Seal:
-    """A payload's checksum, and its MAC when `mac_key` is given, computed piece by piece:
-    `update()` with the payload's pieces in order, so I/O code hashes each piece while it is
-    still in the CPU cache, just before writing it or just after reading it."""
-
-    def __init__(self, mac_key: bytes | None = None):
-        self._sum = xxhash.xxh3_64()
-        self._mac = hmac.new(mac_key, digestmod=hashlib.sha256) if mac_key else None
-
-    def update(self, piece: memoryview | bytes) -> None:
-        self._sum.update(piece)
-        if self._mac is not None:
-            self._mac.update(piece)
-
-    @property
-    def checksum(self) -> int:
-        return int(self._sum.intdigest())
-
-    def mac(self, signed: bytes) -> bytes:
-        """The MAC of the payload so far followed by `signed` (header bytes); b"" without a
-        key."""
-        if self._mac is None:
-            return b""
-        final = self._mac.copy()
-        final.update(signed)
-        return final.digest()
-
-
-def load_record_key(path: str | None) -> bytes | None:
-    """The record key in file `path` (surrounding whitespace dropped); None without a path.
-
-    Raises:
-        ConfigError: naming `record_key_file` (never the key) when the file cannot be read,
-            holds fewer than `MIN_KEY_BYTES` bytes, or is open to the group or others (a
-            mode other than 0600 or 0400).
-    """
-    if not path:
-        return None
-    full = os.path.expanduser(path)
-    try:
-        with open(full, "rb") as f:
-            data = f.read(1 << 16).strip()
-            mode = os.fstat(f.fileno()).st_mode
-    except OSError as exc:
-        raise ConfigError(f"record_key_file: cannot read {path!r}: "
-                          f"{exc.strerror or exc}") from None
-    if len(data) < MIN_KEY_BYTES:
-        raise ConfigError(f"record_key_file: {path!r} holds {len(data)} bytes; a record key "
-                          f"needs at least {MIN_KEY_BYTES} (e.g. `head -c 32 /dev/urandom | "
-                          f"base64 > {path}`)")
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ConfigError(f"record_key_file: {path!r} is open to other users (mode "
-                          f"{stat.S_IMODE(mode):03o}); whoever reads it can forge records and "
-                          f"whoever writes it can change the key: chmod 600 {path}")
-    return data
 
 
 def token_digest(key: ChunkKey) -> bytes:
@@ -158,21 +116,17 @@ def expected_header_len(key: ChunkKey) -> int:
     return FIXED_SIZE + len(key.key.encode()) + DIGEST + MAC
 
 
-def encode_header(key: ChunkKey, obj: MemoryObj, *, segment_bytes: int = 0,
-                  seal: Seal | None = None, mac_key: bytes | None = None) -> bytes:
-    """The header of a record holding `obj` under `key`.
+def _aad(prefix: bytes, body: bytes) -> bytes:
+    """GCM's associated data: the fixed prefix up to the header checksum with the payload
+    checksum zeroed (it is known only once the payload is sealed), then the key string and the
+    token digest (`body`). The key id is appended by the seal."""
+    return prefix[:_SUM_AT] + bytes(8) + body
 
-    Args:
-        key: the chunk key; its token count must equal `obj.num_tokens`.
-        obj: the payload (read, never modified).
-        segment_bytes: 0, or the segment size the payload is stored in (Redis).
-        seal: the payload's `Seal` when the caller computed it already (e.g. overlapped with
-            I/O); computed from `obj.byte_view()` (with `mac_key`) when None.
-        mac_key: the record key; with it the record is authenticated.
 
-    Raises:
-        ValueError: naming `key`, `obj` or `segment_bytes` when they cannot form a record.
-    """
+def _prefix(key: ChunkKey, obj: MemoryObj, segment_bytes: int, flags: int,
+            checksum: int) -> tuple[bytes, bytes]:
+    """The fixed prefix (without the header checksum) and the key string + token digest of a
+    record holding `obj` under `key`, after checking that they can form one."""
     key_bytes = key.key.encode()
     if not key_bytes or len(key_bytes) > MAX_KEY_LEN:
         raise ValueError(f"key: string must be 1..{MAX_KEY_LEN} bytes, got {len(key_bytes)}")
@@ -185,21 +139,69 @@ def encode_header(key: ChunkKey, obj: MemoryObj, *, segment_bytes: int = 0,
     shape = tuple(obj.tensor.shape)
     if len(shape) != 4:
         raise ValueError(f"obj: tensor must be 4-D, got shape {shape}")
-    if seal is None:
-        seal = Seal(mac_key)
-        seal.update(obj.byte_view())
     hlen = expected_header_len(key)
     dtype = dtype_name(obj.tensor.dtype).encode()
     prefix = _FIXED.pack(MAGIC, VERSION, hlen, int(obj.fmt), dtype, *shape, obj.nbytes,
-                         segment_bytes, key.num_tokens, len(key_bytes),
-                         AUTHENTICATED if mac_key else 0, seal.checksum, 0)[:_CHECKED]
-    signed = prefix + key_bytes + token_digest(key)
-    mac = seal.mac(signed) if mac_key else b"\0" * MAC
-    if len(mac) != MAC:
-        raise ValueError("seal: made without the record key it is used with")
-    body = key_bytes + token_digest(key) + mac
-    hsum = xxhash.xxh3_64_intdigest(prefix + body)
-    return prefix + struct.pack("<Q", hsum) + body
+                         segment_bytes, key.num_tokens, len(key_bytes), flags, checksum,
+                         0)[:_CHECKED]
+    return prefix, key_bytes + token_digest(key)
+
+
+def seal_for(key: ChunkKey, obj: MemoryObj, *, segment_bytes: int = 0,
+             keys: RecordKeys | None = None) -> Seal:
+    """A `Seal` for the record of `obj` under `key` (encrypting under `keys.current` when
+    `keys` is given), for I/O code to feed the payload through piece by piece before
+    `encode_header(..., seal=)`.
+
+    Raises:
+        ValueError: naming `key`, `obj` or `segment_bytes` when they cannot form a record.
+    """
+    prefix, body = _prefix(key, obj, segment_bytes, _SEALED if keys else 0, 0)
+    return Seal(keys, _aad(prefix, body))
+
+
+def encode_header(key: ChunkKey, obj: MemoryObj, *, segment_bytes: int = 0,
+                  seal: Seal | None = None) -> bytes:
+    """The header of a record holding `obj` under `key`.
+
+    Args:
+        key: the chunk key; its token count must equal `obj.num_tokens`.
+        obj: the payload (read, never modified).
+        segment_bytes: 0, or the segment size the payload is stored in (Redis).
+        seal: the payload's `Seal` from `seal_for` (same key, obj and segment_bytes), fed the
+            whole payload; None: a plain record, checksummed from `obj.byte_view()`.
+
+    Raises:
+        ValueError: naming `key`, `obj`, `segment_bytes` or `seal` when they cannot form a
+            record (a seal made for another record included).
+    """
+    if seal is None:
+        seal = seal_for(key, obj, segment_bytes=segment_bytes)
+        seal.update(obj.byte_view())
+    flags = _SEALED if seal.encrypted else 0
+    prefix, body = _prefix(key, obj, segment_bytes, flags, seal.checksum)
+    if seal.aad != _aad(prefix, body):
+        raise ValueError("seal: made for another record (key, obj or segment_bytes differ)")
+    field = seal.field() or bytes(MAC)
+    hsum = xxhash.xxh3_64_intdigest(prefix + body + field)
+    return prefix + struct.pack("<Q", hsum) + body + field
+
+
+def seal_record(key: ChunkKey, obj: MemoryObj, seal: Seal, out: memoryview | None = None, *,
+                segment_bytes: int = 0) -> tuple[bytes, memoryview]:
+    """Feed `obj`'s payload through `seal` (from `seal_for` with the same arguments) and return
+    the record's header and stored payload: the arena's own bytes for a plain record, `out`
+    (`obj.nbytes` bytes, the caller's) holding the ciphertext for an encrypted one.
+
+    Raises ValueError naming `out` or `seal` as `Seal.update` and `encode_header` do."""
+    view = obj.byte_view()
+    if seal.encrypted:
+        if out is None:
+            raise ValueError("out: an encrypted record needs a buffer for its ciphertext")
+        stored = memoryview(seal.update(view, out))
+    else:
+        stored = memoryview(seal.update(view))
+    return encode_header(key, obj, segment_bytes=segment_bytes, seal=seal), stored
 
 
 def header_len(prefix: bytes | memoryview) -> int:
@@ -279,33 +281,44 @@ def parse_header(buf: bytes | memoryview, key: ChunkKey, layout: KVLayout) -> Re
         raise CorruptEntry(f"shape: {shape} != {layout.shape(n)}")
     if payload_len != layout.nbytes(n):
         raise CorruptEntry(f"payload_len: {payload_len} != {layout.nbytes(n)}")
-    mac = head[digest_end:digest_end + MAC] if flags & AUTHENTICATED else b""
+    if flags not in _FLAGS:
+        raise CorruptEntry(f"flags: {flags:#x} has bits this version does not know")
+    seal = head[digest_end:digest_end + MAC] if flags else b""
     return RecordHeader(hlen, MemoryFormat(fmt), dtype, shape, payload_len, segment_bytes,
-                        checksum, key.key, mac, head[:_CHECKED] + head[FIXED_SIZE:digest_end])
+                        checksum, key.key, flags, seal, _aad(head, head[FIXED_SIZE:digest_end]))
+
+
+def open_payload(header: RecordHeader, keys: RecordKeys | None) -> Unseal:
+    """The `Unseal` that reads the payload of the record `header` describes with `keys` (the
+    reader's record keys, or None), for I/O code to feed the stored pieces through.
+
+    Raises (before any payload byte is read):
+        KeyMismatch: the reader may not load this record: it holds keys and the record is not
+            encrypted (plain, or an older kvtier's HMAC record), or it holds none (or not the
+            record's) and the record is sealed.
+    """
+    if header.flags == AUTHENTICATED:  # an older kvtier's HMAC: the payload is in clear
+        raise KeyMismatch("seal: the record is authenticated with an HMAC by an older kvtier, "
+                          "not encrypted; it is loaded by no reader of this version")
+    return Unseal(keys, header.seal if header.flags else None, header.aad)
 
 
 def verify_payload(header: RecordHeader, view: memoryview | bytes, *,
-                   seal: Seal | None = None, mac_key: bytes | None = None) -> None:
-    """Raise `CorruptEntry` unless `view` is exactly the payload `header` describes, and
-    `ForgedEntry` if `mac_key` is given and the record's MAC is missing or wrong.
+                   unseal: Unseal | None = None, keys: RecordKeys | None = None) -> None:
+    """Raise unless `view` is exactly and genuinely the payload `header` describes; on return,
+    an encrypted payload has been decrypted in place (`view` must then be writable).
 
-    `seal`: the payload's `Seal` (made with `mac_key`) when the caller computed it already.
+    `unseal`: the payload's `Unseal` (from `open_payload`) when the caller fed the stored
+    bytes through it already; else one is made with `keys` and fed `view`.
+
+    Raises:
+        CorruptEntry: a length or checksum mismatch.
+        ForgedEntry: the record may not be loaded with `keys` (`open_payload`), or fails its
+            GCM tag; what was decrypted into `view` must then be discarded.
     """
     if len(view) != header.payload_len:
         raise CorruptEntry(f"payload_len: got {len(view)} bytes, expected {header.payload_len}")
-    if seal is None:
-        seal = Seal(mac_key)
-        seal.update(view)
-    if seal.checksum != header.checksum:
-        raise CorruptEntry("payload checksum mismatch")
-    if not mac_key and header.mac:
-        # Never loaded unverified: the writers hold a key this reader lacks.
-        raise ForgedEntry("mac: the record is authenticated with a record key this reader "
-                          "does not hold (set the same record_key_file on every instance)")
-    if mac_key:
-        if not header.mac:
-            raise ForgedEntry("mac: the record is not authenticated (written without the "
-                              "record key)")
-        if not hmac.compare_digest(seal.mac(header.signed), header.mac):
-            raise ForgedEntry("mac: does not verify (the record was made or changed without "
-                              "the record key)")
+    if unseal is None:
+        unseal = open_payload(header, keys)
+        unseal.update(memoryview(view))
+    unseal.finish(header.checksum)

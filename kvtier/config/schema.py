@@ -100,8 +100,9 @@ class Config:
     save_tails: bool = True
     # Appears in every key string: tenants apart in Redis ACL patterns, `ls` and `purge`.
     key_namespace: str = "default"
-    # A file holding a secret shared by the instances: records are authenticated with it, and
-    # a record without a valid MAC is never loaded (see docs/security.md).
+    # A file holding secrets shared by the instances, one per line, the current first: records
+    # on disk and in Redis are encrypted (AES-256-GCM) under the current one, and only records
+    # encrypted under one of them are loaded (see docs/security.md).
     record_key_file: str | None = None
     write_policy: str = WRITE_THROUGH
     selective_write_threshold: int = 2

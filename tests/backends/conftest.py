@@ -7,6 +7,7 @@ To add a tier, add its name to BACKEND_NAMES and a branch to `_config_for`.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,10 +20,18 @@ from kvtier.memory import KVLayout, MemoryAllocator
 from tests.backends.disk_helpers import CHUNK, Opener
 from tests.helpers import SMALL_MHA
 
-BACKEND_NAMES = ["cpu", "disk", "redis"]
+# "+key": the tier with a record key (records encrypted, see kvtier/backends/sealing.py).
+BACKEND_NAMES = ["cpu", "disk", "redis", "disk+key", "redis+key"]
 
 
 def _config_for(name: str, request: pytest.FixtureRequest) -> Config:
+    if name.endswith("+key"):
+        tmp = request.getfixturevalue("tmp_path")
+        key_file = tmp / "record.key"
+        key_file.write_bytes(b"a conformance-suite secret, 32 bytes\n")
+        key_file.chmod(0o600)
+        return replace(_config_for(name.removesuffix("+key"), request),
+                       record_key_file=str(key_file))
     if name == "cpu":
         return Config(chunk_size=16, max_local_cpu_size=0.064)
     if name == "disk":
@@ -41,7 +50,7 @@ def backend_ctx(request: pytest.FixtureRequest) -> Iterator[tuple[StorageBackend
     config = _config_for(request.param, request)
     alloc = MemoryAllocator(int(config.max_local_cpu_size * 1e9))
     ctx = BackendContext(config=config, layout=SMALL_MHA, allocator=alloc)
-    backend = create_backend(request.param, ctx)
+    backend = create_backend(request.param.removesuffix("+key"), ctx)
     try:
         yield backend, ctx
     finally:

@@ -8,12 +8,10 @@ validate-then-copy path) and checks that the only outcomes are an exact payload 
 from __future__ import annotations
 
 import struct
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import xxhash
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -27,7 +25,7 @@ from kvtier.backends.record import (
     payload_checksum,
     verify_payload,
 )
-from kvtier.errors import ConfigError, CorruptEntry
+from kvtier.errors import CorruptEntry
 from kvtier.keys import ChunkKey
 from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj, lease
 from tests.helpers import SMALL_MHA, SMALL_MLA, make_keys, make_obj
@@ -112,7 +110,7 @@ def test_round_trip(layout: KVLayout) -> None:
         assert head.header_len == record.expected_header_len(key)
         assert head.fmt is layout.fmt and head.shape == layout.shape(5)
         assert head.payload_len == obj.nbytes and head.segment_bytes == 4096
-        assert head.key == key.key and head.mac == b""
+        assert head.key == key.key and head.seal == b"" and head.flags == 0
         assert key.tokens not in buf[: head.header_len]  # verified by digest, never stored
         assert head.checksum == payload_checksum(obj.byte_view())
         verify_payload(head, memoryview(buf)[head.header_len :])
@@ -122,74 +120,14 @@ def test_round_trip(layout: KVLayout) -> None:
 def test_a_precomputed_seal_gives_the_same_header() -> None:
     key = _key(SMALL_MHA, 3, seed=3)
     with lease([_filled(SMALL_MHA, 3, seed=4)]) as (obj,):
-        for mac_key in (None, MAC_KEY):
-            seal = record.Seal(mac_key)
-            view = obj.byte_view()
-            for start in range(0, len(view), 7):  # streamed in pieces
-                seal.update(view[start : start + 7])
-            assert encode_header(key, obj, mac_key=mac_key) == encode_header(
-                key, obj, seal=seal, mac_key=mac_key)
-            assert seal.checksum == payload_checksum(view)
-
-
-MAC_KEY = b"a shared secret, 32 bytes long.."
-
-
-def _verify(buf: bytes | bytearray, key: ChunkKey, mac_key: bytes | None) -> None:
-    head = parse_header(buf, key, SMALL_MHA)
-    verify_payload(head, memoryview(bytes(buf))[head.header_len :], mac_key=mac_key)
-
-
-def test_an_authenticated_record_loads_only_with_its_key() -> None:
-    key = _key(SMALL_MHA, 4, seed=9)
-    with lease([_filled(SMALL_MHA, 4, seed=10)]) as (obj,):
-        signed = _record(key, obj, mac_key=MAC_KEY)
-        plain = _record(key, obj)
-        payload = bytes(obj.byte_view())
-    assert len(signed) == len(plain)  # one format
-    _verify(signed, key, MAC_KEY)
-    _verify(plain, key, None)
-    with pytest.raises(record.ForgedEntry, match="does not hold"):
-        _verify(signed, key, None)  # no key: never loaded unverified
-    with pytest.raises(record.ForgedEntry, match="not authenticated"):
-        _verify(plain, key, MAC_KEY)
-    with pytest.raises(record.ForgedEntry, match="does not verify"):
-        _verify(signed, key, b"another secret of enough length!")
-    # A neighbour who can write the tier but has no key: right key, right checksums, own
-    # payload, the MAC of the genuine record copied over.
-    forged = bytearray(signed)
-    hlen = header_len(signed)
-    forged[hlen:] = bytes(b ^ 0xFF for b in payload)
-    checksum_at = FIXED_SIZE - 16
-    forged[checksum_at : checksum_at + 8] = struct.pack("<Q", payload_checksum(forged[hlen:]))
-    fixed = bytes(forged[: FIXED_SIZE - 8])
-    hsum = xxhash.xxh3_64_intdigest(fixed + bytes(forged[FIXED_SIZE:hlen]))
-    forged[FIXED_SIZE - 8 : FIXED_SIZE] = struct.pack("<Q", hsum)
-    with pytest.raises(record.ForgedEntry, match="does not hold"):
-        _verify(forged, key, None)  # its checksums are right, but it claims a key
-    with pytest.raises(record.ForgedEntry):
-        _verify(forged, key, MAC_KEY)
-
-
-def test_a_record_key_file_is_read_and_checked(tmp_path: Path) -> None:
-    good = tmp_path / "key"
-    good.write_bytes(MAC_KEY + b"\n")
-    good.chmod(0o600)
-    assert record.load_record_key(str(good)) == MAC_KEY
-    assert record.load_record_key(None) is None
-    short = tmp_path / "short"
-    short.write_bytes(b"tiny")
-    with pytest.raises(ConfigError, match="record_key_file.*at least 16") as err:
-        record.load_record_key(str(short))
-    assert "tiny" not in str(err.value)
-    with pytest.raises(ConfigError, match="record_key_file.*cannot read"):
-        record.load_record_key(str(tmp_path / "missing"))
-    good.chmod(0o400)
-    assert record.load_record_key(str(good)) == MAC_KEY
-    for mode in (0o640, 0o604, 0o620):  # others may read it (forge) or write it (swap it)
-        good.chmod(mode)
-        with pytest.raises(ConfigError, match=f"record_key_file.*mode {mode:03o}.*chmod 600"):
-            record.load_record_key(str(good))
+        seal = record.seal_for(key, obj)
+        view = obj.byte_view()
+        for start in range(0, len(view), 7):  # streamed in pieces
+            assert seal.update(view[start : start + 7]) == view[start : start + 7]
+        assert encode_header(key, obj) == encode_header(key, obj, seal=seal)
+        assert seal.checksum == payload_checksum(view)
+        with pytest.raises(ValueError, match="seal"):  # made for another record
+            encode_header(key, obj, segment_bytes=4096, seal=seal)
 
 
 def _mismatch_cases() -> list[tuple[str, ChunkKey, KVLayout]]:

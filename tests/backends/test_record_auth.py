@@ -1,7 +1,8 @@
-"""Authenticated records on the real tiers: with a record key, a record a neighbour wrote
-(right key, right checksums, its own payload) is a counted `forged` miss, never loaded; a reader
-without the key loads no authenticated record; and no reader deletes a record over its MAC (a
-node with a stale or mistyped key must not erase the shared cache as it reads it)."""
+"""Records under a record key on the real tiers: with a record key, a record a neighbour wrote
+(right key, right checksums, its own payload, in clear) is a counted `forged` miss, never
+loaded; a reader without the key loads no encrypted record; and no reader deletes a record over
+its key (a node with a stale or mistyped key must not erase the shared cache as it reads it).
+Secrecy, rotation and tampering: test_record_keys.py, test_record_secrecy.py."""
 
 from __future__ import annotations
 

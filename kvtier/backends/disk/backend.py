@@ -18,7 +18,7 @@ keeps the cap, the lock and the counters.
   has; a power loss may leave a torn file, which the checksums turn into a counted miss.
 - Failures never raise: a failed write (ENOSPC, EIO, ...) is a counted miss; a corrupt
   record is counted, deleted, a miss; so is a file removed behind the tier's back. A forged one
-  (its MAC does not match this reader's record key, or it has one and the reader none) is a
+  (`record.ForgedEntry`: encrypted under another key or none, or failing its GCM tag) is a
   counted miss left in place: another node's key is not proof of corruption.
 - Foreign files and privacy (`files.py`): what is not a regular file at a record path is
   a counted miss (`not_regular`), never opened blocking or followed; a root that is another
@@ -79,7 +79,7 @@ class DiskBackend(StorageBackend):
         self._dirs = rf.RecordDirs(self.root)
         self.capacity = int(ctx.config.max_local_disk_size * 1e9)
         self.ctx = ctx  # public: the layout and arena its records are read into
-        self._mac_key = ctx.record_key
+        self._keys = ctx.record_key
         self._lock = threading.Lock()  # one index change and its file change are one step
         self._index = DiskIndex(self.capacity)
         self._counts = ctx.counters.scope(self.name, *_COUNTERS)
@@ -253,7 +253,7 @@ class DiskBackend(StorageBackend):
             return None
         try:
             obj = rf.read_record(fd, st.st_size, key, self.ctx.layout, self.ctx.allocate,
-                                 self._mac_key)
+                                 self._keys)
             if obj is None:
                 self._counts.inc("alloc_failures")
             else:
@@ -347,7 +347,7 @@ class DiskBackend(StorageBackend):
         written = committed = False
         try:
             # leaves nothing on failure
-            rf.write_temp(self._dirs, name, tmp, key, obj, stamp, self._mac_key)
+            rf.write_temp(self._dirs, name, tmp, key, obj, stamp, self._keys)
             written = True
             with self._lock:
                 if not self._closed:

@@ -7,7 +7,7 @@ The disk tier (`disk.py`) owns the policy (index, size cap, LRU); this module ow
 - It is written to `<stem>.<pid>.<seq>.tmp` next to its final name; the caller `os.replace`s it.
   A temp file whose pid is dead (or that is older than STALE_TMP_SECS) is garbage.
 - It is read with the header first, validated in full, then the payload straight into arena
-  memory and verified against its checksum before the object is handed out.
+  memory (decrypted in place if encrypted) and verified before the object is handed out.
 - Privacy: the tree holds every user's prompts. Directories kvtier creates are 0700, records
   0600; a root is refused if it is another user's, writable by others, or reached through a
   symlink (`prepare_root`), and an `ab/cd` directory is used only once checked the same way
@@ -28,10 +28,12 @@ from pathlib import Path
 
 from kvtier.backends.disk.paths import SUFFIX, is_temp_name, record_stem, root_problem
 from kvtier.backends.record import (
-    Seal,
+    RecordKeys,
     encode_header,
     expected_header_len,
+    open_payload,
     parse_header,
+    seal_for,
     verify_payload,
 )
 from kvtier.errors import CorruptEntry
@@ -220,19 +222,19 @@ def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
 
 
 def write_temp(dirs: RecordDirs, name: str, tmp: str, key: ChunkKey, obj: MemoryObj,
-               stamp_ns: int, mac_key: bytes | None = None) -> None:
+               stamp_ns: int, keys: RecordKeys | None = None) -> None:
     """Write the record `name` of `obj` under `key` to the new file `tmp` (0600, in the
-    record's directory), with mtime `stamp_ns`.
+    record's directory), with mtime `stamp_ns`; encrypted under `keys.current` with `keys`.
 
-    The payload goes straight from arena memory to the file (no copy), piece by piece, each
-    piece checksummed just before it is written so the kernel copies it from the CPU cache;
-    the header follows at offset 0. Creates (and checks) the directory on demand. No fsync
-    (see disk.py).
+    The payload goes to the file piece by piece, each checksummed (and encrypted into a piece
+    buffer) just before it is written, so the kernel copies it from the CPU cache; then the
+    header at offset 0. Creates (and checks) the directory on demand. No fsync (see disk.py).
 
     Raises:
         OSError: the write failed (`UnsafeDirectory`: the directory is not private, nothing
             was created); no temp file is left behind.
     """
+    seal = seal_for(key, obj, keys=keys)  # before any file: a ValueError leaves nothing
     dirs.require(name)
     try:
         fd = os.open(tmp, _WRITE_FLAGS, FILE_MODE)
@@ -242,12 +244,12 @@ def write_temp(dirs: RecordDirs, name: str, tmp: str, key: ChunkKey, obj: Memory
     try:
         view = obj.byte_view()
         offset = expected_header_len(key)
-        seal = Seal(mac_key)
+        out = memoryview(bytearray(min(PIECE, len(view)))) if seal.encrypted else None
         for start in range(0, len(view), PIECE):
             piece = view[start : start + PIECE]
-            seal.update(piece)
-            _pwrite_all(fd, piece, offset + start)
-        _pwrite_all(fd, encode_header(key, obj, seal=seal, mac_key=mac_key), 0)
+            stored = seal.update(piece, None if out is None else out[: len(piece)])
+            _pwrite_all(fd, stored, offset + start)
+        _pwrite_all(fd, encode_header(key, obj, seal=seal), 0)
         os.utime(fd, ns=(stamp_ns, stamp_ns))
     except BaseException:
         with contextlib.suppress(OSError):  # in a checked directory: no redirect to fear
@@ -298,34 +300,36 @@ def open_record(dirs: RecordDirs, name: str) -> tuple[int, os.stat_result]:
 
 def read_record(fd: int, size: int, key: ChunkKey, layout: KVLayout,
                 allocate: Callable[[int], MemoryObj | None],
-                mac_key: bytes | None = None) -> MemoryObj | None:
-    """Read and verify the record in `fd` (`size` bytes) into a new arena object.
-
-    Returns the object (the caller owns its one reference), or None when the arena is full.
+                keys: RecordKeys | None = None) -> MemoryObj | None:
+    """Read and verify the record in `fd` (`size` bytes) into a new arena object (decrypted in
+    place if encrypted; `keys`: the reader's record keys). Returns the object (the caller owns
+    its one reference), or None when the arena is full.
 
     Raises:
         CorruptEntry: any field, length or checksum mismatch; no object is left allocated.
+            `ForgedEntry` if `keys` may not load it (`KeyMismatch`: known before any
+            allocation) or its GCM tag fails.
         OSError: the read failed.
     """
     header = parse_header(os.pread(fd, expected_header_len(key), 0), key, layout)
     if size != header.header_len + header.payload_len:
         raise CorruptEntry(f"file size {size} != header + payload "
                            f"{header.header_len + header.payload_len}")
+    unseal = open_payload(header, keys)
     obj = allocate(key.num_tokens)
     if obj is None:
         return None
     try:
         view = obj.byte_view()
-        seal = Seal(mac_key)
         pos = 0
-        while pos < len(view):  # piece by piece, each checksummed while still in the cache
+        while pos < len(view):  # piece by piece, each verified while still in the cache
             piece = view[pos : pos + PIECE]
             n = os.preadv(fd, [piece], header.header_len + pos)
             if n <= 0:
                 raise CorruptEntry(f"truncated: payload ends after {pos} of {len(view)} bytes")
-            seal.update(piece[:n])
+            unseal.update(piece[:n])
             pos += n
-        verify_payload(header, view, seal=seal, mac_key=mac_key)
+        verify_payload(header, view, unseal=unseal)
     except BaseException:
         obj.release()
         raise

@@ -31,6 +31,10 @@ SAMPLE_CANDIDATES = 16  # main keys whose sizes `sample_read` compares (one pipe
 # Reply bytes requested ahead per connection in a batch_get. Split reads want a few MiB: Redis
 # then reuses warm reply buffers (2-16 MiB measured alike); MGETs want two 32 MiB chunks.
 _WINDOW = {True: 4 << 20, False: 64 << 20}
+# Encrypted puts: ciphertext bytes per round trip, and what the tier keeps of its buffers
+# (rio.CipherBuffers: fresh ones halved 32 MiB puts; a group at 2 GB/s is ~30 ms, so the
+# round trips between groups cost nothing measurable).
+_SEAL_GROUP = 64 << 20
 _STATS = ("hits", "misses", "puts", "write_errors", "corrupt", "forged", "segment_mismatches",
           "alloc_failures", "errors", "skipped_down", "down_events", "bytes_read",
           "bytes_written", "rereads")
@@ -52,7 +56,8 @@ class RedisBackend(StorageBackend):
             raise ConfigError("remote_url: the redis tier needs a redis:// ... URL")
         self._target = parse_remote_url(cfg.remote_url)
         self.ctx = ctx  # public: the layout and arena its records are read into
-        self._mac_key = ctx.record_key
+        self._keys = ctx.record_key
+        self._buffers = rio.CipherBuffers(_SEAL_GROUP)
         self._ttl = cfg.remote_ttl_secs
         self._timeout = cfg.remote_timeout_secs
         self._seg = max(1, int(cfg.remote_segment_mb * (1 << 20)))
@@ -204,7 +209,7 @@ class RedisBackend(StorageBackend):
             for k, (stream, rkeys) in zip(keys, order):
                 try:
                     obj = rio.read_record(stream, k, layout, len(rkeys), allocate,
-                                          self._mac_key)
+                                          self._keys)
                 except (CorruptEntry, rio.ReplyError, rio.ArenaFull) as exc:
                     obj = self._after_failed_read(stream, k, rkeys, exc, bad)
                     if obj is not None:
@@ -232,12 +237,13 @@ class RedisBackend(StorageBackend):
         """Handle a read that failed: the record read atomically when the failure may be a
         race of a split read (see io.py), else None with the failure counted and the keys
         added to `bad` when the stored value must be deleted."""
+        # (A KeyMismatch is the header's verdict, not a race: a re-read cannot change it.)
         if (stream.split and len(rkeys) > 1 and isinstance(exc, CorruptEntry)
-                and not isinstance(exc, rio.SegmentMismatch)):
+                and not isinstance(exc, (rio.SegmentMismatch, record.KeyMismatch))):
             self._health.count("rereads")
             try:
                 return rio.read_atomic(stream.client, key, rkeys, self.ctx.layout,
-                                       self.ctx.allocate, self._mac_key)
+                                       self.ctx.allocate, self._keys)
             except (CorruptEntry, rio.ReplyError, rio.ArenaFull) as again:
                 exc = again
         if self._get_failed(key, exc):
@@ -294,30 +300,58 @@ class RedisBackend(StorageBackend):
         if router is None or not keys:
             return 0
         plan = self._plan(keys)
+        segs = [self._seg if len(rk) > 1 else 0 for rk, _ in plan]
         stored = written = 0
         try:
-            # Headers (and so the checksums) first: a ValueError leaves nothing half-sent.
-            heads = [record.encode_header(k, obj, segment_bytes=self._seg if len(rk) > 1 else 0,
-                                          mac_key=self._mac_key)
-                     for k, obj, (rk, _) in zip(keys, objs, plan)]
+            # Every seal (and so every check) first: a ValueError leaves nothing half-sent.
+            seals = [record.seal_for(k, obj, segment_bytes=seg, keys=self._keys)
+                     for k, obj, seg in zip(keys, objs, segs)]
             for client, idxs in self._by_node(router, [rk for rk, _ in plan]):
-                out = rio.CommandWriter()
-                counts = [rio.write_record(out, plan[i][0], heads[i], objs[i].byte_view(),
-                                           self._seg, self._ttl) for i in idxs]
-                for i, replies in zip(idxs, rio.exchange(client, out.finish(), counts)):
-                    last = replies[-1]
-                    if last == b"OK" or (len(replies) > 1 and isinstance(last, list)):
-                        stored += 1
-                        written += plan[i][1]
-                        continue
-                    self._health.count("write_errors")
-                    err = next((r for r in replies if isinstance(r, rio.ReplyError)), None)
-                    self._reply_error("put", err or rio.ReplyError(f"unexpected {last!r}"))
+                for group in self._put_groups(idxs, plan):
+                    # Encrypted records are sent from ciphertext buffers, a group at a time.
+                    bufs = [self._buffers.take(plan[i][1]) for i in group] if self._keys else []
+                    try:
+                        out = rio.CommandWriter()
+                        counts = []
+                        for j, i in enumerate(group):
+                            head, payload = record.seal_record(
+                                keys[i], objs[i], seals[i], bufs[j] if bufs else None,
+                                segment_bytes=segs[i])
+                            counts.append(rio.write_record(out, plan[i][0], head, payload,
+                                                           self._seg, self._ttl))
+                        answers = rio.exchange(client, out.finish(), counts)
+                    finally:
+                        self._buffers.give(bufs)
+                    for i, replies in zip(group, answers):
+                        last = replies[-1]
+                        if last == b"OK" or (len(replies) > 1 and isinstance(last, list)):
+                            stored += 1
+                            written += plan[i][1]
+                            continue
+                        self._health.count("write_errors")
+                        err = next((r for r in replies if isinstance(r, rio.ReplyError)), None)
+                        self._reply_error("put", err or rio.ReplyError(f"unexpected {last!r}"))
         except _TIER_ERRORS as exc:
             self._health.failed("put", exc)
         self._health.count("puts", stored)
         self._health.count("bytes_written", written)
         return stored
+
+    def _put_groups(self, idxs: list[int], plan: _Plan) -> list[list[int]]:
+        """`idxs` in one group per round trip: all of them for plain records (sent from the
+        arena), else groups of at most `_SEAL_GROUP` payload bytes (at least one record each),
+        so the ciphertext buffers of a long prefix never add up to its size."""
+        if not self._keys:
+            return [idxs]
+        groups: list[list[int]] = [[]]
+        held = 0
+        for i in idxs:
+            if groups[-1] and held + plan[i][1] > _SEAL_GROUP:
+                groups.append([])
+                held = 0
+            groups[-1].append(i)
+            held += plan[i][1]
+        return groups
 
     def remove(self, keys: Sequence[ChunkKey]) -> int:
         router = self._usable()

@@ -20,14 +20,17 @@ in freshly allocated memory before sending any of it, so an MGET of a 32 MiB chu
 server 32 MiB of page-faulted buffers per read, which caps it well below loopback speed; small
 GETs kept a few MiB ahead let it reuse the same warm buffers (about 1.5x on 32 MiB chunks,
 benchmarks/bench_redis.py). Split reads are not atomic, but they never yield half a chunk:
-every record is checked against the payload checksum in its header, and the caller re-reads a
-record that fails the check with one MGET before calling it corrupt, since a concurrent
-overwrite or expiry can mix or drop the segments of a sound record.
+every record is checked against the payload checksum in its header (and its GCM tag when it is
+encrypted), and the caller re-reads a record that fails the check with one MGET before calling
+it corrupt, since a concurrent overwrite or expiry can mix or drop the segments of a sound
+record. With a record key, a record is written from a buffer holding its ciphertext (the one
+copy encryption costs a put) and decrypted in place in arena memory as it is read.
 """
 
 from __future__ import annotations
 
 import socket
+import threading
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -43,9 +46,48 @@ from kvtier.memory import KVLayout, MemoryObj
 
 # CommandWriter, ReplyReader and ReplyError are part of this module's interface (write_record
 # takes a writer, GetStream.next returns a reader, read_record raises ReplyError).
-__all__ = ["ArenaFull", "CommandWriter", "GetStream", "ReplyError", "ReplyReader",
+__all__ = ["ArenaFull", "CipherBuffers", "CommandWriter", "GetStream", "ReplyError", "ReplyReader",
            "SegmentMismatch", "exchange", "read_atomic", "read_record", "redis_keys", "segments",
            "write_record"]
+
+
+# Bytes read and verified (checksummed, decrypted) at a time: a segment larger than this is
+# read in pieces, so each is still in the CPU cache when it is verified.
+PIECE = 1 << 20
+
+
+class CipherBuffers:
+    """Buffers the ciphertext of encrypted records is written into before it is sent, kept for
+    the next put: a fresh buffer costs page faults and the kernel's zeroing on every put, which
+    halved the put throughput of 32 MiB chunks (2 cores, benchmarks/bench_redis.py). At most
+    `keep` bytes of them are kept (one buffer however large). Thread-safe."""
+
+    def __init__(self, keep: int):
+        self._keep = keep
+        self._free: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> memoryview:
+        """A buffer of `nbytes` bytes (contents undefined), until `give` returns it."""
+        with self._lock:
+            fits = [b for b in self._free if len(b) >= nbytes]
+            if fits:
+                buf = min(fits, key=len)
+                self._free.remove(buf)
+                return memoryview(buf)[:nbytes]
+        return memoryview(bytearray(nbytes))
+
+    def give(self, views: list[memoryview]) -> None:
+        """Return buffers from `take`; the largest are kept, up to `keep` bytes in all."""
+        given = [v.obj for v in views]
+        with self._lock:
+            pool = [*self._free, *(b for b in given if isinstance(b, bytearray))]
+            pool.sort(key=len, reverse=True)
+            self._free, total = [], 0
+            for buf in pool:
+                if not self._free or total + len(buf) <= self._keep:
+                    self._free.append(buf)
+                    total += len(buf)
 
 
 class ArenaFull(Exception):
@@ -87,14 +129,15 @@ def write_record(out: CommandWriter, rkeys: list[str], head: bytes, payload: mem
 
 def read_record(stream: GetStream, key: ChunkKey, layout: KVLayout, nseg: int,
                 allocate: Callable[[int], MemoryObj | None],
-                mac_key: bytes | None = None) -> MemoryObj | None:
-    """Read the replies to the GET, MGET or GETs of a record's `nseg` keys into a new object
-    (only an authenticated one with `mac_key`: see `record.verify_payload`).
+                keys: record.RecordKeys | None = None) -> MemoryObj | None:
+    """Read the replies to the GET, MGET or GETs of a record's `nseg` keys into a new object,
+    decrypting it there, piece by piece, when it is encrypted (`keys`: the reader's record
+    keys; see `record.open_payload` for what each reader may load).
 
     Returns None when the key is absent (its replies are fully consumed). The caller owns the
-    returned object. Raises CorruptEntry (not a valid record for `key`, or `SegmentMismatch`),
-    ArenaFull, ReplyError or redis-py's connection errors; after any of them the replies may
-    be half-read, so the connection must be dropped.
+    returned object. Raises CorruptEntry (not a valid record for `key`, `SegmentMismatch`, or
+    a `record.ForgedEntry`), ArenaFull, ReplyError or redis-py's connection errors; after any
+    of them the replies may be half-read, so the connection must be dropped.
     """
     split = stream.split and nseg > 1
     reader = stream.next()
@@ -117,19 +160,21 @@ def read_record(stream: GetStream, key: ChunkKey, layout: KVLayout, nseg: int,
     pieces = segments(head.payload_len, seg)
     if size != hlen + pieces[0][1]:
         raise CorruptEntry(f"value length {size} != header + first segment")
+    unseal = record.open_payload(head, keys)  # KeyMismatch before anything is allocated
     obj = allocate(key.num_tokens)
     if obj is None:
         raise ArenaFull(key.key)
     try:
         view = obj.byte_view()
-        seal = record.Seal(mac_key)
         for i, (start, end) in enumerate(pieces):
             if i and (stream.next() if split else reader).header(b"$") != end - start:
                 raise CorruptEntry(f"segment {i} is missing or has the wrong length")
-            reader.read_into(view[start:end])
+            for at in range(start, end, PIECE):  # each piece verified while in the CPU cache
+                piece = view[at:min(at + PIECE, end)]
+                reader.read_into(piece)
+                unseal.update(piece)
             reader.end_bulk()
-            seal.update(view[start:end])  # while the segment is still in the CPU cache
-        record.verify_payload(head, view, seal=seal, mac_key=mac_key)
+        record.verify_payload(head, view, unseal=unseal)
     except BaseException:
         obj.release()
         raise
@@ -138,12 +183,12 @@ def read_record(stream: GetStream, key: ChunkKey, layout: KVLayout, nseg: int,
 
 def read_atomic(client: redis.Redis, key: ChunkKey, rkeys: list[str], layout: KVLayout,
                 allocate: Callable[[int], MemoryObj | None],
-                mac_key: bytes | None = None) -> MemoryObj | None:
+                keys: record.RecordKeys | None = None) -> MemoryObj | None:
     """`read_record` of one record with one MGET (or GET) on its own pooled connection."""
     stream = GetStream(client, 0)
     try:
         stream.add(rkeys, 0)
-        obj = read_record(stream, key, layout, len(rkeys), allocate, mac_key)
+        obj = read_record(stream, key, layout, len(rkeys), allocate, keys)
         stream.done()
         return obj
     finally:

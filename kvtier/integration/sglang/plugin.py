@@ -223,9 +223,9 @@ def _check_launch(config: Config, args: LaunchArgsView) -> None:
         dp_size = int(getattr(args, "dp_size", None) or 1)
         check_host(config, local_ranks=tp_size * dp_size)
         # A missing, short or open key file stops the launch here, not each worker later.
-        from kvtier.backends.record import load_record_key
+        from kvtier.backends.sealing import load_record_keys
 
-        load_record_key(config.record_key_file)
+        load_record_keys(config.record_key_file)
         _check_load_format(config, args)
         if config.metrics_port is not None and config.metrics_port + tp_size - 1 > 65535:
             raise ConfigError(f"metrics_port: {config.metrics_port} + TP rank (up to "
