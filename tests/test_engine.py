@@ -358,3 +358,18 @@ def test_a_chunk_the_lower_tier_holds_is_not_written_again(tmp_path: Path,
         stats = engine.stats()
         assert stats["disk.writes"] == written  # ... but not rewritten to disk
         assert stats["disk.write_present"] == 4
+
+
+def test_a_prefetch_of_what_the_cpu_tier_holds_is_done_at_once(tokens: torch.Tensor) -> None:
+    k, v = _mha_pool(torch.float16)
+    conn = SGLangMHAConnector(k, v)
+    with CacheEngine(_config(), model_name="m", layout=conn.layout, connector=conn) as eng:
+        slots = _slots("contiguous", len(tokens))
+        assert eng.store(tokens, slots) == len(tokens) // CHUNK * CHUNK
+        held = eng.start_prefetch(tokens, limit=2 * CHUNK)
+        assert held.done() and not held.keys  # nothing to load: no prefetch round at all
+        assert eng.stats().get("prefetches", 0) == 0
+        missing = eng.start_prefetch(torch.arange(1, 1 + 2 * CHUNK))
+        assert list(missing.keys)  # not held: a real prefetch
+        missing.cancel()
+

@@ -33,3 +33,17 @@ def test_good_slot_vectors_pass() -> None:
     conn.check_slots(torch.empty(0, dtype=torch.int64), name="slot_mapping")
     with pytest.raises(ValueError, match="out of range"):
         conn.check_slots(torch.tensor([0, -1]), name="slot_mapping", allow_skip=False)
+
+
+def test_pool_layers_are_checked_once_when_the_tuple_is_made() -> None:
+    from kvtier.connectors import ops
+
+    good = [torch.zeros(8, 16, dtype=torch.float16) for _ in range(2)]
+    with pytest.raises(ValueError, match=r"layers\[1\]"):
+        ops.CheckedLayers([good[0], torch.zeros(8, 16, dtype=torch.float32)])
+    layers = ops.CheckedLayers(good)
+    chunk = torch.empty(2, 3, 16, dtype=torch.float16)
+    ops.gather(layers, torch.tensor([5, 1, 7]), chunk)  # the checked tuple serves the kernels
+    assert torch.equal(chunk, torch.stack([g[[5, 1, 7]] for g in good]))
+    with pytest.raises(ValueError, match="slots"):  # the slots are still checked every call
+        ops.gather(layers, torch.tensor([5, 1, 8]), chunk)
