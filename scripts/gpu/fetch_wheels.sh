@@ -12,7 +12,7 @@ P=(--no-deps --only-binary=:all: --python-version 3.12 --implementation cp
 for p in sglang==0.5.23 orjson msgspec pyzmq pybase64 loguru gguf compressed-tensors==0.18.0 \
          pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection \
          python-multipart starlette zstandard dill apache-tvm-ffi==0.1.11 openai setproctitle \
-         redis hiredis; do
+         redis hiredis cryptography cffi pycparser; do
     python3 -m pip download -q "${P[@]}" "$p"
 done
 du -sh .whl

@@ -36,9 +36,22 @@ def extra_info(**kwargs: Any) -> Any:
     return HiCacheStorageExtraInfo(**kwargs)
 
 
+# Pinned host pools live as long as the process: SGLang registers their pages with CUDA and
+# never unregisters them, so a freed pool's address range, reused by the next one, would be
+# refused as "already registered" (seen on an H100).
+_PINNED: list[Any] = []
+
+
 def host_pool(kind: str, layout: str, device: str = "cpu") -> Any:
     """A device pool and its HiCache host mirror: on a CPU server the mirror is pageable, on a
     GPU server (`device="cuda"`) it is pinned, as SGLang allocates it there."""
+    pool = _host_pool(kind, layout, device)
+    if device == "cuda":
+        _PINNED.append(pool)
+    return pool
+
+
+def _host_pool(kind: str, layout: str, device: str) -> Any:
     from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _mha_host_inputs
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
