@@ -151,14 +151,15 @@ class CacheEngine:
         once the caller's current stream has run what it holds now). Returns the number of
         tokens newly stored.
         """
-        keys, slots = self._prepare(token_ids, slot_mapping,
-                                    self.keys.keys(token_ids, salt) if salt else None)
+        keys, slots, lowest = self._prepare(token_ids, slot_mapping,
+                                            self.keys.keys(token_ids, salt) if salt else None)
         if not self._stores or self._closed or not keys:
             if on_read is not None:
                 on_read()
             return 0
         extra = self._inner_tail(token_ids, keys, also_prefix, salt)
-        stored = self._saver.save(keys, slots, on_read, extra, ready)
+        stored = self._saver.save(keys, slots, on_read, extra, ready,
+                                  unwritten=lowest is None or lowest < 0)
         if session_id is not None:
             self.storage.pin_session(session_id, keys)
         return stored
@@ -191,8 +192,8 @@ class CacheEngine:
         tokens after it still name the chunks, so a chunk the limit cuts is loaded in part.
         Returns the number of leading tokens now in the pool (at least `skip`).
         """
-        keys, slots = self._prepare(token_ids, slot_mapping,
-                                    self.key_chain(token_ids, salt) if keys is None else keys)
+        keys, slots, _ = self._prepare(token_ids, slot_mapping,
+                                       self.key_chain(token_ids, salt) if keys is None else keys)
         if not isinstance(skip, int) or not 0 <= skip <= slots.numel():
             raise ValueError(f"skip must be an int in [0, {slots.numel()}], got {skip!r}")
         limit = _limit(limit, slots.numel())
@@ -386,13 +387,14 @@ class CacheEngine:
 
     def _prepare(self, token_ids: TokenIds, slot_mapping: torch.Tensor,
                  keys: Sequence[ChunkKey] | None = None,
-                 ) -> tuple[Sequence[ChunkKey], torch.Tensor]:
-        # The keys `store` writes, or the chain a load walks (given).
+                 ) -> tuple[Sequence[ChunkKey], torch.Tensor, int | None]:
+        """The keys `store` writes (or the chain a load walks, given), the checked slots and
+        the smallest slot (None on a GPU)."""
         keys = self.keys.keys(token_ids) if keys is None else keys
-        self.connector.check_slots(slot_mapping, name="slot_mapping")
+        lowest = self.connector.check_slots(slot_mapping, name="slot_mapping")
         n = len(token_ids)
         if slot_mapping.numel() != n:
             raise ValueError(f"slot_mapping has {slot_mapping.numel()} entries, token_ids has {n}")
         if keys and keys[-1].end > n:
             raise ValueError(f"keys cover {keys[-1].end} tokens, token_ids has {n}")
-        return keys, slot_mapping
+        return keys, slot_mapping, lowest

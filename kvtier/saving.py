@@ -38,15 +38,17 @@ class PrefixSaver:
 
     def save(self, keys: Sequence[ChunkKey], slots: torch.Tensor,
              on_read: Callable[[], None] | None, extra: ChunkKey | None,
-             ready: torch.cuda.Event | None) -> int:
+             ready: torch.cuda.Event | None, *, unwritten: bool = True) -> int:
         """Put `keys` (from the first the CPU tier lacks) and the inner tail `extra`; calls
-        `on_read` once the pool rows are read; returns the number of tokens newly stored."""
+        `on_read` once the pool rows are read; returns the number of tokens newly stored.
+        `unwritten=False`: the caller knows no slot is -1 (no chunk is checked for one)."""
         if self._device is not None:
             return self._save_on_gpu(keys, slots, on_read, extra, ready)
-        return self._save_on_cpu(keys, slots, on_read, extra)
+        return self._save_on_cpu(keys, slots, on_read, extra, unwritten)
 
     def _save_on_cpu(self, keys: Sequence[ChunkKey], slots: torch.Tensor,
-                     on_read: Callable[[], None] | None, extra: ChunkKey | None = None) -> int:
+                     on_read: Callable[[], None] | None, extra: ChunkKey | None = None,
+                     unwritten: bool = True) -> int:
         first = self._storage.contains(keys, hot_only=True)
         objs: list[MemoryObj] = []
         with lease(objs):
@@ -55,7 +57,7 @@ class PrefixSaver:
                 objs.append(inner)  # released with the others
             for key in keys[first:]:
                 chunk_slots = slots[key.start:key.end]
-                if bool((chunk_slots < 0).any()):
+                if unwritten and bool((chunk_slots < 0).any()):
                     break
                 obj = self._storage.allocator.allocate(self._layout, key.num_tokens)
                 if obj is None:

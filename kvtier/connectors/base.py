@@ -84,9 +84,10 @@ class KVConnector(ABC):
         return out
 
     def check_slots(self, slots: torch.Tensor, *, name: str = "slots",
-                    allow_skip: bool = True) -> None:
+                    allow_skip: bool = True) -> int | None:
         """`ValueError` naming `name` unless `slots` is a valid slot vector for this pool: a
-        1-D, contiguous int64 tensor on the pool's device, every value in range."""
+        1-D, contiguous int64 tensor on the pool's device, every value in range. Returns the
+        smallest slot (None on a GPU, whose values the kernels check; 0 when empty)."""
         if not isinstance(slots, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(slots).__name__}")
         if slots.dim() != 1 or slots.dtype != torch.int64:
@@ -99,13 +100,17 @@ class KVConnector(ABC):
             # would leave the first one written.
             raise ValueError(f"{name} must be contiguous (call .contiguous() on it)")
         # On a GPU the copy kernels check the values (reading them here would wait for the GPU).
-        if slots.numel() and slots.device.type != "cuda":
-            lo, hi = torch.stack(torch.aminmax(slots)).tolist()  # one pass over them
-            low_ok = -1 if allow_skip else 0
-            if lo < low_ok or hi >= self.num_slots:
-                raise ValueError(f"{name} out of range: values in [{lo}, {hi}], pool has "
-                                 f"{self.num_slots} slots" + (" (-1 = skip)" if allow_skip
-                                                              else ""))
+        if slots.device.type == "cuda":
+            return None
+        if not slots.numel():
+            return 0
+        lo, hi = torch.stack(torch.aminmax(slots)).tolist()  # one pass over them
+        low_ok = -1 if allow_skip else 0
+        if lo < low_ok or hi >= self.num_slots:
+            raise ValueError(f"{name} out of range: values in [{lo}, {hi}], pool has "
+                             f"{self.num_slots} slots" + (" (-1 = skip)" if allow_skip
+                                                          else ""))
+        return int(lo)
 
     def check_obj(self, obj: MemoryObj, slots: torch.Tensor, *, name: str) -> None:
         """`ValueError` unless `obj` holds one token per slot in this pool's layout."""

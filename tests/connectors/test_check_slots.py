@@ -27,10 +27,11 @@ def test_bad_slot_vectors_name_the_argument(slots: torch.Tensor, problem: str) -
     assert problem in str(err.value)
 
 
-def test_good_slot_vectors_pass() -> None:
+def test_good_slot_vectors_pass_and_give_their_smallest_slot() -> None:
     conn = _conn()
-    conn.check_slots(torch.tensor([0, -1, 63]), name="slot_mapping")
-    conn.check_slots(torch.empty(0, dtype=torch.int64), name="slot_mapping")
+    assert conn.check_slots(torch.tensor([5, -1, 63]), name="slot_mapping") == -1
+    assert conn.check_slots(torch.tensor([7, 3, 63]), name="slot_mapping") == 3
+    assert conn.check_slots(torch.empty(0, dtype=torch.int64), name="slot_mapping") == 0
     with pytest.raises(ValueError, match="out of range"):
         conn.check_slots(torch.tensor([0, -1]), name="slot_mapping", allow_skip=False)
 
