@@ -17,7 +17,7 @@ from kvtier.keys import ChunkKey, KeyBuilder, KeyChain
 from kvtier.memory import KVLayout, MemoryFormat, MemoryObj, lease
 from kvtier.saving import PrefixSaver
 from kvtier.storage import StorageManager
-from kvtier.storage.prefetch import Prefetch, Tails
+from kvtier.storage.prefetch import Prefetch
 from kvtier.storage.sessions import session_tag
 
 if TYPE_CHECKING:
@@ -31,13 +31,6 @@ __all__ = ["CacheEngine", "Prefetch"]
 logger = logging.getLogger(__name__)
 
 TokenIds = torch.Tensor | Sequence[int] | np.ndarray
-
-
-def _tails_of(keys: Sequence[ChunkKey], limit: int) -> Tails | None:
-    """Position -> candidate tails there, for a prefetch (None without a `KeyChain`)."""
-    if not isinstance(keys, KeyChain):
-        return None
-    return lambda i: keys.tails(i, limit)
 
 
 def _limit(limit: int | None, num_tokens: int) -> int:
@@ -187,13 +180,14 @@ class CacheEngine:
         written. Stops at the first chunk no tier has (only the CPU tier is read with
         `hot_only`), then loads the longest tail stored after it (`save_tails`). Chunks are
         scattered as they arrive, while later ones are still being read. `keys`:
-        `key_chain(token_ids, salt)` computed earlier (a long prompt is hashed once; a plain
-        list of keys finds no tails). `limit`: load at most this many leading tokens; the
+        `key_chain(token_ids, salt)` computed earlier (a long prompt is hashed once; the chain
+        carries its salt, so `salt` is not given with it; a plain list of keys finds no
+        tails). `limit`: load at most this many leading tokens; the
         tokens after it still name the chunks, so a chunk the limit cuts is loaded in part.
         Returns the number of leading tokens now in the pool (at least `skip`).
         """
         keys, slots, _ = self._prepare(token_ids, slot_mapping,
-                                       self.key_chain(token_ids, salt) if keys is None else keys)
+                                       self._chain(token_ids, keys, salt))
         if not isinstance(skip, int) or not 0 <= skip <= slots.numel():
             raise ValueError(f"skip must be an int in [0, {slots.numel()}], got {skip!r}")
         limit = _limit(limit, slots.numel())
@@ -275,7 +269,7 @@ class CacheEngine:
         """How many leading tokens of `token_ids` (at most `limit`) some tier (only the CPU
         tier with `hot_only`) could load, to the end of the longest stored tail; no data
         moves. `keys`, `salt`, `limit`: as in `retrieve`."""
-        keys = self.key_chain(token_ids, salt) if keys is None else keys
+        keys = self._chain(token_ids, keys, salt)
         if self._closed:
             return 0
         limit = _limit(limit, len(token_ids))
@@ -294,20 +288,19 @@ class CacheEngine:
         See `StorageManager.start_prefetch`. `keys`, `salt`, `limit`: as in `retrieve`."""
         if self._closed:
             return self.storage.start_prefetch([])
-        keys = self.key_chain(token_ids, salt) if keys is None else keys
+        keys = self._chain(token_ids, keys, salt)
         limit = _limit(limit, len(token_ids))
         if self.lookup(token_ids, hot_only=True, keys=keys, limit=limit) >= limit:
             return self.storage.start_prefetch([])  # all in the CPU tier: nothing to load
-        return self.storage.start_prefetch([k for k in keys if k.start < limit],
-                                           tails=_tails_of(keys, limit))
+        return self.storage.start_prefetch(keys.upto(limit) if isinstance(keys, KeyChain)
+                                           else [k for k in keys if k.start < limit])
 
     def prefetch(self, token_ids: TokenIds) -> Prefetch:
         """Move lower-tier chunks of `token_ids` into CPU memory, waiting as `prefetch_policy`
         says (`best_effort`: not at all)."""
         if self._closed:
             return self.storage.prefetch([])
-        keys = self.key_chain(token_ids)
-        return self.storage.prefetch(keys, tails=_tails_of(keys, len(token_ids)))
+        return self.storage.prefetch(self.key_chain(token_ids))
 
     def release_session(self, session_id: str) -> bool:
         """Unpin the chunks `store(..., session_id=)` pinned (logged with the session's tag,
@@ -384,6 +377,17 @@ class CacheEngine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _chain(self, token_ids: TokenIds, keys: Sequence[ChunkKey] | None,
+               salt: str) -> Sequence[ChunkKey]:
+        """The keys a load walks: `keys` as given (a chain carries its own salt), else the
+        chain of `token_ids` under `salt`."""
+        if keys is None:
+            return self.key_chain(token_ids, salt)
+        if salt:
+            raise ValueError("salt: give it to key_chain(token_ids, salt), not beside keys= "
+                             "(a KeyChain carries the salt it was made with)")
+        return keys
 
     def _prepare(self, token_ids: TokenIds, slot_mapping: torch.Tensor,
                  keys: Sequence[ChunkKey] | None = None,

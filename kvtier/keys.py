@@ -188,28 +188,41 @@ class KeyChain(list[ChunkKey]):
     """The keys of one token sequence's full chunks (a list), and the tails that may hang after
     any of them: `tails(i)` names every page-aligned partial chunk that could follow the first
     `i` full chunks, longest first. Computed on first use per position, then kept, so a
-    request asked about on every scheduler step hashes its candidates once."""
+    request asked about on every scheduler step hashes its candidates once.
+
+    A chain is everything a load needs to name what it reads: it carries the request's `salt`
+    (hashed into every key) and, once cut by `upto(limit)`, the last token a load may reach."""
 
     def __init__(self, keys: Sequence[ChunkKey], data: memoryview, root: bytes,
-                 builder: KeyBuilder, tails: dict[int, list[ChunkKey]] | None = None):
+                 builder: KeyBuilder, *, salt: str = "", limit: int | None = None,
+                 tails: dict[int, list[ChunkKey]] | None = None):
         super().__init__(keys)
         self._data = data
         self._root = root
         self._builder = builder
+        self.salt = salt
+        self.limit = len(data) // 4 if limit is None else limit
         self._tails: dict[int, list[ChunkKey]] = {} if tails is None else tails
 
     @property
     def num_tokens(self) -> int:
-        """Tokens in the sequence (what a tail may reach to)."""
+        """Tokens in the sequence (what a tail may reach to, before `limit`)."""
         return len(self._data) // 4
 
     @property
     def has_tails(self) -> bool:
         return self._builder.tails
 
+    def upto(self, limit: int) -> KeyChain:
+        """This chain for a load of the first `limit` tokens at most: the chunks that start
+        before it, and tails that end at or before it (their hashes shared with this one)."""
+        limit = min(limit, self.limit)
+        return KeyChain([k for k in self if k.start < limit], self._data, self._root,
+                        self._builder, salt=self.salt, limit=limit, tails=self._tails)
+
     def tails(self, i: int, limit: int | None = None) -> list[ChunkKey]:
         """The tails that could follow the first `i` full chunks, longest first, ending at or
-        before token `limit` (default: the whole sequence)."""
+        before token `limit` (default: the chain's own `limit`)."""
         b = self._builder
         if not b.tails or i > len(self):
             return []
@@ -217,7 +230,7 @@ class KeyChain(list[ChunkKey]):
         if cands is None:
             cands = self._tails[i] = b.tail_keys(self._data, i, self[i - 1] if i else None,
                                                  self._root)
-        limit = self.num_tokens if limit is None else limit
+        limit = self.limit if limit is None else min(limit, self.limit)
         return [k for k in cands if k.end <= limit] if cands and cands[0].end > limit \
             else cands
 
@@ -283,7 +296,7 @@ class KeyBuilder:
         n = len(data) // 4
         full = n - n % self.chunk_size if self.tails else self.num_keyed_tokens(n)
         root = self.root(salt)
-        return KeyChain(self._chunk(data, full, root), data, root, self)
+        return KeyChain(self._chunk(data, full, root), data, root, self, salt=salt)
 
     def tail_keys(self, data: memoryview, i: int, before: ChunkKey | None,
                   root: bytes) -> list[ChunkKey]:

@@ -21,7 +21,7 @@ from kvtier.metrics import Counters
 from kvtier.storage import prefetch as _prefetch
 from kvtier.storage.adaptive import LoadPlanner
 from kvtier.storage.guard import GuardedTier
-from kvtier.storage.prefetch import Prefetch, Prefetcher, Tails
+from kvtier.storage.prefetch import Prefetch, Prefetcher
 from kvtier.storage.prefetch_policy import prefetch_policy
 
 __all__ = ["PrefetchLoads", "longest_held"]
@@ -83,14 +83,14 @@ class PrefetchLoads:
                                    max_pending=PREFETCH_MAX_PENDING,
                                    on_dropped=lambda: counters.inc("prefetch_dropped"))
 
-    def start(self, keys: Sequence[ChunkKey], tails: Tails | None, *, accept: bool,
+    def start(self, keys: Sequence[ChunkKey], *, accept: bool,
               ) -> Prefetch:
         """A prefetch of `keys` (and then its tail), queued for the workers if `accept`; else
         (or without keys) done at once with 0 chunks. Never blocks."""
         tokens = sum(k.num_tokens for k in keys)
         admission = self._planner.admission(tokens)
         budget = self._policy.budget_s(self._section, tokens, admission.budget_s)
-        prefetch = Prefetch(keys, self._policy, budget, drop=self.drop, tails=tails)
+        prefetch = Prefetch(keys, self._policy, budget, drop=self.drop)
         # Admitted before its plan while a tier that might pay is unmeasured: its load must
         # still run, for later requests and to time the tier (the plan narrows this down).
         prefetch.background = self._policy.planned and admission.guessing
@@ -137,7 +137,7 @@ class PrefetchLoads:
         reading; after the last chunk, its tail. Returns the leading chunks now in the hot
         tier once the load is over, None while there is more to do."""
         n = self._chunks_step(prefetch)
-        if n is not None and prefetch.tails is not None and not prefetch.cancelled \
+        if n is not None and prefetch.chain is not None and not prefetch.cancelled \
                 and not self._stopped():
             self._tail(prefetch, n)
         return n
@@ -167,8 +167,8 @@ class PrefetchLoads:
     def _tail(self, prefetch: Prefetch, n: int) -> None:
         """Bring the longest tail stored after `prefetch`'s first `n` chunks into the hot tier,
         unless the hot tier has it or the plan says it is not worth a read."""
-        assert prefetch.tails is not None
-        tails = prefetch.tails(n)
+        assert prefetch.chain is not None
+        tails = prefetch.chain.tails(n)
         best, _ = longest_held(tails, [self._hot])
         best, tier = longest_held(tails[:best], self._lower())
         if tier is None or not self._planner.tail_worth(prefetch, n, tier, tails[best]):

@@ -28,7 +28,7 @@ from kvtier.storage.gate import Gate
 from kvtier.storage.guard import STAGING, GuardedHotTier, GuardedTier, StagingTier
 from kvtier.storage.loads import PrefetchLoads, longest_held
 from kvtier.storage.policy import make_write_policy
-from kvtier.storage.prefetch import Prefetch, Tails
+from kvtier.storage.prefetch import Prefetch
 from kvtier.storage.sessions import SessionPins
 from kvtier.storage.tierset import TierSet, discard
 from kvtier.storage.writer import TierWriter
@@ -185,11 +185,10 @@ class StorageManager:
         best, _ = longest_held(tails, [self.hot] if hot_only else self.tiers)
         return tails[best] if best < len(tails) else None
 
-    def start_prefetch(self, keys: Sequence[ChunkKey], *,
-                       tails: Tails | None = None) -> Prefetch:
+    def start_prefetch(self, keys: Sequence[ChunkKey]) -> Prefetch:
         """Start loading the lower-tier chunks of `keys` into the CPU tier in the background,
-        then the longest tail stored after the last of them that some tier has (`tails(i)`:
-        the candidate tails after `i` chunks, longest first; see `KeyChain.tails`).
+        then, when `keys` is a `KeyChain`, the longest tail stored after the last of them that
+        some tier has (see `KeyChain.tails`; cut the chain with `upto` to load less).
 
         Never blocks. The returned handle's `ready()` answers per `prefetch_policy`:
         `adaptive`: once the part of the hits that arrives sooner than it could be recomputed
@@ -202,11 +201,11 @@ class StorageManager:
         arena until `retrieve` delivers them (`unstage`).
         """
         with self._gate.enter() as open_:
-            return self._loads.start(keys, tails, accept=open_)
+            return self._loads.start(keys, accept=open_)
 
-    def prefetch(self, keys: Sequence[ChunkKey], *, tails: Tails | None = None) -> Prefetch:
+    def prefetch(self, keys: Sequence[ChunkKey]) -> Prefetch:
         """`start_prefetch`, then wait as `prefetch_policy` says (none for `best_effort`)."""
-        prefetch = self.start_prefetch(keys, tails=tails)
+        prefetch = self.start_prefetch(keys)
         if not prefetch.wait() and prefetch.policy.counts_timeouts:
             self.counters.inc("prefetch_timeouts")
         return prefetch

@@ -18,11 +18,11 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 from kvtier.background import name_os_thread
 from kvtier.config.names import WAIT_COMPLETE
-from kvtier.keys import ChunkKey
+from kvtier.keys import ChunkKey, KeyChain
 from kvtier.metrics import RateLimitedLog
 from kvtier.storage.prefetch_policy import PrefetchPolicy, prefetch_policy
 
-__all__ = ["Prefetch", "Prefetcher", "PREFETCH_WINDOW", "Tails"]
+__all__ = ["Prefetch", "Prefetcher", "PREFETCH_WINDOW"]
 
 logger = logging.getLogger(__name__)
 
@@ -30,15 +30,14 @@ logger = logging.getLogger(__name__)
 # the granularity at which a cancel takes effect.
 PREFETCH_WINDOW = 64
 _warn = RateLimitedLog(logger)
-# Position i -> the candidate tails after the first i chunks, longest first (`KeyChain.tails`).
-Tails = Callable[[int], list[ChunkKey]]
 
 
 class Prefetch:
     """One background load of `keys` (a request's chunks, in order) into the hot tier.
 
     Args:
-        keys: the chunks to load, in prefix order.
+        keys: the chunks to load, in prefix order; a `KeyChain` also names the tails after
+            them: once the chunks are in, the longest tail stored after them is brought up.
         policy: when `ready()` says the caller may go on (`kvtier.storage.prefetch_policy`,
             or its name): at once if it does not wait, else when the load is done or at the
             deadline: `budget_s` after the start, or what the load's plan sets with
@@ -47,13 +46,11 @@ class Prefetch:
             `wait_complete`, its ceiling).
         drop: undoes the load for `cancel(drop=True)`; called at most once, after the load
             stopped (`PrefetchLoads.drop`).
-        tails: the candidate tails after each position: once the chunks are in, the longest
-            tail stored after them is brought up too.
     """
 
     def __init__(self, keys: Sequence[ChunkKey], policy: str | PrefetchPolicy = WAIT_COMPLETE,
                  budget_s: float = float("inf"), *,
-                 drop: Callable[[Prefetch], None] | None = None, tails: Tails | None = None):
+                 drop: Callable[[Prefetch], None] | None = None):
         self.policy = policy if isinstance(policy, PrefetchPolicy) else prefetch_policy(policy)
         self.keys = list(keys)
         self.started = time.monotonic()
@@ -68,7 +65,7 @@ class Prefetch:
         # Leading chunks in the hot tier when the caller stopped wanting more (its first
         # `cancel()`): what an admitted request got; chunks after that were not its.
         self.used: int | None = None
-        self.tails = tails
+        self.chain = keys if isinstance(keys, KeyChain) else None  # its tails
         self.hits: int | None = None  # leading chunks some tier holds, once the plan knows
         self._drop = drop
         self._release: Callable[[], object] | None = None  # see `hold`

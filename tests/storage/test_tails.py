@@ -107,6 +107,29 @@ def test_tails_never_share_keys_across_salts_or_with_whole_chunks() -> None:
     assert not plain & {k.key for k in kb.keys(tokens)[:-1]}
 
 
+def test_a_chain_carries_its_salt_and_upto_cuts_its_chunks_and_tails() -> None:
+    kb = KeyBuilder(model="m", fingerprint="f", chunk_size=CHUNK, tails=True, page_size=PAGE)
+    tokens = _tokens(60, 3)
+    chain = kb.chain(tokens, "tenant")
+    assert chain.salt == "tenant" and list(chain) == kb.keys(tokens, "tenant")[:3]
+    cut = chain.upto(2 * CHUNK + 8)  # inside the third chunk
+    assert list(cut) == list(chain) and cut.salt == "tenant"
+    assert max(k.end for k in cut.tails(2)) == 2 * CHUNK + 8  # no tail reaches past it
+    assert cut.tails(2) == chain.tails(2, limit=2 * CHUNK + 8)
+    assert list(chain.upto(CHUNK)) == list(chain)[:1] and not chain.upto(CHUNK).tails(1)
+
+
+def test_an_engine_load_refuses_a_salt_beside_a_chain() -> None:
+    engine = _engine(_mha(False), _config())
+    tokens = _tokens(40, 4)
+    try:
+        with pytest.raises(ValueError, match="salt"):
+            engine.lookup(tokens, keys=engine.key_chain(tokens, "a"), salt="a")
+        assert engine.lookup(tokens, keys=engine.key_chain(tokens, "a")) == 0
+    finally:
+        engine.close()
+
+
 def _tails_as_first_defined(kb: KeyBuilder, tokens: torch.Tensor, i: int,
                             salt: str = "") -> list[tuple]:
     """Tail candidates after `i` full chunks by the first definition: each candidate's tokens

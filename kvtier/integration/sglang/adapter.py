@@ -142,7 +142,7 @@ class SGLangKVTier:
         pages (metadata only: what the CPU tier holds; lower tiers load in the background).
         Tokens past `limit` still name the chunks: a chunk the limit cuts loads in part."""
         keys = self.chunk_keys(rid, token_ids, salt)
-        hit = self.engine.lookup(token_ids, hot_only=True, keys=keys, salt=salt, limit=limit)
+        hit = self.engine.lookup(token_ids, hot_only=True, keys=keys, limit=limit)
         return self.agree_min(hit - hit % self.page_size)
 
     def retrieve(self, rid: str | None, token_ids: np.ndarray, slots: torch.Tensor,
@@ -151,7 +151,7 @@ class SGLangKVTier:
         leading tokens now valid on every rank, in whole pages (at least `skip`)."""
         keys = self.chunk_keys(rid, token_ids, salt)
         got = self.engine.retrieve(token_ids, slots, skip=skip, hot_only=True,
-                                   keys=keys, salt=salt, limit=limit)
+                                   keys=keys, limit=limit)
         got = max(self.agree_min(got - got % self.page_size), skip)
         if got > skip:
             self.counters.inc("sglang.loads")
@@ -172,7 +172,7 @@ class SGLangKVTier:
         # The request's match (just before) hashed its whole prompt: the chunk that holds the
         # last prompt token is loaded too, for all but that token.
         keys = self.chunk_keys(rid, token_ids, salt)
-        prefetch = self.engine.start_prefetch(token_ids, keys=keys, salt=salt, limit=end)
+        prefetch = self.engine.start_prefetch(token_ids, keys=keys, limit=end)
         # Registered on every rank, done or not: `prefetch_ready` agrees across ranks, so one
         # rank whose CPU tier held it all (a done handle, nothing to load) waits for the rest.
         self._prefetches[rid] = prefetch
