@@ -35,7 +35,7 @@ from kvtier.demo.server import SGLangServer, cpu_shims_dir, free_port, gpu_avail
 from kvtier.demo.workload import FIRST_ID
 
 __all__ = ["NONE", "CPU", "REDIS", "SECOND", "ARMS", "MODELS", "VOCAB", "ServerOptions",
-           "Servers", "parse_arms", "pool_tokens", "random_ids", "redis_for"]
+           "Servers", "parse_arms", "pool_tokens", "random_ids", "redis_for", "session_cpu_s"]
 
 NONE, CPU, REDIS, SECOND = "none", "kvtier-cpu", "kvtier-cpu-disk-redis", "second-instance"
 ARMS = (NONE, CPU, REDIS, SECOND)
@@ -150,6 +150,14 @@ class Servers:
         flush_cache(server.url)
         return server
 
+    def cpu_s(self, url: str) -> float | None:
+        """CPU seconds (user + system) the live server at `url` has used so far, every process
+        of it (HTTP front, scheduler, detokenizer) with kvtier's threads; None if unknown."""
+        for server in self.live:
+            if server.url == url and server.proc is not None:
+                return session_cpu_s(server.proc.pid)
+        return None
+
     def counters(self, name: str) -> dict[str, float]:
         """kvtier's non-zero counters and histogram time sums of server `name` (per label
         set), `{}` for a server without kvtier."""
@@ -180,3 +188,22 @@ class Servers:
                 "threads": self.opts.threads or os.cpu_count(), "gpu": gpu_available(),
                 "chunk_size": CHUNK_SIZE, "kvtier_config": self.config(REDIS) or "",
                 "redis": self.redis_url}
+
+
+def session_cpu_s(sid: int) -> float | None:
+    """CPU seconds used by the live processes of session `sid` (a server started in its own
+    session: `start_new_session`), from /proc; None where /proc cannot say (not Linux)."""
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    total, seen = 0, False
+    for entry in Path("/proc").iterdir() if Path("/proc/self/stat").exists() else ():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # gone since the listing
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
+        if int(fields[3]) == sid:  # state ppid pgrp session ...
+            total += int(fields[11]) + int(fields[12])  # utime stime
+            seen = True
+    return total / tick if seen else None

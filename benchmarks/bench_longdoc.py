@@ -114,6 +114,11 @@ class Arms:
         self.phases: dict[str, Phases] = {}
         self.counters: dict[str, dict[str, float]] = {}
         self.writes_landed_s: list[float] = []  # flushes after the kvtier all-miss blocks
+        # A server's CPU seconds so far, by URL (None: unknown), and per arm and all-miss
+        # block what its server used: on a shared host far steadier than wall time.
+        self.cpu: Callable[[str], float | None] = lambda url: None
+        self.block_cpu_s: dict[str, dict[str, float]] = {}
+        self.landing_cpu_s: list[float] = []  # kvtier's, landing its writes after a block
 
     def run(self, arm: str, url: str, label: str, prompts: list[list[int]]) -> None:
         say(f"{arm}: {label} ({len(prompts)} requests)")
@@ -138,9 +143,16 @@ class Arms:
             for name in (NONE, arm) if pair % 2 else (arm, NONE):
                 url = base if name == NONE else kv
                 flush_cache(url)
+                before = self.cpu(url)
                 self.run(name, url, f"all-miss {pair}", self.opts.docs.misses(pair))
+                served = self.cpu(url)
                 if name != NONE:
                     self.writes_landed_s.append(flush_cache(kv))
+                    landed = self.cpu(url)
+                    if served is not None and landed is not None:
+                        self.landing_cpu_s.append(landed - served)
+                if before is not None and served is not None:
+                    self.block_cpu_s.setdefault(name, {})[f"all-miss {pair}"] = served - before
 
 
 def _finish(arms: Arms, servers: Servers, arm: str, server: SGLangServer) -> None:
@@ -152,6 +164,7 @@ def run_arms(opts: Options, servers: Servers) -> Arms:
     """Every arm in turn; the `none` server first and up to the end (the all-miss run goes
     back to it). The second instance starts once the CPU + disk + Redis server stopped."""
     arms = Arms(opts)
+    arms.cpu = servers.cpu_s
     miss_arm = REDIS if REDIS in opts.arms else CPU if CPU in opts.arms else None
     base = servers.start(NONE)
     arms.orders(NONE, base.url)
@@ -261,6 +274,13 @@ def miss_cost(arms: Arms, rows: list[Row]) -> dict[str, Any] | None:
                     for r in build_rows({NONE: {label: summarize(base[label].records)},
                                          row.arm: {label: summarize(kv[label].records)}})
                     if r.arm == row.arm]
+    kv_cpu, base_cpu = arms.block_cpu_s.get(row.arm, {}), arms.block_cpu_s.get(NONE, {})
+    both = [label for label in kv_cpu if label in base_cpu]
+    if both and sum(base_cpu[b] for b in both) > 0:
+        out["cpu_s"] = {row.arm: sum(kv_cpu[b] for b in both),
+                        NONE: sum(base_cpu[b] for b in both)}
+        out["cpu_ratio"] = out["cpu_s"][row.arm] / out["cpu_s"][NONE]
+        out["landing_cpu_s"] = sum(arms.landing_cpu_s)
     return out
 
 
@@ -272,7 +292,17 @@ def _miss_line(cost: dict[str, Any] | None, landed: list[float]) -> str:
             f"mean TTFT {cost['mean_ttft_ratio']:.3f}x, median {cost['median_ttft_ratio']:.3f}x,"
             f" round time {cost['round_time_ratio']:.3f}x (bound <= {MISS_BOUND}x on each: "
             f"{'met' if cost['met'] else 'MISSED'}); mean TTFT pair by pair {pairs}; kvtier's "
-            f"queued writes landed {max(landed):.2f} s at most after its blocks")
+            f"queued writes landed {max(landed):.2f} s at most after its blocks"
+            + _cpu_part(cost))
+
+
+def _cpu_part(cost: dict[str, Any]) -> str:
+    if "cpu_ratio" not in cost:
+        return ""
+    kv, base = cost["cpu_s"][cost["arm"]], cost["cpu_s"][NONE]
+    return (f"; CPU seconds its server used serving the blocks: {kv:.1f} against none's "
+            f"{base:.1f}, {cost['cpu_ratio']:.3f}x, and {cost['landing_cpu_s']:.1f} landing "
+            f"its writes after them")
 
 
 def report(opts: Options, arms: Arms,

@@ -3,6 +3,8 @@ the stdlib stand-in for SGLang of test_multiturn.py, which records every prompt 
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 from collections import Counter
 from collections.abc import Iterator
@@ -11,7 +13,7 @@ import pytest
 
 from benchmarks.anchor_driver import Record
 from benchmarks.anchor_report import build_rows
-from benchmarks.anchor_servers import NONE, REDIS
+from benchmarks.anchor_servers import NONE, REDIS, session_cpu_s
 from benchmarks.anchor_stats import summarize_blocks
 from benchmarks.bench_longdoc import (
     Arms,
@@ -129,6 +131,40 @@ def test_the_all_miss_blocks_pool_into_one_row_per_arm(
     assert cost["mean_ttft_ratio"] == pooled.mean_ratio
     assert cost["met"] == (max(pooled.mean_ratio, pooled.median_ratio,
                                pooled.seconds_ratio) <= 1.03)
+
+
+def test_each_all_miss_block_counts_the_cpu_its_own_server_used(
+        fakes: tuple[FakeSGLang, FakeSGLang]) -> None:
+    base, kv = fakes
+    arms = Arms(Options(DOCS, ("tile",)))
+    used = {base.url: 0.0, kv.url: 0.0}
+
+    def cpu(url: str) -> float:  # a server's CPU clock: 1 s per call to base, 1.5 s to kv
+        used[url] += 1.0 if url == base.url else 1.5
+        return used[url]
+
+    arms.cpu = cpu
+    arms.all_miss(base.url, REDIS, kv.url)
+    # kv's clock is read before, after the block and after the landing flush
+    assert arms.block_cpu_s == {NONE: {"all-miss 1": 1.0, "all-miss 2": 1.0},
+                                REDIS: {"all-miss 1": 1.5, "all-miss 2": 1.5}}
+    assert arms.landing_cpu_s == [1.5, 1.5]
+    cost = miss_cost(arms, build_rows(_summaries(arms)))
+    assert cost is not None and cost["cpu_s"] == {REDIS: 3.0, NONE: 2.0}
+    assert cost["cpu_ratio"] == 1.5 and cost["landing_cpu_s"] == 3.0
+
+
+def test_a_session_s_cpu_is_read_from_proc() -> None:
+    burn = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                             "while time.process_time() - t < 0.3: pass\nprint(1, flush=True)\n"
+                             "time.sleep(30)"], stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        assert burn.stdout is not None and burn.stdout.readline().strip() == b"1"
+        assert (session_cpu_s(burn.pid) or 0) >= 0.3
+    finally:
+        burn.kill()
+        burn.wait()
+    assert session_cpu_s(burn.pid) is None  # no live process of it
 
 
 def _rec(start: float, end: float) -> Record:
