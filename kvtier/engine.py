@@ -380,14 +380,10 @@ class CacheEngine:
 
     def _chain(self, token_ids: TokenIds, keys: Sequence[ChunkKey] | None,
                salt: str) -> Sequence[ChunkKey]:
-        """The keys a load walks: `keys` as given (a chain carries its own salt), else the
-        chain of `token_ids` under `salt`."""
-        if keys is None:
-            return self.key_chain(token_ids, salt)
-        if salt:
-            raise ValueError("salt: give it to key_chain(token_ids, salt), not beside keys= "
-                             "(a KeyChain carries the salt it was made with)")
-        return keys
+        """`keys` as given (a chain carries its salt), else `token_ids`' chain under `salt`."""
+        if keys is not None and salt:
+            raise ValueError("salt: give it to key_chain(token_ids, salt), not beside keys=")
+        return self.key_chain(token_ids, salt) if keys is None else keys
 
     def _prepare(self, token_ids: TokenIds, slot_mapping: torch.Tensor,
                  keys: Sequence[ChunkKey] | None = None,

@@ -15,7 +15,7 @@ CPU, DISK, REDIS = "cpu", "disk", "redis"
 TIERS = (CPU, DISK, REDIS)  # fastest first: the order puts and gets walk
 LOWER_TIERS = TIERS[1:]  # what attach/detach and the writers handle
 
-# Write policies (`kvtier.storage.policy`).
+# Write policies (`kvtier.storage.write_policy`).
 WRITE_THROUGH = "write_through"
 WRITE_THROUGH_SELECTIVE = "write_through_selective"
 WRITE_BACK = "write_back"

@@ -19,8 +19,8 @@ from kvtier.config.schema import PrefetchSection
 from kvtier.keys import ChunkKey
 from kvtier.metrics import Counters
 from kvtier.storage import prefetch as _prefetch
-from kvtier.storage.adaptive import LoadPlanner
 from kvtier.storage.guard import GuardedTier
+from kvtier.storage.planner import LoadPlanner
 from kvtier.storage.prefetch import Prefetch, Prefetcher
 from kvtier.storage.prefetch_policy import prefetch_policy
 
@@ -51,7 +51,7 @@ class PrefetchLoads:
         hot: the tier loads go into.
         read: reads leading keys from the lower tiers into `hot`; returns how many arrived.
         planner: how many leading chunks of a prefetch to bring into `hot`, given how many are
-            there already, and whether its tail is worth a read (`adaptive.LoadPlanner`).
+            there already, and whether its tail is worth a read (`planner.LoadPlanner`).
         lower: the lower tiers now, fastest first (where a tail is looked for).
         stopped: whether the manager is closing; loads stop at their next window.
         counters: counts `prefetches`, `prefetch_dropped` (queue full) and

@@ -22,15 +22,15 @@ from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey, stub_key
 from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj, lease
 from kvtier.metrics import Counters, RateLimitedLog
-from kvtier.storage.adaptive import LoadPlanner
 from kvtier.storage.estimates import PrefillSpeed
 from kvtier.storage.gate import Gate
 from kvtier.storage.guard import STAGING, GuardedHotTier, GuardedTier, StagingTier
 from kvtier.storage.loads import PrefetchLoads, longest_held
-from kvtier.storage.policy import make_write_policy
+from kvtier.storage.planner import LoadPlanner
 from kvtier.storage.prefetch import Prefetch
 from kvtier.storage.sessions import SessionPins
 from kvtier.storage.tierset import TierSet, discard
+from kvtier.storage.write_policy import make_write_policy
 from kvtier.storage.writer import TierWriter
 
 __all__ = ["StorageManager"]

@@ -75,7 +75,7 @@ class Prefetch:
         # drop), promoting the chunks for later requests and timing the tier.
         self.background = False
         # Why the request's tokens count as recomputed if it is admitted before the plan (one
-        # of `adaptive.REASONS`): it waited its whole budget, or had none and why.
+        # of `planner.REASONS`): it waited its whole budget, or had none and why.
         self.unwaited = "deadline"
         # Both under _lock, so cancel() and finish() agree on who runs the drop.
         self._drop_asked = False

@@ -1,7 +1,7 @@
 """Prefetch policies: how long a request waits for its load before it runs without the rest.
 
 - `adaptive` (the default): the load is planned from measured tier and prefill speeds
-  (`kvtier.storage.adaptive`); the request waits until what arrives sooner than it recomputes
+  (`kvtier.storage.planner`); the request waits until what arrives sooner than it recomputes
   is in, or that part's deadline. Until the plan exists, the deadline is what a load could
   save at the measured speeds (none while a lower tier is unmeasured: admitted at once).
 - `best_effort`: never waits; the load goes on in the background.

@@ -21,10 +21,10 @@ from kvtier.keys import ChunkKey
 from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj, lease
 from kvtier.metrics import Counters, RateLimitedLog
 from kvtier.storage import StorageManager
-from kvtier.storage.adaptive import LoadPlanner
 from kvtier.storage.estimates import PrefillSpeed
 from kvtier.storage.existence import Existence
 from kvtier.storage.guard import MIN_SAMPLE_BYTES, GuardedTier
+from kvtier.storage.planner import LoadPlanner
 from kvtier.storage.prefetch import Prefetch, Prefetcher
 from tests.helpers import SMALL_MHA, make_keys, make_obj
 

@@ -117,7 +117,7 @@ POLICY_CLASSES: dict[str, type[WritePolicy]] = {
 # The config offers exactly the names in kvtier.config.names: a policy added there is built here. A
 # raise, not an assert, so that `python -O` still refuses a table that lacks one.
 if set(POLICY_CLASSES) != set(names.WRITE_POLICIES):
-    raise RuntimeError(f"kvtier.storage.policy builds {sorted(POLICY_CLASSES)}, but "
+    raise RuntimeError(f"kvtier.storage.write_policy builds {sorted(POLICY_CLASSES)}, but "
                        f"kvtier.config.names lists {sorted(names.WRITE_POLICIES)}")
 
 

@@ -16,7 +16,9 @@ from kvtier.config import Config
 from kvtier.memory import MemoryAllocator
 from kvtier.metrics import Counters, RateLimitedLog
 from kvtier.storage import StorageManager
-from kvtier.storage.adaptive import (
+from kvtier.storage.estimates import PrefillSpeed, TierSpeed
+from kvtier.storage.guard import GuardedTier
+from kvtier.storage.planner import (
     DEADLINE_SLACK,
     Admission,
     Decision,
@@ -24,8 +26,6 @@ from kvtier.storage.adaptive import (
     Span,
     decide,
 )
-from kvtier.storage.estimates import PrefillSpeed, TierSpeed
-from kvtier.storage.guard import GuardedTier
 from kvtier.storage.prefetch import Prefetch
 from kvtier.storage.prefetch_policy import prefetch_policy
 from tests.helpers import SMALL_MHA, make_keys
