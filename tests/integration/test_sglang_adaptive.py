@@ -113,7 +113,7 @@ def test_a_fast_tier_is_loaded(start_server: Callable[..., SGLangServer], tiny_l
     loaded = samples["kvtier_adaptive_tokens_loaded_total"] \
         - primed.get("kvtier_adaptive_tokens_loaded_total", 0)
     assert loaded >= 0.8 * LONG, _adaptive(samples)
-    assert samples["kvtier_adaptive_tokens_recomputed_slower_than_recompute_total"] == 0
+    assert samples.get("kvtier_adaptive_tokens_recomputed_slower_than_recompute_total", 0) == 0
     assert samples["kvtier_est_read_bytes_per_second"] > 0
     assert samples["kvtier_est_prefill_tokens_per_second"] > 0
 
@@ -137,8 +137,10 @@ def test_a_tier_slower_than_recompute_is_recomputed(
         chunks = LONG // CHUNK * CHUNK * len(SEEDS[1:])
         samples = _wait_until(server, lambda samples: samples.get(
             "kvtier_adaptive_tokens_recomputed_slower_than_recompute_total", 0) >= chunks)
-        assert samples["kvtier_adaptive_tokens_loaded_total"] == 0, _adaptive(samples)
-        assert samples["kvtier_adaptive_tokens_recomputed_deadline_total"] == 0
+        # A counter appears once counted: where every prefetch ended before its plan (a busy
+        # host), nothing ever counted a load or a deadline, and absent means none.
+        assert samples.get("kvtier_adaptive_tokens_loaded_total", 0) == 0, _adaptive(samples)
+        assert samples.get("kvtier_adaptive_tokens_recomputed_deadline_total", 0) == 0
 
 
 def test_the_prefill_speed_is_measured_from_the_servers_own_batches(
