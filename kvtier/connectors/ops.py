@@ -56,9 +56,10 @@ def gather(layers: Sequence[torch.Tensor], slots: torch.Tensor, out: torch.Tenso
     """
     # The kernel checks every argument itself, in C++, before it writes (with the messages
     # `_check` gives): checking them here too cost a third of a cold call's Python.
-    if (ext := _kernel(_check_layers(layers).device)) is not None:
+    ext = _kernel(_check_layers(layers).device)
+    if ext is not None and isinstance(slots, torch.Tensor) and isinstance(out, torch.Tensor):
         return ext.gather(list(layers), slots, out, max_threads=copy_threads())
-    _check(layers, slots, out, "out", allow_skip=False)
+    _check(layers, slots, out, "out", allow_skip=False)  # a non-tensor: named here
     reference_gather(layers, slots, out)
 
 
@@ -74,7 +75,8 @@ def scatter(src: torch.Tensor, slots: torch.Tensor, layers: Sequence[torch.Tenso
     Raises:
         ValueError: naming the bad argument; nothing has been written.
     """
-    if (ext := _kernel(_check_layers(layers).device)) is not None:  # it checks, as in gather
+    ext = _kernel(_check_layers(layers).device)  # it checks the tensors, as in gather
+    if ext is not None and isinstance(slots, torch.Tensor) and isinstance(src, torch.Tensor):
         return ext.scatter(src, slots, list(layers), max_threads=copy_threads())
     _check(layers, slots, src, "src", allow_skip=True)
     reference_scatter(src, slots, layers)

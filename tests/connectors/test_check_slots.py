@@ -48,3 +48,16 @@ def test_pool_layers_are_checked_once_when_the_tuple_is_made() -> None:
     assert torch.equal(chunk, torch.stack([g[[5, 1, 7]] for g in good]))
     with pytest.raises(ValueError, match="slots"):  # the slots are still checked every call
         ops.gather(layers, torch.tensor([5, 1, 8]), chunk)
+
+
+@pytest.mark.parametrize("op", ["gather", "scatter"])
+def test_a_non_tensor_argument_is_named_even_where_the_kernel_checks(op: str) -> None:
+    from kvtier.connectors import ops
+
+    assert ops.prepare() != "torch"  # the compiled kernel, which checks tensors itself
+    layers, slots = [torch.zeros(8, 4) for _ in range(2)], torch.tensor([0, 1])
+    copy = ops.gather if op == "gather" else (lambda ls, s, c: ops.scatter(c, s, ls))
+    with pytest.raises(ValueError, match="out|src"):
+        copy(layers, slots, "junk")
+    with pytest.raises(ValueError, match="slots"):
+        copy(layers, [0, 1], torch.zeros(2, 2, 4))
