@@ -10,6 +10,7 @@ from kvtier.demo.models import LlamaSpec, cached_llama
 from kvtier.demo.workload import Conversation, Workload
 
 
+@pytest.mark.sglang  # writes the model with transformers, which `make sglang-env` installs
 def test_cached_llama_builds_once_per_spec(tmp_path: Path) -> None:
     spec = LlamaSpec(hidden=64, layers=1)
     path, built = cached_llama(spec, tmp_path)
