@@ -8,13 +8,15 @@ consecutive slots, as SGLang's paged allocator hands them). Implementations: `op
 (the compiled kernels called directly), `torch` (the reference) and `naive` (a per-layer
 Python loop with advanced indexing). `engine` stores the chunk from the pool into a CPU tier
 and retrieves it back through `kvtier.engine.CacheEngine` (keys, lookup, arena, connector,
-kernel), on the same pool and slots. The baseline is torch `copy_` of a contiguous tensor of
-the same size with the same threads, measured in the same run; the engine rows are also given
-against the kernel alone (`cpp`). GB/s is the median over the rounds, `p99` the rate at the
-99th percentile of the times (the slowest round below 100 rounds), `best` the fastest round.
+kernel), on the same pool and slots; `--chunks N` makes each call a prompt of N chunks (the
+kernel rows then copy all N chunks' rows in one call). The baseline is torch `copy_` of a
+contiguous tensor of the same size with the same threads, measured in the same run; the engine
+rows are also given against the kernel alone (`cpp`). GB/s is the median over the rounds, `p99`
+the rate at the 99th percentile of the times (the slowest round below 100 rounds), `best` the
+fastest round.
 
     .venv/bin/python benchmarks/bench_connectors.py [--rounds 20] [--pool-slots 16384]
-        [--contiguous | --page-size N] [--threads 2] [--no-engine]
+        [--contiguous | --page-size N] [--threads 2] [--chunks 1] [--no-engine]
 """
 
 from __future__ import annotations
@@ -103,11 +105,12 @@ def naive_scatter(src: torch.Tensor, slots: torch.Tensor, layers: list[torch.Ten
 
 
 def make_slots(args: argparse.Namespace) -> torch.Tensor:
+    tokens = args.tokens * args.chunks
     if args.contiguous:
-        return torch.arange(1, args.tokens + 1)
+        return torch.arange(1, tokens + 1)
     page = args.page_size
-    pages = torch.randperm(args.pool_slots // page)[: -(-args.tokens // page)]
-    return (pages[:, None] * page + torch.arange(page)).flatten()[: args.tokens].contiguous()
+    pages = torch.randperm(args.pool_slots // page)[: -(-tokens // page)]
+    return (pages[:, None] * page + torch.arange(page)).flatten()[:tokens].contiguous()
 
 
 def engine_cases(
@@ -122,19 +125,20 @@ def engine_cases(
 
     heads = [layer.view(args.pool_slots, args.kv_heads, args.head_dim) for layer in layers]
     connector = SGLangMHAConnector(heads[: args.layers], heads[args.layers :])
-    chunk_bytes = connector.layout.nbytes(args.tokens)
-    config = Config(chunk_size=args.tokens, max_local_cpu_size=4 * chunk_bytes / 1e9)
+    prompt = args.tokens * args.chunks
+    config = Config(chunk_size=args.tokens,
+                    max_local_cpu_size=(2 * prompt + 2) * connector.layout.nbytes(1) / 1e9)
     engine = CacheEngine(config, model_name="bench-connectors", layout=connector.layout,
                          connector=connector)
-    stored = torch.randint(0, 128_000, (args.tokens,), generator=torch.Generator().manual_seed(1))
+    stored = torch.randint(0, 128_000, (prompt,), generator=torch.Generator().manual_seed(1))
     loaded = stored + 1  # another prompt, stored once, retrieved every round
-    assert engine.store(loaded, slots) == args.tokens
+    assert engine.store(loaded, slots) == prompt
 
     def store() -> None:
-        assert engine.store(stored, slots) == args.tokens
+        assert engine.store(stored, slots) == prompt
 
     def retrieve() -> None:
-        assert engine.retrieve(loaded, slots) == args.tokens
+        assert engine.retrieve(loaded, slots) == prompt
 
     setups = {"store/engine": lambda: engine.storage.remove(engine.chunk_keys(stored))}
     return {"store/engine": store, "retrieve/engine": retrieve}, setups, engine
@@ -146,8 +150,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     num_layers, hidden, dtype = 2 * args.layers, args.kv_heads * args.head_dim, torch.bfloat16
     layers = [torch.randn(args.pool_slots, hidden).to(dtype) for _ in range(num_layers)]
     slots = make_slots(args)
-    chunk = torch.empty(num_layers, args.tokens, hidden, dtype=dtype)
-    src = torch.randn(num_layers, args.tokens, hidden).to(dtype)
+    chunk = torch.empty(num_layers, args.tokens * args.chunks, hidden, dtype=dtype)
+    src = torch.randn(num_layers, args.tokens * args.chunks, hidden).to(dtype)
     nbytes = chunk.numel() * chunk.element_size()
     kernel = ops.kernel_name()
     cases: dict[str, Callable[[], None]] = {
@@ -189,9 +193,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "head_dim": args.head_dim,
             "dtype": "bf16",
             "tokens": args.tokens,
+            "chunks_per_call": args.chunks,
             "pool_slots": args.pool_slots,
             "slots": slot_kind,
-            "chunk_bytes": nbytes,
+            "chunk_bytes": nbytes // args.chunks,
+            "call_bytes": nbytes,
             "threads": args.threads,
             "rounds": args.rounds,
             "flush_mb": args.flush_mb,
@@ -205,7 +211,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=256, help="tokens per chunk")
+    parser.add_argument("--chunks", type=int, default=1,
+                        help="chunks per engine call (a prompt of this many chunks)")
     parser.add_argument("--pool-slots", type=int, default=16384)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=20)
@@ -222,9 +230,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.page_size < 1 or args.pool_slots % args.page_size:
         parser.error("--page-size must be a positive divisor of --pool-slots")
+    if args.chunks < 1 or args.tokens * args.chunks > args.pool_slots:
+        parser.error("--chunks must be positive, with --tokens x --chunks <= --pool-slots")
     report = run(args)
     shape = report["shape"]
-    print(f"chunk {shape['chunk_bytes'] / 2**20:.0f} MiB, {shape['slots']} slots, "
+    print(f"{shape['chunks_per_call']} x {shape['chunk_bytes'] / 2**20:.0f} MiB chunks per call, "
+          f"{shape['slots']} slots, "
           f"{shape['threads']} threads, {shape['rounds']} rounds")
     print(f"{'op':<9} {'impl':<12} {'GB/s':>7} {'p99':>7} {'best':>7} {'x memcpy':>9} "
           f"{'x kernel':>9}")

@@ -205,12 +205,10 @@ class CacheEngine:
             loaded = load(wanted, slots, skip, limit)
         else:
             asked = list(wanted)
-            start = skip
-            if self._device is not None:  # what the CPU tier holds first, in one copy
-                n = self.storage.contains(wanted, hot_only=True)
-                start = self._retrieve_hot(wanted[:n], slots, skip, limit)
-                wanted = [k for k in wanted if k.end > start]
-            loaded = load(wanted, slots, start, limit)
+            # What the CPU tier holds first, in one copy; then the rest as it arrives.
+            n = self.storage.contains(wanted, hot_only=True)
+            start = self._retrieve_hot(wanted[:n], slots, skip, limit)
+            loaded = load([k for k in wanted if k.end > start], slots, start, limit)
             tail = self._tail(keys, loaded, limit, hot_only=False)
             loaded = load(tail, slots, loaded, limit)
             asked += tail

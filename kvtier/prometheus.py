@@ -68,7 +68,18 @@ class _Exporter:
             "(match), gate (waiting for the prefetch), copy (into the KV pool), insert (into "
             "the radix tree)", ["piece"], buckets=_BUCKETS)
         self._served: set[int] = set()
+        # (histogram, label values) -> its child: `labels()` validates and locks on every call,
+        # a cost every tier call on a serving thread would pay again.
+        self._children: dict[tuple[Any, ...], Any] = {}
         threading.Thread(target=self._run, name="kvtier-metrics", daemon=True).start()
+
+    def time(self, histogram: Any, *labels: str) -> Any:
+        """`histogram.labels(*labels)`, made once per label values."""
+        key = (histogram, labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = histogram.labels(*labels)
+        return child
 
     def add(self, source: Any) -> None:
         with self._lock:
@@ -195,19 +206,19 @@ def register(source: Any) -> None:
 def observe(tier: str, op: str, seconds: float) -> None:
     """Record the duration of one tier call."""
     if _exporter is not None:
-        _exporter.op_seconds.labels(tier=tier, op=op).observe(seconds)
+        _exporter.time(_exporter.op_seconds, tier, op).observe(seconds)
 
 
 def observe_scheduler(call: str, seconds: float) -> None:
     """Record the duration of one kvtier call on the serving engine's scheduler thread."""
     if _exporter is not None:
-        _exporter.scheduler_seconds.labels(call=call).observe(seconds)
+        _exporter.time(_exporter.scheduler_seconds, call).observe(seconds)
 
 
 def observe_hit(piece: str, seconds: float) -> None:
     """Record the duration of one piece of serving a hit (`kvtier_hit_seconds`)."""
     if _exporter is not None:
-        _exporter.hit_seconds.labels(piece=piece).observe(seconds)
+        _exporter.time(_exporter.hit_seconds, piece).observe(seconds)
 
 
 def serve(port: int) -> bool:

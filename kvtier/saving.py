@@ -1,7 +1,8 @@
 """Saving a prefix's chunks from the serving engine's pool into the CPU tier (the engine's
 `store`): objects allocated in the arena, filled from the pool rows, then put.
 
-On a CPU pool each chunk is one kernel call, and storing stops before a chunk with a `-1` slot.
+On a CPU pool every chunk of a store is filled by one kernel call, and storing stops before the
+first chunk with a `-1` slot.
 On a CUDA pool every chunk of a store is filled by one copy on kvtier's store stream
 (`DeviceCopies.gather`), which checks the slots on the GPU: chunks up to the first one that met a
 `-1` slot are kept, and a slot out of range fails the whole store before anything is put.
@@ -49,32 +50,43 @@ class PrefixSaver:
     def _save_on_cpu(self, keys: Sequence[ChunkKey], slots: torch.Tensor,
                      on_read: Callable[[], None] | None, extra: ChunkKey | None = None,
                      unwritten: bool = True) -> int:
-        first = self._storage.contains(keys, hot_only=True)
+        todo = keys[self._storage.contains(keys, hot_only=True):]
+        if unwritten and todo:  # stop before the first chunk with a -1 slot
+            start = todo[0].start
+            skipped = (slots[start:todo[-1].end] < 0).nonzero()
+            if skipped.numel():
+                cut = start + int(skipped[0])
+                todo = [k for k in todo if k.end <= cut]
         objs: list[MemoryObj] = []
         with lease(objs):
             inner = self._gather_one(extra, slots) if extra is not None else None
             if inner is not None:
                 objs.append(inner)  # released with the others
-            for key in keys[first:]:
-                chunk_slots = slots[key.start:key.end]
-                if unwritten and bool((chunk_slots < 0).any()):
-                    break
-                obj = self._storage.allocator.allocate(self._layout, key.num_tokens)
-                if obj is None:
-                    self._storage.counters.inc("store_no_memory")
-                    break
-                objs.append(obj)
-                self._connector.gather(chunk_slots, obj)
+            chunks = self._allocate(todo)
+            objs += chunks
+            if chunks:  # one kernel call for every chunk
+                self._connector.gather_many(slots[todo[0].start:todo[len(chunks) - 1].end],
+                                            chunks)
             if on_read is not None:
                 on_read()
-            chunks = objs[1:] if inner is not None else objs
-            stored = keys[first:first + len(chunks)]
+            stored = todo[:len(chunks)]
             self._storage.put(stored, chunks)
             if inner is not None and extra is not None:
                 self._storage.put([extra], [inner])
         n = sum(k.num_tokens for k in stored)
         self._storage.counters.inc("tokens_stored", n)
         return n
+
+    def _allocate(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
+        """Arena objects for `keys`, up to the first that finds no memory (counted)."""
+        objs: list[MemoryObj] = []
+        for key in keys:
+            obj = self._storage.allocator.allocate(self._layout, key.num_tokens)
+            if obj is None:
+                self._storage.counters.inc("store_no_memory")
+                break
+            objs.append(obj)
+        return objs
 
     def _save_on_gpu(self, keys: Sequence[ChunkKey], slots: torch.Tensor,
                      on_read: Callable[[], None] | None, extra: ChunkKey | None,
@@ -89,12 +101,7 @@ class PrefixSaver:
             todo.insert(0, extra)
         objs: list[MemoryObj] = []
         with lease(objs):
-            for key in todo:
-                obj = self._storage.allocator.allocate(self._layout, key.num_tokens)
-                if obj is None:
-                    self._storage.counters.inc("store_no_memory")
-                    break
-                objs.append(obj)
+            objs += self._allocate(todo)
             todo = todo[:len(objs)]
             runs = [slots[k.start:k.end] for k in todo[:1 if inner else 0]]
             if len(todo) > len(runs):  # the chunks after the inner tail are consecutive

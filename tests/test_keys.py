@@ -151,3 +151,35 @@ def test_a_request_salt_gives_its_own_keys() -> None:
     assert a == a_again
     assert len({k.key for k in plain + a + b}) == 3 * len(plain)
     assert [k.tokens for k in a] == [k.tokens for k in plain]  # same tokens, other chain
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_the_kernels_token_bytes_match_the_numpy_path(dtype: torch.dtype,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtier.connectors import ops
+
+    assert ops.prepare() != "torch"  # the compiled helper, then the fallback without it
+    top = 2**32 - 1 if dtype == torch.int64 else 2**31 - 1
+    tokens = torch.tensor([0, 1, 255, 256, 65_536, 2**24 + 3, top], dtype=dtype)
+    fast = bytes(encode_tokens(tokens))
+    assert fast == np.array(tokens.tolist(), dtype="<u4").tobytes()
+    bad = torch.tensor([3, -7, 2**32], dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"token_ids must lie in \[0, 2\*\*32\), got range "
+                                         r"\[-7, 4294967296\]"):
+        encode_tokens(bad)
+    monkeypatch.setattr(ops, "token_bytes", lambda t: None)
+    assert bytes(encode_tokens(tokens)) == fast
+    with pytest.raises(ValueError, match=r"got range \[-7, 4294967296\]"):
+        encode_tokens(bad)
+
+
+def test_tensors_the_kernel_helper_does_not_take_go_the_numpy_way() -> None:
+    from kvtier.connectors import ops
+
+    ops.prepare()
+    assert ops.token_bytes(torch.arange(4, dtype=torch.int16)) is None
+    assert ops.token_bytes(torch.arange(4).reshape(2, 2)) is None
+    assert bytes(encode_tokens(torch.arange(4, dtype=torch.int16))) == \
+        np.arange(4, dtype="<u4").tobytes()
+    strided = torch.arange(8)[::2]  # the helper takes it (it makes it contiguous)
+    assert bytes(encode_tokens(strided)) == np.arange(0, 8, 2, dtype="<u4").tobytes()

@@ -39,15 +39,15 @@ class KVConnector(ABC):
     def scatter(self, obj: MemoryObj, slots: torch.Tensor) -> None:
         """Copy `obj` into the pool rows `slots`; `-1` slots are left untouched."""
 
+    def gather_many(self, slots: torch.Tensor, objs: Sequence[MemoryObj]) -> None:
+        """`gather` into consecutive chunks, in one kernel call: `objs[i]` takes the next
+        `objs[i].num_tokens` rows of `slots` (every slot valid)."""
+        ops.gather_chunks(self._layers, slots, self._planes(objs, "objs"))
+
     def scatter_many(self, objs: Sequence[MemoryObj], slots: torch.Tensor) -> None:
-        """`scatter` of consecutive chunks: `objs[i]` goes to the next `objs[i].num_tokens`
-        rows of `slots`. Connectors override it with one kernel call for all chunks."""
-        start = 0
-        for obj in objs:
-            self.scatter(obj, slots[start:start + obj.num_tokens])
-            start += obj.num_tokens
-        if start != slots.numel():
-            raise ValueError(f"objs hold {start} tokens, slots has {slots.numel()}")
+        """`scatter` of consecutive chunks, in one kernel call: `objs[i]` goes to the next
+        `objs[i].num_tokens` rows of `slots`."""
+        ops.scatter_chunks(self._planes(objs, "objs"), slots, self._layers)
 
     def gather_host(self, slots: torch.Tensor, objs: Sequence[MemoryObj],
                     status: torch.Tensor, staging: Staging | None = None) -> None:
@@ -104,7 +104,7 @@ class KVConnector(ABC):
             return None
         if not slots.numel():
             return 0
-        lo, hi = torch.stack(torch.aminmax(slots)).tolist()  # one pass over them
+        lo, hi = ops.slot_bounds(slots) or torch.stack(torch.aminmax(slots)).tolist()
         low_ok = -1 if allow_skip else 0
         if lo < low_ok or hi >= self.num_slots:
             raise ValueError(f"{name} out of range: values in [{lo}, {hi}], pool has "

@@ -29,8 +29,8 @@ import torch
 from kvtier.background import copy_threads
 from kvtier.errors import ConfigError
 
-__all__ = ["gather", "scatter", "scatter_chunks", "prepare", "kernel_name", "reference_gather",
-           "reference_scatter", "CheckedLayers"]
+__all__ = ["gather", "scatter", "gather_chunks", "scatter_chunks", "prepare", "kernel_name",
+           "reference_gather", "reference_scatter", "CheckedLayers", "slot_bounds", "token_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -82,35 +82,77 @@ def scatter(src: torch.Tensor, slots: torch.Tensor, layers: Sequence[torch.Tenso
     reference_scatter(src, slots, layers)
 
 
-def scatter_chunks(srcs: Sequence[torch.Tensor], slots: torch.Tensor,
-                   layers: Sequence[torch.Tensor]) -> None:
-    """`scatter(srcs[c], slots[o_c : o_c + T_c], layers)` for every chunk c in order (`o_c`:
-    the tokens of the chunks before it), as one call: the slots are checked once and the
-    kernel runs without returning to Python between chunks (the admission copy).
+def gather_chunks(layers: Sequence[torch.Tensor], slots: torch.Tensor,
+                  outs: Sequence[torch.Tensor]) -> None:
+    """`gather(layers, slots[o_c : o_c + T_c], outs[c])` for every chunk c in order (`o_c`: the
+    tokens of the chunks before it), as one call: the slots are checked once and the kernel
+    runs without returning to Python between chunks (a store of a whole prompt).
 
     Raises:
         ValueError: naming the bad argument; nothing has been written.
     """
-    first = _check_layers(layers)
-    ext = _kernel(first.device)
-    # The kernel checks the slot range and every chunk itself, in C++; the reference needs
-    # them checked here.
-    _check_slots(slots, first, allow_skip=True, check_range=ext is None)
-    if isinstance(srcs, torch.Tensor) or not srcs or \
-            not all(isinstance(src, torch.Tensor) and src.dim() == 3 for src in srcs):
-        raise ValueError("srcs must be a non-empty sequence of 3-D [layers, tokens, hidden] "
-                         "tensors")
-    total = sum(int(src.shape[1]) for src in srcs)
-    if total != slots.numel():
-        raise ValueError(f"srcs hold {total} tokens, slots has {slots.numel()}")
+    ext = _check_chunks(layers, slots, outs, "outs", allow_skip=False)
+    if ext is not None:
+        return ext.gather_chunks(list(layers), slots, list(outs), max_threads=copy_threads())
+    start = 0
+    for out in outs:
+        reference_gather(layers, slots[start:start + out.shape[1]], out)
+        start += out.shape[1]
+
+
+def scatter_chunks(srcs: Sequence[torch.Tensor], slots: torch.Tensor,
+                   layers: Sequence[torch.Tensor]) -> None:
+    """`scatter(srcs[c], slots[o_c : o_c + T_c], layers)` for every chunk c in order (`o_c`:
+    the tokens of the chunks before it), as one call: the slots are checked once and the
+    kernel runs without returning to Python between chunks (a load of a whole prompt).
+
+    Raises:
+        ValueError: naming the bad argument; nothing has been written.
+    """
+    ext = _check_chunks(layers, slots, srcs, "srcs", allow_skip=True)
     if ext is not None:
         return ext.scatter_chunks(list(srcs), slots, list(layers), max_threads=copy_threads())
-    for i, src in enumerate(srcs):
-        _check_chunk(src, f"srcs[{i}]", first, len(layers), src.shape[1])
     start = 0
     for src in srcs:
         reference_scatter(src, slots[start:start + src.shape[1]], layers)
         start += src.shape[1]
+
+
+def _check_chunks(layers: Sequence[torch.Tensor], slots: torch.Tensor,
+                  chunks: Sequence[torch.Tensor], name: str, allow_skip: bool,
+                  ) -> ModuleType | None:
+    """Checks a copy between `layers` and consecutive `chunks` (the kernel checks the slot
+    range and every chunk itself, in C++; the reference needs them checked here); returns
+    the kernel, or None for the reference."""
+    first = _check_layers(layers)
+    ext = _kernel(first.device)
+    _check_slots(slots, first, allow_skip=allow_skip, check_range=ext is None)
+    if isinstance(chunks, torch.Tensor) or not chunks or \
+            not all(isinstance(c, torch.Tensor) and c.dim() == 3 for c in chunks):
+        raise ValueError(f"{name} must be a non-empty sequence of 3-D [layers, tokens, hidden] "
+                         "tensors")
+    total = sum(int(c.shape[1]) for c in chunks)
+    if total != slots.numel():
+        raise ValueError(f"{name} hold {total} tokens, slots has {slots.numel()}")
+    if ext is None:
+        for i, chunk in enumerate(chunks):
+            _check_chunk(chunk, f"{name}[{i}]", first, len(layers), chunk.shape[1])
+    return ext
+
+
+def slot_bounds(slots: torch.Tensor) -> tuple[int, int] | None:
+    """(min, max) of a non-empty contiguous 1-D CPU int64 tensor, in one pass of the compiled
+    kernel; None for anything else or without the kernel (then use `torch.aminmax`)."""
+    ext = _ext if _ext is not None else _loaded_ext()
+    return None if ext is None else ext.slot_bounds(slots)
+
+
+def token_bytes(tokens: torch.Tensor) -> bytes | None:
+    """A 1-D CPU int64/int32 tensor of token ids as little-endian uint32 bytes, in one pass of
+    the compiled kernel (`ValueError` naming `token_ids` outside [0, 2**32)); None for anything
+    else or without the kernel (then convert with numpy)."""
+    ext = _ext if _ext is not None else _loaded_ext()
+    return None if ext is None else ext.token_bytes(tokens)
 
 
 def prepare() -> str:
@@ -279,7 +321,8 @@ def _check_slots(slots: torch.Tensor, first: torch.Tensor, allow_skip: bool,
 
 def _check_range(slots: torch.Tensor, first: torch.Tensor, allow_skip: bool) -> None:
     if slots.numel():
-        lo, hi = torch.stack(torch.aminmax(slots)).tolist()  # one device sync, not two
+        # One pass; on a GPU one device sync, not two.
+        lo, hi = slot_bounds(slots) or torch.stack(torch.aminmax(slots)).tolist()
         low = SKIP_SLOT if allow_skip else 0
         if lo < low or hi >= first.shape[0]:
             raise ValueError(

@@ -43,6 +43,3 @@ class SGLangMHAConnector(KVConnector):
         self.check_obj(obj, slots, name="obj")
         t = obj.tensor
         ops.scatter(t.view(2 * t.shape[1], t.shape[2], t.shape[3]), slots, self._layers)
-
-    def scatter_many(self, objs: Sequence[MemoryObj], slots: torch.Tensor) -> None:
-        ops.scatter_chunks(self._planes(objs, "objs"), slots, self._layers)

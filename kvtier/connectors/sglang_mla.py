@@ -33,6 +33,3 @@ class SGLangMLAConnector(KVConnector):
     def scatter(self, obj: MemoryObj, slots: torch.Tensor) -> None:
         self.check_obj(obj, slots, name="obj")
         ops.scatter(obj.tensor[0], slots, self._layers)
-
-    def scatter_many(self, objs: Sequence[MemoryObj], slots: torch.Tensor) -> None:
-        ops.scatter_chunks(self._planes(objs, "objs"), slots, self._layers)

@@ -100,9 +100,10 @@ inline void prefetch_bytes(const char* p, int64_t n) {
 
 // The rows of one copy as pieces. A piece is one layer's rows for a run of tokens of one chunk
 // whose slots are consecutive: its pool rows are adjacent like its chunk rows, so it is one
-// copy. Pieces are numbered chunk by chunk, then layer by layer, so consecutive pieces touch
-// consecutive chunk bytes (the chunk side streams, the pool side jumps unless the slots run).
-// Tokens with a -1 slot belong to no piece.
+// copy. Pieces are numbered layer by layer, then chunk by chunk, so a layer's pool rows are read
+// in one stretch however many chunks the copy has (a gather of 8 chunks of 256 random slots
+// took 1.27x as long chunk by chunk, on 2 threads of an AMD EPYC), while within each chunk the
+// chunk side still streams. Tokens with a -1 slot belong to no piece.
 class Pieces {
  public:
   struct Piece {
@@ -119,7 +120,7 @@ class Pieces {
     const int64_t max_rows = std::max<int64_t>(1, kMaxPieceBytes / row_bytes);
     int64_t rows = 0;
     for (size_t c = 0; c < chunks_.size(); slot += tokens_[c++]) {
-      const int64_t first_run = static_cast<int64_t>(runs_.size());
+      first_run_.push_back(static_cast<int64_t>(runs_.size()));
       for (int64_t t = 0; t < tokens_[c];) {
         if (slot[t] == kSkipSlot) {
           ++t;
@@ -131,11 +132,8 @@ class Pieces {
         rows += n;
         t += n;
       }
-      first_run_.push_back(first_run);
-      num_runs_.push_back(static_cast<int64_t>(runs_.size()) - first_run);
-      first_piece_.push_back(size_);
-      size_ += num_layers * num_runs_.back();
     }
+    size_ = num_layers * static_cast<int64_t>(runs_.size());
     bytes_ = rows * num_layers * row_bytes;
   }
 
@@ -143,12 +141,12 @@ class Pieces {
   int64_t bytes() const { return bytes_; }
 
   Piece operator[](int64_t p) const {
-    const int64_t c =
-        find_chunk(first_piece_.data(), static_cast<int64_t>(first_piece_.size()), p);
-    const int64_t local = p - first_piece_[c];
-    const Run& run = runs_[first_run_[c] + local % num_runs_[c]];
-    const RowIndex row{local / num_runs_[c], run.token};
-    return {chunks_[c] + chunk_offset(row, tokens_[c], row_bytes_), row.layer,
+    const int64_t num_runs = static_cast<int64_t>(runs_.size());
+    const int64_t layer = p / num_runs, r = p % num_runs;
+    const Run& run = runs_[r];
+    const int64_t c = find_chunk(first_run_.data(), static_cast<int64_t>(first_run_.size()), r);
+    const RowIndex row{layer, run.token};
+    return {chunks_[c] + chunk_offset(row, tokens_[c], row_bytes_), layer,
             slot_offset(run.slot, row_bytes_), run.rows * row_bytes_};
   }
 
@@ -163,7 +161,7 @@ class Pieces {
   std::vector<int64_t> tokens_;
   int64_t row_bytes_;
   std::vector<Run> runs_;
-  std::vector<int64_t> first_run_, num_runs_, first_piece_;  // per chunk
+  std::vector<int64_t> first_run_;  // per chunk: its first run
   int64_t size_ = 0, bytes_ = 0;
 };
 

@@ -11,7 +11,9 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "kv_copy_cpu.h"
@@ -20,6 +22,14 @@ namespace kvtier {
 namespace {
 
 using namespace cpu_copy;  // this file is the kernel those pieces make up
+
+// The smallest and largest value of a non-empty contiguous CPU int64 vector, in one pass and
+// without the tensors and dispatches at::aminmax costs (tens of microseconds on a cold call).
+std::pair<int64_t, int64_t> bounds(const at::Tensor& values) {
+  const int64_t* v = values.data_ptr<int64_t>();
+  const auto [lo, hi] = std::minmax_element(v, v + values.numel());
+  return {*lo, *hi};
+}
 
 // Validates the layers and the slot vector (not its values); returns the row size in bytes.
 int64_t check_pool(const std::vector<at::Tensor>& layers, const at::Tensor& slots) {
@@ -49,8 +59,14 @@ void check_range(const std::vector<at::Tensor>& layers, const at::Tensor& slots,
   const auto& first = layers[0];
   if (slots.numel() > 0) {
     // One pass on the host; on a GPU this is one reduction and one sync.
-    auto [lo_t, hi_t] = at::aminmax(slots);
-    const int64_t lo = lo_t.item<int64_t>(), hi = hi_t.item<int64_t>();
+    int64_t lo, hi;
+    if (slots.is_cpu()) {
+      std::tie(lo, hi) = bounds(slots);
+    } else {
+      auto [lo_t, hi_t] = at::aminmax(slots);
+      lo = lo_t.item<int64_t>();
+      hi = hi_t.item<int64_t>();
+    }
     const int64_t min_ok = allow_skip ? kSkipSlot : 0;
     TORCH_CHECK_VALUE(lo >= min_ok && hi < first.size(0), "slots must be in [", min_ok, ", ",
                       first.size(0), "), got values in [", lo, ", ", hi, "]");
@@ -80,11 +96,24 @@ int64_t check_args(const std::vector<at::Tensor>& layers, const at::Tensor& slot
   return row_bytes;
 }
 
-void gather_cpu(const std::vector<at::Tensor>& layers, const at::Tensor& slots, at::Tensor& out,
-                int64_t row_bytes, int64_t max_threads) {
+// The chunk pointers and token counts of `chunks` (each [layers, tokens, hidden]), for Pieces.
+std::pair<std::vector<char*>, std::vector<int64_t>> chunk_rows(
+    const std::vector<at::Tensor>& chunks) {
+  std::pair<std::vector<char*>, std::vector<int64_t>> rows;
+  for (const auto& chunk : chunks) {
+    rows.first.push_back(static_cast<char*>(chunk.data_ptr()));
+    rows.second.push_back(chunk.size(1));
+  }
+  return rows;
+}
+
+// outs[c] receives the rows of the slots after those of outs[0, c).
+void gather_cpu(const std::vector<at::Tensor>& layers, const at::Tensor& slots,
+                const std::vector<at::Tensor>& outs, int64_t row_bytes, int64_t max_threads) {
   const auto base = layer_bases<const char*>(layers);
-  const Pieces pieces({static_cast<char*>(out.data_ptr())}, {slots.numel()},
-                      slots.data_ptr<int64_t>(), static_cast<int64_t>(layers.size()), row_bytes);
+  auto [chunks, tokens] = chunk_rows(outs);
+  const Pieces pieces(std::move(chunks), std::move(tokens), slots.data_ptr<int64_t>(),
+                      static_cast<int64_t>(layers.size()), row_bytes);
   const auto pool_row = [&](const Pieces::Piece& p) { return base[p.layer] + p.pool; };
   parallel_pieces(pieces, max_threads, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < std::min(b + kTlbAhead, e); ++i) {
@@ -118,12 +147,7 @@ void gather_cpu(const std::vector<at::Tensor>& layers, const at::Tensor& slots, 
 void scatter_cpu(const std::vector<at::Tensor>& srcs, const at::Tensor& slots,
                  const std::vector<at::Tensor>& layers, int64_t row_bytes, int64_t max_threads) {
   const auto base = layer_bases<char*>(layers);
-  std::vector<char*> chunks;
-  std::vector<int64_t> tokens;
-  for (const auto& src : srcs) {
-    chunks.push_back(static_cast<char*>(src.data_ptr()));
-    tokens.push_back(src.size(1));
-  }
+  auto [chunks, tokens] = chunk_rows(srcs);
   const Pieces pieces(std::move(chunks), std::move(tokens), slots.data_ptr<int64_t>(),
                       static_cast<int64_t>(layers.size()), row_bytes);
   const bool stream = pieces.bytes() >= kStreamScatterBytes;
@@ -148,6 +172,43 @@ void scatter_cpu(const std::vector<at::Tensor>& srcs, const at::Tensor& slots,
 
 }  // namespace
 
+py::object slot_bounds(const at::Tensor& slots) {
+  if (!slots.is_cpu() || slots.dim() != 1 || slots.scalar_type() != at::kLong ||
+      !slots.is_contiguous() || slots.numel() == 0) {
+    return py::none();
+  }
+  const auto [lo, hi] = bounds(slots);
+  return py::make_tuple(lo, hi);
+}
+
+py::object token_bytes(const at::Tensor& tokens) {
+  const auto type = tokens.scalar_type();
+  if (!tokens.is_cpu() || tokens.dim() != 1 || (type != at::kLong && type != at::kInt)) {
+    return py::none();
+  }
+  const at::Tensor t = tokens.to(at::kLong).contiguous();  // no copy for the usual int64
+  const int64_t n = t.numel();
+  const int64_t* v = t.data_ptr<int64_t>();
+  if (n > 0) {
+    const auto [lo, hi] = std::minmax_element(v, v + n);
+    if (*lo < 0 || *hi > int64_t{0xFFFFFFFF}) {
+      throw py::value_error("token_ids must lie in [0, 2**32), got range [" +
+                            std::to_string(*lo) + ", " + std::to_string(*hi) + "]");
+    }
+  }
+  auto out = py::reinterpret_steal<py::bytes>(PyBytes_FromStringAndSize(nullptr, 4 * n));
+  if (!out) throw py::error_already_set();
+  auto* dst = reinterpret_cast<unsigned char*>(PyBytes_AS_STRING(out.ptr()));
+  for (int64_t i = 0; i < n; ++i) {  // little-endian whatever the host's order
+    const auto x = static_cast<uint32_t>(v[i]);
+    dst[4 * i] = x & 0xFF;
+    dst[4 * i + 1] = (x >> 8) & 0xFF;
+    dst[4 * i + 2] = (x >> 16) & 0xFF;
+    dst[4 * i + 3] = x >> 24;
+  }
+  return out;
+}
+
 void gather(const std::vector<at::Tensor>& layers, const at::Tensor& slots, at::Tensor out,
             int64_t max_threads) {
   const int64_t row_bytes = check_args(layers, slots, out, "out", /*allow_skip=*/false);
@@ -161,7 +222,7 @@ void gather(const std::vector<at::Tensor>& layers, const at::Tensor& slots, at::
 #endif
   }
   TORCH_CHECK_VALUE(out.is_cpu(), "out must be on the CPU or a CUDA device");
-  gather_cpu(layers, slots, out, row_bytes, max_threads);
+  gather_cpu(layers, slots, {out}, row_bytes, max_threads);
 }
 
 void scatter(const at::Tensor& src, const at::Tensor& slots,
@@ -180,21 +241,53 @@ void scatter(const at::Tensor& src, const at::Tensor& slots,
   scatter_cpu({src}, slots, layers, row_bytes, max_threads);
 }
 
-void scatter_chunks(const std::vector<at::Tensor>& srcs, const at::Tensor& slots,
-                    const std::vector<at::Tensor>& layers, int64_t max_threads) {
-  // Everything is validated (the slot range once, over all chunks) before a byte is written.
-  TORCH_CHECK_VALUE(!srcs.empty(), "srcs must not be empty");
+namespace {
+
+// Validates a copy between the layers and consecutive chunks, everything (the slot range once,
+// over all chunks) before a byte is written; returns the row size in bytes, 0 for no copy.
+int64_t check_chunks(const std::vector<at::Tensor>& layers, const at::Tensor& slots,
+                     const std::vector<at::Tensor>& chunks, const char* name, bool allow_skip) {
+  TORCH_CHECK_VALUE(!chunks.empty(), name, " must not be empty");
   const int64_t row_bytes = check_pool(layers, slots);
   int64_t total = 0;
-  for (size_t c = 0; c < srcs.size(); ++c) {
-    TORCH_CHECK_VALUE(srcs[c].dim() == 3, "srcs[", c, "] must be 3-D [layers, tokens, hidden]");
-    check_chunk(layers, srcs[c], srcs[c].size(1), "srcs[" + std::to_string(c) + "]");
-    total += srcs[c].size(1);
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    const std::string chunk_name = name + ("[" + std::to_string(c) + "]");
+    TORCH_CHECK_VALUE(chunks[c].dim() == 3, chunk_name, " must be 3-D [layers, tokens, hidden]");
+    check_chunk(layers, chunks[c], chunks[c].size(1), chunk_name);
+    total += chunks[c].size(1);
   }
-  TORCH_CHECK_VALUE(total == slots.numel(), "srcs hold ", total, " tokens, slots has ",
+  TORCH_CHECK_VALUE(total == slots.numel(), name, " hold ", total, " tokens, slots has ",
                     slots.numel());
-  check_range(layers, slots, /*allow_skip=*/true);
-  if (total == 0 || row_bytes == 0) return;
+  check_range(layers, slots, allow_skip);
+  TORCH_CHECK_VALUE(slots.is_cpu() || slots.is_cuda(), "slots must be on the CPU or a CUDA device");
+  return total == 0 ? 0 : row_bytes;
+}
+
+}  // namespace
+
+void gather_chunks(const std::vector<at::Tensor>& layers, const at::Tensor& slots,
+                   const std::vector<at::Tensor>& outs, int64_t max_threads) {
+  const int64_t row_bytes = check_chunks(layers, slots, outs, "outs", /*allow_skip=*/false);
+  if (row_bytes == 0) return;
+  if (slots.is_cuda()) {
+#ifdef KVTIER_WITH_CUDA
+    int64_t offset = 0;  // one launch per chunk, all on the current stream
+    for (auto out : outs) {
+      gather_cuda(layers, slots.narrow(0, offset, out.size(1)), out, row_bytes);
+      offset += out.size(1);
+    }
+    return;
+#else
+    TORCH_CHECK_VALUE(false, "kvtier._C was built without CUDA");
+#endif
+  }
+  gather_cpu(layers, slots, outs, row_bytes, max_threads);
+}
+
+void scatter_chunks(const std::vector<at::Tensor>& srcs, const at::Tensor& slots,
+                    const std::vector<at::Tensor>& layers, int64_t max_threads) {
+  const int64_t row_bytes = check_chunks(layers, slots, srcs, "srcs", /*allow_skip=*/true);
+  if (row_bytes == 0) return;
   if (slots.is_cuda()) {
 #ifdef KVTIER_WITH_CUDA
     int64_t offset = 0;  // one launch per chunk, all on the current stream
@@ -207,7 +300,6 @@ void scatter_chunks(const std::vector<at::Tensor>& srcs, const at::Tensor& slots
     TORCH_CHECK_VALUE(false, "kvtier._C was built without CUDA");
 #endif
   }
-  TORCH_CHECK_VALUE(slots.is_cpu(), "slots must be on the CPU or a CUDA device");
   scatter_cpu(srcs, slots, layers, row_bytes, max_threads);
 }
 
@@ -287,11 +379,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scatter", &kvtier::scatter, "layers[l][slots[t]] = src[l, t] for slots[t] != -1",
         py::arg("src"), py::arg("slots"), py::arg("layers"), py::arg("max_threads") = 0,
         py::call_guard<py::gil_scoped_release>());
+  m.def("gather_chunks", &kvtier::gather_chunks,
+        "gather(layers, slots[offset_c : offset_c + T_c], outs[c]) for every chunk c, with the "
+        "slots checked once",
+        py::arg("layers"), py::arg("slots"), py::arg("outs"), py::arg("max_threads") = 0,
+        py::call_guard<py::gil_scoped_release>());
   m.def("scatter_chunks", &kvtier::scatter_chunks,
         "scatter(srcs[c], slots[offset_c : offset_c + T_c], layers) for every chunk c, with "
         "the slots checked once",
         py::arg("srcs"), py::arg("slots"), py::arg("layers"), py::arg("max_threads") = 0,
         py::call_guard<py::gil_scoped_release>());
+  // Host helpers that spare a cold serving call a few tensor dispatches each; both return None
+  // for a tensor they do not take, whose caller then falls back to torch and its own messages.
+  m.def("slot_bounds", &kvtier::slot_bounds,
+        "(min, max) of a non-empty contiguous 1-D CPU int64 tensor, else None", py::arg("slots"));
+  m.def("token_bytes", &kvtier::token_bytes,
+        "a 1-D CPU integer tensor as little-endian uint32 bytes (ValueError outside [0, 2**32)), "
+        "else None", py::arg("tokens"));
   m.def("gather_host", &kvtier::gather_host,
         "outs[c][l, t] = layers[l][slots[first_c + t]] for CUDA layers and pinned host chunks, "
         "enqueued on the current stream; slots checked on the GPU into status",

@@ -130,9 +130,23 @@ class StorageManager:
         """
         objs: list[MemoryObj] = []
         with lease(objs):  # what arrived is released, even if a read fails midway
-            with closing(self.stream(keys, hot_only=hot_only)) as chunks:
-                objs.extend(chunks)
+            if hot_only:  # in memory: one call, not a stream of reads
+                objs += self._hot_hits(keys)
+            else:
+                with closing(self.stream(keys)) as chunks:
+                    objs.extend(chunks)
             yield objs
+
+    def _hot_hits(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
+        """The CPU tier's objects for the leading hits of `keys` (the caller owns them)."""
+        if self._gate.closed:
+            return []
+        objs = self.hot.batch_get(keys)
+        for key, obj in zip(keys, objs):
+            self.policy.on_hit(key, obj, self._writers)
+        if objs:
+            self.counters.inc(f"{self.hot.name}.hit_chunks", len(objs))
+        return objs
 
     def stream(self, keys: Sequence[ChunkKey], *, hot_only: bool = False,
                ) -> Generator[MemoryObj, None, None]:

@@ -61,3 +61,20 @@ def test_a_non_tensor_argument_is_named_even_where_the_kernel_checks(op: str) ->
         copy(layers, slots, "junk")
     with pytest.raises(ValueError, match="slots"):
         copy(layers, [0, 1], torch.zeros(2, 2, 4))
+
+
+def test_the_kernels_slot_bounds_agree_with_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvtier.connectors import ops
+
+    assert ops.prepare() != "torch"
+    slots = torch.randint(-1, 64, (300,), generator=torch.Generator().manual_seed(3))
+    assert ops.slot_bounds(slots) == tuple(torch.stack(torch.aminmax(slots)).tolist())
+    for other in (torch.empty(0, dtype=torch.int64), torch.arange(4, dtype=torch.int32),
+                  torch.arange(8)[::2], torch.arange(4, device="meta")):
+        assert ops.slot_bounds(other) is None  # the caller uses torch for these
+    conn = _conn()
+    fast = conn.check_slots(slots, name="slot_mapping")
+    monkeypatch.setattr(ops, "slot_bounds", lambda s: None)  # as without the compiled kernel
+    assert conn.check_slots(slots, name="slot_mapping") == fast == int(slots.min())
+    with pytest.raises(ValueError, match=r"values in \[0, 64\]"):
+        conn.check_slots(torch.tensor([0, 64]), name="slot_mapping")

@@ -272,57 +272,6 @@ def test_gather_rejects_the_skip_slot() -> None:
     assert not out.any()
 
 
-# --- scatter_chunks: the admission copy, many chunks in one call -----------------------------
-
-
-@pytest.mark.parametrize("kernel", ["auto", "torch"])
-def test_scatter_chunks_equals_one_scatter_per_chunk(kernel: str,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVTIER_KERNEL", kernel)
-    sizes = [16, 0, 16, 5, 16, 0]  # empty chunks share a start row with the next one
-    srcs = [random_rows((3, t, 8), torch.bfloat16, seed=10 + i) for i, t in enumerate(sizes)]
-    slots = torch.randperm(100)[: sum(sizes)] + 1
-    slots[3] = -1  # a row left alone
-    batched, one_by_one = make_pool(3, 101, 8, torch.bfloat16), make_pool(3, 101, 8,
-                                                                          torch.bfloat16)
-    ops.scatter_chunks(srcs, slots, batched)
-    start = 0
-    for src in srcs:
-        ops.reference_scatter(src, slots[start:start + src.shape[1]], one_by_one)
-        start += src.shape[1]
-    assert all(same_bytes(a, b) for a, b in zip(batched, one_by_one, strict=True))
-
-
-@pytest.mark.parametrize("kernel", ["auto", "torch"])
-@pytest.mark.parametrize("case, pattern", [
-    ("tokens", "srcs hold 21 tokens, slots has 20"),
-    ("chunk shape", r"srcs\[1\]"),
-    ("chunk dtype", r"srcs\[1\]"),
-    ("slot range", "slots"),
-    ("empty", "srcs must be a non-empty"),
-])
-def test_scatter_chunks_rejects_bad_input_before_writing(
-        kernel: str, case: str, pattern: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVTIER_KERNEL", kernel)
-    layers = make_pool(2, 30, 4, torch.float32)
-    before = [layer.clone() for layer in layers]
-    srcs = [random_rows((2, 16, 4), torch.float32, 1), random_rows((2, 4, 4), torch.float32, 2)]
-    slots = torch.arange(1, 21)
-    if case == "tokens":
-        srcs[1] = random_rows((2, 5, 4), torch.float32, 2)
-    elif case == "chunk shape":
-        srcs[1] = random_rows((3, 4, 4), torch.float32, 2)
-    elif case == "chunk dtype":
-        srcs[1] = srcs[1].double()
-    elif case == "slot range":
-        slots[-1] = 30
-    else:
-        srcs = []
-    with pytest.raises(ValueError, match=pattern):
-        ops.scatter_chunks(srcs, slots, layers)
-    assert all(same_bytes(a, b) for a, b in zip(layers, before, strict=True))
-
-
 def _threads_started_by_a_copy(background: bool) -> tuple[int, int]:
     """(copy_threads(), OS threads the process gained) for one large gather on a new thread."""
     layers = [torch.randn(4096, 512) for _ in range(4)]
@@ -378,17 +327,3 @@ def test_runs_of_adjacent_slots_match_reference(hidden: int, dtype: torch.dtype)
     ops.reference_scatter(expected.flip(0), slots, want)
     _C.scatter(expected.flip(0).contiguous(), slots, layers)
     assert all(same_bytes(a, b) for a, b in zip(layers, want, strict=True))
-
-
-@pytest.mark.parametrize("hidden", [24, 4096])  # 4096: 1 MiB, so it streams
-def test_scatter_chunks_ends_a_run_with_its_chunk(hidden: int) -> None:
-    """Slots running on across chunks are adjacent in the pool but not in memory."""
-    sizes = [7, 0, 9, 1, 16]  # an empty chunk between two, a -1 ending chunk 0
-    srcs = [random_rows((4, t, hidden), torch.bfloat16, seed=20 + i) for i, t in enumerate(sizes)]
-    slots = torch.arange(10, 10 + sum(sizes))
-    slots[6] = -1
-    batched, one_by_one = (make_pool(4, 60, hidden, torch.bfloat16) for _ in range(2))
-    _C.scatter_chunks(srcs, slots, batched)
-    for src, rows in zip(srcs, slots.split(sizes), strict=True):
-        ops.reference_scatter(src, rows, one_by_one)
-    assert all(same_bytes(a, b) for a, b in zip(batched, one_by_one, strict=True))
