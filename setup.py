@@ -27,7 +27,7 @@ def _aot_extension() -> dict[str, object]:
     except ImportError:
         sys.exit("kvtier: KVTIER_BUILD_EXT=1 needs torch installed; use "
                  "`pip install --no-build-isolation`")
-    sources = ["kvtier/csrc/kv_ops.cpp"]
+    sources = ["kvtier/csrc/kv_ops.cpp", "kvtier/csrc/kv_module.cpp"]
     flags = ["-O3", "-g0", "-fopenmp"]
     if torch.version.cuda is not None and CUDA_HOME is not None:
         ext = CUDAExtension("kvtier._C", [*sources, "kvtier/csrc/kv_ops_cuda.cu"],

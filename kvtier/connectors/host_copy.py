@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtier.connectors import ops
+from kvtier.connectors import checks, ops
 from kvtier.errors import ConfigError
 
 __all__ = ["gather_host", "scatter_host", "STATUS_SKIP", "STATUS_BAD", "copy_blocks",
@@ -67,7 +67,8 @@ def gather_host(layers: Sequence[torch.Tensor], slots: torch.Tensor,
     """
     first = _check(layers, slots, outs, status, "outs")
     if (ext := ops._kernel(first.device)) is not None:
-        return ext.gather_host(list(layers), slots, list(outs), status, copy_blocks())
+        return ops.check_result(ext.gather_host(list(layers), slots, list(outs), status,
+                                                copy_blocks()))
     reference_gather_host(layers, slots, outs, status)
 
 
@@ -83,7 +84,8 @@ def scatter_host(srcs: Sequence[torch.Tensor], slots: torch.Tensor,
     """
     first = _check(layers, slots, srcs, status, "srcs")
     if (ext := ops._kernel(first.device)) is not None:
-        return ext.scatter_host(list(srcs), slots, list(layers), status, copy_blocks())
+        return ops.check_result(ext.scatter_host(list(srcs), slots, list(layers), status,
+                                                 copy_blocks()))
     reference_scatter_host(srcs, slots, layers, status)
 
 
@@ -141,10 +143,10 @@ def _status(rows: torch.Tensor, n: int, *, skip_counts: bool) -> torch.Tensor:
 
 def _check(layers: Sequence[torch.Tensor], slots: torch.Tensor,
            chunks: Sequence[torch.Tensor], status: torch.Tensor, name: str) -> torch.Tensor:
-    first = ops._check_layers(layers)
+    first = checks.check_layers(layers)
     if first.device.type != "cuda":
         raise ValueError(f"layers must be on a CUDA device, got {first.device}")
-    ops._check_slots(slots, first, allow_skip=True, check_range=False)
+    checks.check_slots(slots, first, allow_skip=True, check_range=False)
     if isinstance(chunks, torch.Tensor) or not chunks:
         raise ValueError(f"{name} must be a non-empty sequence of [layers, tokens, hidden] "
                          f"tensors")
@@ -154,7 +156,7 @@ def _check(layers: Sequence[torch.Tensor], slots: torch.Tensor,
         if not isinstance(chunk, torch.Tensor) or chunk.dim() != 3 or \
                 (chunk.shape[0], chunk.shape[2]) != want:
             raise ValueError(f"{name}[{i}] must be a [{want[0]}, tokens, {want[1]}] tensor, "
-                             f"got {ops._describe(chunk)}")
+                             f"got {checks.describe(chunk)}")
         # A chunk on the pool's device is a staging buffer (`staging`); an empty one is never read.
         staged = chunk.device == first.device
         pinned = staged or chunk.numel() == 0 or chunk.is_pinned()
@@ -169,5 +171,5 @@ def _check(layers: Sequence[torch.Tensor], slots: torch.Tensor,
     if status.dtype != torch.int32 or status.device.type != "cpu" or \
             status.shape != (len(chunks),) or not status.is_pinned():
         raise ValueError(f"status must be a pinned int32 CPU tensor of shape ({len(chunks)},), "
-                         f"got {ops._describe(status)} on {status.device}")
+                         f"got {checks.describe(status)} on {status.device}")
     return first

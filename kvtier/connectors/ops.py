@@ -11,8 +11,9 @@ kernels are tested against. `KVTIER_KERNEL=torch` forces the reference, `KVTIER_
 requires the compiled kernels (an error if they cannot be built), `auto` (the default) picks
 the fastest available.
 
-The kernels copy rows of bytes, so every dtype works (fp8 included). Arguments are checked here
-before anything is written, and again in C++ (`TORCH_CHECK`) for direct callers.
+The kernels copy rows of bytes, so every dtype works (fp8 included). Every argument is checked
+before anything is written: in C++ by the compiled kernels (they return an error, raised here by
+`check_result`), here for the reference.
 """
 
 from __future__ import annotations
@@ -27,14 +28,16 @@ from types import ModuleType
 import torch
 
 from kvtier.background import copy_threads
+from kvtier.connectors import checks
+from kvtier.connectors.checks import SKIP_SLOT, CheckedLayers
 from kvtier.errors import ConfigError
 
 __all__ = ["gather", "scatter", "gather_chunks", "scatter_chunks", "prepare", "kernel_name",
-           "reference_gather", "reference_scatter", "CheckedLayers", "slot_bounds", "token_bytes"]
+           "reference_gather", "reference_scatter", "CheckedLayers", "slot_bounds", "token_bytes",
+           "check_result"]
 
 logger = logging.getLogger(__name__)
 
-SKIP_SLOT = -1  # in scatter: leave this token's pool row untouched
 
 _ext: ModuleType | None = None
 _ext_error: str | None = None  # why the kernels could not be compiled or loaded
@@ -55,11 +58,11 @@ def gather(layers: Sequence[torch.Tensor], slots: torch.Tensor, out: torch.Tenso
         ValueError: naming the bad argument; nothing has been written.
     """
     # The kernel checks every argument itself, in C++, before it writes (with the messages
-    # `_check` gives): checking them here too cost a third of a cold call's Python.
-    ext = _kernel(_check_layers(layers).device)
+    # `checks.check` gives): checking them here too cost a third of a cold call's Python.
+    ext = _kernel(checks.check_layers(layers).device)
     if ext is not None and isinstance(slots, torch.Tensor) and isinstance(out, torch.Tensor):
-        return ext.gather(list(layers), slots, out, max_threads=copy_threads())
-    _check(layers, slots, out, "out", allow_skip=False)  # a non-tensor: named here
+        return check_result(ext.gather(list(layers), slots, out, max_threads=copy_threads()))
+    checks.check(layers, slots, out, "out", allow_skip=False)  # a non-tensor: named here
     reference_gather(layers, slots, out)
 
 
@@ -75,10 +78,10 @@ def scatter(src: torch.Tensor, slots: torch.Tensor, layers: Sequence[torch.Tenso
     Raises:
         ValueError: naming the bad argument; nothing has been written.
     """
-    ext = _kernel(_check_layers(layers).device)  # it checks the tensors, as in gather
+    ext = _kernel(checks.check_layers(layers).device)  # it checks the tensors, as in gather
     if ext is not None and isinstance(slots, torch.Tensor) and isinstance(src, torch.Tensor):
-        return ext.scatter(src, slots, list(layers), max_threads=copy_threads())
-    _check(layers, slots, src, "src", allow_skip=True)
+        return check_result(ext.scatter(src, slots, list(layers), max_threads=copy_threads()))
+    checks.check(layers, slots, src, "src", allow_skip=True)
     reference_scatter(src, slots, layers)
 
 
@@ -93,7 +96,8 @@ def gather_chunks(layers: Sequence[torch.Tensor], slots: torch.Tensor,
     """
     ext = _check_chunks(layers, slots, outs, "outs", allow_skip=False)
     if ext is not None:
-        return ext.gather_chunks(list(layers), slots, list(outs), max_threads=copy_threads())
+        return check_result(ext.gather_chunks(list(layers), slots, list(outs),
+                                             max_threads=copy_threads()))
     start = 0
     for out in outs:
         reference_gather(layers, slots[start:start + out.shape[1]], out)
@@ -111,7 +115,8 @@ def scatter_chunks(srcs: Sequence[torch.Tensor], slots: torch.Tensor,
     """
     ext = _check_chunks(layers, slots, srcs, "srcs", allow_skip=True)
     if ext is not None:
-        return ext.scatter_chunks(list(srcs), slots, list(layers), max_threads=copy_threads())
+        return check_result(ext.scatter_chunks(list(srcs), slots, list(layers),
+                                              max_threads=copy_threads()))
     start = 0
     for src in srcs:
         reference_scatter(src, slots[start:start + src.shape[1]], layers)
@@ -124,9 +129,9 @@ def _check_chunks(layers: Sequence[torch.Tensor], slots: torch.Tensor,
     """Checks a copy between `layers` and consecutive `chunks` (the kernel checks the slot
     range and every chunk itself, in C++; the reference needs them checked here); returns
     the kernel, or None for the reference."""
-    first = _check_layers(layers)
+    first = checks.check_layers(layers)
     ext = _kernel(first.device)
-    _check_slots(slots, first, allow_skip=allow_skip, check_range=ext is None)
+    checks.check_slots(slots, first, allow_skip=allow_skip, check_range=ext is None)
     if isinstance(chunks, torch.Tensor) or not chunks or \
             not all(isinstance(c, torch.Tensor) and c.dim() == 3 for c in chunks):
         raise ValueError(f"{name} must be a non-empty sequence of 3-D [layers, tokens, hidden] "
@@ -136,8 +141,19 @@ def _check_chunks(layers: Sequence[torch.Tensor], slots: torch.Tensor,
         raise ValueError(f"{name} hold {total} tokens, slots has {slots.numel()}")
     if ext is None:
         for i, chunk in enumerate(chunks):
-            _check_chunk(chunk, f"{name}[{i}]", first, len(layers), chunk.shape[1])
+            checks.check_chunk(chunk, f"{name}[{i}]", first, len(layers), chunk.shape[1])
     return ext
+
+
+_RAISED = {"ValueError": ValueError, "RuntimeError": RuntimeError}
+
+
+def check_result(outcome: tuple[str, str]) -> None:
+    """Raise what a compiled copy returned: its (exception name, message), ("", "") when it ran.
+    The kernels return errors instead of raising them (see `kv_module.cpp`, `reporting`)."""
+    kind, message = outcome
+    if kind:
+        raise _RAISED[kind](message)
 
 
 def slot_bounds(slots: torch.Tensor) -> tuple[int, int] | None:
@@ -292,107 +308,3 @@ def _log_once(reason: str) -> None:
     if reason not in _logged:
         _logged.add(reason)
         logger.warning("%s", reason)
-
-
-def _check(
-    layers: Sequence[torch.Tensor],
-    slots: torch.Tensor,
-    chunk: torch.Tensor,
-    chunk_name: str,
-    allow_skip: bool,
-) -> None:
-    first = _check_layers(layers)
-    _check_slots(slots, first, allow_skip, check_range=False)
-    _check_chunk(chunk, chunk_name, first, len(layers), slots.numel())
-    _check_range(slots, first, allow_skip)
-
-
-def _check_slots(slots: torch.Tensor, first: torch.Tensor, allow_skip: bool,
-                 check_range: bool = True) -> None:
-    if not isinstance(slots, torch.Tensor) or slots.dim() != 1 or slots.dtype != torch.int64:
-        raise ValueError(f"slots must be a 1-D int64 tensor, got {_describe(slots)}")
-    if slots.device != first.device:
-        raise ValueError(f"slots is on {slots.device} but layers are on {first.device}")
-    if not slots.is_contiguous():
-        raise ValueError("slots must be contiguous")
-    if check_range:
-        _check_range(slots, first, allow_skip)
-
-
-def _check_range(slots: torch.Tensor, first: torch.Tensor, allow_skip: bool) -> None:
-    if slots.numel():
-        # One pass; on a GPU one device sync, not two.
-        lo, hi = slot_bounds(slots) or torch.stack(torch.aminmax(slots)).tolist()
-        low = SKIP_SLOT if allow_skip else 0
-        if lo < low or hi >= first.shape[0]:
-            raise ValueError(
-                f"slots must be in [{low}, {first.shape[0]}), got values in [{lo}, {hi}]"
-            )
-
-
-class CheckedLayers(tuple):  # type: ignore[type-arg]
-    """Pool layers checked once (`_check_layers`), for a caller that passes the same pool on
-    every chunk (a connector): the copy functions skip the per-layer checks for them, which
-    cost more than a small chunk's copy. A tensor's dtype, shape and device are fixed, so the
-    check holds for as long as the tuple lives."""
-
-    first: torch.Tensor
-
-    def __new__(cls, layers: Sequence[torch.Tensor]) -> CheckedLayers:
-        first = _check_layers(layers)
-        self = super().__new__(cls, layers)
-        self.first = first
-        return self
-
-
-def _check_layers(layers: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Checks the layers agree with each other; returns the first."""
-    if isinstance(layers, CheckedLayers):
-        return layers.first
-    if isinstance(layers, torch.Tensor) or not isinstance(layers, Sequence) or not layers:
-        raise ValueError("layers must be a non-empty sequence of tensors")
-    first = layers[0]
-    if not isinstance(first, torch.Tensor) or first.dim() != 2:
-        raise ValueError(f"layers[0] must be a 2-D tensor [num_slots, hidden], got {first!r:.80}")
-    shape, dtype, device = first.shape, first.dtype, first.device
-    for i, layer in enumerate(layers):
-        # One fast test per layer (this runs on every chunk); explain only on failure.
-        if (
-            isinstance(layer, torch.Tensor)
-            and layer.dtype is dtype
-            and layer.shape == shape
-            and layer.device == device
-            and layer.is_contiguous()
-        ):
-            continue
-        if not isinstance(layer, torch.Tensor):
-            raise ValueError(f"layers[{i}] must be a tensor, got {type(layer).__name__}")
-        if not layer.is_contiguous():
-            raise ValueError(f"layers[{i}] must be contiguous")
-        raise ValueError(
-            f"layers[{i}] is {layer.dtype} {tuple(layer.shape)} on {layer.device}; layers[0] "
-            f"is {dtype} {tuple(shape)} on {device}: they must match"
-        )
-    return first
-
-
-def _check_chunk(
-    chunk: torch.Tensor, name: str, first: torch.Tensor, num_layers: int, num_tokens: int
-) -> None:
-    if not isinstance(chunk, torch.Tensor):
-        raise ValueError(f"{name} must be a tensor, got {type(chunk).__name__}")
-    if chunk.dtype != first.dtype or chunk.device != first.device:
-        raise ValueError(
-            f"{name} is {chunk.dtype} on {chunk.device}; layers are {first.dtype} on {first.device}"
-        )
-    expected = (num_layers, num_tokens, first.shape[1])
-    if tuple(chunk.shape) != expected:
-        raise ValueError(f"{name} must have shape {expected}, got {tuple(chunk.shape)}")
-    if not chunk.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
-
-
-def _describe(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"{value.dtype} tensor of shape {tuple(value.shape)}"
-    return type(value).__name__

@@ -3,12 +3,9 @@
 // gather(layers, slots, out):  out[l, t] = layers[l][slots[t]]
 // scatter(src, slots, layers): layers[l][slots[t]] = src[l, t] for slots[t] != -1
 //
-// Every argument is validated before a byte is written (the Python wrapper checks the same
-// things first; these checks keep the extension safe when called directly).
+// Every argument is validated before a byte is written; a bad one throws std::invalid_argument
+// (KV_CHECK), which kv_module.cpp hands to Python as a value.
 #include "kv_ops.h"
-
-#include <pybind11/stl.h>
-#include <torch/csrc/utils/pybind.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -23,33 +20,25 @@ namespace {
 
 using namespace cpu_copy;  // this file is the kernel those pieces make up
 
-// The smallest and largest value of a non-empty contiguous CPU int64 vector, in one pass and
-// without the tensors and dispatches at::aminmax costs (tens of microseconds on a cold call).
-std::pair<int64_t, int64_t> bounds(const at::Tensor& values) {
-  const int64_t* v = values.data_ptr<int64_t>();
-  const auto [lo, hi] = std::minmax_element(v, v + values.numel());
-  return {*lo, *hi};
-}
-
 // Validates the layers and the slot vector (not its values); returns the row size in bytes.
 int64_t check_pool(const std::vector<at::Tensor>& layers, const at::Tensor& slots) {
-  TORCH_CHECK_VALUE(!layers.empty(), "layers must not be empty");
+  KV_CHECK(!layers.empty(), "layers must not be empty");
   const auto& first = layers[0];
-  TORCH_CHECK_VALUE(first.dim() == 2, "layers must be 2-D [num_slots, hidden], got ",
+  KV_CHECK(first.dim() == 2, "layers must be 2-D [num_slots, hidden], got ",
                     first.sizes());
   for (size_t i = 0; i < layers.size(); ++i) {
     const auto& layer = layers[i];
-    TORCH_CHECK_VALUE(layer.sizes() == first.sizes() && layer.dtype() == first.dtype() &&
+    KV_CHECK(layer.sizes() == first.sizes() && layer.dtype() == first.dtype() &&
                           layer.device() == first.device(),
                       "layers[", i, "] is ", layer.dtype(), " ", layer.sizes(), " on ",
                       layer.device(), "; layers[0] is ", first.dtype(), " ", first.sizes(),
                       " on ", first.device(), ": they must match");
-    TORCH_CHECK_VALUE(layer.is_contiguous(), "layers[", i, "] must be contiguous");
+    KV_CHECK(layer.is_contiguous(), "layers[", i, "] must be contiguous");
   }
-  TORCH_CHECK_VALUE(slots.dim() == 1 && slots.scalar_type() == at::kLong,
+  KV_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong,
                     "slots must be a 1-D int64 tensor");
-  TORCH_CHECK_VALUE(slots.device() == first.device(), "slots must be on the layers' device");
-  TORCH_CHECK_VALUE(slots.is_contiguous(), "slots must be contiguous");
+  KV_CHECK(slots.device() == first.device(), "slots must be on the layers' device");
+  KV_CHECK(slots.is_contiguous(), "slots must be contiguous");
   return first.size(1) * first.element_size();
 }
 
@@ -61,14 +50,14 @@ void check_range(const std::vector<at::Tensor>& layers, const at::Tensor& slots,
     // One pass on the host; on a GPU this is one reduction and one sync.
     int64_t lo, hi;
     if (slots.is_cpu()) {
-      std::tie(lo, hi) = bounds(slots);
+      std::tie(lo, hi) = value_bounds(slots);
     } else {
       auto [lo_t, hi_t] = at::aminmax(slots);
       lo = lo_t.item<int64_t>();
       hi = hi_t.item<int64_t>();
     }
     const int64_t min_ok = allow_skip ? kSkipSlot : 0;
-    TORCH_CHECK_VALUE(lo >= min_ok && hi < first.size(0), "slots must be in [", min_ok, ", ",
+    KV_CHECK(lo >= min_ok && hi < first.size(0), "slots must be in [", min_ok, ", ",
                       first.size(0), "), got values in [", lo, ", ", hi, "]");
   }
 }
@@ -77,11 +66,11 @@ void check_range(const std::vector<at::Tensor>& layers, const at::Tensor& slots,
 void check_chunk(const std::vector<at::Tensor>& layers, const at::Tensor& chunk,
                  int64_t num_tokens, const std::string& chunk_name) {
   const auto& first = layers[0];
-  TORCH_CHECK_VALUE(chunk.device() == first.device() && chunk.dtype() == first.dtype(),
+  KV_CHECK(chunk.device() == first.device() && chunk.dtype() == first.dtype(),
                     chunk_name, " must match the layers' dtype and device");
-  TORCH_CHECK_VALUE(chunk.is_contiguous(), chunk_name, " must be contiguous");
+  KV_CHECK(chunk.is_contiguous(), chunk_name, " must be contiguous");
   const int64_t n = static_cast<int64_t>(layers.size());
-  TORCH_CHECK_VALUE(chunk.dim() == 3 && chunk.size(0) == n && chunk.size(1) == num_tokens &&
+  KV_CHECK(chunk.dim() == 3 && chunk.size(0) == n && chunk.size(1) == num_tokens &&
                         chunk.size(2) == first.size(1),
                     chunk_name, " must have shape [", n, ", ", num_tokens, ", ",
                     first.size(1), "], got ", chunk.sizes());
@@ -172,41 +161,10 @@ void scatter_cpu(const std::vector<at::Tensor>& srcs, const at::Tensor& slots,
 
 }  // namespace
 
-py::object slot_bounds(const at::Tensor& slots) {
-  if (!slots.is_cpu() || slots.dim() != 1 || slots.scalar_type() != at::kLong ||
-      !slots.is_contiguous() || slots.numel() == 0) {
-    return py::none();
-  }
-  const auto [lo, hi] = bounds(slots);
-  return py::make_tuple(lo, hi);
-}
-
-py::object token_bytes(const at::Tensor& tokens) {
-  const auto type = tokens.scalar_type();
-  if (!tokens.is_cpu() || tokens.dim() != 1 || (type != at::kLong && type != at::kInt)) {
-    return py::none();
-  }
-  const at::Tensor t = tokens.to(at::kLong).contiguous();  // no copy for the usual int64
-  const int64_t n = t.numel();
-  const int64_t* v = t.data_ptr<int64_t>();
-  if (n > 0) {
-    const auto [lo, hi] = std::minmax_element(v, v + n);
-    if (*lo < 0 || *hi > int64_t{0xFFFFFFFF}) {
-      throw py::value_error("token_ids must lie in [0, 2**32), got range [" +
-                            std::to_string(*lo) + ", " + std::to_string(*hi) + "]");
-    }
-  }
-  auto out = py::reinterpret_steal<py::bytes>(PyBytes_FromStringAndSize(nullptr, 4 * n));
-  if (!out) throw py::error_already_set();
-  auto* dst = reinterpret_cast<unsigned char*>(PyBytes_AS_STRING(out.ptr()));
-  for (int64_t i = 0; i < n; ++i) {  // little-endian whatever the host's order
-    const auto x = static_cast<uint32_t>(v[i]);
-    dst[4 * i] = x & 0xFF;
-    dst[4 * i + 1] = (x >> 8) & 0xFF;
-    dst[4 * i + 2] = (x >> 16) & 0xFF;
-    dst[4 * i + 3] = x >> 24;
-  }
-  return out;
+std::pair<int64_t, int64_t> value_bounds(const at::Tensor& values) {
+  const int64_t* v = values.data_ptr<int64_t>();
+  const auto [lo, hi] = std::minmax_element(v, v + values.numel());
+  return {*lo, *hi};
 }
 
 void gather(const std::vector<at::Tensor>& layers, const at::Tensor& slots, at::Tensor out,
@@ -218,10 +176,10 @@ void gather(const std::vector<at::Tensor>& layers, const at::Tensor& slots, at::
     gather_cuda(layers, slots, out, row_bytes);
     return;
 #else
-    TORCH_CHECK_VALUE(false, "kvtier._C was built without CUDA");
+    KV_CHECK(false, "kvtier._C was built without CUDA");
 #endif
   }
-  TORCH_CHECK_VALUE(out.is_cpu(), "out must be on the CPU or a CUDA device");
+  KV_CHECK(out.is_cpu(), "out must be on the CPU or a CUDA device");
   gather_cpu(layers, slots, {out}, row_bytes, max_threads);
 }
 
@@ -234,10 +192,10 @@ void scatter(const at::Tensor& src, const at::Tensor& slots,
     scatter_cuda(src, slots, layers, row_bytes);
     return;
 #else
-    TORCH_CHECK_VALUE(false, "kvtier._C was built without CUDA");
+    KV_CHECK(false, "kvtier._C was built without CUDA");
 #endif
   }
-  TORCH_CHECK_VALUE(src.is_cpu(), "src must be on the CPU or a CUDA device");
+  KV_CHECK(src.is_cpu(), "src must be on the CPU or a CUDA device");
   scatter_cpu({src}, slots, layers, row_bytes, max_threads);
 }
 
@@ -247,19 +205,19 @@ namespace {
 // over all chunks) before a byte is written; returns the row size in bytes, 0 for no copy.
 int64_t check_chunks(const std::vector<at::Tensor>& layers, const at::Tensor& slots,
                      const std::vector<at::Tensor>& chunks, const char* name, bool allow_skip) {
-  TORCH_CHECK_VALUE(!chunks.empty(), name, " must not be empty");
+  KV_CHECK(!chunks.empty(), name, " must not be empty");
   const int64_t row_bytes = check_pool(layers, slots);
   int64_t total = 0;
   for (size_t c = 0; c < chunks.size(); ++c) {
     const std::string chunk_name = name + ("[" + std::to_string(c) + "]");
-    TORCH_CHECK_VALUE(chunks[c].dim() == 3, chunk_name, " must be 3-D [layers, tokens, hidden]");
+    KV_CHECK(chunks[c].dim() == 3, chunk_name, " must be 3-D [layers, tokens, hidden]");
     check_chunk(layers, chunks[c], chunks[c].size(1), chunk_name);
     total += chunks[c].size(1);
   }
-  TORCH_CHECK_VALUE(total == slots.numel(), name, " hold ", total, " tokens, slots has ",
+  KV_CHECK(total == slots.numel(), name, " hold ", total, " tokens, slots has ",
                     slots.numel());
   check_range(layers, slots, allow_skip);
-  TORCH_CHECK_VALUE(slots.is_cpu() || slots.is_cuda(), "slots must be on the CPU or a CUDA device");
+  KV_CHECK(slots.is_cpu() || slots.is_cuda(), "slots must be on the CPU or a CUDA device");
   return total == 0 ? 0 : row_bytes;
 }
 
@@ -278,7 +236,7 @@ void gather_chunks(const std::vector<at::Tensor>& layers, const at::Tensor& slot
     }
     return;
 #else
-    TORCH_CHECK_VALUE(false, "kvtier._C was built without CUDA");
+    KV_CHECK(false, "kvtier._C was built without CUDA");
 #endif
   }
   gather_cpu(layers, slots, outs, row_bytes, max_threads);
@@ -297,7 +255,7 @@ void scatter_chunks(const std::vector<at::Tensor>& srcs, const at::Tensor& slots
     }
     return;
 #else
-    TORCH_CHECK_VALUE(false, "kvtier._C was built without CUDA");
+    KV_CHECK(false, "kvtier._C was built without CUDA");
 #endif
   }
   scatter_cpu(srcs, slots, layers, row_bytes, max_threads);
@@ -311,27 +269,27 @@ int64_t check_host_args(const std::vector<at::Tensor>& layers, const at::Tensor&
                         const char* name) {
   const int64_t row_bytes = check_pool(layers, slots);
   const auto& first = layers[0];
-  TORCH_CHECK_VALUE(first.is_cuda(), "layers must be on a CUDA device, got ", first.device());
-  TORCH_CHECK_VALUE(!chunks.empty(), name, " must not be empty");
+  KV_CHECK(first.is_cuda(), "layers must be on a CUDA device, got ", first.device());
+  KV_CHECK(!chunks.empty(), name, " must not be empty");
   const int64_t n = static_cast<int64_t>(layers.size());
   int64_t total = 0;
   for (size_t c = 0; c < chunks.size(); ++c) {
     const auto& chunk = chunks[c];
     // Pinned host chunks (mapped), or a staging buffer on the layers' device.
-    TORCH_CHECK_VALUE((chunk.is_cpu() || chunk.device() == first.device()) &&
+    KV_CHECK((chunk.is_cpu() || chunk.device() == first.device()) &&
                           chunk.dtype() == first.dtype(),
                       name, "[", c, "] must be a CPU tensor or one on ", first.device(),
                       " of the layers' dtype ", first.dtype(), ", got ", chunk.dtype(), " on ",
                       chunk.device());
-    TORCH_CHECK_VALUE(chunk.is_contiguous(), name, "[", c, "] must be contiguous");
-    TORCH_CHECK_VALUE(chunk.dim() == 3 && chunk.size(0) == n && chunk.size(2) == first.size(1),
+    KV_CHECK(chunk.is_contiguous(), name, "[", c, "] must be contiguous");
+    KV_CHECK(chunk.dim() == 3 && chunk.size(0) == n && chunk.size(2) == first.size(1),
                       name, "[", c, "] must have shape [", n, ", tokens, ", first.size(1),
                       "], got ", chunk.sizes());
     total += chunk.size(1);
   }
-  TORCH_CHECK_VALUE(total == slots.numel(), name, " hold ", total, " tokens, slots has ",
+  KV_CHECK(total == slots.numel(), name, " hold ", total, " tokens, slots has ",
                     slots.numel());
-  TORCH_CHECK_VALUE(status.is_cpu() && status.scalar_type() == at::kInt &&
+  KV_CHECK(status.is_cpu() && status.scalar_type() == at::kInt &&
                         status.is_contiguous() &&
                         status.numel() == static_cast<int64_t>(chunks.size()),
                     "status must be a contiguous CPU int32 tensor with one word per chunk (",
@@ -347,7 +305,7 @@ void gather_host(const std::vector<at::Tensor>& layers, const at::Tensor& slots,
 #else
   (void)row_bytes;
   (void)max_blocks;
-  TORCH_CHECK_VALUE(false, "kvtier._C was built without CUDA");
+  KV_CHECK(false, "kvtier._C was built without CUDA");
 #endif
 }
 
@@ -359,51 +317,8 @@ void scatter_host(const std::vector<at::Tensor>& srcs, const at::Tensor& slots,
 #else
   (void)row_bytes;
   (void)max_blocks;
-  TORCH_CHECK_VALUE(false, "kvtier._C was built without CUDA");
+  KV_CHECK(false, "kvtier._C was built without CUDA");
 #endif
 }
 
 }  // namespace kvtier
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "kvtier multi-layer KV gather/scatter kernels";
-#ifdef KVTIER_WITH_CUDA
-  m.attr("WITH_CUDA") = true;
-#else
-  m.attr("WITH_CUDA") = false;
-#endif
-  // The copies can take milliseconds: let other Python threads (the background writer) run.
-  m.def("gather", &kvtier::gather, "out[l, t] = layers[l][slots[t]]",
-        py::arg("layers"), py::arg("slots"), py::arg("out"), py::arg("max_threads") = 0,
-        py::call_guard<py::gil_scoped_release>());
-  m.def("scatter", &kvtier::scatter, "layers[l][slots[t]] = src[l, t] for slots[t] != -1",
-        py::arg("src"), py::arg("slots"), py::arg("layers"), py::arg("max_threads") = 0,
-        py::call_guard<py::gil_scoped_release>());
-  m.def("gather_chunks", &kvtier::gather_chunks,
-        "gather(layers, slots[offset_c : offset_c + T_c], outs[c]) for every chunk c, with the "
-        "slots checked once",
-        py::arg("layers"), py::arg("slots"), py::arg("outs"), py::arg("max_threads") = 0,
-        py::call_guard<py::gil_scoped_release>());
-  m.def("scatter_chunks", &kvtier::scatter_chunks,
-        "scatter(srcs[c], slots[offset_c : offset_c + T_c], layers) for every chunk c, with "
-        "the slots checked once",
-        py::arg("srcs"), py::arg("slots"), py::arg("layers"), py::arg("max_threads") = 0,
-        py::call_guard<py::gil_scoped_release>());
-  // Host helpers that spare a cold serving call a few tensor dispatches each; both return None
-  // for a tensor they do not take, whose caller then falls back to torch and its own messages.
-  m.def("slot_bounds", &kvtier::slot_bounds,
-        "(min, max) of a non-empty contiguous 1-D CPU int64 tensor, else None", py::arg("slots"));
-  m.def("token_bytes", &kvtier::token_bytes,
-        "a 1-D CPU integer tensor as little-endian uint32 bytes (ValueError outside [0, 2**32)), "
-        "else None", py::arg("tokens"));
-  m.def("gather_host", &kvtier::gather_host,
-        "outs[c][l, t] = layers[l][slots[first_c + t]] for CUDA layers and pinned host chunks, "
-        "enqueued on the current stream; slots checked on the GPU into status",
-        py::arg("layers"), py::arg("slots"), py::arg("outs"), py::arg("status"),
-        py::arg("max_blocks"), py::call_guard<py::gil_scoped_release>());
-  m.def("scatter_host", &kvtier::scatter_host,
-        "layers[l][slots[first_c + t]] = srcs[c][l, t] for pinned host chunks and CUDA layers "
-        "(-1 slots skipped), enqueued on the current stream; slots checked on the GPU",
-        py::arg("srcs"), py::arg("slots"), py::arg("layers"), py::arg("status"),
-        py::arg("max_blocks"), py::call_guard<py::gil_scoped_release>());
-}

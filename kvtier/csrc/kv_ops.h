@@ -9,15 +9,26 @@
 #pragma once
 
 #include <cstdint>
+#include <stdexcept>
+#include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <c10/util/StringUtil.h>
 
 #ifdef __CUDACC__
 #define KV_HD __host__ __device__ __forceinline__
 #else
 #define KV_HD inline
 #endif
+
+// A bad argument, raised in Python as ValueError: thrown as std::invalid_argument, which pybind11
+// translates itself. Not TORCH_CHECK: under torch 2.11+cu130 (the H100 machine) every c10::Error
+// thrown from this extension killed the process with SIGSEGV instead of raising.
+#define KV_CHECK(cond, ...)                                        \
+  do {                                                             \
+    if (!(cond)) throw std::invalid_argument(c10::str(__VA_ARGS__)); \
+  } while (0)
 
 namespace kvtier {
 
@@ -61,6 +72,26 @@ KV_HD int64_t find_chunk(const int64_t* first, int64_t num_chunks, int64_t t) {
   }
   return lo;
 }
+
+// The smallest and largest value of a non-empty contiguous CPU int64 vector, in one pass and
+// without the tensors and dispatches at::aminmax costs (tens of microseconds on a cold call).
+std::pair<int64_t, int64_t> value_bounds(const at::Tensor& values);
+
+// The copies (kv_ops.cpp; arguments as in `kvtier.connectors.ops` and `host_copy`). Each checks
+// every argument before a byte is written and throws std::invalid_argument (KV_CHECK) if one is
+// bad; kv_module.cpp hands that to Python as a value.
+void gather(const std::vector<at::Tensor>& layers, const at::Tensor& slots, at::Tensor out,
+            int64_t max_threads);
+void scatter(const at::Tensor& src, const at::Tensor& slots,
+             const std::vector<at::Tensor>& layers, int64_t max_threads);
+void gather_chunks(const std::vector<at::Tensor>& layers, const at::Tensor& slots,
+                   const std::vector<at::Tensor>& outs, int64_t max_threads);
+void scatter_chunks(const std::vector<at::Tensor>& srcs, const at::Tensor& slots,
+                    const std::vector<at::Tensor>& layers, int64_t max_threads);
+void gather_host(const std::vector<at::Tensor>& layers, const at::Tensor& slots,
+                 const std::vector<at::Tensor>& outs, at::Tensor status, int64_t max_blocks);
+void scatter_host(const std::vector<at::Tensor>& srcs, const at::Tensor& slots,
+                  const std::vector<at::Tensor>& layers, at::Tensor status, int64_t max_blocks);
 
 #ifdef KVTIER_WITH_CUDA
 void gather_cuda(const std::vector<at::Tensor>& layers, const at::Tensor& slots,

@@ -13,6 +13,16 @@
 namespace kvtier {
 namespace {
 
+// A failed launch, raised in Python as RuntimeError (not C10_CUDA_KERNEL_LAUNCH_CHECK: see
+// KV_CHECK for why this extension throws no c10::Error).
+void launch_check() {
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    throw std::runtime_error(c10::str("kvtier: CUDA kernel launch failed: ",
+                                      cudaGetErrorString(err)));
+  }
+}
+
 constexpr int kThreads = 128;
 
 // Copies one row of `n` words; T is int4 (16 B) when every row is 16-byte aligned, else char.
@@ -67,7 +77,7 @@ bool aligned16(const std::vector<at::Tensor>& layers, const void* chunk, int64_t
 
 // gridDim.y is limited to 65535 layers (two per model layer for MHA: far above any model).
 dim3 grid_for(const at::Tensor& slots, const std::vector<at::Tensor>& layers) {
-  TORCH_CHECK_VALUE(layers.size() <= 65535, "at most 65535 layers per call, got ", layers.size());
+  KV_CHECK(layers.size() <= 65535, "at most 65535 layers per call, got ", layers.size());
   return dim3(static_cast<unsigned>(slots.numel()), static_cast<unsigned>(layers.size()));
 }
 
@@ -143,7 +153,7 @@ int64_t mapped_address(const at::Tensor& t, const char* name, size_t i) {
   cudaPointerAttributes attr{};
   const cudaError_t err = cudaPointerGetAttributes(&attr, t.data_ptr());
   if (err != cudaSuccess) (void)cudaGetLastError();  // pageable memory on old runtimes
-  TORCH_CHECK_VALUE(err == cudaSuccess && attr.type == cudaMemoryTypeHost &&
+  KV_CHECK(err == cudaSuccess && attr.type == cudaMemoryTypeHost &&
                         attr.devicePointer != nullptr,
                     name, "[", i, "] is not in pinned (page-locked) host memory, so the GPU "
                     "cannot copy it directly; allocate it with pin_memory=True");
@@ -194,7 +204,7 @@ void host_copy(const std::vector<at::Tensor>& layers, const at::Tensor& slots,
     } else {
       host_copy_kernel<char, kToHost><<<blocks, kHostThreads, 0, stream>>>(args);
     }
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_check();
   }
   status.copy_(dev_status, /*non_blocking=*/true);
 }
@@ -227,7 +237,7 @@ void gather_cuda(const std::vector<at::Tensor>& layers, const at::Tensor& slots,
     gather_kernel<char><<<grid, kThreads, 0, stream>>>(
         table.data_ptr<int64_t>(), slots.data_ptr<int64_t>(), dst, slots.numel(), row_bytes);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_check();
 }
 
 void scatter_cuda(const at::Tensor& src, const at::Tensor& slots,
@@ -244,7 +254,7 @@ void scatter_cuda(const at::Tensor& src, const at::Tensor& slots,
     scatter_kernel<char><<<grid, kThreads, 0, stream>>>(
         from, slots.data_ptr<int64_t>(), table.data_ptr<int64_t>(), slots.numel(), row_bytes);
   }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_check();
 }
 
 }  // namespace kvtier
