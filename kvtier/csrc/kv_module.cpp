@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -52,16 +53,19 @@ py::object token_bytes(const at::Tensor& tokens) {
 }
 
 // A copy's outcome for Python: ("", "") when it ran, else the Python exception to raise and its
-// message (see `ops.check_result`). Nothing is thrown across the Python boundary from a call
-// that released the GIL: on the H100 machine (torch 2.11+cu130, Python 3.12) every exception
-// leaving such a call killed the process with SIGSEGV, c10::Error and std exceptions alike.
+// message (see `ops.check_result`). The GIL is held while the copy checks its arguments and
+// released once they passed (`checked`), for the copy itself; nothing is thrown across the
+// Python boundary. On the H100 machine (torch 2.11+cu130, Python 3.12), every exception leaving
+// a call that released the GIL for its whole length killed the process with SIGSEGV, c10::Error
+// and std exceptions alike.
 using Outcome = std::pair<std::string, std::string>;
 
 template <typename... Args>
-auto reporting(void (*fn)(Args...)) {
-  return [fn](Args... args) -> Outcome {
+auto reporting(void (*copy)(const Checked&, Args...)) {
+  return [copy](Args... args) -> Outcome {
+    std::optional<py::gil_scoped_release> released;  // the copies take milliseconds
     try {
-      fn(std::forward<Args>(args)...);
+      copy([&released] { released.emplace(); }, std::forward<Args>(args)...);
       return {};
     } catch (const std::invalid_argument& e) {
       return {"ValueError", e.what()};
@@ -81,24 +85,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("WITH_CUDA") = false;
 #endif
-  // The copies can take milliseconds: let other Python threads (the background writer) run.
-  // Each returns its Outcome instead of raising.
+  // Each copy returns its Outcome instead of raising, and lets other Python threads (the
+  // background writer) run while it copies.
   m.def("gather", kvtier::reporting(&kvtier::gather), "out[l, t] = layers[l][slots[t]]",
-        py::arg("layers"), py::arg("slots"), py::arg("out"), py::arg("max_threads") = 0,
-        py::call_guard<py::gil_scoped_release>());
-  m.def("scatter", kvtier::reporting(&kvtier::scatter), "layers[l][slots[t]] = src[l, t] for slots[t] != -1",
-        py::arg("src"), py::arg("slots"), py::arg("layers"), py::arg("max_threads") = 0,
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("layers"), py::arg("slots"), py::arg("out"), py::arg("max_threads") = 0);
+  m.def("scatter", kvtier::reporting(&kvtier::scatter),
+        "layers[l][slots[t]] = src[l, t] for slots[t] != -1",
+        py::arg("src"), py::arg("slots"), py::arg("layers"), py::arg("max_threads") = 0);
   m.def("gather_chunks", kvtier::reporting(&kvtier::gather_chunks),
         "gather(layers, slots[offset_c : offset_c + T_c], outs[c]) for every chunk c, with the "
         "slots checked once",
-        py::arg("layers"), py::arg("slots"), py::arg("outs"), py::arg("max_threads") = 0,
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("layers"), py::arg("slots"), py::arg("outs"), py::arg("max_threads") = 0);
   m.def("scatter_chunks", kvtier::reporting(&kvtier::scatter_chunks),
         "scatter(srcs[c], slots[offset_c : offset_c + T_c], layers) for every chunk c, with "
         "the slots checked once",
-        py::arg("srcs"), py::arg("slots"), py::arg("layers"), py::arg("max_threads") = 0,
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("srcs"), py::arg("slots"), py::arg("layers"), py::arg("max_threads") = 0);
   // Host helpers that spare a cold serving call a few tensor dispatches each; both return None
   // for a tensor they do not take, whose caller then falls back to torch and its own messages.
   m.def("slot_bounds", &kvtier::slot_bounds,
@@ -110,10 +111,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "outs[c][l, t] = layers[l][slots[first_c + t]] for CUDA layers and pinned host chunks, "
         "enqueued on the current stream; slots checked on the GPU into status",
         py::arg("layers"), py::arg("slots"), py::arg("outs"), py::arg("status"),
-        py::arg("max_blocks"), py::call_guard<py::gil_scoped_release>());
+        py::arg("max_blocks"));
   m.def("scatter_host", kvtier::reporting(&kvtier::scatter_host),
         "layers[l][slots[first_c + t]] = srcs[c][l, t] for pinned host chunks and CUDA layers "
         "(-1 slots skipped), enqueued on the current stream; slots checked on the GPU",
         py::arg("srcs"), py::arg("slots"), py::arg("layers"), py::arg("status"),
-        py::arg("max_blocks"), py::call_guard<py::gil_scoped_release>());
+        py::arg("max_blocks"));
 }

@@ -24,19 +24,18 @@ using namespace cpu_copy;  // this file is the kernel those pieces make up
 int64_t check_pool(const std::vector<at::Tensor>& layers, const at::Tensor& slots) {
   KV_CHECK(!layers.empty(), "layers must not be empty");
   const auto& first = layers[0];
-  KV_CHECK(first.dim() == 2, "layers must be 2-D [num_slots, hidden], got ",
-                    first.sizes());
+  KV_CHECK(first.dim() == 2, "layers must be 2-D [num_slots, hidden], got ", first.sizes());
   for (size_t i = 0; i < layers.size(); ++i) {
     const auto& layer = layers[i];
     KV_CHECK(layer.sizes() == first.sizes() && layer.dtype() == first.dtype() &&
-                          layer.device() == first.device(),
-                      "layers[", i, "] is ", layer.dtype(), " ", layer.sizes(), " on ",
-                      layer.device(), "; layers[0] is ", first.dtype(), " ", first.sizes(),
-                      " on ", first.device(), ": they must match");
+                 layer.device() == first.device(),
+             "layers[", i, "] is ", layer.dtype(), " ", layer.sizes(), " on ", layer.device(),
+             "; layers[0] is ", first.dtype(), " ", first.sizes(), " on ", first.device(),
+             ": they must match");
     KV_CHECK(layer.is_contiguous(), "layers[", i, "] must be contiguous");
   }
   KV_CHECK(slots.dim() == 1 && slots.scalar_type() == at::kLong,
-                    "slots must be a 1-D int64 tensor");
+           "slots must be a 1-D int64 tensor");
   KV_CHECK(slots.device() == first.device(), "slots must be on the layers' device");
   KV_CHECK(slots.is_contiguous(), "slots must be contiguous");
   return first.size(1) * first.element_size();
@@ -58,7 +57,7 @@ void check_range(const std::vector<at::Tensor>& layers, const at::Tensor& slots,
     }
     const int64_t min_ok = allow_skip ? kSkipSlot : 0;
     KV_CHECK(lo >= min_ok && hi < first.size(0), "slots must be in [", min_ok, ", ",
-                      first.size(0), "), got values in [", lo, ", ", hi, "]");
+             first.size(0), "), got values in [", lo, ", ", hi, "]");
   }
 }
 
@@ -66,14 +65,14 @@ void check_range(const std::vector<at::Tensor>& layers, const at::Tensor& slots,
 void check_chunk(const std::vector<at::Tensor>& layers, const at::Tensor& chunk,
                  int64_t num_tokens, const std::string& chunk_name) {
   const auto& first = layers[0];
-  KV_CHECK(chunk.device() == first.device() && chunk.dtype() == first.dtype(),
-                    chunk_name, " must match the layers' dtype and device");
+  KV_CHECK(chunk.device() == first.device() && chunk.dtype() == first.dtype(), chunk_name,
+           " must match the layers' dtype and device");
   KV_CHECK(chunk.is_contiguous(), chunk_name, " must be contiguous");
   const int64_t n = static_cast<int64_t>(layers.size());
   KV_CHECK(chunk.dim() == 3 && chunk.size(0) == n && chunk.size(1) == num_tokens &&
-                        chunk.size(2) == first.size(1),
-                    chunk_name, " must have shape [", n, ", ", num_tokens, ", ",
-                    first.size(1), "], got ", chunk.sizes());
+               chunk.size(2) == first.size(1),
+           chunk_name, " must have shape [", n, ", ", num_tokens, ", ", first.size(1),
+           "], got ", chunk.sizes());
 }
 
 // Validates layers/slots/chunk and returns the row size in bytes.
@@ -167,35 +166,35 @@ std::pair<int64_t, int64_t> value_bounds(const at::Tensor& values) {
   return {*lo, *hi};
 }
 
-void gather(const std::vector<at::Tensor>& layers, const at::Tensor& slots, at::Tensor out,
-            int64_t max_threads) {
-  const int64_t row_bytes = check_args(layers, slots, out, "out", /*allow_skip=*/false);
-  if (slots.numel() == 0 || row_bytes == 0) return;
-  if (out.is_cuda()) {
-#ifdef KVTIER_WITH_CUDA
-    gather_cuda(layers, slots, out, row_bytes);
-    return;
-#else
-    KV_CHECK(false, "kvtier._C was built without CUDA");
+// The device a copy runs on: the CPU, or a GPU where the kernels were built with CUDA.
+void check_device(const at::Tensor& t, const char* name) {
+  KV_CHECK(t.is_cpu() || t.is_cuda(), name, " must be on the CPU or a CUDA device");
+#ifndef KVTIER_WITH_CUDA
+  KV_CHECK(!t.is_cuda(), "kvtier._C was built without CUDA");
 #endif
-  }
-  KV_CHECK(out.is_cpu(), "out must be on the CPU or a CUDA device");
+}
+
+void gather(const Checked& checked, const std::vector<at::Tensor>& layers,
+            const at::Tensor& slots, at::Tensor out, int64_t max_threads) {
+  const int64_t row_bytes = check_args(layers, slots, out, "out", /*allow_skip=*/false);
+  check_device(out, "out");
+  checked();
+  if (slots.numel() == 0 || row_bytes == 0) return;
+#ifdef KVTIER_WITH_CUDA
+  if (out.is_cuda()) return gather_cuda(layers, slots, out, row_bytes);
+#endif
   gather_cpu(layers, slots, {out}, row_bytes, max_threads);
 }
 
-void scatter(const at::Tensor& src, const at::Tensor& slots,
+void scatter(const Checked& checked, const at::Tensor& src, const at::Tensor& slots,
              const std::vector<at::Tensor>& layers, int64_t max_threads) {
   const int64_t row_bytes = check_args(layers, slots, src, "src", /*allow_skip=*/true);
+  check_device(src, "src");
+  checked();
   if (slots.numel() == 0 || row_bytes == 0) return;
-  if (src.is_cuda()) {
 #ifdef KVTIER_WITH_CUDA
-    scatter_cuda(src, slots, layers, row_bytes);
-    return;
-#else
-    KV_CHECK(false, "kvtier._C was built without CUDA");
+  if (src.is_cuda()) return scatter_cuda(src, slots, layers, row_bytes);
 #endif
-  }
-  KV_CHECK(src.is_cpu(), "src must be on the CPU or a CUDA device");
   scatter_cpu({src}, slots, layers, row_bytes, max_threads);
 }
 
@@ -214,50 +213,49 @@ int64_t check_chunks(const std::vector<at::Tensor>& layers, const at::Tensor& sl
     check_chunk(layers, chunks[c], chunks[c].size(1), chunk_name);
     total += chunks[c].size(1);
   }
-  KV_CHECK(total == slots.numel(), name, " hold ", total, " tokens, slots has ",
-                    slots.numel());
+  KV_CHECK(total == slots.numel(), name, " hold ", total, " tokens, slots has ", slots.numel());
   check_range(layers, slots, allow_skip);
-  KV_CHECK(slots.is_cpu() || slots.is_cuda(), "slots must be on the CPU or a CUDA device");
+  check_device(slots, "slots");
   return total == 0 ? 0 : row_bytes;
 }
 
 }  // namespace
 
-void gather_chunks(const std::vector<at::Tensor>& layers, const at::Tensor& slots,
-                   const std::vector<at::Tensor>& outs, int64_t max_threads) {
+void gather_chunks(const Checked& checked, const std::vector<at::Tensor>& layers,
+                   const at::Tensor& slots, const std::vector<at::Tensor>& outs,
+                   int64_t max_threads) {
   const int64_t row_bytes = check_chunks(layers, slots, outs, "outs", /*allow_skip=*/false);
+  checked();
   if (row_bytes == 0) return;
-  if (slots.is_cuda()) {
 #ifdef KVTIER_WITH_CUDA
+  if (slots.is_cuda()) {
     int64_t offset = 0;  // one launch per chunk, all on the current stream
     for (auto out : outs) {
       gather_cuda(layers, slots.narrow(0, offset, out.size(1)), out, row_bytes);
       offset += out.size(1);
     }
     return;
-#else
-    KV_CHECK(false, "kvtier._C was built without CUDA");
-#endif
   }
+#endif
   gather_cpu(layers, slots, outs, row_bytes, max_threads);
 }
 
-void scatter_chunks(const std::vector<at::Tensor>& srcs, const at::Tensor& slots,
-                    const std::vector<at::Tensor>& layers, int64_t max_threads) {
+void scatter_chunks(const Checked& checked, const std::vector<at::Tensor>& srcs,
+                    const at::Tensor& slots, const std::vector<at::Tensor>& layers,
+                    int64_t max_threads) {
   const int64_t row_bytes = check_chunks(layers, slots, srcs, "srcs", /*allow_skip=*/true);
+  checked();
   if (row_bytes == 0) return;
-  if (slots.is_cuda()) {
 #ifdef KVTIER_WITH_CUDA
+  if (slots.is_cuda()) {
     int64_t offset = 0;  // one launch per chunk, all on the current stream
     for (const auto& src : srcs) {
       scatter_cuda(src, slots.narrow(0, offset, src.size(1)), layers, row_bytes);
       offset += src.size(1);
     }
     return;
-#else
-    KV_CHECK(false, "kvtier._C was built without CUDA");
-#endif
   }
+#endif
   scatter_cpu(srcs, slots, layers, row_bytes, max_threads);
 }
 
@@ -270,6 +268,7 @@ int64_t check_host_args(const std::vector<at::Tensor>& layers, const at::Tensor&
   const int64_t row_bytes = check_pool(layers, slots);
   const auto& first = layers[0];
   KV_CHECK(first.is_cuda(), "layers must be on a CUDA device, got ", first.device());
+  check_device(first, "layers");
   KV_CHECK(!chunks.empty(), name, " must not be empty");
   const int64_t n = static_cast<int64_t>(layers.size());
   int64_t total = 0;
@@ -277,47 +276,47 @@ int64_t check_host_args(const std::vector<at::Tensor>& layers, const at::Tensor&
     const auto& chunk = chunks[c];
     // Pinned host chunks (mapped), or a staging buffer on the layers' device.
     KV_CHECK((chunk.is_cpu() || chunk.device() == first.device()) &&
-                          chunk.dtype() == first.dtype(),
-                      name, "[", c, "] must be a CPU tensor or one on ", first.device(),
-                      " of the layers' dtype ", first.dtype(), ", got ", chunk.dtype(), " on ",
-                      chunk.device());
+                 chunk.dtype() == first.dtype(),
+             name, "[", c, "] must be a CPU tensor or one on ", first.device(),
+             " of the layers' dtype ", first.dtype(), ", got ", chunk.dtype(), " on ",
+             chunk.device());
     KV_CHECK(chunk.is_contiguous(), name, "[", c, "] must be contiguous");
-    KV_CHECK(chunk.dim() == 3 && chunk.size(0) == n && chunk.size(2) == first.size(1),
-                      name, "[", c, "] must have shape [", n, ", tokens, ", first.size(1),
-                      "], got ", chunk.sizes());
+    KV_CHECK(chunk.dim() == 3 && chunk.size(0) == n && chunk.size(2) == first.size(1), name,
+             "[", c, "] must have shape [", n, ", tokens, ", first.size(1), "], got ",
+             chunk.sizes());
     total += chunk.size(1);
   }
-  KV_CHECK(total == slots.numel(), name, " hold ", total, " tokens, slots has ",
-                    slots.numel());
-  KV_CHECK(status.is_cpu() && status.scalar_type() == at::kInt &&
-                        status.is_contiguous() &&
-                        status.numel() == static_cast<int64_t>(chunks.size()),
-                    "status must be a contiguous CPU int32 tensor with one word per chunk (",
-                    chunks.size(), ")");
+  KV_CHECK(total == slots.numel(), name, " hold ", total, " tokens, slots has ", slots.numel());
+  KV_CHECK(status.is_cpu() && status.scalar_type() == at::kInt && status.is_contiguous() &&
+               status.numel() == static_cast<int64_t>(chunks.size()),
+           "status must be a contiguous CPU int32 tensor with one word per chunk (",
+           chunks.size(), ")");
   return row_bytes;
 }
 
-void gather_host(const std::vector<at::Tensor>& layers, const at::Tensor& slots,
-                 const std::vector<at::Tensor>& outs, at::Tensor status, int64_t max_blocks) {
+void gather_host(const Checked& checked, const std::vector<at::Tensor>& layers,
+                 const at::Tensor& slots, const std::vector<at::Tensor>& outs, at::Tensor status,
+                 int64_t max_blocks) {
   const int64_t row_bytes = check_host_args(layers, slots, outs, status, "outs");
+  checked();
 #ifdef KVTIER_WITH_CUDA
   gather_host_cuda(layers, slots, outs, status, row_bytes, max_blocks);
 #else
   (void)row_bytes;
   (void)max_blocks;
-  KV_CHECK(false, "kvtier._C was built without CUDA");
 #endif
 }
 
-void scatter_host(const std::vector<at::Tensor>& srcs, const at::Tensor& slots,
-                  const std::vector<at::Tensor>& layers, at::Tensor status, int64_t max_blocks) {
+void scatter_host(const Checked& checked, const std::vector<at::Tensor>& srcs,
+                  const at::Tensor& slots, const std::vector<at::Tensor>& layers,
+                  at::Tensor status, int64_t max_blocks) {
   const int64_t row_bytes = check_host_args(layers, slots, srcs, status, "srcs");
+  checked();
 #ifdef KVTIER_WITH_CUDA
   scatter_host_cuda(srcs, slots, layers, status, row_bytes, max_blocks);
 #else
   (void)row_bytes;
   (void)max_blocks;
-  KV_CHECK(false, "kvtier._C was built without CUDA");
 #endif
 }
 

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <stdexcept>
 #include <utility>
 #include <vector>
@@ -77,21 +78,29 @@ KV_HD int64_t find_chunk(const int64_t* first, int64_t num_chunks, int64_t t) {
 // without the tensors and dispatches at::aminmax costs (tens of microseconds on a cold call).
 std::pair<int64_t, int64_t> value_bounds(const at::Tensor& values);
 
+// Called by each copy once its arguments are checked, before it copies: the Python module
+// releases the GIL there, so no check ever throws without it (see kv_module.cpp).
+using Checked = std::function<void()>;
+
 // The copies (kv_ops.cpp; arguments as in `kvtier.connectors.ops` and `host_copy`). Each checks
-// every argument before a byte is written and throws std::invalid_argument (KV_CHECK) if one is
-// bad; kv_module.cpp hands that to Python as a value.
-void gather(const std::vector<at::Tensor>& layers, const at::Tensor& slots, at::Tensor out,
-            int64_t max_threads);
-void scatter(const at::Tensor& src, const at::Tensor& slots,
+// every argument before a byte is written, throwing std::invalid_argument (KV_CHECK) for a bad
+// one, then calls `checked` and copies.
+void gather(const Checked& checked, const std::vector<at::Tensor>& layers,
+            const at::Tensor& slots, at::Tensor out, int64_t max_threads);
+void scatter(const Checked& checked, const at::Tensor& src, const at::Tensor& slots,
              const std::vector<at::Tensor>& layers, int64_t max_threads);
-void gather_chunks(const std::vector<at::Tensor>& layers, const at::Tensor& slots,
-                   const std::vector<at::Tensor>& outs, int64_t max_threads);
-void scatter_chunks(const std::vector<at::Tensor>& srcs, const at::Tensor& slots,
-                    const std::vector<at::Tensor>& layers, int64_t max_threads);
-void gather_host(const std::vector<at::Tensor>& layers, const at::Tensor& slots,
-                 const std::vector<at::Tensor>& outs, at::Tensor status, int64_t max_blocks);
-void scatter_host(const std::vector<at::Tensor>& srcs, const at::Tensor& slots,
-                  const std::vector<at::Tensor>& layers, at::Tensor status, int64_t max_blocks);
+void gather_chunks(const Checked& checked, const std::vector<at::Tensor>& layers,
+                   const at::Tensor& slots, const std::vector<at::Tensor>& outs,
+                   int64_t max_threads);
+void scatter_chunks(const Checked& checked, const std::vector<at::Tensor>& srcs,
+                    const at::Tensor& slots, const std::vector<at::Tensor>& layers,
+                    int64_t max_threads);
+void gather_host(const Checked& checked, const std::vector<at::Tensor>& layers,
+                 const at::Tensor& slots, const std::vector<at::Tensor>& outs, at::Tensor status,
+                 int64_t max_blocks);
+void scatter_host(const Checked& checked, const std::vector<at::Tensor>& srcs,
+                  const at::Tensor& slots, const std::vector<at::Tensor>& layers,
+                  at::Tensor status, int64_t max_blocks);
 
 #ifdef KVTIER_WITH_CUDA
 void gather_cuda(const std::vector<at::Tensor>& layers, const at::Tensor& slots,

@@ -7,7 +7,9 @@ The compiled kernels are loaded unconditionally (built on first use, or the ahea
 from __future__ import annotations
 
 import os
+import sys
 import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -132,6 +134,38 @@ def test_scatter_leaves_skipped_slots_untouched(scatter: Callable[..., None]) ->
     for i, (layer, old) in enumerate(zip(layers, before, strict=True)):
         assert same_bytes(layer[slots[written]], src[i][written])
         assert same_bytes(layer[untouched], old[untouched])
+
+
+def test_the_gil_is_released_while_a_kernel_copies() -> None:
+    """Another Python thread runs during a copy (the storage writer, while a load scatters): a
+    counter it bumps moves between the instants just before and just after some copy. Held
+    GIL: it never could."""
+    layers = make_pool(8, 4096, 1024, torch.bfloat16)
+    slots, out = torch.randperm(4096)[:2048], torch.empty(8, 2048, 1024, dtype=torch.bfloat16)
+    count, stop = [0], threading.Event()
+
+    def bump() -> None:
+        while not stop.is_set():
+            count[0] += 1
+            time.sleep(0)  # hands the GIL back at once: this thread never holds the test up
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(100.0)  # this thread keeps the GIL unless a call lets it go
+    thread = threading.Thread(target=bump)
+    thread.start()
+    try:
+        moved = 0
+        for _ in range(50):
+            before = count[0]
+            ops.check_result(_C.gather(layers, slots, out))
+            moved += count[0] != before
+            if moved:
+                break
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(interval)
+    assert moved
 
 
 def test_concurrent_calls_from_threads_are_correct() -> None:
