@@ -96,7 +96,7 @@ def _settled_tokens(samples: dict[str, float]) -> float:
 
 def test_a_fast_tier_is_loaded(start_server: Callable[..., SGLangServer], tiny_llama4: Path,
                                redis: RedisProcess, stored: None, tmp_path: Path) -> None:
-    from kvtier.storage.estimates import PRIOR_READ_BYTES_PER_S
+    from kvtier.storage.estimates import PRIOR_PREFILL_TOKENS_PER_S, PRIOR_READ_BYTES_PER_S
 
     server = start_server(tiny_llama4, _config(tmp_path, redis.url), *LONG_CONTEXT, env=ENV)
     recomputed = cold(server, prompt(SEEDS[0], LONG))  # also this server's prefill sample
@@ -106,8 +106,12 @@ def test_a_fast_tier_is_loaded(start_server: Callable[..., SGLangServer], tiny_l
                          != PRIOR_READ_BYTES_PER_S)
 
     got = server.generate(prompt(SEEDS[0], LONG))
+    # The prefill speed is measured from the server's own batches (the cold one above), so it
+    # has left the prior by now.
     samples = _wait_until(server, lambda samples: _settled_tokens(samples)
-                          >= _settled_tokens(primed) + 0.8 * LONG)
+                          >= _settled_tokens(primed) + 0.8 * LONG
+                          and samples["kvtier_est_prefill_tokens_per_second"]
+                          != PRIOR_PREFILL_TOKENS_PER_S)
     assert got["meta_info"]["cached_tokens"] >= 0.8 * LONG, _adaptive(samples)
     assert got["output_ids"] == recomputed
     loaded = samples["kvtier_adaptive_tokens_loaded_total"] \
@@ -141,20 +145,3 @@ def test_a_tier_slower_than_recompute_is_recomputed(
         # host), nothing ever counted a load or a deadline, and absent means none.
         assert samples.get("kvtier_adaptive_tokens_loaded_total", 0) == 0, _adaptive(samples)
         assert samples.get("kvtier_adaptive_tokens_recomputed_deadline_total", 0) == 0
-
-
-def test_the_prefill_speed_is_measured_from_the_servers_own_batches(
-        start_server: Callable[..., SGLangServer], tiny_llama4: Path, redis: RedisProcess,
-        tmp_path: Path) -> None:
-    from kvtier.storage.estimates import PRIOR_PREFILL_TOKENS_PER_S
-
-    server = start_server(tiny_llama4, _config(tmp_path, redis.url), *LONG_CONTEXT, env=ENV)
-    cold(server, prompt(44, LONG))  # one extend batch of LONG tokens
-    deadline = time.monotonic() + 30  # kvtier refreshes its series once a second
-    while True:
-        speed = kvtier_metrics(server).get("kvtier_est_prefill_tokens_per_second")
-        if speed is not None and speed != PRIOR_PREFILL_TOKENS_PER_S:
-            break
-        assert time.monotonic() < deadline, f"the prefill speed stayed the prior ({speed})"
-        time.sleep(0.5)
-    assert speed > 0
