@@ -126,16 +126,18 @@ def scatter_chunks(srcs: Sequence[torch.Tensor], slots: torch.Tensor,
 def _check_chunks(layers: Sequence[torch.Tensor], slots: torch.Tensor,
                   chunks: Sequence[torch.Tensor], name: str, allow_skip: bool,
                   ) -> ModuleType | None:
-    """Checks a copy between `layers` and consecutive `chunks` (the kernel checks the slot
-    range and every chunk itself, in C++; the reference needs them checked here); returns
-    the kernel, or None for the reference."""
+    """Checks a copy between `layers` and consecutive `chunks`; returns the kernel, or None
+    for the reference. The kernel checks the slots and every chunk itself, in C++, with the
+    same messages: only what it cannot name (not a list of tensors) is checked here for it."""
     first = checks.check_layers(layers)
     ext = _kernel(first.device)
-    checks.check_slots(slots, first, allow_skip=allow_skip, check_range=ext is None)
     if isinstance(chunks, torch.Tensor) or not chunks or \
             not all(isinstance(c, torch.Tensor) and c.dim() == 3 for c in chunks):
         raise ValueError(f"{name} must be a non-empty sequence of 3-D [layers, tokens, hidden] "
                          "tensors")
+    if ext is not None and isinstance(slots, torch.Tensor):
+        return ext
+    checks.check_slots(slots, first, allow_skip=allow_skip)  # a non-tensor: named here
     total = sum(int(c.shape[1]) for c in chunks)
     if total != slots.numel():
         raise ValueError(f"{name} hold {total} tokens, slots has {slots.numel()}")
