@@ -15,8 +15,13 @@ rows are also given against the kernel alone (`cpp`). GB/s is the median over th
 the rate at the 99th percentile of the times (the slowest round below 100 rounds), `best` the
 fastest round.
 
+The pool sits on transparent huge pages where the kernel grants them, as the SGLang integration
+puts a CPU pool (`kvtier.connectors.hugepages`); `--no-huge-pages` leaves it on 4 KiB pages, and
+`--compare-pages` adds the kernel rows on a second pool of 4 KiB pages in the same run.
+
     .venv/bin/python benchmarks/bench_connectors.py [--rounds 20] [--pool-slots 16384]
         [--contiguous | --page-size N] [--threads 2] [--chunks 1] [--no-engine]
+        [--no-huge-pages | --compare-pages]
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from typing import Any
 
 import torch
 
-from kvtier.connectors import build, ops
+from kvtier.connectors import build, hugepages, ops
 
 _C = build.load()  # the compiled kernels; fails loudly when they cannot be built
 
@@ -148,10 +153,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     num_layers, hidden, dtype = 2 * args.layers, args.kv_heads * args.head_dim, torch.bfloat16
-    layers = [torch.randn(args.pool_slots, hidden).to(dtype) for _ in range(num_layers)]
+    def pool() -> list[torch.Tensor]:
+        return [torch.randn(args.pool_slots, hidden).to(dtype) for _ in range(num_layers)]
+
+    layers = pool()
     slots = make_slots(args)
     chunk = torch.empty(num_layers, args.tokens * args.chunks, hidden, dtype=dtype)
     src = torch.randn(num_layers, args.tokens * args.chunks, hidden).to(dtype)
+    pages = hugepages.back(layers, collapse=True) if args.huge_pages else None
     nbytes = chunk.numel() * chunk.element_size()
     kernel = ops.kernel_name()
     cases: dict[str, Callable[[], None]] = {
@@ -165,6 +174,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "scatter/torch": lambda: ops.reference_scatter(src, slots, layers),
         "scatter/naive": lambda: naive_scatter(src, slots, layers),
     }
+    if args.compare_pages:
+        small = pool()
+        cases["gather/cpp 4k pages"] = lambda: _C.gather(small, slots, chunk)
+        cases["scatter/cpp 4k pages"] = lambda: _C.scatter(src, slots, small)
     setups: dict[str, Callable[[], None]] = {}
     engine = None
     if args.engine:
@@ -201,6 +214,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "threads": args.threads,
             "rounds": args.rounds,
             "flush_mb": args.flush_mb,
+            "huge_pages": pages._asdict() if pages else None,
         },
         "results": rows,
     }
@@ -226,10 +240,16 @@ def main() -> None:
                         help="random pages of this many consecutive slots")
     parser.add_argument("--no-engine", dest="engine", action="store_false",
                         help="leave out the engine's store and retrieve")
+    parser.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=True,
+                        help="move the pool onto huge pages (default: on)")
+    parser.add_argument("--compare-pages", action="store_true",
+                        help="add the kernel rows on a pool of 4 KiB pages")
     parser.add_argument("--out", type=Path, default=RESULTS, help="the JSON report")
     args = parser.parse_args()
     if args.page_size < 1 or args.pool_slots % args.page_size:
         parser.error("--page-size must be a positive divisor of --pool-slots")
+    if args.compare_pages and not args.huge_pages:
+        parser.error("--compare-pages compares against the huge-page pool: drop --no-huge-pages")
     if args.chunks < 1 or args.tokens * args.chunks > args.pool_slots:
         parser.error("--chunks must be positive, with --tokens x --chunks <= --pool-slots")
     report = run(args)
@@ -237,12 +257,14 @@ def main() -> None:
     print(f"{shape['chunks_per_call']} x {shape['chunk_bytes'] / 2**20:.0f} MiB chunks per call, "
           f"{shape['slots']} slots, "
           f"{shape['threads']} threads, {shape['rounds']} rounds")
-    print(f"{'op':<9} {'impl':<12} {'GB/s':>7} {'p99':>7} {'best':>7} {'x memcpy':>9} "
+    if shape["huge_pages"]:
+        print("huge pages:", hugepages.HugePages(**shape["huge_pages"]).describe())
+    print(f"{'op':<9} {'impl':<20} {'GB/s':>7} {'p99':>7} {'best':>7} {'x memcpy':>9} "
           f"{'x kernel':>9}")
     for row in report["results"]:
         kernel = f"{row['ratio_to_kernel']:>9.2f}" if "ratio_to_kernel" in row else ""
         print(
-            f"{row['op']:<9} {row['impl']:<12} {row['gbps']:>7.2f} {row['p99_gbps']:>7.2f} "
+            f"{row['op']:<9} {row['impl']:<20} {row['gbps']:>7.2f} {row['p99_gbps']:>7.2f} "
             f"{row['best_gbps']:>7.2f} {row['ratio_to_memcpy']:>9.2f} {kernel}"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -117,6 +117,8 @@ class Config:
     remote_timeout_secs: float = 2.0
     remote_segment_mb: float = 1.0  # measured: 1 MiB segments beat 4 MiB and unsegmented
     max_session_pinned_fraction: float = 0.5
+    # Move a CPU KV pool onto transparent huge pages at launch (kvtier.connectors.hugepages).
+    huge_pages: bool = True
     session_ttl_secs: float = 600.0
     log_level: str | None = None
     metrics_port: int | None = None  # serve Prometheus metrics on this port

@@ -39,6 +39,11 @@ class KVConnector(ABC):
     def scatter(self, obj: MemoryObj, slots: torch.Tensor) -> None:
         """Copy `obj` into the pool rows `slots`; `-1` slots are left untouched."""
 
+    @property
+    def pool_layers(self) -> tuple[torch.Tensor, ...]:
+        """The pool's layer buffers, in a chunk's order (the engine's own tensors, not copies)."""
+        return tuple(self._layers)
+
     def gather_many(self, slots: torch.Tensor, objs: Sequence[MemoryObj]) -> None:
         """`gather` into consecutive chunks, in one kernel call: `objs[i]` takes the next
         `objs[i].num_tokens` rows of `slots` (every slot valid)."""

@@ -255,6 +255,7 @@ def build_radix_cache(ctx: TreeCacheBuildContextView) -> KVTierRadixCache:
     """The `kvtier` radix-cache factory: SGLang's unified tree plus a kvtier engine."""
     from sglang.srt.mem_cache.registry import create_unified_radix_cache
 
+    from kvtier.connectors import hugepages
     from kvtier.engine import CacheEngine
     from kvtier.integration.sglang.adapter import (
         SGLangKVTier,
@@ -277,6 +278,10 @@ def build_radix_cache(ctx: TreeCacheBuildContextView) -> KVTierRadixCache:
     page_size = int(params.page_size)
     check_page_size(config, page_size)
     connector = build_connector(params.token_to_kv_pool_allocator.get_kvcache())
+    if config.huge_pages and connector.device.type == "cpu":
+        # Random-row copies on a CPU pool were 1.3-1.4x faster on huge pages; once, at launch.
+        logger.info("kvtier: KV pool: %s", hugepages.back(connector.pool_layers,
+                                                         collapse=True).describe())
     server_args = ctx.server_args
     name = served_model_name(server_args)
     model = model_identity(server_args)
