@@ -44,7 +44,7 @@ def _limit(limit: int | None, num_tokens: int) -> int:
 def _rows(slots: torch.Tensor, start: int, end: int, skip: int, limit: int) -> torch.Tensor:
     """Pool rows of tokens [start, end), with -1 (not written) before `skip` (the pool holds
     them) and from `limit` on (not asked for)."""
-    rows = slots[start:end]
+    rows = slots if start == 0 and end == slots.numel() else slots[start:end]
     if start < skip or end > limit:
         rows = rows.clone()
         rows[: max(0, skip - start)] = -1
@@ -205,9 +205,9 @@ class CacheEngine:
             loaded = load(wanted, slots, skip, limit)
         else:
             asked = list(wanted)
-            # What the CPU tier holds first, in one copy; then the rest as it arrives.
-            n = self.storage.contains(wanted, hot_only=True)
-            start = self._retrieve_hot(wanted[:n], slots, skip, limit)
+            # What the CPU tier holds first, in one copy (its leading hits: one lookup); then
+            # the rest as it arrives.
+            start = self._retrieve_hot(wanted, slots, skip, limit)
             loaded = load([k for k in wanted if k.end > start], slots, start, limit)
             tail = self._tail(keys, loaded, limit, hot_only=False)
             loaded = load(tail, slots, loaded, limit)
