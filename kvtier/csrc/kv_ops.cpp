@@ -104,13 +104,15 @@ void gather_cpu(const std::vector<at::Tensor>& layers, const at::Tensor& slots,
                       static_cast<int64_t>(layers.size()), row_bytes);
   const auto pool_row = [&](const Pieces::Piece& p) { return base[p.layer] + p.pool; };
   parallel_pieces(pieces, max_threads, [&](int64_t b, int64_t e) {
-    for (int64_t i = b; i < std::min(b + kTlbAhead, e); ++i) {
-      __builtin_prefetch(pool_row(pieces[i]));
-    }
+    const auto to_l2 = [&](int64_t i) {
+      const Pieces::Piece q = pieces[i];
+      prefetch_bytes_l2(pool_row(q), std::min(q.bytes, kPrefetchBytes));
+    };
+    for (int64_t i = b; i < std::min(b + kRowsAhead, e); ++i) to_l2(i);
     Pieces::Piece p = pieces[b];
     prefetch_bytes(pool_row(p), std::min(p.bytes, kPrefetchBytes));
     for (int64_t i = b; i < e; ++i) {
-      if (i + kTlbAhead < e) __builtin_prefetch(pool_row(pieces[i + kTlbAhead]));
+      if (i + kRowsAhead < e) to_l2(i + kRowsAhead);
       const bool last = i + 1 == e;
       const Pieces::Piece next = last ? p : pieces[i + 1];
       const char* src = pool_row(p);
