@@ -34,7 +34,7 @@ from kvtier.backends import BackendContext, create_backend
 from kvtier.backends.disk import files as rf
 from kvtier.config import Config
 from kvtier.config.names import CPU, REDIS
-from kvtier.connectors import SGLangMHAConnector, ops
+from kvtier.connectors import SGLangMHAConnector, hugepages, ops
 from kvtier.engine import CacheEngine
 from kvtier.errors import KVTierError
 from kvtier.keys import ChunkKey, KeyBuilder
@@ -104,6 +104,9 @@ def run_bench(config: Config, *, prompts: int = 8, tokens: int = 2048,
     bar.update(2)
     src = SGLangMHAConnector(_pool(slots_total, 1), _pool(slots_total, 2))
     dst = SGLangMHAConnector(_pool(slots_total, 3), _pool(slots_total, 4))
+    if config.huge_pages:  # as a server's CPU pool is (kvtier.connectors.hugepages)
+        pages = hugepages.back([*src.pool_layers, *dst.pool_layers], collapse=True)
+        results["pool_huge_pages"] = pages.describe()
     gen = torch.Generator().manual_seed(0)
     work = [(torch.randint(0, 128_000, (tokens,), generator=gen),
              torch.randperm(slots_total, generator=gen)[:tokens]) for _ in range(prompts)]

@@ -129,6 +129,7 @@ def test_bench_writes_json(tmp_path: Path) -> None:
     assert result["tiers"]["cpu"]["tokens_loaded"] == 128
     assert result["stats"]["tokens_stored"] == 128
     assert "gather (connector)" in proc.stdout
+    assert "advised for huge pages" in result["pool_huge_pages"]  # as a server's CPU pool
 
 
 def test_info_shows_an_unreachable_redis_as_down(tmp_path: Path,
