@@ -96,6 +96,9 @@ def server_env(extra: dict[str, str] | None = None,
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (*map(str, pythonpath), *shims, env.get("PYTHONPATH", "")) if p)
     env["SGLANG_USE_CPU_ENGINE"] = "1"
+    # kvtier's plugin asks PyTorch for huge-page allocations on its CPU servers (huge_pages);
+    # the baselines get them too, so that arms differ by the cache only.
+    env.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     env.setdefault("OMP_NUM_THREADS", "1")
     env["HF_HUB_OFFLINE"] = "1"
     env["TRANSFORMERS_OFFLINE"] = "1"

@@ -45,3 +45,15 @@ def test_prepare_sets_the_engine_and_the_stand_in_leaving_what_the_user_set() ->
     assert env["PYTHONPATH"] == os.pathsep.join((str(SHIM_DIR), "/elsewhere"))
     assert len(done) == 1 and "stand-in" in done[0]
     assert str(SHIM_DIR) in sys.path
+
+
+def test_huge_pages_asks_pytorch_for_huge_page_allocations_unless_the_user_chose() -> None:
+    env: dict[str, str] = {}
+    assert "THP_MEM_ALLOC_ENABLE=1" in prepare_cpu_engine(env, huge_pages=True)
+    assert env["THP_MEM_ALLOC_ENABLE"] == "1"
+    env = {"THP_MEM_ALLOC_ENABLE": "0"}
+    assert not any("THP" in c for c in prepare_cpu_engine(env, huge_pages=True))
+    assert env["THP_MEM_ALLOC_ENABLE"] == "0"
+    env = {}
+    prepare_cpu_engine(env, huge_pages=False)
+    assert "THP_MEM_ALLOC_ENABLE" not in env

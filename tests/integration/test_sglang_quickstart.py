@@ -59,7 +59,8 @@ def test_the_readme_cpu_launch_line_serves_a_kvtier_hit(tiny_llama: Path,
     assert again["output_ids"] == first["output_ids"]
     assert "kvtier: --device cpu: SGLANG_USE_CPU_ENGINE=1" in log
     assert "sgl_kernel stand-in" in log
-    assert "kvtier: KV pool: " in log and "advised for huge pages" in log  # CPU pool
+    assert "kvtier: --device cpu: THP_MEM_ALLOC_ENABLE=1" in log  # the pool faults in huge
+    assert "kvtier: KV pool: " in log and "advised for huge pages" in log
 
 
 def test_an_arena_that_does_not_fit_beside_the_engines_pool_stops_the_server(

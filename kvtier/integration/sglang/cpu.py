@@ -5,8 +5,11 @@ SGLang 0.5.23 runs on a CPU only with `SGLANG_USE_CPU_ENGINE=1` in every process
 not on PyPI: without it, `No module named 'sgl_kernel'`). A launch with `--enable-kvtier
 --device cpu` gets both from the plugin, in the launcher before any worker starts, so the
 workers inherit them: the variable, and `cpu_shims/` (kvtier's stand-in for `sgl_kernel`,
-shipped in the package) on `PYTHONPATH`, unless a real `sgl_kernel` is importable. What a user
-set is left alone.
+shipped in the package) on `PYTHONPATH`, unless a real `sgl_kernel` is importable. With
+`huge_pages` (kvtier's config key), also `THP_MEM_ALLOC_ENABLE=1`: PyTorch's CPU allocator then
+advises huge pages for every allocation of 2 MiB and more, so the KV pool faults in on huge
+pages as it is created (collapsing a pool that is already filled took ~3 s per GB on a 2-core
+KVM guest; see `kvtier.connectors.hugepages`). What a user set is left alone.
 """
 
 from __future__ import annotations
@@ -18,12 +21,13 @@ import sys
 from collections.abc import MutableMapping
 from pathlib import Path
 
-__all__ = ["SHIM_DIR", "CPU_ENGINE_ENV", "prepare_cpu_engine", "shims_needed"]
+__all__ = ["SHIM_DIR", "CPU_ENGINE_ENV", "THP_ENV", "prepare_cpu_engine", "shims_needed"]
 
 logger = logging.getLogger(__name__)
 
 SHIM_DIR = Path(__file__).resolve().parent / "cpu_shims"
 CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"
+THP_ENV = "THP_MEM_ALLOC_ENABLE"  # read by PyTorch's CPU allocator (c10/core/alloc_cpu.cpp)
 
 
 def shims_needed() -> bool:
@@ -35,13 +39,16 @@ def shims_needed() -> bool:
     return Path(spec.origin).resolve().is_relative_to(SHIM_DIR)
 
 
-def prepare_cpu_engine(env: MutableMapping[str, str] = os.environ) -> list[str]:
+def prepare_cpu_engine(env: MutableMapping[str, str] = os.environ, *,
+                       huge_pages: bool = False) -> list[str]:
     """Switch SGLang's CPU engine on in `env` (and make the `sgl_kernel` stand-in importable
-    here and in processes started with `env`); returns what it changed, for the log."""
+    here and in processes started with `env`; with `huge_pages`, PyTorch's huge-page
+    allocations); returns what it changed, for the log."""
     done = []
-    if env.get(CPU_ENGINE_ENV) is None:
-        env[CPU_ENGINE_ENV] = "1"
-        done.append(f"{CPU_ENGINE_ENV}=1")
+    for name, wanted in ((CPU_ENGINE_ENV, True), (THP_ENV, huge_pages)):
+        if wanted and env.get(name) is None:
+            env[name] = "1"
+            done.append(f"{name}=1")
     if shims_needed():
         shims = str(SHIM_DIR)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (shims, env.get("PYTHONPATH", "")) if p)

@@ -108,13 +108,14 @@ def _from_cli_args(original: Callable[..., Opaque], cls: type, args: LaunchArgsV
     if args.radix_cache_backend == BACKEND_NAME:
         if config_file:
             os.environ["KVTIER_CONFIG_FILE"] = os.path.abspath(config_file)
+        config = load_config()
         if getattr(args, "device", None) == "cpu":  # before any worker starts: they inherit it
             from kvtier.integration.sglang.cpu import prepare_cpu_engine
 
-            for change in prepare_cpu_engine():
+            for change in prepare_cpu_engine(huge_pages=config.huge_pages):
                 logger.info("kvtier: --device cpu: %s", change)
         # Fail in the launcher, with the file and key named, not later in a worker.
-        _check_launch(load_config(), args)
+        _check_launch(config, args)
         _add_http_routes()
     return original(cls, args)
 
