@@ -65,8 +65,9 @@ class PrefixSaver:
             chunks = self._allocate(todo)
             objs += chunks
             if chunks:  # one kernel call for every chunk
-                self._connector.gather_many(slots[todo[0].start:todo[len(chunks) - 1].end],
-                                            chunks)
+                start, end = todo[0].start, todo[len(chunks) - 1].end
+                whole = start == 0 and end == slots.numel()  # a slice costs more than it looks
+                self._connector.gather_many(slots if whole else slots[start:end], chunks)
             if on_read is not None:
                 on_read()
             stored = todo[:len(chunks)]
