@@ -79,9 +79,11 @@ def _ranges(tensors: Iterable[torch.Tensor], huge: int) -> list[tuple[int, int]]
     seen: set[int] = set()
     out = []
     for t in tensors:
+        if t.device.type != "cpu":  # only host memory has pages to advise
+            continue
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
-        if t.device.type != "cpu" or ptr in seen:
+        if ptr in seen:
             continue
         seen.add(ptr)
         begin, end = -(-ptr // huge) * huge, (ptr + storage.nbytes()) // huge * huge

@@ -61,7 +61,8 @@ def test_a_pool_is_collapsed_onto_huge_pages_with_its_contents_unchanged() -> No
 def test_small_and_repeated_tensors_ask_nothing_twice() -> None:
     big = torch.zeros(5 * MiB, dtype=torch.uint8)
     views = [big[:MiB], big[MiB:], big]  # one storage, three views
-    result = hugepages.back([torch.zeros(100), torch.empty(0), *views])
+    off_cpu = torch.empty(4 * MiB, device="meta")
+    result = hugepages.back([torch.zeros(100), torch.empty(0), off_cpu, *views])
     assert result.advised == interior(big)
     assert result.collapsed == 0
 
