@@ -5,12 +5,12 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-from kvtier.backends.base import BackendContext, HotTier, StorageBackend
+from kvtier.backends.base import BackendContext, HotTier, ProbeSample, StorageBackend
 from kvtier.config.names import CPU, DISK, REDIS
 from kvtier.errors import ConfigError
 
-__all__ = ["BackendContext", "HotTier", "StorageBackend", "create_backend", "check_dependencies",
-           "BACKENDS"]
+__all__ = ["BackendContext", "HotTier", "ProbeSample", "StorageBackend", "create_backend",
+           "check_dependencies", "BACKENDS"]
 
 # name -> "module:Class"; importing redis-py happens only when the redis tier is configured.
 BACKENDS: dict[str, str] = {

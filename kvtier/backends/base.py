@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvtier.keys import ChunkKey
 from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj
@@ -27,7 +27,19 @@ if TYPE_CHECKING:  # annotations only: the tiers' contract does not import the c
     from kvtier.backends.sealing import RecordKeys
     from kvtier.config import Config
 
-__all__ = ["BackendContext", "StorageBackend", "HotTier"]
+__all__ = ["BackendContext", "StorageBackend", "HotTier", "ProbeSample", "PROBE_PREFIX"]
+
+# Scratch records of `StorageBackend.probe` live under this prefix: never a record's name, so
+# no listing, lookup or purge of records ever sees one.
+PROBE_PREFIX = "kvtier-probe"
+
+
+class ProbeSample(NamedTuple):
+    """One place a tier's reads go (a disk, a Redis primary), timed with a scratch record."""
+
+    round_trip_s: float  # a lookup that moved no data
+    read_bytes: int
+    read_s: float  # the read of `read_bytes`, its round trip included
 
 
 @dataclass(frozen=True)
@@ -112,11 +124,13 @@ class StorageBackend(ABC):
     def remove(self, keys: Sequence[ChunkKey]) -> int:
         """Delete `keys` that are present; returns how many were deleted."""
 
-    def sample_read(self, max_bytes: int) -> int:
-        """Read up to `max_bytes` of some record this tier holds, unverified and thrown away:
-        a bandwidth sample for a tier no request has read yet. Returns the bytes read (0 when
-        it holds none, or cannot tell cheaply). A failure raises, as any call."""
-        return 0
+    def probe(self, nbytes: int) -> list[ProbeSample]:
+        """Time this tier whatever it holds: write a scratch record of `nbytes` under a name
+        starting with `PROBE_PREFIX` (never a record, never listed or counted as data), time
+        a lookup and a read of it, and delete it, also when a step fails (a remote scratch
+        record expires by itself besides). One sample per place reads go (each primary of a
+        Redis Cluster); [] where the tier cannot be probed. A failure raises, as any call."""
+        return []
 
     @abstractmethod
     def stats(self) -> dict[str, float]:

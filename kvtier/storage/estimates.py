@@ -25,9 +25,10 @@ from statistics import median
 __all__ = ["Samples", "TierSpeed", "PrefillSpeed", "WINDOW", "SHORT_PREFILL_TOKENS"]
 
 WINDOW = 16
-# Before a tier's first read: 1 GB/s (a local Redis or an SSD) for the plan's arithmetic; no
-# request waits on such a guess (`TierSpeed.known`), and the first read replaces it.
-PRIOR_READ_BYTES_PER_S = 1e9
+# Before a tier's first read: a slow network's rate, for the plan's arithmetic. A request
+# waits on that guess only for a load so small that even at this rate its bytes take no
+# longer than one measured round trip (`TierSpeed.known_for`): its time is its round trips.
+PRIOR_READ_BYTES_PER_S = 10e6
 # Before the engine's first measured prefill: a small model on a CPU, or a large one on a GPU.
 PRIOR_PREFILL_TOKENS_PER_S = 2000.0
 # A tier judged too slow to ask is still asked this often (after its requests went on without
@@ -94,6 +95,12 @@ class TierSpeed:
         transfer = max(seconds - self.latency_s, seconds / 10)
         self._bandwidth.add(nbytes / transfer)
 
+    def observe_read_bound(self, nbytes: int, seconds: float) -> None:
+        """A read of `nbytes` too small to tell transfer from round trip (a small chunk):
+        taken as all transfer, a lower bound on the bandwidth, until real reads replace it."""
+        if nbytes > 0 and seconds > 0:
+            self._bandwidth.add(nbytes / seconds)
+
     def observe_transfer(self, nbytes: int, seconds: float) -> None:
         """`nbytes` more of a read already under way arrived in `seconds` (no round trip)."""
         if nbytes > 0 and seconds > 0:
@@ -122,6 +129,13 @@ class TierSpeed:
         """Whether both the round trip and the read bandwidth were timed: until then the
         adaptive policy makes no request wait on this tier."""
         return self.latency_measured and self.measured
+
+    def known_for(self, nbytes: int) -> bool:
+        """Whether a load of `nbytes` can be planned on what was measured: `known`, or the
+        round trip measured and the bytes so few that even at the prior (a slow network) they
+        take no longer than one round trip."""
+        return self.known or (self.latency_measured
+                              and nbytes <= self.latency_s * PRIOR_READ_BYTES_PER_S)
 
     def eta_s(self, nbytes: int) -> float:
         """Expected seconds until `nbytes` more, read after what is queued, have arrived."""

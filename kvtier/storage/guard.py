@@ -20,7 +20,7 @@ from contextlib import closing
 from types import TracebackType
 
 from kvtier import prometheus
-from kvtier.backends.base import HotTier, StorageBackend
+from kvtier.backends.base import HotTier, ProbeSample, StorageBackend
 from kvtier.errors import BackendUnavailable
 from kvtier.keys import ChunkKey
 from kvtier.memory import MemoryObj
@@ -63,15 +63,20 @@ class GuardedTier(StorageBackend):
             return n + got
         return n
 
-    def probe_bandwidth(self, max_bytes: int) -> int:
-        """Time a read of up to `max_bytes` of some record (`sample_read`) as a bandwidth
-        sample; returns the bytes read (0: nothing to read, or it failed)."""
-        with _Call(self, "get") as call:
-            got = self.inner.sample_read(max_bytes)
-            if got >= MIN_SAMPLE_BYTES:  # less is mostly the round trip: no bandwidth in it
-                self.speed.observe_read(got, call.elapsed())
-            return got
-        return 0
+    def probe(self, nbytes: int) -> list[ProbeSample]:
+        """Time the tier with a scratch record of `nbytes` (`StorageBackend.probe`) whatever
+        it holds: each sample's round trip and read feed `speed`. Returns the samples ([]:
+        the tier could not be probed, or the probe failed)."""
+        with _Call(self, "probe", timed=False):
+            samples = self.inner.probe(nbytes)
+            for sample in samples:
+                self.speed.observe_latency(sample.round_trip_s)
+                if sample.read_bytes >= MIN_SAMPLE_BYTES:
+                    self.speed.observe_read(sample.read_bytes, sample.read_s)
+                else:  # mostly the round trip: a bound, not a bandwidth
+                    self.speed.observe_read_bound(sample.read_bytes, sample.read_s)
+            return samples
+        return []
 
     def batch_contains(self, keys: Sequence[ChunkKey]) -> int:
         with _Call(self, "contains") as call:

@@ -9,10 +9,13 @@ alone costs more than recomputing the whole prompt), decides, caps one request's
 a share of the CPU tier, sets the prefetch's deadline, and counts what was loaded and what was
 recomputed, and why.
 
-Guesses never cost a wait. Until a tier's round trip and read bandwidth are both measured (a
-probe times them when the tier is built, off every request's path), a request does not wait
-for a plan or a load that involves it: it is admitted at once, and the load goes on in the
-background, promoting the chunks for later requests and timing the tier.
+Guesses never cost a wait. A probe times every tier when it is built (a scratch record
+written, read and deleted, before the server serves: `TierSet`), so a restarted server or a
+new instance plans its very first request on measured speeds. Until a tier's round trip and
+read bandwidth are both measured (its probe failed or ran out of time), a request waits for
+no load that involves it, except one so small that its round trips are its time
+(`TierSpeed.known_for`): it is admitted at once, and the load goes on in the background,
+promoting the chunks for later requests and timing the tier.
 """
 
 from __future__ import annotations
@@ -93,7 +96,7 @@ def decide(spans: Sequence[Span], prefill: PrefillSpeed, prompt_len: int) -> Dec
     guessed = False
     for span in spans:
         latency, bandwidth = span.tier.latency_s, span.tier.read_bytes_per_s
-        guessed = guessed or not span.tier.known
+        guessed = guessed or not span.tier.known_for(span.chunks * span.chunk_bytes)
         start = elapsed + span.tier.eta_s(0) - latency  # behind what is queued on the tier
         for k in range(1, span.chunks + 1):
             arrival = start + math.ceil(k / PREFETCH_WINDOW) * latency \
@@ -160,7 +163,7 @@ class LoadPlanner:
             speed = tier.speed
             if speed.latency_measured and speed.latency_s >= full:
                 continue  # hopeless for this prompt, whatever its bandwidth
-            if not speed.known:
+            if not speed.known_for(nbytes):
                 guessing = True
                 continue
             budget = max(budget, full - speed.latency_s - nbytes / speed.read_bytes_per_s)
@@ -194,7 +197,8 @@ class LoadPlanner:
         hits = hot_chunks + sum(s.chunks for s in spans)
         prefetch.hits = hits
         known = 0
-        while known < len(spans) and spans[known].tier.known:
+        while known < len(spans) and spans[known].tier.known_for(
+                spans[known].chunks * spans[known].chunk_bytes):
             known += 1
         decision = decide(spans[:known], self.prefill, prompt)
         waited = min(hot_chunks + decision.chunks, cap)

@@ -13,23 +13,25 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 from kvtier.backends import BackendContext, create_backend
 from kvtier.config import Config
-from kvtier.config.names import CPU, DISK, TIERS
-from kvtier.keys import stub_key
+from kvtier.config.names import CPU, TIERS
 from kvtier.metrics import RateLimitedLog
-from kvtier.storage.guard import GuardedTier
+from kvtier.storage.guard import MIN_SAMPLE_BYTES, GuardedTier
 from kvtier.storage.writer import TierWriter
 
-__all__ = ["TierSet", "TIER_ORDER", "retire", "discard"]
+__all__ = ["TierSet", "TIER_ORDER", "retire", "discard", "probe_tiers", "PROBE_BOUND_S"]
 
 logger = logging.getLogger(__name__)
 
 TIER_ORDER = TIERS  # fastest first: the order puts and gets walk
-PROBE_KEY = "kvtier/probe/round-trip"  # a name no record has: its lookup is one round trip
-PROBE_BYTES = 4 << 20  # a bandwidth sample long enough to see a throttled link, short on a slow one
+PROBE_MAX_BYTES = 4 << 20  # a probe's scratch record at most: a bandwidth sample, and short
+# enough on a slow link (2 s at 2 MB/s)
+# A server waits this long at most for its tiers' probes before it serves; a tier not measured
+# by then has its hits loaded in the background until a read has timed it.
+PROBE_BOUND_S = 3.0
 
 
 class TierSet:
@@ -52,16 +54,22 @@ class TierSet:
         self._closed = False
 
     def open(self, names: Iterable[str]) -> None:
-        """Build and add each lower tier of `names` (the CPU tier is skipped); if one cannot
-        be built, close every tier built so far and raise."""
+        """Build each lower tier of `names` (the CPU tier is skipped), probe them all at once
+        (`probe_tiers`: a few seconds at most), and add them; if one cannot be built, close
+        every tier built so far and raise."""
+        built: list[tuple[GuardedTier, TierWriter]] = []
         try:
             for name in names:
                 if name != CPU:
-                    self.add(*self.build(name))
+                    built.append(self.build(name, probe=False))
         except BaseException:
-            for tier in self.shut(self._ctx.config.blocking_timeout_secs):  # nothing queued
+            for tier, writer in built:  # nothing queued: the writer threads just end
+                writer.close(self._ctx.config.blocking_timeout_secs)
                 tier.close()
             raise
+        probe_tiers([tier for tier, _ in built], self._probe_bytes())
+        for pair in built:
+            self.add(*pair)
 
     def attach(self, name: str, config: Config | None = None) -> None:
         """Add lower tier `name` while stores and loads run (`build`, then `publish`); it
@@ -78,12 +86,13 @@ class TierSet:
         """
         self.publish(*self.build(name, config))
 
-    def build(self, name: str, config: Config | None = None,
+    def build(self, name: str, config: Config | None = None, *, probe: bool = True,
               ) -> tuple[GuardedTier, TierWriter]:
         """The slow half of `attach`: build lower tier `name` (connect, index) from `config`
-        (default the manager's), behind the failure guard, and its writer; unpublished. Hand
-        them to `publish`, or `discard` them. `ValueError` if `name` is the CPU tier or
-        attached (checked before the build), `ConfigError` if it cannot be built."""
+        (default the manager's), behind the failure guard, probe it (`probe_tiers`), and its
+        writer; unpublished. Hand them to `publish`, or `discard` them. `ValueError` if
+        `name` is the CPU tier or attached (checked before the build), `ConfigError` if it
+        cannot be built."""
         if name == CPU or self.find(name) is not None:
             raise ValueError(f"tier {name!r} cannot be attached: it is the CPU tier or "
                              f"already attached ({[t.name for t in self.tiers]})")
@@ -91,19 +100,18 @@ class TierSet:
         if config is not None:
             ctx = BackendContext(config, ctx.layout, ctx.allocator, ctx.counters)
         tier = GuardedTier(create_backend(name, ctx), ctx.counters, self._warn)
-        # Its speeds timed now, off any request's path: until both are, no request waits on
-        # the tier (the adaptive policy's guesses never cost a wait).
-        # A local disk answers in milliseconds: timed here, so a restart's first request
-        # finds it measured; a remote tier may take seconds, on a thread of its own.
-        if name == DISK:
-            _probe(tier)
-        else:
-            threading.Thread(target=_probe, args=(tier,), name=f"kvtier-probe-{tier.name}",
-                             daemon=True).start()
+        if probe:  # timed before it is published: its first request plans on measured speeds
+            probe_tiers([tier], self._probe_bytes())
         ctx.counters.declare(f"{tier.name}.hit_chunks")
         writer = TierWriter(tier, ctx.config.write_queue_chunks, ctx.counters, self._warn,
                             reachable=self._reachable)
         return tier, writer
+
+    def _probe_bytes(self) -> int:
+        """A probe's scratch record: one chunk, within `MIN_SAMPLE_BYTES`..`PROBE_MAX_BYTES`
+        (a bandwidth sample, and a bounded cost on a slow link)."""
+        chunk = self._ctx.layout.nbytes(self._ctx.config.chunk_size)
+        return min(PROBE_MAX_BYTES, max(MIN_SAMPLE_BYTES, chunk))
 
     def publish(self, tier: GuardedTier, writer: TierWriter) -> None:
         """The fast half of `attach`: `add`, counted and logged, so the next call uses `tier`.
@@ -219,11 +227,54 @@ class TierSet:
         return tiers
 
 
-def _probe(tier: GuardedTier) -> None:
-    """One round trip (a lookup of a name no record has) and one read of a record it holds
-    (`PROBE_BYTES` at most): the tier's latency and bandwidth, before a request needs them."""
-    tier.batch_contains([stub_key(PROBE_KEY)])
-    tier.probe_bandwidth(PROBE_BYTES)
+def probe_tiers(tiers: Sequence[GuardedTier], nbytes: int, bound_s: float | None = None,
+                ) -> None:
+    """Probe `tiers` at once, each on a thread of its own, with a scratch record of `nbytes`
+    (`GuardedTier.probe`), waiting `bound_s` in all (default `PROBE_BOUND_S`): a tier not
+    done by then stays unmeasured (its probe finishes in the background) and is named in the
+    log with why; so is one whose probe failed or could not run. Logs what each measured and
+    what the probes cost."""
+    if not tiers:
+        return
+    bound_s = PROBE_BOUND_S if bound_s is None else bound_s
+    start = time.monotonic()
+    runs = [_ProbeRun(tier, nbytes) for tier in tiers]
+    for run in runs:
+        run.thread.join(max(0.0, start + bound_s - time.monotonic()))
+    for run in runs:
+        speed = run.tier.speed
+        if run.thread.is_alive():
+            logger.warning("kvtier: tier %s: its start-up probe did not finish within %.1fs; "
+                           "unmeasured: its hits load in the background until a read times "
+                           "it", run.tier.name, bound_s)
+        elif not run.samples:
+            logger.warning("kvtier: tier %s: start-up probe not taken (the tier is down or "
+                           "refused it: see the line above); unmeasured: its hits load in the "
+                           "background until a read times it", run.tier.name)
+        else:
+            logger.info("kvtier: tier %s measured at start: round trip %.2f ms, reads %.1f "
+                        "MB/s (%d KiB scratch record, %d place%s, %.0f ms)", run.tier.name,
+                        speed.latency_s * 1e3, speed.read_bytes_per_s / 1e6, nbytes >> 10,
+                        run.samples, "" if run.samples == 1 else "s", run.took_s * 1e3)
+    logger.info("kvtier: start-up probes of %s took %.0f ms", [t.name for t in tiers],
+                (time.monotonic() - start) * 1e3)
+
+
+class _ProbeRun:
+    """One tier's probe on a daemon thread of its own."""
+
+    def __init__(self, tier: GuardedTier, nbytes: int) -> None:
+        self.tier = tier
+        self.samples = 0
+        self.took_s = 0.0
+        self.thread = threading.Thread(target=self._run, args=(nbytes,), daemon=True,
+                                       name=f"kvtier-probe-{tier.name}")
+        self.thread.start()
+
+    def _run(self, nbytes: int) -> None:
+        start = time.monotonic()
+        self.samples = len(self.tier.probe(nbytes))
+        self.took_s = time.monotonic() - start
 
 
 def retire(tier: GuardedTier, writer: TierWriter, *, drain: bool, timeout: float,

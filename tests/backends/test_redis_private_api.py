@@ -1,7 +1,7 @@
 """The private redis-py internals the Redis tier relies on, checked against real servers.
 
 pyproject.toml caps redis-py below 9 because of these. When a test here fails after a redis-py
-upgrade, adapt kvtier/backends/redis (io._socket, url.Router) before widening the pin.
+upgrade, adapt kvtier/backends/redis (io.raw_socket, url.Router) before widening the pin.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import redis
 from redis.cluster import ClusterNode, NodesManager, RedisCluster
 
-from kvtier.backends.redis.io import ReplyReader, _socket
+from kvtier.backends.redis.io import ReplyReader, raw_socket
 from tests.support.redis import RedisCluster as ClusterProcesses
 from tests.support.redis import RedisProcess
 
@@ -23,12 +23,12 @@ def test_pooled_connection_exposes_its_socket(redis_server: RedisProcess) -> Non
         sock = getattr(conn, "_sock", None)
         assert callable(getattr(sock, "recv_into", None)), (
             f"{VERSION}: Connection._sock is {sock!r}, not a connected socket with recv_into; "
-            "kvtier.backends.redis.io._socket reads replies from it")
+            "kvtier.backends.redis.io.raw_socket reads replies from it")
         # The data path hands send_packed_command a list of buffers, memoryviews included,
         # then reads the reply from _sock itself.
         conn.send_packed_command([b"*1\r\n$4\r\n", memoryview(b"PING"), b"\r\n"],
                                  check_health=False)
-        reply = ReplyReader(_socket(conn)).reply()
+        reply = ReplyReader(raw_socket(conn)).reply()
         assert reply == b"PONG", (f"{VERSION}: PING sent with Connection.send_packed_command "
                                   f"and read from Connection._sock gave {reply!r}")
     finally:

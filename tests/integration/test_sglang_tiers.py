@@ -2,10 +2,13 @@
 
 The servers run in order, at most two at once:
   A: CPU + disk + Redis. The reload and partial-hit checks, then two prompts stored durably.
-  B: Redis only, beside A: loads A's prompt from Redis; then Redis goes down and B keeps
-     serving correctly with every lookup a miss.
-  C: after A stopped, on A's disk directory with the (now down) Redis configured: loads A's
-     prompt from disk, serves new prompts correctly.
+  B: Redis only, started with A on the empty Redis (as a fleet comes up), default `adaptive`
+     policy: loads A's prompt from Redis on its very first request; then Redis goes down and
+     B keeps serving correctly with every lookup a miss.
+  C: after A stopped, on A's disk directory with the (now down) Redis configured, default
+     `adaptive` policy: loads A's prompt from disk on its first request, serves new prompts
+     correctly.
+B and C hit on their first request because every tier is timed at start-up, whatever it holds.
 """
 
 from __future__ import annotations
@@ -45,18 +48,30 @@ def disk_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server_a(start_server: Callable[..., SGLangServer], tiny_llama: Path, disk_dir: Path,
-             redis: RedisProcess, tmp_path_factory: pytest.TempPathFactory) -> SGLangServer:
-    config = write_config(tmp_path_factory.mktemp("cfg-a") / "kvtier.yaml",
-                          local_disk=str(disk_dir), max_local_disk_size=0.1,
-                          remote_url=redis.url, remote_timeout_secs=0.5)
-    return start_server(tiny_llama, config, "--page-size", "4")
+def servers_ab(start_server: Callable[..., SGLangServer], tiny_llama: Path, disk_dir: Path,
+               redis: RedisProcess, tmp_path_factory: pytest.TempPathFactory,
+               ) -> tuple[SGLangServer, SGLangServer]:
+    """A and B, started back to back on an empty Redis before either serves a request."""
+    assert int(redis.client().dbsize()) == 0
+    cfg = tmp_path_factory.mktemp("cfg-ab")
+    config_a = write_config(cfg / "a.yaml", local_disk=str(disk_dir), max_local_disk_size=0.1,
+                            remote_url=redis.url, remote_timeout_secs=0.5)
+    config_b = write_config(cfg / "b.yaml", local_cpu=False, remote_url=redis.url,
+                            remote_timeout_secs=0.5, prefetch_policy="adaptive")
+    return (start_server(tiny_llama, config_a, "--page-size", "4"),
+            start_server(tiny_llama, config_b, "--page-size", "4"))
 
 
 @pytest.fixture(scope="module")
-def served_by_a(server_a: SGLangServer) -> dict[int, list[int]]:
+def server_a(servers_ab: tuple[SGLangServer, SGLangServer]) -> SGLangServer:
+    return servers_ab[0]
+
+
+@pytest.fixture(scope="module")
+def served_by_a(servers_ab: tuple[SGLangServer, SGLangServer]) -> dict[int, list[int]]:
     """Cold reference outputs of the prompts A served; the flush waits for the background
     stores and for the disk and Redis writes, so they are durable afterwards."""
+    server_a = servers_ab[0]
     outputs = {}
     for seed in (RESTART_SEED, SHARED_SEED):
         ids = prompt(seed, PROMPT_LEN)
@@ -79,16 +94,15 @@ def test_page4_unrelated_prompt_misses(server_a: SGLangServer) -> None:
 
 
 def test_second_instance_hits_through_shared_redis_then_redis_goes_down(
-        start_server: Callable[..., SGLangServer], tiny_llama: Path, redis: RedisProcess,
-        server_a: SGLangServer, served_by_a: dict[int, list[int]], tmp_path: Path) -> None:
-    config = write_config(tmp_path / "kvtier.yaml", local_cpu=False, remote_url=redis.url,
-                          remote_timeout_secs=0.5)
-    server_b = start_server(tiny_llama, config, "--page-size", "4")
+        servers_ab: tuple[SGLangServer, SGLangServer], redis: RedisProcess,
+        served_by_a: dict[int, list[int]]) -> None:
+    server_a, server_b = servers_ab
     ids = prompt(SHARED_SEED, PROMPT_LEN)
-    # B's first request is admitted at once: its Redis's read speed is not measured yet (the
-    # records are too small for the start-up probe), so the load runs in the background, staged
-    # in the transfer arena, and times the tier. From then on B's requests load.
-    assert server_b.generate(ids)["output_ids"] == served_by_a[SHARED_SEED]
+    # B's very first request: its Redis was empty when B started, and was timed all the same.
+    first = server_b.generate(ids)
+    assert first["meta_info"]["cached_tokens"] == full_hit(server_b), server_b.log()[-3000:]
+    assert first["output_ids"] == served_by_a[SHARED_SEED]
+    assert "kvtier: tier redis measured at start" in server_b.log()
     server_b.flush_cache()
     got = server_b.generate(ids)
     assert got["meta_info"]["cached_tokens"] == full_hit(server_b)
@@ -116,9 +130,9 @@ def test_restart_hits_from_disk_with_redis_down(
     redis.stop()  # idempotent: C starts with Redis down
     config = write_config(tmp_path / "kvtier.yaml", local_disk=str(disk_dir),
                           max_local_disk_size=0.1, remote_url=redis.url,
-                          remote_timeout_secs=0.5)
+                          remote_timeout_secs=0.5, prefetch_policy="adaptive")
     server_c = start_server(tiny_llama, config, "--page-size", "4")
-    got = server_c.generate(prompt(RESTART_SEED, PROMPT_LEN))
-    assert got["meta_info"]["cached_tokens"] == full_hit(server_c)
+    got = server_c.generate(prompt(RESTART_SEED, PROMPT_LEN))  # its first request
+    assert got["meta_info"]["cached_tokens"] == full_hit(server_c), server_c.log()[-3000:]
     assert got["output_ids"] == served_by_a[RESTART_SEED]
     check_unrelated_miss(server_c, seed=32)

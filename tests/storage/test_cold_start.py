@@ -7,20 +7,22 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from kvtier.backends import BACKENDS, BackendContext, StorageBackend
+from kvtier.backends import BACKENDS, BackendContext, ProbeSample, StorageBackend
 from kvtier.backends.disk import DiskBackend
+from kvtier.backends.disk.probe import scratch_files
 from kvtier.config import Config
 from kvtier.connectors import SGLangMHAConnector
 from kvtier.engine import CacheEngine
 from kvtier.keys import ChunkKey
-from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj, lease
+from kvtier.memory import MemoryAllocator, MemoryObj
 from kvtier.metrics import Counters, RateLimitedLog
-from kvtier.storage import StorageManager
+from kvtier.storage import StorageManager, tierset
 from kvtier.storage.estimates import PrefillSpeed
 from kvtier.storage.existence import Existence
 from kvtier.storage.guard import MIN_SAMPLE_BYTES, GuardedTier
@@ -215,68 +217,64 @@ def test_a_request_admitted_before_its_plan_is_accounted_for(measured_disk) -> N
     assert stats["adaptive_tokens_recomputed_slower_than_recompute"] == 32 * CHUNK
 
 
-def test_a_tier_is_measured_when_it_is_built_before_any_request(tmp_path: Path) -> None:
-    big = KVLayout.mha(num_layers=32, num_kv_heads=8, head_dim=128, dtype=torch.bfloat16)
-    assert big.nbytes(CHUNK) >= MIN_SAMPLE_BYTES  # a chunk long enough to time a bandwidth
+def test_empty_tiers_are_measured_before_the_engine_is_built(tmp_path: Path,
+                                                              redis_server) -> None:
+    redis_server.client().flushall()
+    assert SMALL_MHA.nbytes(CHUNK) < MIN_SAMPLE_BYTES  # a chunk too small to time a bandwidth
     cfg = Config(chunk_size=CHUNK, max_local_cpu_size=0.05, local_disk=str(tmp_path / "d"),
-                 max_local_disk_size=0.1)
-    first = StorageManager(cfg, big)  # an earlier server's records, a short tail written last
-    keys = make_keys(2 * CHUNK + 1, layout=big)
-    assert big.nbytes(keys[-1].num_tokens) < MIN_SAMPLE_BYTES  # no bandwidth sample in it
-    objs = [make_obj(first.allocator, big, k.num_tokens, i) for i, k in enumerate(keys)]
-    with lease(objs):
-        first.put(keys[:-1], objs[:-1])
-        assert first.flush()
-        first.put(keys[-1:], objs[-1:])  # a conversation's next turn stores only its tail
-    assert first.flush()
-    first.close()
-    sm = StorageManager(cfg, big)  # a restart: no request has read the disk yet
+                 max_local_disk_size=0.1, remote_url=redis_server.url)
+    sm = StorageManager(cfg, SMALL_MHA)  # a first start: nothing stored anywhere
     try:
-        (disk,) = sm.lower_tiers
-        deadline = time.monotonic() + HANG_BOUND_S
-        while not disk.speed.known and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert disk.speed.known  # round trip and bandwidth, off any request's path
-        assert sm.stats()["disk.errors"] == 0
+        assert [t.name for t in sm.lower_tiers] == ["disk", "redis"]
+        # No waiting: measured when the constructor returns (a server's first request).
+        assert all(t.speed.known for t in sm.lower_tiers)
+        assert int(redis_server.client().dbsize()) == 0  # the probes left nothing
+        assert scratch_files(tmp_path / "d") == []
+        stats = sm.stats()
+        assert stats["disk.errors"] == stats["redis.errors"] == 0
+        assert stats["disk.puts"] == stats["redis.puts"] == 0
     finally:
         sm.close()
 
 
-def test_a_redis_tier_samples_a_record_of_its_namespace(redis_server) -> None:
-    from tests.backends.conftest import redis_backend
+class MuteProbe(SilentTier):
+    """A remote tier whose probe never answers (its other calls too)."""
 
-    redis_server.client().flushall()
-    backend = redis_backend(redis_server.url)  # namespace "default", as make_keys' keys
+    def probe(self, nbytes: int) -> list[ProbeSample]:
+        self._hang()
+        return []
+
+
+def test_a_probe_that_does_not_answer_is_given_up_after_its_bound(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    MuteProbe.released.clear()
+    MuteProbe.asked.clear()
+    monkeypatch.setitem(BACKENDS, "redis", f"{__name__}:MuteProbe")
+    monkeypatch.setattr(tierset, "PROBE_BOUND_S", 0.2)
+    cfg = Config(chunk_size=CHUNK, max_local_cpu_size=0.016, remote_url="redis://127.0.0.1:1",
+                 blocking_timeout_secs=1.0)
+    caplog.set_level(logging.INFO, logger="kvtier")
+    start = time.monotonic()
+    sm = StorageManager(cfg, SMALL_MHA)
     try:
-        assert backend.sample_read(1024) == 0  # holds nothing: nothing to time
-        keys = make_keys(2 * CHUNK)
-        objs = [make_obj(backend.ctx.allocator, SMALL_MHA, k.num_tokens, i)
-                for i, k in enumerate(keys)]
-        with lease(objs):
-            assert backend.batch_put(keys, objs) == 2
-        assert backend.sample_read(1024) == 1024
-        other = redis_backend(redis_server.url, key_namespace="other-ns")
-        try:
-            assert other.sample_read(1024) == 0  # another tenant's records are not its own
-        finally:
-            other.close()
+        assert time.monotonic() - start < HANG_BOUND_S  # a bound on a hang, not a timing
+        assert MuteProbe.asked == ["kvtier-probe-redis"]  # on a thread of its own
+        (redis,) = sm.lower_tiers
+        assert not redis.speed.known
+        assert "tier redis: its start-up probe did not finish within 0.2s" in caplog.text
     finally:
-        backend.close()
+        MuteProbe.released.set()
+        sm.close()
 
 
-def test_a_redis_tier_samples_its_largest_record_not_a_short_tail(redis_server) -> None:
-    from tests.backends.conftest import redis_backend
-
-    redis_server.client().flushall()
-    backend = redis_backend(redis_server.url)
+def test_a_tier_attached_at_run_time_is_measured_before_it_serves(tmp_path: Path) -> None:
+    cfg = Config(chunk_size=CHUNK, max_local_cpu_size=0.05, local_disk=str(tmp_path / "d"),
+                 max_local_disk_size=0.1)
+    sm = StorageManager(replace(cfg, local_disk=None), SMALL_MHA)
     try:
-        # 15 records of 2 tokens (tails: a few KB, mostly round trip) and one whole chunk: a
-        # SCAN lists them in hash order, so the chunk is rarely the first
-        for seed in range(16):
-            keys = make_keys(CHUNK if seed == 7 else 2, seed=seed)
-            objs = [make_obj(backend.ctx.allocator, SMALL_MHA, k.num_tokens, 0) for k in keys]
-            with lease(objs):
-                assert backend.batch_put(keys, objs) == 1
-        assert backend.sample_read(1 << 30) > SMALL_MHA.nbytes(CHUNK)  # the chunk, with header
+        assert sm.lower_tiers == []
+        sm.attach_tier("disk", cfg)
+        (disk,) = sm.lower_tiers
+        assert disk.speed.known
     finally:
-        backend.close()
+        sm.close()

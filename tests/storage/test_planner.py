@@ -16,7 +16,7 @@ from kvtier.config import Config
 from kvtier.memory import MemoryAllocator
 from kvtier.metrics import Counters, RateLimitedLog
 from kvtier.storage import StorageManager
-from kvtier.storage.estimates import PrefillSpeed, TierSpeed
+from kvtier.storage.estimates import PRIOR_READ_BYTES_PER_S, PrefillSpeed, TierSpeed
 from kvtier.storage.guard import GuardedTier
 from kvtier.storage.planner import (
     DEADLINE_SLACK,
@@ -100,13 +100,25 @@ def test_the_deadline_never_passes_the_break_even_point() -> None:
 
 def test_a_plan_on_an_unmeasured_tier_is_a_guess() -> None:
     unmeasured = TierSpeed("t")
-    unmeasured.observe_latency(0.02)  # its round trips are timed, its reads not yet
-    assert not unmeasured.known
-    got = decide([_span(unmeasured, 8)], _prefill(1000), 128)
-    assert got.chunks == 8 and got.guessed  # the 1 GB/s prior says load
+    unmeasured.observe_latency(0.001)  # its round trips are timed, its reads not yet
+    assert not unmeasured.known and 8 * CHUNK_BYTES > 0.001 * PRIOR_READ_BYTES_PER_S
+    got = decide([_span(unmeasured, 8)], _prefill(100), 128)
+    assert got.chunks == 8 and got.guessed  # the prior says load, but it is a guess
     assert got.deadline_s == pytest.approx(max(got.expected_s * DEADLINE_SLACK + 0.005,
                                                0.5 * got.saved_s))
     assert not decide([_span(_tier(0.02, 1e9), 8)], _prefill(1000), 128).guessed
+
+
+def test_a_load_whose_time_is_its_round_trips_needs_no_bandwidth() -> None:
+    far = TierSpeed("t")
+    far.observe_latency(0.02)  # a far tier's round trip is timed, its reads not yet
+    small = 8 * CHUNK_BYTES
+    assert not far.known and small <= 0.02 * PRIOR_READ_BYTES_PER_S
+    assert far.known_for(small) and not far.known_for(100 * small)
+    got = decide([_span(far, 8)], _prefill(1000), 128)
+    assert got.chunks == 8 and not got.guessed  # waited for: planned on the round trip
+    # ... at the prior's slow rate: the bytes cost no more than the round trip itself.
+    assert got.expected_s <= 0.02 + small / PRIOR_READ_BYTES_PER_S + 1e-9
 
 
 def test_hits_on_an_unmeasured_tier_load_in_the_background_and_nobody_waits(

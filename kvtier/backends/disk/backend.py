@@ -40,9 +40,10 @@ from collections.abc import Generator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from kvtier.backends.base import BackendContext, StorageBackend
+from kvtier.backends.base import BackendContext, ProbeSample, StorageBackend
 from kvtier.backends.disk import files as rf
 from kvtier.backends.disk.index import DiskIndex
+from kvtier.backends.disk.probe import probe_disk
 from kvtier.backends.disk.root import open_root
 from kvtier.backends.record import ForgedEntry, expected_header_len
 from kvtier.background import name_os_thread
@@ -61,7 +62,6 @@ _COUNTERS = ("hits", "misses", "puts", "put_bytes", "evictions", "corrupt", "for
              "stale_tmp_removed", "not_regular", "disk_full")
 READ_AHEAD = 4  # chunk reads in flight per batch: keeps the device queue busy while a chunk
 # is checksummed or copied on, without holding much arena for a prefix that may miss early
-SAMPLE_CANDIDATES = 16  # recent records `sample_read` picks the largest of
 DISK_FULL_EVICT_WRITES = 4  # ENOSPC frees room for the next few writes, not half the cache
 
 
@@ -151,16 +151,10 @@ class DiskBackend(StorageBackend):
             self._warn.warning("unlink", "kvtier disk: cannot delete %s: %s", path, exc)
             return False
 
-    def sample_read(self, max_bytes: int) -> int:
-        # The largest of the most recently used records (likely in the page cache, as hits are):
-        # a prompt's tail record may be a few KB, which times a round trip, not a bandwidth.
-        with self._lock:
-            recent = self._index.recent(SAMPLE_CANDIDATES)
-        if not recent or max_bytes <= 0:
-            return 0
-        name, _ = max(recent, key=lambda entry: entry[1])
-        with open(rf.record_path(self.root, name), "rb", buffering=0) as f:
-            return f.readinto(bytearray(max_bytes)) or 0
+    def probe(self, nbytes: int) -> list[ProbeSample]:
+        if self._closed or nbytes <= 0:
+            return []
+        return [probe_disk(self.root, nbytes)]
 
     def batch_contains(self, keys: Sequence[ChunkKey]) -> int:
         n = 0

@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterable
-from itertools import islice
 
 __all__ = ["DiskIndex"]
 
@@ -38,10 +37,6 @@ class DiskIndex:
     def names(self) -> list[str]:
         """Indexed record names, least recently used first."""
         return list(self._sizes)
-
-    def recent(self, n: int) -> list[tuple[str, int]]:
-        """Up to `n` (name, size) of the most recently used records, most recent first."""
-        return list(islice(reversed(self._sizes.items()), n))
 
     def load(self, found: Iterable[tuple[int, str, int]]) -> None:
         """Index `(mtime_ns, name, size)` records found on disk, oldest first."""

@@ -12,13 +12,14 @@ import redis
 from redis.exceptions import AuthenticationError, RedisClusterException, RedisError
 
 from kvtier.backends import record
-from kvtier.backends.base import BackendContext, StorageBackend
+from kvtier.backends.base import BackendContext, ProbeSample, StorageBackend
 from kvtier.backends.redis import io as rio
 from kvtier.backends.redis.health import Health
+from kvtier.backends.redis.probe import probe_primaries
 from kvtier.backends.redis.url import Router, parse_remote_url
 from kvtier.config.names import REDIS
 from kvtier.errors import ConfigError, CorruptEntry
-from kvtier.keys import KEY_VERSION, ChunkKey
+from kvtier.keys import ChunkKey
 from kvtier.memory import MemoryObj
 
 __all__ = ["RedisBackend"]
@@ -26,8 +27,6 @@ __all__ = ["RedisBackend"]
 logger = logging.getLogger(__name__)
 
 _TIER_ERRORS = (RedisError, RedisClusterException, OSError)
-SAMPLE_SCAN_COUNT = 1000  # keys one SCAN step looks at for `sample_read`
-SAMPLE_CANDIDATES = 16  # main keys whose sizes `sample_read` compares (one pipelined STRLEN)
 # Reply bytes requested ahead per connection in a batch_get. Split reads want a few MiB: Redis
 # then reuses warm reply buffers (2-16 MiB measured alike); MGETs want two 32 MiB chunks.
 _WINDOW = {True: 4 << 20, False: 64 << 20}
@@ -135,27 +134,17 @@ class RedisBackend(StorageBackend):
                 self._health.failed("refresh", err)
         self._health.warn("reply", "%s: server replied %s", op, exc)
 
-    def sample_read(self, max_bytes: int) -> int:
-        # One SCAN step on one primary (bounded work, never a walk of the keyspace), then a
-        # GETRANGE of the largest of a few records found in this namespace: a prompt's tail
-        # records may be a few KB, which time a round trip, not a bandwidth.
+    def probe(self, nbytes: int) -> list[ProbeSample]:
         router = self._usable()
-        if router is None or max_bytes <= 0:
-            return 0
-        pattern = f"{KEY_VERSION}/{self.ctx.config.key_namespace}/*"
-        for client in router.primaries():
-            _, names = client.scan(0, match=pattern, count=SAMPLE_SCAN_COUNT)
-            # A record's main key (header and its first segment), not a short last segment:
-            # a few KB time a round trip, not a bandwidth.
-            mains = [n for n in names
-                     if b"#" not in (n if isinstance(n, bytes) else n.encode())]
-            if mains:
-                pipe = client.pipeline(transaction=False)
-                for name in mains[:SAMPLE_CANDIDATES]:
-                    pipe.strlen(name)
-                _, largest = max(zip(pipe.execute(), mains))
-                return len(client.getrange(largest, 0, max_bytes - 1))
-        return 0
+        if router is None or nbytes <= 0:
+            return []
+        try:
+            return probe_primaries(router, nbytes)
+        except rio.ReplyError as exc:  # e.g. OOM or READONLY: unmeasured, not down
+            self._health.warn("probe", "probe: server replied %s", exc)
+        except _TIER_ERRORS as exc:
+            self._health.failed("probe", exc)
+        return []
 
     def batch_contains(self, keys: Sequence[ChunkKey]) -> int:
         found = self._exists(keys, "contains")

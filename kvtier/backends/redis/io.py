@@ -47,8 +47,8 @@ from kvtier.memory import KVLayout, MemoryObj
 # CommandWriter, ReplyReader and ReplyError are part of this module's interface (write_record
 # takes a writer, GetStream.next returns a reader, read_record raises ReplyError).
 __all__ = ["ArenaFull", "CipherBuffers", "CommandWriter", "GetStream", "ReplyError", "ReplyReader",
-           "SegmentMismatch", "exchange", "read_atomic", "read_record", "redis_keys", "segments",
-           "write_record"]
+           "SegmentMismatch", "exchange", "raw_socket", "read_atomic", "read_record",
+           "redis_keys", "segments", "write_record"]
 
 
 # Bytes read and verified (checksummed, decrypted) at a time: a segment larger than this is
@@ -195,7 +195,7 @@ def read_atomic(client: redis.Redis, key: ChunkKey, rkeys: list[str], layout: KV
         stream.close()
 
 
-def _socket(conn: Any) -> socket.socket:
+def raw_socket(conn: Any) -> socket.socket:
     # redis-py keeps the connected socket (plain, TLS or unix) in `_sock`; the data path uses
     # it directly because no public call sends a memoryview or reads into caller memory.
     sock = conn._sock
@@ -212,7 +212,7 @@ def exchange(client: redis.Redis, parts: list[bytes | memoryview],
     conn = pool.get_connection()
     clean = False
     try:
-        reader = ReplyReader(_socket(conn))
+        reader = ReplyReader(raw_socket(conn))
         reader.expect(0)  # small replies: all within remote_timeout_secs of the send
         conn.send_packed_command(parts, check_health=False)
         flat = iter(reader.replies(sum(counts)))
@@ -259,7 +259,7 @@ class GetStream:
         are fully read."""
         if self._conn is None:
             self._conn = self.client.connection_pool.get_connection()
-            self._reader = ReplyReader(_socket(self._conn))
+            self._reader = ReplyReader(raw_socket(self._conn))
         out = CommandWriter()
         while self._todo and (not self._sent or
                               self._inflight + self._todo[0][1] <= self._window):

@@ -1,0 +1,108 @@
+"""The Redis tier's start-up probe: a scratch value on every primary, timed and deleted.
+
+A tier that holds nothing (or only small records) is timed all the same: a lookup of the
+scratch name before it exists (one round trip), a `SET` with a TTL, a `GET` read through
+kvtier's own reader under the same deadline as record reads, and a `DEL` whatever happened
+(the TTL removes it should the `DEL` not get through). Scratch names start with
+`PROBE_PREFIX`, never a record's prefix, so no listing, lookup or purge of records sees them.
+On a cluster each primary is probed, with a hash tag chosen to land on it: a request's chunks
+are read from every primary.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+
+import redis
+
+from kvtier.backends.base import PROBE_PREFIX, ProbeSample
+from kvtier.backends.redis.io import raw_socket
+from kvtier.backends.redis.resp import CommandWriter, ReplyError, ReplyReader
+from kvtier.backends.redis.url import Router
+
+__all__ = ["probe_primaries", "PROBE_TTL_S"]
+
+PROBE_TTL_S = 60  # a scratch value outlives a failed DEL by at most this
+_TAGS = 1 << 14  # hash tags tried to find a slot on each primary (16384 slots: never short)
+
+
+def probe_primaries(router: Router, nbytes: int) -> list[ProbeSample]:
+    """One sample per primary of `router` (see the module docstring)."""
+    token = f"{os.getpid()}-{secrets.token_hex(6)}"
+    payload = memoryview(bytes(nbytes))
+    return [probe_node(client, name, payload) for client, name in _names(router, token)]
+
+
+def probe_node(client: redis.Redis, name: str, payload: memoryview) -> ProbeSample:
+    """Time a lookup and a read of a scratch value `name` on `client`'s node; deleted after."""
+    try:
+        start = time.perf_counter()
+        _one(client, "EXISTS", name)
+        round_trip = time.perf_counter() - start
+        if _one(client, "SET", name, payload, "EX", str(PROBE_TTL_S), sent=len(payload)) != b"OK":
+            raise ReplyError(f"SET of the probe value {name} was refused")
+        start = time.perf_counter()
+        got = _read(client, name, len(payload))
+        return ProbeSample(round_trip, got, time.perf_counter() - start)
+    finally:
+        _one(client, "DEL", name)
+
+
+def _names(router: Router, token: str) -> list[tuple[redis.Redis, str]]:
+    want = len(router.primaries())
+    found: dict[int, tuple[redis.Redis, str]] = {}
+    for tag in range(_TAGS):
+        name = f"{PROBE_PREFIX}/{{{tag}}}/{token}"
+        client = router.node_for(name)
+        found.setdefault(id(client), (client, name))
+        if len(found) == want:
+            break
+    return list(found.values())
+
+
+def _one(client: redis.Redis, *command: str | memoryview, sent: int = 0) -> object:
+    """One command's small reply (an error reply raised), `sent` bytes charged to its
+    deadline as a read's are."""
+    reply = _exchange(client, command, sent, None)
+    if isinstance(reply, ReplyError):
+        raise reply
+    return reply
+
+
+def _read(client: redis.Redis, name: str, nbytes: int) -> int:
+    """GET `name` into a scratch buffer; its size."""
+    size = _exchange(client, ("GET", name), nbytes, bytearray(nbytes))
+    assert isinstance(size, int)
+    return size
+
+
+def _exchange(client: redis.Redis, command: tuple[str | memoryview, ...], nbytes: int,
+              into: bytearray | None) -> object:
+    """Send `command` on a pooled connection and read its reply through `ReplyReader`
+    within the tier's deadline for `nbytes`: a small reply, or with `into` a bulk reply read
+    into it (its size returned)."""
+    pool = client.connection_pool
+    conn = pool.get_connection()
+    clean = False
+    try:
+        reader = ReplyReader(raw_socket(conn))
+        reader.expect(nbytes)
+        out = CommandWriter()
+        out.command(*command)
+        conn.send_packed_command(out.finish(), check_health=False)
+        if into is None:
+            reply = reader.reply()
+        else:
+            reply = reader.header(b"$") or 0
+            if reply > len(into):
+                raise ReplyError(f"probe value of {reply} bytes, {len(into)} written")
+            reader.read_into(memoryview(into)[:reply])
+            reader.end_bulk()
+        clean = reader.pending == 0
+        return reply
+    finally:
+        if not clean:
+            conn.disconnect()
+        pool.release(conn)
