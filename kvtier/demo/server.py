@@ -107,6 +107,10 @@ def server_env(extra: dict[str, str] | None = None,
     return env
 
 
+# How long a flush waits for the server to become idle (SGLang's `timeout` query parameter).
+FLUSH_TIMEOUT_S = 30.0
+
+
 @dataclass(frozen=True)
 class StreamResult:
     """One streamed generation: seconds to the first streamed token, and the final output."""
@@ -310,8 +314,11 @@ class SGLangServer:
         return StreamResult(ttft, total, ids, int(meta.get("cached_tokens", 0)),
                             int(meta.get("prompt_tokens", len(input_ids))))
 
-    def flush_cache(self) -> None:
-        """Empty SGLang's device prefix cache (kvtier's tiers keep their data). One call, no
-        retry: an idle server must accept it (kvtier hands its stores' locks back first)."""
-        self.post("/flush_cache")
+    def flush_cache(self, timeout_s: float = FLUSH_TIMEOUT_S) -> None:
+        """Empty SGLang's device prefix cache (kvtier's tiers keep their data), once the server
+        is idle: SGLang defers a flush with a `timeout` until then (a request whose answer
+        was just sent may still be in the scheduler's last batch for a step, more so on a busy
+        host; kvtier hands its stores' locks back as soon as they have read the KV). HTTP 400
+        if it did not become idle within `timeout_s`."""
+        self.post(f"/flush_cache?timeout={timeout_s:g}", timeout=timeout_s + 60)
 

@@ -34,7 +34,7 @@ from kvtier.storage.guard import GuardedTier
 from kvtier.storage.prefetch import PREFETCH_WINDOW, Prefetch
 
 __all__ = ["Span", "Decision", "decide", "Admission", "LoadPlanner", "REASONS",
-           "DEADLINE_SLACK", "probe_reads"]
+           "DEADLINE_SLACK", "DEADLINE_FLOOR_S", "probe_reads"]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,11 @@ REASONS = ("slower_than_recompute", "deadline", "miss", "promotion_cap", "unmeas
 # would have been done: see `Decision`.
 DEADLINE_SLACK = 1.5
 DEADLINE_GRACE_S = 0.005
+# ... and never before this: a load planned to arrive in a few milliseconds (a small prompt
+# from a local disk or Redis) must not become a recompute because a busy host ran its worker
+# a few tens of milliseconds late; the most this costs over recomputing is this long, and only
+# when a tier broke its own estimate.
+DEADLINE_FLOOR_S = 0.05
 PROBE_CHUNKS = 1  # a probe reads one chunk: a bandwidth sample, and little load on a slow tier
 # One request's load never promotes more than this share of the CPU tier: a prompt larger
 # than the CPU tier must not evict every other tenant's chunks on its way through.
@@ -67,7 +72,8 @@ class Decision(NamedTuple):
     `expected_s`, saving `saved_s` of recompute. `deadline_s` is when the request stops
     waiting for them: after `expected_s` with some slack, or half of `saved_s` if later, and
     never after `saved_s` (a request that waited that long then recomputes: at most twice
-    the recompute, and only when the tier broke its own estimate). `guessed`: some tier of
+    the recompute, and only when the tier broke its own estimate), except that it is at least
+    `DEADLINE_FLOOR_S` (scheduling noise on a busy host). `guessed`: some tier of
     the load has no measured speed yet, so `expected_s` is a guess: the request does not
     wait for it (`LoadPlanner.plan` loads in the background)."""
 
@@ -80,7 +86,7 @@ class Decision(NamedTuple):
     @property
     def deadline_s(self) -> float:
         slack = self.expected_s * DEADLINE_SLACK + DEADLINE_GRACE_S
-        return min(self.saved_s, max(slack, self.saved_s * 0.5))
+        return max(DEADLINE_FLOOR_S, min(self.saved_s, max(slack, self.saved_s * 0.5)))
 
 
 def decide(spans: Sequence[Span], prefill: PrefillSpeed, prompt_len: int) -> Decision:

@@ -19,6 +19,7 @@ from kvtier.storage import StorageManager
 from kvtier.storage.estimates import PRIOR_READ_BYTES_PER_S, PrefillSpeed, TierSpeed
 from kvtier.storage.guard import GuardedTier
 from kvtier.storage.planner import (
+    DEADLINE_FLOOR_S,
     DEADLINE_SLACK,
     Admission,
     Decision,
@@ -96,6 +97,13 @@ def test_the_deadline_never_passes_the_break_even_point() -> None:
     # A fast load saving much: a busy host's scheduling noise must not cut it off.
     short = Decision(chunks=4, tokens=64, expected_s=0.01, saved_s=1.0)
     assert short.deadline_s == pytest.approx(0.5)
+
+
+def test_a_load_of_a_few_milliseconds_survives_a_busy_hosts_noise() -> None:
+    # A small prompt from a local tier: 1 ms expected, 8 ms saved. The break-even rule alone
+    # would cut it off at 8 ms, which a busy 2-core host's scheduling delay can exceed.
+    tiny = Decision(chunks=5, tokens=80, expected_s=0.001, saved_s=0.008)
+    assert tiny.deadline_s == DEADLINE_FLOOR_S
 
 
 def test_a_plan_on_an_unmeasured_tier_is_a_guess() -> None:
