@@ -19,17 +19,21 @@ each (nothing comes from SGLang's device cache), in this order:
                 probe), on the same Redis behind a proxy that holds every reply burst
                 `--cold-delay-ms` (150 ms) and streams at `--cold-mbps` (2 MB/s): a far tier
                 whose round trip alone costs about a prompt's recompute
+    coldempty   as coldstart, but the server starts on an empty Redis (behind the same kind
+                of proxy), as a new instance of a fleet that comes up at once: the prompts
+                arrive in that Redis after the server started (copied from the first, as
+                another instance would have stored them), so only a probe of the empty
+                tier can have timed it
 
-`fast`, `throttled` and `coldstart` run once per policy in `--policies` (`prefetch_policy` in
-the kvtier config; `timeout` with its default budget). Each server is warmed up with two
-prompts no case uses (its first long prefill pays one-time costs; the adaptive policy also
-measures the prefill speed there). Measured per request: TTFT (streaming, `--max-new-tokens`
-greedy tokens), SGLang's `cached_tokens`, whether the output equals the storing server's, the
-tokens kvtier's log reports loading and (throttled) the bytes through the proxy; per server,
-kvtier's metrics. The table gives per case and policy the median and p99 TTFT over every
-request of every run, the median cached tokens, and the ratios of the median and p99 TTFT to
-`none` measured in the same invocation. Nothing is compared with a fixed number: these
-machines are shared and noisy.
+`fast`, `throttled`, `coldstart` and `coldempty` run once per policy in `--policies`
+(`prefetch_policy` in the kvtier config; `timeout` with its default budget). Each server is warmed
+up with two prompts no case uses (its first long prefill pays one-time costs; the adaptive policy
+also measures the prefill speed there). Measured per request: TTFT (streaming, `--max-new-tokens`
+greedy tokens), SGLang's `cached_tokens`, whether the output equals the storing server's, the tokens
+kvtier's log reports loading and (throttled) the bytes through the proxy; per server, kvtier's
+metrics. The table gives per case and policy the median and p99 TTFT over every request of every
+run, the median cached tokens, and the ratios of the median and p99 TTFT to `none` measured in the
+same invocation. Nothing is compared with a fixed number: these machines are shared and noisy.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_adaptive.py [--prompts 8] [--prompt-len 2048]
         [--runs 1] [--delay-ms 20] [--mbps auto] [--slowdown 4] [--policies adaptive,timeout]
@@ -70,6 +74,7 @@ from tests.support.redis import RedisProcess
 
 MODELS = {"small": SMALL_MODEL, "full": FULL_MODEL}
 POLICIES = ("adaptive", "timeout", "wait_complete", "best_effort")
+CASES = ("none", "fast", "throttled", "coldstart", "coldempty")
 FIRST_ID, VOCAB = 4, 430  # token ids every generated tokenizer has (0-3 are specials)
 _LOADED = re.compile(r"kvtier: loaded (\d+) tokens")
 
@@ -108,8 +113,10 @@ class Bench:
         self.expected: list[list[int]] = []  # the storing server's outputs
         self.store_ttft_ms: list[float] = []  # the storing server's TTFTs (JSON only)
         self.redis = RedisProcess(work / "redis")
+        self.empty_redis = RedisProcess(work / "redis-empty")  # `coldempty`'s
         self.proxy: DelayProxy | None = None
         self.cold_proxy: DelayProxy | None = None
+        self.empty_proxy: DelayProxy | None = None
         self.results: list[CaseRun] = []
         self._servers = 0
 
@@ -217,14 +224,21 @@ class Bench:
         name = f"r{run}-{case}" + (f"-{policy}" if policy else "")
         metrics = free_port()
         config = None
-        proxy = {"throttled": self.proxy, "coldstart": self.cold_proxy}.get(case)
+        proxy = {"throttled": self.proxy, "coldstart": self.cold_proxy,
+                 "coldempty": self.empty_proxy}.get(case)
+        if case == "coldempty":
+            self.empty_redis.client().flushall()
         if case != "none":
             assert policy is not None and (case == "fast" or proxy is not None)
             url = proxy.url if proxy is not None else self.redis.url
             config = self.config(name, url, policy, metrics)
         server = self.server(name, config)
         try:
-            result.start_s = self._started(server, unseen=case == "coldstart")
+            result.start_s = self._started(server, unseen=case.startswith("cold"))
+            if case == "coldempty":  # stored by "another instance" after this one started
+                copied = _copy_records(self.redis, self.empty_redis)
+                print(f"  {copied} keys arrived in the (so far empty) Redis after the server "
+                      f"started", flush=True)
             offset = len(server.log())
             marks = []  # proxy bytes before each request's flush, and at the end
             for i, ids in enumerate(self.prompts):
@@ -257,12 +271,14 @@ class Bench:
         self.check_configs()
         throttle: dict[str, float] = {}
         self.redis.start()
+        self.empty_redis.start()
         try:
             self.store()
-            self.cold_proxy = DelayProxy(self.redis.port, self.opts.cold_delay_ms / 1e3,
-                                         bytes_per_s=self.opts.cold_mbps * 1e6)
-            cases = [("none", None)] + [(case, policy)
-                                        for case in ("fast", "throttled", "coldstart")
+            cold = {"delay_s": self.opts.cold_delay_ms / 1e3,
+                    "bytes_per_s": self.opts.cold_mbps * 1e6}
+            self.cold_proxy = DelayProxy(self.redis.port, **cold)
+            self.empty_proxy = DelayProxy(self.empty_redis.port, **cold)
+            cases = [("none", None)] + [(case, policy) for case in CASES[1:]
                                         for policy in self.opts.policies]
             for run in range(1, self.opts.runs + 1):
                 for case, policy in cases:
@@ -270,11 +286,22 @@ class Bench:
                         throttle = self.throttle()
                     self.run_case(case, policy, run)
         finally:
-            for proxy in (self.proxy, self.cold_proxy):
+            for proxy in (self.proxy, self.cold_proxy, self.empty_proxy):
                 if proxy is not None:
                     proxy.close()
             self.redis.stop()
+            self.empty_redis.stop()
         return throttle
+
+
+def _copy_records(source: RedisProcess, dest: RedisProcess) -> int:
+    """Copy every key of `source` into `dest` (DUMP/RESTORE, no TTL); how many."""
+    src, dst = source.client(), dest.client()
+    n = 0
+    for name in src.scan_iter(count=1000):
+        dst.restore(name, 0, src.dump(name), replace=True)
+        n += 1
+    return n
 
 
 def _policies(text: str) -> tuple[str, ...]:
