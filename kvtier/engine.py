@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import closing
 from typing import TYPE_CHECKING
 
@@ -18,6 +18,7 @@ from kvtier.memory import KVLayout, MemoryFormat, MemoryObj, lease
 from kvtier.saving import PrefixSaver
 from kvtier.storage import StorageManager
 from kvtier.storage.prefetch import Prefetch
+from kvtier.storage.prefill_prior import ModelShape, prefill_prior
 from kvtier.storage.sessions import session_tag
 
 if TYPE_CHECKING:
@@ -150,25 +151,12 @@ class CacheEngine:
             if on_read is not None:
                 on_read()
             return 0
-        extra = self._inner_tail(token_ids, keys, also_prefix, salt)
+        extra = self.keys.inner_tail(token_ids, keys, also_prefix, salt)
         stored = self._saver.save(keys, slots, on_read, extra, ready,
                                   unwritten=lowest is None or lowest < 0)
         if session_id is not None:
             self.storage.pin_session(session_id, keys)
         return stored
-
-    def _inner_tail(self, token_ids: TokenIds, keys: Sequence[ChunkKey], n: int | None,
-                    salt: str) -> ChunkKey | None:
-        """The tail of the first `n` tokens (in whole pages) if they end inside the last key, a
-        tail itself (a whole chunk serves any prefix of itself: loads take part of one)."""
-        kb = self.keys
-        if n is None or not kb.tails:
-            return None
-        n -= n % kb.page_size
-        last = keys[-1]
-        if last.num_tokens == kb.chunk_size or not last.start < n < last.end:
-            return None
-        return kb.keys(token_ids[:n], salt)[-1]
 
     def retrieve(self, token_ids: TokenIds, slot_mapping: torch.Tensor, skip: int = 0, *,
                  hot_only: bool = False, session_id: str | None = None,
@@ -314,6 +302,13 @@ class CacheEngine:
         """The serving engine computed `tokens` new tokens of prompts up to `prompt_len` long
         in `seconds`: the recompute speed the adaptive prefetch policy weighs loads against."""
         self.storage.observe_prefill(tokens, seconds, prompt_len)
+
+    def plan_prefill_from(self, model_config: Mapping[str, object]) -> None:
+        """Until a prefill is measured, plan on the speed `prefill_prior` derives from the model
+        `model_config` (its config.json) describes, on the pool's device (if it can read it)."""
+        if (shape := ModelShape.from_config(model_config)) is not None:
+            prior = prefill_prior(shape, self.connector.device, self.layout.dtype)
+            self.storage.prefill.set_prior(prior)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until the lower-tier writes queued so far have landed, `timeout` seconds at

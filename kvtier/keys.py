@@ -339,6 +339,19 @@ class KeyBuilder:
         data = encode_tokens(token_ids)
         return self.keys_from_bytes(data, salt)
 
+    def inner_tail(self, token_ids: torch.Tensor | Sequence[int] | np.ndarray,
+                   keys: Sequence[ChunkKey], n: int | None, salt: str = "") -> ChunkKey | None:
+        """The tail of the first `n` of `token_ids` (in whole pages) if they end inside the
+        last of `keys` (their keys) and it is a tail itself: a whole chunk serves any prefix
+        of itself (loads take part of one). None without tails."""
+        if n is None or not self.tails or not keys:
+            return None
+        n -= n % self.page_size
+        last = keys[-1]
+        if last.num_tokens == self.chunk_size or not last.start < n < last.end:
+            return None
+        return self.keys(token_ids[:n], salt)[-1]
+
     def keys_from_bytes(self, data: bytes | memoryview, salt: str = "") -> list[ChunkKey]:
         """Keys of a sequence given as little-endian uint32 bytes (see `encode_tokens`)."""
         data = memoryview(data).cast("B") if not isinstance(data, memoryview) else data

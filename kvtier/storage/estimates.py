@@ -163,11 +163,16 @@ class PrefillSpeed:
     buckets: attention makes long prompts slower per token)."""
 
     def __init__(self, prior_tokens_per_s: float = PRIOR_PREFILL_TOKENS_PER_S):
-        if not prior_tokens_per_s > 0:
-            raise ValueError(f"prior_tokens_per_s must be > 0, got {prior_tokens_per_s}")
-        self.prior = prior_tokens_per_s
+        self.prior = PRIOR_PREFILL_TOKENS_PER_S
+        self.set_prior(prior_tokens_per_s)
         self._buckets: dict[int, Samples] = {}
         self._lock = threading.Lock()
+
+    def set_prior(self, tokens_per_s: float) -> None:
+        """The speed to answer with until the first sample (`ValueError` unless > 0)."""
+        if not tokens_per_s > 0:
+            raise ValueError(f"prior_tokens_per_s must be > 0, got {tokens_per_s}")
+        self.prior = float(tokens_per_s)
 
     def observe(self, tokens: int, seconds: float, prompt_len: int) -> None:
         """A prefill that computed `tokens` new tokens of prompts up to `prompt_len` long in

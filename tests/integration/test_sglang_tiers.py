@@ -107,9 +107,9 @@ def test_second_instance_hits_through_shared_redis_then_redis_goes_down(
     got = server_b.generate(ids)
     assert got["meta_info"]["cached_tokens"] == full_hit(server_b)
     assert got["output_ids"] == served_by_a[SHARED_SEED]
-    # Turns alternate: B (no CPU tier) loads A's tails from Redis at admission, A prefetches
-    # B's into its CPU tier.
-    check_conversation([server_a, server_b], seed=24)
+    # Turns alternate: B (no CPU tier) loads A's chunks from Redis at admission, and A's tails
+    # where they beat recomputing their few tokens; A prefetches B's into its CPU tier.
+    check_conversation([server_a, server_b], seed=24, planned=[server_b])
 
     redis.stop()
     ids = prompt(31, PROMPT_LEN)

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from kvtier.integration.sglang.sglang_views import ServerArgsView
 
 __all__ = ["model_key_name", "model_fingerprint", "model_identity", "served_model_name",
-           "weights_digest"]
+           "weights_digest", "model_config"]
 
 
 def model_key_name(name: str, fingerprint: str = "") -> str:
@@ -35,6 +35,24 @@ def model_identity(server_args: ServerArgsView) -> str:
     model_fingerprint(server_args))`. The radix-cache backend and the HiCache backend both key
     on it, so neither shares KV across weights, revisions or dtypes under one name."""
     return model_key_name(served_model_name(server_args), model_fingerprint(server_args))
+
+
+def model_config(server_args: ServerArgsView) -> dict[str, object]:
+    """The model's config.json (its text model's, for a multimodal one); {} when the model
+    path is not a local directory with a readable one."""
+    import json
+    import os
+
+    path = os.path.join(str(getattr(server_args, "model_path", "") or ""), "config.json")
+    try:
+        with open(path, "rb") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(config, dict):
+        return {}
+    text = config.get("text_config")
+    return text if isinstance(text, dict) and "hidden_size" in text else config
 
 
 def model_fingerprint(server_args: ServerArgsView) -> str:

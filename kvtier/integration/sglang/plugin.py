@@ -264,7 +264,7 @@ def build_radix_cache(ctx: TreeCacheBuildContextView) -> KVTierRadixCache:
         check_page_size,
         is_mla,
     )
-    from kvtier.integration.sglang.identity import model_identity, served_model_name
+    from kvtier.integration.sglang.identity import model_config, model_identity, served_model_name
     from kvtier.integration.sglang.radix_cache import KVTierRadixCache
 
     unsupported = [name for name in ("is_hybrid_swa", "is_hybrid_ssm", "is_dsa",
@@ -290,6 +290,7 @@ def build_radix_cache(ctx: TreeCacheBuildContextView) -> KVTierRadixCache:
                          connector=connector, world_size=int(ctx.tp_size),
                          rank=int(ctx.tp_rank), page_size=page_size)
     try:
+        engine.plan_prefill_from(model_config(server_args))
         cache: KVTierRadixCache = create_unified_radix_cache(ctx, cache_class=KVTierRadixCache)
 
         def reduce_min(t: torch.Tensor) -> None:
