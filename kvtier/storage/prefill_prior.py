@@ -79,10 +79,10 @@ def prefill_prior(shape: ModelShape, device: torch.device, dtype: torch.dtype) -
     speed = rate * EFFICIENCY / shape.flops_per_token
     capped = device.type == "cpu" and speed > PRIOR_PREFILL_TOKENS_PER_S
     prior = PRIOR_PREFILL_TOKENS_PER_S if capped else speed
-    logger.info("kvtier: prefill speed before the first measured prefill: %.0f tokens/s (%.1f "
-                "GFLOP a token; %s %s products at %.1f TFLOP/s%s)", prior,
+    logger.info("kvtier: prefill speed before the first measured prefill: %.0f tokens/s (%.3g "
+                "GFLOP a token; %s %s linear layers at %.3g GFLOP/s%s)", prior,
                 shape.flops_per_token / 1e9, device.type, str(dtype).removeprefix("torch."),
-                rate / 1e12, f"; capped on a CPU from {speed:.0f}" if capped else "")
+                rate / 1e9, f"; capped on a CPU from {speed:.0f}" if capped else "")
     return prior
 
 

@@ -68,7 +68,7 @@ def test_kernel_is_built_before_serving_and_flush_works_at_once(
 
     ids = prompt(31, 5 * CHUNK)
     _generate(server, ids, "first")
-    server.post("/flush_cache")  # the first call, no retry: an HTTPError fails the test
+    server.flush_cache()  # one call, no retry (SGLang waits for idle): an HTTPError fails
     assert len(COMPILED.findall(server.log())) == 1  # no copy compiled anything later
 
 
@@ -77,7 +77,7 @@ def test_queued_request_is_loaded_once_at_admission(fresh: tuple[SGLangServer, i
     long_ids = prompt(32, 1200)
     expected = cold(server, long_ids)
     assert _generate(server, long_ids, "store-it") == expected
-    server.post("/flush_cache")
+    server.flush_cache()
 
     # A running request takes most of the pool while the stored prompt comes back: the
     # scheduler matches the waiting request on every admission attempt, but kvtier copies its
