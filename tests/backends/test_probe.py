@@ -15,7 +15,7 @@ from kvtier.backends.redis import RedisBackend
 from kvtier.backends.redis import probe as redis_probe
 from kvtier.config.names import CPU
 from tests.helpers import make_keys
-from tests.support.redis import RedisCluster, RedisProcess
+from tests.support.redis import RedisCluster, RedisProcess, RedisSentinel
 
 NBYTES = 300_000  # more than one read buffer, not a multiple of any
 
@@ -54,6 +54,15 @@ def test_a_cluster_is_timed_on_each_primary(
     assert len(samples) == len(redis_cluster.masters()) == 3
     assert all(s.read_bytes == NBYTES for s in samples)
     assert all(int(node.client().dbsize()) == 0 for node in redis_cluster.nodes)
+
+
+def test_a_sentinel_tier_is_timed_on_the_master_it_finds(
+        make_backend: Callable[..., RedisBackend], redis_sentinel: RedisSentinel) -> None:
+    before = int(redis_sentinel.master.client().dbsize())  # the session's other tests' keys
+    backend = make_backend(redis_sentinel.url)
+    (sample,) = backend.probe(NBYTES)
+    assert sample.read_bytes == NBYTES
+    assert int(redis_sentinel.master.client().dbsize()) == before
 
 
 def test_a_redis_probe_failing_half_way_deletes_its_value(
