@@ -32,7 +32,8 @@ from __future__ import annotations
 import socket
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import redis
@@ -47,8 +48,8 @@ from kvtier.memory import KVLayout, MemoryObj
 # CommandWriter, ReplyReader and ReplyError are part of this module's interface (write_record
 # takes a writer, GetStream.next returns a reader, read_record raises ReplyError).
 __all__ = ["ArenaFull", "CipherBuffers", "CommandWriter", "GetStream", "ReplyError", "ReplyReader",
-           "SegmentMismatch", "exchange", "raw_socket", "read_atomic", "read_record",
-           "redis_keys", "segments", "write_record"]
+           "SegmentMismatch", "exchange", "pooled_reader", "raw_socket", "read_atomic",
+           "read_record", "redis_keys", "segments", "write_record"]
 
 
 # Bytes read and verified (checksummed, decrypted) at a time: a segment larger than this is
@@ -204,25 +205,36 @@ def raw_socket(conn: Any) -> socket.socket:
     return sock
 
 
+@contextmanager
+def pooled_reader(client: redis.Redis, nbytes: int = 0,
+                  ) -> Iterator[tuple[Any, ReplyReader]]:
+    """A pooled connection of `client` and a `ReplyReader` on its socket whose call must be
+    read within the deadline for `nbytes` (`ReplyReader.expect`). The connection goes back
+    to the pool, dropped unless the reader consumed every byte it received."""
+    pool = client.connection_pool
+    conn = pool.get_connection()
+    try:
+        reader = ReplyReader(raw_socket(conn))
+        reader.expect(nbytes)
+        yield conn, reader
+    except BaseException:
+        conn.disconnect()
+        raise
+    else:
+        if reader.pending:  # a reply half-read: the socket is out of step
+            conn.disconnect()
+    finally:
+        pool.release(conn)
+
+
 def exchange(client: redis.Redis, parts: list[bytes | memoryview],
              counts: list[int]) -> list[list[Any]]:
     """Send pipelined commands on one pooled connection; their small replies, grouped by
     `counts` (replies per logical operation). Error replies are values, not raised."""
-    pool = client.connection_pool
-    conn = pool.get_connection()
-    clean = False
-    try:
-        reader = ReplyReader(raw_socket(conn))
-        reader.expect(0)  # small replies: all within remote_timeout_secs of the send
+    with pooled_reader(client) as (conn, reader):  # small replies: within the timeout
         conn.send_packed_command(parts, check_health=False)
         flat = iter(reader.replies(sum(counts)))
-        out = [[next(flat) for _ in range(n)] for n in counts]
-        clean = reader.pending == 0
-        return out
-    finally:
-        if not clean:
-            conn.disconnect()
-        pool.release(conn)
+        return [[next(flat) for _ in range(n)] for n in counts]
 
 
 class GetStream:

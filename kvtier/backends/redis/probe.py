@@ -18,8 +18,8 @@ import time
 import redis
 
 from kvtier.backends.base import PROBE_PREFIX, ProbeSample
-from kvtier.backends.redis.io import raw_socket
-from kvtier.backends.redis.resp import CommandWriter, ReplyError, ReplyReader
+from kvtier.backends.redis.io import pooled_reader
+from kvtier.backends.redis.resp import CommandWriter, ReplyError
 from kvtier.backends.redis.url import Router
 
 __all__ = ["probe_primaries", "PROBE_TTL_S"]
@@ -80,29 +80,17 @@ def _read(client: redis.Redis, name: str, nbytes: int) -> int:
 
 def _exchange(client: redis.Redis, command: tuple[str | memoryview, ...], nbytes: int,
               into: bytearray | None) -> object:
-    """Send `command` on a pooled connection and read its reply through `ReplyReader`
-    within the tier's deadline for `nbytes`: a small reply, or with `into` a bulk reply read
-    into it (its size returned)."""
-    pool = client.connection_pool
-    conn = pool.get_connection()
-    clean = False
-    try:
-        reader = ReplyReader(raw_socket(conn))
-        reader.expect(nbytes)
+    """Send `command` and read its reply within the tier's deadline for `nbytes`: a small
+    reply, or with `into` a bulk reply read into it (its size returned)."""
+    with pooled_reader(client, nbytes) as (conn, reader):
         out = CommandWriter()
         out.command(*command)
         conn.send_packed_command(out.finish(), check_health=False)
         if into is None:
-            reply = reader.reply()
-        else:
-            reply = reader.header(b"$") or 0
-            if reply > len(into):
-                raise ReplyError(f"probe value of {reply} bytes, {len(into)} written")
-            reader.read_into(memoryview(into)[:reply])
-            reader.end_bulk()
-        clean = reader.pending == 0
-        return reply
-    finally:
-        if not clean:
-            conn.disconnect()
-        pool.release(conn)
+            return reader.reply()
+        size = reader.header(b"$") or 0
+        if size > len(into):
+            raise ReplyError(f"probe value of {size} bytes, {len(into)} written")
+        reader.read_into(memoryview(into)[:size])
+        reader.end_bulk()
+        return size
