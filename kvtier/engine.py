@@ -306,8 +306,10 @@ class CacheEngine:
     def plan_prefill_from(self, model_config: Mapping[str, object]) -> None:
         """Until a prefill is measured, plan on the speed `prefill_prior` derives from the model
         `model_config` (its config.json) describes, on the pool's device (if it can read it)."""
-        if (shape := ModelShape.from_config(model_config)) is not None:
-            prior = prefill_prior(shape, self.connector.device, self.layout.dtype)
+        shape = ModelShape.from_config(model_config)
+        prior = None if shape is None else prefill_prior(shape, self.connector.device,
+                                                         self.layout.dtype)
+        if prior is not None:
             self.storage.prefill.set_prior(prior)
 
     def flush(self, timeout: float | None = None) -> bool:

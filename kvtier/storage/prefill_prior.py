@@ -72,10 +72,19 @@ class ModelShape(NamedTuple):
         return 2.0 * self.layers * (attn + mlp)
 
 
-def prefill_prior(shape: ModelShape, device: torch.device, dtype: torch.dtype) -> float:
-    """Tokens per second the prefill of a model of `shape` reaches at most on `device`
-    (see the module docstring); logs how it got there."""
-    rate = matmul_flops(shape.hidden, shape.intermediate, device, dtype)
+def prefill_prior(shape: ModelShape, device: torch.device, dtype: torch.dtype,
+                  ) -> float | None:
+    """Tokens per second the prefill of a model of `shape` reaches on `device` (see the
+    module docstring); logs how it got there. None when the timed product fails (a dtype the
+    device has no linear kernel for, no memory for it): an estimate never stops a launch."""
+    try:
+        rate = matmul_flops(shape.hidden, shape.intermediate, device, dtype)
+    except RuntimeError as exc:
+        logger.warning("kvtier: could not time a %s %s linear layer (%s); planning on %.0f "
+                       "prefill tokens/s until the first measured prefill", device.type,
+                       str(dtype).removeprefix("torch."), str(exc).splitlines()[0][:200],
+                       PRIOR_PREFILL_TOKENS_PER_S)
+        return None
     speed = rate * EFFICIENCY / shape.flops_per_token
     capped = device.type == "cpu" and speed > PRIOR_PREFILL_TOKENS_PER_S
     prior = PRIOR_PREFILL_TOKENS_PER_S if capped else speed

@@ -78,3 +78,14 @@ def test_an_engine_plans_on_its_models_prior() -> None:
         assert prefill.prior == PRIOR_PREFILL_TOKENS_PER_S
         engine.plan_prefill_from(LLAMA3_8B)
         assert prefill.prior < PRIOR_PREFILL_TOKENS_PER_S
+
+
+def test_a_product_that_cannot_run_keeps_the_constant(caplog: pytest.LogCaptureFixture) -> None:
+    # A config whose width no host can allocate: the timed product fails for real.
+    shape = ModelShape.from_config({**TINY, "hidden_size": 10**12, "num_attention_heads": 1})
+    assert shape is not None
+    caplog.set_level(logging.INFO, logger="kvtier")
+    threads = torch.get_num_threads()
+    assert prefill_prior(shape, torch.device("cpu"), torch.float32) is None
+    assert "could not time a cpu float32 linear layer" in caplog.text
+    assert torch.get_num_threads() == threads  # timed on one thread, then restored
