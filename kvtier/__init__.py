@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from kvtier.config import Config, load_config
 from kvtier.errors import BackendUnavailable, ConfigError, CorruptEntry, KVTierError
-from kvtier.memory import KVLayout, MemoryFormat, MemoryObj
 
 __all__ = [
     "BackendUnavailable",
@@ -21,10 +20,16 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str) -> object:
-    # CacheEngine pulls in the storage stack; keep `import kvtier` (and the config CLI) light.
-    if name == "CacheEngine":
-        from kvtier.engine import CacheEngine
+_LAZY = {"CacheEngine": "kvtier.engine", "KVLayout": "kvtier.memory",
+         "MemoryFormat": "kvtier.memory", "MemoryObj": "kvtier.memory"}
 
-        return CacheEngine
+
+def __getattr__(name: str) -> object:
+    # These pull in torch (seconds): `import kvtier`, and every `kvtier` command that needs no
+    # tensor (`--help`, check-config, ls), stay light until one of them is asked for.
+    module = _LAZY.get(name)
+    if module is not None:
+        import importlib
+
+        return getattr(importlib.import_module(module), name)
     raise AttributeError(f"module 'kvtier' has no attribute {name!r}")

@@ -141,9 +141,28 @@ def test_estimates_are_exported_and_shown_by_kvtier_stats(
     assert samples[("kvtier_adaptive_tokens_loaded_total", ())] >= 64
 
     assert main(["stats", "--metrics", f"http://127.0.0.1:{port}"]) == 0
-    shown = capsys.readouterr().out
-    assert "kvtier_est_prefill_tokens_per_second" in shown and "2048" in shown
-    assert 'kvtier_est_read_bytes_per_second{tier="disk"}' in shown
+    shown = capsys.readouterr().out.splitlines()
+    assert shown[0] == "prefill: 2,048 tokens/s (measured)"
+    disk = next(line for line in shown if line.startswith("disk"))
+    assert disk.split()[1] == "up" and disk.endswith("measured") and "guessed" not in disk
+    assert any(line.split()[0] == "tokens_loaded" and float(line.split()[1].replace(",", ""))
+               >= 64 for line in shown)
+    assert not any("_created" in line for line in shown)
+
+
+def test_kvtier_stats_says_a_down_tier_s_speeds_are_guesses(
+        engine: tuple[CacheEngine, int], capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtier.cli import main
+
+    eng, port = engine
+    dead = f"redis://127.0.0.1:{free_port()}"  # nothing listens: the tier starts down
+    eng.attach_tier("redis", dataclasses.replace(eng.config, remote_url=dead,
+                                                 remote_timeout_secs=0.5))
+    assert main(["stats", "--metrics", f"http://127.0.0.1:{port}"]) == 0
+    shown = capsys.readouterr().out.splitlines()
+    assert shown[0].endswith("(prior, before the first measured prefill)")
+    redis = next(line for line in shown if line.startswith("redis"))
+    assert redis.split()[1] == "DOWN" and redis.endswith("guessed (not measured yet)")
 
 
 def test_kvtier_stats_names_an_endpoint_it_cannot_read(

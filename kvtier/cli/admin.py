@@ -5,12 +5,12 @@ recompute decisions), read from its Prometheus endpoint."""
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from typing import Any
 
-from kvtier.cli import inventory
+from kvtier.cli.main import add_command, add_config_file
 from kvtier.config import load_config
-from kvtier.config.names import CPU
 from kvtier.config.urls import redact_url
 
 __all__ = ["add_parsers"]
@@ -19,73 +19,113 @@ __all__ = ["add_parsers"]
 def _stats(args: argparse.Namespace) -> int:
     if args.metrics:
         return _live(args.metrics)
-    config = load_config(args.file)
-    per_tier: dict[str, list[int]] = {t: [0, 0] for t in config.tiers if t != CPU}
-    models: dict[str, set[str]] = {}
-    for g in inventory.groups(config):
-        per_tier.setdefault(g.tier, [0, 0])
-        per_tier[g.tier][0] += g.chunks
-        per_tier[g.tier][1] += g.nbytes
-        models.setdefault(g.tier, set()).add(g.model)
-    if not per_tier:
+    from kvtier.cli import inventory  # imports torch (seconds): only for the commands using it
+
+    listings = inventory.survey(load_config(args.file))
+    if not listings:
         print("no disk or Redis tier in this config (the CPU tier lives in a serving process; "
               "see its metrics)")
         return 0
     print(f"{'tier':<8}{'chunks':>10}{'GB':>10}{'models':>8}")
-    for tier, (chunks, nbytes) in per_tier.items():
-        print(f"{tier:<8}{chunks:>10}{nbytes / 1e9:>10.3f}{len(models.get(tier, ())):>8}")
-    return 0
+    for listing in listings:
+        if listing.error is not None:
+            print(f"{listing.tier:<8}{'-':>10}{'-':>10}{'-':>8}  DOWN: {listing.error}")
+            continue
+        chunks = sum(g.chunks for g in listing.groups)
+        nbytes = sum(g.nbytes for g in listing.groups)
+        models = len({g.model for g in listing.groups})
+        print(f"{listing.tier:<8}{chunks:>10}{nbytes / 1e9:>10.3f}{models:>8}")
+    return 0 if all(x.error is None for x in listings) else 1
 
 
-# What `--metrics` shows: the adaptive policy's estimates and decisions.
-_LIVE_PREFIXES = ("kvtier_est_", "kvtier_adaptive_tokens_")
 METRICS_TIMEOUT_S = 10.0
 MAX_METRICS_BYTES = 64 << 20  # a scrape of every series of a big server is a few MB
+_SAMPLE = re.compile(r"^(kvtier_[a-z0-9_]+)(?:\{([^}]*)\})?\s+(\S+)")
 
 
-def _live(url: str) -> int:
-    """Print the estimates and load-or-recompute counters a server's /metrics reports."""
+def _scrape(url: str) -> dict[tuple[str, str], float] | None:
+    """`{(metric, tier label or ""): value}` of the kvtier samples at `url` (`_created`
+    series left out: they are when a counter was made, not a measurement); None, with the
+    error printed, when it cannot be read."""
     import urllib.request
 
-    if not url.rstrip("/").endswith("/metrics"):
-        url = url.rstrip("/") + "/metrics"
     try:
         with urllib.request.urlopen(url, timeout=METRICS_TIMEOUT_S) as resp:
             text = resp.read(MAX_METRICS_BYTES).decode(errors="replace")
     except (OSError, ValueError) as exc:  # URLError is an OSError; ValueError: not a URL
         print(f"kvtier: error: cannot read metrics from {redact_url(url)}: {exc}",
               file=sys.stderr)
-        return 2
-    rows = []
+        return None
+    samples: dict[tuple[str, str], float] = {}
     for line in text.splitlines():
-        name, _, value = line.rpartition(" ")
-        if line.startswith(_LIVE_PREFIXES):
-            try:
-                rows.append((name, float(value)))
-            except ValueError:
-                continue  # not a sample line (or a timestamp after the value): skipped
-    if not rows:
+        match = _SAMPLE.match(line)
+        if match is None or match[1].endswith("_created"):
+            continue
+        tier = re.search(r'tier="([^"]*)"', match[2] or "")
+        try:
+            samples[(match[1], tier[1] if tier else "")] = float(match[3])
+        except ValueError:
+            continue
+    return samples
+
+
+def _live(url: str) -> int:
+    """A running server's tier and prefill speeds (measured, or still the prior: said so)
+    and its load-or-recompute counts, from its /metrics."""
+    if not url.rstrip("/").endswith("/metrics"):
+        url = url.rstrip("/") + "/metrics"
+    samples = _scrape(url)
+    if samples is None:
+        return 2
+    prefill = samples.get(("kvtier_est_prefill_tokens_per_second", ""))
+    if prefill is None:
         print(f"kvtier: {redact_url(url)} reports no kvtier estimates (is it a kvtier "
               "server's metrics endpoint, with --enable-metrics or metrics_port?)",
               file=sys.stderr)
         return 1
-    for name, number in sorted(rows):
-        print(f"{name:<72}{number:>16.6g}")
+    measured = samples.get(("kvtier_est_prefill_measured", ""), 1.0)
+    print(f"prefill: {prefill:,.0f} tokens/s "
+          f"({'measured' if measured else 'prior, before the first measured prefill'})")
+    tiers = sorted({t for (name, t) in samples if name == "kvtier_est_latency_seconds"})
+    print(f"{'tier':<8}{'state':<7}{'round trip':>12}{'read':>13}  speeds")
+    for tier in tiers:
+        down = samples.get(("kvtier_down", tier), 0.0) > 0
+        known = samples.get(("kvtier_est_measured", tier), 1.0) > 0
+        latency = samples[("kvtier_est_latency_seconds", tier)]
+        speed = samples.get(("kvtier_est_read_bytes_per_second", tier), 0.0)
+        how = "measured" if known else "guessed (not measured yet)"
+        print(f"{tier:<8}{'DOWN' if down else 'up':<7}{latency * 1e3:>9.2f} ms"
+              f"{speed / 1e6:>9,.0f} MB/s  {how}")
+    counts = sorted((name.removeprefix("kvtier_adaptive_").removesuffix("_total"), value)
+                    for (name, _), value in samples.items()
+                    if name.startswith("kvtier_adaptive_tokens_"))
+    if counts:
+        print("adaptive policy, prompt tokens:")
+        for name, value in counts:
+            print(f"  {name:<48}{value:>14,.0f}")
     return 0
 
 
 def _ls(args: argparse.Namespace) -> int:
-    rows = inventory.groups(load_config(args.file), args.model)
-    if not rows:
+    from kvtier.cli import inventory
+
+    listings = inventory.survey(load_config(args.file), args.model)
+    rows = [g for x in listings for g in x.groups]
+    down = [x for x in listings if x.error is not None]
+    if not rows and not down:
         print("nothing stored" + (f" for model {args.model}" if args.model else ""))
         return 0
     print(f"{'tier':<7}{'chunks':>9}{'GB':>10}  model / layout")
     for g in rows:
         print(f"{g.tier:<7}{g.chunks:>9}{g.nbytes / 1e9:>10.3f}  {g.model} / {g.layout}")
-    return 0
+    for x in down:
+        print(f"{x.tier:<7}{'-':>9}{'-':>10}  DOWN: {x.error}")
+    return 1 if down else 0
 
 
 def _purge(args: argparse.Namespace) -> int:
+    from kvtier.cli import inventory
+
     config = load_config(args.file)
     what = f"model {args.model}" if args.model else "every model"
     if not args.yes:
@@ -93,36 +133,40 @@ def _purge(args: argparse.Namespace) -> int:
             print(f"kvtier: purge would delete {what} from {', '.join(config.tiers[1:]) or '-'};"
                   " not a terminal: pass --yes to confirm", file=sys.stderr)
             return 2
-        rows = inventory.groups(config, args.model)
-        total = sum(g.chunks for g in rows)
+        listings = inventory.survey(config, args.model)
+        total = sum(g.chunks for x in listings for g in x.groups)
         answer = input(f"delete {total} chunks of {what} from the disk/Redis tiers? [y/N] ")
         if answer.strip().lower() not in ("y", "yes"):
             print("nothing deleted")
             return 1
-    deleted = inventory.purge(config, args.model)
-    for g in deleted:
-        print(f"deleted {g.chunks} chunks ({g.nbytes / 1e9:.3f} GB) of {g.model} / {g.layout} "
-              f"from {g.tier}")
-    if not deleted:
+    listings = inventory.purge(config, args.model)
+    for x in listings:
+        if x.error is not None:
+            print(f"{x.tier}: DOWN, nothing deleted there: {x.error}")
+        for g in x.groups:
+            print(f"deleted {g.chunks} chunks ({g.nbytes / 1e9:.3f} GB) of {g.model} / "
+                  f"{g.layout} from {g.tier}")
+    if not any(x.groups for x in listings):
         print("nothing to delete")
-    return 0
+    return 1 if any(x.error is not None for x in listings) else 0
 
 
 def add_parsers(sub: Any) -> None:
-    p = sub.add_parser("stats", help="chunks and bytes per disk/Redis tier of a config, or a "
-                                     "running server's measured speeds (--metrics)")
-    p.add_argument("file", nargs="?")
+    p = add_command(sub, "stats", "count the chunks and bytes each disk/Redis tier holds, or "
+                    "show a running server's measured speeds (--metrics)")
+    add_config_file(p)
     p.add_argument("--metrics", metavar="URL",
                    help="a server's metrics endpoint (SGLang's with --enable-metrics, or "
                         "kvtier's metrics_port): show its tier and prefill speed estimates "
                         "and its load-or-recompute counts")
     p.set_defaults(func=_stats)
-    p = sub.add_parser("ls", help="what the disk/Redis tiers hold, per model and layout")
-    p.add_argument("file", nargs="?")
+    p = add_command(sub, "ls", "list what the disk/Redis tiers hold, per model and layout")
+    add_config_file(p)
     p.add_argument("--model", help="only this model (the key's model name)")
     p.set_defaults(func=_ls)
-    p = sub.add_parser("purge", help="delete what the disk/Redis tiers hold")
-    p.add_argument("file", nargs="?")
+    p = add_command(sub, "purge", "delete what the disk/Redis tiers hold (of one model with "
+                    "--model)")
+    add_config_file(p)
     p.add_argument("--model", help="only this model (the key's model name)")
     p.add_argument("--yes", action="store_true", help="do not ask")
     p.set_defaults(func=_purge)

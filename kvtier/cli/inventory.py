@@ -29,7 +29,7 @@ from kvtier.config.names import DISK, REDIS
 from kvtier.errors import ConfigError, CorruptEntry
 from kvtier.keys import ALL_KEYS, KeySpace, key_of_redis_name, model_name_of
 
-__all__ = ["Entry", "Group", "entries", "groups", "purge"]
+__all__ = ["Entry", "Group", "Listing", "purge", "survey"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,14 +77,58 @@ class Group:
     nbytes: int
 
 
-def entries(config: Config, model: str | None = None) -> Iterator[Entry]:
-    """Every chunk of the config's `key_namespace` its disk and Redis tiers hold (of served
-    model name `model`, when given), and records that are not kvtier's (model "?")."""
-    if config.local_disk_path is not None:
-        yield from _select(_disk_entries(config.local_disk_path), config.key_namespace, model)
-    if config.remote_url is not None:
-        yield from _select(_redis_entries(config, config.key_namespace), config.key_namespace,
-                           model)
+@dataclass(frozen=True)
+class Listing:
+    """What one lower tier holds, or why it could not be listed (`error`: the tier is down or
+    refuses kvtier; its groups are then empty)."""
+
+    tier: str
+    groups: list[Group]
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class _Found:
+    tier: str
+    found: list[Entry]
+    error: str | None
+
+
+def survey(config: Config, model: str | None = None) -> list[Listing]:
+    """One `Listing` per disk/Redis tier of the config, in tier order: a tier that cannot be
+    reached is a listing with its `error`, so the others are still shown. `ConfigError`
+    (a `local_disk` the tier would refuse) is raised: it is the config's fault, not the
+    tier's state."""
+    return [Listing(f.tier, _sum(iter(f.found)), f.error) for f in _survey_entries(config, model)]
+
+
+def _survey_entries(config: Config, model: str | None = None) -> list[_Found]:
+    out = []
+    for tier in config.tiers:
+        if tier not in (DISK, REDIS):
+            continue
+        try:
+            found = list(_select(_tier_entries(config, tier), config.key_namespace, model))
+        except ConfigError:
+            raise
+        except Exception as exc:  # a down or refusing tier is a row, never the command's end
+            out.append(_Found(tier, [], _reason(exc)))
+            continue
+        out.append(_Found(tier, found, None))
+    return out
+
+
+def _reason(exc: Exception) -> str:
+    if type(exc).__module__.startswith("redis"):
+        return f"unreachable: {str(exc) or type(exc).__name__}"
+    return str(exc) or type(exc).__name__
+
+
+def _tier_entries(config: Config, tier: str) -> Iterator[Entry]:
+    if tier == DISK:
+        assert config.local_disk_path is not None
+        return _disk_entries(config.local_disk_path)
+    return _redis_entries(config, config.key_namespace)
 
 
 def _select(found: Iterator[Entry], namespace: str, model: str | None) -> Iterator[Entry]:
@@ -92,10 +136,9 @@ def _select(found: Iterator[Entry], namespace: str, model: str | None) -> Iterat
             and (model is None or e.model == model))
 
 
-def groups(config: Config, model: str | None = None) -> list[Group]:
-    """`entries` summed per tier, model and layout, largest first."""
+def _sum(found: Iterator[Entry]) -> list[Group]:
     sums: dict[tuple[str, str, str], list[int]] = {}
-    for e in entries(config, model):
+    for e in found:
         total = sums.setdefault((e.tier, e.model, e.layout), [0, 0])
         total[0] += 1
         total[1] += e.nbytes
@@ -103,23 +146,34 @@ def groups(config: Config, model: str | None = None) -> list[Group]:
     return sorted(out, key=lambda g: (-g.nbytes, g.tier, g.model))
 
 
-def purge(config: Config, model: str | None = None) -> list[Group]:
-    """Delete what `entries` lists; returns what was deleted, per tier, model and layout."""
-    deleted: dict[tuple[str, str, str], list[int]] = {}
-    redis_keys: list[str] = []
-    for e in entries(config, model):
-        if e.tier == DISK:
-            path = Path(e.location[0])
-            if not paths.unlink_record(path.parents[2], path.name):
-                continue  # gone meanwhile, or no longer a record file of ours
-        else:
-            redis_keys.extend(e.location)
-        total = deleted.setdefault((e.tier, e.model, e.layout), [0, 0])
-        total[0] += 1
-        total[1] += e.nbytes
-    if redis_keys:
-        _redis_delete(config, redis_keys)
-    return [Group(t, m, lay, c, b) for (t, m, lay), (c, b) in deleted.items()]
+def purge(config: Config, model: str | None = None) -> list[Listing]:
+    """Delete what `survey` lists; one `Listing` per tier of what was deleted, or of why
+    nothing could be (a tier that is down is reported, the others are still purged)."""
+    out = []
+    for listing in _survey_entries(config, model):
+        if listing.error is not None:
+            out.append(Listing(listing.tier, [], listing.error))
+            continue
+        try:
+            gone = _delete(config, listing.tier, listing.found)
+        except Exception as exc:  # down between the listing and the delete
+            out.append(Listing(listing.tier, [], _reason(exc)))
+            continue
+        out.append(Listing(listing.tier, _sum(iter(gone))))
+    return out
+
+
+def _delete(config: Config, tier: str, found: list[Entry]) -> list[Entry]:
+    if tier == REDIS:
+        if found:
+            _redis_delete(config, [rkey for e in found for rkey in e.location])
+        return found
+    gone = []
+    for e in found:
+        path = Path(e.location[0])
+        if paths.unlink_record(path.parents[2], path.name):
+            gone.append(e)  # else gone meanwhile, or no longer a record file of ours
+    return gone
 
 
 def disk_root(path: Path) -> Path:

@@ -18,7 +18,7 @@ import platform
 import stat
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import yaml
 
@@ -27,7 +27,7 @@ from kvtier.config.host import host_problems
 from kvtier.config.names import DISK
 from kvtier.errors import KVTierError
 
-__all__ = ["main", "MAX_CONFIG_BYTES"]
+__all__ = ["main", "add_command", "add_config_file", "MAX_CONFIG_BYTES"]
 
 MAX_CONFIG_BYTES = 1 << 20  # a config file is a few kB; anything this large is not one
 _CONFIG_ENV = ("KVTIER_CONFIG_FILE", "LMCACHE_CONFIG_FILE")
@@ -226,27 +226,45 @@ def _positive(text: str) -> int:
     return value
 
 
+DESCRIPTION = """\
+kvtier keeps the KV cache of LLM serving engines in CPU memory, on local disk and in Redis.
+These commands check a config file before a launch, look at and clear what the disk and Redis
+tiers hold, measure the tiers, and talk to a running server. A config FILE argument defaults
+to $KVTIER_CONFIG_FILE, then $LMCACHE_CONFIG_FILE, then the built-in defaults."""
+
+EPILOG = """\
+start here:
+  kvtier check-config kvtier.yaml     every problem a launch with this file would hit here
+  kvtier info kvtier.yaml             versions, copy kernel, whether each tier is reachable
+  kvtier demo                         real SGLang serving with and without kvtier (CPU)
+errors are one line on stderr and exit status 2; -v logs more. Docs: docs/cli.md"""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="kvtier", description=__doc__)
+    parser = _Parser(prog="kvtier", description=DESCRIPTION, epilog=EPILOG,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("check-config", help="validate a config and print the effective values")
-    p.add_argument("file", nargs="?", help="YAML file (default: KVTIER_CONFIG_FILE, "
-                   "LMCACHE_CONFIG_FILE, built-in defaults)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                                title="commands")
+    p = add_command(sub, "check-config", "check a config file against this host and print the "
+                 "effective values; every problem the launch would hit is reported at once")
+    add_config_file(p)
     p.add_argument("--tp-size", type=int, default=1, help="TP ranks on this host, each with "
                    "its own arena (for the memory check; default 1)")
     p.set_defaults(func=_check_config)
-    p = sub.add_parser("migrate-config", help="what each key of an LMCache config file "
-                       "becomes in kvtier")
-    p.add_argument("file", help="LMCache YAML file")
+    p = add_command(sub, "migrate-config", "explain what each key of an LMCache config file "
+                 "becomes in kvtier")
+    p.add_argument("file", metavar="FILE", help="the LMCache YAML file")
     p.set_defaults(func=_migrate_config)
-    p = sub.add_parser("info", help="versions, copy kernel and tier reachability")
-    p.add_argument("file", nargs="?")
+    p = add_command(sub, "info", "show versions, the copy kernel in use and whether each tier of "
+                 "a config is reachable (changes nothing)")
+    add_config_file(p)
     p.add_argument("--sglang", action="store_true", help="also check the SGLang internals "
                    "kvtier uses (imports SGLang: several seconds)")
     p.set_defaults(func=_info)
-    p = sub.add_parser("bench", help="throughput of connectors and tiers on a Llama-3-8B shape")
-    p.add_argument("file", nargs="?")
+    p = add_command(sub, "bench", "measure store and load throughput of the tiers on a "
+                 "Llama-3-8B-shaped KV cache")
+    add_config_file(p)
     p.add_argument("--prompts", type=_positive, default=8, help="prompts stored and loaded")
     p.add_argument("--tokens", type=_positive, default=2048, help="tokens per prompt")
     p.add_argument("--json", default="benchmarks/results/bench.json", help="JSON output path")
@@ -263,6 +281,17 @@ def build_parser() -> argparse.ArgumentParser:
     cli_admin.add_parsers(sub)
     cli_tiers.add_parser(sub)
     return parser
+
+
+def add_config_file(parser: argparse.ArgumentParser) -> None:
+    """The optional FILE argument every command reading a config takes."""
+    parser.add_argument("file", nargs="?", metavar="FILE", help="kvtier or LMCache YAML config "
+                        "(default: $KVTIER_CONFIG_FILE, $LMCACHE_CONFIG_FILE, built-in defaults)")
+
+
+def add_command(sub: Any, name: str, summary: str) -> argparse.ArgumentParser:
+    """A subcommand whose one-line summary is also its --help description."""
+    return sub.add_parser(name, help=summary, description=summary[0].upper() + summary[1:] + ".")
 
 
 def _config_file_problem(args: argparse.Namespace) -> str | None:

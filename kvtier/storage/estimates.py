@@ -154,8 +154,11 @@ class TierSpeed:
             self._queued = max(0, self._queued - nbytes)
 
     def stats(self) -> dict[str, float]:
+        # est_measured: 1 when both numbers were measured, 0 while either is still the prior
+        # (an operator reading the speeds of a tier that is down must see they are guesses).
         return {"est_latency_seconds": self.latency_s,
-                "est_read_bytes_per_second": self.read_bytes_per_s}
+                "est_read_bytes_per_second": self.read_bytes_per_s,
+                "est_measured": float(self.known)}
 
 
 class PrefillSpeed:
@@ -210,7 +213,8 @@ class PrefillSpeed:
         with self._lock:
             longest = max(self._buckets, default=None)
         speed = self.prior if longest is None else self.tokens_per_s(1 << longest)
-        return {"est_prefill_tokens_per_second": speed}
+        return {"est_prefill_tokens_per_second": speed,
+                "est_prefill_measured": float(longest is not None)}
 
 
 def _bucket(tokens: int) -> int:

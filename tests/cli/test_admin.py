@@ -167,3 +167,41 @@ def test_ls_stats_and_purge_refuse_a_dangerous_local_disk(
     err = capsys.readouterr().err
     assert err.startswith("kvtier: error: local_disk: ") and why in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_stats_ls_and_purge_show_a_down_redis_as_one_row(
+        tmp_path: Path, redis_factory, capsys: pytest.CaptureFixture[str],  # noqa: ANN001
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    redis: RedisProcess = redis_factory()
+    cfg = _config(tmp_path, redis.url)
+    _store(cfg, "alpha", range(2))
+    redis.stop()  # the tier is now down: the disk tier must still be listed and purged
+
+    assert main(["ls", str(cfg)]) == 1
+    out = capsys.readouterr()
+    lines = out.out.splitlines()
+    assert [line.split()[:2] for line in lines[1:]] == [["disk", "8"], ["redis", "-"]]
+    assert "DOWN" in lines[-1] and "Traceback" not in out.err
+    assert main(["stats", str(cfg)]) == 1
+    stats = capsys.readouterr().out.splitlines()
+    assert stats[1].split()[:2] == ["disk", "8"] and "DOWN" in stats[2]
+
+    monkeypatch.setattr("sys.stdin.isatty", lambda: False)
+    assert main(["purge", str(cfg), "--yes"]) == 1
+    out = capsys.readouterr().out
+    assert "deleted 8 chunks" in out and "redis: DOWN, nothing deleted there" in out
+    assert not list((tmp_path / "disk").rglob("*.kvt"))
+
+
+def test_help_is_for_users_and_imports_no_torch() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys; from kvtier.cli.main import build_parser; "
+            "h = build_parser().format_help(); "
+            "assert 'torch' not in sys.modules, 'torch imported'; print(h)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: kvtier")
+    assert "check-config" in done.stdout and "MAX_CONFIG_BYTES" not in done.stdout
