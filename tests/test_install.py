@@ -1,7 +1,7 @@
 """kvtier installs with a plain `pip install` and builds its C++ kernel on first use.
 
-The install test is what a new user does: a fresh venv, CPU torch, then a wheel built from the
-checkout (`pip wheel`, pip's default build isolation) installed with `pip install`; then a
+The install test is what a new user does: a fresh venv, CPU torch, then the README's install
+line run inside a copy of the checkout (and a wheel built from it, `make wheel`'s way); then a
 store/retrieve round trip that must run on the C++ kernel. It takes a couple of minutes (torch,
 the dependencies, one kernel compile): marked slow, left out of `make test-fast`.
 """
@@ -9,6 +9,7 @@ the dependencies, one kernel compile): marked slow, left out of `make test-fast`
 from __future__ import annotations
 
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -61,7 +62,12 @@ def test_a_wheel_of_the_checkout_installs_and_uses_the_cpp_kernel(tmp_path: Path
     [wheel] = (tmp_path / "dist").glob("kvtier-*.whl")
     with zipfile.ZipFile(wheel) as whl:  # the CPU engine's sgl_kernel stand-in ships in it
         assert "kvtier/integration/sglang/cpu_shims/sgl_kernel/__init__.py" in whl.namelist()
-    subprocess.run([*pip, str(wheel)], check=True)
+    # Installed as the README writes it, from inside the checkout.
+    [line] = [ln for ln in (REPO / "README.md").read_text().splitlines()
+              if ln.startswith("pip install '.[")]
+    argv = shlex.split(line)
+    subprocess.run([py, "-m", *argv[:2], "-q", "--disable-pip-version-check", *argv[2:]],
+                   cwd=tmp_path / "src", check=True)
     env = {**os.environ, "KVTIER_CACHE_DIR": str(tmp_path / "cache"), "KVTIER_KERNEL": "cpp",
            "KVTIER_CONFIG_FILE": "", "KVTIER_MAX_LOCAL_CPU_SIZE": "0.01",
            "KVTIER_CHUNK_SIZE": "32"}
@@ -72,6 +78,7 @@ def test_a_wheel_of_the_checkout_installs_and_uses_the_cpp_kernel(tmp_path: Path
     assert out.stdout.strip().endswith("kernel cpp")
     assert list((tmp_path / "cache" / "ext").glob("*/kvtier_C.so"))
     # Without the redis extra, a Redis config is an error that names the extra.
+    subprocess.run([py, "-m", "pip", "uninstall", "-q", "-y", "redis"], check=True)
     env["KVTIER_REMOTE_URL"] = "redis://127.0.0.1:1"
     bad = subprocess.run([py, "-c", "import kvtier; kvtier.load_config()"], env=env,
                          cwd=tmp_path, capture_output=True, text=True, timeout=120)

@@ -23,7 +23,6 @@ from typing import Any, NoReturn
 import yaml
 
 from kvtier.config import load_config, load_config_report
-from kvtier.config.host import host_problems
 from kvtier.config.names import DISK
 from kvtier.errors import KVTierError
 
@@ -43,31 +42,37 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _check_config(args: argparse.Namespace) -> int:
-    """Print the three key groups, the effective config and where each value came from, as
-    one YAML document; what does not fit this host (memory, disk space) is a warning here, as
-    the file may be meant for another host (the launch refuses it)."""
+    """Print the key groups, the effective config and where each value came from, as one YAML
+    document, then every problem a launch with these flags would hit on this host (all at
+    once; the file may be meant for another host, so they are reported, exit status 1)."""
     if args.tp_size < 1:
         print(f"kvtier: error: --tp-size must be >= 1, got {args.tp_size}", file=sys.stderr)
         return 2
+    from kvtier.integration.sglang.preflight import preflight
+
     loaded = load_config_report(args.file)
-    problems = host_problems(loaded.config, local_ranks=args.tp_size)
-    for problem in problems:
-        print(f"kvtier: warning: on this host, {problem}", file=sys.stderr)
-    ignored = dict(loaded.ignored)
-    ignored.update((f"{key} (value translated)", note) for key, note in loaded.notes)
+    found = preflight(loaded.config, args)
+    for problem in found.problems:
+        print(f"kvtier: problem: on this host, {problem}", file=sys.stderr)
+    for note in found.notes:
+        print(f"kvtier: note: {note}", file=sys.stderr)
+    translated = dict(loaded.notes)
     print(f"# source: {loaded.source}")
     print("# kvtier keys set by the file and the environment:")
-    _dump({"kvtier_keys": dict(loaded.given)})
-    print("# LMCache keys and values accepted but not implemented, and what kvtier does instead:")
-    _dump({"lmcache_not_implemented": ignored})
+    _dump({"kvtier_keys": {k: v for k, v in loaded.given if k not in translated}})
+    print("# LMCache values kvtier translates (as migrate-config shows them):")
+    _dump({"lmcache_translated": translated})
+    print("# LMCache keys accepted but not implemented, and what kvtier does instead:")
+    _dump({"lmcache_not_implemented": dict(loaded.ignored)})
     print("# the effective config:")
     _dump({"effective": loaded.config.redacted(), "tiers": " -> ".join(loaded.config.tiers)})
     print("# where each value came from (default, file, or the variable):")
     _dump({"origins": dict(loaded.origins)})
-    if problems:
-        print(f"# does not fit this host (the launch with --tp-size {args.tp_size} refuses it):")
-        _dump({"host_warnings": problems})
-    return 0
+    if found.problems or found.notes:
+        print(f"# a launch with --tp-size {args.tp_size} --page-size {args.page_size} on this "
+              "host: refused for each problem; each note is logged")
+        _dump({"launch_problems": found.problems, "launch_notes": found.notes})
+    return 1 if found.problems else 0
 
 
 def _migrate_config(args: argparse.Namespace) -> int:
@@ -249,8 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add_command(sub, "check-config", "check a config file against this host and print the "
                  "effective values; every problem the launch would hit is reported at once")
     add_config_file(p)
-    p.add_argument("--tp-size", type=int, default=1, help="TP ranks on this host, each with "
-                   "its own arena (for the memory check; default 1)")
+    _add_launch_flags(p)
     p.set_defaults(func=_check_config)
     p = add_command(sub, "migrate-config", "explain what each key of an LMCache config file "
                  "becomes in kvtier")
@@ -281,6 +285,21 @@ def build_parser() -> argparse.ArgumentParser:
     cli_admin.add_parsers(sub)
     cli_tiers.add_parser(sub)
     return parser
+
+
+def _add_launch_flags(p: argparse.ArgumentParser) -> None:
+    """The SGLang launch flags the launch checks depend on, under SGLang's names."""
+    p.add_argument("--tp-size", type=int, default=1, help="TP ranks on this host, each with "
+                   "its own arena (default 1)")
+    p.add_argument("--dp-size", type=_positive, default=1, help="DP ranks on this host")
+    p.add_argument("--page-size", type=_positive, default=1, help="SGLang's --page-size "
+                   "(chunk_size must be a multiple)")
+    p.add_argument("--device", help="SGLang's --device: with cpu, the engine's KV pool and "
+                   "weights share host memory with kvtier's arena and are counted")
+    p.add_argument("--model-path", help="the model directory (its config.json and weights "
+                   "size the CPU engine's memory)")
+    p.add_argument("--max-total-tokens", type=_positive, help="SGLang's KV pool size in tokens")
+    p.add_argument("--load-format", default="auto", help="SGLang's --load-format")
 
 
 def add_config_file(parser: argparse.ArgumentParser) -> None:

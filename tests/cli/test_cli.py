@@ -45,12 +45,20 @@ def test_check_config_prints_the_three_key_groups(tmp_path: Path,
     assert main(["check-config", str(path)]) == 0
     out = capsys.readouterr().out
     data = yaml.safe_load(out)
-    assert data["kvtier_keys"] == {"chunk_size": "64", "remote_url": "resp://127.0.0.1:1",
-                                   "remote_serde": "cachegen"}
+    assert data["kvtier_keys"] == {"chunk_size": "64"}
+    translated = data["lmcache_translated"]
+    assert set(translated) == {"remote_url", "remote_serde", "extra_config"}
+    assert "uncompressed" in translated["remote_serde"]
     ignored = data["lmcache_not_implemented"]
     assert "layer-by-layer" in ignored["use_layerwise"]
     assert ignored["extra_config.resp_num_threads"] == "not used by kvtier"
-    assert "uncompressed" in ignored["remote_serde (value translated)"]
+    # migrate-config classifies every key the same way
+    assert main(["migrate-config", str(path)]) == 0
+    kinds = {line.split()[0]: line.split()[1]
+             for line in capsys.readouterr().out.split("\n\n")[0].splitlines()}
+    assert {k for k, kind in kinds.items() if kind == "kvtier"} == set(data["kvtier_keys"])
+    assert {k for k, kind in kinds.items() if kind == "translated"} >= {"remote_url",
+                                                                         "remote_serde"}
     assert data["effective"]["remote_url"] == "redis://:***@127.0.0.1:1"
     assert data["effective"]["chunk_size"] == 64 and "hunter2" not in out
 

@@ -122,17 +122,17 @@ def test_tilde_that_cannot_be_expanded_is_refused(
     assert list(tmp_path.iterdir()) == [path]
 
 
-# ---- 3: disk space: check-config warns, the launch refuses --------------------------------
+# ---- 3: disk space: check-config reports it, the launch refuses --------------------------------
 
 def test_disk_cap_larger_than_the_filesystem(tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     disk = tmp_path / "not" / "yet" / "disk"
     path = _file(tmp_path, f"local_disk: {disk}\nmax_local_disk_size: 1000000\n")
     cfg = load_config(path, env={})  # the file may be meant for a host with a larger disk
-    assert main(["check-config", str(path)]) == 0
+    assert main(["check-config", str(path)]) == 1  # reported, not an error in the file
     out, err = capsys.readouterr()
-    assert "warning: on this host, max_local_disk_size: 1e+06 GB is more than" in err
-    assert "max_local_disk_size" in yaml.safe_load(out)["host_warnings"][0]
+    assert "problem: on this host, max_local_disk_size: 1e+06 GB is more than" in err
+    assert "max_local_disk_size" in yaml.safe_load(out)["launch_problems"][0]
     with pytest.raises(ConfigError) as info:  # what the launch calls
         check_host(cfg)
     msg = str(info.value)
@@ -215,8 +215,8 @@ def test_arenas_of_every_rank_must_fit_physical_memory(
     assert "physical memory" in problems[0]
     with pytest.raises(ValueError, match="local_ranks"):
         memory_problem(cfg, local_ranks=0)
-    # check-config warns (its host may not be the serving host) and exits 0
-    assert main(["check-config", "--tp-size", "64", str(path)]) == 0
+    # check-config reports it (its host may not be the serving host) and exits 1
+    assert main(["check-config", "--tp-size", "64", str(path)]) == 1
     assert "x 64 local rank(s)" in capsys.readouterr().err
     assert main(["check-config", "--tp-size", "0", str(path)]) == 2
 

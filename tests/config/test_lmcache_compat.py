@@ -313,10 +313,10 @@ def test_arena_larger_than_this_host_warns_in_check_config_and_fails_at_launch(
     size = round(physical_memory_bytes() * 2 / 1e9, 1)  # twice this host, whatever it has
     path.write_text(f"local_cpu: true\nmax_local_cpu_size: {size}\n")
     cfg = load_config(path, env={})  # valid: the file may be meant for a bigger host
-    assert main(["check-config", str(path)]) == 0
+    assert main(["check-config", str(path)]) == 1
     out, err = capsys.readouterr()
-    assert f"warning: on this host, max_local_cpu_size: {size:g} GB" in err
-    assert "max_local_cpu_size" in yaml.safe_load(out)["host_warnings"][0]
+    assert f"problem: on this host, max_local_cpu_size: {size:g} GB" in err
+    assert "max_local_cpu_size" in yaml.safe_load(out)["launch_problems"][0]
     with pytest.raises(ConfigError, match=rf"^max_local_cpu_size: {size:g} GB x 1 local rank"):
         check_host(cfg)  # what the launch calls before any worker starts
     big = load_config(CORPUS / "big_host_cpu.yaml", env={})  # the corpus file: 4096 GB

@@ -1,8 +1,8 @@
 """The README's CPU launch line, run as written with nothing in the environment but PATH and
 HOME: kvtier's plugin switches SGLang's CPU engine on (its variable and the `sgl_kernel`
-stand-in shipped in the package), and the server serves a kvtier hit. And the arena check a
-launch cannot make: an arena that fits physical memory but not beside SGLang's own KV pool
-stops the server, naming both numbers, before it is allocated."""
+stand-in shipped in the package), and the server serves a kvtier hit. And an arena that fits
+physical memory but not beside SGLang's own CPU KV pool stops the launch, naming both numbers,
+before any worker starts."""
 
 from __future__ import annotations
 
@@ -82,8 +82,10 @@ def test_an_arena_that_does_not_fit_beside_the_engines_pool_stops_the_server(
     finally:
         server.stop()
     log = server.log()
-    found = re.search(rf"max_local_cpu_size: {arena_gb:g} GB does not fit the memory available "
-                      r"now: ([\d.]+) GB available .* at most ([\d.]+) GB", log)
+    found = re.search(rf"max_local_cpu_size: {arena_gb:g} GB x 1 rank\(s\) of arena \+ about "
+                      r"([\d.]+) GB for SGLang's CPU KV pool \(--max-total-tokens \d+\) and "
+                      r"weights .* at most ([\d.]+) GB per rank", log)
     assert found, log[-3000:]
-    assert float(found[1]) < arena_gb  # the pool took what the arena needed
-    assert "arena: " not in log  # refused before it was allocated
+    assert float(found[1]) >= 4 * 2**30 / 1e9  # the pool the launch counted
+    assert float(found[2]) < arena_gb
+    assert "Traceback" not in log and "arena: " not in log  # refused before any worker

@@ -33,6 +33,7 @@ from kvtier.engine import CacheEngine, Prefetch
 from kvtier.errors import ConfigError
 from kvtier.integration.sglang.attach import Attachments
 from kvtier.integration.sglang.budget import SchedulerBudget
+from kvtier.integration.sglang.preflight import page_size_problem
 from kvtier.integration.sglang.sglang_views import MHAPoolView, MLAPoolView, Opaque
 from kvtier.integration.sglang.stores import StoreJob, StoreWorker
 from kvtier.keys import ChunkKey, KeyChain
@@ -52,10 +53,9 @@ FIRST_CHECK_WAIT_S = 0.005
 
 def check_page_size(config: Config, page_size: int) -> None:
     """`ConfigError` unless whole chunks are whole pages (so a load never splits a page)."""
-    if page_size < 1 or config.chunk_size % page_size:
-        raise ConfigError(
-            f"chunk_size: {config.chunk_size} must be a multiple of SGLang's --page-size "
-            f"({page_size}); set chunk_size to a multiple of {page_size}")
+    problem = page_size_problem(config, page_size)
+    if problem is not None:
+        raise ConfigError(problem)
 
 
 def build_connector(pool: object) -> KVConnector:

@@ -207,49 +207,25 @@ def _batch_result(scheduler: SchedulerView, batch: ScheduleBatchView | None, *ar
 
 
 def _check_launch(config: Config, args: LaunchArgsView) -> None:
-    from kvtier.integration.sglang.adapter import check_page_size
+    """Every launch check at once (`preflight`): one `ConfigError` naming the config's source
+    and each problem, before any worker starts or anything is written."""
+    from kvtier.integration.sglang.preflight import preflight
 
     source = os.environ.get("KVTIER_CONFIG_FILE") or os.environ.get("LMCACHE_CONFIG_FILE") \
         or "kvtier defaults"
-    from kvtier.backends import check_dependencies
-    from kvtier.config.host import check_host
-
-    try:
-        check_page_size(config, int(getattr(args, "page_size", None) or 1))
-        for tier in config.tiers:
-            check_dependencies(tier)
-        # Memory (every rank's arena: TP x DP ranks on this host, cgroup limit) and disk
-        # space: refused at launch.
-        tp_size = int(getattr(args, "tp_size", None) or 1)
-        dp_size = int(getattr(args, "dp_size", None) or 1)
-        check_host(config, local_ranks=tp_size * dp_size)
-        # A missing, short or open key file stops the launch here, not each worker later.
-        from kvtier.backends.sealing import load_record_keys
-
-        load_record_keys(config.record_key_file)
-        _check_load_format(config, args)
-        if config.metrics_port is not None and config.metrics_port + tp_size - 1 > 65535:
-            raise ConfigError(f"metrics_port: {config.metrics_port} + TP rank (up to "
-                              f"{tp_size - 1}) passes 65535: each rank serves on metrics_port "
-                              f"+ rank; use at most {65536 - tp_size}")
-    except ConfigError as exc:
-        raise ConfigError(f"{source}: {exc}") from None
     for flag in ("enable_hierarchical_cache", "disable_radix_cache"):
         if getattr(args, flag, False):
             raise ConfigError(f"--enable-kvtier cannot be combined with "
                               f"--{flag.replace('_', '-')}")
-
-
-def _check_load_format(config: Config, args: LaunchArgsView) -> None:
-    """Random weights (`--load-format dummy`) compute KV no real server computes: stored on
-    disk or in Redis under the model's name, it would poison every reader of that model."""
-    load_format = str(getattr(args, "load_format", None) or "auto")
-    lower = [tier for tier in config.tiers if tier != "cpu"]
-    if load_format == "dummy" and lower:
-        raise ConfigError(f"--load-format dummy (random weights) with the {'/'.join(lower)} "
-                          "tier: its KV would be stored under the model's name and loaded by "
-                          "real servers of that model; use local_cpu only (drop local_disk and "
-                          "remote_url) for a dummy-weights run")
+    found = preflight(config, args)
+    for note in found.notes:
+        logger.warning("kvtier: %s", note)
+    if len(found.problems) == 1:
+        raise ConfigError(f"{source}: {found.problems[0]}")
+    if found.problems:
+        listed = "".join(f"\n  {i}. {p}" for i, p in enumerate(found.problems, 1))
+        raise ConfigError(f"{source}: {len(found.problems)} problems stop the launch (kvtier "
+                          f"check-config FILE lists them too):{listed}")
 
 
 def build_radix_cache(ctx: TreeCacheBuildContextView) -> KVTierRadixCache:
