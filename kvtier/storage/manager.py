@@ -302,6 +302,10 @@ class StorageManager:
         out["arena_bytes"] = self.allocator.size
         return out
 
+    def queued_writes(self) -> int:
+        """Lower-tier writes queued and not yet written, over every tier."""
+        return sum(w.pending() for w in self._writers)
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every lower-tier write queued so far is done, `timeout` seconds in all
         (not per tier); False on timeout, with a warning naming what was left. See

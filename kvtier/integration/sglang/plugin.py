@@ -68,7 +68,7 @@ def register() -> None:
     if BACKEND_NAME not in registered_radix_cache_backends():
         register_radix_cache_backend(BACKEND_NAME, build_radix_cache)
     # Tier attach/detach at run time: kvtier/integration/sglang/admin.py.
-    from kvtier.integration.sglang import admin
+    from kvtier.integration.sglang import admin, shutdown
 
     hooks = ((HOOK_TARGETS["add_cli_args"], _add_cli_args, HookType.AROUND),
              (HOOK_TARGETS["from_cli_args"], _from_cli_args, HookType.AROUND),
@@ -77,9 +77,12 @@ def register() -> None:
              (HOOK_TARGETS["run_batch"], _run_batch, HookType.BEFORE),
              (HOOK_TARGETS["on_idle"], _on_idle, HookType.BEFORE),
              (HOOK_TARGETS["attach"], admin.wrap_attach, HookType.AROUND),
-             (HOOK_TARGETS["detach"], admin.wrap_detach, HookType.AROUND))
+             (HOOK_TARGETS["detach"], admin.wrap_detach, HookType.AROUND),
+             (HOOK_TARGETS["launch_server"], shutdown.around_launch_server, HookType.AROUND))
     for target, hook, kind in hooks:
         HookRegistry.register(target, hook, kind)
+    if shutdown.in_server():  # a child of a launcher with kvtier: scheduler, detokenizer
+        shutdown.leave_sigint_to_launcher()
 
 
 def _add_cli_args(original: Callable[..., Opaque], parser: argparse.ArgumentParser) -> Opaque:
@@ -117,7 +120,21 @@ def _from_cli_args(original: Callable[..., Opaque], cls: type, args: LaunchArgsV
         # Fail in the launcher, with the file and key named, not later in a worker.
         _check_launch(config, args)
         _add_http_routes()
+        _bounded_stop()
     return original(cls, args)
+
+
+def _bounded_stop() -> None:
+    """A signal stops this server within seconds and lets kvtier write what it has queued
+    (shutdown.py); the children learn they are a server's from `LAUNCHER_ENV`."""
+    from kvtier.integration.sglang import shutdown
+
+    shutdown.prepare_launcher()
+    try:
+        import uvicorn
+    except ImportError:  # SGLang's HTTP server is uvicorn; without it there is nothing to bound
+        return
+    shutdown.bound_http_grace(uvicorn.Server)
 
 
 def _one_line_launch_errors() -> None:
@@ -280,6 +297,10 @@ def build_radix_cache(ctx: TreeCacheBuildContextView) -> KVTierRadixCache:
         engine.close()
         raise
     cache.attach_kvtier(kvtier)
+    from kvtier.integration.sglang import shutdown
+
+    if shutdown.in_server():
+        shutdown.install_scheduler_handlers(kvtier)
     logger.info("kvtier enabled: model %s, layout %s, page size %d, chunk size %d, tiers %s, "
                 "TP rank %d of %d", name, connector.layout.fingerprint(config.chunk_size),
                 page_size, config.chunk_size, list(config.tiers), ctx.tp_rank, ctx.tp_size)

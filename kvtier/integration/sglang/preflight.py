@@ -45,8 +45,9 @@ def preflight(config: Config, args: Any, *,
 
     problems: list[str] = []
     notes: list[str] = []
-    tp_size, dp_size = _int(args, "tp_size"), _int(args, "dp_size")
-    page_size = _int(args, "page_size")
+    tp_size = int(getattr(args, "tp_size", None) or 1)
+    dp_size = int(getattr(args, "dp_size", None) or 1)
+    page_size = int(getattr(args, "page_size", None) or 1)
     problems += filter(None, [page_size_problem(config, page_size)])
     for tier in config.tiers:
         _collect(problems, check_dependencies, tier)
@@ -74,10 +75,6 @@ def page_size_problem(config: Config, page_size: int) -> str | None:
         return None
     return (f"chunk_size: {config.chunk_size} must be a multiple of SGLang's --page-size "
             f"({page_size}); set chunk_size to a multiple of {page_size}")
-
-
-def _int(args: Any, name: str) -> int:
-    return int(getattr(args, name, None) or 1)
 
 
 def _collect(problems: list[str], check: Any, *args: Any) -> None:
@@ -141,7 +138,7 @@ def engine_host_bytes(args: Any) -> int | None:
     pool = int(args.max_total_tokens) * per_token * _kv_dtype_bytes(args, model)
     weights = sum(e.stat().st_size for e in os.scandir(path)
                   if e.is_file() and e.name.endswith(_WEIGHT_SUFFIXES))
-    return (pool + weights) * _int(args, "dp_size")
+    return (pool + weights) * int(getattr(args, "dp_size", None) or 1)
 
 
 def _kv_dtype_bytes(args: Any, model: dict[str, Any]) -> int:

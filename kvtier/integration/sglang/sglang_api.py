@@ -53,6 +53,7 @@ HOOK_TARGETS = {
     "on_idle": f"{SCHEDULER}.on_idle",
     "attach": f"{SCHEDULER}.attach_hicache_storage_wrapped",
     "detach": f"{SCHEDULER}.detach_hicache_storage_wrapped",
+    "launch_server": "sglang.srt.entrypoints.http_server.launch_server",
 }
 
 
@@ -76,6 +77,7 @@ SURFACE: dict[str, tuple[str, ...]] = {
         "enable_hierarchical_cache", "disable_radix_cache",  # launch checks (plugin.py)
         "served_model_name", "model_path", "revision", "quantization", "dtype",
         "json_model_override_args", "kv_cache_dtype",  # the model identity (identity.py)
+        "max_total_tokens",  # the CPU engine's memory at launch (preflight.py)
     ),
     "sglang.srt.plugins.hook_registry": ("HookRegistry", "HookType"),
     "sglang.srt.plugins.hook_registry.HookRegistry": ("register",),
@@ -97,10 +99,11 @@ SURFACE: dict[str, tuple[str, ...]] = {
     "sglang.srt.mem_cache.cache_init_params.CacheInitParams": (
         "page_size", "token_to_kv_pool_allocator", "pp_size"),
     "sglang.srt.entrypoints": ("http_server",),
-    "sglang.srt.entrypoints.http_server": ("app", "_global_state"),
+    "sglang.srt.entrypoints.http_server": ("app", "_global_state", "launch_server"),
     "sglang.srt.entrypoints.http_server._GlobalState": ("tokenizer_manager",),
     "sglang.srt.managers.tokenizer_manager.TokenizerManager": (
-        "auto_create_handle_loop", "attach_hicache_storage_communicator"),
+        "auto_create_handle_loop", "attach_hicache_storage_communicator",
+        "_subprocess_watchdog"),  # stopped before kvtier's drain at exit (shutdown.py)
     _IO: ("AttachHiCacheStorageReqInput", "AttachHiCacheStorageReqOutput",  # the attach
           "DetachHiCacheStorageReqOutput"),  # channel's messages (the /kvtier/tiers routes)
     f"{_IO}.AttachHiCacheStorageReqInput": ("hicache_storage_backend",

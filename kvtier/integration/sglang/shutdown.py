@@ -1,0 +1,240 @@
+"""Stopping a server with kvtier: bounded, and nothing lost without a word.
+
+SGLang stops on SIGINT/SIGTERM to its launcher: uvicorn stops accepting requests and then
+waits, with no bound, until every streaming response has ended (a long generation kept a
+server up for 97 s after Ctrl-C); then SGLang SIGKILLs its scheduler processes, and with them
+every store and disk/Redis write kvtier still had queued. Here:
+
+- In the launcher (`bound_http_grace`), the first signal gives in-flight requests
+  `GRACE_S` seconds, then uvicorn aborts them; a second SIGINT forces, as before.
+- In the launcher (`drain_then_kill`, around SGLang's HTTP `launch_server`), before the
+  SIGKILL each child is sent SIGTERM and given `DRAIN_S` seconds to exit; a second SIGINT
+  cuts the wait short.
+- In each scheduler (`install_scheduler_handlers`), SIGTERM drains kvtier: the queued stores
+  are finished and the lower-tier writes written, `DRAIN_S` seconds in all, on a thread of
+  its own (the scheduler thread may hold a lock a store needs); one log line says how many
+  writes were drained and how many were dropped, then the process exits. SIGINT there (a
+  terminal's Ctrl-C reaches every process of the group) is left to the launcher, which stops
+  the server as above; a second SIGINT stops the scheduler at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+if TYPE_CHECKING:
+    from kvtier.integration.sglang.adapter import SGLangKVTier
+
+__all__ = ["GRACE_S", "DRAIN_S", "LAUNCHER_ENV", "Drained", "bound_http_grace", "drain",
+           "drain_then_kill", "install_scheduler_handlers", "around_launch_server",
+           "in_server", "prepare_launcher", "leave_sigint_to_launcher"]
+
+logger = logging.getLogger(__name__)
+
+GRACE_S = 3.0  # in-flight requests, after the first signal, before uvicorn aborts them
+DRAIN_S = 4.0  # kvtier's queued stores and writes, before the process exits anyway
+_EXIT_MARGIN_S = 1.0  # the launcher's wait beyond DRAIN_S: logging and the exit itself
+# Set by the launcher for its children: a directory where each scheduler with kvtier keeps a
+# file named by its pid until its drain is done (the launcher waits for the directory to
+# empty). Without it (an in-process SGLang engine: tests, notebooks) SGLang's own signal
+# handling stays.
+LAUNCHER_ENV = "KVTIER_STOP_DIR"
+
+
+def prepare_launcher() -> None:
+    """In the launcher: the directory its schedulers report in (`LAUNCHER_ENV`)."""
+    import tempfile
+
+    os.environ[LAUNCHER_ENV] = tempfile.mkdtemp(prefix=f"kvtier-stop-{os.getpid()}-")
+    _launcher_pid.append(os.getpid())
+
+
+def in_server() -> bool:
+    """Whether this process is a child of a launcher that `prepare_launcher` prepared."""
+    return bool(os.environ.get(LAUNCHER_ENV)) and not _is_launcher()
+
+
+def _is_launcher() -> bool:
+    return os.getpid() in _launcher_pid
+
+
+_launcher_pid: list[int] = []
+
+
+class Drained(NamedTuple):
+    """What a drain at exit did: lower-tier writes written during it, writes still queued
+    when its time ran out (dropped), store jobs not finished (their writes never queued)."""
+
+    written: int
+    dropped: int
+    stores_left: int
+    seconds: float
+
+
+def drain(kv: SGLangKVTier, bound_s: float = DRAIN_S) -> Drained:
+    """Finish `kv`'s queued stores, then write its queued lower-tier writes, `bound_s`
+    seconds in all. Nothing new is admitted meanwhile (the HTTP server is down)."""
+    start = time.monotonic()
+    deadline = start + bound_s
+    storage = kv.engine.storage
+
+    def written() -> int:
+        return sum(n for k, n in storage.counters.snapshot().items() if k.endswith(".writes"))
+
+    before = written()
+    stores_left = 0 if kv.stores.drain(bound_s) else kv.stores.pending()
+    storage.flush(max(0.0, deadline - time.monotonic()))
+    return Drained(written() - before, storage.queued_writes(), stores_left,
+                   time.monotonic() - start)
+
+
+def leave_sigint_to_launcher() -> None:
+    """In a child process of a server (scheduler, detokenizer): the first SIGINT (a
+    terminal's Ctrl-C reaches the whole process group) is the launcher's to act on; a second
+    one stops this process at once. A child dying on the first would make SGLang's watchdog
+    treat the stop as a crash (diagnostics, a minute's wait). Main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    interrupted = threading.Event()
+
+    def on_sigint(signum: int, frame: FrameType | None) -> None:
+        if interrupted.is_set():
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
+        interrupted.set()
+
+    signal.signal(signal.SIGINT, on_sigint)
+
+
+def install_scheduler_handlers(kv: SGLangKVTier) -> bool:
+    """SIGTERM drains `kv` and exits; SIGINT is left to the launcher once (see the module
+    docstring). False when not on the main thread (Python allows handlers only there)."""
+    if threading.current_thread() is not threading.main_thread():
+        logger.debug("kvtier: not on the main thread; SGLang's own signal handling stays")
+        return False
+    draining = threading.Event()
+
+    def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        if draining.is_set():
+            return
+        draining.set()
+        threading.Thread(target=_drain_and_exit, args=(kv,), name="kvtier-exit",
+                         daemon=True).start()
+
+    leave_sigint_to_launcher()
+    signal.signal(signal.SIGTERM, on_sigterm)
+    with contextlib.suppress(OSError):  # no report: the launcher just waits its bound
+        _marker().touch()
+    return True
+
+
+def _marker() -> Path:
+    return Path(os.environ[LAUNCHER_ENV]) / str(os.getpid())
+
+
+def _drain_and_exit(kv: SGLangKVTier) -> None:
+    try:
+        done = drain(kv)
+        level = logging.WARNING if done.dropped or done.stores_left else logging.INFO
+        logger.log(level, "kvtier: stopping: %d queued writes drained in %.1f s, %d dropped "
+                   "(still queued after %.0f s)%s", done.written, done.seconds, done.dropped,
+                   DRAIN_S, f", {done.stores_left} stores not finished"
+                   if done.stores_left else "")
+    except Exception:  # the exit must happen whatever the drain hit
+        logger.exception("kvtier: stopping: the drain failed; queued writes are dropped")
+    finally:
+        for handler in logging.getLogger().handlers:
+            handler.flush()
+        with contextlib.suppress(OSError):
+            _marker().unlink()
+        os._exit(0)
+
+
+def bound_http_grace(server_class: Any) -> None:
+    """Give uvicorn's graceful shutdown a bound (`GRACE_S`) from its first signal on, unless
+    SGLang set one. Idempotent; `server_class` is `uvicorn.Server`."""
+    original: Callable[..., None] = server_class.handle_exit
+    if getattr(original, "kvtier", False):
+        return
+
+    def handle_exit(self: Any, sig: int, frame: FrameType | None) -> None:
+        if not self.should_exit:
+            if self.config.timeout_graceful_shutdown is None:
+                self.config.timeout_graceful_shutdown = GRACE_S
+            logger.warning("kvtier: %s: no new requests; in-flight requests get %.0f s, then "
+                           "kvtier writes what it has queued (up to %.0f s); %s again forces",
+                           signal.Signals(sig).name, self.config.timeout_graceful_shutdown,
+                           DRAIN_S, signal.Signals(sig).name)
+        original(self, sig, frame)
+
+    handle_exit.kvtier = True  # type: ignore[attr-defined]
+    server_class.handle_exit = handle_exit
+
+
+def drain_then_kill(children: list[Any], stop_dir: Path) -> None:
+    """SIGTERM every process in `children` (psutil processes), then wait until every
+    scheduler with kvtier has reported its drain done (its file in `stop_dir` gone), `DRAIN_S`
+    + a margin at most; a KeyboardInterrupt (a second Ctrl-C) cuts the wait. What is still
+    alive is left to the caller's SIGKILL."""
+    for proc in children:
+        with contextlib.suppress(Exception):  # gone already
+            proc.terminate()
+    start = time.monotonic()
+    deadline = start + DRAIN_S + _EXIT_MARGIN_S
+    try:
+        while (left := list(stop_dir.glob("[0-9]*"))) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        logger.warning("kvtier: stop forced: queued writes of the schedulers are dropped")
+        return
+    finally:
+        shutil.rmtree(stop_dir, ignore_errors=True)
+    if left:
+        logger.warning("kvtier: %d schedulers still draining %.1f s after SIGTERM; SGLang "
+                       "kills them (their queued writes are dropped)", len(left),
+                       time.monotonic() - start)
+
+
+def around_launch_server(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """SGLang's HTTP `launch_server` (AROUND hook), in a launcher with kvtier: however it
+    ends (a signal, an error), before the launcher SIGKILLs its children, stop SGLang's
+    subprocess watchdog (a scheduler exiting after its drain is not a crash) and let every
+    child drain (`drain_then_kill`)."""
+    try:
+        return original(*args, **kwargs)
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it stopped on: an exit, no error
+        if not _is_launcher():
+            raise
+        logger.info("kvtier: stopped by SIGINT")
+        raise SystemExit(130) from None
+    finally:
+        if _is_launcher():
+            _let_children_drain()
+
+
+def _let_children_drain() -> None:
+    try:
+        import psutil
+
+        from kvtier.integration.sglang.sglang_api import tokenizer_manager
+
+        try:
+            watchdog = getattr(tokenizer_manager(), "_subprocess_watchdog", None)
+        except Exception:  # no HTTP server state (it never started)
+            watchdog = None
+        if watchdog is not None:
+            watchdog.stop()
+        drain_then_kill(psutil.Process().children(recursive=True),
+                        Path(os.environ[LAUNCHER_ENV]))
+    except Exception:  # SGLang's own stop must run whatever this hit
+        logger.exception("kvtier: could not let the schedulers drain; SGLang stops them")

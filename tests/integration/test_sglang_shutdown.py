@@ -1,0 +1,101 @@
+"""Ctrl-C on a real SGLang server with kvtier, while a response streams: the server stops in
+seconds (in-flight requests get a bounded grace, then are aborted), kvtier writes what it had
+queued for the disk tier and says so in one line, and nothing is treated as a crash. A second
+Ctrl-C forces the stop. The signal goes to the server's whole process group, as a terminal's
+Ctrl-C does."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from kvtier.integration.sglang.shutdown import DRAIN_S, GRACE_S
+from tests.integration.conftest import CHUNK, prompt, write_config
+from tests.support.sglang_server import SGLangServer
+
+pytestmark = pytest.mark.sglang
+
+PROMPT = 400
+# The design bound is GRACE_S + DRAIN_S + 1 s, plus SGLang's own teardown; the test allows
+# twice the grace and drain, so a busy host cannot make it flaky (4-6 s measured on 2 cores).
+STOP_BOUND_S = 2 * (GRACE_S + DRAIN_S) + 1
+
+
+def _stream_until_cut(server: SGLangServer, started: threading.Event) -> None:
+    body = json.dumps({"input_ids": prompt(99, PROMPT), "stream": True, "sampling_params": {
+        "max_new_tokens": 1500, "ignore_eos": True, "temperature": 0}}).encode()
+    req = urllib.request.Request(f"{server.url}/generate", data=body,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            for _ in resp:
+                started.set()
+    except OSError:
+        pass  # the stop cuts it
+    started.set()
+
+
+def _server(tiny_llama: Path, tmp_path: Path) -> SGLangServer:
+    config = write_config(tmp_path / "kvtier.yaml", local_disk=str(tmp_path / "disk"),
+                          max_local_disk_size=0.5, prefetch_policy="adaptive")
+    server = SGLangServer(tiny_llama, tmp_path / "server.log", args=[
+        "--enable-kvtier", "--kvtier-config-file", str(config)])
+    return server.start()
+
+
+def _interrupt_while_streaming(server: SGLangServer, times: int) -> float:
+    started = threading.Event()
+    threading.Thread(target=_stream_until_cut, args=(server, started), daemon=True).start()
+    assert started.wait(60), "the streaming response never started"
+    assert server.proc is not None
+    sent = time.monotonic()
+    for _ in range(times):
+        os.killpg(server.proc.pid, signal.SIGINT)
+        time.sleep(0.3)
+    server.proc.wait(60)
+    return time.monotonic() - sent
+
+
+def test_ctrl_c_while_streaming_stops_in_seconds_and_drains_queued_writes(
+        tiny_llama: Path, tmp_path: Path) -> None:
+    server = _server(tiny_llama, tmp_path)
+    try:
+        for seed in range(3):  # their disk writes wait behind the stream's batches
+            server.generate(prompt(seed, PROMPT), max_new_tokens=1)
+        took = _interrupt_while_streaming(server, times=1)
+    finally:
+        server.stop()
+    log = server.log()
+    assert took < STOP_BOUND_S, (took, log[-3000:])
+    drained = re.search(r"kvtier: stopping: (\d+) queued writes drained in [\d.]+ s, "
+                        r"(\d+) dropped", log)
+    assert drained, log[-3000:]
+    assert int(drained[2]) == 0
+    assert "kvtier: SIGINT: no new requests; in-flight requests get" in log
+    assert "SIGQUIT" not in log and "crashed" not in log and "Scheduler hit an exception" \
+        not in log
+    # What was drained is on disk: every whole chunk of the three finished prompts.
+    records = list((tmp_path / "disk").rglob("*.kvt"))
+    assert len(records) >= 3 * (PROMPT // CHUNK), (len(records), drained[0])
+    assert server.proc is not None and server.proc.returncode == 130
+
+
+def test_a_second_ctrl_c_forces_the_stop(tiny_llama: Path, tmp_path: Path) -> None:
+    server = _server(tiny_llama, tmp_path)
+    try:
+        took = _interrupt_while_streaming(server, times=2)
+    finally:
+        server.stop()
+    log = server.log()
+    assert took < STOP_BOUND_S, (took, log[-3000:])
+    # uvicorn stopped waiting for the stream: no grace period ran out
+    assert "timeout graceful shutdown exceeded" not in log, log[-3000:]
+    assert "SIGQUIT" not in log
