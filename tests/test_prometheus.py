@@ -117,6 +117,10 @@ def test_every_dashboard_query_names_an_exported_metric(
     names = {name for name, _ in samples}
     dashboard = json.loads((Path(__file__).resolve().parent.parent / "examples" /
                             "grafana-kvtier.json").read_text())
+    from tests.support.metric_docs import undocumented
+
+    missing = undocumented(names)
+    assert not missing, f"add these to docs/metrics.md: {missing}"
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     assert exprs
     for expr in exprs:

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from kvtier.keys import ChunkKey
-from kvtier.metrics import Counters
+from kvtier.metrics import Counters, RateLimitedLog
 from kvtier.storage.estimates import PrefillSpeed, TierSpeed
 from kvtier.storage.guard import GuardedTier
 from kvtier.storage.prefetch import PREFETCH_WINDOW, Prefetch
@@ -148,6 +148,7 @@ class LoadPlanner:
         self._chunk_bytes = chunk_bytes
         self._cap_bytes = int(arena_bytes * MAX_PROMOTE_FRACTION)
         self._counters = counters
+        self._warn = RateLimitedLog(logger, interval=60.0)
         counters.declare("adaptive_tokens_loaded",
                           *(f"adaptive_tokens_recomputed_{r}" for r in REASONS))
 
@@ -213,6 +214,8 @@ class LoadPlanner:
             self._count_early(prefetch, early)
             waited = hot_chunks
         prefetch.background = limit > waited
+        if known < len(spans):
+            self._say_unmeasured(spans[known:], sum(k.num_tokens for k in keys[waited:limit]))
         planned = self._queue(spans, limit - hot_chunks)
         now = time.monotonic()
         prefetch.set_deadline(now + decision.deadline_s if waited > hot_chunks else now)
@@ -232,6 +235,16 @@ class LoadPlanner:
             if tier.speed.probe_due(now):
                 probe_reads(tier, keys[hits:])
         return limit
+
+    def _say_unmeasured(self, spans: Sequence[Span], tokens: int) -> None:
+        """Why a hit is recomputed although a tier holds it (issue: a new instance on a
+        shared Redis recomputed its first request and nothing said why)."""
+        names = sorted({s.tier.name for s in spans})
+        self._warn.warning(
+            f"unmeasured-{names}", "kvtier: %d prompt tokens held by %s are recomputed: %s "
+            "read speed is not measured yet (the start-up probe did not finish or the tier "
+            "was down); they load in the background, so the next request hits",
+            tokens, "/".join(names), "its" if len(names) == 1 else "their")
 
     def unplanned(self, prefetch: Prefetch) -> None:
         """Account for a prefetch that ended before its plan (its request admitted first,

@@ -15,6 +15,7 @@ from tests.integration.conftest import (
     prompt,
     write_config,
 )
+from tests.support.metric_docs import undocumented
 from tests.support.sglang_server import SGLangServer
 
 pytestmark = pytest.mark.sglang
@@ -22,7 +23,9 @@ pytestmark = pytest.mark.sglang
 
 def test_kvtier_series_on_sglangs_metrics_endpoint(
         start_server: Callable[..., SGLangServer], tiny_llama: Path, tmp_path: Path) -> None:
-    server = start_server(tiny_llama, write_config(tmp_path / "kvtier.yaml"), "--enable-metrics")
+    config = write_config(tmp_path / "kvtier.yaml", local_disk=str(tmp_path / "disk"),
+                          max_local_disk_size=0.1)
+    server = start_server(tiny_llama, config, "--enable-metrics")
     ids = prompt(40, PROMPT_LEN)
     server.generate(ids)
     server.flush_cache()
@@ -41,3 +44,6 @@ def test_kvtier_series_on_sglangs_metrics_endpoint(
     # The reload's hit was all in the CPU tier: admitted with no prefetch round, and timed.
     assert samples["kvtier_sglang_prefetches_skipped_hot_total"] >= 1
     assert samples["kvtier_hit_seconds_count"] >= 3  # its lookup, copy and insert
+    # every family a server exports is documented, under its full name
+    missing = undocumented(samples)
+    assert not missing, f"add these to docs/metrics.md: {missing}"

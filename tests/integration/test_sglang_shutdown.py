@@ -86,6 +86,10 @@ def test_ctrl_c_while_streaming_stops_in_seconds_and_drains_queued_writes(
     records = list((tmp_path / "disk").rglob("*.kvt"))
     assert len(records) >= 3 * (PROMPT // CHUNK), (len(records), drained[0])
     assert server.proc is not None and server.proc.returncode == 130
+    # dependencies' noise kvtier keeps out of the log: SGLang's freeze_gc race, nanobind's
+    # leak report at a killed process's exit
+    assert "freeze_gc failed: the request raced" in log or "freeze_gc failed" not in log
+    assert "nanobind: leaked" not in log
 
 
 def test_a_second_ctrl_c_forces_the_stop(tiny_llama: Path, tmp_path: Path) -> None:

@@ -130,7 +130,7 @@ def test_a_load_whose_time_is_its_round_trips_needs_no_bandwidth() -> None:
 
 
 def test_hits_on_an_unmeasured_tier_load_in_the_background_and_nobody_waits(
-        disk_manager: StorageManager) -> None:
+        disk_manager: StorageManager, caplog: pytest.LogCaptureFixture) -> None:
     (disk,) = disk_manager.lower_tiers
     fresh = GuardedTier(disk.inner, Counters("disk.errors"), RateLimitedLog(logging.getLogger()))
     assert not fresh.speed.known
@@ -140,8 +140,12 @@ def test_hits_on_an_unmeasured_tier_load_in_the_background_and_nobody_waits(
     keys = make_keys(32 * CHUNK)
     prefetch = Prefetch(keys, "adaptive", budget_s=60.0)
     before = time.monotonic()
-    assert planner.plan(prefetch, 8) == 32  # every hit, for later requests
+    with caplog.at_level(logging.WARNING):
+        assert planner.plan(prefetch, 8) == 32  # every hit, for later requests
     assert prefetch.background and prefetch.deadline <= time.monotonic()
+    # the log says why this request recomputes what a tier holds
+    assert f"{24 * CHUNK} prompt tokens held by disk are recomputed: its read speed is not " \
+        "measured yet" in caplog.text
     assert prefetch.ready(now=before + 1e-3)  # the request goes on at once
     prefetch.cancel()  # admitted: a background load goes on ...
     assert not prefetch.stopping

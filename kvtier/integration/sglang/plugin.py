@@ -121,7 +121,22 @@ def _from_cli_args(original: Callable[..., Opaque], cls: type, args: LaunchArgsV
         _check_launch(config, args)
         _add_http_routes()
         _bounded_stop()
+        logging.getLogger("sglang.srt.entrypoints.http_server").addFilter(_FreezeGcRace())
     return original(cls, args)
+
+
+class _FreezeGcRace(logging.Filter):
+    """SGLang posts `/freeze_gc` to itself once it is up; under `--skip-server-warmup` that
+    request can reach the port before uvicorn binds it, and SGLang logs a 70-line traceback
+    for what only means garbage collection was not frozen. Keeps its one line, explained."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.getMessage() == "post-warmup freeze_gc failed":
+            record.msg = ("post-warmup freeze_gc failed: the request raced the HTTP server's "
+                          "start (--skip-server-warmup); harmless, garbage collection is just "
+                          "not frozen (traceback dropped by kvtier)")
+            record.args, record.exc_info, record.exc_text = (), None, None
+        return True
 
 
 def _bounded_stop() -> None:
