@@ -191,15 +191,25 @@ def _split_file(data: Mapping[str, Any], source: str) -> tuple[dict[str, Any],
 
 
 def _transfer_arena(values: dict[str, Any]) -> tuple[str, str] | None:
-    """LMCache's `local_cpu: false` + `max_local_cpu_size: 0`: no CPU tier, and kvtier still
-    needs an arena to move chunks through; give it a small one."""
-    if values.get("local_cpu") is not False or values.get("max_local_cpu_size") != 0:
+    """`local_cpu: false`: no CPU tier, and kvtier still needs an arena to move chunks
+    through. Unsized (or LMCache's `max_local_cpu_size: 0`), it gets a small one, not the
+    CPU tier's default (5 GB held for a cache that is not there); sized larger than that, it
+    is kept and the note says what the memory is for."""
+    if values.get("local_cpu") is not False:
         return None
+    given = values.get("max_local_cpu_size")
     size = min(TRANSFER_ARENA_GB, physical_memory_bytes() / 4e9)
-    values["max_local_cpu_size"] = size
-    return ("max_local_cpu_size", f"0 with local_cpu: false: no CPU tier, but kvtier still "
-            f"moves chunks to and from disk/Redis through a {size:g} GB transfer arena (set "
-            "max_local_cpu_size to size it)")
+    if given in (None, 0):
+        values["max_local_cpu_size"] = size
+        return ("max_local_cpu_size", f"{'unset' if given is None else '0'} with local_cpu: "
+                f"false: no CPU tier, but kvtier still moves chunks to and from disk/Redis "
+                f"through a {size:g} GB transfer arena (set max_local_cpu_size to size it)")
+    if isinstance(given, (int, float)) and given > TRANSFER_ARENA_GB:
+        return ("max_local_cpu_size", f"{given:g} GB with local_cpu: false: no CPU cache, yet "
+                f"the process holds all {given:g} GB as its transfer arena (loads and stores "
+                f"pass through it); {TRANSFER_ARENA_GB:g} GB is enough unless single prompts "
+                "are larger")
+    return None
 
 
 def with_overrides(cfg: Config, values: Mapping[str, Any], source: str) -> Config:

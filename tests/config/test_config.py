@@ -207,6 +207,21 @@ def test_local_cpu_false_with_zero_size_gets_a_transfer_arena(
         load_config(_write(tmp_path, "local_cpu: true\nmax_local_cpu_size: 0\n"), env={})
 
 
+def test_local_cpu_false_never_holds_the_cpu_tier_s_default_arena(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    disk = f"local_cpu: False\nlocal_disk: {tmp_path}\nmax_local_disk_size: 1\n"
+    with caplog.at_level(logging.WARNING, logger="kvtier.config"):
+        cfg = load_config(_write(tmp_path, disk), env={})  # an LMCache disk-only file
+    assert cfg.max_local_cpu_size == TRANSFER_ARENA_GB < Config().max_local_cpu_size
+    assert "unset with local_cpu: false" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="kvtier.config"):
+        big = load_config(_write(tmp_path, disk + "max_local_cpu_size: 5\n"), env={})
+    assert big.max_local_cpu_size == 5  # what the file asks for, and the note says what for
+    assert "holds all 5 GB as its transfer arena" in caplog.text
+
+
 def test_metrics_port() -> None:
     assert Config().metrics_port is None
     assert load_config(env={"KVTIER_METRICS_PORT": "9400"}).metrics_port == 9400
