@@ -23,10 +23,9 @@ from pathlib import Path
 from kvtier.backends import check_dependencies
 from kvtier.backends.disk import files as rf
 from kvtier.backends.disk import paths
-from kvtier.backends.record import FIXED_SIZE, header_len, read_key
 from kvtier.config import Config
 from kvtier.config.names import DISK, REDIS
-from kvtier.errors import ConfigError, CorruptEntry
+from kvtier.errors import ConfigError
 from kvtier.keys import ALL_KEYS, KeySpace, key_of_redis_name, model_name_of
 
 __all__ = ["Entry", "Group", "Listing", "purge", "survey"]
@@ -197,20 +196,12 @@ def _disk_entries(path: Path) -> Iterator[Entry]:
     dirs = rf.RecordDirs(root)
     found, _ = rf.scan(root, dirs)  # never enters a directory that is not private
     for _, name, size in found:
-        try:
-            fd, _st = rf.open_record(dirs, name)  # O_NOFOLLOW | O_NONBLOCK, regular files only
+        try:  # O_NOFOLLOW | O_NONBLOCK, regular files only
+            key = rf.read_record_key(dirs, name) or "corrupt"  # corrupt: listed as model "?"
         except rf.NotRegular:
             continue  # not a record file of ours: neither listed nor deleted
         except OSError:
             continue  # gone meanwhile
-        try:
-            prefix = os.pread(fd, FIXED_SIZE, 0)
-            head = prefix + os.pread(fd, max(0, header_len(prefix) - FIXED_SIZE), FIXED_SIZE)
-            key = read_key(head)
-        except (OSError, CorruptEntry):
-            key = "corrupt"  # listed (and purged) as model "?"
-        finally:
-            os.close(fd)
         yield Entry(DISK, key, size, (str(rf.record_path(root, name)),))
 
 

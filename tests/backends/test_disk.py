@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.backends.disk.backend import SHRINK_WRITES
 from kvtier.memory import MemoryAllocator, lease
 from tests.backends.disk_helpers import (
     _CHILD_PRELUDE,
@@ -21,6 +22,7 @@ from tests.backends.disk_helpers import (
     _assert_hits,
     _files,
     _flip,
+    _identified,
     _put,
     _python,
 )
@@ -193,10 +195,11 @@ def test_cap_holds_under_a_stream_three_times_the_cap_and_prefixes_stay_usable(
     assert disk.batch_contains(prompts[-1]) == 6
 
 
-def test_opening_with_a_lowered_cap_evicts_down_to_it_least_recent_first(
+def test_a_lowered_cap_deletes_nothing_at_open_then_shrinks_least_recent_first(
     open_disk: Opener, arena: MemoryAllocator, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """Issue 36, item 7: a lowered max_local_disk_size never shrank the directory."""
+    """Issue 36, item 7 (a lowered cap never shrank the directory), without issue 51, item 1
+    (the shrink at open deleted every other model's records)."""
     first = open_disk(cap_gb=0.01)
     prompts = [make_keys(16 * 4, seed=s) for s in range(8)]  # 32 records, oldest prompt first
     for seed, keys in enumerate(prompts):
@@ -204,21 +207,46 @@ def test_opening_with_a_lowered_cap_evicts_down_to_it_least_recent_first(
     with lease(first.batch_get(prompts[0][:2])) as got:  # the oldest prefix, used again
         assert len(got) == 2
     record = _files(first.root)[0].stat().st_size
-    assert len(_files(first.root)) == 32
     first.close()
     small = open_disk(cap_gb=10 * record / 1e9)  # room for ten records
+    assert len(_files(small.root)) == 32 and small.stats()["evictions"] == 0
+    assert "nothing is deleted now" in caplog.text
+    _identified(small)
+    _put(small, make_keys(16, seed=100), arena, seed=100)  # one record: evicts 4 at most
+    assert small.stats()["evictions"] == SHRINK_WRITES == 4
+    # Least recently used first: prompt 0's unused tail, then prompt 1's.
+    assert [small.batch_contains(keys) for keys in prompts[:3]] == [2, 2, 4]
+    for seed in range(101, 120):  # every write shrinks it further, down to the cap
+        _put(small, make_keys(16, seed=seed), arena, seed=seed)
     files = _files(small.root)
     assert len(files) == 10 and sum(p.stat().st_size for p in files) <= small.capacity
-    stats = small.stats()
-    assert (stats["entries"], stats["bytes"], stats["evictions"]) == (10, 10 * record, 22)
-    assert "evicted its 22 least recently used records" in caplog.text
-    # Least recently used first: the reused prefix and the newest prompts' prefixes stay.
-    assert small.batch_contains(prompts[0]) == 2
-    assert small.batch_contains(prompts[7]) == 4 and small.batch_contains(prompts[6]) == 4
-    assert [small.batch_contains(keys) for keys in prompts[1:6]] == [0, 0, 0, 0, 0]
-    small.close()
-    again = open_disk(cap_gb=10 * record / 1e9)  # within its cap: opening deletes nothing
-    assert len(_files(again.root)) == 10 and again.stats()["evictions"] == 0
+    assert small.batch_contains(make_keys(16, seed=119)) == 1  # the newest write stays
+
+
+def test_a_server_of_another_model_never_deletes_a_neighbours_records(
+    open_disk: Opener, arena: MemoryAllocator,
+) -> None:
+    """Issue 51, item 1: two models share a directory; a third server with a tiny cap opens
+    it and writes. It evicts only its own records."""
+    shared = open_disk(cap_gb=0.01)
+    neighbours = {m: [make_keys(16 * 4, seed=s, model=m) for s in range(4)]
+                  for m in ("alpha", "beta")}
+    for prompts in neighbours.values():
+        for seed, keys in enumerate(prompts):
+            _put(shared, keys, arena, seed=seed)
+    record = _files(shared.root)[0].stat().st_size
+    shared.close()
+    tiny = open_disk(cap_gb=2 * record / 1e9)  # a gamma server, room for two records
+    _identified(tiny)
+    mine = [make_keys(16 * 4, seed=s, model="gamma") for s in range(4)]
+    for seed, keys in enumerate(mine):
+        _put(tiny, keys, arena, seed=seed)
+    assert tiny.stats()["evictions"] > 0  # gamma's own records made room for gamma's
+    assert len(_files(tiny.root)) <= 32 + 2
+    tiny.close()
+    reader = open_disk(cap_gb=0.01)  # a fresh alpha/beta reader loads all of its prompts
+    for prompts in neighbours.values():
+        assert [reader.batch_contains(keys) for keys in prompts] == [4, 4, 4, 4]
 
 
 def test_record_larger_than_the_cap_is_dropped_and_counted(

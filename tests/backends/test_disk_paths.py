@@ -15,7 +15,7 @@ from kvtier.backends.disk import files as rf
 from kvtier.backends.disk import paths
 from kvtier.errors import ConfigError
 from kvtier.memory import MemoryAllocator
-from tests.backends.disk_helpers import Opener, _files, _put
+from tests.backends.disk_helpers import Opener, _files, _identified, _put
 from tests.helpers import make_keys
 
 OTHER = "ab" * 32  # a record name that belongs in ab/ab/
@@ -86,11 +86,15 @@ def test_files_not_named_as_records_are_never_indexed_evicted_or_deleted(
     keys = make_keys(16 * 4, seed=3)
     _put(first, keys, arena)
     first.close()
+    record = _files(root)[0].stat().st_size
     planted = _plant_foreign(root)
     stale = rf.record_path(root, OTHER).with_suffix(".4000000.7.tmp")
     stale.write_bytes(b"a stale temp file of ours")
-    tiny = open_disk(root=root, cap_gb=1e-9)  # opened over its cap: evicts all it may
-    assert tiny.stats()["entries"] == 0 and tiny.stats()["evictions"] == 4
+    tiny = open_disk(root=root, cap_gb=record / 1e9)  # opened over its cap: deletes nothing
+    assert tiny.stats()["entries"] == 4 and tiny.stats()["evictions"] == 0
+    _identified(tiny)
+    _put(tiny, make_keys(16, seed=9), arena)  # a write shrinks it: evicts all it may
+    assert tiny.stats()["entries"] == 1 and tiny.stats()["evictions"] == 4
     assert not any(tiny.path_for(k.key).exists() for k in keys)  # the records are gone ...
     assert not stale.exists()  # ... and the stale temp file of ours
     for path, data in planted.items():  # ... nothing else

@@ -6,8 +6,12 @@ from kvtier.backends.disk.index import DiskIndex
 
 
 def _index(capacity: int, *records: tuple[str, int]) -> DiskIndex:
+    """An index of `records`, all this tier's own (owner "ns/m", claimed)."""
     index = DiskIndex(capacity)
     index.load((i, name, size) for i, (name, size) in enumerate(records))
+    for name, _ in records:
+        index.set_owner(name, "ns/m")
+    index.claim("ns/m")
     return index
 
 
@@ -40,6 +44,31 @@ def test_a_pinned_record_is_never_a_victim() -> None:
 def test_a_directory_over_the_cap_is_not_shrunk_by_one_write() -> None:
     index = _index(50, ("a", 30), ("b", 30), ("c", 30))  # 90 bytes under a cap of 50
     assert index.victims(10) == ["a"]  # frees what the write needs, not the 40 over
+
+
+def test_a_tier_over_its_cap_shrinks_by_a_bounded_multiple_of_each_write() -> None:
+    index = _index(50, ("a", 30), ("b", 30), ("c", 30), ("d", 30))  # 120 over a cap of 50
+    assert index.victims(10, shrink=4) == ["a", "b"]  # 40 bytes at most, not the 80 over
+    assert index.victims(30, shrink=4) == ["a", "b", "c", "d"]  # 100 over: all of it
+
+
+def test_other_owners_and_unknown_owners_are_never_evicted_nor_counted() -> None:
+    index = DiskIndex(60)
+    index.load([(0, "theirs", 30), (1, "unknown", 30), (2, "mine", 30)])
+    index.set_owner("theirs", "ns/other-model")
+    index.set_owner("mine", "ns/m")
+    assert index.own_bytes == 0  # nothing claimed yet: nothing may be evicted
+    assert index.victims(30) == [] and index.oldest(1000) == []
+    index.claim("ns/m")
+    assert index.own_bytes == 30  # the cap counts this tier's own records only
+    assert index.victims(30) == []  # 30 + 30 fits under 60, whatever the others hold
+    assert index.victims(40) == ["mine"]
+    assert index.oldest(1000) == ["mine"]
+    index.set_owner("unknown", "ns/m")  # identified later, by the background scan
+    assert index.own_bytes == 60 and index.victims(30) == ["unknown"]
+    index.forget("mine")
+    assert index.own_bytes == 30
+    index.check()
 
 
 def test_too_large_and_reserved_bytes() -> None:

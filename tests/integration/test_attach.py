@@ -56,6 +56,8 @@ def test_http_may_attach_only_declared_tiers_and_behaviour_keys(declared: Config
             ("disk", {"local_disk": "/tmp/elsewhere"}, "local_disk"),
             ("redis", {"chunk_size": 32}, "chunk_size"),
             ("redis", {"remote_timeout_secs": MAX_TIMEOUT_S + 1}, "remote_timeout_secs"),
+            ("disk", {"max_local_disk_size": 10**9}, "max_local_disk_size: 1e\\+09 GB is more "
+             "than the filesystem"),  # checked against the host, as the launch does
             ("cpu", {}, "tier")):
         with pytest.raises(ValueError, match=named) as err:
             attach_config(declared, tier, overrides)

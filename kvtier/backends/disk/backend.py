@@ -10,10 +10,13 @@ keeps the cap, the lock and the counters.
   eviction (here and after a restart) therefore takes suffixes before prefixes. A record being
   read is never evicted. Processes sharing a directory each enforce the cap over the records
   they know, so together they may exceed it by what the others wrote.
-- The cap: opened over a lowered cap, the tier evicts down to it at once, least recently used
-  first (`kvtier info` only reads). A write evicts at most its own size (what others sharing the
-  directory wrote is theirs to evict); one failing with ENOSPC (the filesystem full below the
-  cap) also evicts `DISK_FULL_EVICT_WRITES` times its size, counted in `disk_full`.
+- The cap and a shared directory: the cap counts, and eviction takes, only the records of the
+  namespace and model this tier writes for (`index.py`; owners found at start are identified
+  in the background, `owners.py`): servers of other models or tenants sharing the directory
+  never lose a record to it. Opening deletes nothing, whatever the cap; a tier over its cap
+  (the cap was lowered) shrinks by at most `SHRINK_WRITES` times each write's size, least
+  recently used first. A write failing with ENOSPC (the filesystem full below the cap) also
+  evicts `DISK_FULL_EVICT_WRITES` times its size of this tier's own, counted in `disk_full`.
 - Durability: no fsync (a device flush per chunk). A killed process loses nothing the kernel
   has; a power loss may leave a torn file, which the checksums turn into a counted miss.
 - Failures never raise: a failed write (ENOSPC, EIO, ...) is a counted miss; a corrupt
@@ -43,6 +46,7 @@ from pathlib import Path
 from kvtier.backends.base import BackendContext, ProbeSample, StorageBackend
 from kvtier.backends.disk import files as rf
 from kvtier.backends.disk.index import DiskIndex
+from kvtier.backends.disk.owners import learn_in_background, owner_of
 from kvtier.backends.disk.probe import probe_disk
 from kvtier.backends.disk.root import open_root
 from kvtier.backends.record import ForgedEntry, expected_header_len
@@ -63,6 +67,7 @@ _COUNTERS = ("hits", "misses", "puts", "put_bytes", "evictions", "corrupt", "for
 READ_AHEAD = 4  # chunk reads in flight per batch: keeps the device queue busy while a chunk
 # is checksummed or copied on, without holding much arena for a prefix that may miss early
 DISK_FULL_EVICT_WRITES = 4  # ENOSPC frees room for the next few writes, not half the cache
+SHRINK_WRITES = 4  # over its cap, a write evicts at most this many times its own size
 
 
 class DiskBackend(StorageBackend):
@@ -90,13 +95,14 @@ class DiskBackend(StorageBackend):
         found, stale = open_root(self.root, root, self._dirs)
         self._counts.inc("stale_tmp_removed", stale)
         self._index.load(found)
-        if self._index.bytes > self.capacity:  # the cap was lowered: down to it, LRU first
-            held = self._index.bytes
-            with self._lock:
-                n = self._evict_locked(self._index.oldest(held - self.capacity))
-            logger.warning("kvtier disk: %s held %.2f GB, over the cap of %.2f GB (max_local_"
-                           "disk_size): evicted its %d least recently used records", root,
-                           held / 1e9, self.capacity / 1e9, n)
+        self._stop = threading.Event()
+        learn_in_background(self._dirs, self._index.unknown_owners(), self._learned, self._stop)
+        if self._index.bytes > self.capacity:
+            logger.warning("kvtier disk: %s holds %.2f GB, more than the cap of %.2f GB "
+                           "(max_local_disk_size); nothing is deleted now: this tier shrinks "
+                           "its own model's records as it writes, and never deletes other "
+                           "models' or namespaces'", root, self._index.bytes / 1e9,
+                           self.capacity / 1e9)
         logger.info("kvtier disk: %s holds %d records (%.2f of %.2f GB), indexed in %.2fs",
                     root, len(self._index), self._index.bytes / 1e9, self.capacity / 1e9,
                     time.perf_counter() - start)
@@ -119,12 +125,16 @@ class DiskBackend(StorageBackend):
                 with contextlib.suppress(OSError):  # a file gone meanwhile does not matter
                     os.utime(self.path_for(key.key), ns=(stamp, stamp))
 
-    def _adopt_locked(self, name: str, size: int) -> None:
-        if self._index.adopt(name, size):
+    def _learned(self, name: str, owner: str) -> None:
+        with self._lock:
+            self._index.set_owner(name, owner)
+
+    def _adopt_locked(self, name: str, size: int, key: str) -> None:
+        if self._index.adopt(name, size, owner_of(key)):
             self._counts.inc("adopted")
 
     def _make_room_locked(self, need: int) -> bool:
-        victims = self._index.victims(need)
+        victims = self._index.victims(need, SHRINK_WRITES)
         if victims is None:
             return False
         self._evict_locked(victims)
@@ -188,7 +198,7 @@ class DiskBackend(StorageBackend):
         if not stat.S_ISREG(st.st_mode) or self._dirs.problem(name) is not None:
             self._counts.inc("not_regular")
             return False
-        self._adopt_locked(name, st.st_size)
+        self._adopt_locked(name, st.st_size, key)
         return True
 
     def batch_get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
@@ -252,7 +262,7 @@ class DiskBackend(StorageBackend):
                 self._counts.inc("alloc_failures")
             else:
                 with self._lock:
-                    self._adopt_locked(name, st.st_size)
+                    self._adopt_locked(name, st.st_size, key.key)
             return obj
         except CorruptEntry as exc:
             self._discard(name, path, st, exc)
@@ -327,9 +337,12 @@ class DiskBackend(StorageBackend):
         name = rf.file_name(key.key)
         path = rf.record_path(self.root, name)
         size = expected_header_len(key) + obj.nbytes
+        owner = owner_of(key.key)
         with self._lock:
             if self._closed:
                 return False
+            if owner is not None:
+                self._index.claim(owner)
             if not self._make_room_locked(size):
                 self._counts.inc("write_dropped")
                 self._warn.warning("full", "kvtier disk: no room for %d bytes under the cap of "
@@ -347,7 +360,7 @@ class DiskBackend(StorageBackend):
                 if not self._closed:
                     os.replace(tmp, path)
                     committed = True
-                    self._index.put(name, size)
+                    self._index.put(name, size, owner)
                     self._counts.inc("puts")
                     self._counts.inc("put_bytes", size)
         except OSError as exc:
@@ -387,6 +400,7 @@ class DiskBackend(StorageBackend):
             self._index.check()
 
     def close(self) -> None:
+        self._stop.set()
         with self._lock:
             self._closed = True
             pool, self._read_pool = self._read_pool, None

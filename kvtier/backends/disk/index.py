@@ -1,6 +1,11 @@
 """The disk tier's in-memory index: which records exist, how big they are, which are being read,
-and which to evict. No file I/O here: `DiskBackend` does the files and holds the lock that
-makes an index change and its file change one step."""
+whose they are, and which to evict. No file I/O here: `DiskBackend` does the files and holds the
+lock that makes an index change and its file change one step.
+
+A directory may be shared by servers of other models or tenants. Each record's owner (its key's
+namespace and model) is learned as the record is written or read, or from its header by a
+background scan; the cap counts, and eviction takes, only records of the owners this tier
+writes for (`claim`). A record whose owner is not known yet is never evicted."""
 
 from __future__ import annotations
 
@@ -24,6 +29,9 @@ class DiskIndex:
         self.capacity = capacity
         self._sizes: OrderedDict[str, int] = OrderedDict()
         self.bytes = 0  # indexed records
+        self._owners: dict[str, str] = {}  # name -> owner, where known
+        self.mine: set[str] = set()  # the owners this tier writes for
+        self.own_bytes = 0  # indexed records of `mine`: what the cap counts
         self.reserved = 0  # writes in flight count against the cap
         self._readers: Counter[str] = Counter()
         self._clock = 0  # the newest mtime handed out or found (ns)
@@ -44,24 +52,55 @@ class DiskIndex:
             self.put(name, size)
             self._clock = max(self._clock, mtime)
 
-    def put(self, name: str, size: int) -> None:
-        """Index record `name` of `size` bytes as the most recently used (replacing any)."""
+    def put(self, name: str, size: int, owner: str | None = None) -> None:
+        """Index record `name` of `size` bytes as the most recently used (replacing any), of
+        `owner` when known."""
         self.forget(name)
         self._sizes[name] = size
         self.bytes += size
+        if owner is not None:
+            self.set_owner(name, owner)
 
-    def adopt(self, name: str, size: int) -> bool:
+    def adopt(self, name: str, size: int, owner: str | None = None) -> bool:
         """Index a record found on disk but not in the index (another process wrote it);
-        False if it was indexed already."""
+        False if it was indexed already (its owner is noted either way)."""
         if name in self._sizes:
+            if owner is not None:
+                self.set_owner(name, owner)
             return False
-        self.put(name, size)
+        self.put(name, size, owner)
         return True
 
     def forget(self, name: str) -> None:
         size = self._sizes.pop(name, None)
         if size is not None:
             self.bytes -= size
+            if self._owners.pop(name, None) in self.mine:
+                self.own_bytes -= size
+
+    def set_owner(self, name: str, owner: str) -> None:
+        """Record `name` (indexed) belongs to `owner`."""
+        if name not in self._sizes or self._owners.get(name) == owner:
+            return
+        old = self._owners.get(name)
+        self._owners[name] = owner
+        size = self._sizes[name]
+        self.own_bytes += size * ((owner in self.mine) - (old in self.mine))
+
+    def claim(self, owner: str) -> None:
+        """This tier writes for `owner`: its records count against the cap and may be
+        evicted (a walk of the index, once per owner)."""
+        if owner in self.mine:
+            return
+        self.mine.add(owner)
+        self.own_bytes += sum(self._sizes[n] for n, o in self._owners.items() if o == owner)
+
+    def unknown_owners(self) -> list[str]:
+        """Indexed records whose owner is not known yet."""
+        return [n for n in self._sizes if n not in self._owners]
+
+    def _evictable(self, name: str) -> bool:
+        return not self._readers[name] and self._owners.get(name) in self.mine
 
     def touch(self, names: Iterable[str]) -> None:
         """Mark `names` used, the first as the most recent (a prefix is used front to back, and
@@ -85,32 +124,35 @@ class DiskIndex:
         if not self._readers[name]:
             del self._readers[name]
 
-    def victims(self, need: int) -> list[str] | None:
-        """The least recently used records, none being read, whose eviction lets a write of
-        `need` bytes fit under the cap (never more than `need` bytes of them: a directory over
-        the cap is not one write's to shrink); None if it cannot fit. Picks only: the caller
-        deletes them and `forget`s each."""
+    def victims(self, need: int, shrink: int = 1) -> list[str] | None:
+        """The least recently used records of `mine`, none being read, whose eviction lets a
+        write of `need` bytes fit under the cap (never more than `shrink` x `need` bytes of
+        them: a tier over its cap shrinks by a bounded amount per write); None if it cannot
+        fit. Picks only: the caller deletes them and `forget`s each."""
         if need > self.capacity:
             return None
-        over = min(self.bytes + self.reserved + need - self.capacity, need)
+        over = self.own_bytes + self.reserved + need - self.capacity
+        fit = min(over, need)  # what must go for this write to fit
+        over = min(over, max(1, shrink) * need)
         chosen = []
         for name, size in self._sizes.items():
             if over <= 0:
                 break
-            if not self._readers[name]:
+            if self._evictable(name):
                 chosen.append(name)
                 over -= size
-        return None if over > 0 else chosen
+                fit -= size
+        return None if fit > 0 else chosen
 
     def oldest(self, nbytes: int) -> list[str]:
-        """The least recently used records, none being read, that hold at least `nbytes`
-        (all of them when they hold less): what a shrink to the cap or a full disk evicts.
-        Picks only, as `victims`."""
+        """The least recently used records of `mine`, none being read, that hold at least
+        `nbytes` (all of them when they hold less): what a full disk evicts. Picks only, as
+        `victims`."""
         chosen = []
         for name, size in self._sizes.items():
             if nbytes <= 0:
                 break
-            if not self._readers[name]:
+            if self._evictable(name):
                 chosen.append(name)
                 nbytes -= size
         return chosen
@@ -118,4 +160,6 @@ class DiskIndex:
     def check(self) -> None:
         """Raise `AssertionError` unless the byte count matches the index (for tests)."""
         assert self.bytes == sum(self._sizes.values()), "byte count drifted"
+        assert self.own_bytes == sum(self._sizes[n] for n, o in self._owners.items()
+                                     if o in self.mine), "own byte count drifted"
         assert self.reserved >= 0, "negative reservation"

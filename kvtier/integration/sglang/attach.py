@@ -19,6 +19,7 @@ import threading
 from typing import Any
 
 from kvtier.config import Config, with_overrides
+from kvtier.config.host import disk_problem
 from kvtier.config.names import DISK, REDIS
 from kvtier.engine import CacheEngine
 
@@ -57,6 +58,8 @@ def attach_config(config: Config, tier: str, overrides: Any) -> Config:
                          f"takes {sorted(OVERRIDABLE[tier])}; its {declared} comes from the "
                          f"server's config)")
     out = with_overrides(config, overrides, "attach config")
+    if tier == DISK and (problem := disk_problem(out)) is not None:  # as the launch checks
+        raise ValueError(f"config: {problem}")
     if out.remote_timeout_secs > MAX_TIMEOUT_S:
         raise ValueError(f"config: remote_timeout_secs must be at most {MAX_TIMEOUT_S:g} for "
                          f"an attach, got {out.remote_timeout_secs:g}")
