@@ -60,6 +60,7 @@ from kvtier.memory import DTYPES, KVLayout, MemoryFormat, MemoryObj, dtype_name
 
 __all__ = [
     "MAGIC", "VERSION", "FIXED_SIZE", "RecordHeader", "Seal", "Unseal", "ForgedEntry",
+    "OtherVersion",
     "KeyMismatch", "RecordKeys", "encode_header", "header_len", "open_payload", "parse_header",
     "payload_checksum", "seal_for", "seal_record", "verify_payload", "expected_header_len",
     "token_digest", "MIN_KEY_BYTES", "load_record_keys",
@@ -204,6 +205,13 @@ def seal_record(key: ChunkKey, obj: MemoryObj, seal: Seal, out: memoryview | Non
     return encode_header(key, obj, segment_bytes=segment_bytes, seal=seal), stored
 
 
+class OtherVersion(CorruptEntry):
+    """A record in a format this reader does not know: another format `VERSION`, or flag bits
+    it has no meaning for (a newer kvtier's, usually). A miss, counted, and never deleted:
+    servers of two kvtier versions share a tier during a rolling upgrade, and neither may
+    wipe what the other stores."""
+
+
 def header_len(prefix: bytes | memoryview) -> int:
     """The total header length announced by the first FIXED_SIZE bytes of a record.
 
@@ -218,7 +226,7 @@ def header_len(prefix: bytes | memoryview) -> int:
     if magic != MAGIC:
         raise CorruptEntry(f"magic: {magic!r} != {MAGIC!r}")
     if version != VERSION:
-        raise CorruptEntry(f"version: {version} != {VERSION}")
+        raise OtherVersion(f"version: {version} != {VERSION} (another kvtier's format)")
     if not 0 < key_len <= MAX_KEY_LEN or num_tokens > MAX_TOKENS:
         raise CorruptEntry(f"key_len/num_tokens: implausible {key_len}/{num_tokens}")
     if hlen != FIXED_SIZE + key_len + DIGEST + MAC:
@@ -282,7 +290,7 @@ def parse_header(buf: bytes | memoryview, key: ChunkKey, layout: KVLayout) -> Re
     if payload_len != layout.nbytes(n):
         raise CorruptEntry(f"payload_len: {payload_len} != {layout.nbytes(n)}")
     if flags not in _FLAGS:
-        raise CorruptEntry(f"flags: {flags:#x} has bits this version does not know")
+        raise OtherVersion(f"flags: {flags:#x} has bits this version does not know")
     seal = head[digest_end:digest_end + MAC] if flags else b""
     return RecordHeader(hlen, MemoryFormat(fmt), dtype, shape, payload_len, segment_bytes,
                         checksum, key.key, flags, seal, _aad(head, head[FIXED_SIZE:digest_end]))

@@ -49,7 +49,7 @@ from kvtier.backends.disk.index import DiskIndex
 from kvtier.backends.disk.owners import learn_in_background, owner_of
 from kvtier.backends.disk.probe import probe_disk
 from kvtier.backends.disk.root import open_root
-from kvtier.backends.record import ForgedEntry, expected_header_len
+from kvtier.backends.record import ForgedEntry, OtherVersion, expected_header_len
 from kvtier.background import name_os_thread
 from kvtier.config.names import DISK
 from kvtier.errors import ConfigError, CorruptEntry
@@ -63,11 +63,12 @@ logger = logging.getLogger(__name__)
 
 _COUNTERS = ("hits", "misses", "puts", "put_bytes", "evictions", "corrupt", "forged", "vanished",
              "adopted", "write_errors", "write_dropped", "read_errors", "alloc_failures",
-             "stale_tmp_removed", "not_regular", "disk_full")
+             "stale_tmp_removed", "not_regular", "disk_full", "other_version")
 READ_AHEAD = 4  # chunk reads in flight per batch: keeps the device queue busy while a chunk
 # is checksummed or copied on, without holding much arena for a prefix that may miss early
 DISK_FULL_EVICT_WRITES = 4  # ENOSPC frees room for the next few writes, not half the cache
 SHRINK_WRITES = 4  # over its cap, a write evicts at most this many times its own size
+IDENTIFY_PER_WRITE = 64  # record headers a write may read to find its own oldest records
 
 
 class DiskBackend(StorageBackend):
@@ -125,6 +126,20 @@ class DiskBackend(StorageBackend):
                 with contextlib.suppress(OSError):  # a file gone meanwhile does not matter
                     os.utime(self.path_for(key.key), ns=(stamp, stamp))
 
+    def _identify_oldest_locked(self) -> None:
+        """Read the owners of the least recently used records not identified yet (the
+        background scan has not reached them): a write over the cap right after a restart
+        must find and count its own old records."""
+        names = self._index.unknown_owners(IDENTIFY_PER_WRITE)
+        for name in names:
+            try:
+                key = rf.read_record_key(self._dirs, name)
+            except OSError:
+                continue
+            owner = owner_of(key) if key else None
+            if owner is not None:
+                self._index.set_owner(name, owner)
+
     def _learned(self, name: str, owner: str) -> None:
         with self._lock:
             self._index.set_owner(name, owner)
@@ -134,7 +149,10 @@ class DiskBackend(StorageBackend):
             self._counts.inc("adopted")
 
     def _make_room_locked(self, need: int) -> bool:
-        victims = self._index.victims(need, SHRINK_WRITES)
+        index = self._index
+        if index.unknown and index.bytes + index.reserved + need > self.capacity:
+            self._identify_oldest_locked()  # this tier's own may be among them
+        victims = index.victims(need, SHRINK_WRITES)
         if victims is None:
             return False
         self._evict_locked(victims)
@@ -299,10 +317,10 @@ class DiskBackend(StorageBackend):
     def _discard(self, name: str, path: Path, st: os.stat_result, exc: CorruptEntry) -> None:
         """Delete a corrupt record, unless a writer has replaced it meanwhile; a forged one
         (another record key's, or none) is a miss left in place (`record.ForgedEntry`)."""
-        if isinstance(exc, ForgedEntry):
-            self._counts.inc("forged")
-            self._warn.warning("forged", "kvtier disk: %s: %s; a miss (left in place)", path,
-                               exc)
+        if isinstance(exc, (ForgedEntry, OtherVersion)):
+            what = "forged" if isinstance(exc, ForgedEntry) else "other_version"
+            self._counts.inc(what)
+            self._warn.warning(what, "kvtier disk: %s: %s; a miss (left in place)", path, exc)
             return
         with self._lock:
             self._counts.inc("corrupt")

@@ -95,9 +95,21 @@ class DiskIndex:
         self.mine.add(owner)
         self.own_bytes += sum(self._sizes[n] for n, o in self._owners.items() if o == owner)
 
-    def unknown_owners(self) -> list[str]:
-        """Indexed records whose owner is not known yet."""
-        return [n for n in self._sizes if n not in self._owners]
+    @property
+    def unknown(self) -> int:
+        """How many indexed records have no known owner yet."""
+        return len(self._sizes) - len(self._owners)
+
+    def unknown_owners(self, limit: int | None = None) -> list[str]:
+        """Indexed records whose owner is not known yet, least recently used first (the
+        first `limit` of them)."""
+        out: list[str] = []
+        for name in self._sizes:
+            if limit is not None and len(out) >= limit:
+                break
+            if name not in self._owners:
+                out.append(name)
+        return out
 
     def _evictable(self, name: str) -> bool:
         return not self._readers[name] and self._owners.get(name) in self.mine

@@ -36,7 +36,7 @@ _WINDOW = {True: 4 << 20, False: 64 << 20}
 _SEAL_GROUP = 64 << 20
 _STATS = ("hits", "misses", "puts", "write_errors", "corrupt", "forged", "segment_mismatches",
           "alloc_failures", "errors", "skipped_down", "down_events", "bytes_read",
-          "bytes_written", "rereads")
+          "bytes_written", "rereads", "other_version")
 
 _Plan = list[tuple[list[str], int]]  # per chunk: its Redis keys and its payload size
 
@@ -253,9 +253,10 @@ class RedisBackend(StorageBackend):
             self._reply_error("get", exc)
             return False
         # (WRONGTYPE: a non-string value is not our record either)
-        if isinstance(exc, record.ForgedEntry):  # another key's, or a forgery: never deleted
-            self._health.count("forged")
-            self._health.warn("forged", "%s: %s; a miss (left in place)", key.key, exc)
+        if isinstance(exc, (record.ForgedEntry, record.OtherVersion)):  # never deleted
+            what = "forged" if isinstance(exc, record.ForgedEntry) else "other_version"
+            self._health.count(what)
+            self._health.warn(what, "%s: %s; a miss (left in place)", key.key, exc)
             return False
         self._health.count("corrupt")
         self._health.warn("corrupt", "%s: %s; deleted", key.key, exc)
