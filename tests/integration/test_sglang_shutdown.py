@@ -103,3 +103,24 @@ def test_a_second_ctrl_c_forces_the_stop(tiny_llama: Path, tmp_path: Path) -> No
     # uvicorn stopped waiting for the stream: no grace period ran out
     assert "timeout graceful shutdown exceeded" not in log, log[-3000:]
     assert "SIGQUIT" not in log
+
+
+def test_sigterm_takes_sglang_s_graceful_path_and_drains_too(
+        tiny_llama: Path, tmp_path: Path) -> None:
+    """SIGTERM to the launcher (what an orchestrator sends): SGLang finishes the requests it
+    has and stops its schedulers; kvtier drains on the way out, and says so."""
+    server = _server(tiny_llama, tmp_path)
+    try:
+        for seed in range(3):
+            server.generate(prompt(seed, PROMPT), max_new_tokens=1)
+        assert server.proc is not None
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(60)
+    finally:
+        server.stop()
+    log = server.log()
+    drained = re.search(r"kvtier: stopping: (\d+) queued writes drained in [\d.]+ s, "
+                        r"(\d+) dropped", log)
+    assert drained and int(drained[2]) == 0, log[-3000:]
+    assert len(list((tmp_path / "disk").rglob("*.kvt"))) >= 3 * (PROMPT // CHUNK)
+    assert "nanobind: leaked" not in log and "Traceback" not in log, log[-3000:]

@@ -83,6 +83,7 @@ def register() -> None:
         HookRegistry.register(target, hook, kind)
     if shutdown.in_server():  # a child of a launcher with kvtier: scheduler, detokenizer
         shutdown.leave_sigint_to_launcher()
+        shutdown.exit_unfinalized_at_exit()
 
 
 def _add_cli_args(original: Callable[..., Opaque], parser: argparse.ArgumentParser) -> Opaque:
@@ -99,6 +100,8 @@ def _add_cli_args(original: Callable[..., Opaque], parser: argparse.ArgumentPars
 
 def _from_cli_args(original: Callable[..., Opaque], cls: type, args: LaunchArgsView) -> Opaque:
     _one_line_launch_errors()
+    # every server on this install, with kvtier or not (a demo's baseline too)
+    logging.getLogger("sglang.srt.entrypoints.http_server").addFilter(_FreezeGcRace())
     enabled = bool(getattr(args, "enable_kvtier", False))
     config_file = getattr(args, "kvtier_config_file", None)
     if config_file and not enabled and args.radix_cache_backend != BACKEND_NAME:
@@ -121,7 +124,6 @@ def _from_cli_args(original: Callable[..., Opaque], cls: type, args: LaunchArgsV
         _check_launch(config, args)
         _add_http_routes()
         _bounded_stop()
-        logging.getLogger("sglang.srt.entrypoints.http_server").addFilter(_FreezeGcRace())
     return original(cls, args)
 
 

@@ -357,6 +357,15 @@ class KVTierRadixCache(UnifiedRadixCache):
                 self._loaded.clear()
         super().reset()
 
+    def release_host_resources(self) -> None:
+        """SGLang's graceful stop (SIGTERM to the launcher): the scheduler left its loop; kvtier
+        writes what it has queued (bounded) and logs what it drained and dropped."""
+        if self.kvtier is not None:
+            from kvtier.integration.sglang.shutdown import drain_and_log
+
+            drain_and_log(self.kvtier)
+        super().release_host_resources()
+
     def shutdown(self) -> None:
         if self.kvtier is not None:
             for job in self.kvtier.settle():

@@ -10,6 +10,9 @@ every store and disk/Redis write kvtier still had queued. Here:
 - In the launcher (`drain_then_kill`, around SGLang's HTTP `launch_server`), before the
   SIGKILL each child is sent SIGTERM and given `DRAIN_S` seconds to exit; a second SIGINT
   cuts the wait short.
+- SIGTERM to the launcher takes SGLang's own graceful path (in-flight requests finish, then
+  each scheduler leaves its loop and releases its host resources): kvtier's radix cache
+  drains there (`drain_and_log`, in `release_host_resources`).
 - In each scheduler (`install_scheduler_handlers`), SIGTERM drains kvtier: the queued stores
   are finished and the lower-tier writes written, `DRAIN_S` seconds in all, on a thread of
   its own (the scheduler thread may hold a lock a store needs); one log line says how many
@@ -20,11 +23,13 @@ every store and disk/Redis write kvtier still had queued. Here:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -36,8 +41,10 @@ if TYPE_CHECKING:
     from kvtier.integration.sglang.adapter import SGLangKVTier
 
 __all__ = ["GRACE_S", "DRAIN_S", "LAUNCHER_ENV", "Drained", "bound_http_grace", "drain",
+           "drain_and_log",
            "drain_then_kill", "install_scheduler_handlers", "around_launch_server",
-           "in_server", "prepare_launcher", "leave_sigint_to_launcher"]
+           "in_server", "prepare_launcher", "leave_sigint_to_launcher",
+           "exit_unfinalized_at_exit"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +64,7 @@ def prepare_launcher() -> None:
 
     os.environ[LAUNCHER_ENV] = tempfile.mkdtemp(prefix=f"kvtier-stop-{os.getpid()}-")
     _launcher_pid.append(os.getpid())
+    exit_unfinalized_at_exit()
 
 
 def in_server() -> bool:
@@ -138,11 +146,31 @@ def install_scheduler_handlers(kv: SGLangKVTier) -> bool:
     return True
 
 
+def exit_unfinalized_at_exit() -> None:
+    """In a server's processes (called early, before SGLang registers its own exit handlers,
+    so this one runs after them): leave without the interpreter's finalization, where
+    triton's nanobind bindings print a 150-line leak report at every stop."""
+    atexit.register(_exit_unfinalized)
+
+
+def _exit_unfinalized() -> None:
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(_exit_code[0])
+
+
+_exit_code = [0]  # the launcher's, as `around_launch_server` saw it end
+
+
 def _marker() -> Path:
     return Path(os.environ[LAUNCHER_ENV]) / str(os.getpid())
 
 
-def _drain_and_exit(kv: SGLangKVTier) -> None:
+def drain_and_log(kv: SGLangKVTier) -> None:
+    """`drain`, then one line saying what was written and what was dropped. Never raises."""
     try:
         done = drain(kv)
         level = logging.WARNING if done.dropped or done.stores_left else logging.INFO
@@ -150,8 +178,13 @@ def _drain_and_exit(kv: SGLangKVTier) -> None:
                    "(still queued after %.0f s)%s", done.written, done.seconds, done.dropped,
                    DRAIN_S, f", {done.stores_left} stores not finished"
                    if done.stores_left else "")
-    except Exception:  # the exit must happen whatever the drain hit
+    except Exception:  # a stop must go on whatever the drain hit
         logger.exception("kvtier: stopping: the drain failed; queued writes are dropped")
+
+
+def _drain_and_exit(kv: SGLangKVTier) -> None:
+    try:
+        drain_and_log(kv)
     finally:
         for handler in logging.getLogger().handlers:
             handler.flush()
@@ -216,7 +249,14 @@ def around_launch_server(original: Callable[..., Any], *args: Any, **kwargs: Any
         if not _is_launcher():
             raise
         logger.info("kvtier: stopped by SIGINT")
+        _exit_code[0] = 130
         raise SystemExit(130) from None
+    except SystemExit as exc:
+        _exit_code[0] = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        raise
+    except BaseException:
+        _exit_code[0] = 1
+        raise
     finally:
         if _is_launcher():
             _let_children_drain()
