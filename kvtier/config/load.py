@@ -29,7 +29,7 @@ from kvtier.config.env import LMCACHE_KEYS, explicit_file, override_warnings, re
 from kvtier.config.file import read_yaml_mapping
 from kvtier.config.host import physical_memory_bytes
 from kvtier.config.lmcache import compat
-from kvtier.config.redaction import shown_in_error, shown_value
+from kvtier.config.redaction import brief, shown_in_error, shown_value
 from kvtier.config.schema import TRANSFER_ARENA_GB, Config
 from kvtier.errors import ConfigError
 
@@ -82,7 +82,7 @@ def _coerce(source: str, key: str, value: Any, from_env: bool) -> Any:
         try:
             value = yaml.safe_load(value) if typ is not str else value
         except yaml.YAMLError:
-            raise _fail(source, key, f"cannot parse {value!r}") from None
+            raise _fail(source, key, f"cannot parse {brief(value)}") from None
     if key in LMCACHE_KEYS and isinstance(value, str) and typ is not str:
         value = _lmcache_string(key, typ, value)
     if typ is bool:

@@ -3,6 +3,7 @@ redacted (`kvtier.config.urls.redact_url`)."""
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,4 +35,16 @@ def shown_in_error(key: str, value: Any) -> str:
     `remote_url` whatever its type (a URL in a list is not redacted by `redact_url`)."""
     if key == "remote_url" or compat.secret_key(key):
         return "***"
-    return repr(value)
+    return brief(value)
+
+
+_BRIEF = reprlib.Repr()  # (keyword arguments only from Python 3.12)
+_BRIEF.maxlevel, _BRIEF.maxlist, _BRIEF.maxtuple, _BRIEF.maxdict = 3, 6, 6, 6
+_BRIEF.maxstring, _BRIEF.maxother, _BRIEF.maxlong = 120, 120, 60
+
+
+def brief(value: Any) -> str:
+    """`repr(value)` cut to a few hundred characters: nested and long values are shown in
+    part (a YAML alias bomb a few hundred bytes long expands to megabytes), without ever
+    building the whole repr."""
+    return _BRIEF.repr(value)

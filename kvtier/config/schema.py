@@ -149,7 +149,7 @@ class Config:
     def local_disk_path(self) -> Path | None:
         if self.local_disk is None:
             return None
-        return Path(self.local_disk.removeprefix("file://"))
+        return Path(disk_path(self.local_disk))
 
     def __repr__(self) -> str:  # credentials never reach a log line or a traceback
         return "Config(" + ", ".join(f"{k}={v!r}" for k, v in self.redacted().items()) + ")"
@@ -260,16 +260,39 @@ def _validate_tiers(cfg: Config) -> None:
                     "redis://host:6379 (`kvtier migrate-config FILE` names the key)")
 
 
+def disk_path(value: str) -> str:
+    """The directory `local_disk` names: a path, or a file URL (`file:///path`, or
+    `file://localhost/path`, the same)."""
+    path = value.strip()
+    if path.startswith("file://"):
+        path = path.removeprefix("file://")
+        if path.startswith("localhost/"):
+            path = path.removeprefix("localhost")
+    return path
+
+
 def _check_local_disk(value: str) -> None:
     parts = [p.strip() for p in value.split(",")]
     if len(parts) > 1 and all(p.startswith(("file://", "/", "~")) for p in parts[1:]):
         raise _fail("config", "local_disk",
                     f"several disks ({value!r}) are not supported: kvtier keeps one directory "
                     "(pick one, or put the disks behind one mount)")
-    path = value.strip().removeprefix("file://").strip()
+    path = disk_path(value)
+    shown = value if len(value) <= 200 else value[:200] + "..."
     if not path or value.startswith(("redis", "http")) or "://" in path:
         raise _fail("config", "local_disk",
-                    f"must be a directory path or file:///path URL, got {value!r}")
+                    f"must be a directory path or file:///path URL, got {shown!r}")
+    if "\0" in path:
+        raise _fail("config", "local_disk", f"holds a NUL byte: {shown!r}")
+    if value.strip().startswith("file://") and not path.startswith("/"):
+        raise _fail("config", "local_disk", f"{shown!r} names the host "
+                    f"{path.partition('/')[0]!r}; the disk tier is this host's: use "
+                    "file:///path or a path")
+    if not os.path.isabs(path) and not path.startswith("~"):
+        raise _fail("config", "local_disk", f"must be an absolute path, got {shown!r} (a "
+                    "relative one would depend on the server's working directory)")
+    if len(path) > 1024:
+        raise _fail("config", "local_disk", f"is {len(path)} characters long; at most 1024")
 
 
 def _check_remote_url(url: str) -> None:

@@ -202,3 +202,50 @@ def test_tiers_set_file_that_cannot_be_read(kind: str, tmp_path: Path,
     code, err = run(["tiers", "--server", f"http://127.0.0.1:{free_port()}", "attach",
                      "redis", "--set-file", f"remote_url={path}"], capsys)
     assert_one_line_error(code, err, "--set-file remote_url=", "cannot read")
+
+
+def test_a_yaml_alias_bomb_is_a_short_error(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 51, item 10: a ~350-byte file of nested aliases expands to megabytes; the error
+    names the key and shows the value in part."""
+    lines = ["extra_config:", "  x: &a [" + ", ".join(['"xxxxxxxxxx"'] * 9) + "]"]
+    for prev, name in zip("abcde", "bcdef"):
+        lines.append(f"  {name}: &{name} [" + ", ".join([f"*{prev}"] * 9) + "]")
+    path = tmp_path / "bomb.yaml"
+    path.write_text("\n".join([*lines, "chunk_size: *f", ""]))
+    for command in ("check-config", "migrate-config"):
+        code = main([command, str(path)])
+        out, err = capsys.readouterr()
+        assert code == 2 and len(out) + len(err) < 5000, (command, len(out) + len(err))
+        assert "chunk_size: must be a int, got list" in err
+
+
+@pytest.mark.parametrize(("given", "why"), [
+    ("relative/dir", "must be an absolute path"),
+    ("file://otherhost/x", "names the host 'otherhost'"),
+    ("/tmp/a\0b", "NUL byte"),
+    ("/" + "d" * 2000, "at most 1024"),
+])
+def test_check_config_refuses_a_local_disk_the_server_would_refuse(
+        given: str, why: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"local_disk": given, "max_local_disk_size": 1}))
+    assert main(["check-config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "local_disk: " in err and why in err and len(err) < 1000
+
+
+@pytest.mark.parametrize("root", ["/", "/etc"])
+def test_check_config_reports_a_local_disk_the_disk_tier_refuses(
+        root: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"local_disk": root, "max_local_disk_size": 1}))
+    assert main(["check-config", str(path)]) == 1
+    assert f"problem: on this host, local_disk: {root} is" in capsys.readouterr().err
+
+
+def test_file_localhost_is_this_host() -> None:
+    from kvtier.config import Config
+
+    assert str(Config(local_disk="file://localhost/tmp/kv", max_local_disk_size=1)
+               .local_disk_path) == "/tmp/kv"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from kvtier.config import Config
@@ -51,6 +52,7 @@ def preflight(config: Config, args: Any, *,
     problems += filter(None, [page_size_problem(config, page_size)])
     for tier in config.tiers:
         _collect(problems, check_dependencies, tier)
+    problems += filter(None, [_disk_root_problem(config)])
     problems += host_problems(config, local_ranks=tp_size * dp_size)
     _collect(problems, load_record_keys, config.record_key_file)
     load_format = str(getattr(args, "load_format", None) or "auto")
@@ -66,6 +68,21 @@ def preflight(config: Config, args: Any, *,
                         f"{65536 - tp_size}")
     problems += filter(None, [_memory_now(config, args, tp_size * dp_size, available, notes)])
     return Preflight(problems, notes)
+
+
+def _disk_root_problem(config: Config) -> str | None:
+    """Why the disk tier would refuse its `local_disk` (the filesystem root, a system or home
+    directory, a symlink on the way), as it checks when it opens; None when it would not."""
+    from kvtier.backends.disk import paths
+
+    if config.local_disk_path is None:
+        return None
+    root = os.path.abspath(config.local_disk_path)
+    why = paths.root_problem(root)
+    link = paths.first_symlink(Path(root))
+    if why is None and link is not None:
+        why = f"goes through the symlink {link}"
+    return None if why is None else f"local_disk: {root} {why}; the disk tier refuses it"
 
 
 def page_size_problem(config: Config, page_size: int) -> str | None:
