@@ -12,6 +12,9 @@ sent once it is due and once the link has carried it, one "link free at" clock f
 connections (a slice of n bytes takes n / bytes_per_s of it). So N bytes of replies take at
 least N / bytes_per_s to arrive, after the first one's delay.
 
+With `upload_bytes_per_s` set, requests (client to upstream) are paced at that rate too, on a
+link of their own (uploads of large values over a slow link).
+
 `delay_s` and `bytes_per_s` are plain attributes, read for every piece (`delay_s`, as it
 arrives from the upstream) and every slice (`bytes_per_s`): a test turns the tier slow, or fast
 again, mid-run. Pieces already waiting keep the due time they got, and replies never overtake
@@ -34,7 +37,7 @@ SLICE_BYTES = 64 * 1024  # the unit the bandwidth cap paces
 
 class DelayProxy:
     def __init__(self, upstream_port: int, delay_s: float, bytes_per_s: float | None = None,
-                 host: str = "127.0.0.1"):
+                 host: str = "127.0.0.1", upload_bytes_per_s: float | None = None):
         if delay_s < 0:
             raise ValueError(f"delay_s must be >= 0, got {delay_s}")
         if bytes_per_s is not None and not bytes_per_s > 0:
@@ -42,6 +45,9 @@ class DelayProxy:
         self.upstream = (host, upstream_port)
         self.delay_s = delay_s
         self.bytes_per_s = bytes_per_s
+        # the requests' own link (a link is full duplex): uploads paced at this rate
+        self.upload_bytes_per_s = upload_bytes_per_s
+        self._up_free_at = 0.0
         self._listener = socket.create_server((host, 0))
         self.port = int(self._listener.getsockname()[1])
         self.requests = 0  # client -> server reads forwarded (a client spoke when it grows)
@@ -82,8 +88,12 @@ class DelayProxy:
 
     def _forward(self, src: socket.socket, dst: socket.socket) -> None:
         with contextlib.suppress(OSError):
-            while data := src.recv(1 << 20):
+            while data := src.recv(SLICE_BYTES):
                 self.requests += 1
+                rate = self.upload_bytes_per_s
+                if rate is not None:  # one client's uploads at a time in the tests using it
+                    self._up_free_at = max(self._up_free_at, time.monotonic()) + len(data) / rate
+                    time.sleep(max(0.0, self._up_free_at - time.monotonic()))
                 dst.sendall(data)
         with contextlib.suppress(OSError):
             dst.shutdown(socket.SHUT_WR)

@@ -90,8 +90,9 @@ def open_disk(tmp_path: Path, arena: MemoryAllocator) -> Iterator[Opener]:
 def redis_backend(url: str, layout: KVLayout = SMALL_MHA, arena_mb: int = 64,
                   **cfg: object) -> RedisBackend:
     """A Redis tier on `url` with its own arena; the caller closes it."""
+    cfg = {"remote_timeout_secs": 2.0, **cfg}
     config = Config(chunk_size=16, max_local_cpu_size=arena_mb / 1000, remote_url=url,
-                    remote_timeout_secs=2.0, **cfg)  # type: ignore[arg-type]
+                    **cfg)  # type: ignore[arg-type]
     alloc = MemoryAllocator(int(config.max_local_cpu_size * 1e9))
     return RedisBackend(BackendContext(config=config, layout=layout, allocator=alloc))
 

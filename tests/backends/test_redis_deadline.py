@@ -11,6 +11,8 @@ from collections.abc import Callable
 from kvtier.backends.redis import RedisBackend
 from kvtier.memory import lease
 from tests.backends.conftest import SMALL_MHA
+from tests.backends.disk_helpers import BIG
+from tests.delay_proxy import DelayProxy
 from tests.helpers import make_keys, make_obj
 from tests.support.redis import RedisProcess
 
@@ -90,3 +92,22 @@ def test_a_dripping_server_cannot_hold_a_call_past_its_deadline(
         assert backend.batch_contains(keys) == 0  # down: a miss without touching the network
     finally:
         proxy.close()
+
+
+def test_a_large_put_over_a_slow_link_gets_the_time_its_upload_takes(
+        redis_server: RedisProcess, make_backend: Callable[..., RedisBackend]) -> None:
+    """Issue 51, item 2: the deadline started before the upload, so a large batch failed after
+    Redis stored it and the tier was marked down. Now the bytes sent are charged at the floor
+    rate too. 16 MiB over a 64 MB/s link: 0.26 s of upload against a 0.1 s timeout (the old
+    deadline), within the new one (0.1 s + 16 MiB at 20 MB/s = 0.94 s)."""
+    with DelayProxy(redis_server.port, 0.0, upload_bytes_per_s=64e6) as proxy:
+        backend = make_backend(proxy.url, layout=BIG, remote_timeout_secs=0.1)
+        keys = make_keys(16 * 8, layout=BIG, seed=32)  # 2 MiB a chunk
+        objs = [make_obj(backend.ctx.allocator, BIG, k.num_tokens, seed=i)
+                for i, k in enumerate(keys)]
+        with lease(objs):
+            assert backend.batch_put(keys, objs) == len(keys)
+        stats = backend.stats()
+        assert stats["down_events"] == 0 and stats["write_errors"] == 0
+        proxy.upload_bytes_per_s = None
+        assert backend.batch_contains(keys) == len(keys)

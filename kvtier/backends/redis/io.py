@@ -230,8 +230,13 @@ def pooled_reader(client: redis.Redis, nbytes: int = 0,
 def exchange(client: redis.Redis, parts: list[bytes | memoryview],
              counts: list[int]) -> list[list[Any]]:
     """Send pipelined commands on one pooled connection; their small replies, grouped by
-    `counts` (replies per logical operation). Error replies are values, not raised."""
-    with pooled_reader(client) as (conn, reader):  # small replies: within the timeout
+    `counts` (replies per logical operation). Error replies are values, not raised.
+
+    The call's deadline charges the bytes sent as a read charges the bytes received
+    (`ReplyReader.expect`): a large batch of puts over a slow link is given the time its
+    upload takes at the floor rate, instead of failing after Redis stored it."""
+    sent = sum(len(p) for p in parts)
+    with pooled_reader(client, sent) as (conn, reader):
         conn.send_packed_command(parts, check_health=False)
         flat = iter(reader.replies(sum(counts)))
         return [[next(flat) for _ in range(n)] for n in counts]
