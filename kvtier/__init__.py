@@ -20,16 +20,15 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-_LAZY = {"CacheEngine": "kvtier.engine", "KVLayout": "kvtier.memory",
-         "MemoryFormat": "kvtier.memory", "MemoryObj": "kvtier.memory"}
-
-
 def __getattr__(name: str) -> object:
     # These pull in torch (seconds): `import kvtier`, and every `kvtier` command that needs no
     # tensor (`--help`, check-config, ls), stay light until one of them is asked for.
-    module = _LAZY.get(name)
-    if module is not None:
-        import importlib
+    if name == "CacheEngine":
+        from kvtier.engine import CacheEngine
 
-        return getattr(importlib.import_module(module), name)
+        return CacheEngine
+    if name in ("KVLayout", "MemoryFormat", "MemoryObj"):
+        from kvtier import memory
+
+        return getattr(memory, name)
     raise AttributeError(f"module 'kvtier' has no attribute {name!r}")

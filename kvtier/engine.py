@@ -317,6 +317,10 @@ class CacheEngine:
         most (default `blocking_timeout_secs`); False if some are still queued."""
         return self.storage.flush(timeout)
 
+    def write_backlog(self) -> tuple[int, int]:
+        """(lower-tier writes written so far, writes queued now): what a drain reports."""
+        return self.storage.writes_done(), self.storage.queued_writes()
+
     def attach_tier(self, name: str, config: Config | None = None) -> None:
         """Add a lower tier (`disk`, `redis`) while serving; see `StorageManager.attach_tier`."""
         self.storage.attach_tier(name, config)

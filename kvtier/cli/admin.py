@@ -9,7 +9,7 @@ import re
 import sys
 from typing import Any
 
-from kvtier.cli.main import add_command, add_config_file
+from kvtier.cli.args import add_command, add_config_file
 from kvtier.config import load_config
 from kvtier.config.urls import redact_url
 

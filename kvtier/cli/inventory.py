@@ -23,6 +23,7 @@ from pathlib import Path
 from kvtier.backends import check_dependencies
 from kvtier.backends.disk import files as rf
 from kvtier.backends.disk import paths
+from kvtier.backends.disk.owners import read_record_key
 from kvtier.config import Config
 from kvtier.config.names import DISK, REDIS
 from kvtier.errors import ConfigError
@@ -197,7 +198,7 @@ def _disk_entries(path: Path) -> Iterator[Entry]:
     found, _ = rf.scan(root, dirs)  # never enters a directory that is not private
     for _, name, size in found:
         try:  # O_NOFOLLOW | O_NONBLOCK, regular files only
-            key = rf.read_record_key(dirs, name) or "corrupt"  # corrupt: listed as model "?"
+            key = read_record_key(dirs, name) or "corrupt"  # corrupt: listed as model "?"
         except rf.NotRegular:
             continue  # not a record file of ours: neither listed nor deleted
         except OSError:

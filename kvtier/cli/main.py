@@ -18,15 +18,16 @@ import platform
 import stat
 import sys
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import yaml
 
+from kvtier.cli.args import add_command, add_config_file, positive
 from kvtier.config import load_config, load_config_report
 from kvtier.config.names import DISK
 from kvtier.errors import KVTierError
 
-__all__ = ["main", "add_command", "add_config_file", "MAX_CONFIG_BYTES"]
+__all__ = ["main", "MAX_CONFIG_BYTES"]
 
 MAX_CONFIG_BYTES = 1 << 20  # a config file is a few kB; anything this large is not one
 _CONFIG_ENV = ("KVTIER_CONFIG_FILE", "LMCACHE_CONFIG_FILE")
@@ -220,15 +221,6 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive(text: str) -> int:
-    """An argparse `type`: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
-    return value
 
 
 DESCRIPTION = """\
@@ -269,8 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = add_command(sub, "bench", "measure store and load throughput of the tiers on a "
                  "Llama-3-8B-shaped KV cache")
     add_config_file(p)
-    p.add_argument("--prompts", type=_positive, default=8, help="prompts stored and loaded")
-    p.add_argument("--tokens", type=_positive, default=2048, help="tokens per prompt")
+    p.add_argument("--prompts", type=positive, default=8, help="prompts stored and loaded")
+    p.add_argument("--tokens", type=positive, default=2048, help="tokens per prompt")
     p.add_argument("--json", default="benchmarks/results/bench.json", help="JSON output path")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.add_argument("--real-tiers", action="store_true", help="measure the configured disk "
@@ -291,26 +283,15 @@ def _add_launch_flags(p: argparse.ArgumentParser) -> None:
     """The SGLang launch flags the launch checks depend on, under SGLang's names."""
     p.add_argument("--tp-size", type=int, default=1, help="TP ranks on this host, each with "
                    "its own arena (default 1)")
-    p.add_argument("--dp-size", type=_positive, default=1, help="DP ranks on this host")
-    p.add_argument("--page-size", type=_positive, default=1, help="SGLang's --page-size "
+    p.add_argument("--dp-size", type=positive, default=1, help="DP ranks on this host")
+    p.add_argument("--page-size", type=positive, default=1, help="SGLang's --page-size "
                    "(chunk_size must be a multiple)")
     p.add_argument("--device", help="SGLang's --device: with cpu, the engine's KV pool and "
                    "weights share host memory with kvtier's arena and are counted")
     p.add_argument("--model-path", help="the model directory (its config.json and weights "
                    "size the CPU engine's memory)")
-    p.add_argument("--max-total-tokens", type=_positive, help="SGLang's KV pool size in tokens")
+    p.add_argument("--max-total-tokens", type=positive, help="SGLang's KV pool size in tokens")
     p.add_argument("--load-format", default="auto", help="SGLang's --load-format")
-
-
-def add_config_file(parser: argparse.ArgumentParser) -> None:
-    """The optional FILE argument every command reading a config takes."""
-    parser.add_argument("file", nargs="?", metavar="FILE", help="kvtier or LMCache YAML config "
-                        "(default: $KVTIER_CONFIG_FILE, $LMCACHE_CONFIG_FILE, built-in defaults)")
-
-
-def add_command(sub: Any, name: str, summary: str) -> argparse.ArgumentParser:
-    """A subcommand whose one-line summary is also its --help description."""
-    return sub.add_parser(name, help=summary, description=summary[0].upper() + summary[1:] + ".")
 
 
 def _config_file_problem(args: argparse.Namespace) -> str | None:

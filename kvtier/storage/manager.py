@@ -306,6 +306,10 @@ class StorageManager:
         """Lower-tier writes queued and not yet written, over every tier."""
         return sum(w.pending() for w in self._writers)
 
+    def writes_done(self) -> int:
+        """Lower-tier writes written so far, over every tier."""
+        return sum(n for k, n in self.counters.snapshot().items() if k.endswith(".writes"))
+
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every lower-tier write queued so far is done, `timeout` seconds in all
         (not per tier); False on timeout, with a warning naming what was left. See

@@ -111,3 +111,60 @@ def test_a_large_put_over_a_slow_link_gets_the_time_its_upload_takes(
         assert stats["down_events"] == 0 and stats["write_errors"] == 0
         proxy.upload_bytes_per_s = None
         assert backend.batch_contains(keys) == len(keys)
+
+
+class TrickleServer:
+    """Accepts connections and answers every one with a reply that never ends: '+' and then
+    one more byte every `gap_s` (each recv succeeds within the socket timeout)."""
+
+    def __init__(self, gap_s: float = 0.1):
+        self.gap_s = gap_s
+        self._stop = threading.Event()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._trickle, args=(conn,), daemon=True).start()
+
+    def _trickle(self, conn: socket.socket) -> None:
+        try:
+            conn.sendall(b"+")
+            while not self._stop.wait(self.gap_s):
+                conn.sendall(b"a")
+        except OSError:
+            pass
+        finally:
+            conn.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._listener.close()
+
+
+def test_a_trickling_handshake_cannot_hold_the_tier_s_construction() -> None:
+    """Issue 51, item 3: redis-py's own reads (the handshake, PING) had no total deadline;
+    building the engine against a Redis trickling its replies was still blocked after 60 s.
+    Now construction ends within a few socket timeouts, with the tier down (a miss)."""
+    from tests.backends.conftest import redis_backend
+
+    server = TrickleServer()
+    built: list[RedisBackend] = []
+    try:
+        thread = threading.Thread(target=lambda: built.append(
+            redis_backend(f"redis://127.0.0.1:{server.port}", remote_timeout_secs=0.5)),
+            daemon=True)
+        thread.start()
+        thread.join(30)  # about 2 x 3 x 0.5 s; without the deadline, never
+        assert not thread.is_alive(), "building the Redis tier hung on a trickling server"
+        (backend,) = built
+        assert backend.stats()["down"] == 1
+        assert backend.batch_contains(make_keys(16)) == 0
+        backend.close()
+    finally:
+        server.close()

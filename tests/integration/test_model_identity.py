@@ -52,6 +52,37 @@ def test_weights_replaced_in_place_change_the_key(tmp_path: Path) -> None:
     assert weights_digest(str(tmp_path)) is None  # no safetensors here
 
 
+def test_an_edit_of_one_matrix_changes_the_key_and_bin_checkpoints_count(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 51, item 4: a sample of the weights missed a ROME-style edit (a few bytes away
+    from every sample point); every byte is read now, `.bin` files included, and a file's
+    digest is cached by its size, mtime and inode."""
+    _checkpoint(tmp_path / "base", seed=1)
+    _checkpoint(tmp_path / "edited", seed=1)
+    weights = tmp_path / "edited" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 16 * 5 + 4096 + 100] ^= 1  # between two of the old sample points
+    weights.write_bytes(bytes(data))
+    cache = tmp_path / "cache"
+    assert weights_digest(str(tmp_path / "base"), cache) != \
+        weights_digest(str(tmp_path / "edited"), cache)
+    for name, other in (("pytorch_model.bin", b"\1"), ("consolidated.pt", b"\2")):
+        _checkpoint(tmp_path / name, seed=1)
+        (tmp_path / name / "model.safetensors").unlink()
+        (tmp_path / name / name).write_bytes(b"\0" * 1000)
+        first = weights_digest(str(tmp_path / name), cache)
+        (tmp_path / name / name).write_bytes(other + b"\0" * 999)
+        assert first is not None and weights_digest(str(tmp_path / name), cache) != first
+    past = 1_000_000_000  # settled files are cached: the next digest reads no weights
+    os.utime(weights, ns=(past, past))
+    with caplog.at_level("INFO"):
+        once = weights_digest(str(tmp_path / "edited"), cache)
+        assert "read all" in caplog.text
+        caplog.clear()
+        assert weights_digest(str(tmp_path / "edited"), cache) == once
+        assert "read all" not in caplog.text
+
+
 def _launch_args(**kw: object) -> argparse.Namespace:
     return argparse.Namespace(**{"page_size": 1, "tp_size": 1, "dp_size": 1,
                                  "load_format": "auto", **kw})

@@ -1,32 +1,22 @@
 """The disk tier: one checksummed record file per chunk, persistent across restarts.
 
-Files and their format are `files.py`'s business, the LRU index `index.py`'s; this module
-keeps the cap, the lock and the counters.
+Files, their format and their privacy are `files.py`'s business, the LRU index `index.py`'s,
+whose record is whose `owners.py`'s; this module keeps the cap, the lock and the counters.
 
-- Persistence: the index is rebuilt at start-up from directory entries (mtime = recency), so a
-  restarted process hits what an earlier one stored. A miss in the index is checked against the
-  filesystem, so a second process sharing the directory sees new records without a restart.
-- Recency: each put or hit stamps its batch so that the first chunk is the newest; LRU
-  eviction (here and after a restart) therefore takes suffixes before prefixes. A record being
-  read is never evicted. Processes sharing a directory each enforce the cap over the records
-  they know, so together they may exceed it by what the others wrote.
-- The cap and a shared directory: the cap counts, and eviction takes, only the records of the
-  namespace and model this tier writes for (`index.py`; owners found at start are identified
-  in the background, `owners.py`): servers of other models or tenants sharing the directory
-  never lose a record to it. Opening deletes nothing, whatever the cap; a tier over its cap
-  (the cap was lowered) shrinks by at most `SHRINK_WRITES` times each write's size, least
-  recently used first. A write failing with ENOSPC (the filesystem full below the cap) also
-  evicts `DISK_FULL_EVICT_WRITES` times its size of this tier's own, counted in `disk_full`.
-- Durability: no fsync (a device flush per chunk). A killed process loses nothing the kernel
-  has; a power loss may leave a torn file, which the checksums turn into a counted miss.
-- Failures never raise: a failed write (ENOSPC, EIO, ...) is a counted miss; a corrupt
-  record is counted, deleted, a miss; so is a file removed behind the tier's back. A forged one
-  (`record.ForgedEntry`: encrypted under another key or none, or failing its GCM tag) is a
-  counted miss left in place: another node's key is not proof of corruption.
-- Foreign files and privacy (`files.py`): what is not a regular file at a record path is
-  a counted miss (`not_regular`), never opened blocking or followed; a root that is another
-  user's, writable by others or reached through a symlink is a `ConfigError`, and nothing is
-  read, written or deleted in an `ab/cd` directory that is not private.
+- Persistence: the index is rebuilt at start-up from directory entries (mtime = recency); a
+  miss in the index is checked against the filesystem, so a process sharing the directory
+  sees new records without a restart. Each put or hit stamps its batch so that the first
+  chunk is the newest: LRU eviction takes suffixes before prefixes; a record being read is
+  never evicted.
+- The cap counts, and eviction takes, only the records of this tier's namespace and model:
+  servers of other models sharing the directory never lose a record to it. Opening deletes
+  nothing; over its cap, each write shrinks the tier by at most `SHRINK_WRITES` times its size;
+  ENOSPC (the filesystem full below the cap) evicts `DISK_FULL_EVICT_WRITES` times it.
+- No fsync: a killed process loses nothing the kernel has; a torn file after a power loss is
+  a checksum failure, a counted miss.
+- Failures never raise: a failed write is a counted miss; a corrupt record is counted,
+  deleted, a miss. A forged record (`record.ForgedEntry`) or one of another kvtier format
+  (`record.OtherVersion`) is a counted miss left in place.
 """
 
 from __future__ import annotations
@@ -46,7 +36,7 @@ from pathlib import Path
 from kvtier.backends.base import BackendContext, ProbeSample, StorageBackend
 from kvtier.backends.disk import files as rf
 from kvtier.backends.disk.index import DiskIndex
-from kvtier.backends.disk.owners import learn_in_background, owner_of
+from kvtier.backends.disk.owners import identify, learn_in_background, owner_of
 from kvtier.backends.disk.probe import probe_disk
 from kvtier.backends.disk.root import open_root
 from kvtier.backends.record import ForgedEntry, OtherVersion, expected_header_len
@@ -68,7 +58,6 @@ READ_AHEAD = 4  # chunk reads in flight per batch: keeps the device queue busy w
 # is checksummed or copied on, without holding much arena for a prefix that may miss early
 DISK_FULL_EVICT_WRITES = 4  # ENOSPC frees room for the next few writes, not half the cache
 SHRINK_WRITES = 4  # over its cap, a write evicts at most this many times its own size
-IDENTIFY_PER_WRITE = 64  # record headers a write may read to find its own oldest records
 
 
 class DiskBackend(StorageBackend):
@@ -87,7 +76,7 @@ class DiskBackend(StorageBackend):
         self.ctx = ctx  # public: the layout and arena its records are read into
         self._keys = ctx.record_key
         self._lock = threading.Lock()  # one index change and its file change are one step
-        self._index = DiskIndex(self.capacity)
+        self._index = DiskIndex(self.capacity, lambda name: identify(self._dirs, name))
         self._counts = ctx.counters.scope(self.name, *_COUNTERS)
         self._warn = RateLimitedLog(logger)
         self._closed = False
@@ -126,20 +115,6 @@ class DiskBackend(StorageBackend):
                 with contextlib.suppress(OSError):  # a file gone meanwhile does not matter
                     os.utime(self.path_for(key.key), ns=(stamp, stamp))
 
-    def _identify_oldest_locked(self) -> None:
-        """Read the owners of the least recently used records not identified yet (the
-        background scan has not reached them): a write over the cap right after a restart
-        must find and count its own old records."""
-        names = self._index.unknown_owners(IDENTIFY_PER_WRITE)
-        for name in names:
-            try:
-                key = rf.read_record_key(self._dirs, name)
-            except OSError:
-                continue
-            owner = owner_of(key) if key else None
-            if owner is not None:
-                self._index.set_owner(name, owner)
-
     def _learned(self, name: str, owner: str) -> None:
         with self._lock:
             self._index.set_owner(name, owner)
@@ -149,10 +124,7 @@ class DiskBackend(StorageBackend):
             self._counts.inc("adopted")
 
     def _make_room_locked(self, need: int) -> bool:
-        index = self._index
-        if index.unknown and index.bytes + index.reserved + need > self.capacity:
-            self._identify_oldest_locked()  # this tier's own may be among them
-        victims = index.victims(need, SHRINK_WRITES)
+        victims = self._index.victims(need, SHRINK_WRITES)
         if victims is None:
             return False
         self._evict_locked(victims)

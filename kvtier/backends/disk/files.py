@@ -28,14 +28,11 @@ from pathlib import Path
 
 from kvtier.backends.disk.paths import SUFFIX, is_temp_name, record_stem, root_problem
 from kvtier.backends.record import (
-    FIXED_SIZE,
     RecordKeys,
     encode_header,
     expected_header_len,
-    header_len,
     open_payload,
     parse_header,
-    read_key,
     seal_for,
     verify_payload,
 )
@@ -299,20 +296,6 @@ def open_record(dirs: RecordDirs, name: str) -> tuple[int, os.stat_result]:
         os.close(fd)
         raise
     return fd, st
-
-
-def read_record_key(dirs: RecordDirs, name: str) -> str | None:
-    """The key string in record `name`'s header (checksummed), read as `open_record` opens
-    (its `NotRegular` and `OSError` propagate); None when the header is corrupt."""
-    fd, _ = open_record(dirs, name)
-    try:
-        prefix = os.pread(fd, FIXED_SIZE, 0)
-        head = prefix + os.pread(fd, max(0, header_len(prefix) - FIXED_SIZE), FIXED_SIZE)
-        return read_key(head)
-    except (OSError, CorruptEntry):
-        return None
-    finally:
-        os.close(fd)
 
 
 def read_record(fd: int, size: int, key: ChunkKey, layout: KVLayout,

@@ -1,6 +1,7 @@
 """The disk tier's in-memory index: which records exist, how big they are, which are being read,
-whose they are, and which to evict. No file I/O here: `DiskBackend` does the files and holds the
-lock that makes an index change and its file change one step.
+whose they are, and which to evict. No file I/O here (a record's owner is read by the
+`identify` function it is given): `DiskBackend` does the files and holds the lock that makes
+an index change and its file change one step.
 
 A directory may be shared by servers of other models or tenants. Each record's owner (its key's
 namespace and model) is learned as the record is written or read, or from its header by a
@@ -11,9 +12,11 @@ from __future__ import annotations
 
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
-__all__ = ["DiskIndex"]
+__all__ = ["DiskIndex", "IDENTIFY_PER_WRITE"]
+
+IDENTIFY_PER_WRITE = 64  # record headers a write may read to find its own oldest records
 
 
 class DiskIndex:
@@ -25,8 +28,10 @@ class DiskIndex:
         capacity: the cap in bytes (`max_local_disk_size`).
     """
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int,
+                 identify: Callable[[str], str | None] = lambda name: None):
         self.capacity = capacity
+        self._identify = identify  # a record's owner, read from its file (the caller's I/O)
         self._sizes: OrderedDict[str, int] = OrderedDict()
         self.bytes = 0  # indexed records
         self._owners: dict[str, str] = {}  # name -> owner, where known
@@ -111,6 +116,14 @@ class DiskIndex:
                 out.append(name)
         return out
 
+    def _identify_oldest(self) -> None:
+        """Identify the least recently used records whose owner is not known yet (the
+        background scan has not reached them): a write over the cap right after a restart
+        must find and count its own old records."""
+        for name in self.unknown_owners(IDENTIFY_PER_WRITE):
+            if (owner := self._identify(name)) is not None:
+                self.set_owner(name, owner)
+
     def _evictable(self, name: str) -> bool:
         return not self._readers[name] and self._owners.get(name) in self.mine
 
@@ -143,6 +156,8 @@ class DiskIndex:
         fit. Picks only: the caller deletes them and `forget`s each."""
         if need > self.capacity:
             return None
+        if self.unknown and self.bytes + self.reserved + need > self.capacity:
+            self._identify_oldest()  # this tier's own may be among them
         over = self.own_bytes + self.reserved + need - self.capacity
         fit = min(over, need)  # what must go for this write to fit
         over = min(over, max(1, shrink) * need)

@@ -6,15 +6,18 @@ million records costs nothing up front and never evicts what it has not identifi
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 
 from kvtier.backends.disk import files as rf
+from kvtier.backends.record import FIXED_SIZE, header_len, read_key
 from kvtier.background import name_os_thread
+from kvtier.errors import CorruptEntry
 from kvtier.keys import KeySpace
 
-__all__ = ["owner_of", "learn_in_background"]
+__all__ = ["owner_of", "learn_in_background", "read_record_key", "identify"]
 
 logger = logging.getLogger(__name__)
 
@@ -22,10 +25,34 @@ BATCH = 256  # headers read between pauses
 PAUSE_S = 0.01  # at most ~25k headers a second: the disk serves reads and writes meanwhile
 
 
+def read_record_key(dirs: rf.RecordDirs, name: str) -> str | None:
+    """The key string in record `name`'s header (checksummed), read as `open_record` opens
+    (its `NotRegular` and `OSError` propagate); None when the header is corrupt."""
+    fd, _ = rf.open_record(dirs, name)
+    try:
+        prefix = os.pread(fd, FIXED_SIZE, 0)
+        head = prefix + os.pread(fd, max(0, header_len(prefix) - FIXED_SIZE), FIXED_SIZE)
+        return read_key(head)
+    except (OSError, CorruptEntry):
+        return None
+    finally:
+        os.close(fd)
+
+
 def owner_of(key: str) -> str | None:
     """`namespace/model` of a kvtier key string; None for anything else."""
     parsed = KeySpace.parse(key)
     return None if parsed is None else f"{parsed[0].namespace}/{parsed[0].model}"
+
+
+def identify(dirs: rf.RecordDirs, name: str) -> str | None:
+    """The owner of record `name`, read from its header; None when it cannot be told (gone,
+    not a record of ours, corrupt): such a record is never evicted."""
+    try:
+        key = read_record_key(dirs, name)
+    except OSError:
+        return None
+    return owner_of(key) if key else None
 
 
 def learn_in_background(dirs: rf.RecordDirs, names: list[str],
@@ -39,11 +66,7 @@ def learn_in_background(dirs: rf.RecordDirs, names: list[str],
         for i, name in enumerate(names):
             if closed.is_set():
                 return
-            try:
-                key = rf.read_record_key(dirs, name)
-            except OSError:  # gone, or not a record of ours: stays unknown, never evicted
-                key = None
-            owner = owner_of(key) if key else None
+            owner = identify(dirs, name)
             if owner is not None:
                 learned(name, owner)
                 found += 1

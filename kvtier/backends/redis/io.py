@@ -202,7 +202,7 @@ def raw_socket(conn: Any) -> socket.socket:
     sock = conn._sock
     if sock is None:
         raise RedisConnectionError("connection not open")
-    return sock
+    return getattr(sock, "raw", sock)  # past `bounded`'s wrapper: these reads bound themselves
 
 
 @contextmanager

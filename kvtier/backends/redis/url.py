@@ -29,10 +29,11 @@ from urllib.parse import unquote
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.cluster import ClusterNode, RedisCluster
-from redis.connection import ConnectionPool, parse_url
+from redis.connection import Connection, ConnectionPool, parse_url
 from redis.retry import Retry
-from redis.sentinel import Sentinel
+from redis.sentinel import Sentinel, SentinelManagedConnection, SentinelManagedSSLConnection
 
+from kvtier.backends.redis.bounded import bounded
 from kvtier.config.urls import REMOTE_SCHEMES, redact_url, withhold_pieces
 from kvtier.errors import ConfigError
 
@@ -295,6 +296,7 @@ class Router:
         self._cluster: RedisCluster | None = None
         self._sentinel: Sentinel | None = None
         if target.kind == "standalone":
+            common["connection_class"] = bounded(common.get("connection_class", Connection))
             self._client = redis.Redis(connection_pool=ConnectionPool(**common))
         elif target.kind == "sentinel":
             # Sentinels are asked without the data nodes' credentials (with their own from
@@ -304,8 +306,13 @@ class Router:
                                               "retry")}
             queries.update(target.sentinel_kwargs)
             self._sentinel = Sentinel(list(target.nodes), sentinel_kwargs=queries, **common)
-            self._client = self._sentinel.master_for(target.service)
+            managed = SentinelManagedSSLConnection if common.get("ssl") else \
+                SentinelManagedConnection
+            self._client = self._sentinel.master_for(target.service,
+                                                     connection_class=bounded(managed))
         else:
+            # (redis-py's cluster nodes take no connection class: their reads keep redis-py's
+            # per-recv timeout; kvtier's data path bounds its own, `resp.ReplyReader`)
             seeds = [ClusterNode(h, p) for h, p in target.nodes]
             self._cluster = RedisCluster(startup_nodes=seeds, **common)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import ConfigError
+from kvtier.integration.sglang.weights import weights_digest
 from kvtier.keys import model_component
 
 if TYPE_CHECKING:
@@ -56,10 +57,10 @@ def model_config(server_args: ServerArgsView) -> dict[str, object]:
 
 
 def model_fingerprint(server_args: ServerArgsView) -> str:
-    """What else makes two servers of one model name compute different KV: the weights (a
-    sample of each local safetensors file, `weights_digest`), the model's config.json, its
-    revision, load format, quantization, dtype and override arguments. 16 hex digits of their
-    SHA-256."""
+    """What else makes two servers of one model name compute different KV: the weights (every
+    byte of every weights file, `weights.weights_digest`; a hub id: its local snapshot's), the
+    model's config.json, its revision, load format, quantization, dtype and override
+    arguments. 16 hex digits of their SHA-256."""
     import hashlib
     import json
     import os
@@ -75,40 +76,23 @@ def model_fingerprint(server_args: ServerArgsView) -> str:
             parts["config.json"] = hashlib.sha256(f.read()).hexdigest()
     except OSError:  # a hub name: its revision (above) names the weights
         parts["model_path"] = path
-    weights = weights_digest(path) if os.path.isdir(path) else None
+    local = path if os.path.isdir(path) else _hub_snapshot(path, getattr(server_args,
+                                                                          "revision", None))
+    weights = weights_digest(local) if local else None
     if weights is not None:
         parts["weights"] = weights
     blob = json.dumps(parts, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
-# Bytes read from each weights file: its safetensors header plus this many evenly spaced
-# samples. Two checkpoints of one training run share every header (same names, shapes and
-# offsets) but no tensor data; a few hundred KiB per file tell them apart in milliseconds.
-WEIGHT_SAMPLES = 16
-WEIGHT_SAMPLE_BYTES = 4096
-MAX_HEADER_BYTES = 1 << 24
-
-
-def weights_digest(model_dir: str) -> str | None:
-    """A digest of the `*.safetensors` files in `model_dir` (names, sizes, headers, and
-    `WEIGHT_SAMPLES` samples of their data), or None when there are none."""
-    import hashlib
-    import os
-    import struct
-
-    names = sorted(n for n in os.listdir(model_dir) if n.endswith(".safetensors"))
-    if not names:
+def _hub_snapshot(model_id: str, revision: str | None) -> str | None:
+    """The local snapshot directory of hub model `model_id` at `revision` (its commit, when
+    SGLang resolved a branch or tag), or None when it is not downloaded (or not a hub id)."""
+    if not model_id or model_id.startswith(("/", ".")):
         return None
-    digest = hashlib.sha256()
-    for name in names:
-        with open(os.path.join(model_dir, name), "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            digest.update(f"{name}\0{size}\0".encode())
-            head = f.read(8)
-            header = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
-            digest.update(head + f.read(min(header, MAX_HEADER_BYTES)))
-            for i in range(WEIGHT_SAMPLES):
-                f.seek(size * i // WEIGHT_SAMPLES)
-                digest.update(f.read(WEIGHT_SAMPLE_BYTES))
-    return digest.hexdigest()
+    try:
+        from huggingface_hub import snapshot_download
+
+        return str(snapshot_download(model_id, revision=revision, local_files_only=True))
+    except Exception:  # not a hub id, not downloaded, no huggingface_hub: the id and revision
+        return None

@@ -26,7 +26,7 @@ import sys
 import time
 from collections.abc import Callable
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from kvtier.background import BUSY_SHARE, ENGINE, HOLD_S
 from kvtier.config import Config, load_config
@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 
     from kvtier.integration.sglang.adapter import SGLangKVTier
     from kvtier.integration.sglang.radix_cache import KVTierRadixCache
+    from kvtier.integration.sglang.sglang_views import ServerArgsView
 
 __all__ = ["register", "BACKEND_NAME", "build_radix_cache"]
 
@@ -122,6 +123,10 @@ def _from_cli_args(original: Callable[..., Opaque], cls: type, args: LaunchArgsV
                 logger.info("kvtier: --device cpu: %s", change)
         # Fail in the launcher, with the file and key named, not later in a worker.
         _check_launch(config, args)
+        from kvtier.integration.sglang.identity import model_fingerprint
+
+        # reads the weights once, here; the workers read the cache
+        model_fingerprint(cast("ServerArgsView", args))
         _add_http_routes()
         _bounded_stop()
     return original(cls, args)

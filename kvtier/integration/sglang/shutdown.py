@@ -94,16 +94,12 @@ def drain(kv: SGLangKVTier, bound_s: float = DRAIN_S) -> Drained:
     seconds in all. Nothing new is admitted meanwhile (the HTTP server is down)."""
     start = time.monotonic()
     deadline = start + bound_s
-    storage = kv.engine.storage
-
-    def written() -> int:
-        return sum(n for k, n in storage.counters.snapshot().items() if k.endswith(".writes"))
-
-    before = written()
+    engine = kv.engine
+    before, _ = engine.write_backlog()
     stores_left = 0 if kv.stores.drain(bound_s) else kv.stores.pending()
-    storage.flush(max(0.0, deadline - time.monotonic()))
-    return Drained(written() - before, storage.queued_writes(), stores_left,
-                   time.monotonic() - start)
+    engine.flush(max(0.0, deadline - time.monotonic()))
+    written, queued = engine.write_backlog()
+    return Drained(written - before, queued, stores_left, time.monotonic() - start)
 
 
 def leave_sigint_to_launcher() -> None:
