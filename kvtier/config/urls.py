@@ -16,7 +16,7 @@ from urllib.parse import parse_qsl
 from kvtier.config.lmcache.compat import secret_key
 from kvtier.errors import ConfigError
 
-__all__ = ["REMOTE_SCHEMES", "URL_PARSERS", "parse_with_tier", "redact_url",
+__all__ = ["REMOTE_SCHEMES", "URL_PARSERS", "URL_PARAMS", "parse_with_tier", "redact_url",
            "withhold_pieces"]
 
 REMOTE_SCHEMES = ("redis", "rediss", "unix", "redis-sentinel", "redis-cluster")
@@ -47,10 +47,30 @@ def redact_url(url: str) -> str:
     rest, qmark, query = rest.partition("?")
     rest = prefix + rest
     if qmark:
-        parts = [f"{k}=***" if secret_key(k) else f"{k}={v}"
-                 for k, v in parse_qsl(query, keep_blank_values=True)]
-        query = "&".join(parts)
+        query = "&".join(_redacted_params(query))
     return f"{scheme}://{rest}{qmark}{query}"
+
+
+# Query parameter names a remote URL takes (the Redis tier refuses others). After a secret's
+# value, a name outside this set may be the rest of a password holding an unescaped `&`:
+# it is hidden too.
+URL_PARAMS = frozenset({"db", "client_name", "ssl", "ssl_ca_certs", "ssl_certfile",
+                        "ssl_keyfile", "ssl_cert_reqs", "ssl_check_hostname", "ssl_ca_path",
+                        "sentinel_username", "sentinel_password", "password", "username"})
+
+
+def _redacted_params(query: str) -> list[str]:
+    out, hiding = [], False
+    for name, value in parse_qsl(query, keep_blank_values=True):
+        if secret_key(name):
+            out.append(f"{name}=***")
+            hiding = True
+        elif hiding and name not in URL_PARAMS:
+            out.append("***")  # a password's `&`-separated rest, as far as can be told
+        else:
+            out.append(f"{name}={value}")
+            hiding = False
+    return out
 
 
 _QUOTED = re.compile(r"'([^']*)'|\"([^\"]*)\"")

@@ -75,14 +75,20 @@ def _query(url: str, query: str, allowed: frozenset[str]) -> dict[str, str]:
     """The query's parameters (percent-decoded, `+` kept, the last of a repeated name wins);
     a name outside `allowed` is refused."""
     out: dict[str, str] = {}
+    after_secret = False
     for part in query.split("&"):
         if not part:
             continue
         raw_name, _, value = part.partition("=")
         name = unquote(raw_name)
         if name not in allowed:
-            raise _bad(url, f"unsupported query parameter {name!r}; supported: {sorted(allowed)} "
-                            "(timeouts come from remote_timeout_secs)")
+            # After a password, an unknown name is likely the rest of that password (an
+            # unescaped `&`): it is not shown.
+            shown = "(hidden: it follows a password; percent-encode '&' in passwords as %26)" \
+                if after_secret else repr(name)
+            raise _bad(url, f"unsupported query parameter {shown}; supported: "
+                            f"{sorted(allowed)} (timeouts come from remote_timeout_secs)")
+        after_secret = "password" in name
         out[name] = unquote(value)
     return out
 
