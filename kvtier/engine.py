@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kvtier.backends.sealing import name_salt
 from kvtier.config import Config
 from kvtier.connectors import ops
 from kvtier.connectors.base import KVConnector
@@ -96,9 +97,7 @@ class CacheEngine:
             raise ValueError(f"rank must lie in [0, {world_size}), got {rank!r}")
         if config.log_level:
             logging.getLogger("kvtier").setLevel(config.log_level.upper())
-        # The copy kernel is loaded (compiled, the first time in an environment) here, before
-        # serving, never by a copy on a serving thread.
-        ops.prepare()
+        ops.prepare()  # the copy kernel is compiled here, never on a serving thread
         self.config = config
         self.layout = layout
         self.connector = connector
@@ -107,7 +106,8 @@ class CacheEngine:
         self.keys = KeyBuilder(
             model=model_name, fingerprint=layout.fingerprint(config.chunk_size),
             chunk_size=config.chunk_size, rank=0 if mla else rank,
-            world_size=1 if mla else world_size, salt=config.hash_salt,
+            world_size=1 if mla else world_size,
+            salt=name_salt(config.hash_salt, config.record_key_file),
             save_unfull_chunk=config.save_unfull_chunk, namespace=config.key_namespace,
             tails=config.save_tails, page_size=page_size)
         self.storage = storage or StorageManager(config, layout)

@@ -31,6 +31,10 @@ class CPUBackend(HotTier):
         self._lock = threading.Lock()
         self._entries: OrderedDict[str, tuple[ChunkKey, MemoryObj]] = OrderedDict()  # LRU first
         self._children: dict[str, int] = {}  # key -> number of cached chunks whose prev it is
+        # The entries eviction may take (no cached child, not pinned), in LRU order: an
+        # eviction never walks past pinned chunks or parents (thousands of sessions' pins made
+        # every store walk them all).
+        self._leaves: OrderedDict[str, None] = OrderedDict()
         self._pins: Counter[str] = Counter()  # key -> number of holders pinning it
         self._pinned_bytes = 0
         self._bytes = 0
@@ -63,6 +67,8 @@ class CPUBackend(HotTier):
             self._counts.inc("hits", len(out))
             for k in reversed(keys[: len(out)]):
                 self._entries.move_to_end(k.key)
+                if k.key in self._leaves:
+                    self._leaves.move_to_end(k.key)
             return out
 
     def batch_put(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]) -> int:
@@ -79,8 +85,10 @@ class CPUBackend(HotTier):
                 self._bytes += obj.nbytes
                 if k.key in self._pins:
                     self._pinned_bytes += obj.nbytes
+                self._sync_leaf(k.key)
                 if k.prev is not None:
                     self._children[k.prev] = self._children.get(k.prev, 0) + 1
+                    self._leaves.pop(k.prev, None)
             self._counts.inc("puts", len(keys))
             return len(keys)
 
@@ -93,6 +101,7 @@ class CPUBackend(HotTier):
                     break
                 if not self._pins[k.key]:
                     self._pinned_bytes += entry[1].nbytes
+                    self._leaves.pop(k.key, None)
                 self._pins[k.key] += 1
                 n += 1
             return n
@@ -108,6 +117,7 @@ class CPUBackend(HotTier):
                 entry = self._entries.get(k.key)
                 if entry is not None:
                     self._pinned_bytes -= entry[1].nbytes
+                    self._sync_leaf(k.key)
 
     @property
     def pinned_bytes(self) -> int:
@@ -117,21 +127,16 @@ class CPUBackend(HotTier):
         out: list[tuple[ChunkKey, MemoryObj]] = []
         freed = 0
         with self._lock:
-            progress = True
-            while freed < nbytes and progress:  # evicting a leaf can make its parent a leaf
-                progress = False
-                for name in list(self._entries):
-                    if freed >= nbytes:
-                        break
-                    key, obj = self._entries[name]
-                    # Keep chunks with cached children (no holes), chunks in use right now and
-                    # pinned chunks.
-                    if self._children.get(name) or obj.refs > 1 or name in self._pins:
-                        continue
-                    self._drop_locked(name)
-                    freed += obj.nbytes
-                    out.append((key, obj))
-                    progress = True
+            while freed < nbytes:
+                # Leaves only (no holes, nothing pinned), least recent first, skipping chunks
+                # in use right now; evicting a leaf makes its parent the next one.
+                victim = next((n for n in self._leaves if self._entries[n][1].refs == 1), None)
+                if victim is None:
+                    break
+                entry = self._drop_locked(victim)
+                assert entry is not None
+                freed += entry[1].nbytes
+                out.append(entry)
             self._counts.inc("evictions", len(out))
         return out
 
@@ -149,6 +154,7 @@ class CPUBackend(HotTier):
         """Unlink an entry; the caller gets the tier's reference."""
         entry = self._entries.pop(name, None)
         if entry is not None:
+            self._leaves.pop(name, None)
             self._bytes -= entry[1].nbytes
             if name in self._pins:  # removed while pinned: its pins now hold nothing
                 self._pinned_bytes -= entry[1].nbytes
@@ -159,7 +165,17 @@ class CPUBackend(HotTier):
                     self._children[prev] = left
                 else:
                     del self._children[prev]
+                    if self._sync_leaf(prev):  # a prefix's next chunk to go: evicted next
+                        self._leaves.move_to_end(prev, last=False)
         return entry
+
+    def _sync_leaf(self, name: str) -> bool:
+        """Keep `name` in `_leaves` iff it is cached, childless and unpinned; whether it is."""
+        if name in self._entries and not self._children.get(name) and name not in self._pins:
+            self._leaves.setdefault(name, None)
+            return True
+        self._leaves.pop(name, None)
+        return False
 
     def stats(self) -> dict[str, float]:
         with self._lock:
@@ -172,6 +188,7 @@ class CPUBackend(HotTier):
             self._closed = True
             entries, self._entries = self._entries, OrderedDict()
             self._children.clear()
+            self._leaves.clear()
             self._bytes = 0
         for _, obj in entries.values():
             obj.release()

@@ -27,7 +27,9 @@ The AEAD is `cryptography`'s (OpenSSL's AES-GCM); none of it is written here, on
 
 from __future__ import annotations
 
+import collections
 import hashlib
+import math
 import os
 import stat
 from collections.abc import Sequence
@@ -41,6 +43,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF, HKDFExpand
 from kvtier.errors import ConfigError, CorruptEntry
 
 __all__ = ["ForgedEntry", "KeyMismatch", "RecordKeys", "Seal", "Unseal", "load_record_keys",
+           "name_salt",
            "MIN_KEY_BYTES", "KEY_ID", "NONCE", "TAG", "FIELD"]
 
 MIN_KEY_BYTES = 16  # a record key shorter than this is refused
@@ -52,6 +55,7 @@ FIELD = KEY_ID + NONCE + TAG  # what an encrypted record keeps in the header's 3
 _MASTER_INFO = b"kvtier record encryption v1: AES-256-GCM master key"
 _RECORD_INFO = b"kvtier record encryption v1: record key\0"
 _ID_PREFIX = b"kvtier record encryption v1: key id\0"
+_NAMES_INFO = b"kvtier key names v1: the secret salting record names"
 
 
 class ForgedEntry(CorruptEntry):
@@ -75,6 +79,11 @@ class _Key:
     def __init__(self, secret: bytes):
         self._master = HKDF(hashes.SHA256(), 32, salt=None, info=_MASTER_INFO).derive(secret)
         self.key_id = hashlib.sha256(_ID_PREFIX + self._master).digest()[:KEY_ID]
+
+    def names_secret(self) -> str:
+        """A secret for salting key names (its own HKDF label: it reveals nothing of the
+        record keys)."""
+        return HKDFExpand(hashes.SHA256(), 32, info=_NAMES_INFO).derive(self._master).hex()
 
     def record_key(self, nonce: bytes, aad: bytes) -> bytes:
         """The AES-256 key of the record with `nonce` and header `aad` (see the module doc)."""
@@ -103,6 +112,10 @@ class RecordKeys:
                                  f"(the same key twice?)")
             self._by_id[key.key_id] = key
         self.current = keys[0]
+        # Key names are salted by the oldest key's secret: adding a new current key keeps
+        # every name (records under both keys stay reachable); retiring the oldest starts a
+        # new name space, when its records become unreadable anyway.
+        self.names_secret = keys[-1].names_secret()
 
     def get(self, key_id: bytes) -> _Key | None:
         return self._by_id.get(bytes(key_id))
@@ -119,6 +132,44 @@ class RecordKeys:
         return f"RecordKeys(ids={self.ids})"
 
 
+MIN_KEY_ENTROPY_BITS = 96  # of the key's bytes, by their frequencies: repeats and words fail
+
+
+def _entropy_bits(secret: bytes) -> tuple[float, int]:
+    """An estimate of `secret`'s entropy (its length times the Shannon entropy of its byte
+    frequencies: an upper bound for words and patterns) and its number of distinct bytes."""
+    counts = collections.Counter(secret)
+    n = len(secret)
+    return -sum(c * math.log2(c / n) for c in counts.values()), len(counts)
+
+
+def _trust_problem(path: str) -> str | None:
+    """Why the key file at `path` may be changed by someone else, or None: it is another
+    user's (root aside), or its directory is writable by others without the sticky bit (the
+    file could be replaced) or belongs to another user."""
+    me = os.geteuid()
+    st = os.stat(path)
+    if st.st_uid not in (me, 0):
+        return f"belongs to uid {st.st_uid}, not to this user ({me}): its owner can change the key"
+    parent = os.path.dirname(os.path.abspath(path))
+    dst = os.stat(parent)
+    if dst.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not dst.st_mode & stat.S_ISVTX:
+        return (f"is in {parent}, which other users may write (mode "
+                f"{stat.S_IMODE(dst.st_mode):03o}): they could replace the key file; keep it "
+                "in a directory only you can write")
+    if dst.st_uid not in (me, 0):
+        return f"is in {parent}, which belongs to uid {dst.st_uid}: they could replace it"
+    return None
+
+
+def name_salt(hash_salt: str, record_key_file: str | None) -> str:
+    """The salt of key names: `hash_salt`, and with `record_key_file` a secret derived from
+    its keys, so that a reader of a tier without the key cannot test a guessed prompt against
+    the names (`ConfigError` as `load_record_keys`)."""
+    keys = load_record_keys(record_key_file)
+    return hash_salt if keys is None else f"{hash_salt}\0keyed:{keys.names_secret}"
+
+
 def load_record_keys(path: str | None) -> RecordKeys | None:
     """The record keys in file `path`, one per line (surrounding whitespace dropped, blank
     lines skipped), the current key first; None without a path.
@@ -126,7 +177,8 @@ def load_record_keys(path: str | None) -> RecordKeys | None:
     Raises:
         ConfigError: naming `record_key_file` (never a key) when the file cannot be read, holds
             no key or a key of fewer than `MIN_KEY_BYTES` bytes, holds one key twice, or is
-            open to the group or others (a mode other than 0600 or 0400).
+            open to the group or others (a mode other than 0600 or 0400), may be changed by
+            another user (`_trust_problem`), or holds a guessable key (`_entropy_bits`).
     """
     if not path:
         return None
@@ -149,6 +201,18 @@ def load_record_keys(path: str | None) -> RecordKeys | None:
         raise ConfigError(f"record_key_file: {path!r} is open to other users (mode "
                           f"{stat.S_IMODE(mode):03o}); whoever reads it can read and forge "
                           f"records and whoever writes it can change the key: chmod 600 {path}")
+    why = _trust_problem(full)
+    if why is not None:
+        raise ConfigError(f"record_key_file: {path!r} {why}")
+    for i, secret in enumerate(secrets):
+        bits, distinct = _entropy_bits(secret)
+        if bits < MIN_KEY_ENTROPY_BITS or distinct < 8:
+            where = f"line {i + 1} of {path!r}" if len(secrets) > 1 else repr(path)
+            raise ConfigError(f"record_key_file: {where} looks guessable (about {bits:.0f} "
+                              f"bits in {distinct} distinct bytes; at least "
+                              f"{MIN_KEY_ENTROPY_BITS} wanted): with the key id in every "
+                              f"record it can be found offline; use `head -c 32 /dev/urandom "
+                              f"| base64 > {path}`")
     try:
         return RecordKeys(secrets)
     except ValueError as exc:

@@ -70,6 +70,7 @@ class TierSet:
         probe_tiers([tier for tier, _ in built], self._probe_bytes())
         for pair in built:
             self.add(*pair)
+        _warn_guessable_names(self._ctx.config)
 
     def attach(self, name: str, config: Config | None = None) -> None:
         """Add lower tier `name` while stores and loads run (`build`, then `publish`); it
@@ -225,6 +226,23 @@ class TierSet:
         for writer in writers:
             writer.close(max(0.0, deadline - time.monotonic()))
         return tiers
+
+
+MIN_SALT_BYTES = 16  # 128 bits: a salt a reader cannot search
+
+
+def _warn_guessable_names(config: Config) -> None:
+    """A shared tier (Redis) whose key names a reader can test a guessed prompt against: the
+    names are chained hashes of the token ids, salted by `hash_salt` only."""
+    if config.remote_url is None or config.record_key_file is not None:
+        return
+    salt = len((config.hash_salt or "").encode())
+    if salt < MIN_SALT_BYTES:
+        logger.warning("kvtier: the Redis tier's key names are hashes of the prompts' tokens "
+                       "salted by hash_salt (%d bytes): whoever can list the Redis can test "
+                       "whether a guessed prompt was served; set hash_salt to at least %d "
+                       "random bytes, or record_key_file (docs/security.md)", salt,
+                       MIN_SALT_BYTES)
 
 
 def probe_tiers(tiers: Sequence[GuardedTier], nbytes: int, bound_s: float | None = None,

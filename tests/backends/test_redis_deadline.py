@@ -4,6 +4,7 @@ slowest allowed rate; the call is a miss and the tier is marked down."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 from collections.abc import Callable
@@ -168,3 +169,34 @@ def test_a_trickling_handshake_cannot_hold_the_tier_s_construction() -> None:
         backend.close()
     finally:
         server.close()
+
+
+def test_a_cluster_seed_answering_garbage_marks_the_tier_down() -> None:
+    """Issue 51, item 6: a seed answering `COMMAND`/`CLUSTER SLOTS` with replies redis-py
+    cannot parse raised a TypeError out of the tier's construction (a server's launch)."""
+    from tests.backends.conftest import redis_backend
+
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def answer(conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):
+            while conn.recv(65536):
+                conn.sendall(b"*2\r\n:1\r\n*1\r\n$3\r\nabc\r\n")  # every command: nonsense
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                threading.Thread(target=answer, args=(listener.accept()[0],),
+                                 daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    try:
+        port = listener.getsockname()[1]
+        backend = redis_backend(f"redis-cluster://127.0.0.1:{port}", remote_timeout_secs=0.5)
+        try:
+            assert backend.stats()["down"] == 1
+            assert backend.batch_contains(make_keys(16)) == 0
+        finally:
+            backend.close()
+    finally:
+        listener.close()

@@ -77,6 +77,8 @@ class RedisBackend(StorageBackend):
                 raise ConfigError(f"remote_url {self._target.url!r}: {exc}") from None
         except _TIER_ERRORS as exc:
             self._health.failed("connect", exc)
+        except Exception as exc:  # a server answering what redis-py cannot parse: down too
+            self._health.failed("connect", exc)
         else:
             logger.info("redis tier connected: %s", self._target.url)
 

@@ -37,6 +37,7 @@ from typing import cast
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
+from kvtier.backends.sealing import name_salt
 from kvtier.config import load_config
 from kvtier.errors import ConfigError
 from kvtier.integration.sglang.identity import model_identity
@@ -149,6 +150,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfigView, kwargs: Opaque = None):
         extra = storage_config.extra_config or {}
         self.config = load_config(extra.get("kvtier_config_file"))
+        self._name_salt = name_salt(self.config.hash_salt, self.config.record_key_file)
         self.storage_config = storage_config
         self._writes = storage_config.is_storage_writer
         self._model = hicache_model(_server_args())
@@ -189,7 +191,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         prev = None
         if extra_info is not None and extra_info.prefix_keys:
             prev = extra_info.prefix_keys[-1]
-        return self._space.opaque_keys(keys, self.page_size, prev, self.config.hash_salt)
+        return self._space.opaque_keys(keys, self.page_size, prev, self._name_salt)
 
     def _ready(self) -> StorageManager:
         if self.storage is None:

@@ -1,0 +1,105 @@
+"""The record key file is trusted only when nobody else can change it and its key cannot be
+guessed (issue 51, item 7: another user's file, a file in a world-writable directory and a
+low-entropy key were accepted; with the key id in every record a weak key fell offline in 526
+guesses)."""
+
+from __future__ import annotations
+
+import base64
+import os
+from pathlib import Path
+
+import pytest
+
+from kvtier.backends.sealing import load_record_keys
+from kvtier.errors import ConfigError
+
+GOOD = base64.b64encode(bytes(range(7, 39)))  # 32 distinct bytes, as base64
+
+
+def _key_file(directory: Path, secret: bytes) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "record.key"
+    path.write_bytes(secret + b"\n")
+    path.chmod(0o600)
+    return path
+
+
+def test_a_good_key_in_a_private_directory_loads(tmp_path: Path) -> None:
+    assert load_record_keys(str(_key_file(tmp_path / "keys", GOOD))) is not None
+
+
+@pytest.mark.parametrize("secret", [b"a" * 40, b"passwordpasswordpasswordpassword",
+                                    b"0101010101010101010101010101010101"])
+def test_a_guessable_key_is_refused_naming_the_file_never_the_key(
+        tmp_path: Path, secret: bytes) -> None:
+    path = _key_file(tmp_path / "keys", secret)
+    with pytest.raises(ConfigError, match="looks guessable") as info:
+        load_record_keys(str(path))
+    assert str(path) in str(info.value) and secret.decode() not in str(info.value)
+
+
+def test_a_key_file_in_a_directory_others_may_write_is_refused(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    path = _key_file(shared, GOOD)
+    shared.chmod(0o777)
+    with pytest.raises(ConfigError, match="which other users may write"):
+        load_record_keys(str(path))
+    shared.chmod(0o1777)  # sticky, as /tmp: others cannot replace a file they do not own
+    assert load_record_keys(str(path)) is not None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making another user's file needs root")
+def test_another_users_key_file_is_refused(tmp_path: Path) -> None:
+    path = _key_file(tmp_path / "keys", GOOD)
+    os.chown(path, 12345, 12345)
+    with pytest.raises(ConfigError, match="belongs to uid 12345"):
+        load_record_keys(str(path))
+
+
+def test_key_names_are_keyed_by_the_record_key_and_stable_across_a_rotation(
+        tmp_path: Path) -> None:
+    """Issue 51, item 5: with a record key, a reader of the tier who lacks it cannot test a
+    guessed prompt against the key names; adding a new current key keeps every name."""
+    import torch
+
+    from kvtier.config import Config
+    from kvtier.connectors import SGLangMHAConnector
+    from kvtier.engine import CacheEngine
+    from tests.helpers import SMALL_MHA
+
+    other = base64.b64encode(bytes(range(101, 133)))
+    one = _key_file(tmp_path / "one", GOOD)
+    rotated = _key_file(tmp_path / "rotated", other + b"\n" + GOOD)  # new current key first
+    stranger = _key_file(tmp_path / "stranger", other)
+    ids = torch.arange(100, 164)
+
+    def names(key_file: Path | None) -> list[str]:
+        pool = [torch.zeros(8, SMALL_MHA.num_kv_heads, SMALL_MHA.head_dim,
+                            dtype=SMALL_MHA.dtype) for _ in range(2 * SMALL_MHA.num_layers)]
+        config = Config(chunk_size=16, max_local_cpu_size=0.01, hash_salt="s",
+                        record_key_file=str(key_file) if key_file else None)
+        with CacheEngine(config, model_name="m", layout=SMALL_MHA,
+                         connector=SGLangMHAConnector(pool[::2], pool[1::2])) as engine:
+            return [k.key for k in engine.chunk_keys(ids)]
+
+    plain, keyed = names(None), names(one)
+    assert set(plain).isdisjoint(keyed)  # the names without the key are not the names
+    assert names(rotated) == keyed  # a rotation keeps the names
+    assert set(names(stranger)).isdisjoint(keyed)
+
+
+def test_a_shared_tier_with_guessable_names_warns_once_at_start(
+        tmp_path: Path, redis_server, caplog: pytest.LogCaptureFixture) -> None:  # noqa: ANN001
+    from kvtier.config import Config
+    from kvtier.storage import StorageManager
+    from tests.helpers import SMALL_MHA
+
+    for salt, key_file, warned in (("", None, True), ("x" * 16, None, False),
+                                   ("", str(_key_file(tmp_path / "k", GOOD)), False)):
+        caplog.clear()
+        config = Config(chunk_size=16, max_local_cpu_size=0.01, remote_url=redis_server.url,
+                        hash_salt=salt, record_key_file=key_file)
+        with caplog.at_level("WARNING"):
+            StorageManager(config, SMALL_MHA).close()
+        assert ("whoever can list the Redis can test" in caplog.text) == warned, (salt, key_file)
