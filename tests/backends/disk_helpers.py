@@ -6,7 +6,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,14 +34,6 @@ def _assert_hits(disk: DiskBackend, keys: list[ChunkKey], want: list[torch.Tenso
         assert len(got) == len(keys)
         for obj, expected in zip(got, want, strict=True):
             assert same_bytes(obj.tensor, expected)
-
-
-def _identified(disk: DiskBackend) -> None:
-    """Wait until the background scan knows whose every record found at open is."""
-    deadline = time.monotonic() + 30
-    while disk._index.unknown_owners():  # noqa: SLF001 - the scan's progress
-        assert time.monotonic() < deadline, "owners of the records found never identified"
-        time.sleep(0.01)
 
 
 def _files(root: Path, pattern: str = "*.kvt") -> list[Path]:

@@ -22,7 +22,6 @@ from tests.backends.disk_helpers import (
     _assert_hits,
     _files,
     _flip,
-    _identified,
     _put,
     _python,
 )
@@ -211,7 +210,6 @@ def test_a_lowered_cap_deletes_nothing_at_open_then_shrinks_least_recent_first(
     small = open_disk(cap_gb=10 * record / 1e9)  # room for ten records
     assert len(_files(small.root)) == 32 and small.stats()["evictions"] == 0
     assert "nothing is deleted now" in caplog.text
-    _identified(small)
     _put(small, make_keys(16, seed=100), arena, seed=100)  # one record: evicts 4 at most
     assert small.stats()["evictions"] == SHRINK_WRITES == 4
     # Least recently used first: prompt 0's unused tail, then prompt 1's.
@@ -237,7 +235,6 @@ def test_a_server_of_another_model_never_deletes_a_neighbours_records(
     record = _files(shared.root)[0].stat().st_size
     shared.close()
     tiny = open_disk(cap_gb=2 * record / 1e9)  # a gamma server, room for two records
-    _identified(tiny)
     mine = [make_keys(16 * 4, seed=s, model="gamma") for s in range(4)]
     for seed, keys in enumerate(mine):
         _put(tiny, keys, arena, seed=seed)

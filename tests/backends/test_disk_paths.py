@@ -15,7 +15,7 @@ from kvtier.backends.disk import files as rf
 from kvtier.backends.disk import paths
 from kvtier.errors import ConfigError
 from kvtier.memory import MemoryAllocator
-from tests.backends.disk_helpers import Opener, _files, _identified, _put
+from tests.backends.disk_helpers import Opener, _files, _put
 from tests.helpers import make_keys
 
 OTHER = "ab" * 32  # a record name that belongs in ab/ab/
@@ -92,7 +92,6 @@ def test_files_not_named_as_records_are_never_indexed_evicted_or_deleted(
     stale.write_bytes(b"a stale temp file of ours")
     tiny = open_disk(root=root, cap_gb=record / 1e9)  # opened over its cap: deletes nothing
     assert tiny.stats()["entries"] == 4 and tiny.stats()["evictions"] == 0
-    _identified(tiny)
     _put(tiny, make_keys(16, seed=9), arena)  # a write shrinks it: evicts all it may
     assert tiny.stats()["entries"] == 1 and tiny.stats()["evictions"] == 4
     assert not any(tiny.path_for(k.key).exists() for k in keys)  # the records are gone ...

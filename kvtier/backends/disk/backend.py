@@ -86,7 +86,7 @@ class DiskBackend(StorageBackend):
         self._counts.inc("stale_tmp_removed", stale)
         self._index.load(found)
         self._stop = threading.Event()
-        learn_in_background(self._dirs, self._index.unknown_owners(), self._learned, self._stop)
+        self._learning = False
         if self._index.bytes > self.capacity:
             logger.warning("kvtier disk: %s holds %.2f GB, more than the cap of %.2f GB "
                            "(max_local_disk_size); nothing is deleted now: this tier shrinks "
@@ -114,10 +114,6 @@ class DiskBackend(StorageBackend):
             for key, stamp in zip(keys, self._stamps(len(keys)), strict=True):
                 with contextlib.suppress(OSError):  # a file gone meanwhile does not matter
                     os.utime(self.path_for(key.key), ns=(stamp, stamp))
-
-    def _learned(self, name: str, owner: str) -> None:
-        with self._lock:
-            self._index.set_owner(name, owner)
 
     def _adopt_locked(self, name: str, size: int, key: str) -> None:
         if self._index.adopt(name, size, owner_of(key)):
@@ -333,6 +329,10 @@ class DiskBackend(StorageBackend):
                 return False
             if owner is not None:
                 self._index.claim(owner)
+            if not self._learning:  # the owners' scan: once, with the first write
+                self._learning = True
+                learn_in_background(self._dirs, self._index.unknown_owners(),
+                                    self._index.set_owner, self._lock, self._stop)
             if not self._make_room_locked(size):
                 self._counts.inc("write_dropped")
                 self._warn.warning("full", "kvtier disk: no room for %d bytes under the cap of "

@@ -56,10 +56,10 @@ def identify(dirs: rf.RecordDirs, name: str) -> str | None:
 
 
 def learn_in_background(dirs: rf.RecordDirs, names: list[str],
-                        learned: Callable[[str, str], None],
+                        learned: Callable[[str, str], None], lock: threading.Lock,
                         closed: threading.Event) -> threading.Thread:
-    """Read the owner of each record in `names` and report it through `learned(name, owner)`,
-    `BATCH` at a time, until done or `closed` is set."""
+    """Read the owner of each record in `names` and report it through `learned(name, owner)`
+    (called under `lock`), `BATCH` at a time, until done or `closed` is set."""
     def run() -> None:
         name_os_thread()
         start, found = time.monotonic(), 0
@@ -68,7 +68,8 @@ def learn_in_background(dirs: rf.RecordDirs, names: list[str],
                 return
             owner = identify(dirs, name)
             if owner is not None:
-                learned(name, owner)
+                with lock:
+                    learned(name, owner)
                 found += 1
             if i % BATCH == BATCH - 1:
                 time.sleep(PAUSE_S)
