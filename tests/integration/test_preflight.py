@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 from pathlib import Path
 
@@ -104,3 +105,17 @@ def test_the_readme_example_config_loads_and_its_check_lists_problems_not_traceb
     problems = yaml.safe_load(out).get("launch_problems", [])
     assert code == (1 if problems else 0) and "Traceback" not in err
     assert all(p.startswith("max_local_disk_size") for p in problems), problems
+
+
+def test_parsing_launch_arguments_in_process_changes_nothing_about_exiting() -> None:
+    """Only a launcher whose HTTP server starts takes over the stop (its exit skips the
+    interpreter's finalization): a process that merely parses arguments, as these tests do,
+    keeps its own exit status and environment."""
+    import atexit
+
+    from kvtier.integration.sglang import shutdown
+
+    before = atexit._ncallbacks()  # noqa: SLF001 - how many exit handlers are registered
+    shutdown.prepare_launcher()
+    assert shutdown.LAUNCHER_ENV not in os.environ and not shutdown.in_server()
+    assert atexit._ncallbacks() == before  # noqa: SLF001

@@ -59,12 +59,23 @@ LAUNCHER_ENV = "KVTIER_STOP_DIR"
 
 
 def prepare_launcher() -> None:
-    """In the launcher: the directory its schedulers report in (`LAUNCHER_ENV`)."""
+    """In a launcher with kvtier (its arguments parsed): `around_launch_server` takes over the
+    stop. Nothing else changes until the HTTP server really starts (a test parsing arguments
+    in its own process stays as it is)."""
+    _enabled.append(os.getpid())
+
+
+def _start_launcher() -> None:
+    """The HTTP server starts: the directory the schedulers report in (`LAUNCHER_ENV`, which
+    they inherit), and the exit without finalization."""
     import tempfile
 
     os.environ[LAUNCHER_ENV] = tempfile.mkdtemp(prefix=f"kvtier-stop-{os.getpid()}-")
     _launcher_pid.append(os.getpid())
     exit_unfinalized_at_exit()
+
+
+_enabled: list[int] = []
 
 
 def in_server() -> bool:
@@ -151,7 +162,8 @@ def exit_unfinalized_at_exit() -> None:
 
 def _exit_unfinalized() -> None:
     for handler in logging.getLogger().handlers:
-        handler.flush()
+        with contextlib.suppress(Exception):
+            handler.flush()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
@@ -183,7 +195,8 @@ def _drain_and_exit(kv: SGLangKVTier) -> None:
         drain_and_log(kv)
     finally:
         for handler in logging.getLogger().handlers:
-            handler.flush()
+            with contextlib.suppress(Exception):
+                handler.flush()
         with contextlib.suppress(OSError):
             _marker().unlink()
         os._exit(0)
@@ -239,6 +252,8 @@ def around_launch_server(original: Callable[..., Any], *args: Any, **kwargs: Any
     ends (a signal, an error), before the launcher SIGKILLs its children, stop SGLang's
     subprocess watchdog (a scheduler exiting after its drain is not a crash) and let every
     child drain (`drain_then_kill`)."""
+    if os.getpid() in _enabled and not _is_launcher():
+        _start_launcher()
     try:
         return original(*args, **kwargs)
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it stopped on: an exit, no error
