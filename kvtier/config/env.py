@@ -42,10 +42,12 @@ LMCACHE_KEYS = frozenset({
     "remote_url", "remote_serde", "save_unfull_chunk", "blocking_timeout_secs",
 })
 # Variables that are kvtier (or LMCache) settings but not config keys: config file paths, the
-# kernel choice and build, the demo's SGLang shims, the background threads' nice increment.
+# kernel choice and build, the demo's SGLang shims, the background threads' nice increment, and
+# what a launcher tells its workers (where they report their stop, the CPU attention hook).
 NOT_CONFIG_VARS = frozenset({"KVTIER_CONFIG_FILE", "LMCACHE_CONFIG_FILE", "KVTIER_KERNEL",
                              "KVTIER_CACHE_DIR", "KVTIER_BUILD_EXT", "KVTIER_BUILD_VERBOSE",
-                             "KVTIER_SGLANG_CPU_SHIMS", "KVTIER_BACKGROUND_NICE"})
+                             "KVTIER_SGLANG_CPU_SHIMS", "KVTIER_BACKGROUND_NICE",
+                             "KVTIER_CPU_PREFIX_ATTENTION_HOOK", "KVTIER_STOP_DIR"})
 
 
 @dataclass

@@ -119,6 +119,9 @@ class Config:
     max_session_pinned_fraction: float = 0.5
     # Move a CPU KV pool onto transparent huge pages at launch (kvtier.connectors.hugepages).
     huge_pages: bool = True
+    # On SGLang's CPU engine, an extend over a cached prefix computes the new tokens' attention
+    # only (kvtier.integration.sglang.cpu_attention): what makes a hit save time there.
+    cpu_prefix_attention: bool = True
     session_ttl_secs: float = 600.0
     log_level: str | None = None
     metrics_port: int | None = None  # serve Prometheus metrics on this port

@@ -18,11 +18,12 @@ import os
 import random
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["LlamaSpec", "make_tokenizer", "make_llama", "make_deepseek_mla", "cached_llama",
-           "cache_root", "SPECIAL_TOKENS"]
+           "cache_root", "build_once", "SPECIAL_TOKENS"]
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>"]
 VOCAB_SIZE = 512
@@ -171,16 +172,26 @@ def cached_llama(spec: LlamaSpec, root: Path | None = None) -> tuple[Path, bool]
     Returns (path, built). The model is written to a temporary directory beside its final one
     and renamed into place, so an interrupted build never leaves a half model that looks ready.
     """
-    models = (root or cache_root()) / "models"
-    target = models / spec.name()
+    marker = {**dataclasses.asdict(spec), "generator": GENERATOR_VERSION}
+    return build_once((root or cache_root()) / "models" / spec.name(),
+                      lambda out: make_llama(out, spec=spec), marker)
+
+
+def build_once(target: Path, build: Callable[[Path], object],
+               marker: dict[str, object]) -> tuple[Path, bool]:
+    """`target`, built by `build(directory)` unless a finished build is there; (path, built).
+
+    The build writes to a temporary directory beside `target`, which is renamed into place
+    with `marker` written last, so an interrupted build never looks ready and two concurrent
+    builds leave one finished model.
+    """
     if (target / _MARKER).is_file():
         return target, False
-    models.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{spec.name()}-", dir=models))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        make_llama(tmp, spec=spec)
-        (tmp / _MARKER).write_text(json.dumps(
-            {**dataclasses.asdict(spec), "generator": GENERATOR_VERSION}, indent=2))
+        build(tmp)
+        (tmp / _MARKER).write_text(json.dumps(marker, indent=2))
         try:
             os.rename(tmp, target)
         except OSError:

@@ -282,7 +282,9 @@ def test_unknown_kvtier_variable_warns_with_the_nearest_key(
 ) -> None:
     env = {"KVTIER_CHUNKSIZE": "64", "KVTIER_TEST_REDIS": "redis://h:1",
            "KVTIER_CACHE_DIR": "/tmp/x", "KVTIER_BACKGROUND_NICE": "0", "KVTIER_KERNEL": "torch",
-           "KVTIER_BUILD_EXT": "1", "KVTIER_BUILD_VERBOSE": "1", "KVTIER_SGLANG_CPU_SHIMS": "0"}
+           "KVTIER_BUILD_EXT": "1", "KVTIER_BUILD_VERBOSE": "1", "KVTIER_SGLANG_CPU_SHIMS": "0",
+           # what a launcher sets for its workers, which load the config too
+           "KVTIER_STOP_DIR": "/tmp/stop", "KVTIER_CPU_PREFIX_ATTENTION_HOOK": "1"}
     with caplog.at_level(logging.WARNING, logger="kvtier.config"):
         assert load_config(env=env) == Config()
     lines = [r.getMessage() for r in caplog.records]

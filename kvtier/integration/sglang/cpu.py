@@ -21,6 +21,8 @@ import sys
 from collections.abc import MutableMapping
 from pathlib import Path
 
+from kvtier.integration.sglang.cpu_attention import HOOK_ENV
+
 __all__ = ["SHIM_DIR", "CPU_ENGINE_ENV", "THP_ENV", "prepare_cpu_engine", "shims_needed"]
 
 logger = logging.getLogger(__name__)
@@ -40,11 +42,18 @@ def shims_needed() -> bool:
 
 
 def prepare_cpu_engine(env: MutableMapping[str, str] = os.environ, *,
-                       huge_pages: bool = False) -> list[str]:
+                       huge_pages: bool = False, prefix_attention: bool = False) -> list[str]:
     """Switch SGLang's CPU engine on in `env` (and make the `sgl_kernel` stand-in importable
     here and in processes started with `env`; with `huge_pages`, PyTorch's huge-page
-    allocations); returns what it changed, for the log."""
+    allocations; with `prefix_attention`, kvtier's extend over a cached prefix in the workers,
+    see `cpu_attention`); returns what it changed, for the log."""
     done = []
+    if prefix_attention:
+        env[HOOK_ENV] = "1"
+        done.append("an extend over a cached prefix computes the new tokens' attention only "
+                    "(cpu_prefix_attention)")
+    else:
+        env.pop(HOOK_ENV, None)
     for name, wanted in ((CPU_ENGINE_ENV, True), (THP_ENV, huge_pages)):
         if wanted and env.get(name) is None:
             env[name] = "1"

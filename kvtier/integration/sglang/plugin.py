@@ -69,7 +69,7 @@ def register() -> None:
     if BACKEND_NAME not in registered_radix_cache_backends():
         register_radix_cache_backend(BACKEND_NAME, build_radix_cache)
     # Tier attach/detach at run time: kvtier/integration/sglang/admin.py.
-    from kvtier.integration.sglang import admin, shutdown
+    from kvtier.integration.sglang import admin, cpu_attention, shutdown
 
     hooks = ((HOOK_TARGETS["add_cli_args"], _add_cli_args, HookType.AROUND),
              (HOOK_TARGETS["from_cli_args"], _from_cli_args, HookType.AROUND),
@@ -82,6 +82,7 @@ def register() -> None:
              (HOOK_TARGETS["launch_server"], shutdown.around_launch_server, HookType.AROUND))
     for target, hook, kind in hooks:
         HookRegistry.register(target, hook, kind)
+    cpu_attention.install_if_asked()
     if shutdown.in_server():  # a child of a launcher with kvtier: scheduler, detokenizer
         shutdown.leave_sigint_to_launcher()
         shutdown.exit_unfinalized_at_exit()
@@ -119,7 +120,8 @@ def _from_cli_args(original: Callable[..., Opaque], cls: type, args: LaunchArgsV
         if getattr(args, "device", None) == "cpu":  # before any worker starts: they inherit it
             from kvtier.integration.sglang.cpu import prepare_cpu_engine
 
-            for change in prepare_cpu_engine(huge_pages=config.huge_pages):
+            for change in prepare_cpu_engine(huge_pages=config.huge_pages,
+                                             prefix_attention=config.cpu_prefix_attention):
                 logger.info("kvtier: --device cpu: %s", change)
         # Fail in the launcher, with the file and key named, not later in a worker.
         _check_launch(config, args)
@@ -197,6 +199,12 @@ def _enable_prefetch_hooks(result: Opaque, scheduler: SchedulerView, *args: Opaq
         logger.info("kvtier: the engine computes on the CPU: while batches run, lower-tier "
                     "writes wait for idle moments (up to %.0fs, or a long backlog), then take at "
                     "most %.0f%% of the writers' time", HOLD_S, BUSY_SHARE * 100)
+        from kvtier.integration.sglang import cpu_attention
+
+        if cpu_attention.installed():
+            logger.info("kvtier: an extend over a cached prefix computes the new tokens' "
+                        "attention only (cpu_prefix_attention; SGLang's torch_native backend "
+                        "recomputes the prefix's)")
     if kvtier is not None:
         enable_storage_prefetch(scheduler)
         logger.info("kvtier: loads from lower tiers run in the background (prefetch policy %s)",

@@ -1,0 +1,106 @@
+"""Prefix hits that save attention work on SGLang's CPU engine (config key
+`cpu_prefix_attention`, on by default).
+
+SGLang 0.5.23's `torch_native` attention backend, the one its CPU engine runs, computes an
+extend over a cached prefix as if the whole sequence were new: it builds queries for prefix +
+extension, runs causal attention over all of them and keeps the extension's rows. A request
+whose 4K-token prefix kvtier loaded therefore still paid a 4K x 4K attention per layer
+(measured: a 4096-token prefix hit cost 1.04 s against 2.47 s for no hit), which hides what a
+prefix cache, SGLang's own radix tree included, saves.
+
+`extend_over_prefix` runs such an extend with the extension's queries only, against the
+prefix's and the extension's keys, under the causal mask shifted by the prefix length: the
+same attention, row for row. An extend without a prefix, and every case it does not cover
+(encoder-decoder, cross attention, sliding windows, non-causal), runs SGLang's code unchanged.
+
+The launcher of a `--device cpu --enable-kvtier` server sets `HOOK_ENV` for its workers
+(`cpu.prepare_cpu_engine`); kvtier's plugin, loaded in every SGLang process, then installs the
+hook where the variable is set (`install_if_asked`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["HOOK_ENV", "TARGET", "install", "install_if_asked", "installed", "extend_over_prefix"]
+
+logger = logging.getLogger(__name__)
+
+HOOK_ENV = "KVTIER_CPU_PREFIX_ATTENTION_HOOK"
+TARGET = ("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend."
+          "_run_sdpa_forward_extend")
+_installed: list[bool] = []
+
+
+def installed() -> bool:
+    """Whether this process runs extends over a cached prefix through the hook."""
+    return bool(_installed)
+
+
+def install() -> bool:
+    """Register the hook with SGLang's plugin registry, once per process; returns whether this
+    call registered it (a second call, from the demo's plugin or a test, does nothing)."""
+    if _installed:
+        return False
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(TARGET, extend_over_prefix, HookType.AROUND)
+    _installed.append(True)
+    return True
+
+
+def install_if_asked() -> None:
+    """In a worker of a launcher that asked for it (`HOOK_ENV`), install the hook."""
+    if os.environ.get(HOOK_ENV) == "1":
+        install()
+
+
+def extend_over_prefix(
+    original: Callable[..., Any], self: Any, query: Any, output: Any, k_cache: Any,
+    v_cache: Any, req_to_token: Any, req_pool_indices: Any, seq_lens: Any,
+    extend_prefix_lens: Any, extend_seq_lens: Any, encoder_lens: Any = None,
+    scaling: Any = None, enable_gqa: bool = False, causal: bool = False,
+    is_cross_attn: bool = False, sliding_window_size: Any = None,
+) -> Any:
+    """AROUND `TorchNativeAttnBackend._run_sdpa_forward_extend`: the same output, computed
+    with the extension's queries only where a request has a cached prefix."""
+    windowed = sliding_window_size is not None and sliding_window_size > -1
+    if (encoder_lens is not None or is_cross_attn or windowed or not causal
+            or int(extend_prefix_lens.max()) == 0):
+        return original(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices,
+                        seq_lens, extend_prefix_lens, extend_seq_lens, encoder_lens,
+                        scaling=scaling, enable_gqa=enable_gqa, causal=causal,
+                        is_cross_attn=is_cross_attn, sliding_window_size=sliding_window_size)
+    return _extend(query, output, k_cache, v_cache, req_to_token, req_pool_indices,
+                   seq_lens, extend_prefix_lens, extend_seq_lens, scaling, enable_gqa)
+
+
+def _extend(query: Any, output: Any, k_cache: Any, v_cache: Any, req_to_token: Any,
+            req_pool_indices: Any, seq_lens: Any, prefix_lens: Any, extend_lens: Any,
+            scaling: Any, enable_gqa: bool) -> Any:
+    import torch
+    from torch.nn.functional import scaled_dot_product_attention
+
+    heads_first = query.movedim(0, query.dim() - 2)  # [heads, tokens, dim]
+    start = 0
+    for i in range(seq_lens.shape[0]):
+        n_q, prefix, n_kv = int(extend_lens[i]), int(prefix_lens[i]), int(seq_lens[i])
+        q = heads_first[:, start:start + n_q, :]
+        slots = req_to_token[req_pool_indices[i], :n_kv]
+        k = k_cache[slots].movedim(0, query.dim() - 2).to(q.dtype)
+        v = v_cache[slots].movedim(0, query.dim() - 2).to(q.dtype)
+        if prefix == 0:
+            mask, is_causal = None, True  # SGLang's own computation for a fresh sequence
+        else:
+            # Query j sits at position prefix + j and sees keys 0 .. prefix + j.
+            rows = torch.arange(n_q, device=q.device).unsqueeze(1) + prefix
+            mask, is_causal = torch.arange(n_kv, device=q.device).unsqueeze(0) <= rows, False
+        out = scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                           attn_mask=mask, enable_gqa=enable_gqa,
+                                           scale=scaling, is_causal=is_causal)
+        output[start:start + n_q] = out.squeeze(0).movedim(query.dim() - 2, 0)
+        start += n_q
+    return output

@@ -1,0 +1,128 @@
+"""`kvtier.integration.sglang.cpu_attention` against its oracle, SGLang's own
+`TorchNativeAttnBackend._run_sdpa_forward_extend`: the same output for every row, with and
+without a cached prefix, with GQA, and the cases it leaves to SGLang (in-process, no server;
+what a server logs and saves: tests/integration/test_sglang_quality.py)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import torch
+
+from kvtier.integration.sglang import cpu_attention
+from kvtier.integration.sglang.cpu import prepare_cpu_engine
+
+pytestmark = pytest.mark.sglang  # imports SGLang in-process
+
+HEADS, KV_HEADS, DIM = 4, 2, 16
+
+
+def _batch(prefixes: Sequence[int], extends: Sequence[int], *, seed: int = 0,
+           pool_dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """A pool holding each request's prefix + extension at shuffled slots, and the extension's
+    queries, as SGLang hands them to the backend."""
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(prefixes) + sum(extends)
+    slots = torch.randperm(total + 8, generator=gen)[:total]
+    req_to_token = torch.zeros(len(prefixes) + 2, 64, dtype=torch.int64)
+    rows = torch.tensor([len(prefixes) + 1 - i for i in range(len(prefixes))])
+    start = 0
+    for row, (p, e) in zip(rows.tolist(), zip(prefixes, extends, strict=True), strict=True):
+        req_to_token[row, :p + e] = slots[start:start + p + e]
+        start += p + e
+    n_q = sum(extends)
+    return {
+        "query": torch.randn(n_q, HEADS, DIM, generator=gen),
+        "output": torch.full((n_q, HEADS, DIM), float("nan")),
+        "k_cache": torch.randn(total + 8, KV_HEADS, DIM, generator=gen).to(pool_dtype),
+        "v_cache": torch.randn(total + 8, KV_HEADS, DIM, generator=gen).to(pool_dtype),
+        "req_to_token": req_to_token, "req_pool_indices": rows,
+        "seq_lens": torch.tensor([p + e for p, e in zip(prefixes, extends, strict=True)]),
+        "extend_prefix_lens": torch.tensor(list(prefixes)),
+        "extend_seq_lens": torch.tensor(list(extends)),
+    }
+
+
+def _sglangs() -> Callable[..., torch.Tensor]:
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    original = TorchNativeAttnBackend._run_sdpa_forward_extend
+    return getattr(original, "__wrapped__", original)  # never through an installed hook
+
+
+def _both(batch: dict[str, Any], **flags: Any) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(SGLang's output, the hook's output, calls the hook passed on to SGLang)."""
+    sglang = _sglangs()
+    expected = sglang(None, **{**batch, "output": batch["output"].clone()}, **flags)
+    passed = []
+
+    def original(*args: Any, **kwargs: Any) -> torch.Tensor:
+        passed.append(1)
+        return sglang(*args, **kwargs)
+
+    got = cpu_attention.extend_over_prefix(original, None, **batch, **flags)
+    return expected, got, len(passed)
+
+
+@pytest.mark.parametrize(("prefixes", "extends"), [
+    ((24,), (8,)),              # one request behind a cached prefix
+    ((0, 17, 5), (9, 1, 30)),   # a fresh request beside two with prefixes, one of one token
+    ((40, 3), (4, 12)),
+])
+def test_an_extend_over_a_prefix_matches_sglangs_row_for_row(
+        prefixes: tuple[int, ...], extends: tuple[int, ...]) -> None:
+    batch = _batch(prefixes, extends)
+    expected, got, passed = _both(batch, scaling=DIM ** -0.5, enable_gqa=True, causal=True)
+    assert passed == 0 and got is batch["output"]
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_pool_in_another_dtype_is_read_in_the_queries_dtype() -> None:
+    batch = _batch((20,), (6,), pool_dtype=torch.bfloat16)
+    expected, got, _ = _both(batch, enable_gqa=True, causal=True)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("flags", [
+    {"causal": True},                                       # no request has a prefix
+    {"causal": False},                                      # an encoder's attention
+    {"causal": True, "sliding_window_size": 4},             # a sliding window
+    {"causal": True, "is_cross_attn": True, "encoder_lens": torch.tensor([3])},
+])
+def test_what_it_does_not_cover_runs_sglangs_code(flags: dict[str, Any]) -> None:
+    prefix = 0 if set(flags) == {"causal"} and flags["causal"] else 12
+    batch = _batch((prefix,), (5,))
+    called: list[dict[str, Any]] = []
+
+    def original(*args: Any, **kwargs: Any) -> str:
+        called.append(kwargs)
+        return "sglang's"
+
+    assert cpu_attention.extend_over_prefix(original, None, **batch, enable_gqa=True,
+                                            **flags) == "sglang's"
+    assert called and called[0]["sliding_window_size"] == flags.get("sliding_window_size")
+
+
+def test_the_launcher_asks_its_workers_for_the_hook_unless_the_config_says_no(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    env: dict[str, str] = {}
+    done = prepare_cpu_engine(env, prefix_attention=True)
+    assert env[cpu_attention.HOOK_ENV] == "1" and any("cpu_prefix_attention" in d for d in done)
+    prepare_cpu_engine(env, prefix_attention=False)  # an inherited variable is dropped too
+    assert cpu_attention.HOOK_ENV not in env
+    monkeypatch.setattr(cpu_attention, "_installed", [])
+    registered: list[str] = []
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    monkeypatch.setattr(HookRegistry, "register",
+                        lambda target, hook, kind: registered.append(target))
+    monkeypatch.delenv(cpu_attention.HOOK_ENV, raising=False)
+    cpu_attention.install_if_asked()
+    assert registered == [] and not cpu_attention.installed()
+    monkeypatch.setitem(os.environ, cpu_attention.HOOK_ENV, "1")
+    cpu_attention.install_if_asked()
+    cpu_attention.install()  # the demo's plugin too: once per process
+    assert registered == [cpu_attention.TARGET] and cpu_attention.installed()
