@@ -122,6 +122,9 @@ class Config:
     # On SGLang's CPU engine, an extend over a cached prefix computes the new tokens' attention
     # only (kvtier.integration.sglang.cpu_attention): what makes a hit save time there.
     cpu_prefix_attention: bool = True
+    # Share KV in disk/Redis for a model whose weights kvtier cannot read for a full digest
+    # (a hub id not downloaded here): keyed by name and revision only.
+    allow_unverified_weights: bool = False
     session_ttl_secs: float = 600.0
     log_level: str | None = None
     metrics_port: int | None = None  # serve Prometheus metrics on this port

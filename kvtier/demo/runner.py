@@ -1,6 +1,7 @@
 """`kvtier demo`: real SGLang servers, a multi-turn workload, TTFT with and without kvtier.
 
-Servers (all on the same locally generated model, same flags apart from kvtier):
+Servers (all on the same model, same flags apart from kvtier; the model is SmolLM2-135M-Instruct,
+trained weights, prompts of real text, unless a generated model is asked for, as `--small` does):
     baseline   no --enable-kvtier: SGLang alone
     kvtier     --enable-kvtier, tiers cpu + disk (+ redis with --redis-url)
     restarted  the kvtier server restarted on the same disk directory (its CPU tier is empty)
@@ -27,16 +28,18 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvtier.config.names import CPU, DISK, REDIS
 from kvtier.demo.models import LlamaSpec, cached_llama, make_llama
 from kvtier.demo.server import SGLangServer, cpu_shims_dir, gpu_available
-from kvtier.demo.workload import FIRST_ID, Conversation, Workload
+from kvtier.demo.workload import FIRST_ID, Conversation, Prompts, TextPrompts, Workload
 
-__all__ = ["DemoOptions", "run_demo", "FULL_MODEL", "SMALL_MODEL", "demo_config"]
+__all__ = ["DemoOptions", "run_demo", "FULL_MODEL", "SMALL_MODEL", "demo_config", "model_shape",
+           "ModelShape"]
 
-# 2K-token prefill ~1.0 s, 4K ~2.5 s on 2 cores; 27 M parameters, 54 MB on disk (bfloat16).
+# A generated model: 2K-token prefill ~1.0 s, 4K ~2.5 s on 2 cores; 27 M parameters, 54 MB on
+# disk (bfloat16).
 FULL_MODEL = LlamaSpec(hidden=512, layers=8, heads=8, kv_heads=2, intermediate=1536,
                        max_positions=16384, dtype="bfloat16")
 # For tests: a 1.5K-token prefill still costs several times a load.
@@ -51,7 +54,7 @@ class DemoOptions:
     """What `kvtier demo` runs; see `kvtier demo --help`."""
 
     workload: Workload
-    model: LlamaSpec = FULL_MODEL
+    model: LlamaSpec | None = None  # None: the real model (kvtier/demo/smollm2.py)
     out_dir: Path = Path("demo-results")
     redis_url: str | None = None
     small: bool = False
@@ -101,19 +104,21 @@ class _Run:
         self.salt = uuid.uuid4().hex[:12]
         wl = opts.workload
         self.max_tokens = max(2048, wl.max_prompt_tokens() + 512)
-        spec = opts.model  # KV bytes per token in the float32 pool: K and V, every layer
-        kv_bytes = 2 * spec.layers * spec.kv_heads * (spec.hidden // spec.heads) * 4
-        stored = wl.conversations * wl.max_prompt_tokens() * kv_bytes
+        shape = model_shape(model)
+        self.context = shape.context
+        stored = wl.conversations * wl.max_prompt_tokens() * shape.kv_bytes_per_token
         self.arena_gb = max(0.25, 3 * stored / 1e9)
         self.warmup = (min(wl.system_prompt_tokens, 2048), wl.vocab)  # (tokens, vocab)
         self.baseline_outputs: dict[tuple[int, int], list[int]] = {}
         self.baseline_ttft: dict[tuple[int, int], float] = {}
         self.last_prompts: list[tuple[int, list[int]]] = []  # (conversation, last turn's prompt)
         self.servers: list[SGLangServer] = []  # every server started, stopped at the end
+        self.tokenizer = _tokenizer(model) if opts.model is None else None
+        self.prompts: Prompts = wl if self.tokenizer is None else TextPrompts(wl, self.tokenizer)
 
     def server(self, name: str, config: str | None) -> SGLangServer:
         args = ["--max-total-tokens", str(self.max_tokens),
-                "--context-length", str(self.opts.model.max_positions), "--sleep-on-idle"]
+                "--context-length", str(self.context), "--sleep-on-idle"]
         if config is not None:
             path = self.work / f"{name}.yaml"
             path.write_text(config)
@@ -177,7 +182,7 @@ def _multi_turn(run: _Run, base: SGLangServer, kv: SGLangServer,
     rows = []
     for turn in range(1, wl.turns + 1):
         for conv in convs:
-            prompt = conv.next_prompt(wl, turn)
+            prompt = conv.next_prompt(run.prompts, turn)
             without = _measure(base, prompt, wl.answer_tokens)
             log.loaded_since()
             with_kv = _measure(kv, prompt, wl.answer_tokens)
@@ -256,10 +261,48 @@ def run_demo(opts: DemoOptions, note: Callable[[str], None] | None = None,
         return _results(opts, run, model, phases)
 
 
+class ModelShape(NamedTuple):
+    context: int  # tokens
+    kv_bytes_per_token: int  # in a float32 pool: K and V, every layer
+
+
+def model_shape(model: Path) -> ModelShape:
+    """What the demo sizes its servers by, from the model's `config.json`."""
+    cfg = json.loads((model / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    return ModelShape(int(cfg["max_position_embeddings"]),
+                      2 * cfg["num_hidden_layers"] * kv_heads * head_dim * 4)
+
+
+def _tokenizer(model: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model))
+
+
 def _model(opts: DemoOptions, work: Path) -> tuple[Path, bool]:
+    if opts.model is None:
+        from kvtier.demo.smollm2 import cached_smollm2
+
+        return cached_smollm2()
     if opts.small and not opts.keep_model:
         return make_llama(work / "model", spec=opts.model), True
     return cached_llama(opts.model)
+
+
+def _sample(run: _Run) -> dict[str, Any] | None:
+    """The first conversation's last turn as text: its question and the answer both arms
+    gave (they are identical where `identical` says so)."""
+    if run.tokenizer is None or not run.last_prompts:
+        return None
+    conv, _ = run.last_prompts[0]
+    question = run.prompts.user_message(conv, run.opts.workload.turns)
+    answer = run.baseline_outputs[(conv, run.opts.workload.turns)]
+    decode = run.tokenizer.decode
+    return {"conversation": conv, "question": decode(question).strip(),
+            "answer": decode(answer, skip_special_tokens=True).strip()}
 
 
 def _keep_logs(work: Path, out_dir: Path) -> None:
@@ -274,7 +317,9 @@ def _results(opts: DemoOptions, run: _Run, model: Path,
 
     rows = [row for phase in phases.values() for row in phase]
     return {
-        "model": {"path": str(model), **asdict(opts.model)},
+        "model": {"path": str(model),
+                  **(asdict(opts.model) if opts.model else {"name": "SmolLM2-135M-Instruct"})},
+        "sample": _sample(run),
         "workload": asdict(opts.workload),
         "servers": {"threads": opts.threads or os.cpu_count(), "gpu": gpu_available(),
                     "max_total_tokens": run.max_tokens},

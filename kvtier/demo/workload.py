@@ -1,16 +1,21 @@
 """The demo's workload: conversations that share a long system prompt and grow turn by turn.
 
-Prompts are token ids (exact lengths, no tokenizer round trip). Every conversation starts with
-the same system prompt; each turn appends a user message to the conversation so far (which
-already holds the previous turns' answers), so turn N's prompt extends turn N-1's.
+Prompts are token ids of exact lengths. Every conversation starts with the same system prompt;
+each turn appends a user message to the conversation so far (which already holds the previous
+turns' answers), so turn N's prompt extends turn N-1's. The ids are random for a generated
+model (`Workload` itself) or real text for a real one (`TextPrompts`: an inventory as the
+system prompt, a question about it as each user message).
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Protocol
 
-__all__ = ["Workload", "Conversation"]
+from kvtier.demo import texts
+
+__all__ = ["Workload", "Conversation", "Prompts", "TextPrompts"]
 
 FIRST_ID = 4  # ids 0-3 are the special tokens
 
@@ -51,6 +56,49 @@ class Workload:
         return [rng.randrange(FIRST_ID, self.vocab) for _ in range(n)]
 
 
+class Prompts(Protocol):
+    """Where a conversation's token ids come from."""
+
+    def system_prompt(self) -> list[int]: ...
+
+    def user_message(self, conversation: int, turn: int) -> list[int]: ...
+
+
+class Tokenizer(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+
+class TextPrompts:
+    """The workload's sizes filled with real text: the system prompt an inventory of records,
+    each user message a question about one of them (earlier records filling it to its size),
+    both cut to exactly the workload's token counts."""
+
+    PREAMBLE = ("You are the inventory assistant of a logistics company. Answer each question "
+                "from the records below with the number of crates only.\n")
+
+    def __init__(self, workload: Workload, tokenizer: Tokenizer):
+        self.workload, self.tokenizer = workload, tokenizer
+        rng = random.Random(repr((workload.seed, "inventory")))
+        # ~16 tokens a record; enough that the cut always falls inside the records
+        self.facts = texts.facts(rng, workload.system_prompt_tokens // 8 + 8)
+
+    def _ids(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def system_prompt(self) -> list[int]:
+        body = "\n".join(texts.record(i + 1, f) for i, f in enumerate(self.facts))
+        ids = self._ids(self.PREAMBLE + body)
+        return ids[:self.workload.system_prompt_tokens]
+
+    def user_message(self, conversation: int, turn: int) -> list[int]:
+        rng = random.Random(repr((self.workload.seed, "user", conversation, turn)))
+        asked = self._ids(f"\nQuestion: {texts.question(rng.choice(self.facts))}\nAnswer:")
+        room = max(0, self.workload.user_tokens - len(asked))
+        filler = self._ids("\nAlso recorded today: " + " ".join(
+            texts.sentence(f) for f in texts.facts(rng, room // 8 + 2)))
+        return filler[:room] + asked[-self.workload.user_tokens:]
+
+
 @dataclass
 class Conversation:
     """One conversation's history as token ids (system prompt, then user/answer turns)."""
@@ -58,9 +106,9 @@ class Conversation:
     index: int
     history: list[int] = field(default_factory=list)
 
-    def next_prompt(self, workload: Workload, turn: int) -> list[int]:
-        base = self.history or workload.system_prompt()
-        return base + workload.user_message(self.index, turn)
+    def next_prompt(self, prompts: Prompts, turn: int) -> list[int]:
+        base = self.history or prompts.system_prompt()
+        return base + prompts.user_message(self.index, turn)
 
     def answered(self, prompt: list[int], answer: list[int]) -> None:
         self.history = prompt + answer

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.demo.models import LlamaSpec, cached_llama
-from kvtier.demo.workload import Conversation, Workload
+from kvtier.demo.workload import Conversation, TextPrompts, Workload
 
 
 @pytest.mark.sglang  # writes the model with transformers, which `make sglang-env` installs
@@ -58,3 +58,26 @@ def test_demo_rejects_bad_sizes_before_starting_anything(capsys: pytest.CaptureF
     assert main(["demo", "--system-prompt-tokens", "20000", "--out", str(out)]) == 2
     assert "--system-prompt-tokens" in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.sglang  # the real model's tokenizer: transformers, and the converted model
+def test_real_text_prompts_have_the_workloads_exact_sizes_and_ask_a_question() -> None:
+    from transformers import AutoTokenizer
+
+    from kvtier.demo.runner import model_shape
+    from kvtier.demo.smollm2 import cached_smollm2
+
+    model, _ = cached_smollm2()
+    # 30 layers, 3 KV heads of 64, float32, K and V; an 8192-token context
+    assert model_shape(model) == (8192, 2 * 30 * 3 * 64 * 4)
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    wl = Workload(conversations=2, turns=2, system_prompt_tokens=300, user_tokens=40)
+    prompts = TextPrompts(wl, tokenizer)
+    system = prompts.system_prompt()
+    assert len(system) == 300 and system == TextPrompts(wl, tokenizer).system_prompt()
+    assert tokenizer.decode(system).startswith(TextPrompts.PREAMBLE + "Record 1: The depot in ")
+    first, other = prompts.user_message(1, 1), prompts.user_message(2, 1)
+    assert len(first) == len(other) == 40 and first != other
+    assert tokenizer.decode(first).endswith(" hold?\nAnswer:")
+    a = Conversation(1)
+    assert a.next_prompt(prompts, 1) == system + first

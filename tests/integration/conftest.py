@@ -233,3 +233,12 @@ def check_unrelated_miss(server: SGLangServer, seed: int) -> None:
     got = server.generate(ids)
     assert got["meta_info"]["cached_tokens"] == 0
     assert got["output_ids"] == cold(server, ids)
+
+
+@pytest.fixture(scope="session")
+def real_model() -> Path:
+    """SmolLM2-135M-Instruct (trained weights), converted once into the user's cache
+    (`make sglang-env` does it ahead; kvtier/demo/smollm2.py)."""
+    from kvtier.demo.smollm2 import cached_smollm2
+
+    return cached_smollm2()[0]

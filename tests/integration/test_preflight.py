@@ -119,3 +119,28 @@ def test_parsing_launch_arguments_in_process_changes_nothing_about_exiting() -> 
     shutdown.prepare_launcher()
     assert shutdown.LAUNCHER_ENV not in os.environ and not shutdown.in_server()
     assert atexit._ncallbacks() == before  # noqa: SLF001
+
+
+def test_a_shared_tier_needs_weights_it_can_digest_unless_the_config_allows(
+        tmp_path: Path) -> None:
+    disk = Config(local_disk=str(tmp_path / "kv"), max_local_disk_size=0.001)
+    hub = _args(model_path="nobody/not-downloaded-model", revision=None)
+    problems = preflight(disk, hub, available=1 << 40).problems
+    assert len(problems) == 1 and problems[0].startswith("allow_unverified_weights: the disk "), \
+        problems
+    assert "'nobody/not-downloaded-model' is neither a local directory" in problems[0]
+    empty = tmp_path / "config-only"
+    empty.mkdir()
+    (empty / "config.json").write_text("{}")
+    assert "holds no weights file" in preflight(disk, _args(model_path=str(empty)),
+                                                available=1 << 40).problems[0]
+    # what passes: weights to digest, the key set, a CPU tier only, random weights, no model
+    model = _model(tmp_path)
+    allowed = Config(local_disk=str(tmp_path / "kv"), max_local_disk_size=0.001,
+                     allow_unverified_weights=True)
+    for config, args in ((disk, _args(model_path=str(model))), (allowed, hub),
+                         (Config(), hub), (disk, _args(model_path=str(empty),
+                                                       load_format="dummy")),
+                         (disk, _args())):
+        assert not [p for p in preflight(config, args, available=1 << 40).problems
+                    if "allow_unverified_weights" in p], (config, args)

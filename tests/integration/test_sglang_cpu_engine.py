@@ -11,7 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.integration.sglang.cpu import SHIM_DIR, prepare_cpu_engine, shims_needed
+from kvtier.integration.sglang.cpu import (
+    BIND_ENV,
+    SHIM_DIR,
+    prepare_cpu_engine,
+    shims_needed,
+    thread_binds,
+)
 
 
 @pytest.fixture
@@ -57,3 +63,20 @@ def test_huge_pages_asks_pytorch_for_huge_page_allocations_unless_the_user_chose
     env = {}
     prepare_cpu_engine(env, huge_pages=False)
     assert "THP_MEM_ALLOC_ENABLE" not in env
+
+
+def test_each_tp_rank_gets_its_share_of_the_cores_unless_the_user_chose() -> None:
+    assert thread_binds(2, [0, 1]) == "0|1"
+    assert thread_binds(2, [0, 1, 2, 3, 4]) == "0,1|2,3"
+    assert thread_binds(4, [6, 7]) == "6|7|7|7"  # fewer cores than ranks: they share the last
+    assert thread_binds(1, [0, 1, 2]) == "0,1,2"
+    with pytest.raises(ValueError, match="tp must be >= 1, got 0"):
+        thread_binds(0, [0])
+    env: dict[str, str] = {}
+    done = prepare_cpu_engine(env, tp=2)
+    assert env[BIND_ENV] == thread_binds(2) and any(BIND_ENV in d for d in done)
+    prepare_cpu_engine(env, tp=1)  # TP 1 leaves what is there
+    assert env[BIND_ENV] == thread_binds(2)
+    chosen = {BIND_ENV: "3|5"}
+    prepare_cpu_engine(chosen, tp=2)
+    assert chosen[BIND_ENV] == "3|5"

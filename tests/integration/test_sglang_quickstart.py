@@ -61,6 +61,9 @@ def test_the_readme_cpu_launch_line_serves_a_kvtier_hit(tiny_llama: Path,
     assert "sgl_kernel stand-in" in log
     assert "kvtier: --device cpu: THP_MEM_ALLOC_ENABLE=1" in log  # the pool faults in huge
     assert "kvtier: KV pool: " in log and "advised for huge pages" in log
+    # a hit saves the prefix's attention too: kvtier's own hook, no demo plugin on this path
+    assert "kvtier: an extend over a cached prefix computes the new tokens' attention only" \
+        in log
 
 
 def test_an_arena_that_does_not_fit_beside_the_engines_pool_stops_the_server(

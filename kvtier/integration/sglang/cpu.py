@@ -9,7 +9,9 @@ shipped in the package) on `PYTHONPATH`, unless a real `sgl_kernel` is importabl
 `huge_pages` (kvtier's config key), also `THP_MEM_ALLOC_ENABLE=1`: PyTorch's CPU allocator then
 advises huge pages for every allocation of 2 MiB and more, so the KV pool faults in on huge
 pages as it is created (collapsing a pool that is already filled took ~3 s per GB on a 2-core
-KVM guest; see `kvtier.connectors.hugepages`). What a user set is left alone.
+KVM guest; see `kvtier.connectors.hugepages`). At `--tp N` > 1, also the cores each rank's
+OpenMP threads run on (`SGLANG_CPU_OMP_THREADS_BIND`, ranks apart by `|`): SGLang derives them
+from NUMA nodes, one per rank, and a one-node host has too few. What a user set is left alone.
 """
 
 from __future__ import annotations
@@ -18,18 +20,32 @@ import importlib.util
 import logging
 import os
 import sys
-from collections.abc import MutableMapping
+from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 
 from kvtier.integration.sglang.cpu_attention import HOOK_ENV
 
-__all__ = ["SHIM_DIR", "CPU_ENGINE_ENV", "THP_ENV", "prepare_cpu_engine", "shims_needed"]
+__all__ = ["SHIM_DIR", "CPU_ENGINE_ENV", "THP_ENV", "BIND_ENV", "prepare_cpu_engine",
+           "shims_needed", "thread_binds"]
 
 logger = logging.getLogger(__name__)
 
 SHIM_DIR = Path(__file__).resolve().parent / "cpu_shims"
 CPU_ENGINE_ENV = "SGLANG_USE_CPU_ENGINE"
 THP_ENV = "THP_MEM_ALLOC_ENABLE"  # read by PyTorch's CPU allocator (c10/core/alloc_cpu.cpp)
+BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
+
+
+def thread_binds(tp: int, cpus: Sequence[int] | None = None) -> str:
+    """`SGLANG_CPU_OMP_THREADS_BIND` for `tp` ranks over `cpus` (default: the cores this
+    process may run on), an equal share each: "0|1" for 2 ranks on 2 cores, "0,1|2,3" on 4.
+    With fewer cores than ranks, ranks share the last one."""
+    if tp < 1:
+        raise ValueError(f"tp must be >= 1, got {tp}")
+    cores = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
+    share = max(1, len(cores) // tp)
+    ranks = [cores[r * share:(r + 1) * share] or cores[-1:] for r in range(tp)]
+    return "|".join(",".join(map(str, rank)) for rank in ranks)
 
 
 def shims_needed() -> bool:
@@ -41,13 +57,16 @@ def shims_needed() -> bool:
     return Path(spec.origin).resolve().is_relative_to(SHIM_DIR)
 
 
-def prepare_cpu_engine(env: MutableMapping[str, str] = os.environ, *,
-                       huge_pages: bool = False, prefix_attention: bool = False) -> list[str]:
+def prepare_cpu_engine(env: MutableMapping[str, str] = os.environ, *, huge_pages: bool = False,
+                       prefix_attention: bool = False, tp: int = 1) -> list[str]:
     """Switch SGLang's CPU engine on in `env` (and make the `sgl_kernel` stand-in importable
     here and in processes started with `env`; with `huge_pages`, PyTorch's huge-page
     allocations; with `prefix_attention`, kvtier's extend over a cached prefix in the workers,
-    see `cpu_attention`); returns what it changed, for the log."""
+    see `cpu_attention`; at `tp` > 1, each rank's cores); returns what it changed, for the log."""
     done = []
+    if tp > 1 and env.get(BIND_ENV) is None:
+        env[BIND_ENV] = thread_binds(tp)
+        done.append(f"{BIND_ENV}={env[BIND_ENV]} (each TP rank's cores)")
     if prefix_attention:
         env[HOOK_ENV] = "1"
         done.append("an extend over a cached prefix computes the new tokens' attention only "

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from kvtier.integration.sglang.sglang_views import ServerArgsView
 
 __all__ = ["model_key_name", "model_fingerprint", "model_identity", "served_model_name",
-           "weights_digest", "model_config"]
+           "weights_digest", "weights_dir", "weights_unverified", "model_config"]
 
 
 def model_key_name(name: str, fingerprint: str = "") -> str:
@@ -76,13 +76,37 @@ def model_fingerprint(server_args: ServerArgsView) -> str:
             parts["config.json"] = hashlib.sha256(f.read()).hexdigest()
     except OSError:  # a hub name: its revision (above) names the weights
         parts["model_path"] = path
-    local = path if os.path.isdir(path) else _hub_snapshot(path, getattr(server_args,
-                                                                          "revision", None))
+    local = weights_dir(server_args)
     weights = weights_digest(local) if local else None
     if weights is not None:
         parts["weights"] = weights
     blob = json.dumps(parts, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def weights_dir(server_args: ServerArgsView) -> str | None:
+    """The local directory holding the model's weights: `--model-path` itself, or a hub id's
+    downloaded snapshot; None when neither is there."""
+    import os
+
+    path = str(getattr(server_args, "model_path", "") or "")
+    if os.path.isdir(path):
+        return path
+    return _hub_snapshot(path, getattr(server_args, "revision", None))
+
+
+def weights_unverified(server_args: ServerArgsView) -> str | None:
+    """Why the model's weights cannot be read for a full digest (and so cannot be told apart
+    from other weights served under the same name), or None when they can."""
+    from kvtier.integration.sglang.weights import weight_files
+
+    local = weights_dir(server_args)
+    if local is None:
+        return (f"--model-path {getattr(server_args, 'model_path', '')!r} is neither a local "
+                f"directory nor a downloaded hub snapshot")
+    if not weight_files(local):
+        return f"{local} holds no weights file (.safetensors, .bin, .pt, .pth, .gguf)"
+    return None
 
 
 def _hub_snapshot(model_id: str, revision: str | None) -> str | None:

@@ -121,7 +121,8 @@ def _from_cli_args(original: Callable[..., Opaque], cls: type, args: LaunchArgsV
             from kvtier.integration.sglang.cpu import prepare_cpu_engine
 
             for change in prepare_cpu_engine(huge_pages=config.huge_pages,
-                                             prefix_attention=config.cpu_prefix_attention):
+                                             prefix_attention=config.cpu_prefix_attention,
+                                             tp=int(getattr(args, "tp_size", 1) or 1)):
                 logger.info("kvtier: --device cpu: %s", change)
         # Fail in the launcher, with the file and key named, not later in a worker.
         _check_launch(config, args)

@@ -57,6 +57,7 @@ def preflight(config: Config, args: Any, *,
     _collect(problems, load_record_keys, config.record_key_file)
     load_format = str(getattr(args, "load_format", None) or "auto")
     lower = [tier for tier in config.tiers if tier != "cpu"]
+    problems += filter(None, [_unverified_weights_problem(config, args, lower, load_format)])
     if load_format == "dummy" and lower:
         problems.append(f"--load-format dummy (random weights) with the {'/'.join(lower)} "
                         "tier: its KV would be stored under the model's name and loaded by "
@@ -68,6 +69,24 @@ def preflight(config: Config, args: Any, *,
                         f"{65536 - tp_size}")
     problems += filter(None, [_memory_now(config, args, tp_size * dp_size, available, notes)])
     return Preflight(problems, notes)
+
+
+def _unverified_weights_problem(config: Config, args: Any, lower: list[str],
+                                load_format: str) -> str | None:
+    """Shared tiers keep KV under the model's name and a digest of its weights: weights kvtier
+    cannot read would let a server of other weights under the same name load this KV."""
+    if not lower or config.allow_unverified_weights or load_format == "dummy" \
+            or not getattr(args, "model_path", None):
+        return None
+    from kvtier.integration.sglang.identity import weights_unverified
+
+    why = weights_unverified(args)
+    if why is None:
+        return None
+    return (f"allow_unverified_weights: the {'/'.join(lower)} tier keeps KV that other servers "
+            f"load by model name and weights digest, but {why}; point --model-path at the "
+            f"weights, or set allow_unverified_weights: true to share KV by name and revision "
+            f"only")
 
 
 def _disk_root_problem(config: Config) -> str | None:
