@@ -179,11 +179,13 @@ def disk_problem(cfg: Config) -> str | None:
 
 
 def host_problems(cfg: Config, *, local_ranks: int = 1,
-                  cgroup_path: str | os.PathLike[str] | None = None) -> list[str]:
-    """What about `cfg` does not fit this host (`memory_problem`, `disk_problem`), each
-    message starting with the key; empty when all fits. Reads only, never writes."""
+                  cgroup_path: str | os.PathLike[str] | None = None,
+                  disk: bool = True) -> list[str]:
+    """What about `cfg` does not fit this host (`memory_problem`, and with `disk`
+    `disk_problem`), each message starting with the key; empty when all fits. Reads only,
+    never writes."""
     found = (memory_problem(cfg, local_ranks=local_ranks, cgroup_path=cgroup_path),
-             disk_problem(cfg))
+             disk_problem(cfg) if disk else None)
     return [p for p in found if p]
 
 

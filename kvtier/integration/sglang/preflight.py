@@ -52,8 +52,10 @@ def preflight(config: Config, args: Any, *,
     problems += filter(None, [page_size_problem(config, page_size)])
     for tier in config.tiers:
         _collect(problems, check_dependencies, tier)
-    problems += filter(None, [_disk_root_problem(config)])
-    problems += host_problems(config, local_ranks=tp_size * dp_size)
+    root_problem = _disk_root_problem(config)
+    problems += filter(None, [root_problem])
+    # a refused root (`/`, a system directory) is not walked for the size it holds
+    problems += host_problems(config, local_ranks=tp_size * dp_size, disk=root_problem is None)
     _collect(problems, load_record_keys, config.record_key_file)
     load_format = str(getattr(args, "load_format", None) or "auto")
     lower = [tier for tier in config.tiers if tier != "cpu"]
