@@ -6,40 +6,16 @@ before any worker starts."""
 
 from __future__ import annotations
 
-import os
 import re
-import shlex
-import sys
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
+from benchmarks.bench_readme_cpu import bare_server, readme_cpu_launch
 from kvtier.config.host import MEMORY_HEADROOM_BYTES, available_memory_bytes
 from tests.integration.conftest import full_hit, prompt, write_config
-from tests.support.sglang_server import SGLangServer
 
 pytestmark = pytest.mark.sglang
-
-README = Path(__file__).resolve().parents[2] / "README.md"
-
-
-def readme_cpu_launch() -> list[str]:
-    """The README's CPU launch line, after `python -m sglang.launch_server`."""
-    lines = [line for line in README.read_text().splitlines()
-             if line.startswith("python -m sglang.launch_server") and "--device cpu" in line]
-    assert len(lines) == 1, f"README must show one CPU launch line, found {lines}"
-    return shlex.split(lines[0])[3:]
-
-
-def bare_server(model: Path, log: Path, args: Sequence[str]) -> SGLangServer:
-    """A server started with `args` as given, in an environment of PATH and HOME only (the
-    launcher is this venv's python, as `python` on a user's PATH would be)."""
-    server = SGLangServer(model, log, args=args)
-    server.cpu_flags = []
-    server.env = {"PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
-                  "HOME": os.environ.get("HOME", "/root")}
-    return server
 
 
 def test_the_readme_cpu_launch_line_serves_a_kvtier_hit(tiny_llama: Path,
