@@ -102,7 +102,9 @@ class CacheEngine:
         self.layout = layout
         self.connector = connector
         mla = layout.fmt is MemoryFormat.KV_MLA
-        self._stores = not mla or rank == 0
+        # MLA KV is the same on every TP rank: rank 0 alone writes it to the shared tiers, and
+        # every rank keeps it in its own CPU tier, the one tier it does not share.
+        self._writes_down = not mla or rank == 0
         self.keys = KeyBuilder(
             model=model_name, fingerprint=layout.fingerprint(config.chunk_size),
             chunk_size=config.chunk_size, rank=0 if mla else rank,
@@ -111,6 +113,7 @@ class CacheEngine:
             save_unfull_chunk=config.save_unfull_chunk, namespace=config.key_namespace,
             tails=config.save_tails, page_size=page_size)
         self.storage = storage or StorageManager(config, layout)
+        self._stores = self._writes_down or self.storage.hot.keeps_puts
         self.storage.counters.declare("tokens_stored", "tokens_loaded", "tokens_requested",
                                       "store_no_memory")
         self._owns_storage = storage is None
@@ -119,7 +122,8 @@ class CacheEngine:
             from kvtier.connectors.streams import DeviceCopies
 
             self._device = DeviceCopies(connector, self.storage.counters)
-        self._saver = PrefixSaver(self.storage, layout, connector, self._device)
+        self._saver = PrefixSaver(self.storage, layout, connector, self._device,
+                                  write_down=self._writes_down)
         if config.metrics_port is not None:
             from kvtier import prometheus
 

@@ -31,7 +31,9 @@ class PrefixSaver:
     """Fills and puts the chunks of one store (see the module docstring)."""
 
     def __init__(self, storage: StorageManager, layout: KVLayout, connector: KVConnector,
-                 device: DeviceCopies | None):
+                 device: DeviceCopies | None, *, write_down: bool = True):
+        """`write_down=False`: chunks go to the CPU tier only, never to the lower tiers."""
+        self._write_down = write_down
         self._storage = storage
         self._layout = layout
         self._connector = connector
@@ -71,12 +73,15 @@ class PrefixSaver:
             if on_read is not None:
                 on_read()
             stored = todo[:len(chunks)]
-            self._storage.put(stored, chunks)
+            self._put(stored, chunks)
             if inner is not None and extra is not None:
-                self._storage.put([extra], [inner])
+                self._put([extra], [inner])
         n = sum(k.num_tokens for k in stored)
         self._storage.counters.inc("tokens_stored", n)
         return n
+
+    def _put(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]) -> None:
+        self._storage.put(keys, objs, write_down=self._write_down)
 
     def _allocate(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
         """Arena objects for `keys`, up to the first that finds no memory (counted)."""
@@ -116,10 +121,10 @@ class PrefixSaver:
             whole = [word == 0 for word in status]
             if inner and objs:
                 if whole[0]:
-                    self._storage.put(todo[:1], objs[:1])
+                    self._put(todo[:1], objs[:1])
                 todo, objs, whole = todo[1:], objs[1:], whole[1:]
             n = whole.index(False) if False in whole else len(whole)
-            self._storage.put(todo[:n], objs[:n])
+            self._put(todo[:n], objs[:n])
         stored = sum(k.num_tokens for k in todo[:n])
         self._storage.counters.inc("tokens_stored", stored)
         return stored

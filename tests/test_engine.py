@@ -106,19 +106,28 @@ def test_mla_round_trip_byte_exact(dtype: torch.dtype, tokens: torch.Tensor) -> 
         assert same_bytes(s[slots_a[:64]], d[slots_b[:64]])
 
 
-def test_mla_keys_ignore_rank_and_only_rank0_stores(tokens: torch.Tensor) -> None:
+def test_mla_keys_ignore_rank_and_only_rank0_writes_to_shared_tiers(
+        tokens: torch.Tensor, tmp_path: Path) -> None:
     kv = _mla_pool(torch.bfloat16)
     conn = SGLangMLAConnector(kv)
     slots = _slots("random", 70)
-    cfg = _config()
-    with CacheEngine(cfg, model_name="m", layout=conn.layout, connector=conn, world_size=2,
-                     rank=1) as r1:
-        assert r1.store(tokens, slots) == 0
-        assert r1.lookup(tokens) == 0
-        r0 = CacheEngine(cfg, model_name="m", layout=conn.layout, connector=conn, world_size=2,
-                         rank=0, storage=r1.storage)
-        assert r0.store(tokens, slots) == 64
-        assert r1.lookup(tokens) == 64  # rank 1 loads what rank 0 stored
+    cfg = _config(local_disk=str(tmp_path / "kv"), max_local_disk_size=0.01)
+    mla = {"model_name": "m", "layout": conn.layout, "connector": conn, "world_size": 2}
+    with CacheEngine(cfg, rank=1, **mla) as r1:
+        # its own CPU tier holds it (a CPU-only rank 1 hits too), its disk gets nothing
+        assert r1.store(tokens, slots) == 64 and r1.lookup(tokens) == 64
+        assert r1.storage.flush(30)
+        assert not list((tmp_path / "kv").rglob("*.kv*"))
+        with CacheEngine(cfg, rank=0, **mla) as r0:  # its own process: storage of its own
+            assert r0.lookup(tokens) == 0
+            assert r0.store(tokens, slots) == 64
+            assert r0.storage.flush(30)
+        assert list((tmp_path / "kv").rglob("*.kv*"))
+        fresh = CacheEngine(cfg, rank=1, **mla)
+        try:  # a restarted rank 1 loads what rank 0 wrote down
+            assert fresh.lookup(tokens) == 64
+        finally:
+            fresh.close()
 
 
 def test_mha_ranks_are_keyed_apart(tokens: torch.Tensor) -> None:

@@ -107,9 +107,11 @@ class StorageManager:
 
     # -- the serving path ------------------------------------------------------------------
 
-    def put(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]) -> None:
-        """Store `objs` under `keys` (contiguous chunks, in order). Never blocks on a lower
-        tier and never takes over the caller's references."""
+    def put(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj], *,
+            write_down: bool = True) -> None:
+        """Store `objs` under `keys` (contiguous chunks, in order); with `write_down=False` in
+        the CPU tier only. Never blocks on a lower tier and never takes over the caller's
+        references."""
         if len(keys) != len(objs):
             raise ValueError(f"keys and objs differ in length: {len(keys)} != {len(objs)}")
         with self._gate.enter() as open_:
@@ -117,7 +119,8 @@ class StorageManager:
                 return
             if self.hot.keeps_puts:
                 self.hot.batch_put(keys, objs)
-            self.policy.on_put(keys, objs, self._writers)
+            if write_down:
+                self.policy.on_put(keys, objs, self._writers)
             self.counters.inc("chunks_put", len(keys))
 
     @contextmanager

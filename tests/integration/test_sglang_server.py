@@ -1,6 +1,7 @@
 """kvtier inside real SGLang servers on CPU, CPU tier only: tiny Llama (MHA) at page size 1
-and a tiny DeepSeek-style MLA model at page size 4. (Llama at page size 4 runs in
-test_sglang_tiers.py, with the disk and Redis tiers.)"""
+and a tiny DeepSeek-style MLA model at page size 4 and TP 2 (MLA KV is the same on every rank:
+each rank keeps it in its own CPU tier and loads it; only rank 0 would write it down). (Llama at
+page size 4 runs in test_sglang_tiers.py, with the disk and Redis tiers.)"""
 
 from __future__ import annotations
 
@@ -24,14 +25,14 @@ from tests.support.sglang_server import SGLangServer
 pytestmark = pytest.mark.sglang
 
 
-@pytest.fixture(scope="module", params=[("llama", 1), ("mla", 4)],
-                ids=["llama-page1", "mla-page4"])
+@pytest.fixture(scope="module", params=[("llama", 1, 1), ("mla", 4, 2)],
+                ids=["llama-page1", "mla-page4-tp2"])
 def server(request: pytest.FixtureRequest, start_server: Callable[..., SGLangServer],
            tmp_path_factory: pytest.TempPathFactory) -> SGLangServer:
-    kind, page = request.param
+    kind, page, tp = request.param
     model = request.getfixturevalue("tiny_llama" if kind == "llama" else "tiny_mla")
     config = write_config(tmp_path_factory.mktemp("cfg") / "kvtier.yaml")
-    return start_server(model, config, "--page-size", str(page))
+    return start_server(model, config, "--page-size", str(page), "--tp", str(tp))
 
 
 def test_prefix_loaded_after_flush(server: SGLangServer) -> None:

@@ -37,7 +37,6 @@ from kvtier.integration.sglang.preflight import page_size_problem
 from kvtier.integration.sglang.sglang_views import MHAPoolView, MLAPoolView, Opaque
 from kvtier.integration.sglang.stores import StoreJob, StoreWorker
 from kvtier.keys import ChunkKey, KeyChain
-from kvtier.memory import MemoryFormat
 from kvtier.metrics import Counters
 
 __all__ = ["SGLangKVTier", "StoreJob", "build_connector", "check_page_size"]
@@ -79,7 +78,8 @@ class SGLangKVTier:
         page_size: SGLang's page size (loads and stores are whole pages).
         reduce_min: all-reduces a 1-element int64 tensor with MIN across the TP group, so that
             every rank loads the same number of tokens (ranks must agree on the tree).
-        stores: whether this rank stores (MLA KV is replicated: only rank 0 does).
+        stores: whether this rank stores (an MLA rank other than 0 keeps its CPU tier only:
+            the engine decides what reaches the lower tiers).
     """
 
     def __init__(self, engine: CacheEngine, page_size: int,
@@ -320,6 +320,3 @@ class _AdapterStats:
     def stats(self) -> dict[str, float]:
         return dict(self._counters.snapshot(declared=True))
 
-
-def is_mla(connector: KVConnector) -> bool:
-    return connector.layout.fmt is MemoryFormat.KV_MLA

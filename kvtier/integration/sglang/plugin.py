@@ -286,7 +286,6 @@ def build_radix_cache(ctx: TreeCacheBuildContextView) -> KVTierRadixCache:
         SGLangKVTier,
         build_connector,
         check_page_size,
-        is_mla,
     )
     from kvtier.integration.sglang.identity import model_config, model_identity, served_model_name
     from kvtier.integration.sglang.radix_cache import KVTierRadixCache
@@ -322,8 +321,8 @@ def build_radix_cache(ctx: TreeCacheBuildContextView) -> KVTierRadixCache:
 
             all_reduce(cache, t, dist.ReduceOp.MIN)
 
-        kvtier = SGLangKVTier(engine, page_size, reduce_min if ctx.tp_size > 1 else None,
-                              stores=not is_mla(connector) or ctx.tp_rank == 0)
+        # MLA: every rank stores into its own CPU tier, rank 0 alone writes down (engine.py)
+        kvtier = SGLangKVTier(engine, page_size, reduce_min if ctx.tp_size > 1 else None)
     except BaseException:
         engine.close()
         raise
