@@ -102,8 +102,7 @@ class CacheEngine:
         self.layout = layout
         self.connector = connector
         mla = layout.fmt is MemoryFormat.KV_MLA
-        # MLA KV is the same on every TP rank: rank 0 alone writes it to the shared tiers, and
-        # every rank keeps it in its own CPU tier, the one tier it does not share.
+        # MLA KV is the same on every rank: rank 0 alone writes it down, each keeps its CPU tier
         self._writes_down = not mla or rank == 0
         self.keys = KeyBuilder(
             model=model_name, fingerprint=layout.fingerprint(config.chunk_size),
