@@ -102,8 +102,7 @@ class CacheEngine:
         self.layout = layout
         self.connector = connector
         mla = layout.fmt is MemoryFormat.KV_MLA
-        # MLA KV is the same on every rank: rank 0 alone writes it down, each keeps its CPU tier
-        self._writes_down = not mla or rank == 0
+        self._writes_down = not mla or rank == 0  # MLA: the same KV on every rank (saving.py)
         self.keys = KeyBuilder(
             model=model_name, fingerprint=layout.fingerprint(config.chunk_size),
             chunk_size=config.chunk_size, rank=0 if mla else rank,
@@ -121,8 +120,7 @@ class CacheEngine:
             from kvtier.connectors.streams import DeviceCopies
 
             self._device = DeviceCopies(connector, self.storage.counters)
-        self._saver = PrefixSaver(self.storage, layout, connector, self._device,
-                                  write_down=self._writes_down)
+        self._saver = PrefixSaver(self.storage, layout, connector, self._device, self._writes_down)
         if config.metrics_port is not None:
             from kvtier import prometheus
 

@@ -31,8 +31,10 @@ class PrefixSaver:
     """Fills and puts the chunks of one store (see the module docstring)."""
 
     def __init__(self, storage: StorageManager, layout: KVLayout, connector: KVConnector,
-                 device: DeviceCopies | None, *, write_down: bool = True):
-        """`write_down=False`: chunks go to the CPU tier only, never to the lower tiers."""
+                 device: DeviceCopies | None, write_down: bool = True):
+        """`write_down=False`: chunks go to the CPU tier only, never to the lower tiers (MLA
+        KV is the same on every TP rank: rank 0 alone writes it down, every rank keeps it in
+        its own CPU tier, the one tier ranks do not share)."""
         self._write_down = write_down
         self._storage = storage
         self._layout = layout

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +26,16 @@ def plugins_loaded() -> None:
 
 
 @pytest.fixture
-def config_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The flag exports KVTIER_CONFIG_FILE for SGLang's workers; keep it out of other tests.
+def config_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    # A launch parsed here sets its workers' environment in this process (KVTIER_CONFIG_FILE,
+    # the CPU engine's variables, SGLANG_CPU_OMP_THREADS_BIND at --tp-size 2): every server a
+    # later test starts would inherit them, so the whole environment is put back.
+    saved = dict(os.environ)
     monkeypatch.setenv("KVTIER_CONFIG_FILE", "")
     monkeypatch.delenv("LMCACHE_CONFIG_FILE", raising=False)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def parse(model: Path, *args: str) -> Any:

@@ -124,3 +124,24 @@ def test_sigterm_takes_sglang_s_graceful_path_and_drains_too(
     assert drained and int(drained[2]) == 0, log[-3000:]
     assert len(list((tmp_path / "disk").rglob("*.kvt"))) >= 3 * (PROMPT // CHUNK)
     assert "nanobind: leaked" not in log and "Traceback" not in log, log[-3000:]
+
+
+@pytest.mark.parametrize(("sig", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 0)])
+def test_the_launcher_reports_an_interrupt_as_130_whatever_uvicorn_re_raises(
+        sig: signal.Signals, status: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The exit status is set when the signal arrives: a CI run saw uvicorn end without
+    re-raising the SIGINT it stopped on, and the launcher exited 0."""
+    import uvicorn
+
+    from kvtier.integration.sglang import shutdown
+
+    class Server(uvicorn.Server):  # patched here only, never uvicorn's own class
+        pass
+
+    shutdown.bound_http_grace(Server)
+    monkeypatch.setattr(shutdown, "_launcher_pid", [os.getpid()])
+    monkeypatch.setattr(shutdown, "_exit_code", [0])
+    server = Server(uvicorn.Config(app=None))
+    server.handle_exit(sig, None)
+    assert server.should_exit and server.config.timeout_graceful_shutdown == GRACE_S
+    assert shutdown._exit_code == [status]

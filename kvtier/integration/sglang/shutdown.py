@@ -217,6 +217,10 @@ def bound_http_grace(server_class: Any) -> None:
                            "kvtier writes what it has queued (up to %.0f s); %s again forces",
                            signal.Signals(sig).name, self.config.timeout_graceful_shutdown,
                            DRAIN_S, signal.Signals(sig).name)
+        if sig == signal.SIGINT and _is_launcher():
+            # 130 as a shell reports an interrupted program, also where uvicorn does not
+            # re-raise the SIGINT it stopped on (a CI run saw it end with status 0)
+            _exit_code[0] = 130
         original(self, sig, frame)
 
     handle_exit.kvtier = True  # type: ignore[attr-defined]
