@@ -10,9 +10,8 @@ most what is left of the exchange's deadline: `CONNECT_TIMEOUTS` socket timeouts
 connect and its handshake, one for a reply (small replies: `PING`, `SCAN` pages; kvtier's data
 path reads its large replies through `resp.ReplyReader`, with a deadline by size). Past it the
 read raises `socket.timeout`, which redis-py turns into its `TimeoutError`, and the tier's
-failure rule marks the tier down. Standalone (TCP, TLS, unix socket) and Sentinel clients get
-it; redis-py's cluster client takes no connection class for its nodes, so a cluster's own
-exchanges keep the per-recv bound.
+failure rule marks the tier down. Standalone (TCP, TLS, unix socket), Sentinel and cluster
+clients (every node's connections, the slot map's reads included) get it.
 """
 
 from __future__ import annotations

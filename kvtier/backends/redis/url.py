@@ -29,7 +29,7 @@ from urllib.parse import unquote
 import redis
 from redis.backoff import ExponentialBackoff
 from redis.cluster import ClusterNode, RedisCluster
-from redis.connection import Connection, ConnectionPool, parse_url
+from redis.connection import Connection, ConnectionPool, SSLConnection, parse_url
 from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelManagedConnection, SentinelManagedSSLConnection
 
@@ -280,6 +280,19 @@ def parse_remote_url(url: str) -> RedisTarget:
     return target
 
 
+def _cluster(target: RedisTarget, common: dict[str, Any]) -> RedisCluster:
+    """A cluster client whose nodes' connections are `bounded`. redis-py hands a connection
+    class to its nodes only on its from-URL path (otherwise `ssl=True` replaces the class with
+    its own), so the first seed goes in as a plain URL and TLS comes from the class."""
+    kwargs = dict(common)
+    tls = kwargs.pop("ssl", False)
+    kwargs["connection_class"] = bounded(SSLConnection if tls else Connection)
+    host, port = target.nodes[0]
+    seed = f"[{host}]" if ":" in host else host
+    seeds = [ClusterNode(h, p) for h, p in target.nodes[1:]]
+    return RedisCluster(url=f"redis://{seed}:{port}", startup_nodes=seeds, **kwargs)
+
+
 class Router:
     """redis-py clients for one target; `node_for` routes a key to the client of its node.
 
@@ -317,10 +330,7 @@ class Router:
             self._client = self._sentinel.master_for(target.service,
                                                      connection_class=bounded(managed))
         else:
-            # (redis-py's cluster nodes take no connection class: their reads keep redis-py's
-            # per-recv timeout; kvtier's data path bounds its own, `resp.ReplyReader`)
-            seeds = [ClusterNode(h, p) for h, p in target.nodes]
-            self._cluster = RedisCluster(startup_nodes=seeds, **common)
+            self._cluster = _cluster(target, common)
 
     def node_for(self, rkey: str) -> redis.Redis:
         """The client of the node that owns `rkey` (its slot, for a cluster)."""
