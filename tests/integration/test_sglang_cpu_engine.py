@@ -70,13 +70,13 @@ def test_each_tp_rank_gets_its_share_of_the_cores_unless_the_user_chose() -> Non
     assert thread_binds(2, [0, 1, 2, 3, 4]) == "0,1|2,3"
     assert thread_binds(4, [6, 7]) == "6|7|7|7"  # fewer cores than ranks: they share the last
     assert thread_binds(1, [0, 1, 2]) == "0,1,2"
-    with pytest.raises(ValueError, match="tp must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="ranks must be >= 1, got 0"):
         thread_binds(0, [0])
     env: dict[str, str] = {}
-    done = prepare_cpu_engine(env, tp=2)
+    done = prepare_cpu_engine(env, ranks=2)
     assert env[BIND_ENV] == thread_binds(2) and any(BIND_ENV in d for d in done)
-    prepare_cpu_engine(env, tp=1)  # TP 1 leaves what is there
+    prepare_cpu_engine(env, ranks=1)  # TP 1 leaves what is there
     assert env[BIND_ENV] == thread_binds(2)
     chosen = {BIND_ENV: "3|5"}
-    prepare_cpu_engine(chosen, tp=2)
+    prepare_cpu_engine(chosen, ranks=2)
     assert chosen[BIND_ENV] == "3|5"

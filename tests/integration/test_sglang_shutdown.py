@@ -43,11 +43,11 @@ def _stream_until_cut(server: SGLangServer, started: threading.Event) -> None:
     started.set()
 
 
-def _server(tiny_llama: Path, tmp_path: Path) -> SGLangServer:
+def _server(tiny_llama: Path, tmp_path: Path, *more: str) -> SGLangServer:
     config = write_config(tmp_path / "kvtier.yaml", local_disk=str(tmp_path / "disk"),
                           max_local_disk_size=0.5, prefetch_policy="adaptive")
     server = SGLangServer(tiny_llama, tmp_path / "server.log", args=[
-        "--enable-kvtier", "--kvtier-config-file", str(config)])
+        "--enable-kvtier", "--kvtier-config-file", str(config), *more])
     return server.start()
 
 
@@ -80,6 +80,9 @@ def test_ctrl_c_while_streaming_stops_in_seconds_and_drains_queued_writes(
     assert drained, log[-3000:]
     assert int(drained[2]) == 0
     assert "kvtier: SIGINT: no new requests; in-flight requests get" in log
+    # the stream cut at the end of the grace is one line, not uvicorn's CancelledError dump
+    assert "a response still streaming was cut by the stop" in log
+    assert "Exception in ASGI application" not in log and "Traceback" not in log, log[-3000:]
     assert "SIGQUIT" not in log and "crashed" not in log and "Scheduler hit an exception" \
         not in log
     # What was drained is on disk: every whole chunk of the three finished prompts.
@@ -90,6 +93,25 @@ def test_ctrl_c_while_streaming_stops_in_seconds_and_drains_queued_writes(
     # leak report at a killed process's exit
     assert "freeze_gc failed: the request raced" in log or "freeze_gc failed" not in log
     assert "nanobind: leaked" not in log
+
+
+def test_every_data_parallel_scheduler_drains_at_ctrl_c(tiny_llama: Path, tmp_path: Path) -> None:
+    """At --dp-size 2 each scheduler keeps its own queue of writes: the launcher waits for
+    both, and each says what it drained (issue 51: the drain with DP > 1 was untested)."""
+    server = _server(tiny_llama, tmp_path, "--dp-size", "2")
+    try:
+        for seed in range(4):  # the controller spreads them over both schedulers
+            server.generate(prompt(seed, PROMPT), max_new_tokens=1)
+        took = _interrupt_while_streaming(server, times=1)
+    finally:
+        server.stop()
+    log = server.log()
+    assert took < STOP_BOUND_S, (took, log[-3000:])
+    drained = re.findall(r"kvtier: stopping: (\d+) queued writes drained in [\d.]+ s, "
+                         r"(\d+) dropped", log)
+    assert len(drained) == 2 and all(d[1] == "0" for d in drained), log[-3000:]
+    assert len(list((tmp_path / "disk").rglob("*.kvt"))) >= 4 * (PROMPT // CHUNK)
+    assert "SIGQUIT" not in log and "crashed" not in log and "Traceback" not in log, log[-3000:]
 
 
 def test_a_second_ctrl_c_forces_the_stop(tiny_llama: Path, tmp_path: Path) -> None:
@@ -103,6 +125,10 @@ def test_a_second_ctrl_c_forces_the_stop(tiny_llama: Path, tmp_path: Path) -> No
     # uvicorn stopped waiting for the stream: no grace period ran out
     assert "timeout graceful shutdown exceeded" not in log, log[-3000:]
     assert "SIGQUIT" not in log
+    # the launcher does not wait for a scheduler the second Ctrl-C stopped, and says what
+    # that cost (or the scheduler drained first, when the SIGTERM reached it before)
+    assert "still draining" not in log, log[-3000:]
+    assert "schedulers stopped before their drain" in log or "queued writes drained" in log
 
 
 def test_sigterm_takes_sglang_s_graceful_path_and_drains_too(
@@ -122,6 +148,7 @@ def test_sigterm_takes_sglang_s_graceful_path_and_drains_too(
     drained = re.search(r"kvtier: stopping: (\d+) queued writes drained in [\d.]+ s, "
                         r"(\d+) dropped", log)
     assert drained and int(drained[2]) == 0, log[-3000:]
+    assert "still draining" not in log, log[-3000:]  # the scheduler reported its drain done
     assert len(list((tmp_path / "disk").rglob("*.kvt"))) >= 3 * (PROMPT // CHUNK)
     assert "nanobind: leaked" not in log and "Traceback" not in log, log[-3000:]
 

@@ -36,16 +36,16 @@ THP_ENV = "THP_MEM_ALLOC_ENABLE"  # read by PyTorch's CPU allocator (c10/core/al
 BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"
 
 
-def thread_binds(tp: int, cpus: Sequence[int] | None = None) -> str:
-    """`SGLANG_CPU_OMP_THREADS_BIND` for `tp` ranks over `cpus` (default: the cores this
-    process may run on), an equal share each: "0|1" for 2 ranks on 2 cores, "0,1|2,3" on 4.
-    With fewer cores than ranks, ranks share the last one."""
-    if tp < 1:
-        raise ValueError(f"tp must be >= 1, got {tp}")
+def thread_binds(ranks: int, cpus: Sequence[int] | None = None) -> str:
+    """`SGLANG_CPU_OMP_THREADS_BIND` for `ranks` worker ranks (DP x TP x PP) over `cpus`
+    (default: the cores this process may run on), an equal share each: "0|1" for 2 ranks on 2
+    cores, "0,1|2,3" on 4. With fewer cores than ranks, ranks share the last one."""
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1, got {ranks}")
     cores = sorted(os.sched_getaffinity(0) if cpus is None else cpus)
-    share = max(1, len(cores) // tp)
-    ranks = [cores[r * share:(r + 1) * share] or cores[-1:] for r in range(tp)]
-    return "|".join(",".join(map(str, rank)) for rank in ranks)
+    share = max(1, len(cores) // ranks)
+    shares = [cores[r * share:(r + 1) * share] or cores[-1:] for r in range(ranks)]
+    return "|".join(",".join(map(str, rank)) for rank in shares)
 
 
 def shims_needed() -> bool:
@@ -58,15 +58,16 @@ def shims_needed() -> bool:
 
 
 def prepare_cpu_engine(env: MutableMapping[str, str] = os.environ, *, huge_pages: bool = False,
-                       prefix_attention: bool = False, tp: int = 1) -> list[str]:
+                       prefix_attention: bool = False, ranks: int = 1) -> list[str]:
     """Switch SGLang's CPU engine on in `env` (and make the `sgl_kernel` stand-in importable
     here and in processes started with `env`; with `huge_pages`, PyTorch's huge-page
     allocations; with `prefix_attention`, kvtier's extend over a cached prefix in the workers,
-    see `cpu_attention`; at `tp` > 1, each rank's cores); returns what it changed, for the log."""
+    see `cpu_attention`; with more than one worker rank, DP x TP x PP, each rank's cores);
+    returns what it changed, for the log."""
     done = []
-    if tp > 1 and env.get(BIND_ENV) is None:
-        env[BIND_ENV] = thread_binds(tp)
-        done.append(f"{BIND_ENV}={env[BIND_ENV]} (each TP rank's cores)")
+    if ranks > 1 and env.get(BIND_ENV) is None:
+        env[BIND_ENV] = thread_binds(ranks)
+        done.append(f"{BIND_ENV}={env[BIND_ENV]} (each rank's cores)")
     if prefix_attention:
         env[HOOK_ENV] = "1"
         done.append("an extend over a cached prefix computes the new tokens' attention only "

@@ -122,7 +122,7 @@ def _from_cli_args(original: Callable[..., Opaque], cls: type, args: LaunchArgsV
 
             for change in prepare_cpu_engine(huge_pages=config.huge_pages,
                                              prefix_attention=config.cpu_prefix_attention,
-                                             tp=int(getattr(args, "tp_size", 1) or 1)):
+                                             ranks=_worker_ranks(args)):
                 logger.info("kvtier: --device cpu: %s", change)
         # Fail in the launcher, with the file and key named, not later in a worker.
         _check_launch(config, args)
@@ -147,6 +147,15 @@ class _FreezeGcRace(logging.Filter):
                           "not frozen (traceback dropped by kvtier)")
             record.args, record.exc_info, record.exc_text = (), None, None
         return True
+
+
+def _worker_ranks(args: LaunchArgsView) -> int:
+    """The scheduler processes SGLang starts, each binding its own cores on a CPU."""
+    sizes = (getattr(args, name, 1) for name in ("dp_size", "tp_size", "pp_size"))
+    ranks = 1
+    for size in sizes:
+        ranks *= int(size or 1)
+    return ranks
 
 
 def _bounded_stop() -> None:

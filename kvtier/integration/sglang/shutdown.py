@@ -23,6 +23,7 @@ every store and disk/Redis write kvtier still had queued. Here:
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import logging
@@ -178,7 +179,9 @@ def _marker() -> Path:
 
 
 def drain_and_log(kv: SGLangKVTier) -> None:
-    """`drain`, then one line saying what was written and what was dropped. Never raises."""
+    """`drain`, then one line saying what was written and what was dropped, then tell the
+    launcher this scheduler is done (SGLang's graceful path drains here, not on the
+    launcher's SIGTERM: the launcher waited its whole bound for a report). Never raises."""
     try:
         done = drain(kv)
         level = logging.WARNING if done.dropped or done.stores_left else logging.INFO
@@ -188,6 +191,10 @@ def drain_and_log(kv: SGLangKVTier) -> None:
                    if done.stores_left else "")
     except Exception:  # a stop must go on whatever the drain hit
         logger.exception("kvtier: stopping: the drain failed; queued writes are dropped")
+    finally:
+        if in_server():
+            with contextlib.suppress(OSError):
+                _marker().unlink()
 
 
 def _drain_and_exit(kv: SGLangKVTier) -> None:
@@ -197,8 +204,6 @@ def _drain_and_exit(kv: SGLangKVTier) -> None:
         for handler in logging.getLogger().handlers:
             with contextlib.suppress(Exception):
                 handler.flush()
-        with contextlib.suppress(OSError):
-            _marker().unlink()
         os._exit(0)
 
 
@@ -213,6 +218,7 @@ def bound_http_grace(server_class: Any) -> None:
         if not self.should_exit:
             if self.config.timeout_graceful_shutdown is None:
                 self.config.timeout_graceful_shutdown = GRACE_S
+            logging.getLogger("uvicorn.error").addFilter(_CutAtStop())
             logger.warning("kvtier: %s: no new requests; in-flight requests get %.0f s, then "
                            "kvtier writes what it has queued (up to %.0f s); %s again forces",
                            signal.Signals(sig).name, self.config.timeout_graceful_shutdown,
@@ -227,28 +233,78 @@ def bound_http_grace(server_class: Any) -> None:
     server_class.handle_exit = handle_exit
 
 
+class _CutAtStop(logging.Filter):
+    """Once a stop has begun, a response uvicorn cancels when the grace runs out is logged as
+    one line, not as a 60-line "Exception in ASGI application" traceback of CancelledError."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, asyncio.CancelledError) and \
+                record.getMessage().strip() == "Exception in ASGI application":
+            record.msg = "kvtier: a response still streaming was cut by the stop"
+            record.args, record.exc_info, record.exc_text = (), None, None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
 def drain_then_kill(children: list[Any], stop_dir: Path) -> None:
-    """SIGTERM every process in `children` (psutil processes), then wait until every
-    scheduler with kvtier has reported its drain done (its file in `stop_dir` gone), `DRAIN_S`
-    + a margin at most; a KeyboardInterrupt (a second Ctrl-C) cuts the wait. What is still
-    alive is left to the caller's SIGKILL."""
-    for proc in children:
+    """SIGTERM every scheduler with kvtier among `children` (psutil processes; those with a
+    file in `stop_dir`), wait until each has reported its drain done (its file gone),
+    `DRAIN_S` + a margin at most, then SIGTERM the other children; a KeyboardInterrupt (a
+    second Ctrl-C) cuts the wait. What is still alive is left to the caller's SIGKILL.
+
+    The others wait because a scheduler dies with its parent: at `--dp-size` > 1 the
+    schedulers are children of SGLang's data-parallel controller, which dies on SIGTERM, and
+    its children are SIGKILLed with it (a test saw both schedulers killed mid-drain)."""
+    draining = {int(marker.name) for marker in stop_dir.glob("[0-9]*")}
+    schedulers = [proc for proc in children if proc.pid in draining]
+    _terminate(schedulers)
+    try:
+        _wait_for_drains(stop_dir, schedulers)
+    finally:
+        _terminate([proc for proc in children if proc.pid not in draining])
+
+
+def _terminate(procs: list[Any]) -> None:
+    for proc in procs:
         with contextlib.suppress(Exception):  # gone already
             proc.terminate()
+
+
+def _wait_for_drains(stop_dir: Path, schedulers: list[Any]) -> None:
+    """Until every scheduler's file is gone, or its process is (a second Ctrl-C stops a
+    scheduler at once, before any report), `DRAIN_S` + a margin at most."""
     start = time.monotonic()
     deadline = start + DRAIN_S + _EXIT_MARGIN_S
+    alive = {proc.pid: proc for proc in schedulers}
+
+    def reporting() -> list[Path]:
+        return [marker for marker in stop_dir.glob("[0-9]*")
+                if int(marker.name) in alive and _running(alive[int(marker.name)])]
+
     try:
-        while (left := list(stop_dir.glob("[0-9]*"))) and time.monotonic() < deadline:
+        while (left := reporting()) and time.monotonic() < deadline:
             time.sleep(0.05)
+        gone = len(list(stop_dir.glob("[0-9]*"))) - len(left)
     except KeyboardInterrupt:
         logger.warning("kvtier: stop forced: queued writes of the schedulers are dropped")
         return
     finally:
         shutil.rmtree(stop_dir, ignore_errors=True)
+    if gone:
+        logger.warning("kvtier: %d schedulers stopped before their drain (a second Ctrl-C); "
+                       "their queued writes are dropped", gone)
     if left:
         logger.warning("kvtier: %d schedulers still draining %.1f s after SIGTERM; SGLang "
                        "kills them (their queued writes are dropped)", len(left),
                        time.monotonic() - start)
+
+
+def _running(proc: Any) -> bool:
+    try:
+        return bool(proc.is_running()) and proc.status() != "zombie"
+    except Exception:  # gone
+        return False
 
 
 def around_launch_server(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
