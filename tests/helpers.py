@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Iterable, Sequence
 
+import pytest
 import torch
 
 from kvtier.keys import ChunkKey, KeyBuilder
@@ -84,3 +86,13 @@ def os_thread_name() -> str:
     """The calling thread's name as the OS shows it (Linux's /proc comm)."""
     with open(f"/proc/self/task/{threading.get_native_id()}/comm") as comm:
         return comm.read().strip()
+
+
+def use_backend(monkeypatch: pytest.MonkeyPatch, name: str, target: str) -> None:
+    """Serve tier `name` with the class `target` ("module:Class") for one test, through the
+    tier table (the one place tiers are listed)."""
+    from kvtier.config import tiers
+
+    table = [dataclasses.replace(s, backend=target) if s.name == name else s
+             for s in tiers.TABLE]
+    monkeypatch.setattr(tiers, "TABLE", table)

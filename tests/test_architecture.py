@@ -118,3 +118,19 @@ def test_no_file_over_400_lines(folder):
     long = {str(p.relative_to(ROOT)): n for p in (ROOT / folder).rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 400}
     assert not long, f"split by topic: {long}"
+
+
+def test_the_tiers_are_listed_in_one_place():
+    """`kvtier.config.tiers` is the table of tiers; no other module lists them (a module
+    naming two built-in tiers is listing them). The demo's arms are workloads, not tiers."""
+    names = {"CPU", "DISK", "REDIS"}
+    listing = {}
+    for module, path in MODULES.items():
+        if module == "kvtier.config.tiers" or module.startswith("kvtier.demo"):
+            continue
+        tree = ast.parse(path.read_text())
+        named = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                 and node.module == "kvtier.config.names" for alias in node.names} & names
+        if len(named) > 1:
+            listing[module] = sorted(named)
+    assert not listing, f"list tiers through kvtier.config.tiers: {listing}"

@@ -33,7 +33,8 @@ from tqdm import tqdm
 from kvtier.backends import BackendContext, create_backend
 from kvtier.backends.disk import files as rf
 from kvtier.config import Config
-from kvtier.config.names import CPU, REDIS
+from kvtier.config.names import REDIS
+from kvtier.config.tiers import lower_tier_names
 from kvtier.connectors import SGLangMHAConnector, hugepages, ops
 from kvtier.engine import CacheEngine
 from kvtier.errors import KVTierError
@@ -160,8 +161,9 @@ def _scratch(config: Config, working: int,
         if config.remote_url is not None:
             changes["remote_ttl_secs"] = min(config.remote_ttl_secs or SCRATCH_REDIS_TTL_S,
                                              SCRATCH_REDIS_TTL_S)
+        lower = [t for t in config.tiers if t in lower_tier_names()]
         print(f"kvtier bench: writing {working / 1e9:.2f} GB under model {model} to "
-              f"{', '.join(t for t in config.tiers if t != CPU) or 'no lower tier'}; deleted "
+              f"{', '.join(lower) or 'no lower tier'}; deleted "
               f"at the end (if this process is killed first: kvtier purge --model {model})")
     else:
         if config.local_disk is not None:

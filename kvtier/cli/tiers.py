@@ -38,7 +38,7 @@ from typing import IO, Any, NamedTuple
 import yaml
 
 from kvtier.config.lmcache.compat import secret_key
-from kvtier.config.names import LOWER_TIERS
+from kvtier.config.tiers import lower_tier_names
 from kvtier.config.urls import redact_url
 from kvtier.errors import KVTierError
 
@@ -264,7 +264,7 @@ def add_parser(sub: Any) -> None:
                    help="allow plain http:// to a host that is not loopback (the admin key and "
                    "the config cross the network unencrypted)")
     p.add_argument("action", nargs="?", choices=("list", "attach", "detach"), default="list")
-    p.add_argument("tier", nargs="?", choices=LOWER_TIERS)
+    p.add_argument("tier", nargs="?", choices=lower_tier_names())
     p.add_argument("--set", dest="settings", action="append", type=_setting_type("--set"),
                    metavar="KEY=VALUE",
                    help="a kvtier config key for the attached tier, value as YAML (repeatable)")

@@ -21,9 +21,9 @@ from kvtier.config.load import (
 )
 from kvtier.config.redaction import shown_value
 from kvtier.config.schema import Config
-from kvtier.config.urls import REMOTE_SCHEMES, redact_url
+from kvtier.config.urls import redact_url
 from kvtier.errors import ConfigError
 
 __all__ = ["Config", "ConfigError", "LoadedConfig", "load_config", "load_config_report",
            "read_config_file", "is_config_key", "nearest_key", "with_overrides", "redact_url",
-           "shown_value", "REMOTE_SCHEMES", "physical_memory_bytes"]
+           "shown_value", "physical_memory_bytes"]

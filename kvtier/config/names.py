@@ -1,19 +1,19 @@
-"""The names the config, the storage manager, the CLI and the HTTP admin all use: one list each,
-so a name added here is a choice everywhere (the modules that implement a name check at import
-that they implement exactly these, and refuse to load otherwise)."""
+"""The names the config, the storage manager, the CLI and the HTTP admin all use: one list each
+for the policies, so a name added here is a choice everywhere (the modules that implement a
+name check at import that they implement exactly these, and refuse to load otherwise). The
+tiers are listed in `kvtier.config.tiers`; the built-in ones' names are here."""
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["TIERS", "CPU", "DISK", "REDIS", "LOWER_TIERS",
+__all__ = ["CPU", "DISK", "REDIS",
            "WRITE_THROUGH", "WRITE_THROUGH_SELECTIVE", "WRITE_BACK", "WRITE_POLICIES",
            "ADAPTIVE", "BEST_EFFORT", "WAIT_COMPLETE", "TIMEOUT", "PREFETCH_POLICIES",
            "NAMESPACE_PATTERN"]
 
+# The built-in tiers' names (the tiers themselves, in order: `kvtier.config.tiers`).
 CPU, DISK, REDIS = "cpu", "disk", "redis"
-TIERS = (CPU, DISK, REDIS)  # fastest first: the order puts and gets walk
-LOWER_TIERS = TIERS[1:]  # what attach/detach and the writers handle
 
 # Write policies (`kvtier.storage.write_policy`).
 WRITE_THROUGH = "write_through"

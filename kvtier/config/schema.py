@@ -16,19 +16,17 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from kvtier.config import tiers as tier_table
 from kvtier.config.lmcache import compat
 from kvtier.config.names import (
     ADAPTIVE,
-    CPU,
-    DISK,
     NAMESPACE_PATTERN,
     PREFETCH_POLICIES,
-    REDIS,
     WRITE_POLICIES,
     WRITE_THROUGH,
 )
 from kvtier.config.redaction import shown_value
-from kvtier.config.urls import REMOTE_SCHEMES, parse_with_tier, redact_url
+from kvtier.config.urls import redact_url
 from kvtier.errors import ConfigError
 
 __all__ = ["Config", "PrefetchSection", "WriteSection", "validate", "REMOTE_SERDES",
@@ -137,9 +135,7 @@ class Config:
     @property
     def tiers(self) -> tuple[str, ...]:
         """Tier names from fastest to slowest; the order puts and gets walk."""
-        order = ((CPU, self.local_cpu), (DISK, self.local_disk is not None),
-                 (REDIS, self.remote_url is not None))
-        return tuple(name for name, enabled in order if enabled)
+        return tuple(spec.name for spec in tier_table.TABLE if spec.enabled(self))
 
     @property
     def prefetch(self) -> PrefetchSection:
@@ -302,18 +298,28 @@ def _check_local_disk(value: str) -> None:
 
 
 def _check_remote_url(url: str) -> None:
-    """Scheme first (no imports), then the full parse of the tier serving it, at config time."""
+    """Scheme first (no imports), then the full parse of the tier serving it (its row's
+    `url_parser`), at config time."""
     scheme, sep, _ = url.partition("://")
     shown = redact_url(url)
-    supported = ", ".join(s + "://" for s in REMOTE_SCHEMES) + " (resp:// = redis://)"
+    supported = ", ".join(s + "://" for s in tier_table.remote_schemes())
     if scheme in compat.UNSUPPORTED_SCHEMES:
         raise _fail("config", "remote_url",
                     f"{shown!r}: kvtier cannot serve {scheme}:// "
                     f"({compat.UNSUPPORTED_SCHEMES[scheme]}); supported schemes: {supported}")
-    if not sep or scheme not in (*REMOTE_SCHEMES, "resp"):
+    spec = tier_table.url_tier(url) if sep else None
+    if spec is None:
         raise _fail("config", "remote_url", f"{shown!r}: scheme must be one of {supported}")
+    if not spec.url_parser:
+        return
     try:
-        parse_with_tier(url)
+        parser = tier_table.load_attr(spec.url_parser)
+    except ImportError as exc:
+        raise _fail("config", "remote_url", f"the {spec.name} tier needs the "
+                    f"{', '.join(map(repr, spec.packages))} package, which cannot be imported "
+                    f"({exc}): pip install 'kvtier[{spec.extra}]'") from None
+    try:
+        parser(url)
     except ConfigError as exc:
         raise ConfigError(f"config: {exc}") from None
 

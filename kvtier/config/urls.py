@@ -1,27 +1,16 @@
-"""Remote URLs as kvtier shows and accepts them: the schemes the Redis tier serves, and
-`redact_url`, which hides a URL's passwords before it reaches a message, a log or a repr.
-
-Config is the foundation: it imports no tier. The tier that serves remote URLs registers its
-parser here by name (`URL_PARSERS`, imported only when a URL is checked), so `check-config`
-parses a URL in full without the config importing the Redis tier.
+"""Remote URLs as kvtier shows them: `redact_url`, which hides a URL's passwords before it
+reaches a message, a log or a repr. (Which tier serves which scheme, and its parser:
+`kvtier.config.tiers`.)
 """
 
 from __future__ import annotations
 
-import importlib
 import re
-from typing import Any
 from urllib.parse import parse_qsl
 
 from kvtier.config.lmcache.compat import secret_key
-from kvtier.errors import ConfigError
 
-__all__ = ["REMOTE_SCHEMES", "URL_PARSERS", "URL_PARAMS", "parse_with_tier", "redact_url",
-           "withhold_pieces"]
-
-REMOTE_SCHEMES = ("redis", "rediss", "unix", "redis-sentinel", "redis-cluster")
-# remote tier -> "module:function" parsing its URLs (a `ConfigError` naming the problem).
-URL_PARSERS = {"redis": "kvtier.backends.redis.url:parse_remote_url"}
+__all__ = ["URL_PARAMS", "redact_url", "withhold_pieces"]
 
 # A user name shown beside a redacted password: plain characters only, or nothing is shown.
 _PLAIN_USER = re.compile(r"[A-Za-z0-9._\-]*")
@@ -89,16 +78,3 @@ def withhold_pieces(url: str, message: str) -> str:
         return "'***'" if piece and piece in body else m.group(0)
 
     return _QUOTED.sub(hide, message)
-
-
-def parse_with_tier(url: str, tier: str = "redis") -> Any:
-    """`url` parsed by the parser `tier` registers in `URL_PARSERS`; `ConfigError` naming
-    `remote_url` when the tier's package cannot be imported."""
-    module_name, _, func = URL_PARSERS[tier].partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"remote_url: the {tier} tier needs the 'redis' package (redis-py), "
-                          f"which cannot be imported ({exc}): pip install 'kvtier[redis]'"
-                          ) from None
-    return getattr(module, func)(url)

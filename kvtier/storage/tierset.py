@@ -17,16 +17,16 @@ from collections.abc import Callable, Iterable, Sequence
 
 from kvtier.backends import BackendContext, create_backend
 from kvtier.config import Config
-from kvtier.config.names import CPU, TIERS
+from kvtier.config.names import CPU
+from kvtier.config.tiers import tier_names
 from kvtier.metrics import RateLimitedLog
 from kvtier.storage.guard import MIN_SAMPLE_BYTES, GuardedTier
 from kvtier.storage.writer import TierWriter
 
-__all__ = ["TierSet", "TIER_ORDER", "retire", "discard", "probe_tiers", "PROBE_BOUND_S"]
+__all__ = ["TierSet", "retire", "discard", "probe_tiers", "PROBE_BOUND_S"]
 
 logger = logging.getLogger(__name__)
 
-TIER_ORDER = TIERS  # fastest first: the order puts and gets walk
 PROBE_MAX_BYTES = 4 << 20  # a probe's scratch record at most: a bandwidth sample, and short
 # enough on a slow link (2 s at 2 MB/s)
 # A server waits this long at most for its tiers' probes before it serves; a tier not measured
@@ -186,14 +186,14 @@ class TierSet:
         return next((t for t in self.tiers if t.name == name), None)
 
     def add(self, tier: GuardedTier, writer: TierWriter) -> None:
-        """Publish `tier` (in `TIER_ORDER`) and its writer; `ValueError` if attached or if the
-        set is closed (the caller still owns both then)."""
+        """Publish `tier` (in the tier table's order) and its writer; `ValueError` if
+        attached or if the set is closed (the caller still owns both then)."""
         with self._lock:
             if self._closed:
                 raise ValueError(f"tier {tier.name!r} cannot be attached: storage is closed")
             if self.find(tier.name) is not None:
                 raise ValueError(f"tier {tier.name!r} is already attached")
-            rank = {name: i for i, name in enumerate(TIER_ORDER)}
+            rank = {name: i for i, name in enumerate(tier_names())}
             self.tiers = sorted([*self.tiers, tier], key=lambda t: rank.get(t.name, 99))
             self.writers = [*self.writers, writer]
 

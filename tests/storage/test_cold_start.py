@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier.backends import BACKENDS, BackendContext, ProbeSample, StorageBackend
+from kvtier.backends import BackendContext, ProbeSample, StorageBackend
 from kvtier.backends.disk import DiskBackend
 from kvtier.backends.disk.probe import scratch_files
 from kvtier.config import Config
@@ -28,7 +28,7 @@ from kvtier.storage.existence import Existence
 from kvtier.storage.guard import MIN_SAMPLE_BYTES, GuardedTier
 from kvtier.storage.planner import LoadPlanner
 from kvtier.storage.prefetch import Prefetch, Prefetcher
-from tests.helpers import SMALL_MHA, make_keys, make_obj
+from tests.helpers import SMALL_MHA, make_keys, make_obj, use_backend
 
 CHUNK = 16
 HANG_BOUND_S = 30.0  # bounds a hang; never expected to pass
@@ -74,7 +74,7 @@ class SilentTier(StorageBackend):
 def silent_redis(monkeypatch: pytest.MonkeyPatch) -> Iterator[type[SilentTier]]:
     SilentTier.released.clear()
     SilentTier.asked.clear()
-    monkeypatch.setitem(BACKENDS, "redis", f"{__name__}:SilentTier")
+    use_backend(monkeypatch, "redis", f"{__name__}:SilentTier")
     yield SilentTier
     SilentTier.released.set()
 
@@ -249,7 +249,7 @@ def test_a_probe_that_does_not_answer_is_given_up_after_its_bound(
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     MuteProbe.released.clear()
     MuteProbe.asked.clear()
-    monkeypatch.setitem(BACKENDS, "redis", f"{__name__}:MuteProbe")
+    use_backend(monkeypatch, "redis", f"{__name__}:MuteProbe")
     monkeypatch.setattr(tierset, "PROBE_BOUND_S", 0.2)
     cfg = Config(chunk_size=CHUNK, max_local_cpu_size=0.016, remote_url="redis://127.0.0.1:1",
                  blocking_timeout_secs=1.0)

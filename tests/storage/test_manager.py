@@ -10,14 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.backends import BACKENDS
 from kvtier.backends.cpu import CPUBackend
 from kvtier.config import Config
 from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey
 from kvtier.memory import MemoryObj, lease
 from kvtier.storage import StorageManager
-from tests.helpers import SMALL_MHA, make_keys, put_random, same_bytes
+from tests.helpers import SMALL_MHA, make_keys, put_random, same_bytes, use_backend
 
 CHUNK = 16
 
@@ -150,7 +149,7 @@ class _GatedCPU(CPUBackend):
 
 def test_full_write_queue_drops_and_never_blocks(tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(BACKENDS, "disk", f"{__name__}:_GatedCPU")
+    use_backend(monkeypatch, "disk", f"{__name__}:_GatedCPU")
     _GatedCPU.gate.clear()
     sm = StorageManager(_config(tmp_path, write_queue_chunks=2), SMALL_MHA)
     try:
@@ -179,7 +178,7 @@ class _SlowGetCPU(CPUBackend):
 def test_prefetch_timeout_policy_returns_after_its_budget(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setitem(BACKENDS, "disk", f"{__name__}:_SlowGetCPU")
+    use_backend(monkeypatch, "disk", f"{__name__}:_SlowGetCPU")
     _SlowGetCPU.gate.clear()
     cfg = _config(tmp_path, prefetch_policy="timeout", prefetch_timeout_base_ms=1.0,
                   prefetch_timeout_per_token_ms=0.0)
@@ -254,7 +253,7 @@ class _Unbuildable(CPUBackend):
 
 def test_a_tier_that_cannot_be_built_leaves_nothing_running(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(BACKENDS, "redis", f"{__name__}:_Unbuildable")
+    use_backend(monkeypatch, "redis", f"{__name__}:_Unbuildable")
     before = {t.name for t in threading.enumerate()}
     with pytest.raises(ConfigError, match="remote_url"):
         StorageManager(_config(tmp_path, remote_url="redis://127.0.0.1:1"), SMALL_MHA)

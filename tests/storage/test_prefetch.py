@@ -13,14 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.backends import BACKENDS
 from kvtier.backends.cpu import CPUBackend
 from kvtier.config import Config
 from kvtier.keys import ChunkKey
 from kvtier.memory import MemoryObj, lease
 from kvtier.storage import StorageManager
 from kvtier.storage.prefetch import Prefetch
-from tests.helpers import SMALL_MHA, make_keys, make_obj, same_bytes
+from tests.helpers import SMALL_MHA, make_keys, make_obj, same_bytes, use_backend
 
 CHUNK = 16
 
@@ -60,7 +59,7 @@ def gated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[StorageMa
 def _gated_manager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                    policy: str = "wait_complete") -> StorageManager:
     """The `gated` fixture's manager, its gate closed; the caller closes it."""
-    monkeypatch.setitem(BACKENDS, "disk", f"{__name__}:_GatedTier")
+    use_backend(monkeypatch, "disk", f"{__name__}:_GatedTier")
     _GatedTier.gate.set()
     _GatedTier.reads.clear()
     _GatedTier.order = []

@@ -18,7 +18,6 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.backends import BACKENDS
 from kvtier.backends.cpu import CPUBackend
 from kvtier.config import Config
 from kvtier.keys import ChunkKey
@@ -26,7 +25,7 @@ from kvtier.memory import MemoryAllocator, MemoryObj
 from kvtier.metrics import Counters, RateLimitedLog
 from kvtier.storage import StorageManager
 from kvtier.storage.writer import TierWriter
-from tests.helpers import SMALL_MHA, make_keys, make_obj, run_threads
+from tests.helpers import SMALL_MHA, make_keys, make_obj, run_threads, use_backend
 
 CHUNK = 16
 HOLD_S = 1.0  # how long a held thread waits for a fixed close that cannot run meanwhile
@@ -195,8 +194,8 @@ class _WatchedRedis(_WatchedTier):
 @pytest.fixture
 def watched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[StorageManager]:
     """A manager over two watched lower tiers ("disk" then "redis")."""
-    monkeypatch.setitem(BACKENDS, "disk", f"{__name__}:_WatchedDisk")
-    monkeypatch.setitem(BACKENDS, "redis", f"{__name__}:_WatchedRedis")
+    use_backend(monkeypatch, "disk", f"{__name__}:_WatchedDisk")
+    use_backend(monkeypatch, "redis", f"{__name__}:_WatchedRedis")
     _WatchedTier.late = []
     _WatchedDisk.stats_entered = threading.Event()
     _WatchedDisk.stats_go = threading.Event()

@@ -34,14 +34,15 @@ from redis.retry import Retry
 from redis.sentinel import Sentinel, SentinelManagedConnection, SentinelManagedSSLConnection
 
 from kvtier.backends.redis.bounded import bounded
-from kvtier.config.urls import REMOTE_SCHEMES, redact_url, withhold_pieces
+from kvtier.config.tiers import REDIS_SCHEMES
+from kvtier.config.urls import redact_url, withhold_pieces
 from kvtier.errors import ConfigError
 
 __all__ = ["RedisTarget", "Router", "parse_remote_url", "SCHEMES"]
 
 logger = logging.getLogger(__name__)
 
-SCHEMES = REMOTE_SCHEMES
+SCHEMES = REDIS_SCHEMES
 _TLS_PARAMS = frozenset({"ssl_ca_certs", "ssl_certfile", "ssl_keyfile", "ssl_cert_reqs",
                          "ssl_check_hostname", "ssl_ca_path"})
 _SENTINEL_PARAMS = frozenset({"sentinel_username", "sentinel_password"})

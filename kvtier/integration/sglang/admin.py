@@ -35,7 +35,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from kvtier.config.names import LOWER_TIERS
+from kvtier.config.tiers import lower_tier_names
 from kvtier.errors import ConfigError
 from kvtier.integration.sglang.attach import MAX_TIMEOUT_S, attach_config
 from kvtier.integration.sglang.sglang_api import tokenizer_manager
@@ -98,8 +98,8 @@ def apply(kvtier: SGLangKVTier, request: dict[str, Any]) -> dict[str, Any]:
 
 def _tier_name(request: dict[str, Any]) -> str:
     name = request.get("tier")
-    if name not in LOWER_TIERS:
-        raise ValueError(f"tier: must be one of {list(LOWER_TIERS)}, got {name!r}")
+    if name not in lower_tier_names():
+        raise ValueError(f"tier: must be one of {lower_tier_names()}, got {name!r}")
     return str(name)
 
 
@@ -139,7 +139,7 @@ def wrap_detach(original: Callable[..., StorageReqOutputView], scheduler: Schedu
     from sglang.srt.managers.io_struct import DetachHiCacheStorageReqOutput
 
     ok, message = True, ""
-    for tier in [t for t in kvtier.engine.tier_names if t in LOWER_TIERS]:
+    for tier in [t for t in kvtier.engine.tier_names if t in lower_tier_names()]:
         ok, message = _answer(kvtier, {"op": "detach", "tier": tier})
     if not message:
         message = json.dumps(apply(kvtier, {"op": "list"}))

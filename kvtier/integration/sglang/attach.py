@@ -8,7 +8,8 @@ away (`abort`) if one failed: attach is all-or-nothing across ranks, and no forw
 waits for it.
 
 What HTTP may attach is narrow: a tier the server's own config declares (its `local_disk`
-or `remote_url`), built from that config, with only the keys in `OVERRIDABLE` changed. A
+or `remote_url`), built from that config, with only the keys its tier table row lists as
+`overridable` changed. A
 URL or path from the network is refused, and so is a connect timeout past `MAX_TIMEOUT_S`.
 """
 
@@ -18,19 +19,15 @@ import logging
 import threading
 from typing import Any
 
-from kvtier.config import Config, with_overrides
+from kvtier.config import Config, tiers, with_overrides
 from kvtier.config.host import disk_problem
-from kvtier.config.names import DISK, REDIS
+from kvtier.config.names import DISK
 from kvtier.engine import CacheEngine
 
-__all__ = ["Attachments", "attach_config", "OVERRIDABLE", "MAX_TIMEOUT_S"]
+__all__ = ["Attachments", "attach_config", "MAX_TIMEOUT_S"]
 
 logger = logging.getLogger(__name__)
 
-# Keys an HTTP attach may change, per tier: how the tier behaves, never where it is.
-OVERRIDABLE = {DISK: frozenset({"max_local_disk_size"}),
-               REDIS: frozenset({"remote_timeout_secs", "remote_ttl_secs"})}
-DECLARED_BY = {DISK: "local_disk", REDIS: "remote_url"}
 MAX_TIMEOUT_S = 10.0  # an attach that cannot connect in this long reports failure
 
 
@@ -42,20 +39,22 @@ def attach_config(config: Config, tier: str, overrides: Any) -> Config:
             holds a key `tier` does not take over HTTP (each refused key is named).
         ConfigError: an override's value is invalid.
     """
-    if tier not in DECLARED_BY:
-        raise ValueError(f"tier: must be one of {sorted(DECLARED_BY)}, got {tier!r}")
-    declared = DECLARED_BY[tier]
-    if getattr(config, declared) is None:
+    attachable = {spec.name: spec for spec in tiers.TABLE if spec.lower and spec.overridable}
+    if tier not in attachable:
+        raise ValueError(f"tier: must be one of {sorted(attachable)}, got {tier!r}")
+    spec = attachable[tier]
+    declared = spec.key
+    if not spec.enabled(config):
         raise ValueError(f"tier {tier!r} is not declared in this server's kvtier config (no "
                          f"{declared}); HTTP attaches only tiers the config names")
     if not isinstance(overrides, dict):
         raise ValueError(f"config: must be an object of kvtier keys, got "
                          f"{type(overrides).__name__}")
-    refused = sorted(set(overrides) - OVERRIDABLE[tier])
+    refused = sorted(set(overrides) - spec.overridable)
     if refused:
         shown = ", ".join(str(k)[:64] for k in refused)
         raise ValueError(f"config: {shown} cannot be set over HTTP for tier {tier!r} (it "
-                         f"takes {sorted(OVERRIDABLE[tier])}; its {declared} comes from the "
+                         f"takes {sorted(spec.overridable)}; its {declared} comes from the "
                          f"server's config)")
     out = with_overrides(config, overrides, "attach config")
     if tier == DISK and (problem := disk_problem(out)) is not None:  # as the launch checks
