@@ -91,11 +91,9 @@ def test_config_imports_no_tier_no_keys_no_storage(module):
     assert not bad, f"{module} imports {bad}"
 
 
-@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("kvtier.integration")
-                                          and not m.endswith("hicache_storage")))
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("kvtier.integration")))
 def test_integration_goes_through_the_engine(module):
-    # The HiCache storage backend is SGLang's own interface over kvtier's storage manager (its
-    # one documented entry); everything else talks to CacheEngine.
+    # Through the engine wing's doors (CacheEngine, its `tiers`, PageStore), never past them.
     bad = sorted(m for m in GRAPH[module] if m.startswith("kvtier.storage"))
     assert not bad, f"{module} imports {bad}"
     # ... nor reaches the storage manager through the engine's attribute
@@ -108,9 +106,10 @@ def test_integration_goes_through_the_engine(module):
 def test_the_package_root_holds_the_data_path_only():
     root = {p.stem for p in PACKAGE.glob("*.py")}
     folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
-    assert root == {"__init__", "background", "engine", "errors", "keys", "memory", "metrics",
-                    "prometheus", "saving"}
-    assert {"backends", "cli", "config", "connectors", "integration", "storage"} <= folders
+    assert root == {"__init__", "background", "errors", "keys", "memory", "metrics",
+                    "prometheus"}
+    assert {"backends", "cli", "config", "connectors", "engine", "integration",
+            "storage"} <= folders
 
 
 @pytest.mark.parametrize("folder", ["kvtier", "benchmarks", "tests"])

@@ -105,7 +105,7 @@ def test_every_dashboard_query_names_an_exported_metric(
     import re
 
     eng, port = engine
-    eng.attach_tier("redis", dataclasses.replace(eng.config, remote_url=redis_server.url))
+    eng.tiers.attach("redis", dataclasses.replace(eng.config, remote_url=redis_server.url))
     ids = torch.arange(64)
     eng.store(ids, torch.arange(1, 65), session_id="s")
     assert eng.storage.flush()
@@ -160,7 +160,7 @@ def test_kvtier_stats_says_a_down_tier_s_speeds_are_guesses(
 
     eng, port = engine
     dead = f"redis://127.0.0.1:{free_port()}"  # nothing listens: the tier starts down
-    eng.attach_tier("redis", dataclasses.replace(eng.config, remote_url=dead,
+    eng.tiers.attach("redis", dataclasses.replace(eng.config, remote_url=dead,
                                                  remote_timeout_secs=0.5))
     assert main(["stats", "--metrics", f"http://127.0.0.1:{port}"]) == 0
     shown = capsys.readouterr().out.splitlines()

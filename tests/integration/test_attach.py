@@ -75,9 +75,9 @@ def test_a_tier_is_built_in_the_background_and_published_on_commit(
     with pytest.raises(ValueError, match="already"):
         attach.start("redis", declared)
     _until(lambda: attach.states()["redis"]["state"] == "built", "never built")
-    assert engine.tier_names == ["cpu"]  # built, not yet published
+    assert engine.tiers.names == ["cpu"]  # built, not yet published
     attach.commit("redis")
-    assert engine.tier_names == ["cpu", "redis"] and attach.states() == {}
+    assert engine.tiers.names == ["cpu", "redis"] and attach.states() == {}
     with pytest.raises(ValueError, match="cannot be committed"):
         attach.commit("redis")
 
@@ -93,7 +93,7 @@ def test_an_unreachable_tier_fails_and_is_never_published(
     with pytest.raises(ValueError):
         attach.commit("redis")
     attach.abort("redis")
-    assert engine.tier_names == ["cpu"] and attach.states() == {}
+    assert engine.tiers.names == ["cpu"] and attach.states() == {}
 
 
 def test_an_attach_aborted_while_it_builds_is_thrown_away(
@@ -108,4 +108,4 @@ def test_an_attach_aborted_while_it_builds_is_thrown_away(
         threads = [t for t in threading.enumerate() if t.name == "kvtier-attach-redis"]
         for t in threads:
             t.join(60)
-        assert engine.tier_names == ["cpu"]
+        assert engine.tiers.names == ["cpu"]

@@ -205,7 +205,7 @@ def test_pages_survive_a_new_instance_through_the_disk_tier(
     dst = pool.alloc(3 * PAGE)
     assert second.batch_get_v1(KEYS, dst) == [True] * 3
     assert page_bytes(pool, dst, 3) == page_bytes(pool, src, 3)
-    assert second.storage.allocator.used_bytes == 0  # no CPU tier: nothing kept staged
+    assert second.pages.arena_bytes_used() == 0  # no CPU tier: nothing kept staged
 
 
 def test_mla_pages_are_written_by_rank_zero_only(make_backend: Callable[..., Any],

@@ -62,7 +62,7 @@ def cpu_only(cfg: Config) -> Iterator[CacheEngine]:
 
 def test_attached_disk_takes_writes_and_serves_hits(cpu_only: CacheEngine, cfg: Config) -> None:
     ids, slots = _prompt(1), torch.arange(1, 65)
-    cpu_only.attach_tier("disk", cfg)
+    cpu_only.tiers.attach("disk", cfg)
     assert [t.name for t in cpu_only.storage.tiers] == ["cpu", "disk"]
     want = _rows(cpu_only, slots)
     assert cpu_only.store(ids, slots) == 64 and cpu_only.storage.flush()
@@ -80,7 +80,7 @@ def test_attached_redis_serves_what_another_instance_stored(
     with _engine(remote, seed=0) as writer:
         assert writer.store(ids, torch.arange(1, 65)) == 64 and writer.storage.flush()
     assert cpu_only.lookup(ids) == 0
-    cpu_only.attach_tier("redis", remote)
+    cpu_only.tiers.attach("redis", remote)
     assert cpu_only.lookup(ids) == 64  # at once
     assert cpu_only.retrieve(ids, torch.arange(600, 664)) == 64
 
@@ -112,7 +112,7 @@ def test_detach_under_load_raises_nothing_and_corrupts_nothing(
         while engine.stats().get("disk.hit_chunks", 0) + engine.storage.tiers[1].stats()[
                 "puts"] < 8:
             stop.wait(0.001)
-        engine.detach_tier("disk", drain=drain)
+        engine.tiers.detach("disk", drain=drain)
         assert [t.name for t in engine.storage.tiers] == ["cpu"]
         stop.wait(0.05)  # keep storing and loading on the CPU tier alone for a moment
     finally:
@@ -138,14 +138,14 @@ def test_detach_under_load_raises_nothing_and_corrupts_nothing(
 
 def test_bad_attach_and_detach_are_errors(cpu_only: CacheEngine, cfg: Config) -> None:
     with pytest.raises(ValueError, match="cpu"):
-        cpu_only.attach_tier("cpu")
+        cpu_only.tiers.attach("cpu")
     with pytest.raises(ConfigError, match="remote_url"):
-        cpu_only.attach_tier("redis")  # the config has no remote_url
+        cpu_only.tiers.attach("redis")  # the config has no remote_url
     with pytest.raises(ValueError, match="not attached"):
-        cpu_only.detach_tier("disk")
+        cpu_only.tiers.detach("disk")
     with pytest.raises(ValueError, match="CPU tier"):
-        cpu_only.detach_tier("cpu")
-    cpu_only.attach_tier("disk", cfg)
+        cpu_only.tiers.detach("cpu")
+    cpu_only.tiers.attach("disk", cfg)
     with pytest.raises(ValueError, match="already attached"):
-        cpu_only.attach_tier("disk", cfg)
+        cpu_only.tiers.attach("disk", cfg)
     assert [t.name for t in cpu_only.storage.tiers] == ["cpu", "disk"]

@@ -86,11 +86,11 @@ def apply(kvtier: SGLangKVTier, request: dict[str, Any]) -> dict[str, Any]:
     elif op == "detach":
         # Unpublished at once; its writes drain and its reads finish on another thread, so
         # the scheduler does not wait for them.
-        engine.detach_tier(name, drain=bool(request.get("drain", True)), wait=False)
+        engine.tiers.detach(name, drain=bool(request.get("drain", True)), wait=False)
     elif op != "list":
         raise ValueError(f"op: must be list, attach or detach, got {op!r}")
     stats = engine.stats()
-    return {"tiers": engine.tier_names,
+    return {"tiers": engine.tiers.names,
             "attaching": kvtier.attachments.states(),
             "sessions_pinned": stats.get("sessions_pinned", 0),
             "session_pinned_bytes": stats.get("session_pinned_bytes", 0)}
@@ -139,7 +139,7 @@ def wrap_detach(original: Callable[..., StorageReqOutputView], scheduler: Schedu
     from sglang.srt.managers.io_struct import DetachHiCacheStorageReqOutput
 
     ok, message = True, ""
-    for tier in [t for t in kvtier.engine.tier_names if t in lower_tier_names()]:
+    for tier in [t for t in kvtier.engine.tiers.names if t in lower_tier_names()]:
         ok, message = _answer(kvtier, {"op": "detach", "tier": tier})
     if not message:
         message = json.dumps(apply(kvtier, {"op": "list"}))

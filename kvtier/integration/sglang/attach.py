@@ -92,7 +92,7 @@ class Attachments:
             ValueError: `tier` is attached or being attached already.
         """
         with self._lock:
-            if tier in self._builds or tier in self._engine.tier_names:
+            if tier in self._builds or tier in self._engine.tiers.names:
                 raise ValueError(f"tier {tier!r} is already attached or being attached")
             build = self._builds[tier] = _Build()
         threading.Thread(target=self._build, args=(tier, config, build, commit),
@@ -113,7 +113,7 @@ class Attachments:
                 raise ValueError(f"tier {tier!r} cannot be committed: {state}")
             del self._builds[tier]
         assert build.built is not None
-        self._engine.publish_tier(*build.built)
+        self._engine.tiers.publish(*build.built)
 
     def abort(self, tier: str) -> None:
         """Give up attaching `tier`: a built tier is closed, one still building is closed when
@@ -125,7 +125,7 @@ class Attachments:
             build.aborted = True
             built, build.built = build.built, None
         if built is not None:
-            threading.Thread(target=self._engine.discard_tier, args=built,
+            threading.Thread(target=self._engine.tiers.discard, args=built,
                              name=f"kvtier-discard-{tier}", daemon=True).start()
 
     def close(self) -> None:
@@ -134,14 +134,14 @@ class Attachments:
 
     def _build(self, tier: str, config: Config, build: _Build, commit: bool) -> None:
         try:
-            built = self._engine.build_tier(tier, config)
+            built = self._engine.tiers.build(tier, config)
         except Exception as exc:  # reported to the caller; the rank goes on without it
             with self._lock:
                 build.state, build.error = "failed", _reason(exc)
             logger.warning("kvtier: attaching tier %s failed: %s", tier, build.error)
             return
         if built[0].stats().get("down"):  # built, but nothing answers there
-            self._engine.discard_tier(*built)
+            self._engine.tiers.discard(*built)
             with self._lock:
                 build.state = "failed"
                 build.error = (f"tier {tier!r} is unreachable: its connect failed or timed "
@@ -153,7 +153,7 @@ class Attachments:
             if not discard:
                 build.state, build.built = "built", built
         if discard:
-            self._engine.discard_tier(*built)
+            self._engine.tiers.discard(*built)
         elif commit:
             try:
                 self.commit(tier)

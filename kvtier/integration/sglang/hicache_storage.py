@@ -14,7 +14,7 @@ backend's model identity (`identity.model_identity`: the served name and a finge
 weights, config.json, revision, dtypes...), read from SGLang's server args in this process; a
 backend that cannot make it refuses to start. The record's token field, which kvtier verifies on
 every read, then carries bytes derived from the page hash. Reads and writes go through kvtier's
-StorageManager, so the tiers (CPU, disk, Redis), write policy and failure handling are kvtier's:
+engine's PageStore, so the tiers (CPU, disk, Redis), write policy and failure handling are kvtier's:
 a tier that fails is a miss, never an error.
 
 Multimodal input: the radix-cache backend keeps requests with images, audio or video out of
@@ -31,7 +31,7 @@ backend, which bypasses multimodal requests one by one) instead.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import cast
 
 import torch
@@ -39,6 +39,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from kvtier.backends.sealing import name_salt
 from kvtier.config import load_config
+from kvtier.engine import PageStore
 from kvtier.errors import ConfigError
 from kvtier.integration.sglang.identity import model_identity
 from kvtier.integration.sglang.sglang_views import (
@@ -53,7 +54,6 @@ from kvtier.integration.sglang.sglang_views import (
 )
 from kvtier.keys import ChunkKey, KeySpace
 from kvtier.memory import KVLayout
-from kvtier.storage import StorageManager
 
 __all__ = ["KVTierHiCacheStorage", "host_page_layout", "hicache_model"]
 
@@ -158,7 +158,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         self._rank = "0of1" if mla else f"{storage_config.tp_rank}of{storage_config.tp_size}"
         if storage_config.pp_size > 1:
             self._rank += f"-pp{storage_config.pp_rank}of{storage_config.pp_size}"
-        self.storage: StorageManager | None = None
+        self.pages: PageStore | None = None
         self.layout: KVLayout | None = None
         self.page_size = 0
         self._space = KeySpace("", "")
@@ -167,7 +167,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         """Bind the host pool; builds the storage stack for its page layout."""
         super().register_mem_pool_host(mem_pool_host)
         layout = host_page_layout(mem_pool_host)
-        if self.storage is not None:
+        if self.pages is not None:
             if layout != self.layout:
                 raise ConfigError("kvtier HiCache storage: host pool layout changed")
             return
@@ -180,7 +180,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         self._space = KeySpace(self._model,
                                f"hicache-{host_layout}-{layout.fingerprint(self.page_size)}",
                                self._rank, self.config.key_namespace)
-        self.storage = StorageManager(self.config, layout)
+        self.pages = PageStore(self.config, layout, self.page_size, writes=self._writes)
         logger.info("kvtier HiCache storage: %s, tiers %s", self._space.prefix,
                     self.config.tiers)
 
@@ -193,49 +193,17 @@ class KVTierHiCacheStorage(HiCacheStorage):
             prev = extra_info.prefix_keys[-1]
         return self._space.opaque_keys(keys, self.page_size, prev, self._name_salt)
 
-    def _ready(self) -> StorageManager:
-        if self.storage is None:
+    def _ready(self) -> PageStore:
+        if self.pages is None:
             raise RuntimeError("kvtier HiCache storage used before register_mem_pool_host()")
-        return self.storage
-
-    # ---- page copies ----
-
-    def _read_pages(self, keys: list[ChunkKey],
-                    dests: Sequence[Callable[[torch.Tensor], object]]) -> int:
-        """Copy the leading hits of `keys` into `dests[i](flat_page)`; returns how many."""
-        storage = self._ready()
-        with storage.get(keys) as objs:
-            for obj, put in zip(objs, dests, strict=False):
-                put(obj.tensor.view(-1))
-            got = len(objs)
-        storage.unstage(keys[:got])  # `local_cpu: false`: in the host pool now, not kept
-        return got
-
-    def _write_pages(self, keys: list[ChunkKey], pages: Sequence[torch.Tensor]) -> bool:
-        storage = self._ready()
-        if not self._writes:  # MLA: one writer for replicated KV
-            return True
-        assert self.layout is not None
-        objs = []
-        try:
-            for page in pages:
-                obj = storage.allocator.allocate(self.layout, self.page_size)
-                if obj is None:
-                    break
-                objs.append(obj)
-                obj.tensor.view(-1).copy_(page.reshape(-1))
-            storage.put(keys[: len(objs)], objs)
-        finally:
-            for obj in objs:
-                obj.release()
-        return len(objs) == len(keys)
+        return self.pages
 
     # ---- HiCacheStorage, zero-copy interface (extra_config "interface_v1": 1) ----
 
     def batch_exists(self, keys: list[str],
                      extra_info: HiCacheStorageExtraInfoView | None = None) -> int:
         """How many leading pages of `keys` some kvtier tier holds."""
-        return self._ready().contains(self._keys(keys, extra_info))
+        return self._ready().held(self._keys(keys, extra_info))
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfoView | None = None) -> list[bool]:
@@ -244,7 +212,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         page = self.page_size
         dests = [lambda flat, i=i: pool.set_from_flat_data_page(int(host_indices[i * page]), flat)
                  for i in range(len(keys))]
-        n = self._read_pages(self._keys(keys, extra_info), dests)
+        n = self._ready().read(self._keys(keys, extra_info), dests)
         return [True] * n + [False] * (len(keys) - n)
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
@@ -254,8 +222,8 @@ class KVTierHiCacheStorage(HiCacheStorage):
         pages = [pool.get_data_page(int(host_indices[i * self.page_size]), flat=True)
                  for i in range(len(keys))]
         ckeys = self._keys(keys, extra_info)
-        ok = self._write_pages(ckeys, pages)
-        stored = len(keys) if ok else self._ready().contains(ckeys)
+        ok = self._ready().write(ckeys, pages)
+        stored = len(keys) if ok else self._ready().held(ckeys)
         return [True] * stored + [False] * (len(keys) - stored)
 
     # ---- HiCacheStorage, copying interface ----
@@ -273,7 +241,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
                 target_location.view(-1).copy_(flat)
                 out.append(target_location)
 
-        self._read_pages(self._keys([key]), [put])
+        self._ready().read(self._keys([key]), [put])
         return out[0] if out else None
 
     def batch_get(self, keys: list[str],
@@ -293,25 +261,25 @@ class KVTierHiCacheStorage(HiCacheStorage):
             target_sizes: Opaque = None) -> bool:
         if value is None:
             raise ValueError("value must be a page tensor")
-        return self._write_pages(self._keys([key]), [value])
+        return self._ready().write(self._keys([key]), [value])
 
     def batch_set(self, keys: list[str], values: Sequence[torch.Tensor] | None = None,
                   target_locations: Opaque = None, target_sizes: Opaque = None) -> bool:
         if values is None or len(values) != len(keys):
             raise ValueError("values must hold one page tensor per key")
-        return self._write_pages(self._keys(keys), list(values))
+        return self._ready().write(self._keys(keys), list(values))
 
     def exists(self, key: str) -> bool:
-        return self._ready().contains(self._keys([key])) == 1
+        return self._ready().held(self._keys([key])) == 1
 
     def clear(self) -> None:
         """Not supported: kvtier tiers may be shared; use `kvtier purge`."""
         logger.info("kvtier HiCache storage: clear() ignored (tiers may be shared)")
 
     def get_stats(self) -> dict[str, float] | None:
-        return None if self.storage is None else self.storage.stats()
+        return None if self.pages is None else self.pages.stats()
 
     def close(self) -> None:
         """Drain background writes and release the tiers. Idempotent."""
-        if self.storage is not None:
-            self.storage.close()
+        if self.pages is not None:
+            self.pages.close()

@@ -14,9 +14,10 @@ from kvtier.backends.sealing import name_salt
 from kvtier.config import Config
 from kvtier.connectors import ops
 from kvtier.connectors.base import KVConnector
+from kvtier.engine.saving import PrefixSaver
+from kvtier.engine.tiers import TierControl
 from kvtier.keys import ChunkKey, KeyBuilder, KeyChain
 from kvtier.memory import KVLayout, MemoryFormat, MemoryObj, lease
-from kvtier.saving import PrefixSaver
 from kvtier.storage import StorageManager
 from kvtier.storage.prefetch import Prefetch
 from kvtier.storage.prefill_prior import ModelShape, prefill_prior
@@ -24,11 +25,9 @@ from kvtier.storage.sessions import session_tag
 
 if TYPE_CHECKING:
     from kvtier.connectors.streams import DeviceCopies
-    from kvtier.storage.guard import GuardedTier
-    from kvtier.storage.writer import TierWriter
 
 # `Prefetch`: the handle `start_prefetch` returns, named here so callers need only this module.
-__all__ = ["CacheEngine", "Prefetch"]
+__all__ = ["CacheEngine", "Prefetch", "TokenIds"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +64,7 @@ class CacheEngine:
         world_size, rank: tensor-parallel position; MHA keys carry the rank, MLA keys do not
             (MLA KV is replicated on every rank, so only rank 0 stores and every rank loads).
         storage: share one StorageManager between engines (default: build one from config).
+            Its lower tiers change at run time through `tiers` (`TierControl`).
         page_size: the engine's KV page size in tokens: tails (`save_tails`) are whole pages.
 
     On a CUDA pool the chunks stay in the pinned host arena and every copy runs on kvtier's own
@@ -115,6 +115,7 @@ class CacheEngine:
         self.storage.counters.declare("tokens_stored", "tokens_loaded", "tokens_requested",
                                       "store_no_memory")
         self._owns_storage = storage is None
+        self.tiers = TierControl(self.storage)  # lower tiers attached and detached at run time
         self._device: DeviceCopies | None = None
         if connector.device.type == "cuda":
             from kvtier.connectors.streams import DeviceCopies
@@ -321,32 +322,6 @@ class CacheEngine:
     def write_backlog(self) -> tuple[int, int]:
         """(lower-tier writes written so far, writes queued now): what a drain reports."""
         return self.storage.writes_done(), self.storage.queued_writes()
-
-    def attach_tier(self, name: str, config: Config | None = None) -> None:
-        """Add a lower tier (`disk`, `redis`) while serving; see `StorageManager.attach_tier`."""
-        self.storage.attach_tier(name, config)
-
-    def detach_tier(self, name: str, *, drain: bool = True, wait: bool = True) -> None:
-        """Remove a lower tier while serving; see `StorageManager.detach_tier`."""
-        self.storage.detach_tier(name, drain=drain, wait=wait)
-
-    # An attach in two halves, so a server builds the tier off its serving thread and
-    # publishes it there: see `StorageManager.build_tier` / `publish_tier` / `discard_tier`.
-
-    def build_tier(self, name: str, config: Config | None = None,
-                   ) -> tuple[GuardedTier, TierWriter]:
-        return self.storage.build_tier(name, config)
-
-    def publish_tier(self, tier: GuardedTier, writer: TierWriter) -> None:
-        self.storage.publish_tier(tier, writer)
-
-    def discard_tier(self, tier: GuardedTier, writer: TierWriter) -> None:
-        self.storage.discard_tier(tier, writer)
-
-    @property
-    def tier_names(self) -> list[str]:
-        """The attached tiers' names, fastest first (the CPU or staging tier first)."""
-        return [t.name for t in self.storage.tiers]
 
     def chunk_keys(self, token_ids: TokenIds, salt: str = "") -> list[ChunkKey]:
         """The keys `store` puts `token_ids` under (whole chunks, then the partial one per

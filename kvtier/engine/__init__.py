@@ -1,0 +1,15 @@
+"""The engine wing: what the serving-engine integrations call, and nothing else of kvtier.
+
+Two doors: `CacheEngine` (store and load KV by token prefix, from and into a connector's pool)
+with its lower tiers at run time as `CacheEngine.tiers` (`TierControl`), and `PageStore` (pages
+of a host pool stored by key: SGLang's HiCache L3 API). Both sit on the storage manager, which
+the integrations never reach themselves.
+"""
+
+from __future__ import annotations
+
+from kvtier.engine.cache import CacheEngine, Prefetch, TokenIds
+from kvtier.engine.pages import PageStore
+from kvtier.engine.tiers import TierControl
+
+__all__ = ["CacheEngine", "PageStore", "Prefetch", "TierControl", "TokenIds"]

@@ -1,0 +1,82 @@
+"""`PageStore`: pages of a serving engine's host pool stored by key, for SGLang's HiCache L3
+(`integration/sglang/hicache_storage.py`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kvtier.config import Config
+from kvtier.keys import ChunkKey
+from kvtier.memory import KVLayout
+from kvtier.storage import StorageManager
+
+__all__ = ["PageStore"]
+
+
+class PageStore:
+    """Pages of `page_size` tokens in `layout`, stored under the caller's keys in the tiers
+    `config` names (CPU, disk, Redis: their write policy and failure handling included).
+
+    Keys come in prefix order, as everywhere in kvtier: `held` and `read` stop at the first
+    miss. Reads copy into the caller's destinations and writes copy from the caller's page
+    tensors; no arena object outlives a call. With `writes` false (a replica of MLA KV that
+    another rank writes) `write` stores nothing and reports success.
+    """
+
+    def __init__(self, config: Config, layout: KVLayout, page_size: int, *,
+                 writes: bool = True):
+        self.layout = layout
+        self.page_size = page_size
+        self._writes = writes
+        self._storage = StorageManager(config, layout)
+
+    @property
+    def tier_names(self) -> list[str]:
+        return [t.name for t in self._storage.tiers]
+
+    def held(self, keys: Sequence[ChunkKey]) -> int:
+        """How many leading pages of `keys` some tier holds."""
+        return self._storage.contains(keys)
+
+    def read(self, keys: Sequence[ChunkKey],
+             dests: Sequence[Callable[[torch.Tensor], object]]) -> int:
+        """Copy the leading hits of `keys` into `dests[i](flat_page)`; returns how many. A
+        staging tier (`local_cpu: false`) keeps nothing of them afterwards."""
+        with self._storage.get(keys) as objs:
+            for obj, put in zip(objs, dests, strict=False):
+                put(obj.tensor.view(-1))
+            got = len(objs)
+        self._storage.unstage(keys[:got])
+        return got
+
+    def write(self, keys: Sequence[ChunkKey], pages: Sequence[torch.Tensor]) -> bool:
+        """Store `pages[i]` under `keys[i]` (lower tiers in the background); False when the
+        arena had no room for every page (the leading ones that fit are stored)."""
+        if not self._writes:
+            return True
+        objs = []
+        try:
+            for page in pages:
+                obj = self._storage.allocator.allocate(self.layout, self.page_size)
+                if obj is None:
+                    break
+                objs.append(obj)
+                obj.tensor.view(-1).copy_(page.reshape(-1))
+            self._storage.put(keys[: len(objs)], objs)
+        finally:
+            for obj in objs:
+                obj.release()
+        return len(objs) == len(keys)
+
+    def arena_bytes_used(self) -> int:
+        """Bytes of the arena in use (between calls: what the CPU or staging tier keeps)."""
+        return self._storage.allocator.used_bytes
+
+    def stats(self) -> dict[str, float]:
+        return self._storage.stats()
+
+    def close(self) -> None:
+        """Drain background writes and release the tiers. Idempotent."""
+        self._storage.close()
