@@ -18,7 +18,7 @@ $(BIN)/python:
 # under ~/.cache/kvtier); compile it now so no test or benchmark pays for it.
 setup: $(BIN)/python
 	$(BIN)/pip install -q -e '.[dev]'
-	$(BIN)/python -c "from kvtier.connectors import ops; print('kvtier copy kernel:', ops.prepare())"
+	$(BIN)/python -c "from kvtier.kernels import ops; print('kvtier copy kernel:', ops.prepare())"
 
 # kvtier is not on the package index: this builds dist/kvtier-<version>-py3-none-any.whl from the
 # checkout (sources only: the kernel compiles on first use against the installed torch).

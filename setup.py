@@ -1,9 +1,9 @@
 """Package metadata lives in pyproject.toml; this file only serves the optional ahead-of-time
 build of the copy kernels.
 
-By default kvtier installs as pure Python plus the kernel sources (`kvtier/csrc/`), and the
+By default kvtier installs as pure Python plus the kernel sources (`kvtier/kernels/csrc/`), and the
 kernels are compiled on first use against whatever torch is installed (see
-`kvtier/connectors/build.py`): `pip install kvtier` works with build isolation. To compile at
+`kvtier/kernels/build.py`): `pip install kvtier` works with build isolation. To compile at
 install time instead (e.g. for an image without a compiler at run time):
 
     KVTIER_BUILD_EXT=1 pip install --no-build-isolation .
@@ -27,10 +27,10 @@ def _aot_extension() -> dict[str, object]:
     except ImportError:
         sys.exit("kvtier: KVTIER_BUILD_EXT=1 needs torch installed; use "
                  "`pip install --no-build-isolation`")
-    sources = ["kvtier/csrc/kv_ops.cpp", "kvtier/csrc/kv_module.cpp"]
+    sources = ["kvtier/kernels/csrc/kv_ops.cpp", "kvtier/kernels/csrc/kv_module.cpp"]
     flags = ["-O3", "-g0", "-fopenmp"]
     if torch.version.cuda is not None and CUDA_HOME is not None:
-        ext = CUDAExtension("kvtier._C", [*sources, "kvtier/csrc/kv_ops_cuda.cu"],
+        ext = CUDAExtension("kvtier._C", [*sources, "kvtier/kernels/csrc/kv_ops_cuda.cu"],
                             define_macros=[("KVTIER_WITH_CUDA", None)],
                             extra_compile_args={"cxx": flags, "nvcc": ["-O3"]},
                             extra_link_args=["-fopenmp"])

@@ -4,7 +4,7 @@ Shape: Llama-3-8B per TP rank (32 layers x K and V, 8 KV heads x 128 dims, bf16)
 chunk = 32 MiB, random slots in a pool of 16k slots (`--contiguous`: one run of consecutive
 slots, as a fresh server's allocator hands a request; `--page-size N`: random pages of N
 consecutive slots, as SGLang's paged allocator hands them). Implementations: `ops` (the public
-`kvtier.connectors.ops` functions, checks included, with the kernel they dispatch to), `cpp`
+`kvtier.kernels.ops` functions, checks included, with the kernel they dispatch to), `cpp`
 (the compiled kernels called directly), `torch` (the reference) and `naive` (a per-layer
 Python loop with advanced indexing). `engine` stores the chunk from the pool into a CPU tier
 and retrieves it back through `kvtier.engine.CacheEngine` (keys, lookup, arena, connector,
@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from kvtier.connectors import build, hugepages, ops
+from kvtier.kernels import build, hugepages, ops
 
 _C = build.load()  # the compiled kernels; fails loudly when they cannot be built
 

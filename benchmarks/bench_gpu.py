@@ -33,10 +33,11 @@ import torch
 
 from benchmarks.common import write_results
 from kvtier.config import Config
-from kvtier.connectors import KVConnector, SGLangMHAConnector, SGLangMLAConnector, ops
-from kvtier.connectors.host_copy import gather_host, scatter_host
+from kvtier.connectors import KVConnector, SGLangMHAConnector, SGLangMLAConnector
 from kvtier.connectors.staging import Staging, copy_path
 from kvtier.engine import CacheEngine
+from kvtier.kernels import ops
+from kvtier.kernels.host_copy import gather_host, scatter_host
 from kvtier.memory import MemoryAllocator
 
 CHUNK = 256

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from kvtier.config.names import NAMESPACE_PATTERN
-from kvtier.connectors import ops
+from kvtier.kernels import ops
 
 __all__ = ["ChunkKey", "KeyBuilder", "KeyChain", "KeySpace", "encode_tokens", "stub_key",
            "redis_names", "key_of_redis_name", "KEY_VERSION", "ALL_KEYS", "model_component",

@@ -24,7 +24,8 @@ REPO = Path(__file__).resolve().parent.parent
 ROUND_TRIP = textwrap.dedent("""
     import torch
     from kvtier import CacheEngine, KVLayout, load_config
-    from kvtier.connectors import SGLangMHAConnector, ops
+    from kvtier.connectors import SGLangMHAConnector
+    from kvtier.kernels import ops
 
     layout = KVLayout.mha(num_layers=4, num_kv_heads=2, head_dim=16, dtype=torch.bfloat16)
     pool = [torch.randn(300, 2, 16).to(torch.bfloat16) for _ in range(8)]

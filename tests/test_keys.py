@@ -156,7 +156,7 @@ def test_a_request_salt_gives_its_own_keys() -> None:
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 def test_the_kernels_token_bytes_match_the_numpy_path(dtype: torch.dtype,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvtier.connectors import ops
+    from kvtier.kernels import ops
 
     assert ops.prepare() != "torch"  # the compiled helper, then the fallback without it
     top = 2**32 - 1 if dtype == torch.int64 else 2**31 - 1
@@ -174,7 +174,7 @@ def test_the_kernels_token_bytes_match_the_numpy_path(dtype: torch.dtype,
 
 
 def test_tensors_the_kernel_helper_does_not_take_go_the_numpy_way() -> None:
-    from kvtier.connectors import ops
+    from kvtier.kernels import ops
 
     ops.prepare()
     assert ops.token_bytes(torch.arange(4, dtype=torch.int16)) is None

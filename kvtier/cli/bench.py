@@ -35,9 +35,10 @@ from kvtier.backends.disk import files as rf
 from kvtier.config import Config
 from kvtier.config.names import REDIS
 from kvtier.config.tiers import lower_tier_names
-from kvtier.connectors import SGLangMHAConnector, hugepages, ops
+from kvtier.connectors import SGLangMHAConnector, hugepages
 from kvtier.engine import CacheEngine
 from kvtier.errors import KVTierError
+from kvtier.kernels import ops
 from kvtier.keys import ChunkKey, KeyBuilder
 from kvtier.memory import KVLayout, MemoryAllocator
 

@@ -123,7 +123,7 @@ def _info(args: argparse.Namespace) -> int:
     import torch
 
     from kvtier.backends import BackendContext, create_backend
-    from kvtier.connectors import ops
+    from kvtier.kernels import ops
     from kvtier.memory import KVLayout, MemoryAllocator
 
     cfg = load_config(args.file)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.connectors import host_copy, ops
+from kvtier.kernels import host_copy, ops
 from kvtier.memory import KVLayout, MemoryObj
 
 if TYPE_CHECKING:

@@ -6,8 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtier.connectors import ops
 from kvtier.connectors.base import KVConnector, check_layer_buffers
+from kvtier.kernels import ops
 from kvtier.memory import KVLayout, MemoryObj
 
 __all__ = ["SGLangMLAConnector"]

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtier.connectors import host_copy
 from kvtier.errors import ConfigError
+from kvtier.kernels import host_copy
 
 __all__ = ["Staging", "STAGE_BYTES", "copy_path", "groups", "contiguous_runs"]
 

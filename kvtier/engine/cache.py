@@ -12,10 +12,10 @@ import torch
 
 from kvtier.backends.sealing import name_salt
 from kvtier.config import Config
-from kvtier.connectors import ops
 from kvtier.connectors.base import KVConnector
 from kvtier.engine.saving import PrefixSaver
 from kvtier.engine.tiers import TierControl
+from kvtier.kernels import ops
 from kvtier.keys import ChunkKey, KeyBuilder, KeyChain
 from kvtier.memory import KVLayout, MemoryFormat, MemoryObj, lease
 from kvtier.storage import StorageManager
@@ -24,7 +24,7 @@ from kvtier.storage.prefill_prior import ModelShape, prefill_prior
 from kvtier.storage.sessions import session_tag
 
 if TYPE_CHECKING:
-    from kvtier.connectors.streams import DeviceCopies
+    from kvtier.kernels.streams import DeviceCopies
 
 # `Prefetch`: the handle `start_prefetch` returns, named here so callers need only this module.
 __all__ = ["CacheEngine", "Prefetch", "TokenIds"]
@@ -68,7 +68,7 @@ class CacheEngine:
         page_size: the engine's KV page size in tokens: tails (`save_tails`) are whole pages.
 
     On a CUDA pool the chunks stay in the pinned host arena and every copy runs on kvtier's own
-    CUDA streams (`connectors.streams`): `store` waits for its copy on the calling thread (call
+    CUDA streams (`kernels.streams`): `store` waits for its copy on the calling thread (call
     it off the serving thread), `retrieve` never waits: the caller's current stream waits for
     the loaded bytes before the work enqueued next.
 
@@ -118,7 +118,7 @@ class CacheEngine:
         self.tiers = TierControl(self.storage)  # lower tiers attached and detached at run time
         self._device: DeviceCopies | None = None
         if connector.device.type == "cuda":
-            from kvtier.connectors.streams import DeviceCopies
+            from kvtier.kernels.streams import DeviceCopies
 
             self._device = DeviceCopies(connector, self.storage.counters)
         self._saver = PrefixSaver(self.storage, layout, connector, self._device, self._writes_down)

@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvtier.connectors.base import KVConnector
-from kvtier.connectors.host_copy import STATUS_BAD
+from kvtier.kernels.host_copy import STATUS_BAD
 from kvtier.keys import ChunkKey
 from kvtier.memory import KVLayout, MemoryObj, lease
 from kvtier.storage import StorageManager
 
 if TYPE_CHECKING:
-    from kvtier.connectors.streams import DeviceCopies
+    from kvtier.kernels.streams import DeviceCopies
 
 __all__ = ["PrefixSaver"]
 

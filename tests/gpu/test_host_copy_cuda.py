@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.connectors import ops
-from kvtier.connectors.host_copy import STATUS_BAD, STATUS_SKIP, gather_host, scatter_host
-from tests.connectors.test_ops import DTYPES, random_rows
+from kvtier.kernels import ops
+from kvtier.kernels.host_copy import STATUS_BAD, STATUS_SKIP, gather_host, scatter_host
 from tests.gpu import cuda
+from tests.kernels.test_ops import DTYPES, random_rows
 
 pytestmark = cuda
 

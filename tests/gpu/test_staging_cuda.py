@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.connectors import ops, staging
-from kvtier.connectors.host_copy import STATUS_BAD, STATUS_SKIP
+from kvtier.connectors import staging
+from kvtier.kernels import ops
+from kvtier.kernels.host_copy import STATUS_BAD, STATUS_SKIP
 from tests.gpu import cuda
 from tests.gpu.test_host_copy_cuda import SLOTS, pinned, pool, same, status_for
 

@@ -93,7 +93,7 @@ def _file_digest(path: str) -> str:
 
 def _cache_file(root: str, cache: Path | None) -> Path:
     if cache is None:
-        from kvtier.connectors.build import cache_dir
+        from kvtier.kernels.build import cache_dir
 
         cache = cache_dir() / "weights"
     return cache / (hashlib.sha256(root.encode()).hexdigest()[:32] + ".json")

@@ -37,7 +37,7 @@ def test_good_slot_vectors_pass_and_give_their_smallest_slot() -> None:
 
 
 def test_pool_layers_are_checked_once_when_the_tuple_is_made() -> None:
-    from kvtier.connectors import ops
+    from kvtier.kernels import ops
 
     good = [torch.zeros(8, 16, dtype=torch.float16) for _ in range(2)]
     with pytest.raises(ValueError, match=r"layers\[1\]"):
@@ -52,7 +52,7 @@ def test_pool_layers_are_checked_once_when_the_tuple_is_made() -> None:
 
 @pytest.mark.parametrize("op", ["gather", "scatter"])
 def test_a_non_tensor_argument_is_named_even_where_the_kernel_checks(op: str) -> None:
-    from kvtier.connectors import ops
+    from kvtier.kernels import ops
 
     assert ops.prepare() != "torch"  # the compiled kernel, which checks tensors itself
     layers, slots = [torch.zeros(8, 4) for _ in range(2)], torch.tensor([0, 1])
@@ -64,7 +64,7 @@ def test_a_non_tensor_argument_is_named_even_where_the_kernel_checks(op: str) ->
 
 
 def test_the_kernels_slot_bounds_agree_with_torch(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvtier.connectors import ops
+    from kvtier.kernels import ops
 
     assert ops.prepare() != "torch"
     slots = torch.randint(-1, 64, (300,), generator=torch.Generator().manual_seed(3))

@@ -28,9 +28,9 @@ from types import ModuleType
 import torch
 
 from kvtier.background import copy_threads
-from kvtier.connectors import checks
-from kvtier.connectors.checks import SKIP_SLOT, CheckedLayers
 from kvtier.errors import ConfigError
+from kvtier.kernels import checks
+from kvtier.kernels.checks import SKIP_SLOT, CheckedLayers
 
 __all__ = ["gather", "scatter", "gather_chunks", "scatter_chunks", "prepare", "kernel_name",
            "reference_gather", "reference_scatter", "CheckedLayers", "slot_bounds", "token_bytes",
@@ -186,7 +186,7 @@ def prepare() -> str:
     if choice != "torch":
         with _prepare_lock:
             if _ext is None and _ext_error is None:
-                from kvtier.connectors import build
+                from kvtier.kernels import build
 
                 start = time.monotonic()
                 try:
@@ -258,7 +258,7 @@ def _kernel(device: torch.device) -> ModuleType | None:
     if ext is None:
         if choice == "cpp":
             raise ConfigError(f"KVTIER_KERNEL=cpp but the C++ kernel is not loaded: "
-                              f"{_ext_error or 'call kvtier.connectors.ops.prepare() first'}")
+                              f"{_ext_error or 'call kvtier.kernels.ops.prepare() first'}")
         _log_once(_fallback_reason())
         return None
     if device.type == "cuda" and not ext.WITH_CUDA:
@@ -275,7 +275,7 @@ def _loaded_ext() -> ModuleType | None:
     serving threads, where a compile would stall every request for seconds)."""
     global _ext, _ext_error, _probed
     if _ext is None and not _probed:
-        from kvtier.connectors import build
+        from kvtier.kernels import build
 
         # Never wait here for a `prepare()` compiling on another thread: use the reference
         # until it is done.
@@ -298,7 +298,7 @@ def _fallback_reason() -> str:
         return (f"the C++ copy kernel is not available ({_ext_error}); using the PyTorch "
                 f"reference (slower)")
     return ("the C++ copy kernel is not built yet (copies never compile it); using the PyTorch "
-            "reference (slower) until kvtier.connectors.ops.prepare() runs")
+            "reference (slower) until kvtier.kernels.ops.prepare() runs")
 
 
 def _summary(exc: BaseException) -> str:

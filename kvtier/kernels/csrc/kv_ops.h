@@ -82,7 +82,7 @@ std::pair<int64_t, int64_t> value_bounds(const at::Tensor& values);
 // releases the GIL there, so no check ever throws without it (see kv_module.cpp).
 using Checked = std::function<void()>;
 
-// The copies (kv_ops.cpp; arguments as in `kvtier.connectors.ops` and `host_copy`). Each checks
+// The copies (kv_ops.cpp; arguments as in `kvtier.kernels.ops` and `host_copy`). Each checks
 // every argument before a byte is written, throwing std::invalid_argument (KV_CHECK) for a bad
 // one, then calls `checked` and copies.
 void gather(const Checked& checked, const std::vector<at::Tensor>& layers,

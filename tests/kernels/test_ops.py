@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from kvtier.background import copy_threads, lower_priority
-from kvtier.connectors import build, ops
 from kvtier.errors import ConfigError
+from kvtier.kernels import build, ops
 from tests.helpers import same_bytes
 
 _C = build.load()

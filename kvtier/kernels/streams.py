@@ -26,8 +26,8 @@ from typing import Protocol
 import torch
 
 from kvtier.connectors.base import KVConnector
-from kvtier.connectors.host_copy import STATUS_BAD
 from kvtier.connectors.staging import Staging, copy_path
+from kvtier.kernels.host_copy import STATUS_BAD
 from kvtier.memory import MemoryObj
 from kvtier.metrics import Counters, RateLimitedLog
 

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.connectors import build
+from kvtier.kernels import build
 
 REPO = Path(__file__).resolve().parents[2]
 
 COPY_WITHOUT_PREPARE = textwrap.dedent("""
     import threading
     import torch
-    from kvtier.connectors import build, ops
+    from kvtier.kernels import build, ops
 
     layers = [torch.randn(10, 4) for _ in range(3)]
     out = torch.empty(3, 2, 4)
@@ -70,7 +70,7 @@ def test_every_python_of_one_environment_uses_one_build(tmp_path: Path) -> None:
         if alias.exists():
             names.append(alias)
     env = {**os.environ, "KVTIER_CACHE_DIR": str(tmp_path)}
-    dirs = {subprocess.run([str(exe), "-c", "from kvtier.connectors import build; "
+    dirs = {subprocess.run([str(exe), "-c", "from kvtier.kernels import build; "
                             "print(build.build_dir())"], env=env, cwd=REPO, capture_output=True,
                            text=True, timeout=120, check=True).stdout.strip() for exe in names}
     assert len(names) >= 2 and len(dirs) == 1, dirs

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.connectors import host_copy, ops
-from kvtier.connectors.host_copy import STATUS_BAD, STATUS_SKIP
 from kvtier.errors import ConfigError
-from tests.connectors.test_ops import DTYPES, make_pool, random_rows
+from kvtier.kernels import host_copy, ops
+from kvtier.kernels.host_copy import STATUS_BAD, STATUS_SKIP
+from tests.kernels.test_ops import DTYPES, make_pool, random_rows
 
 N, SLOTS, HIDDEN = 4, 64, 24
 

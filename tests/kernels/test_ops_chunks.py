@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.connectors import build, ops
-from tests.connectors.test_ops import make_pool, random_rows
+from kvtier.kernels import build, ops
 from tests.helpers import same_bytes
+from tests.kernels.test_ops import make_pool, random_rows
 
 _C = build.load()
 

@@ -1,4 +1,4 @@
-"""The compiled copy kernels (`kvtier/csrc/`), built once per build recipe, before serving.
+"""The compiled copy kernels (`kvtier/kernels/csrc/`), built once per build recipe, before serving.
 
 A wheel of kvtier carries the C++/CUDA sources, not a binary: a binary would be tied to one torch
 version and C++ ABI, and an isolated pip build would compile it against a torch it then throws
@@ -10,7 +10,7 @@ a changed source or compiler gets a new directory instead of a silent in-place r
 
 `load(compile=False)` only loads what is built (milliseconds); `load()` compiles when needed
 (seconds) and logs it with the thread and the duration. The serving path never compiles: the
-engine calls `connectors.ops.prepare()` when it is built, before the server takes requests
+engine calls `kernels.ops.prepare()` when it is built, before the server takes requests
 (see `ops.py`), and `make setup` builds ahead of time.
 
 Several processes may start at once (one per TP rank, several servers): an exclusive `flock`
@@ -41,7 +41,7 @@ __all__ = ["load", "cache_dir", "build_dir", "SOURCE_DIR", "Build", "builds"]
 
 logger = logging.getLogger(__name__)
 
-SOURCE_DIR = Path(__file__).resolve().parent.parent / "csrc"
+SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 # at::parallel_for is header-only: without OpenMP it silently runs on one thread.
 CXX_FLAGS = ("-O3", "-g0", "-fopenmp")
 LD_FLAGS = ("-fopenmp",)

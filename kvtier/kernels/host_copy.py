@@ -24,8 +24,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtier.connectors import checks, ops
 from kvtier.errors import ConfigError
+from kvtier.kernels import checks, ops
 
 __all__ = ["gather_host", "scatter_host", "STATUS_SKIP", "STATUS_BAD", "copy_blocks",
            "reference_gather_host", "reference_scatter_host"]
