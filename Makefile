@@ -57,7 +57,7 @@ sglang-env: setup
 	$(BIN)/python -m kvtier.demo.smollm2
 
 lint: setup
-	$(BIN)/ruff check kvtier tests benchmarks examples sglang_cpu
+	$(BIN)/ruff check kvtier tests benchmarks harness examples sglang_cpu
 	$(BIN)/mypy
 
 test: setup redis-server sglang-env lint

@@ -58,6 +58,8 @@ import yaml
 
 from benchmarks.adaptive_report import CaseRun, Options, Request, kv_bytes_per_token, report
 from benchmarks.common import work_dir, write_results
+from harness.delay_proxy import DelayProxy
+from harness.redis import RedisProcess
 from kvtier.config import ConfigError, load_config
 from kvtier.demo.models import cached_llama
 from kvtier.demo.runner import FULL_MODEL, SMALL_MODEL
@@ -69,8 +71,6 @@ from kvtier.demo.server import (
     gpu_available,
     metrics_text,
 )
-from tests.delay_proxy import DelayProxy
-from tests.support.redis import RedisProcess
 
 MODELS = {"small": SMALL_MODEL, "full": FULL_MODEL}
 POLICIES = ("adaptive", "timeout", "wait_complete", "best_effort")

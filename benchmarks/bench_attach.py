@@ -30,11 +30,11 @@ import numpy as np
 import yaml
 
 from benchmarks.common import work_dir, write_results
+from harness.delay_proxy import DelayProxy
+from harness.redis import RedisProcess
 from kvtier.cli import main as kvtier_main
 from kvtier.demo.models import LlamaSpec, make_llama
 from kvtier.demo.server import CPU_FLAGS, SGLangServer, cpu_shims_dir, gpu_available
-from tests.delay_proxy import DelayProxy
-from tests.support.redis import RedisProcess
 
 ADMIN = "bench-attach-admin"
 VOCAB = range(4, 430)  # ids every generated tokenizer has

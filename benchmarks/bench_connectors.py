@@ -39,7 +39,8 @@ from typing import Any
 
 import torch
 
-from kvtier.kernels import build, hugepages, ops
+from kvtier.connectors import hugepages
+from kvtier.kernels import build, ops
 
 _C = build.load()  # the compiled kernels; fails loudly when they cannot be built
 

@@ -43,10 +43,10 @@ import yaml
 from benchmarks.adaptive_report import kv_bytes_per_token, p99
 from benchmarks.bench_adaptive import _prompt, scrape_metrics
 from benchmarks.common import work_dir, write_results
+from harness.redis import RedisProcess
 from kvtier.demo.models import cached_llama
 from kvtier.demo.runner import FULL_MODEL, SMALL_MODEL
 from kvtier.demo.server import CPU_FLAGS, SGLangServer, cpu_shims_dir, free_port, gpu_available
-from tests.support.redis import RedisProcess
 
 MODELS = {"small": SMALL_MODEL, "full": FULL_MODEL}
 ROWS = ("recompute", "device", "cpu", "disk", "redis")

@@ -29,6 +29,7 @@ import yaml
 
 from benchmarks.adaptive_report import p99
 from benchmarks.common import work_dir, write_results
+from harness.redis import RedisProcess
 from kvtier.demo.quality import (
     KL_LIMIT,
     LOGPROB_TOLERANCE,
@@ -41,7 +42,6 @@ from kvtier.demo.quality import (
 from kvtier.demo.server import CPU_FLAGS, SGLangServer, cpu_shims_dir
 from kvtier.demo.smollm2 import cached_smollm2
 from kvtier.integration.sglang.cpu import BIND_ENV, thread_binds
-from tests.support.redis import RedisProcess
 
 PATHS = ("miss", "cpu", "disk", "redis")
 

@@ -33,10 +33,10 @@ from typing import Any
 
 import yaml
 
+from harness.delay_proxy import DelayProxy
+from harness.redis import RedisProcess
+from harness.sglang_server import SGLangServer
 from kvtier.demo.models import make_llama
-from tests.delay_proxy import DelayProxy
-from tests.support.redis import RedisProcess
-from tests.support.sglang_server import SGLangServer
 
 RESULTS = Path(__file__).resolve().parent / "results"
 FLAGS = ("--context-length", "8192", "--max-total-tokens", "16384")

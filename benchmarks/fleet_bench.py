@@ -22,6 +22,7 @@ from benchmarks.serving_client import CLIENT_TIMEOUT_S, client_env, parse_result
 from benchmarks.serving_client import client_command as serving_command
 from benchmarks.serving_types import Options as ServingOptions
 from benchmarks.serving_types import RunResult
+from harness.redis import RedisCluster, RedisProcess, cluster_node_args, create_cluster
 from kvtier.demo.models import LlamaSpec, make_llama
 from kvtier.demo.server import (
     CPU_FLAGS,
@@ -31,7 +32,6 @@ from kvtier.demo.server import (
     gpu_available,
     metrics_text,
 )
-from tests.support.redis import RedisCluster, RedisProcess, cluster_node_args, create_cluster
 
 FULL_HIT = 0.8  # a probe is a hit when at least this fraction of its prompt was cached
 RESUME_STREAK = 3  # hits resume when this many probes in a row are hits

@@ -25,9 +25,9 @@ from benchmarks.serving_procs import (
 from benchmarks.serving_report import row
 from benchmarks.serving_timeline import Sampler, forward_totals, in_window
 from benchmarks.serving_types import KVTIER_PHASES, NOREUSE_PHASES, PAIRS, Options, RunResult
+from harness.redis import RedisProcess
 from kvtier.demo.models import LlamaSpec, make_llama
 from kvtier.demo.server import CPU_FLAGS, SGLangServer, cpu_shims_dir, free_port, gpu_available
-from tests.support.redis import RedisProcess
 
 _COMPILED = re.compile(r"kvtier: compiled the C\+\+ copy kernel in ([\d.]+)s")
 _LOADED = re.compile(r"kvtier: loaded (\d+) tokens")

@@ -1,7 +1,7 @@
 """Shared fixtures: real redis-server processes on free loopback ports.
 
 The process helpers (`RedisProcess`, `RedisCluster`, `create_cluster`, `free_port`, ...) live
-in tests/support/redis.py, which benchmarks import too: import them from there. Without
+in harness/redis.py, which benchmarks import too: import them from there. Without
 `redis-server` on PATH these fixtures fail (they never skip): install it with
 `apt-get install redis-server`.
 """
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.support.redis import (
+from harness.redis import (
     RedisCluster,
     RedisProcess,
     RedisSentinel,

@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from tests.delay_proxy import DelayProxy
-from tests.support.redis import RedisProcess
+from harness.delay_proxy import DelayProxy
+from harness.redis import RedisProcess
 
 MB = 1_000_000
 RATE = 4 * MB  # bytes/s

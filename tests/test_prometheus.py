@@ -14,12 +14,12 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness.redis import RedisProcess, free_port
 from kvtier import prometheus
 from kvtier.config import Config
 from kvtier.connectors import SGLangMHAConnector
 from kvtier.engine import CacheEngine
 from tests.helpers import SMALL_MHA, os_thread_name
-from tests.support.redis import RedisProcess, free_port
 
 CHUNK = 16
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import xxhash
 
+from harness.redis import RedisProcess
 from kvtier.backends.base import BackendContext, StorageBackend
 from kvtier.backends.disk import DiskBackend
 from kvtier.backends.disk.files import file_name, record_path
@@ -19,7 +20,6 @@ from kvtier.config import Config
 from kvtier.keys import ChunkKey, redis_names
 from kvtier.memory import KVLayout, MemoryAllocator
 from tests.helpers import SMALL_MHA
-from tests.support.redis import RedisProcess
 
 NEW = b"this month's secret, 32 bytes..."
 OLD = b"last month's secret, 32 bytes..."

@@ -8,6 +8,7 @@ from collections.abc import Callable
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from harness.redis import RedisCluster, RedisProcess, RedisSentinel
 from kvtier.backends import BackendContext, StorageBackend
 from kvtier.backends.disk import DiskBackend
 from kvtier.backends.disk.probe import scratch_files
@@ -15,7 +16,6 @@ from kvtier.backends.redis import RedisBackend
 from kvtier.backends.redis import probe as redis_probe
 from kvtier.config.names import CPU
 from tests.helpers import make_keys
-from tests.support.redis import RedisCluster, RedisProcess, RedisSentinel
 
 NBYTES = 300_000  # more than one read buffer, not a multiple of any
 

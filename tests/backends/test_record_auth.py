@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.redis import RedisProcess
 from kvtier.backends.base import BackendContext, StorageBackend
 from kvtier.backends.disk import DiskBackend
 from kvtier.backends.redis import RedisBackend
@@ -18,7 +19,6 @@ from kvtier.config import Config
 from kvtier.errors import ConfigError
 from kvtier.memory import MemoryAllocator, lease
 from tests.helpers import SMALL_MHA, make_keys, put_random, same_bytes
-from tests.support.redis import RedisProcess
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 

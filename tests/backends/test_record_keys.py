@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.redis import RedisProcess
 from kvtier.backends import record
 from kvtier.backends.base import StorageBackend
 from kvtier.backends.redis import backend as redis_backend
@@ -30,7 +31,6 @@ from tests.backends.keyed import (
 )
 from tests.backends.redis_helpers import MID
 from tests.helpers import make_keys, put_random, same_bytes
-from tests.support.redis import RedisProcess
 
 ID = {s: RecordKeys([s]).current.key_id for s in (NEW, OLD, OTHER)}
 

@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.redis import RedisProcess
 from kvtier.backends import record
 from kvtier.backends.base import StorageBackend
 from kvtier.keys import ChunkKey, KeyBuilder
 from kvtier.memory import KVLayout, MemoryObj, lease
 from tests.backends.keyed import NEW, Store, Tiers, close_all, tier_factory
 from tests.helpers import same_bytes
-from tests.support.redis import RedisProcess
 
 VOCAB, HIDDEN, KV_HEADS, HEAD_DIM = 512, 64, 2, 16
 LAYOUT = KVLayout.mha(num_layers=2, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.redis import RedisProcess
 from kvtier.backends.base import BackendContext, StorageBackend
 from kvtier.backends.disk import DiskBackend
 from kvtier.backends.record import VERSION
@@ -18,7 +19,6 @@ from kvtier.config import Config
 from kvtier.keys import redis_names
 from kvtier.memory import MemoryAllocator, lease
 from tests.helpers import SMALL_MHA, make_keys, put_random, same_bytes
-from tests.support.redis import RedisProcess
 
 VERSION_AT = 4  # after the 4-byte magic: a little-endian u16
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.redis import RedisProcess
 from kvtier.backends.redis import RedisBackend
 from kvtier.backends.redis.io import ReplyReader, redis_keys
 from kvtier.errors import ConfigError
@@ -20,7 +21,6 @@ from kvtier.memory import lease
 from tests.backends.conftest import redis_backend
 from tests.backends.redis_helpers import MID, SEGMENT_MB, _check, _put
 from tests.helpers import make_keys, run_threads, same_bytes
-from tests.support.redis import RedisProcess
 
 # ---- configuration -----------------------------------------------------------------------
 

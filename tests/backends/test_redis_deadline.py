@@ -11,13 +11,13 @@ from collections.abc import Callable
 
 import pytest
 
+from harness.delay_proxy import DelayProxy
+from harness.redis import RedisProcess
 from kvtier.backends.redis import RedisBackend
 from kvtier.memory import lease
 from tests.backends.conftest import SMALL_MHA
 from tests.backends.disk_helpers import BIG
-from tests.delay_proxy import DelayProxy
 from tests.helpers import make_keys, make_obj
-from tests.support.redis import RedisProcess
 
 
 class DripProxy:

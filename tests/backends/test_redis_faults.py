@@ -7,13 +7,13 @@ import threading
 import time
 from collections.abc import Callable
 
+from harness.redis import RedisCluster, RedisProcess, RedisSentinel
 from kvtier.backends.redis import RedisBackend
 from kvtier.backends.redis.io import redis_keys
 from kvtier.keys import ChunkKey
 from kvtier.memory import MemoryObj
 from tests.backends.redis_helpers import MID, RECOVERY_DEADLINE, SEGMENT_MB, _check, _hits, _put
 from tests.helpers import SMALL_MHA, make_keys, make_obj
-from tests.support.redis import RedisCluster, RedisProcess, RedisSentinel
 
 # ---- topologies --------------------------------------------------------------------------
 

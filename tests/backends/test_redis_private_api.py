@@ -9,9 +9,9 @@ from __future__ import annotations
 import redis
 from redis.cluster import ClusterNode, NodesManager, RedisCluster
 
+from harness.redis import RedisCluster as ClusterProcesses
+from harness.redis import RedisProcess
 from kvtier.backends.redis.io import ReplyReader, raw_socket
-from tests.support.redis import RedisCluster as ClusterProcesses
-from tests.support.redis import RedisProcess
 
 VERSION = f"redis-py {redis.__version__}"
 

@@ -10,13 +10,13 @@ from collections.abc import Callable
 
 import pytest
 
+from harness.redis import RedisTLSCluster, RedisTLSSentinel
 from kvtier.backends.redis import RedisBackend
 from kvtier.backends.redis.url import Router, parse_remote_url
 from kvtier.config import Config
 from kvtier.errors import ConfigError
 from kvtier.memory import lease
 from tests.helpers import make_keys, put_random, same_bytes
-from tests.support.redis import RedisTLSCluster, RedisTLSSentinel
 
 WARN_LOGGER = "kvtier.backends.redis.url"
 CA = "/etc/kv/ca.pem"

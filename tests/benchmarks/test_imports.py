@@ -55,7 +55,7 @@ def test_no_import_cycle_among_the_benchmarks() -> None:
 
 
 def test_no_benchmark_imports_a_conftest() -> None:
-    """Process helpers come from tests/support/, which the tests' conftest.py files import too."""
+    """Process helpers come from harness/, which the tests' conftest.py files import too."""
     offenders = sorted(name for name, path in MODULES.items()
                        if any(m.rsplit(".", 1)[-1] == "conftest" for m in imports_of(path)))
     assert offenders == []

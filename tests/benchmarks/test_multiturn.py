@@ -230,8 +230,8 @@ def test_the_driver_against_a_real_kvtier_server(tmp_path: Path) -> None:
     flush, so what it finds cached came from kvtier."""
     import yaml
 
+    from harness.sglang_server import running
     from kvtier.demo.models import make_llama
-    from tests.support.sglang_server import running
 
     model = make_llama(tmp_path / "model")
     config = tmp_path / "kvtier.yaml"

@@ -8,12 +8,12 @@ import pytest
 import torch
 import yaml
 
+from harness.redis import RedisCluster, RedisProcess
 from kvtier.cli import main
 from kvtier.config import load_config
 from kvtier.connectors import SGLangMHAConnector
 from kvtier.engine import CacheEngine
 from tests.helpers import SMALL_MHA
-from tests.support.redis import RedisCluster, RedisProcess
 
 CHUNK = 16
 

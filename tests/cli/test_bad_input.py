@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from harness.redis import free_port
 from kvtier.cli import main
-from tests.support.redis import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG_COMMANDS = [["ls"], ["stats"], ["purge", "--yes"], ["check-config"],

@@ -10,6 +10,7 @@ import pytest
 import torch
 import yaml
 
+from harness.redis import RedisProcess
 from kvtier.cli import main
 from kvtier.config import Config, is_config_key, load_config, load_config_report
 from kvtier.config.host import check_host, memory_problem, physical_memory_bytes
@@ -30,7 +31,6 @@ from kvtier.connectors import SGLangMHAConnector
 from kvtier.engine import CacheEngine
 from kvtier.errors import ConfigError
 from tests.helpers import same_bytes
-from tests.support.redis import RedisProcess
 
 CORPUS = Path(__file__).resolve().parents[1] / "lmcache_configs"
 SLOTS = 1024

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import yaml
 
+from harness.sglang_server import SHIMS_DIR, SGLangServer
 from kvtier.demo.models import make_deepseek_mla, make_llama
-from tests.support.sglang_server import SHIMS_DIR, SGLangServer
 
 # In-process tests import SGLang's pools the way a CPU server does: CPU engine mode, which
 # imports the sgl_kernel stand-in in sglang_cpu/. (Set before any test module imports SGLang.)

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.redis import RedisProcess, free_port
 from kvtier.config import Config
 from kvtier.connectors import SGLangMHAConnector
 from kvtier.engine import CacheEngine
 from kvtier.errors import ConfigError
 from kvtier.integration.sglang.attach import MAX_TIMEOUT_S, Attachments, attach_config
 from tests.helpers import SMALL_MHA
-from tests.support.redis import RedisProcess, free_port
 
 
 def _until(check, what: str, timeout: float = 60) -> None:  # noqa: ANN001

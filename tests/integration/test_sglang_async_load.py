@@ -22,10 +22,10 @@ from typing import Any
 
 import pytest
 
-from tests.delay_proxy import DelayProxy
+from harness.delay_proxy import DelayProxy
+from harness.redis import RedisProcess
+from harness.sglang_server import SGLangServer
 from tests.integration.conftest import prompt, write_config
-from tests.support.redis import RedisProcess
-from tests.support.sglang_server import SGLangServer
 
 pytestmark = pytest.mark.sglang
 

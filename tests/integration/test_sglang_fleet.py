@@ -15,15 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.conftest import CHUNK, cold, prompt, write_config
-from tests.support.redis import (
+from harness.redis import (
     RedisCluster,
     RedisProcess,
     cluster_node_args,
     create_cluster,
     wait_for,
 )
-from tests.support.sglang_server import SGLangServer
+from harness.sglang_server import SGLangServer
+from tests.integration.conftest import CHUNK, cold, prompt, write_config
 
 pytestmark = pytest.mark.sglang
 

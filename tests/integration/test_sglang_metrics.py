@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.sglang_server import SGLangServer
 from tests.integration.conftest import (
     PROMPT_LEN,
     full_hit,
@@ -16,7 +17,6 @@ from tests.integration.conftest import (
     write_config,
 )
 from tests.support.metric_docs import undocumented
-from tests.support.sglang_server import SGLangServer
 
 pytestmark = pytest.mark.sglang
 

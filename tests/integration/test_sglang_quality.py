@@ -21,10 +21,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from harness.redis import RedisProcess
+from harness.sglang_server import SGLangServer
 from kvtier.demo.quality import Answer, ask, compare, documents
 from tests.integration.conftest import _LIVE
-from tests.support.redis import RedisProcess
-from tests.support.sglang_server import SGLangServer
 
 pytestmark = pytest.mark.sglang
 

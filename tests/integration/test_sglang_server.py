@@ -9,6 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
+from harness.sglang_server import SGLangServer
 from tests.integration.conftest import (
     PROMPT_LEN,
     check_conversation,
@@ -20,7 +21,6 @@ from tests.integration.conftest import (
     prompt,
     write_config,
 )
-from tests.support.sglang_server import SGLangServer
 
 pytestmark = pytest.mark.sglang
 

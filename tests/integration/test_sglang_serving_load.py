@@ -25,9 +25,9 @@ from typing import Any
 import pytest
 
 from benchmarks.serving_timeline import forward_totals
+from harness.redis import RedisProcess
+from harness.sglang_server import SGLangServer
 from tests.integration.conftest import prompt, write_config
-from tests.support.redis import RedisProcess
-from tests.support.sglang_server import SGLangServer
 
 pytestmark = pytest.mark.sglang
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from harness.sglang_server import SGLangServer
 from kvtier.demo.server import free_port
 from tests.integration.conftest import CHUNK, cold, prompt, write_config
-from tests.support.sglang_server import SGLangServer
 
 pytestmark = pytest.mark.sglang
 

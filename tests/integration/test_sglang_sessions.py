@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
+from harness.delay_proxy import DelayProxy
+from harness.redis import RedisProcess
+from harness.sglang_server import SGLangServer
 from kvtier.cli import main as kvtier_main
 from kvtier.cli import tiers as cli_tiers
 from kvtier.storage.sessions import session_tag
-from tests.delay_proxy import DelayProxy
 from tests.integration.conftest import CHUNK, cold, prompt, write_config
-from tests.support.redis import RedisProcess
-from tests.support.sglang_server import SGLangServer
 
 pytestmark = pytest.mark.sglang
 

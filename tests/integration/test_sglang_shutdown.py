@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from harness.sglang_server import SGLangServer
 from kvtier.integration.sglang.shutdown import DRAIN_S, GRACE_S
 from tests.integration.conftest import CHUNK, prompt, write_config
-from tests.support.sglang_server import SGLangServer
 
 pytestmark = pytest.mark.sglang
 

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.redis import RedisProcess
+from harness.sglang_server import SGLangServer
 from tests.integration.conftest import (
     PROMPT_LEN,
     check_conversation,
@@ -29,8 +31,6 @@ from tests.integration.conftest import (
     prompt,
     write_config,
 )
-from tests.support.redis import RedisProcess
-from tests.support.sglang_server import SGLangServer
 
 pytestmark = pytest.mark.sglang
 

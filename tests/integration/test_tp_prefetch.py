@@ -11,12 +11,12 @@ from typing import Any
 
 import torch
 
+from harness.redis import free_port
 from kvtier.config import Config
 from kvtier.connectors import SGLangMHAConnector
 from kvtier.engine import CacheEngine
 from kvtier.integration.sglang.adapter import SGLangKVTier
 from tests.helpers import SMALL_MHA
-from tests.support.redis import free_port
 
 TOKENS = 64
 HOLD_POLLS = 20  # rank 1's lower tier answers only after this many readiness polls

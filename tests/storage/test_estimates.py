@@ -7,6 +7,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from harness.delay_proxy import DelayProxy
+from harness.redis import RedisProcess
 from kvtier.config import Config
 from kvtier.memory import KVLayout, lease
 from kvtier.storage import StorageManager
@@ -17,9 +19,7 @@ from kvtier.storage.estimates import (
     PrefillSpeed,
     TierSpeed,
 )
-from tests.delay_proxy import DelayProxy
 from tests.helpers import make_keys, make_obj
-from tests.support.redis import RedisProcess
 
 
 def test_one_outlier_moves_an_estimate_not_at_all() -> None:

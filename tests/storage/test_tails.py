@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from harness.redis import RedisProcess
 from kvtier import keys as keys_module
 from kvtier.config import Config
 from kvtier.connectors import SGLangMHAConnector, SGLangMLAConnector
@@ -18,7 +19,6 @@ from kvtier.connectors.base import KVConnector
 from kvtier.engine import CacheEngine
 from kvtier.keys import KeyBuilder, encode_tokens
 from kvtier.storage import StorageManager
-from tests.support.redis import RedisProcess
 
 SLOTS = 1024
 CHUNK = 16

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from harness.redis import RedisProcess
 from kvtier.config import Config
 from kvtier.connectors import SGLangMHAConnector
 from kvtier.engine import CacheEngine
 from kvtier.errors import ConfigError
 from tests.helpers import SMALL_MHA
-from tests.support.redis import RedisProcess
 
 CHUNK = 16
 SLOTS = 2048

@@ -1,4 +1,3 @@
-"""Process helpers shared by the tests and the benchmarks (never part of the package):
-`redis` (real redis-server processes) and `sglang_server` (real CPU SGLang servers, with the
-test plugin in `sglang_pythonpath/`). The pytest fixtures that use them are in the conftest.py
-files."""
+"""Helpers only the tests use: `metric_docs` (docs/metrics.md read as the metrics it
+documents), `no_sglang` (collection with SGLang blocked). Processes the tests and the
+benchmarks share (Redis, SGLang servers, the delay proxy) are in `harness/`."""
