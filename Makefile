@@ -7,7 +7,7 @@ PYTEST_ARGS ?=
 DEMO_ARGS ?=
 FLEET_ARGS ?=
 
-.PHONY: setup bench demo fleet anchors test test-fast lint redis-server sglang-env wheel clean
+.PHONY: setup bench demo fleet anchors test test-fast test-gpu lint redis-server sglang-env wheel clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -68,6 +68,17 @@ test: setup redis-server sglang-env lint
 test-fast:
 	@test -x $(BIN)/python || { echo "make test-fast: run 'make setup' first"; exit 2; }
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not sglang and not slow" $(PYTEST_ARGS)
+
+# On a machine with a CUDA GPU (and a CUDA torch): the CUDA kernels against their PyTorch
+# reference, the GPU data path, and the CUDA cases of the SGLang pool and HiCache tests. It
+# fails where no GPU is visible (CI's CPU suite skips these cases, saying why).
+test-gpu:
+	@test -x $(BIN)/python || { echo "make test-gpu: run 'make setup' first"; exit 2; }
+	@$(BIN)/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else \
+		'make test-gpu: no CUDA GPU here (torch.cuda.is_available() is False)')"
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m cuda -rs tests/gpu \
+		tests/integration/test_sglang_pools.py tests/integration/test_sglang_hicache.py
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/kernels tests/connectors
 
 clean:
 	rm -rf $(VENV) build dist kvtier/*.so *.egg-info

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks in one run (the device machine: python3 with a CUDA torch, nvcc; no index):
-# the kernels' build, tests/gpu, tests/connectors, the CUDA cases of the SGLang pool and HiCache tests, the
+# the kernels' build, tests/gpu, tests/kernels + tests/connectors, the CUDA cases of the SGLang pool and HiCache tests, the
 # engine check in $ENGINE_CHECK (if set) and bench_gpu.py. Logs and JSON go to $OUT.
 #   scripts/gpu/fetch_wheels.sh            # here, once
 #   then on the GPU machine, carrying .whl: bash scripts/gpu/check.sh
@@ -14,14 +14,14 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     --target /tmp/kvtier-gpu-site .whl/*.whl > "$OUT/env.log" 2>&1
 export PYTHONPATH=/tmp/kvtier-gpu-site:$PWD/scripts/gpu:$PWD
 nvidia-smi --query-gpu=name,driver_version --format=csv >> "$OUT/env.log" 2>&1
-python3 -c "from kvtier.connectors import ops; print('kernel', ops.prepare())" >> "$OUT/env.log" 2>&1
+python3 -c "from kvtier.kernels import ops; print('kernel', ops.prepare())" >> "$OUT/env.log" 2>&1
 timeout 300 python3 -m pytest -q -p no:cacheprovider -p sglang_gpu_shim -m cuda -rs tests/gpu \
     tests/integration/test_sglang_pools.py tests/integration/test_sglang_hicache.py \
     > "$OUT/tests.log" 2>&1
 # The CPU kernels' tests too, with the CUDA build loaded: their error paths (a crash there, not
 # on CPU CI, is what made the kernels return their errors instead of raising).
-timeout 120 python3 -m pytest -q -p no:cacheprovider tests/connectors \
-    --ignore tests/connectors/test_build.py >> "$OUT/tests.log" 2>&1
+timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/connectors \
+    --ignore tests/kernels/test_build.py >> "$OUT/tests.log" 2>&1
 if [[ -n "${ENGINE_CHECK:-}" ]]; then
     timeout 150 python3 "$ENGINE_CHECK" > "$OUT/engine_check.log" 2>&1
 fi
