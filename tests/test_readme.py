@@ -1,5 +1,5 @@
 """The README's claims stay tied to their sources: its summary of `make anchors` names the
-date of the newest such run in benchmarks/README.md, and its install line is the one pip runs
+date of the newest such run in benchmarks/LOG.md, and its install line is the one pip runs
 from the checkout's root (tests/test_install.py runs it)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_the_readme_summarises_the_newest_anchors_run() -> None:
-    bench = (ROOT / "benchmarks" / "README.md").read_text()
+    bench = (ROOT / "benchmarks" / "LOG.md").read_text()
     dates = re.findall(r"^###.*`make anchors`.*?\((\d{4}-\d{2}-\d{2})", bench, re.M)
-    assert dates, "benchmarks/README.md has no `make anchors` section"
+    assert dates, "benchmarks/LOG.md has no `make anchors` section"
     measured = (ROOT / "README.md").read_text().split("## Measured", 1)[1].split("\n## ", 1)[0]
     assert f"Latest ({max(dates)})" in measured
 
