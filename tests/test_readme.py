@@ -23,3 +23,9 @@ def test_the_install_line_names_the_checkout_it_runs_in() -> None:
              if ln.startswith("pip install '.[")]
     assert len(lines) == 1, lines
     assert (ROOT / "pyproject.toml").is_file()  # `.` is the checkout's root, where it runs
+
+
+def test_the_readme_stays_a_page() -> None:
+    """A product page, not a manual: details live in docs/ and benchmarks/ (issue 52)."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines; move details into docs/"
