@@ -77,7 +77,7 @@ test-gpu:
 	@$(BIN)/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else \
 		'make test-gpu: no CUDA GPU here (torch.cuda.is_available() is False)')"
 	$(BIN)/python -m pytest -q -p no:cacheprovider -m cuda -rs tests/gpu \
-		tests/integration/test_sglang_pools.py tests/integration/test_sglang_hicache.py
+		tests/integration/sglang/test_sglang_pools.py tests/integration/sglang/test_sglang_hicache.py
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests/kernels tests/connectors
 
 clean:

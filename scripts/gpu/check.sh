@@ -16,7 +16,7 @@ export PYTHONPATH=/tmp/kvtier-gpu-site:$PWD/scripts/gpu:$PWD
 nvidia-smi --query-gpu=name,driver_version --format=csv >> "$OUT/env.log" 2>&1
 python3 -c "from kvtier.kernels import ops; print('kernel', ops.prepare())" >> "$OUT/env.log" 2>&1
 timeout 300 python3 -m pytest -q -p no:cacheprovider -p sglang_gpu_shim -m cuda -rs tests/gpu \
-    tests/integration/test_sglang_pools.py tests/integration/test_sglang_hicache.py \
+    tests/integration/sglang/test_sglang_pools.py tests/integration/sglang/test_sglang_hicache.py \
     > "$OUT/tests.log" 2>&1
 # The CPU kernels' tests too, with the CUDA build loaded: their error paths (a crash there, not
 # on CPU CI, is what made the kernels return their errors instead of raising).

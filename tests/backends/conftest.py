@@ -17,7 +17,7 @@ from kvtier.backends.disk import DiskBackend
 from kvtier.backends.redis import RedisBackend
 from kvtier.config import Config
 from kvtier.memory import KVLayout, MemoryAllocator
-from tests.backends.disk_helpers import CHUNK, Opener
+from tests.backends.disk.disk_helpers import CHUNK, Opener
 from tests.helpers import SMALL_MHA
 
 # "+key": the tier with a record key (records encrypted, see kvtier/backends/sealing.py).

@@ -29,7 +29,7 @@ from tests.backends.keyed import (
     refresh_checksums,
     tier_factory,
 )
-from tests.backends.redis_helpers import MID
+from tests.backends.redis.redis_helpers import MID
 from tests.helpers import make_keys, put_random, same_bytes
 
 ID = {s: RecordKeys([s]).current.key_id for s in (NEW, OLD, OTHER)}

@@ -24,7 +24,7 @@ import yaml
 from harness.redis import RedisProcess
 from harness.sglang_server import SGLangServer
 from kvtier.demo.quality import Answer, ask, compare, documents
-from tests.integration.conftest import _LIVE
+from tests.integration.sglang.conftest import _LIVE
 
 pytestmark = pytest.mark.sglang
 

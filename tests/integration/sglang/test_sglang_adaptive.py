@@ -24,7 +24,7 @@ import pytest
 from harness.delay_proxy import DelayProxy
 from harness.redis import RedisProcess
 from harness.sglang_server import SGLangServer
-from tests.integration.conftest import cold, kvtier_metrics, prompt, write_config
+from tests.integration.sglang.conftest import cold, kvtier_metrics, prompt, write_config
 
 pytestmark = pytest.mark.sglang
 

@@ -13,7 +13,7 @@ import pytest
 
 from kvtier.errors import ConfigError
 from kvtier.memory import MemoryAllocator, lease
-from tests.backends.disk_helpers import Opener, _files, _put
+from tests.backends.disk.disk_helpers import Opener, _files, _put
 from tests.helpers import SMALL_MHA, make_keys, make_obj
 
 # --- privacy: the tree holds every user's prompts ----------------------------------------------

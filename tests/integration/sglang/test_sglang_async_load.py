@@ -25,7 +25,7 @@ import pytest
 from harness.delay_proxy import DelayProxy
 from harness.redis import RedisProcess
 from harness.sglang_server import SGLangServer
-from tests.integration.conftest import prompt, write_config
+from tests.integration.sglang.conftest import prompt, write_config
 
 pytestmark = pytest.mark.sglang
 

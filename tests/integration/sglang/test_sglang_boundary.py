@@ -27,7 +27,7 @@ from pathlib import Path
 
 from kvtier.integration.sglang import sglang_api
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 INTEGRATION = ROOT / "kvtier" / "integration"
 VIEWS_FILE = INTEGRATION / "sglang" / "sglang_views.py"
 

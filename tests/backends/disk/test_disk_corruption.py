@@ -18,7 +18,7 @@ from kvtier.backends.disk.backend import DISK_FULL_EVICT_WRITES
 from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey
 from kvtier.memory import MemoryAllocator, MemoryObj, lease
-from tests.backends.disk_helpers import (
+from tests.backends.disk.disk_helpers import (
     _CHILD_PRELUDE,
     Opener,
     _assert_hits,

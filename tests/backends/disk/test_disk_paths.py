@@ -15,7 +15,7 @@ from kvtier.backends.disk import files as rf
 from kvtier.backends.disk import paths
 from kvtier.errors import ConfigError
 from kvtier.memory import MemoryAllocator
-from tests.backends.disk_helpers import Opener, _files, _put
+from tests.backends.disk.disk_helpers import Opener, _files, _put
 from tests.helpers import make_keys
 
 OTHER = "ab" * 32  # a record name that belongs in ab/ab/

@@ -23,7 +23,7 @@ from harness.redis import (
     wait_for,
 )
 from harness.sglang_server import SGLangServer
-from tests.integration.conftest import CHUNK, cold, prompt, write_config
+from tests.integration.sglang.conftest import CHUNK, cold, prompt, write_config
 
 pytestmark = pytest.mark.sglang
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from kvtier.errors import ConfigError
-from tests.integration.conftest import write_config
+from tests.integration.sglang.conftest import write_config
 
 pytestmark = pytest.mark.sglang
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from harness.sglang_server import SGLangServer
-from tests.integration.conftest import (
+from tests.integration.sglang.conftest import (
     PROMPT_LEN,
     check_conversation,
     check_partial_hit,

@@ -21,7 +21,7 @@ from harness.sglang_server import SGLangServer
 from kvtier.cli import main as kvtier_main
 from kvtier.cli import tiers as cli_tiers
 from kvtier.storage.sessions import session_tag
-from tests.integration.conftest import CHUNK, cold, prompt, write_config
+from tests.integration.sglang.conftest import CHUNK, cold, prompt, write_config
 
 pytestmark = pytest.mark.sglang
 

@@ -18,7 +18,7 @@ from kvtier.errors import ConfigError
 from kvtier.integration.sglang.plugin import _check_launch
 from kvtier.integration.sglang.preflight import engine_host_bytes, preflight
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+README = Path(__file__).resolve().parents[3] / "README.md"
 
 
 def _model(tmp_path: Path, weights_bytes: int = 3000, **config: object) -> Path:

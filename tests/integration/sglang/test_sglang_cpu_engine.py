@@ -1,6 +1,6 @@
 """`kvtier.integration.sglang.cpu` without SGLang: what the plugin sets for `--device cpu`, and
 that a real `sgl_kernel` is never shadowed by the stand-in (the launch itself:
-tests/integration/test_sglang_quickstart.py)."""
+tests/integration/sglang/test_sglang_quickstart.py)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from kvtier.keys import ChunkKey
 from kvtier.memory import KVLayout, MemoryAllocator, lease
 from tests.helpers import SMALL_MHA, put_random, same_bytes
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CHUNK = 16
 CHUNK_BYTES = SMALL_MHA.nbytes(CHUNK)  # 2 KiB of payload per full chunk
 BIG = KVLayout.mha(32, 8, 128, torch.bfloat16)  # Llama-3-8B: 128 KiB a token

@@ -19,7 +19,7 @@ import pytest
 
 from harness.sglang_server import SGLangServer
 from kvtier.integration.sglang.shutdown import DRAIN_S, GRACE_S
-from tests.integration.conftest import CHUNK, prompt, write_config
+from tests.integration.sglang.conftest import CHUNK, prompt, write_config
 
 pytestmark = pytest.mark.sglang
 

@@ -12,7 +12,14 @@ from kvtier.backends.redis import RedisBackend
 from kvtier.backends.redis.io import redis_keys
 from kvtier.keys import ChunkKey
 from kvtier.memory import MemoryObj
-from tests.backends.redis_helpers import MID, RECOVERY_DEADLINE, SEGMENT_MB, _check, _hits, _put
+from tests.backends.redis.redis_helpers import (
+    MID,
+    RECOVERY_DEADLINE,
+    SEGMENT_MB,
+    _check,
+    _hits,
+    _put,
+)
 from tests.helpers import SMALL_MHA, make_keys, make_obj
 
 # ---- topologies --------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from kvtier.backends.redis.io import ReplyReader, redis_keys
 from kvtier.errors import ConfigError
 from kvtier.memory import lease
 from tests.backends.conftest import redis_backend
-from tests.backends.redis_helpers import MID, SEGMENT_MB, _check, _put
+from tests.backends.redis.redis_helpers import MID, SEGMENT_MB, _check, _put
 from tests.helpers import make_keys, run_threads, same_bytes
 
 # ---- configuration -----------------------------------------------------------------------
@@ -235,7 +235,7 @@ backend.close()
 
 def test_two_processes_share_and_another_model_misses(redis_server: RedisProcess) -> None:
     redis_server.client().flushall()
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[3]
 
     def start(role: str, model: str) -> subprocess.Popen[str]:
         return subprocess.Popen([sys.executable, "-c", _share_script(role, redis_server.url,

@@ -14,7 +14,7 @@ import pytest
 
 from kvtier.backends.disk.backend import SHRINK_WRITES
 from kvtier.memory import MemoryAllocator, lease
-from tests.backends.disk_helpers import (
+from tests.backends.disk.disk_helpers import (
     _CHILD_PRELUDE,
     BIG,
     CHUNK_BYTES,

@@ -20,7 +20,7 @@ import pytest
 
 from harness.redis import RedisProcess
 from harness.sglang_server import SGLangServer
-from tests.integration.conftest import (
+from tests.integration.sglang.conftest import (
     PROMPT_LEN,
     check_conversation,
     check_partial_hit,

@@ -16,7 +16,7 @@ from harness.redis import RedisProcess
 from kvtier.backends.redis import RedisBackend
 from kvtier.memory import lease
 from tests.backends.conftest import SMALL_MHA
-from tests.backends.disk_helpers import BIG
+from tests.backends.disk.disk_helpers import BIG
 from tests.helpers import make_keys, make_obj
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks.bench_readme_cpu import bare_server, readme_cpu_launch
 from kvtier.config.host import MEMORY_HEADROOM_BYTES, available_memory_bytes
-from tests.integration.conftest import full_hit, prompt, write_config
+from tests.integration.sglang.conftest import full_hit, prompt, write_config
 
 pytestmark = pytest.mark.sglang
 

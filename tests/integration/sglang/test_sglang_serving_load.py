@@ -27,7 +27,7 @@ import pytest
 from benchmarks.serving_timeline import forward_totals
 from harness.redis import RedisProcess
 from harness.sglang_server import SGLangServer
-from tests.integration.conftest import prompt, write_config
+from tests.integration.sglang.conftest import prompt, write_config
 
 pytestmark = pytest.mark.sglang
 

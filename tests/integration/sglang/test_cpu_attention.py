@@ -1,7 +1,7 @@
 """`kvtier.integration.sglang.cpu_attention` against its oracle, SGLang's own
 `TorchNativeAttnBackend._run_sdpa_forward_extend`: the same output for every row, with and
 without a cached prefix, with GQA, and the cases it leaves to SGLang (in-process, no server;
-what a server logs and saves: tests/integration/test_sglang_quality.py)."""
+what a server logs and saves: tests/integration/sglang/test_sglang_quality.py)."""
 
 from __future__ import annotations
 

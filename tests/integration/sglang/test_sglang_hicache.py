@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.gpu import cuda
-from tests.integration.conftest import write_config
+from tests.integration.sglang.conftest import write_config
 
 pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("sglang_parallel_context")]
 

@@ -15,7 +15,7 @@ import pytest
 
 from harness.sglang_server import SGLangServer
 from kvtier.demo.server import free_port
-from tests.integration.conftest import CHUNK, cold, prompt, write_config
+from tests.integration.sglang.conftest import CHUNK, cold, prompt, write_config
 
 pytestmark = pytest.mark.sglang
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from harness.sglang_server import SGLangServer
-from tests.integration.conftest import (
+from tests.integration.sglang.conftest import (
     PROMPT_LEN,
     full_hit,
     kvtier_metrics,
