@@ -11,6 +11,7 @@ from typing import Any
 
 from kvtier.cli.args import add_command, add_config_file
 from kvtier.config import load_config
+from kvtier.config.tiers import lower_tier_names
 from kvtier.config.urls import redact_url
 
 __all__ = ["add_parsers"]
@@ -130,7 +131,8 @@ def _purge(args: argparse.Namespace) -> int:
     what = f"model {args.model}" if args.model else "every model"
     if not args.yes:
         if not sys.stdin.isatty():
-            print(f"kvtier: purge would delete {what} from {', '.join(config.tiers[1:]) or '-'};"
+            lower = [t for t in config.tiers if t in lower_tier_names()]  # cpu may be off
+            print(f"kvtier: purge would delete {what} from {', '.join(lower) or '-'};"
                   " not a terminal: pass --yes to confirm", file=sys.stderr)
             return 2
         listings = inventory.survey(config, args.model)

@@ -205,3 +205,16 @@ def test_help_is_for_users_and_imports_no_torch() -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: kvtier")
     assert "check-config" in done.stdout and "MAX_CONFIG_BYTES" not in done.stdout
+
+
+def test_purge_without_a_terminal_names_every_persistent_tier(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `local_cpu: false` the disk tier comes first in the config's tiers; the refusal
+    still names it (it used to drop the first tier, taking it for the CPU tier)."""
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(yaml.safe_dump({"local_cpu": False, "local_disk": str(tmp_path / "disk"),
+                                    "max_local_disk_size": 0.1}))
+    monkeypatch.setattr("sys.stdin.isatty", lambda: False)
+    assert main(["purge", str(path)]) == 2
+    assert "purge would delete every model from disk;" in capsys.readouterr().err

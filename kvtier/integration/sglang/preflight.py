@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 from kvtier.config import Config
 from kvtier.config.host import MEMORY_HEADROOM_BYTES, available_memory_bytes, host_problems
+from kvtier.config.tiers import lower_tier_names
 from kvtier.errors import ConfigError
 
 __all__ = ["Preflight", "preflight", "engine_host_bytes", "page_size_problem"]
@@ -58,7 +59,7 @@ def preflight(config: Config, args: Any, *,
     problems += host_problems(config, local_ranks=tp_size * dp_size, disk=root_problem is None)
     _collect(problems, load_record_keys, config.record_key_file)
     load_format = str(getattr(args, "load_format", None) or "auto")
-    lower = [tier for tier in config.tiers if tier != "cpu"]
+    lower = [tier for tier in config.tiers if tier in lower_tier_names()]
     problems += filter(None, [_unverified_weights_problem(config, args, lower, load_format)])
     if load_format == "dummy" and lower:
         problems.append(f"--load-format dummy (random weights) with the {'/'.join(lower)} "

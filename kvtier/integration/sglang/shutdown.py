@@ -292,8 +292,8 @@ def _wait_for_drains(stop_dir: Path, schedulers: list[Any]) -> None:
     finally:
         shutil.rmtree(stop_dir, ignore_errors=True)
     if gone:
-        logger.warning("kvtier: %d schedulers stopped before their drain (a second Ctrl-C); "
-                       "their queued writes are dropped", gone)
+        logger.warning("kvtier: %d schedulers stopped before their drain (a second Ctrl-C, or "
+                       "a crash); their queued writes are dropped", gone)
     if left:
         logger.warning("kvtier: %d schedulers still draining %.1f s after SIGTERM; SGLang "
                        "kills them (their queued writes are dropped)", len(left),
