@@ -21,7 +21,7 @@ WRITE_THROUGH_SELECTIVE = "write_through_selective"
 WRITE_BACK = "write_back"
 WRITE_POLICIES = (WRITE_THROUGH, WRITE_THROUGH_SELECTIVE, WRITE_BACK)
 
-# Prefetch policies (`kvtier.storage.prefetch_policy`).
+# Prefetch policies (`kvtier.storage.prefetch.policy`).
 ADAPTIVE = "adaptive"
 BEST_EFFORT = "best_effort"
 WAIT_COMPLETE = "wait_complete"

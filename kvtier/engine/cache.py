@@ -19,8 +19,8 @@ from kvtier.kernels import ops
 from kvtier.keys import ChunkKey, KeyBuilder, KeyChain
 from kvtier.memory import KVLayout, MemoryFormat, MemoryObj, lease
 from kvtier.storage import StorageManager
-from kvtier.storage.prefetch import Prefetch
-from kvtier.storage.prefill_prior import ModelShape, prefill_prior
+from kvtier.storage.prefetch.handle import Prefetch
+from kvtier.storage.prefetch.prefill_prior import ModelShape, prefill_prior
 from kvtier.storage.sessions import session_tag
 
 if TYPE_CHECKING:

@@ -7,11 +7,8 @@
     writer.py     one background writer per lower tier
     tierset.py    the live set of lower tiers and their writers: attach/detach while stores
                   and loads run, flush
-    prefetch.py   a prefetch's handle; the workers that run loads round-robin
-    loads.py      PrefetchLoads: the loads in flight, shared by reference
-    prefetch_policy.py  when a waiting request may go on
-    planner.py    LoadPlanner: load or recompute, how much of a hit a prefetch loads
-    estimates.py  measured tier and prefill speeds
+    prefetch/     loads from the lower tiers ahead of the request: its handle and workers,
+                  the policies (classes), the planner and the speeds it plans from
     sessions.py   session pins in the CPU tier
 """
 

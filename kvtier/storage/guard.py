@@ -25,8 +25,8 @@ from kvtier.errors import BackendUnavailable
 from kvtier.keys import ChunkKey
 from kvtier.memory import MemoryObj
 from kvtier.metrics import Counters, RateLimitedLog
-from kvtier.storage.estimates import TierSpeed
 from kvtier.storage.existence import Existence
+from kvtier.storage.prefetch.estimates import TierSpeed
 
 __all__ = ["STAGING", "StagingTier", "GuardedTier", "GuardedHotTier", "MIN_SAMPLE_BYTES"]
 

@@ -22,12 +22,12 @@ from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey, stub_key
 from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj, lease
 from kvtier.metrics import Counters, RateLimitedLog
-from kvtier.storage.estimates import PrefillSpeed
 from kvtier.storage.gate import Gate
 from kvtier.storage.guard import STAGING, GuardedHotTier, GuardedTier, StagingTier
-from kvtier.storage.loads import PrefetchLoads, longest_held
-from kvtier.storage.planner import LoadPlanner
-from kvtier.storage.prefetch import Prefetch
+from kvtier.storage.prefetch.estimates import PrefillSpeed
+from kvtier.storage.prefetch.handle import Prefetch
+from kvtier.storage.prefetch.loads import PrefetchLoads, longest_held
+from kvtier.storage.prefetch.planner import LoadPlanner
 from kvtier.storage.sessions import SessionPins
 from kvtier.storage.tierset import TierSet, discard
 from kvtier.storage.write_policy import make_write_policy
@@ -223,7 +223,7 @@ class StorageManager:
     def prefetch(self, keys: Sequence[ChunkKey]) -> Prefetch:
         """`start_prefetch`, then wait as `prefetch_policy` says (none for `best_effort`)."""
         prefetch = self.start_prefetch(keys)
-        if not prefetch.wait() and prefetch.policy.counts_timeouts:
+        if not prefetch.wait() and prefetch.timed_out:
             self.counters.inc("prefetch_timeouts")
         return prefetch
 

@@ -1,6 +1,6 @@
 """Races in the storage layer, each provoked on purpose: a writer closed while threads submit,
 a manager closed while threads put and ask for stats, a tier detached under load. (A prefetch's
-drop racing the end of its load: tests/storage/test_prefetch.py.)
+drop racing the end of its load: tests/storage/prefetch/test_loads.py.)
 
 Interleavings that matter are forced with events where the code has a place to hold a thread;
 the stress tests around them run many threads with a short switch interval. A bounded wait

@@ -96,7 +96,7 @@ def _settled_tokens(samples: dict[str, float]) -> float:
 
 def test_a_fast_tier_is_loaded(start_server: Callable[..., SGLangServer], tiny_llama4: Path,
                                redis: RedisProcess, stored: None, tmp_path: Path) -> None:
-    from kvtier.storage.estimates import PRIOR_PREFILL_TOKENS_PER_S, PRIOR_READ_BYTES_PER_S
+    from kvtier.storage.prefetch.estimates import PRIOR_PREFILL_TOKENS_PER_S, PRIOR_READ_BYTES_PER_S
 
     server = start_server(tiny_llama4, _config(tmp_path, redis.url), *LONG_CONTEXT, env=ENV)
     recomputed = cold(server, prompt(SEEDS[0], LONG))  # also this server's prefill sample

@@ -26,7 +26,7 @@ from kvtier.integration.sglang.adapter import (
     check_page_size,
 )
 from kvtier.integration.sglang.identity import model_key_name
-from kvtier.storage.prefetch import Prefetch
+from kvtier.storage.prefetch.handle import Prefetch
 from tests.gpu import cuda
 from tests.helpers import make_keys
 
@@ -222,7 +222,7 @@ class _QuickLoad(Prefetch):
     """A prefetch that ends during the first wait the adapter grants it (a fast miss)."""
 
     def __init__(self) -> None:
-        super().__init__(make_keys(CHUNK), "wait_complete")
+        super().__init__(make_keys(CHUNK))
         self.waits: list[float] = []
 
     def wait_ready(self, timeout: float) -> bool:
@@ -235,7 +235,7 @@ def test_a_new_requests_first_check_waits_briefly_for_its_prefetch(
         engine_for: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     pool = make_pool("mla", 1, torch.float32)
     engine = engine_for(pool)
-    quick, slow = _QuickLoad(), Prefetch(make_keys(CHUNK), "wait_complete")
+    quick, slow = _QuickLoad(), Prefetch(make_keys(CHUNK))
     # The engine hands out these two loads, so the adapter's own start_prefetch registers them.
     handed = iter([quick, slow])
     monkeypatch.setattr(engine, "start_prefetch", lambda *args, **kwargs: next(handed))

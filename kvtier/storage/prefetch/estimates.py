@@ -1,6 +1,6 @@
 """Online speed estimates: how fast each tier reads and how fast the engine recomputes.
 
-The adaptive prefetch policy (`kvtier.storage.planner`) loads a chunk only when it arrives
+The adaptive prefetch policy (`kvtier.storage.prefetch.planner`) loads a chunk only when it arrives
 sooner than the engine could recompute it, so it needs both speeds as they are now, not as
 configured:
 

@@ -23,11 +23,13 @@ from kvtier.keys import ChunkKey
 from kvtier.memory import MemoryAllocator, MemoryObj
 from kvtier.metrics import Counters, RateLimitedLog
 from kvtier.storage import StorageManager, tierset
-from kvtier.storage.estimates import PrefillSpeed
 from kvtier.storage.existence import Existence
 from kvtier.storage.guard import MIN_SAMPLE_BYTES, GuardedTier
-from kvtier.storage.planner import LoadPlanner
-from kvtier.storage.prefetch import Prefetch, Prefetcher
+from kvtier.storage.prefetch.estimates import PrefillSpeed
+from kvtier.storage.prefetch.handle import Prefetch
+from kvtier.storage.prefetch.planner import LoadPlanner
+from kvtier.storage.prefetch.policy import prefetch_policy
+from kvtier.storage.prefetch.workers import Prefetcher
 from tests.helpers import SMALL_MHA, make_keys, make_obj, use_backend
 
 CHUNK = 16
@@ -145,7 +147,7 @@ def test_a_repeated_prefix_makes_one_round_trip(tmp_path: Path) -> None:
         planner = LoadPlanner(lambda: [disk], PrefillSpeed(), SMALL_MHA.nbytes,
                               arena_bytes=1 << 30, counters=Counters())
         for _ in range(2):
-            planner.plan(Prefetch(keys, "adaptive", budget_s=0.0), 0)
+            planner.plan(Prefetch(keys, prefetch_policy("adaptive"), budget_s=0.0), 0)
         assert len(calls) == 1  # the second plan knew: 4 held, the 5th not
         assert disk.recall_contains(keys) == 4 and len(calls) == 1
         disk.batch_put(keys[4:6], objs[4:6])  # our own write: the answer is stale
@@ -187,11 +189,11 @@ def test_background_loads_never_take_the_last_worker() -> None:
     try:
         slow = []
         for seed in range(3):  # promotions nobody waits for (budget 0)
-            p = Prefetch(make_keys(CHUNK, seed=seed), "adaptive", budget_s=0.0)
+            p = Prefetch(make_keys(CHUNK, seed=seed), prefetch_policy("adaptive"), budget_s=0.0)
             p.background = True
             workers.submit(p)
             slow.append(p)
-        waiting = Prefetch(make_keys(CHUNK, seed=9), "adaptive", budget_s=60.0)
+        waiting = Prefetch(make_keys(CHUNK, seed=9), prefetch_policy("adaptive"), budget_s=60.0)
         workers.submit(waiting)
         assert waiting.wait_done(HANG_BOUND_S)  # served while a promotion holds a worker
         assert sum(p.done() for p in slow) == 0 and len(ran) == 2

@@ -29,9 +29,9 @@ from typing import NamedTuple
 
 from kvtier.keys import ChunkKey
 from kvtier.metrics import Counters, RateLimitedLog
-from kvtier.storage.estimates import PrefillSpeed, TierSpeed
 from kvtier.storage.guard import GuardedTier
-from kvtier.storage.prefetch import PREFETCH_WINDOW, Prefetch
+from kvtier.storage.prefetch.estimates import PrefillSpeed, TierSpeed
+from kvtier.storage.prefetch.handle import PREFETCH_WINDOW, Prefetch
 
 __all__ = ["Span", "Decision", "decide", "Admission", "LoadPlanner", "REASONS",
            "DEADLINE_SLACK", "DEADLINE_FLOOR_S", "probe_reads"]
@@ -183,18 +183,22 @@ class LoadPlanner:
         """`admission(tokens).budget_s`."""
         return self.admission(tokens).budget_s
 
+    def cap(self, keys: Sequence[ChunkKey], hot_chunks: int) -> int:
+        """How many leading chunks of `keys` one load may leave in the CPU tier (the first
+        `hot_chunks` are there): a share of the tier, so that one long prompt cannot evict
+        every other tenant's chunks on its way through."""
+        return hot_chunks + self._cap_bytes // max(1, self._chunk_bytes(keys[0].num_tokens))
+
     def plan(self, prefetch: Prefetch, hot_chunks: int) -> int:
         """How many leading chunks of `prefetch.keys` the load should bring into the CPU tier
-        (the first `hot_chunks` are there). Sets the deadline under `adaptive`; makes round
+        (the first `hot_chunks` are there). The `adaptive` plan: sets the deadline; makes round
         trips to the lower tiers, so it runs on a prefetch worker.
 
         The request waits only for the part of the load on tiers with measured speeds (the
         spans before the first unmeasured tier); the rest of the hits load in the background
         (`Prefetch.background`), for later requests."""
         keys = prefetch.keys
-        cap = hot_chunks + self._cap_bytes // max(1, self._chunk_bytes(keys[0].num_tokens))
-        if not prefetch.policy.planned:
-            return min(len(keys), cap)
+        cap = self.cap(keys, hot_chunks)
         # Admitted before this plan (a budget of 0, or its budget ran out first): it waited for
         # none of this load, which goes on for later requests; what the CPU tier holds now may
         # be the request's own stores, so its accounting cannot be read off this plan.
@@ -257,11 +261,8 @@ class LoadPlanner:
     def tail_worth(self, prefetch: Prefetch, n: int, tier: GuardedTier, tail: ChunkKey,
                    ) -> bool:
         """Whether to read `tail` (after `prefetch`'s first `n` chunks, held by lower `tier`):
-        always under the other policies; under `adaptive` only after every hit chunk was
-        loaded and if it arrives sooner than its tokens recompute, and then the deadline
-        moves to include it."""
-        if not prefetch.policy.planned:
-            return True
+        only after every hit chunk was loaded and if it arrives sooner than its tokens
+        recompute; then the deadline moves to include it."""
         if prefetch.hits is not None and n < prefetch.hits:
             return False  # the plan stopped short of the chunks before the tail
         span = Span(tier.speed, 1, self._chunk_bytes(tail.num_tokens), tail.num_tokens)

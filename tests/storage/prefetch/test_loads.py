@@ -1,6 +1,6 @@
 """Background prefetch through the storage manager, over a lower tier a test holds and
 releases: returning at once, one read per chunk, cancels and aborts, bounded queues, turns
-and stalls (the `Prefetch` and `Prefetcher` pieces alone: test_prefetcher.py)."""
+and stalls (the `Prefetch` and `Prefetcher` pieces alone: test_handle.py, test_workers.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from kvtier.config import Config
 from kvtier.keys import ChunkKey
 from kvtier.memory import MemoryObj, lease
 from kvtier.storage import StorageManager
-from kvtier.storage.prefetch import Prefetch
+from kvtier.storage.prefetch.handle import Prefetch
 from tests.helpers import SMALL_MHA, make_keys, make_obj, same_bytes, use_backend
 
 CHUNK = 16
@@ -160,8 +160,8 @@ def test_abort_after_the_others_were_admitted_drops_everything(gated: StorageMan
 @pytest.fixture
 def one_worker(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[StorageManager]:
     """The `gated` manager with one prefetch worker and room for one queued prefetch."""
-    monkeypatch.setattr("kvtier.storage.loads.PREFETCH_WORKERS", 1)
-    monkeypatch.setattr("kvtier.storage.loads.PREFETCH_MAX_PENDING", 1)
+    monkeypatch.setattr("kvtier.storage.prefetch.loads.PREFETCH_WORKERS", 1)
+    monkeypatch.setattr("kvtier.storage.prefetch.loads.PREFETCH_MAX_PENDING", 1)
     sm = _gated_manager(tmp_path, monkeypatch)
     try:
         yield sm
@@ -220,7 +220,7 @@ def test_wants_of_queued_prefetches_end_at_close(one_worker: StorageManager) -> 
 
 def test_cancel_stops_before_the_next_window_and_keeps_what_arrived(
         gated: StorageManager, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("kvtier.storage.prefetch.PREFETCH_WINDOW", 1)
+    monkeypatch.setattr("kvtier.storage.prefetch.handle.PREFETCH_WINDOW", 1)
     keys = make_keys(48)
     prefetch = gated.start_prefetch(keys)
     assert _GatedTier.entered.acquire(timeout=30)
@@ -234,8 +234,8 @@ def test_two_clients_loads_progress_in_turn_on_a_slow_tier(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The storage manager's loads with one worker and one-chunk windows: a second client's
     load starts before the first client's whole prompt arrived."""
-    monkeypatch.setattr("kvtier.storage.loads.PREFETCH_WORKERS", 1)
-    monkeypatch.setattr("kvtier.storage.prefetch.PREFETCH_WINDOW", 1)
+    monkeypatch.setattr("kvtier.storage.prefetch.loads.PREFETCH_WORKERS", 1)
+    monkeypatch.setattr("kvtier.storage.prefetch.handle.PREFETCH_WINDOW", 1)
     sm = _gated_manager(tmp_path, monkeypatch)
     try:
         other = make_keys(48, seed=7)

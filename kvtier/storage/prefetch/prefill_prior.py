@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvtier.storage.estimates import PRIOR_PREFILL_TOKENS_PER_S
+from kvtier.storage.prefetch.estimates import PRIOR_PREFILL_TOKENS_PER_S
 
 __all__ = ["ModelShape", "prefill_prior", "matmul_flops", "EFFICIENCY"]
 

@@ -16,9 +16,10 @@ from kvtier.config import Config
 from kvtier.memory import MemoryAllocator
 from kvtier.metrics import Counters, RateLimitedLog
 from kvtier.storage import StorageManager
-from kvtier.storage.estimates import PRIOR_READ_BYTES_PER_S, PrefillSpeed, TierSpeed
 from kvtier.storage.guard import GuardedTier
-from kvtier.storage.planner import (
+from kvtier.storage.prefetch.estimates import PRIOR_READ_BYTES_PER_S, PrefillSpeed, TierSpeed
+from kvtier.storage.prefetch.handle import Prefetch
+from kvtier.storage.prefetch.planner import (
     DEADLINE_FLOOR_S,
     DEADLINE_SLACK,
     Admission,
@@ -27,8 +28,7 @@ from kvtier.storage.planner import (
     Span,
     decide,
 )
-from kvtier.storage.prefetch import Prefetch
-from kvtier.storage.prefetch_policy import prefetch_policy
+from kvtier.storage.prefetch.policy import prefetch_policy
 from tests.helpers import SMALL_MHA, make_keys
 
 CHUNK = 16
@@ -138,7 +138,7 @@ def test_hits_on_an_unmeasured_tier_load_in_the_background_and_nobody_waits(
                           arena_bytes=1 << 30, counters=Counters())
     assert planner.unmeasured() and planner.budget_before_plan_s(32 * CHUNK) == 0.0
     keys = make_keys(32 * CHUNK)
-    prefetch = Prefetch(keys, "adaptive", budget_s=60.0)
+    prefetch = Prefetch(keys, prefetch_policy("adaptive"), budget_s=60.0)
     with caplog.at_level(logging.WARNING):
         assert planner.plan(prefetch, 8) == 32  # every hit, for later requests
     assert prefetch.background and prefetch.deadline <= time.monotonic()
@@ -182,7 +182,7 @@ def test_a_plan_made_after_its_request_was_admitted_counts_no_wait() -> None:
     near.observe_latency(0.001)
     planner = _planner_over(near, counters=counters)
     keys = make_keys(32 * CHUNK)
-    prefetch = Prefetch(keys, "adaptive", budget_s=0.0)
+    prefetch = Prefetch(keys, prefetch_policy("adaptive"), budget_s=0.0)
     prefetch.unwaited = planner.admission(32 * CHUNK).reason
     prefetch.cancel()  # admitted at once; then its store filled the CPU tier ...
     assert planner.plan(prefetch, 32) == 32  # ... before the worker planned the load

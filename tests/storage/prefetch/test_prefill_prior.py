@@ -11,8 +11,13 @@ import torch
 from kvtier.config import Config
 from kvtier.connectors import SGLangMHAConnector
 from kvtier.engine import CacheEngine
-from kvtier.storage.estimates import PRIOR_PREFILL_TOKENS_PER_S, PrefillSpeed
-from kvtier.storage.prefill_prior import EFFICIENCY, ModelShape, matmul_flops, prefill_prior
+from kvtier.storage.prefetch.estimates import PRIOR_PREFILL_TOKENS_PER_S, PrefillSpeed
+from kvtier.storage.prefetch.prefill_prior import (
+    EFFICIENCY,
+    ModelShape,
+    matmul_flops,
+    prefill_prior,
+)
 
 SMOLLM2 = {"hidden_size": 576, "num_hidden_layers": 30, "intermediate_size": 1536,
            "num_attention_heads": 9, "num_key_value_heads": 3}

@@ -18,11 +18,12 @@ from kvtier.backends.base import HotTier, StorageBackend
 from kvtier.config.schema import PrefetchSection
 from kvtier.keys import ChunkKey
 from kvtier.metrics import Counters
-from kvtier.storage import prefetch as _prefetch
 from kvtier.storage.guard import GuardedTier
-from kvtier.storage.planner import LoadPlanner
-from kvtier.storage.prefetch import Prefetch, Prefetcher
-from kvtier.storage.prefetch_policy import prefetch_policy
+from kvtier.storage.prefetch import handle
+from kvtier.storage.prefetch.handle import Prefetch
+from kvtier.storage.prefetch.planner import LoadPlanner
+from kvtier.storage.prefetch.policy import prefetch_policy
+from kvtier.storage.prefetch.workers import Prefetcher
 
 __all__ = ["PrefetchLoads", "longest_held"]
 
@@ -91,17 +92,13 @@ class PrefetchLoads:
         admission = self._planner.admission(tokens)
         budget = self._policy.budget_s(self._section, tokens, admission.budget_s)
         prefetch = Prefetch(keys, self._policy, budget, drop=self.drop)
-        # Admitted before its plan while a tier that might pay is unmeasured: its load must
-        # still run, for later requests and to time the tier (the plan narrows this down).
-        prefetch.background = self._policy.planned and admission.guessing
         prefetch.unwaited = admission.reason
         prefetch.arena_before = self._used_bytes()
         if not accept or not keys:
             prefetch.finish(0)
             return prefetch
         self._counters.inc("prefetches")
-        if self._policy.planned:
-            prefetch.after(lambda _: self._planner.unplanned(prefetch))
+        self._policy.start(self._planner, prefetch, admission)
         self.want(prefetch)  # until cancelled; a refused submit cancels it
         self._workers.submit(prefetch)
         return prefetch
@@ -146,7 +143,7 @@ class PrefetchLoads:
         keys = prefetch.keys
         if prefetch.limit is None:
             prefetch.position = self._hot.batch_contains(keys)
-            prefetch.limit = self._planner.plan(prefetch, prefetch.position)
+            prefetch.limit = self._policy.plan(self._planner, prefetch, prefetch.position)
         n, limit = prefetch.position, prefetch.limit
         if n >= limit or prefetch.stopping or self._stopped():
             return n
@@ -171,7 +168,9 @@ class PrefetchLoads:
         tails = prefetch.chain.tails(n)
         best, _ = longest_held(tails, [self._hot])
         best, tier = longest_held(tails[:best], self._lower())
-        if tier is None or not self._planner.tail_worth(prefetch, n, tier, tails[best]):
+        if tier is None:
+            return
+        if not self._policy.tail_worth(self._planner, prefetch, n, tier, tails[best]):
             return
         if self._read([tails[best]]):
             prefetch.promoted.append(tails[best])
@@ -202,7 +201,7 @@ class PrefetchLoads:
             if busy is not None:
                 return [], busy
             mine = []
-            for key in keys[n:n + _prefetch.PREFETCH_WINDOW]:
+            for key in keys[n:n + handle.PREFETCH_WINDOW]:
                 if key.key in self._inflight:
                     break
                 mine.append(key)

@@ -12,7 +12,7 @@ from harness.redis import RedisProcess
 from kvtier.config import Config
 from kvtier.memory import KVLayout, lease
 from kvtier.storage import StorageManager
-from kvtier.storage.estimates import (
+from kvtier.storage.prefetch.estimates import (
     PRIOR_PREFILL_TOKENS_PER_S,
     PRIOR_READ_BYTES_PER_S,
     WINDOW,

@@ -1,6 +1,5 @@
-"""`Prefetch` and `Prefetcher` on their own: a bounded queue that close does not run, each
-policy's readiness and deadlines, loads taking turns window by window, a drop that runs
-exactly once, worker names the OS shows."""
+"""A prefetch's handle on its own: each policy's readiness and deadlines, a drop that runs
+exactly once."""
 
 from __future__ import annotations
 
@@ -12,42 +11,16 @@ import pytest
 
 from kvtier.config import Config
 from kvtier.metrics import RateLimitedLog
-from kvtier.storage import prefetch_policy as prefetch_policy_module
-from kvtier.storage.prefetch import Prefetch, Prefetcher
-from kvtier.storage.prefetch_policy import prefetch_policy
-from tests.helpers import make_keys, os_thread_name, run_threads
-
-
-def test_prefetcher_is_bounded_and_close_does_not_run_the_queue() -> None:
-    release = threading.Event()
-    ran: list[Prefetch] = []
-    dropped: list[int] = []
-
-    def load(p: Prefetch) -> int | None:
-        ran.append(p)
-        release.wait(30)
-        return 1
-
-    pf = Prefetcher(load, workers=1, max_pending=2, on_dropped=lambda: dropped.append(1))
-    running = Prefetch([])
-    assert pf.submit(running)
-    while not ran:  # the worker took it: the queue is empty again
-        release.wait(0.001)
-    queued = [Prefetch([]) for _ in range(2)]
-    assert all(pf.submit(p) for p in queued)
-    refused = Prefetch([])
-    assert not pf.submit(refused)
-    assert refused.done() and refused.result() == 0 and dropped == [1]
-    release.set()
-    pf.close(timeout=30)
-    assert running.result(timeout=0) == 1
-    assert len(ran) <= 3 and all(p.done() for p in queued)
+from kvtier.storage.prefetch import policy as prefetch_policy_module
+from kvtier.storage.prefetch.handle import Prefetch
+from kvtier.storage.prefetch.policy import prefetch_policy
+from tests.helpers import make_keys, run_threads
 
 
 @pytest.mark.parametrize("policy, ready", [("best_effort", True), ("wait_complete", False),
                                            ("timeout", False), ("adaptive", False)])
 def test_ready_follows_the_policy(policy: str, ready: bool) -> None:
-    prefetch = Prefetch(make_keys(32), policy, budget_s=60.0)
+    prefetch = Prefetch(make_keys(32), prefetch_policy(policy), budget_s=60.0)
     assert prefetch.ready() is ready
     assert prefetch.ready(now=prefetch.started + 61.0)  # the deadline (wait_complete: ceiling)
     prefetch.finish(2)
@@ -61,15 +34,15 @@ def test_wait_complete_has_a_ceiling(caplog: pytest.LogCaptureFixture,
                         RateLimitedLog(prefetch_policy_module.logger))
     cfg = Config(prefetch_wait_complete_max_ms=30_000.0, prefetch_timeout_base_ms=1.0)
     budget = prefetch_policy("wait_complete").budget_s(cfg.prefetch, 32, recompute_s=1.0)
-    prefetch = Prefetch(make_keys(32), "wait_complete", budget_s=budget)
+    prefetch = Prefetch(make_keys(32), prefetch_policy("wait_complete"), budget_s=budget)
     assert not prefetch.ready(now=prefetch.started + 29.0)  # neither timeout nor recompute
-    with caplog.at_level("WARNING", logger="kvtier.storage.prefetch_policy"):
+    with caplog.at_level("WARNING", logger="kvtier.storage.prefetch.policy"):
         assert prefetch.ready(now=prefetch.started + 30.0)
     assert "prefetch_wait_complete_max_ms" in caplog.text
 
 
 def test_an_adaptive_deadline_is_set_by_the_plan() -> None:
-    prefetch = Prefetch(make_keys(32), "adaptive", budget_s=60.0)
+    prefetch = Prefetch(make_keys(32), prefetch_policy("adaptive"), budget_s=60.0)
     assert not prefetch.ready()
     prefetch.set_deadline(prefetch.started)  # the plan found nothing worth loading
     assert prefetch.ready() and not prefetch.done()
@@ -78,45 +51,24 @@ def test_an_adaptive_deadline_is_set_by_the_plan() -> None:
 def test_wait_ready_returns_when_the_plan_moves_the_deadline_not_when_the_load_ends() -> None:
     # The plan found nothing worth loading, the load still looks for a tail: the request's
     # first admission check must not wait for that lookup.
-    prefetch = Prefetch(make_keys(32), "adaptive", budget_s=60.0)
+    prefetch = Prefetch(make_keys(32), prefetch_policy("adaptive"), budget_s=60.0)
     planner = threading.Timer(0.05, lambda: prefetch.set_deadline(time.monotonic()))
     planner.start()
     try:
         assert prefetch.wait_ready(30.0)  # long before the 30 s bound
         assert not prefetch.done()
-        assert not Prefetch(make_keys(32), "adaptive", budget_s=60.0).wait_ready(0.01)
-        finished = Prefetch(make_keys(32), "timeout", budget_s=60.0)
+        unplanned = Prefetch(make_keys(32), prefetch_policy("adaptive"), budget_s=60.0)
+        assert not unplanned.wait_ready(0.01)
+        finished = Prefetch(make_keys(32), prefetch_policy("timeout"), budget_s=60.0)
         threading.Timer(0.05, finished.finish, args=(3,)).start()
         assert finished.wait_ready(30.0) and finished.done()
     finally:
         planner.cancel()
 
 
-def test_prefetches_take_turns_window_by_window() -> None:
-    """One worker, two long loads: each gets a window in turn; neither waits for the other's
-    whole prompt."""
-    gate = threading.Event()
-    turns: list[str] = []
-
-    def step(p: Prefetch) -> int | None:
-        gate.wait(30)
-        turns.append(p.keys[0].key)
-        p.position += 1
-        return None if p.position < 3 else p.position
-
-    pf = Prefetcher(step, workers=1)
-    a, b = Prefetch(make_keys(48, seed=1)), Prefetch(make_keys(48, seed=2))
-    assert pf.submit(a) and pf.submit(b)
-    gate.set()
-    assert a.result(timeout=30) == 3 and b.result(timeout=30) == 3
-    ka, kb = a.keys[0].key, b.keys[0].key
-    assert turns == [ka, kb, ka, kb, ka, kb]
-    pf.close(timeout=30)
-
-
 def test_bad_policy_is_a_value_error() -> None:
     with pytest.raises(ValueError, match="policy"):
-        Prefetch([], "eventually")
+        Prefetch([], prefetch_policy("eventually"))
 
 
 # -- the drop runs exactly once, whoever asks and whenever the load ends ------------------------
@@ -179,16 +131,3 @@ def test_a_drop_asked_during_the_load_is_done_when_the_load_is() -> None:
     assert seen == [prefetch]
 
 
-def test_prefetch_workers_show_their_names_to_the_os() -> None:
-    seen: list[str] = []
-
-    def step(p: Prefetch) -> int:
-        seen.append(os_thread_name())
-        return p.position
-
-    pf = Prefetcher(step, workers=1)
-    job = Prefetch(make_keys(16))
-    assert pf.submit(job)
-    job.result(timeout=30)
-    pf.close(timeout=30)
-    assert seen == ["kv-prefetch-0"]
