@@ -124,6 +124,9 @@ class Config:
     # (a hub id not downloaded here): keyed by name and revision only.
     allow_unverified_weights: bool = False
     session_ttl_secs: float = 600.0
+    # This share of the requests that would hit is computed as a miss instead, and the fresh
+    # KV compared with what the tiers hold (kvtier.engine.verify); 0: off.
+    verify_fraction: float = 0.0
     log_level: str | None = None
     metrics_port: int | None = None  # serve Prometheus metrics on this port
 
@@ -213,6 +216,9 @@ def _validate_numbers(cfg: Config) -> None:
                     f"must lie in [0, {MAX_SESSION_PINNED_FRACTION}] (the rest of the CPU tier "
                     f"stays evictable for stores and prefetches), got "
                     f"{cfg.max_session_pinned_fraction}")
+    if not 0.0 <= cfg.verify_fraction <= 1.0:
+        raise _fail(src, "verify_fraction",
+                    f"must lie in [0, 1] (a share of the requests), got {cfg.verify_fraction}")
     if not 0 < cfg.session_ttl_secs <= MAX_SECONDS:
         raise _fail(src, "session_ttl_secs",
                     f"must be in (0, {MAX_SECONDS:g}], got {cfg.session_ttl_secs}")

@@ -15,6 +15,7 @@ from kvtier.config import Config
 from kvtier.connectors.base import KVConnector
 from kvtier.engine.saving import PrefixSaver
 from kvtier.engine.tiers import TierControl
+from kvtier.engine.verify import Verification, sampled, shadow_check
 from kvtier.kernels import ops
 from kvtier.keys import ChunkKey, KeyBuilder, KeyChain
 from kvtier.memory import KVLayout, MemoryFormat, MemoryObj, lease
@@ -126,6 +127,7 @@ class CacheEngine:
             from kvtier import prometheus
 
             prometheus.serve_rank(config.metrics_port + rank)
+        self.verify_fraction = config.verify_fraction  # the admin route changes it
         self._closed = False
 
     def store(self, token_ids: TokenIds, slot_mapping: torch.Tensor, *,
@@ -159,6 +161,28 @@ class CacheEngine:
         if session_id is not None:
             self.storage.pin_session(session_id, keys)
         return stored
+
+    def verify(self, token_ids: TokenIds, slot_mapping: torch.Tensor, *, start: int = 0,
+               session_id: str | None = None, on_read: Callable[[], None] | None = None,
+               salt: str = "", also_prefix: int | None = None,
+               ready: torch.cuda.Event | None = None) -> Verification:
+        """`store`, after comparing the KV in `slot_mapping` with every tier's records of the
+        same full chunks from token `start` on (those the request computed, not found in the
+        pool): a chunk that differs beyond `verify.TOLERANCE` is counted, logged and removed
+        from its tier with the chunks after it, so the store writes the fresh KV in its place.
+        Its other arguments are `store`'s."""
+        _, slots, _ = self._prepare(token_ids, slot_mapping)
+        verdicts = [] if self._closed else shadow_check(
+            self.storage, self.key_chain(token_ids, salt), start,
+            lambda todo: self._saver.fill(todo, slots, ready))
+        stored = self.store(token_ids, slot_mapping, session_id=session_id, on_read=on_read,
+                            salt=salt, also_prefix=also_prefix, ready=ready)
+        return Verification(stored, verdicts)
+
+    def verifies(self, request_id: str) -> bool:
+        """Whether request `request_id` is verified rather than loaded (`verify_fraction`,
+        changed at run time through `verify_fraction`; every rank agrees)."""
+        return sampled(request_id, self.verify_fraction)
 
     def retrieve(self, token_ids: TokenIds, slot_mapping: torch.Tensor, skip: int = 0, *,
                  hot_only: bool = False, session_id: str | None = None,

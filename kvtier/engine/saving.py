@@ -82,6 +82,32 @@ class PrefixSaver:
         self._storage.counters.inc("tokens_stored", n)
         return n
 
+    def fill(self, keys: Sequence[ChunkKey], slots: torch.Tensor,
+             ready: torch.cuda.Event | None) -> list[MemoryObj]:
+        """New arena objects holding consecutive chunks `keys` from the pool rows `slots`, put
+        nowhere (the caller owns them): up to the first that finds no memory, or (CUDA) met
+        a -1 slot. On a CUDA pool this waits for the copy."""
+        objs = self._allocate(keys)
+        if not objs:
+            return objs
+        rows = slots[keys[0].start:keys[len(objs) - 1].end]
+        if self._device is None:
+            unwritten = (rows < 0).nonzero()
+            if unwritten.numel():  # keep the chunks before the first -1 slot
+                n = sum(k.end <= keys[0].start + int(unwritten[0]) for k in keys[:len(objs)])
+                for obj in objs[n:]:
+                    obj.release()
+                objs, rows = objs[:n], rows[:keys[n - 1].end - keys[0].start] if n else rows[:0]
+            if objs:
+                self._connector.gather_many(rows, objs)
+            return objs
+        status = self._device.gather([rows], objs, ready)
+        whole = [word == 0 for word in status]
+        n = whole.index(False) if False in whole else len(whole)
+        for obj in objs[n:]:
+            obj.release()
+        return objs[:n]
+
     def _put(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]) -> None:
         self._storage.put(keys, objs, write_down=self._write_down)
 

@@ -1,0 +1,162 @@
+"""Shadow verification: a sampled request that would hit is computed as a miss instead, and the
+KV it computed is compared with what each tier holds for the same chunks.
+
+A checksum proves a record holds the bytes that were written; it cannot prove they are the KV
+this model computes for these tokens. A model changed under the same identity, a writer that
+swapped rows or slots, a dtype mix-up: all load as valid hits. This module checks meaning, at
+the price of one prefill per verified request.
+
+The comparison is per chunk and per layer: the relative L2 distance between the fresh KV and the
+tier's, `||fresh - held|| / ||held||` over the layer's keys and values. Two honest computations
+of the same prompt differ only by the rounding of different batch shapes, far below
+`TOLERANCE` (docs/verification.md has the measurements); a chunk over it in any layer is a
+mismatch: counted (`verify_mismatch` in the tier's scope), logged with the tier, the chunk and
+the first layer that differs, and quarantined: the chunk and every later chunk of the request
+are removed from that tier, so no request loads them (a chained key is never reached past a
+missing one) and the store that follows writes the fresh KV in their place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+
+from kvtier.keys import ChunkKey, KeyChain
+from kvtier.memory import MemoryObj, lease
+from kvtier.metrics import RateLimitedLog
+from kvtier.storage import StorageManager
+from kvtier.storage.guard import GuardedTier
+
+__all__ = ["TOLERANCE", "Verdict", "Verification", "shadow_check", "sampled", "layer_errors"]
+
+logger = logging.getLogger(__name__)
+_warn = RateLimitedLog(logger)
+
+# The largest relative L2 distance per layer that still counts as the same KV, per pool dtype.
+# Honest recomputations in other batches measured far below (docs/verification.md); a changed
+# weight matrix, a swapped row or another dtype lands orders of magnitude above.
+TOLERANCE: dict[torch.dtype, float] = {
+    torch.float32: 1e-3,
+    torch.float16: 2e-2,
+    torch.bfloat16: 5e-2,
+}
+_DEFAULT_TOLERANCE = 5e-2  # 8-bit pools and anything else: as loose as bf16
+
+
+class Verdict(NamedTuple):
+    """One chunk compared with one tier's record of it. `layer`: the first layer over the
+    tolerance (None: the chunk matched); `error`: the relative distance there (or the worst of
+    all layers on a match)."""
+
+    tier: str
+    chunk: int
+    key: ChunkKey
+    layer: int | None
+    error: float
+
+    @property
+    def matched(self) -> bool:
+        return self.layer is None
+
+
+class Verification(NamedTuple):
+    """What `CacheEngine.verify` did: tokens newly stored, and a verdict per chunk and tier
+    compared (none when no tier held a chunk of the verified span)."""
+
+    stored: int
+    verdicts: list[Verdict]
+
+    @property
+    def mismatches(self) -> list[Verdict]:
+        return [v for v in self.verdicts if not v.matched]
+
+
+def sampled(request_id: str, fraction: float) -> bool:
+    """Whether request `request_id` is one of the `fraction` verified: a hash of the id, so
+    every TP rank (and every call about the same request) decides the same way."""
+    if fraction <= 0.0:
+        return False
+    if fraction >= 1.0:
+        return True
+    digest = hashlib.blake2b(request_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") < fraction * 2.0 ** 64
+
+
+def layer_errors(fresh: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+    """The relative L2 distance per layer between two chunks (`[planes, layers, tokens,
+    hidden]`), computed in float32; a layer whose record is all zeros compares absolutely."""
+    a, b = fresh.float(), held.float()
+    diff = (a - b).pow(2).sum(dim=(0, 2, 3)).sqrt()
+    norm = b.pow(2).sum(dim=(0, 2, 3)).sqrt()
+    return diff / norm.clamp_min(1e-12)
+
+
+def shadow_check(storage: StorageManager, keys: Sequence[ChunkKey], start: int,
+                 gather: Callable[[Sequence[ChunkKey]], list[MemoryObj]]) -> list[Verdict]:
+    """Compare the fresh KV of the chunks of `keys` (a request's full chunks; a `KeyChain`
+    also names the tails a quarantine removes) from token `start` on with every tier's records
+    of them; quarantine and count what differs. `gather` copies the named chunks from the pool
+    into new objects (fewer when memory runs out). Runs before the store of the same chunks,
+    so that the store writes fresh KV where a record was removed."""
+    first = next((i for i, k in enumerate(keys) if k.start >= start), len(keys))
+    span = list(keys[first:])
+    held = [(tier, tier.batch_contains(span)) for tier in (storage.hot, *storage.lower_tiers)]
+    held = [(tier, n) for tier, n in held if n]
+    if not held:
+        return []
+    fresh = gather(span[:max(n for _, n in held)])
+    verdicts: list[Verdict] = []
+    with lease(fresh):
+        for tier, n in held:
+            with lease(tier.batch_get(span[:min(n, len(fresh))])) as records:
+                verdicts += _Tier(storage, tier, keys, first).compare(fresh, records)
+    return verdicts
+
+
+class _Tier:
+    """One tier's side of a check: its counters, the comparison, the quarantine."""
+
+    def __init__(self, storage: StorageManager, tier: GuardedTier, keys: Sequence[ChunkKey],
+                 first: int):
+        self._tier = tier
+        self._keys = keys  # the request's chunks; compared from `first` on
+        self._first = first
+        self._counters = storage.counters.scope(tier.name, "verify_checked", "verify_mismatch")
+
+    def compare(self, fresh: Sequence[MemoryObj], held: Sequence[MemoryObj]) -> list[Verdict]:
+        """A verdict per chunk `held` (in order), up to the first mismatch (the chunks after
+        it leave the tier with it)."""
+        tier = self._tier
+        tolerance = TOLERANCE.get(fresh[0].tensor.dtype, _DEFAULT_TOLERANCE) if fresh else 0.0
+        verdicts = []
+        for i, (new, old) in enumerate(zip(fresh, held)):
+            errors = layer_errors(new.tensor, old.tensor)
+            over = (errors > tolerance).nonzero()
+            layer = int(over[0]) if over.numel() else None
+            error = float(errors[layer] if layer is not None else errors.max())
+            chunk = self._first + i
+            verdicts.append(Verdict(tier.name, chunk, self._keys[chunk], layer, error))
+            self._counters.inc("verify_checked")
+            if layer is not None:
+                self._counters.inc("verify_mismatch")
+                self._quarantine(chunk, layer, error, tolerance)
+                break
+        return verdicts
+
+    def _quarantine(self, i: int, layer: int, error: float, tolerance: float) -> None:
+        """Remove chunk `i`, the chunks after it and the tails that cover part of it."""
+        tier, keys = self._tier, self._keys
+        tails = keys.tails(i) if isinstance(keys, KeyChain) else []
+        removed = tier.remove([*keys[i:], *tails])
+        _warn.warning(f"verify-{tier.name}",
+                      "kvtier: verification MISMATCH in tier %s: chunk %d (tokens %d-%d, key "
+                      "%s...) differs from a fresh prefill from layer %d on (relative error "
+                      "%.3g, tolerance %.3g); %d chunks from it on removed from %s, so no "
+                      "request loads them. A model changed under the same identity, or a "
+                      "writer bug: see docs/verification.md",
+                      tier.name, i, keys[i].start, keys[i].end, keys[i].key[:16], layer, error,
+                      tolerance, removed, tier.name)

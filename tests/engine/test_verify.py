@@ -1,0 +1,175 @@
+"""Shadow verification on real tiers (CPU and disk): honest records match, numerics of another
+batch shape stay under the tolerance, and a writer bug or a changed model is caught, named,
+counted and quarantined, with the fresh KV stored in its place."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.config import Config
+from kvtier.connectors import SGLangMHAConnector, SGLangMLAConnector
+from kvtier.connectors.base import KVConnector
+from kvtier.engine import CacheEngine
+from kvtier.engine.verify import TOLERANCE, layer_errors, sampled
+from kvtier.errors import ConfigError
+
+SLOTS = 256
+CHUNK = 16
+LAYERS = 4
+
+
+class _Pool(SGLangMHAConnector):
+    """An MHA pool whose layer buffers the test keeps (to change the KV under the engine)."""
+
+    def __init__(self, dtype: torch.dtype, seed: int = 0):
+        gen = torch.Generator().manual_seed(seed)
+        self.k, self.v = ([torch.randn(SLOTS, 2, 8, generator=gen).to(dtype)
+                           for _ in range(LAYERS)] for _ in range(2))
+        super().__init__(self.k, self.v)
+
+
+def _mha(dtype: torch.dtype) -> _Pool:
+    return _Pool(dtype)
+
+
+def _mla(dtype: torch.dtype) -> SGLangMLAConnector:
+    gen = torch.Generator().manual_seed(1)
+    return SGLangMLAConnector([torch.randn(SLOTS, 1, 24, generator=gen).to(dtype)
+                               for _ in range(LAYERS)])
+
+
+def _engine(connector: KVConnector, tmp_path: Path, **kw: object) -> CacheEngine:
+    cfg = Config(chunk_size=CHUNK, max_local_cpu_size=0.016, save_tails=False,
+                 local_disk=str(tmp_path / "disk"), max_local_disk_size=0.05, **kw)
+    return CacheEngine(cfg, model_name="m", layout=connector.layout, connector=connector)
+
+
+@pytest.fixture
+def tokens() -> torch.Tensor:
+    return torch.randint(0, 30_000, (4 * CHUNK + 5,), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.fixture
+def slots() -> torch.Tensor:
+    return torch.randperm(SLOTS, generator=torch.Generator().manual_seed(4))[:4 * CHUNK + 5]
+
+
+@pytest.fixture
+def mha(tmp_path: Path) -> Iterator[CacheEngine]:
+    engine = _engine(_mha(torch.float32), tmp_path)
+    yield engine
+    engine.close()
+
+
+def _stored(engine: CacheEngine, tokens: torch.Tensor, slots: torch.Tensor) -> None:
+    assert engine.store(tokens, slots) == 4 * CHUNK
+    assert engine.flush(30)
+
+
+def _checked(engine: CacheEngine, tier: str) -> tuple[int, int]:
+    stats = engine.stats()
+    return stats.get(f"{tier}.verify_checked", 0), stats.get(f"{tier}.verify_mismatch", 0)
+
+
+def _pool(engine: CacheEngine) -> _Pool:
+    assert isinstance(engine.connector, _Pool)
+    return engine.connector
+
+
+@pytest.mark.parametrize("connector", [_mha(torch.float32), _mha(torch.bfloat16),
+                                       _mla(torch.float16)], ids=["mha-f32", "mha-bf16", "mla"])
+def test_honest_records_match_in_every_tier(connector: KVConnector, tmp_path: Path,
+                                            tokens: torch.Tensor, slots: torch.Tensor) -> None:
+    engine = _engine(connector, tmp_path)
+    try:
+        _stored(engine, tokens, slots)
+        result = engine.verify(tokens, slots)
+        assert not result.mismatches and result.stored == 0
+        assert {(v.tier, v.chunk) for v in result.verdicts} == {
+            (tier, i) for tier in ("cpu", "disk") for i in range(4)}
+        assert all(v.error == 0.0 for v in result.verdicts)  # the same bytes
+        assert _checked(engine, "cpu") == (4, 0) and _checked(engine, "disk") == (4, 0)
+    finally:
+        engine.close()
+
+
+def test_another_batch_shape_s_rounding_is_under_the_tolerance(
+        mha: CacheEngine, tokens: torch.Tensor, slots: torch.Tensor) -> None:
+    _stored(mha, tokens, slots)
+    gen = torch.Generator().manual_seed(7)
+    pool = _pool(mha)
+    for buf in [*pool.k, *pool.v]:  # float32 rounding of another batch: ~1e-7 relative
+        buf[slots] += buf[slots] * 1e-6 * torch.randn(buf[slots].shape, generator=gen)
+    result = mha.verify(tokens, slots)
+    assert not result.mismatches and len(result.verdicts) == 8
+    assert 0 < max(v.error for v in result.verdicts) < TOLERANCE[torch.float32] / 100
+
+
+def test_a_writer_that_swapped_two_rows_is_caught_and_quarantined(
+        mha: CacheEngine, tokens: torch.Tensor, slots: torch.Tensor) -> None:
+    bad = slots.clone()
+    bad[[CHUNK + 3, CHUNK + 4]] = bad[[CHUNK + 4, CHUNK + 3]]  # valid checksums, wrong KV
+    _stored(mha, tokens, bad)
+    result = mha.verify(tokens, slots)
+    assert {(v.tier, v.chunk, v.layer) for v in result.mismatches} == {("cpu", 1, 0),
+                                                                        ("disk", 1, 0)}
+    assert all(v.error > 100 * TOLERANCE[torch.float32] for v in result.mismatches)
+    assert _checked(mha, "cpu") == (2, 1) and _checked(mha, "disk") == (2, 1)
+    # Quarantined, and the store that followed wrote the fresh KV in its place.
+    assert result.stored == 3 * CHUNK and mha.flush(30)
+    again = mha.verify(tokens, slots)
+    assert not again.mismatches and len(again.verdicts) == 8
+
+
+def test_a_changed_model_is_named_by_its_first_differing_layer(
+        mha: CacheEngine, tokens: torch.Tensor, slots: torch.Tensor) -> None:
+    _stored(mha, tokens, slots)
+    pool = _pool(mha)
+    for layer in range(2, LAYERS):  # one weight changed in layer 2: its KV and all after it
+        pool.v[layer][slots] *= 1.05
+    result = mha.verify(tokens, slots, start=CHUNK)  # the first chunk came from the pool
+    assert {(v.tier, v.chunk, v.layer) for v in result.mismatches} == {("cpu", 1, 2),
+                                                                        ("disk", 1, 2)}
+    assert all(v.chunk >= 1 for v in result.verdicts)
+    # The records from chunk 1 on were removed and the store wrote the fresh KV: a load into
+    # an empty pool now brings this model's KV, never the one the records held.
+    assert result.stored == 3 * CHUNK and mha.flush(30)
+    rows = slots[CHUNK:4 * CHUNK]
+    want = [b[rows].clone() for b in pool.v]
+    for buf in [*pool.k, *pool.v]:
+        buf.zero_()
+    assert mha.retrieve(tokens, slots) == 4 * CHUNK
+    assert all(torch.equal(b[rows], w) for b, w in zip(pool.v, want))
+
+
+def test_nothing_is_compared_without_a_record(mha: CacheEngine, tokens: torch.Tensor,
+                                             slots: torch.Tensor) -> None:
+    result = mha.verify(tokens, slots)
+    assert result.verdicts == [] and result.stored == 4 * CHUNK
+    assert _checked(mha, "cpu") == (0, 0)
+
+
+def test_sampling_is_a_stable_share_of_request_ids() -> None:
+    ids = [f"req-{i}" for i in range(4000)]
+    assert not any(sampled(r, 0.0) for r in ids) and all(sampled(r, 1.0) for r in ids)
+    share = sum(sampled(r, 0.1) for r in ids) / len(ids)
+    assert 0.08 < share < 0.12
+    assert [sampled(r, 0.1) for r in ids] == [sampled(r, 0.1) for r in ids]
+
+
+def test_layer_errors_are_relative_per_layer() -> None:
+    held = torch.ones(2, 3, 4, 8)
+    fresh = held.clone()
+    fresh[:, 1] *= 1.1
+    errors = layer_errors(fresh, held)
+    assert errors.tolist() == pytest.approx([0.0, 0.1, 0.0])
+
+
+@pytest.mark.parametrize("value", [-0.1, 1.5])
+def test_verify_fraction_outside_0_1_is_refused(value: float) -> None:
+    with pytest.raises(ConfigError, match="verify_fraction"):
+        Config(verify_fraction=value)
