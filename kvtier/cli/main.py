@@ -271,11 +271,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_bench)
     from kvtier.cli import admin as cli_admin
     from kvtier.cli import tiers as cli_tiers
+    from kvtier.cli import verify as cli_verify
     from kvtier.demo import add_parser as add_demo_parser
 
     add_demo_parser(sub)
     cli_admin.add_parsers(sub)
     cli_tiers.add_parser(sub)
+    cli_verify.add_parser(sub)
     return parser
 
 

@@ -42,7 +42,7 @@ from kvtier.config.tiers import lower_tier_names
 from kvtier.config.urls import redact_url
 from kvtier.errors import KVTierError
 
-__all__ = ["add_parser", "request", "check_server", "TiersError", "RedirectRefused"]
+__all__ = ["add_parser", "admin_key", "request", "check_server", "TiersError", "RedirectRefused"]
 
 ADMIN_KEY_ENV = "SGLANG_ADMIN_API_KEY"
 ATTACH_WAIT_S = 120.0  # longer than the server's own attach deadline
@@ -206,7 +206,7 @@ def _tier_config(settings: list[_Setting]) -> dict[str, Any]:
     return out
 
 
-def _admin_key(args: argparse.Namespace) -> str | None:
+def admin_key(args: argparse.Namespace) -> str | None:
     if args.admin_key:
         print(f"kvtier: warning: --admin-key is visible to every user of this machine in the "
               f"process list; set {ADMIN_KEY_ENV} instead", file=sys.stderr)
@@ -220,7 +220,7 @@ def _run(args: argparse.Namespace) -> int:
         body = {"op": "attach", "tier": args.tier, "config": _tier_config(args.settings or [])}
     elif args.action == "detach":
         body = {"op": "detach", "tier": args.tier, "drain": not args.no_drain}
-    key = _admin_key(args)
+    key = admin_key(args)
     try:
         status, answer = request(args.server, body, key)
         if status == 202:  # an attach runs in the background: wait for its outcome

@@ -127,6 +127,10 @@ class Config:
     # This share of the requests that would hit is computed as a miss instead, and the fresh
     # KV compared with what the tiers hold (kvtier.engine.verify); 0: off.
     verify_fraction: float = 0.0
+    # Key the KV under this instead of the fingerprint of the model's weights and config: for
+    # copies of one model whose files differ (another format of the same weights). A wrong
+    # value shares KV between models that compute different KV: verify_fraction catches it.
+    model_fingerprint: str | None = None
     log_level: str | None = None
     metrics_port: int | None = None  # serve Prometheus metrics on this port
 
@@ -244,6 +248,10 @@ def _validate_choices(cfg: Config) -> None:
     for key, allowed in choices:
         if getattr(cfg, key) not in allowed:
             raise _fail("config", key, f"must be one of {list(allowed)}, got {getattr(cfg, key)!r}")
+    if cfg.model_fingerprint is not None and \
+            not NAMESPACE_PATTERN.fullmatch(str(cfg.model_fingerprint)):
+        raise _fail("config", "model_fingerprint", f"must be 1-64 of A-Z a-z 0-9 . _ - (it is "
+                    f"part of every key), got {cfg.model_fingerprint!r}")
     if not NAMESPACE_PATTERN.fullmatch(str(cfg.key_namespace)):
         raise _fail("config", "key_namespace", f"must be 1-64 of A-Z a-z 0-9 . _ - (it is part "
                     f"of every key), got {cfg.key_namespace!r}")

@@ -206,11 +206,13 @@ class SGLangServer:
             time.sleep(0.5)
         raise TimeoutError(f"SGLang server not ready after {timeout:.0f}s")
 
-    def _auth(self) -> dict[str, str]:
-        """The inference clients' header when the server takes `--api-key`."""
-        if "--api-key" not in self.args:
+    def _auth(self, admin: bool = False) -> dict[str, str]:
+        """The inference clients' header when the server takes `--api-key`; with `admin`, the
+        admin's when it takes `--admin-api-key` (SGLang's admin calls such as /flush_cache)."""
+        flag = "--admin-api-key" if admin and "--admin-api-key" in self.args else "--api-key"
+        if flag not in self.args:
             return {}
-        return {"Authorization": f"Bearer {self.args[self.args.index('--api-key') + 1]}"}
+        return {"Authorization": f"Bearer {self.args[self.args.index(flag) + 1]}"}
 
     def stop(self, timeout: float = 5.0) -> int | None:
         """Stop the server's process group (SIGTERM, then SIGKILL after `timeout` s); returns
@@ -246,11 +248,12 @@ class SGLangServer:
 
     # ---- requests ----
 
-    def post(self, path: str, body: dict[str, Any] | None = None, timeout: float = 300) -> Any:
+    def post(self, path: str, body: dict[str, Any] | None = None, timeout: float = 300, *,
+             admin: bool = False) -> Any:
         data = json.dumps(body or {}).encode()
         req = urllib.request.Request(f"{self.url}{path}", data=data,
                                      headers={"Content-Type": "application/json",
-                                              **self._auth()})
+                                              **self._auth(admin)})
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             raw = resp.read()
         try:
@@ -320,5 +323,5 @@ class SGLangServer:
         was just sent may still be in the scheduler's last batch for a step, more so on a busy
         host; kvtier hands its stores' locks back as soon as they have read the KV). HTTP 400
         if it did not become idle within `timeout_s`."""
-        self.post(f"/flush_cache?timeout={timeout_s:g}", timeout=timeout_s + 60)
+        self.post(f"/flush_cache?timeout={timeout_s:g}", timeout=timeout_s + 60, admin=True)
 

@@ -96,13 +96,15 @@ class SGLangKVTier:
             "loads", "tokens_loaded", "load_misses", "load_no_slots", "loads_short",
             "loads_discarded", "stores", "tokens_stored", "stores_skipped_busy", "store_errors",
             "prefetches", "prefetches_cancelled", "prefetch_waits",
-            "prefetches_skipped_hot")))
+            "prefetches_skipped_hot", "verified_requests")))
         self.budget = SchedulerBudget(self.counters)
         self._closed_sessions: set[str] = set()  # a store finishing late must not re-pin
         # request id -> its prefetch; registered on every rank alike (scheduler thread)
         self._prefetches: dict[str, Prefetch] = {}
         self._checked: set[str] = set()  # requests whose prefetch was asked about once
         self._keys: dict[str, KeyChain] = {}  # request id -> its key chain
+        # Requests computed as a miss to verify the tiers -> the device prefix they had then.
+        self._shadowed: dict[str, int] = {}
         self._exported = _AdapterStats(self.counters)
         prometheus.register(self._exported)  # the engine's own stats are exported by storage
         self.stores = StoreWorker(self._store, self.counters)
@@ -131,6 +133,17 @@ class SGLangKVTier:
                 self._keys.clear()  # requests that never came back; cheap to rebuild
             self._keys[rid] = keys
         return keys
+
+    def shadowed(self, rid: str, device_len: int) -> bool:
+        """Whether request `rid` is verified rather than loaded (`verify_fraction`; every rank
+        decides alike): it hits nothing, and its store first compares what it computed past
+        `device_len` with the tiers' records (`CacheEngine.verify`)."""
+        if self._closed or not self.engine.verifies(rid):
+            return False
+        if len(self._shadowed) >= MAX_CACHED_KEYS:
+            self._shadowed.clear()  # requests that never came back
+        self._shadowed[rid] = device_len
+        return True
 
     def forget(self, rid: str) -> None:
         """Request `rid` was loaded, finished or aborted: drop its cached keys."""
@@ -164,8 +177,8 @@ class SGLangKVTier:
 
     def start_prefetch(self, rid: str, token_ids: np.ndarray, salt: str = "") -> None:
         """Start loading `token_ids`' lower-tier chunks into the CPU tier for request `rid`."""
-        if self._closed or rid in self._prefetches:
-            return
+        if self._closed or rid in self._prefetches or self.engine.verifies(rid):
+            return  # a verified request loads nothing: it is computed, then compared
         end = self.loadable_end(len(token_ids))
         if end == 0:
             return
@@ -204,6 +217,7 @@ class SGLangKVTier:
         """Request `rid` went away: stop its load and drop the chunks only it brought in."""
         self.forget(rid)
         self._checked.discard(rid)
+        self._shadowed.pop(rid, None)
         prefetch = self._prefetches.pop(rid, None)
         if prefetch is None:
             return
@@ -242,9 +256,10 @@ class SGLangKVTier:
 
     def submit_store(self, token_ids: np.ndarray, slots: torch.Tensor, handle: Opaque,
                      session_id: str | None = None, salt: str = "",
-                     prompt_len: int | None = None) -> bool:
+                     prompt_len: int | None = None, rid: str | None = None) -> bool:
         """Queue a background store of `token_ids` from pool `slots` (scheduler thread);
-        `prompt_len`: the request's prompt (the tail a repeat of it looks up is stored too).
+        `prompt_len`: the request's prompt (the tail a repeat of it looks up is stored too);
+        `rid`: the request, verified first if it was `shadowed`.
 
         Returns False (and stores nothing) when the queue is full or stores are off on this
         rank; the caller then releases `handle` itself. When True, `handle` comes back from
@@ -256,8 +271,10 @@ class SGLangKVTier:
         if slots.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
+        verify_from = self._shadowed.pop(rid, None) if rid is not None else None
         return self.stores.submit(StoreJob(token_ids, slots, handle, ready, session_id,
-                                           salt=salt, prompt_len=prompt_len))
+                                           salt=salt, prompt_len=prompt_len,
+                                           verify_from=verify_from))
 
     def poll_done(self) -> list[StoreJob]:
         """Stores whose slots are free, whose handles the caller may now release (scheduler
@@ -277,6 +294,8 @@ class SGLangKVTier:
         also = None if job.prompt_len is None else job.prompt_len - 1
         # On a GPU the copy waits for `job.ready` on kvtier's stream, not on this thread, and
         # the slots are released once it has run there.
+        if job.verify_from is not None:
+            return self._verify(job, sid, also)
         stored = self.engine.store(job.token_ids, job.slots, session_id=sid,
                                    on_read=job.release_slots, salt=job.salt, also_prefix=also,
                                    ready=job.ready)
@@ -285,6 +304,23 @@ class SGLangKVTier:
         logger.debug("kvtier: stored %d new tokens of a %d-token prefix", stored,
                      len(job.token_ids))
         return int(stored)
+
+    def _verify(self, job: StoreJob, sid: str | None, also: int | None) -> int:
+        """The store of a verified request: the comparison, then the store itself."""
+        assert job.verify_from is not None
+        result = self.engine.verify(job.token_ids, job.slots, start=job.verify_from,
+                                    session_id=sid, on_read=job.release_slots, salt=job.salt,
+                                    also_prefix=also, ready=job.ready)
+        self.counters.inc("sglang.verified_requests")
+        self.counters.inc("sglang.stores")
+        self.counters.inc("sglang.tokens_stored", result.stored)
+        worst = max((v.error for v in result.verdicts), default=0.0)
+        logger.info("kvtier: verified %d chunks of a %d-token prefix against %s: %d mismatched "
+                    "(largest relative error %.3g)",
+                    len({v.chunk for v in result.verdicts}), len(job.token_ids),
+                    sorted({v.tier for v in result.verdicts}) or "no tier (nothing held)",
+                    len(result.mismatches), worst)
+        return result.stored
 
     # ---- lifecycle ----
 

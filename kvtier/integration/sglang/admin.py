@@ -3,6 +3,7 @@
     GET  /kvtier/tiers   the attached tiers and session pins per TP rank, and recent attaches
     POST /kvtier/tiers   {"op": "attach", "tier": "redis", "config": {"remote_timeout_secs": 3}}
                          {"op": "detach", "tier": "redis", "drain": true}
+                         {"op": "verify", "fraction": 0.01}   (shadow verification's share)
 
 An attach answers 202 with an id at once and runs in the background (`attach.py`): every rank
 builds the tier on a thread of its own, then the tier is published on every rank, or on none
@@ -87,13 +88,27 @@ def apply(kvtier: SGLangKVTier, request: dict[str, Any]) -> dict[str, Any]:
         # Unpublished at once; its writes drain and its reads finish on another thread, so
         # the scheduler does not wait for them.
         engine.tiers.detach(name, drain=bool(request.get("drain", True)), wait=False)
+    elif op == "verify":
+        engine.verify_fraction = _fraction(request)
+        logger.info("kvtier: verify_fraction set to %g over HTTP", engine.verify_fraction)
     elif op != "list":
-        raise ValueError(f"op: must be list, attach or detach, got {op!r}")
+        raise ValueError(f"op: must be list, attach, detach or verify, got {op!r}")
     stats = engine.stats()
     return {"tiers": engine.tiers.names,
             "attaching": kvtier.attachments.states(),
             "sessions_pinned": stats.get("sessions_pinned", 0),
-            "session_pinned_bytes": stats.get("session_pinned_bytes", 0)}
+            "session_pinned_bytes": stats.get("session_pinned_bytes", 0),
+            "verify_fraction": engine.verify_fraction,
+            "verified": {tier: {"checked": stats.get(f"{tier}.verify_checked", 0),
+                                "mismatched": stats.get(f"{tier}.verify_mismatch", 0)}
+                         for tier in engine.tiers.names}}
+
+
+def _fraction(request: dict[str, Any]) -> float:
+    value = request.get("fraction")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise ValueError(f"fraction: must be a number in [0, 1], got {value!r}")
+    return float(value)
 
 
 def _tier_name(request: dict[str, Any]) -> str:

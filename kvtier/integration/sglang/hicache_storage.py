@@ -87,7 +87,7 @@ def _takes_multimodal_input(server_args: ServerArgsView) -> bool:
                           f"without knowing") from None
 
 
-def hicache_model(server_args: ServerArgsView | None) -> str:
+def hicache_model(server_args: ServerArgsView | None, fingerprint: str | None = None) -> str:
     """The model key component of the HiCache backend: the same identity as the radix-cache
     backend's (`identity.model_identity`).
 
@@ -102,7 +102,7 @@ def hicache_model(server_args: ServerArgsView | None) -> str:
             "(sglang.srt.runtime_context.get_server_args()), so the model's fingerprint "
             "(weights, config.json, revision, dtypes) cannot be made; kvtier refuses to key "
             "pages by the model name alone")
-    model = model_identity(server_args)
+    model = model_identity(server_args, fingerprint)
     if _takes_multimodal_input(server_args):
         raise ConfigError(
             f"kvtier HiCache storage: model {server_args.model_path!r} takes multimodal input, "
@@ -153,7 +153,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         self._name_salt = name_salt(self.config.hash_salt, self.config.record_key_file)
         self.storage_config = storage_config
         self._writes = storage_config.is_storage_writer
-        self._model = hicache_model(_server_args())
+        self._model = hicache_model(_server_args(), self.config.model_fingerprint)
         mla = storage_config.is_mla_model
         self._rank = "0of1" if mla else f"{storage_config.tp_rank}of{storage_config.tp_size}"
         if storage_config.pp_size > 1:

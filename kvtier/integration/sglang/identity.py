@@ -31,11 +31,13 @@ def served_model_name(server_args: ServerArgsView) -> str:
     return str(getattr(server_args, "served_model_name", None) or server_args.model_path)
 
 
-def model_identity(server_args: ServerArgsView) -> str:
+def model_identity(server_args: ServerArgsView, fingerprint: str | None = None) -> str:
     """A server's model as one key component: `model_key_name(served name,
     model_fingerprint(server_args))`. The radix-cache backend and the HiCache backend both key
-    on it, so neither shares KV across weights, revisions or dtypes under one name."""
-    return model_key_name(served_model_name(server_args), model_fingerprint(server_args))
+    on it, so neither shares KV across weights, revisions or dtypes under one name.
+    `fingerprint`: the config's `model_fingerprint`, used instead of the computed one."""
+    return model_key_name(served_model_name(server_args),
+                          fingerprint or model_fingerprint(server_args))
 
 
 def model_config(server_args: ServerArgsView) -> dict[str, object]:

@@ -317,7 +317,7 @@ def build_radix_cache(ctx: TreeCacheBuildContextView) -> KVTierRadixCache:
                                                          collapse=True).describe())
     server_args = ctx.server_args
     name = served_model_name(server_args)
-    model = model_identity(server_args)
+    model = model_identity(server_args, config.model_fingerprint)
     engine = CacheEngine(config, model_name=model, layout=connector.layout,
                          connector=connector, world_size=int(ctx.tp_size),
                          rank=int(ctx.tp_rank), page_size=page_size)

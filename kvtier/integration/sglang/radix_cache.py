@@ -116,7 +116,7 @@ class KVTierRadixCache(UnifiedRadixCache):
         rid = req.rid
         self._promised.pop(rid, None)
         end = kv.loadable_end(len(key))
-        if end <= device_len:
+        if end <= device_len or kv.shadowed(rid, device_len):  # verified: computed, compared
             return 0
         start = time.perf_counter()
         hit = kv.lookup(rid, _full_ids(req, key), _salt(key.cache_salt), limit=end)
@@ -321,7 +321,7 @@ class KVTierRadixCache(UnifiedRadixCache):
         session = getattr(req, "session", None)  # SGLang's session API: pin between turns
         sid = getattr(session, "session_id", None)
         if not kv.submit_store(tokens, slots[:keyed].to(torch.int64), lock, sid,
-                               _salt(req.cache_salt), len(req.origin_input_ids)):
+                               _salt(req.cache_salt), len(req.origin_input_ids), req.rid):
             self.unlock(lock)
 
     def _release_finished_stores(self) -> None:

@@ -50,6 +50,7 @@ class StoreJob:
     session_id: str | None = None  # pin the prefix for this SGLang session
     salt: str = ""  # the request's cache_salt
     prompt_len: int | None = None  # the prompt alone, whose tail is stored too
+    verify_from: int | None = None  # shadow verification: compare from this token on, then store
     deadline: float = 0.0  # monotonic; a job still queued then is cancelled
     state: str = QUEUED
     stored: int = 0
