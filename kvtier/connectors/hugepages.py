@@ -3,7 +3,7 @@
 A CPU pool is read and written one token row (a few KiB) at a time at random slots: on 4 KiB
 pages nearly every row is a TLB miss and a page walk, and under a hypervisor a nested one. On
 2 MiB pages the connector's random-row copies ran 1.3-2.2x faster on a 2-core KVM guest
-(`benchmarks/bench_connectors.py --compare-pages`). The serving engine allocates the pool: an
+(`benchmarks/micro/bench_connectors.py --compare-pages`). The serving engine allocates the pool: an
 SGLang `--device cpu` launch has PyTorch put it on huge pages as it is created
 (`THP_MEM_ALLOC_ENABLE=1`, set by `integration.sglang.cpu`), and the worker then collapses in
 place (`MADV_COLLAPSE`, Linux 6.1+), once, at launch, whatever is still on small pages. (The

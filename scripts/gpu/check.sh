@@ -25,6 +25,6 @@ timeout 120 python3 -m pytest -q -p no:cacheprovider tests/kernels tests/connect
 if [[ -n "${ENGINE_CHECK:-}" ]]; then
     timeout 150 python3 "$ENGINE_CHECK" > "$OUT/engine_check.log" 2>&1
 fi
-timeout 200 python3 benchmarks/bench_gpu.py --rounds "${ROUNDS:-10}" > "$OUT/bench_gpu.log" 2>&1
+timeout 200 python3 benchmarks/micro/bench_gpu.py --rounds "${ROUNDS:-10}" > "$OUT/bench_gpu.log" 2>&1
 cp benchmarks/results/gpu.json "$OUT/bench_gpu.json" 2>/dev/null
 tail -n 3 "$OUT"/*.log

@@ -2,7 +2,7 @@
 
 redis-py (with hiredis) stays in charge of connections, auth, TLS and routing, but its command
 packer copies every argument and its reply parser copies every bulk string, which caps large
-values well below what loopback can do (measurements in benchmarks/bench_redis.py). So records
+values well below what loopback can do (measurements in benchmarks/micro/bench_redis.py). So records
 are written with payload memoryviews handed straight to `sendall`, and replies are read with
 `recv_into` straight into arena memory. Only connections used in lockstep are handed here, so
 redis-py's parser has nothing buffered when we take over the socket. The RESP2 framing itself
@@ -19,7 +19,7 @@ GET per segment, requested a few MiB ahead of the reader. Redis builds a command
 in freshly allocated memory before sending any of it, so an MGET of a 32 MiB chunk costs the
 server 32 MiB of page-faulted buffers per read, which caps it well below loopback speed; small
 GETs kept a few MiB ahead let it reuse the same warm buffers (about 1.5x on 32 MiB chunks,
-benchmarks/bench_redis.py). Split reads are not atomic, but they never yield half a chunk:
+benchmarks/micro/bench_redis.py). Split reads are not atomic, but they never yield half a chunk:
 every record is checked against the payload checksum in its header (and its GCM tag when it is
 encrypted), and the caller re-reads a record that fails the check with one MGET before calling
 it corrupt, since a concurrent overwrite or expiry can mix or drop the segments of a sound
@@ -60,7 +60,7 @@ PIECE = 1 << 20
 class CipherBuffers:
     """Buffers the ciphertext of encrypted records is written into before it is sent, kept for
     the next put: a fresh buffer costs page faults and the kernel's zeroing on every put, which
-    halved the put throughput of 32 MiB chunks (2 cores, benchmarks/bench_redis.py). At most
+    halved the put throughput of 32 MiB chunks (2 cores, benchmarks/micro/bench_redis.py). At most
     `keep` bytes of them are kept (one buffer however large). Thread-safe."""
 
     def __init__(self, keep: int):

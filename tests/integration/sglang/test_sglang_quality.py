@@ -7,8 +7,8 @@ Paths: the CPU tier after `/flush_cache` (the prompt's partial last chunk includ
 conversation's next turn (the previous turn's prompt and answer hit) at TP 1 (page sizes 1 and
 16, chunk sizes 256 and 64) and TP 2 (page size 32, chunk size 64); the disk after a restart at
 TP 1; Redis from a second instance at TP 2. (A server start at TP 2 costs over a minute on 2
-cores, so the disk at TP 2 and Redis at TP 1 are left to benchmarks/bench_quality.py and, on a
-generated model, test_sglang_tiers.py.) The reference server runs without kvtier and without
+cores, so the disk at TP 2 and Redis at TP 1 are left to benchmarks/serving/bench_quality.py and,
+on a generated model, test_sglang_tiers.py.) The reference server runs without kvtier and without
 SGLang's own prefix cache, so every reference answer is computed from scratch. Servers start
 one at a time: a 2-core host starting several SGLang servers at once took minutes for each.
 """

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.bench_readme_cpu import bare_server, readme_cpu_launch
+from benchmarks.serving.bench_readme_cpu import bare_server, readme_cpu_launch
 from kvtier.config.host import MEMORY_HEADROOM_BYTES, available_memory_bytes
 from tests.integration.sglang.conftest import full_hit, prompt, write_config
 

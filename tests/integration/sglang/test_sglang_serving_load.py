@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.serving_timeline import forward_totals
+from benchmarks.serving.timeline import forward_totals
 from harness.redis import RedisProcess
 from harness.sglang_server import SGLangServer
 from tests.integration.sglang.conftest import prompt, write_config

@@ -1,0 +1,16 @@
+"""Benchmarks that drive one real SGLang server (or a few side by side) with requests.
+
+    bench_serving.py    SGLang's own load generator, with and without kvtier (entry point)
+    runs.py             bench_serving's runs: a fresh server per run, its client
+    client.py           bench_serving's client: `python -m sglang.benchmark.serving`
+    procs.py            a server's processes: core pinning, CPU per thread, kvtier's counters
+    report.py           bench_serving's table, ratios and notes (`-m` reprints from JSON)
+    timeline.py         what each server's threads spent inside the measured window
+    shared.py           bench_serving's phases, options and a run's result
+    bench_adaptive.py   load or recompute on slow and far tiers, per prefetch policy (entry point)
+    adaptive_report.py  bench_adaptive's records and report (and p99, KV bytes per token)
+    bench_hit.py        a cached prefix served from each tier vs a device-cache hit (entry point)
+    bench_readme_cpu.py the README's CPU launch line as written, on SmolLM2-135M (entry point)
+    bench_quality.py    whether a hit changes what a real model says (entry point)
+    bench_stall.py      a running stream's gaps while a hit loads from a slow tier (entry point)
+"""
