@@ -13,4 +13,6 @@
     bench_readme_cpu.py the README's CPU launch line as written, on SmolLM2-135M (entry point)
     bench_quality.py    whether a hit changes what a real model says (entry point)
     bench_stall.py      a running stream's gaps while a hit loads from a slow tier (entry point)
+    bench_verify.py     shadow verification's cost per share, and honest records' spread
+                        (entry point)
 """

@@ -1,0 +1,148 @@
+"""What does shadow verification cost, and how far apart are two honest computations?
+
+One kvtier server (SmolLM2-135M-Instruct, float32, CPU + disk tiers) serves `--prompts`
+documents once, one at a time (misses: kvtier stores them). Then rounds of the same prompts,
+sent by `--clients` concurrent clients after `/flush_cache`, so every request is a CPU-tier hit,
+or, when verified, a prefill computed in a batch with the others and compared with the record
+that was computed alone. Each round runs once per verification share in `--fractions`, switched
+at run time on the same server (the admin route `kvtier verify` uses), interleaved round by
+round so the host's drift falls on every share alike.
+
+Reported per share: requests per second (median and p99 of the per-round rates) as a ratio to
+verification off in the same run, chunks verified, mismatches, and the largest relative error
+an honest record showed (what the tolerance in kvtier/engine/verify.py must stay above).
+Prints a table, writes benchmarks/results/bench_verify.json.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/serving/bench_verify.py [--prompts 16]
+        [--clients 4] [--rounds 3] [--fractions 0,0.01,1]
+
+Needs the SGLang CPU environment (`make sglang-env`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from benchmarks.common import work_dir, write_results
+from benchmarks.serving.adaptive_report import p99
+from kvtier.cli.tiers import request
+from kvtier.demo.quality import ask, documents
+from kvtier.demo.server import CPU_FLAGS, SGLangServer, cpu_shims_dir
+from kvtier.demo.smollm2 import cached_smollm2
+
+ADMIN = "bench-verify-admin"
+VERIFIED = re.compile(r"kvtier: verified (\d+) chunks .*?: (\d+) mismatched "
+                      r"\(largest relative error ([0-9.eE+-]+)\)")
+
+
+def _server(work: Path, args: argparse.Namespace) -> SGLangServer:
+    config = work / "kvtier.yaml"
+    config.write_text(yaml.safe_dump({
+        "chunk_size": args.chunk_size, "max_local_cpu_size": 1.0,
+        "local_disk": str(work / "disk"), "max_local_disk_size": 2.0,
+        "prefetch_policy": "wait_complete"}))
+    model = cached_smollm2()[0]
+    return SGLangServer(model, work / "server.log", args=[
+        "--enable-kvtier", "--kvtier-config-file", str(config), "--page-size", "16",
+        "--max-total-tokens", "16384", "--admin-api-key", ADMIN],
+        pythonpath=[cpu_shims_dir()], cpu_flags=CPU_FLAGS)
+
+
+def _set_fraction(server: SGLangServer, fraction: float) -> None:
+    status, answer = request(server.url, {"op": "verify", "fraction": fraction}, ADMIN)
+    if status != 200 or not answer.get("success"):
+        raise RuntimeError(f"setting verify_fraction {fraction}: {status} {answer}")
+
+
+def _round(server: SGLangServer, prompts: list[str], clients: int,
+           max_new_tokens: int) -> float:
+    """One round of every prompt, `clients` at a time; requests per second."""
+    server.flush_cache()
+    start = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(lambda text: ask(server, text, max_new_tokens), prompts))
+    return len(prompts) / (time.perf_counter() - start)
+
+
+def _verified(log: str, since: int) -> tuple[int, int, float]:
+    """(chunks verified, mismatched, largest relative error) in `log` from offset `since`."""
+    found = VERIFIED.findall(log[since:])
+    return (sum(int(n) for n, _, _ in found), sum(int(m) for _, m, _ in found),
+            max((float(e) for _, _, e in found), default=0.0))
+
+
+def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    prompts = documents(args.prompts, facts=args.facts, seed=11)
+    rates: dict[float, list[float]] = {f: [] for f in args.fractions}
+    seen = {f: [0, 0, 0.0] for f in args.fractions}
+    with _server(work, args) as server:
+        for text in prompts:  # misses, one at a time: the records are computed alone
+            ask(server, text, args.max_new_tokens)
+        time.sleep(1.0)  # the last store's log line
+        for _ in range(args.rounds):
+            for fraction in args.fractions:
+                _set_fraction(server, fraction)
+                mark = len(server.log())
+                rates[fraction].append(_round(server, prompts, args.clients,
+                                              args.max_new_tokens))
+                time.sleep(1.0)  # the round's last verifications log after their replies
+                chunks, bad, worst = _verified(server.log(), mark)
+                seen[fraction][0] += chunks
+                seen[fraction][1] += bad
+                seen[fraction][2] = max(seen[fraction][2], worst)
+    base = statistics.median(rates[args.fractions[0]])
+    rows = [{"fraction": f, "requests_per_s_median": statistics.median(r),
+             "requests_per_s_p99": p99(r), "ratio_to_off": statistics.median(r) / base,
+             "rounds": r, "chunks_verified": seen[f][0], "mismatches": seen[f][1],
+             "largest_honest_error": seen[f][2]} for f, r in rates.items()]
+    return {"prompts": args.prompts, "clients": args.clients, "rounds": args.rounds,
+            "baseline": f"verify_fraction {args.fractions[0]}", "rows": rows}
+
+
+def print_table(result: dict[str, Any]) -> None:
+    print(f"\n{result['prompts']} prompts x {result['rounds']} rounds, {result['clients']} "
+          f"clients; ratio to {result['baseline']} (medians of rounds)")
+    print(f"{'fraction':>9} {'req/s med':>10} {'req/s p99':>10} {'ratio':>7} {'chunks':>7} "
+          f"{'mismatch':>9} {'max honest err':>15}")
+    for row in result["rows"]:
+        print(f"{row['fraction']:>9g} {row['requests_per_s_median']:>10.2f} "
+              f"{row['requests_per_s_p99']:>10.2f} {row['ratio_to_off']:>7.3f} "
+              f"{row['chunks_verified']:>7d} {row['mismatches']:>9d} "
+              f"{row['largest_honest_error']:>15.3g}")
+
+
+def _fractions(text: str) -> list[float]:
+    values = [float(v) for v in text.split(",") if v]
+    if not values or any(not 0 <= v <= 1 for v in values):
+        raise argparse.ArgumentTypeError(f"--fractions wants shares in [0, 1], got {text!r}")
+    return values
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--facts", type=int, default=24, help="lines per document (~16 tokens)")
+    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--fractions", type=_fractions, default=[0.0, 0.01, 1.0],
+                        help="verification shares, the first the baseline (default 0,0.01,1)")
+    parser.add_argument("--chunk-size", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--work-dir", type=Path, help="keep configs and logs here")
+    args = parser.parse_args()
+    with work_dir("verify", args.work_dir) as work:
+        result = run(args, work)
+    print_table(result)
+    write_results("bench_verify", result)
+
+
+if __name__ == "__main__":
+    main()
