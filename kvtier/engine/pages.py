@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Callable, Sequence
 
 import torch
 
 from kvtier.config import Config
+from kvtier.engine.verify import sampled, shadow_check
 from kvtier.keys import ChunkKey
-from kvtier.memory import KVLayout
+from kvtier.memory import KVLayout, MemoryObj, lease
 from kvtier.storage import StorageManager
 
 __all__ = ["PageStore"]
@@ -31,6 +33,7 @@ class PageStore:
         self.page_size = page_size
         self._writes = writes
         self._storage = StorageManager(config, layout)
+        self.verify_fraction = config.verify_fraction
 
     @property
     def tier_names(self) -> list[str]:
@@ -39,6 +42,14 @@ class PageStore:
     def held(self, keys: Sequence[ChunkKey]) -> int:
         """How many leading pages of `keys` some tier holds."""
         return self._storage.contains(keys)
+
+    def lookup(self, keys: Sequence[ChunkKey]) -> int:
+        """`held`, for a serving engine deciding what to load: a query sampled for shadow
+        verification (`verify_fraction`) finds nothing, so its pages are computed, and
+        `write` compares them with the tiers' records before it stores them."""
+        if sampled(uuid.uuid4().hex, self.verify_fraction):
+            return 0
+        return self.held(keys)
 
     def read(self, keys: Sequence[ChunkKey],
              dests: Sequence[Callable[[torch.Tensor], object]]) -> int:
@@ -53,22 +64,29 @@ class PageStore:
 
     def write(self, keys: Sequence[ChunkKey], pages: Sequence[torch.Tensor]) -> bool:
         """Store `pages[i]` under `keys[i]` (lower tiers in the background); False when the
-        arena had no room for every page (the leading ones that fit are stored)."""
+        arena had no room for every page (the leading ones that fit are stored). While
+        verification is on, pages some tier holds already are first compared with its records
+        (`verify.shadow_check`: a page that differs is counted, logged and removed, then
+        stored fresh)."""
         if not self._writes:
             return True
-        objs = []
-        try:
-            for page in pages:
-                obj = self._storage.allocator.allocate(self.layout, self.page_size)
-                if obj is None:
-                    break
-                objs.append(obj)
-                obj.tensor.view(-1).copy_(page.reshape(-1))
+        if self.verify_fraction > 0:
+            shadow_check(self._storage, keys, 0, lambda todo: self._fill(pages[:len(todo)]))
+        objs = self._fill(pages)
+        with lease(objs):
             self._storage.put(keys[: len(objs)], objs)
-        finally:
-            for obj in objs:
-                obj.release()
         return len(objs) == len(keys)
+
+    def _fill(self, pages: Sequence[torch.Tensor]) -> list[MemoryObj]:
+        """Arena objects holding copies of `pages`, up to the first that finds no memory."""
+        objs: list[MemoryObj] = []
+        for page in pages:
+            obj = self._storage.allocator.allocate(self.layout, self.page_size)
+            if obj is None:
+                break
+            objs.append(obj)
+            obj.tensor.view(-1).copy_(page.reshape(-1))
+        return objs
 
     def arena_bytes_used(self) -> int:
         """Bytes of the arena in use (between calls: what the CPU or staging tier keeps)."""

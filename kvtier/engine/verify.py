@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -88,11 +89,15 @@ def sampled(request_id: str, fraction: float) -> bool:
 
 def layer_errors(fresh: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
     """The relative L2 distance per layer between two chunks (`[planes, layers, tokens,
-    hidden]`), computed in float32; a layer whose record is all zeros compares absolutely."""
+    hidden]`), computed in float32: 0 where the layer's values are the same (NaN where NaN),
+    infinite where a NaN or an infinity stands on one side only; a layer whose record is all
+    zeros compares absolutely."""
     a, b = fresh.float(), held.float()
+    same = ((a == b) | (a.isnan() & b.isnan())).transpose(0, 1).reshape(a.shape[1], -1).all(1)
     diff = (a - b).pow(2).sum(dim=(0, 2, 3)).sqrt()
     norm = b.pow(2).sum(dim=(0, 2, 3)).sqrt()
-    return diff / norm.clamp_min(1e-12)
+    errors = torch.nan_to_num(diff / norm.clamp_min(1e-12), nan=math.inf, posinf=math.inf)
+    return torch.where(same, 0.0, errors)
 
 
 def shadow_check(storage: StorageManager, keys: Sequence[ChunkKey], start: int,

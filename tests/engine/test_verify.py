@@ -4,6 +4,7 @@ counted and quarantined, with the fresh KV stored in its place."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -173,3 +174,26 @@ def test_layer_errors_are_relative_per_layer() -> None:
 def test_verify_fraction_outside_0_1_is_refused(value: float) -> None:
     with pytest.raises(ConfigError, match="verify_fraction"):
         Config(verify_fraction=value)
+
+
+def test_without_a_cpu_tier_the_lower_tiers_are_verified(tmp_path: Path, tokens: torch.Tensor,
+                                                         slots: torch.Tensor) -> None:
+    engine = _engine(_mha(torch.float32), tmp_path, local_cpu=False)
+    try:
+        bad = slots.clone()
+        bad[[3, 4]] = bad[[4, 3]]
+        _stored(engine, tokens, bad)
+        result = engine.verify(tokens, slots)
+        assert [(v.tier, v.chunk, v.layer) for v in result.mismatches] == [("disk", 0, 0)]
+        assert engine.flush(30)
+        assert not engine.verify(tokens, slots).mismatches  # the fresh KV replaced it
+    finally:
+        engine.close()
+
+
+def test_a_nan_on_one_side_only_is_a_mismatch_and_on_both_is_not() -> None:
+    held = torch.randn(2, 3, 4, 8)
+    fresh = held.clone()
+    fresh[0, 1, 2, 3] = float("nan")
+    held[0, 2, 0, 0] = fresh[0, 2, 0, 0] = float("nan")
+    assert layer_errors(fresh, held).tolist() == [0.0, math.inf, 0.0]

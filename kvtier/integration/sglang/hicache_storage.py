@@ -202,8 +202,9 @@ class KVTierHiCacheStorage(HiCacheStorage):
 
     def batch_exists(self, keys: list[str],
                      extra_info: HiCacheStorageExtraInfoView | None = None) -> int:
-        """How many leading pages of `keys` some kvtier tier holds."""
-        return self._ready().held(self._keys(keys, extra_info))
+        """How many leading pages of `keys` some kvtier tier holds (none for a query sampled
+        for shadow verification: `PageStore.lookup`)."""
+        return self._ready().lookup(self._keys(keys, extra_info))
 
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfoView | None = None) -> list[bool]:
@@ -270,7 +271,7 @@ class KVTierHiCacheStorage(HiCacheStorage):
         return self._ready().write(self._keys(keys), list(values))
 
     def exists(self, key: str) -> bool:
-        return self._ready().held(self._keys([key])) == 1
+        return self._ready().lookup(self._keys([key])) == 1
 
     def clear(self) -> None:
         """Not supported: kvtier tiers may be shared; use `kvtier purge`."""

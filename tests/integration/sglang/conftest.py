@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -95,6 +97,16 @@ def cold(server: SGLangServer, ids: Sequence[int]) -> list[int]:
     })
     assert out["meta_info"]["cached_tokens"] == 0
     return list(out["output_ids"])
+
+
+def logged(server: SGLangServer, pattern: str, count: int, timeout: float = 60.0) -> list[Any]:
+    """The first `count` matches of `pattern` in the server's log, once there are that many
+    (the store thread logs after the reply was sent); fails after `timeout` seconds."""
+    deadline = time.monotonic() + timeout  # a bound on a hang, not a timing assertion
+    while len(found := re.findall(pattern, server.log())) < count:
+        assert time.monotonic() < deadline, f"{len(found)} of {count} {pattern!r} logged"
+        time.sleep(0.05)
+    return found[:count]
 
 
 _LIVE: list[SGLangServer] = []

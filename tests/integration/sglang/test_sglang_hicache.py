@@ -208,6 +208,31 @@ def test_pages_survive_a_new_instance_through_the_disk_tier(
     assert second.pages.arena_bytes_used() == 0  # no CPU tier: nothing kept staged
 
 
+def test_verification_recomputes_then_compares_pages_set_again(
+        make_backend: Callable[..., Any], tmp_path: Path) -> None:
+    """HiCache L3 mode: a query sampled for shadow verification finds nothing, so SGLang
+    computes the pages and backs them up; the backup compares them with the records first."""
+    disk = {"local_disk": str(tmp_path / "disk"), "max_local_disk_size": 0.01}
+    pool = host_pool("mha", "layer_first")
+    writer = make_backend(pool, **disk)
+    src = fill_pages(pool, 3, seed=5)
+    assert all(writer.batch_set_v1(KEYS, src))
+    writer.close()  # its disk writes drained
+    checker = make_backend(pool, verify_fraction=1.0, **disk)
+    assert checker.batch_exists(KEYS) == 0  # sampled: computed, not loaded
+    assert all(checker.batch_set_v1(KEYS, src))  # the same pages: they match the records
+    stats = checker.get_stats()
+    assert stats["disk.verify_checked"] == 3 and stats["disk.verify_mismatch"] == 0
+    # A backup whose second page is not what the records hold (a writer bug)
+    wrong = torch.cat([src[:PAGE], fill_pages(pool, 1, seed=6), src[2 * PAGE:3 * PAGE]])
+    assert all(checker.batch_set_v1(KEYS, wrong))
+    stats = checker.get_stats()
+    assert stats["disk.verify_mismatch"] == 1 and stats["cpu.verify_mismatch"] == 1
+    dst = pool.alloc(3 * PAGE)  # removed, then stored fresh: the pages this backup sent
+    assert checker.batch_get_v1(KEYS, dst) == [True, True, True]
+    assert page_bytes(pool, dst, 3) == page_bytes(pool, wrong, 3)
+
+
 def test_mla_pages_are_written_by_rank_zero_only(make_backend: Callable[..., Any],
                                                  tmp_path: Path) -> None:
     disk = {"local_disk": str(tmp_path / "disk"), "max_local_disk_size": 0.01}

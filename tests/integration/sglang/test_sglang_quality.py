@@ -6,11 +6,14 @@ top-20 distribution within KL `KL_LIMIT` (kvtier/demo/quality.py states and just
 Paths: the CPU tier after `/flush_cache` (the prompt's partial last chunk included) and a
 conversation's next turn (the previous turn's prompt and answer hit) at TP 1 (page sizes 1 and
 16, chunk sizes 256 and 64) and TP 2 (page size 32, chunk size 64); the disk after a restart at
-TP 1; Redis from a second instance at TP 2. (A server start at TP 2 costs over a minute on 2
-cores, so the disk at TP 2 and Redis at TP 1 are left to benchmarks/serving/bench_quality.py and,
-on a generated model, test_sglang_tiers.py.) The reference server runs without kvtier and without
-SGLang's own prefix cache, so every reference answer is computed from scratch. Servers start
-one at a time: a 2-core host starting several SGLang servers at once took minutes for each.
+TP 1; Redis from a second instance at TP 2. On those two, shadow verification is then switched
+on while the server runs (`kvtier verify`): every rank computes the prompts again and finds the
+records another server wrote (disk; Redis, without a CPU tier) equal to what it computed. (A
+server start at TP 2 costs over a minute on 2 cores, so the disk at TP 2 and Redis at TP 1 are
+left to benchmarks/serving/bench_quality.py and, on a generated model, test_sglang_tiers.py.)
+The reference server runs without kvtier and without SGLang's own prefix cache, so every
+reference answer is computed from scratch. Servers start one at a time: a 2-core host starting
+several SGLang servers at once took minutes for each.
 """
 
 from __future__ import annotations
@@ -23,12 +26,14 @@ import yaml
 
 from harness.redis import RedisProcess
 from harness.sglang_server import SGLangServer
+from kvtier.cli.main import main as kvtier_main
 from kvtier.demo.quality import Answer, ask, compare, documents
-from tests.integration.sglang.conftest import _LIVE
+from tests.integration.sglang.conftest import _LIVE, logged
 
 pytestmark = pytest.mark.sglang
 
 POOL = ("--max-total-tokens", "8192")
+ADMIN = "kvtier-quality-admin"
 # (TP, page size, chunk size): what the paths run at
 SETUPS = {"tp1-page1-chunk256": (1, 1, 256), "tp1-page16-chunk64": (1, 16, 64),
           "tp2-page32-chunk64": (2, 32, 64)}
@@ -51,7 +56,7 @@ class Servers:
             config.write_text(yaml.safe_dump({"chunk_size": chunk, "max_local_cpu_size": 0.5,
                                               "prefetch_policy": "wait_complete", **tiers}))
             args += ["--enable-kvtier", "--kvtier-config-file", str(config),
-                     "--tp", str(tp), "--page-size", str(page)]
+                     "--tp", str(tp), "--page-size", str(page), "--admin-api-key", ADMIN]
         else:
             args.append("--disable-radix-cache")  # every reference computed from scratch
         # at TP 2, kvtier's plugin names each rank's cores (SGLANG_CPU_OMP_THREADS_BIND)
@@ -147,10 +152,29 @@ def test_hits_from_the_cpu_tier_and_a_next_turn_answer_as_computed_from_scratch(
     servers.stop(server)  # a SIGTERM: kvtier drains its queued disk and Redis writes
 
 
+def verified_at_run_time(server: SGLangServer, tp: int, reference: Callable[[str], Answer],
+                         tiers: list[str]) -> None:
+    """Shadow verification switched on while the server runs (`kvtier verify`, every rank):
+    the prompts are computed again, not loaded, and every rank compares what it computed with
+    its shard's records in `tiers` (written by another server): no mismatch, the same answers."""
+    assert kvtier_main(["verify", "--server", server.url, "--admin-key", ADMIN,
+                        "--fraction", "1"]) == 0
+    server.flush_cache()
+    for text in PROMPTS:
+        again = ask(server, text)
+        assert again.cached_tokens < 32, again  # computed: at most the shared heading
+        gate(reference(text), again, "verified (computed, compared with every tier)")
+    found = logged(server, r"kvtier: verified (\d+) chunks of .*? against (\[.*?\]): (\d+) "
+                   r"mismatched", tp * len(PROMPTS))
+    assert all(int(n) > 0 and held == str(tiers) and bad == "0" for n, held, bad in found), found
+
+
 def _replay(servers: Servers, setup: str, name: str, path: str,
-            reference: Callable[[str], Answer], **tiers: object) -> SGLangServer:
+            reference: Callable[[str], Answer], verified: list[str],
+            **tiers: object) -> SGLangServer:
     """A new server of `setup` with `tiers` only, after the setup's first server stopped:
-    every prompt hits from those tiers and answers as computed from scratch."""
+    every prompt hits from those tiers and answers as computed from scratch; then, verified,
+    every prompt is computed and matches the records of the `verified` tiers."""
     server = servers.make(f"{setup}-{name}", setup, **tiers)
     servers.start(server)
     tp, page, _ = SETUPS[setup]
@@ -159,6 +183,7 @@ def _replay(servers: Servers, setup: str, name: str, path: str,
         assert hit.cached_tokens == hit_floor(hit, page), (path, hit)
         gate(reference(text), hit, path)
     assert server.log().count("kvtier: loaded ") >= tp * len(PROMPTS)  # every rank
+    verified_at_run_time(server, tp, reference, verified)
     return server
 
 
@@ -170,7 +195,7 @@ def test_a_restart_hits_from_disk(servers: Servers, disks: dict[str, str],
     setup = "tp1-page16-chunk64"
     assert any(Path(disks[setup]).iterdir()), "the CPU-tier test of this setup stores first"
     servers.stop(_replay(servers, setup, "restarted", "disk after a restart", reference,
-                         local_disk=disks[setup], max_local_disk_size=1.0))
+                         ["cpu", "disk"], local_disk=disks[setup], max_local_disk_size=1.0))
 
 
 @pytest.mark.timeout(600)
@@ -179,5 +204,5 @@ def test_at_tp2_a_second_instance_hits_from_redis(
     """The TP 2 server above stopped; a second instance (no disk, no CPU tier: a hit comes from
     Redis) loads each rank's shard."""
     servers.stop(_replay(servers, "tp2-page32-chunk64", "second",
-                         "Redis from a second instance", reference, local_cpu=False,
-                         remote_url=redis.url))
+                         "Redis from a second instance", reference, ["redis"],
+                         local_cpu=False, remote_url=redis.url))

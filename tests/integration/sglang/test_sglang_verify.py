@@ -4,18 +4,17 @@ weights differ in one matrix, keyed under the first one's identity by a careless
 the first one's records on its first verified hit, names the tier and the layer, removes them,
 and answers with its own model.
 
-Verification switched on at run time (`kvtier verify`, the admin route) at TP 2: the quality
-gate (test_sglang_quality.py). A writer bug (two token rows swapped under valid checksums): the
+Records another server wrote (disk after a restart at TP 1; Redis from a second instance at TP
+2, without a CPU tier), verified with verification switched on at run time: the quality gate
+(test_sglang_quality.py). A writer bug (two token rows swapped under valid checksums): the
 engine's tests (tests/engine/test_verify.py), on real CPU and disk tiers.
 """
 
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
@@ -25,7 +24,7 @@ from harness.sglang_server import SGLangServer
 from kvtier.cli import tiers as cli_tiers
 from kvtier.cli.main import main as kvtier_main
 from kvtier.demo.quality import Answer, ask, documents
-from tests.integration.sglang.conftest import _LIVE
+from tests.integration.sglang.conftest import _LIVE, logged
 
 pytestmark = pytest.mark.sglang
 
@@ -93,16 +92,6 @@ def verified(server: SGLangServer) -> dict[str, dict[str, int]]:
     return rank["verified"]
 
 
-def logged(server: SGLangServer, pattern: str, count: int, timeout: float = 60.0) -> list[Any]:
-    """The first `count` matches of `pattern` in the server's log, once there are that many
-    (the store thread logs after the reply was sent); fails after `timeout` seconds."""
-    deadline = time.monotonic() + timeout  # a bound on a hang, not a timing assertion
-    while len(found := re.findall(pattern, server.log())) < count:
-        assert time.monotonic() < deadline, f"{len(found)} of {count} {pattern!r} logged"
-        time.sleep(0.05)
-    return found[:count]
-
-
 def mismatch_lines(server: SGLangServer) -> list[tuple[str, int]]:
     """(tier, first differing layer) of every mismatch the server logged."""
     found = re.findall(r"verification MISMATCH in tier (\w+): chunk \d+ .*? from layer (\d+) on",
@@ -125,6 +114,9 @@ def honest(real_model: Path, launch: Callable[..., SGLangServer]) -> Honest:
     server = launch(real_model, "honest")
     answers = {text: ask(server, text) for text in PROMPTS}  # misses: stored everywhere
     assert all(a.cached_tokens < 32 for a in answers.values())
+    refused = cli_tiers.request(server.url, {"op": "verify", "fraction": 2}, ADMIN)
+    assert refused[0] == 400 and "fraction" in str(refused[1]["ranks"]), refused
+    assert cli_tiers.request(server.url, {"op": "verify", "fraction": 1})[0] == 401
     assert kvtier_main(["verify", "--server", server.url, "--admin-key", ADMIN,
                         "--fraction", "1"]) == 0
     server.flush_cache()  # the tiers keep the prompts; SGLang's own tree forgets them
