@@ -10,10 +10,15 @@ identical greedy tokens, |delta logprob| of the first 16 tokens, KL of the first
 
 The `miss` row is the baseline measured in the same run: the honest spread between two
 computations of the same prompt. Each hit row reports its p99 |delta logprob| as a ratio to it.
+With `--verify`, each kvtier server then switches shadow verification on (`verify_fraction`
+1.0, over the admin route) and serves every prompt again: computed, not loaded, and compared
+with the records of its tiers (`cpu+verify`: the first server's CPU tier, disk and Redis;
+`disk+verify`: the restarted server's, records written before the restart; `redis+verify`: the
+second instance's, no CPU tier); those rows add the chunks verified and the mismatches.
 Prints a table, writes benchmarks/results/bench_quality.json.
 
     PYTHONPATH=. .venv/bin/python benchmarks/serving/bench_quality.py [--prompts 50] [--facts 24]
-        [--tp 1] [--page-size 16] [--chunk-size 64]
+        [--tp 1] [--page-size 16] [--chunk-size 64] [--verify]
 
 Needs the SGLang CPU environment (`make sglang-env`) and `redis-server` on PATH.
 """
@@ -21,7 +26,9 @@ Needs the SGLang CPU environment (`make sglang-env`) and `redis-server` on PATH.
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +37,7 @@ import yaml
 from benchmarks.common import work_dir, write_results
 from benchmarks.serving.adaptive_report import p99
 from harness.redis import RedisProcess
+from kvtier.cli.tiers import request
 from kvtier.demo.quality import (
     KL_LIMIT,
     LOGPROB_TOLERANCE,
@@ -44,6 +52,9 @@ from kvtier.demo.smollm2 import cached_smollm2
 from kvtier.integration.sglang.cpu import BIND_ENV, thread_binds
 
 PATHS = ("miss", "cpu", "disk", "redis")
+ADMIN = "bench-quality-admin"
+VERIFIED = re.compile(r"kvtier: verified (\d+) chunks .*?: (\d+) mismatched \(largest relative "
+                      r"error ([0-9.eE+-]+)\)")
 
 
 def _server(model: Path, work: Path, name: str, args: list[str],
@@ -52,7 +63,8 @@ def _server(model: Path, work: Path, name: str, args: list[str],
     if config:
         path = work / f"{name}.yaml"
         path.write_text(yaml.safe_dump({"prefetch_policy": "wait_complete", **config}))
-        flags += ["--enable-kvtier", "--kvtier-config-file", str(path)]
+        flags += ["--enable-kvtier", "--kvtier-config-file", str(path), "--admin-api-key",
+                  ADMIN]
     else:
         flags.append("--disable-radix-cache")
     return SGLangServer(model, work / f"{name}.log", args=flags, env=env,
@@ -61,6 +73,26 @@ def _server(model: Path, work: Path, name: str, args: list[str],
 
 def _serve_all(server: SGLangServer, prompts: list[str]) -> list[Answer]:
     return [ask(server, text) for text in prompts]
+
+
+def _verify_all(server: SGLangServer, prompts: list[str], tp: int,
+                ) -> tuple[list[Answer], dict[str, float]]:
+    """Every prompt again with shadow verification on: (the answers, chunks verified,
+    mismatches and the largest relative error over every rank)."""
+    status, answer = request(server.url, {"op": "verify", "fraction": 1.0}, ADMIN)
+    if status != 200:
+        raise RuntimeError(f"verify_fraction 1.0 refused: {status} {answer}")
+    server.flush_cache()
+    mark = len(server.log())
+    answers = _serve_all(server, prompts)
+    deadline = time.monotonic() + 120  # the store thread logs after the last reply
+    while len(found := VERIFIED.findall(server.log()[mark:])) < tp * len(prompts):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{len(found)} of {tp * len(prompts)} verifications logged")
+        time.sleep(0.1)
+    return answers, {"chunks": sum(int(n) for n, _, _ in found),
+                     "mismatches": sum(int(m) for _, m, _ in found),
+                     "max_error": max(float(e) for _, _, e in found)}
 
 
 def _row(path: str, agreements: list[Agreement], answers: list[Answer],
@@ -89,6 +121,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     redis.start()
     disk = str(work / "disk")
     answers: dict[str, list[Answer]] = {}
+    checks: dict[str, dict[str, float]] = {}
     try:
         with _server(model, work, "reference", []) as reference:
             answers["reference"] = _serve_all(reference, prompts)
@@ -97,19 +130,27 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             answers["miss"] = _serve_all(first, prompts)
             first.flush_cache()
             answers["cpu"] = _serve_all(first, prompts)
+            if args.verify:
+                answers["cpu+verify"], checks["cpu+verify"] = _verify_all(first, prompts, args.tp)
         with _server(model, work, "restarted", shape, env, local_disk=disk,
                      max_local_disk_size=2.0, **tiers) as restarted:
             answers["disk"] = _serve_all(restarted, prompts)
+            if args.verify:
+                answers["disk+verify"], checks["disk+verify"] = _verify_all(restarted, prompts,
+                                                                            args.tp)
         with _server(model, work, "second", shape, env, remote_url=redis.url,
                      **{**tiers, "local_cpu": False}) as second:
             answers["redis"] = _serve_all(second, prompts)
+            if args.verify:
+                answers["redis+verify"], checks["redis+verify"] = _verify_all(second, prompts,
+                                                                              args.tp)
     finally:
         redis.stop()
     rows, spread = [], None
-    for path in PATHS:
+    for path in [p for p in answers if p != "reference"]:
         agreements = [compare(ref, got) for ref, got in zip(answers["reference"], answers[path],
                                                             strict=True)]
-        rows.append(_row(path, agreements, answers[path], spread))
+        rows.append({**_row(path, agreements, answers[path], spread), **checks.get(path, {})})
         spread = spread if spread is not None else rows[0]["p99_dlogprob"]
     return {"model": model.name, "tp": args.tp, "page_size": args.page_size,
             "chunk_size": args.chunk_size, "facts": args.facts,
@@ -121,13 +162,15 @@ def print_table(result: dict[str, Any]) -> None:
     print(f"\nquality on {result['model']}, TP {result['tp']}, page {result['page_size']}, "
           f"chunk {result['chunk_size']} (bounds: |dlogprob| <= {LOGPROB_TOLERANCE}, "
           f"KL <= {KL_LIMIT})")
-    print(f"{'path':6} {'prompts':>7} {'hit tok':>8} {'identical':>9} {'max |dlp|':>10} "
+    print(f"{'path':12} {'prompts':>7} {'hit tok':>8} {'identical':>9} {'max |dlp|':>10} "
           f"{'p99 |dlp|':>10} {'x miss':>7} {'mean KL':>9} {'max KL':>9} pass")
     for r in result["rows"]:
         ratio = f"{r['p99_vs_miss']:.2f}" if r["p99_vs_miss"] is not None else "-"
-        print(f"{r['path']:6} {r['prompts']:>7} {r['hit_tokens']:>8} {r['identical']:>9.2f} "
+        verified = (f"  verified {r['chunks']} chunks: {r['mismatches']} mismatched, largest "
+                    f"error {r['max_error']:.3g}" if "chunks" in r else "")
+        print(f"{r['path']:12} {r['prompts']:>7} {r['hit_tokens']:>8} {r['identical']:>9.2f} "
               f"{r['max_dlogprob']:>10.2e} {r['p99_dlogprob']:>10.2e} {ratio:>7} "
-              f"{r['mean_kl']:>9.2e} {r['max_kl']:>9.2e} {r['pass']}")
+              f"{r['mean_kl']:>9.2e} {r['max_kl']:>9.2e} {r['pass']}{verified}")
     print(f"sample answer: {result['sample']['answer']!r}")
 
 
@@ -138,6 +181,8 @@ def main() -> None:
     parser.add_argument("--tp", type=int, default=1)
     parser.add_argument("--page-size", type=int, default=16)
     parser.add_argument("--chunk-size", type=int, default=64)
+    parser.add_argument("--verify", action="store_true", help="then serve every prompt again "
+                        "with shadow verification on, on each kvtier server")
     parser.add_argument("--work-dir", type=Path, default=None)
     args = parser.parse_args()
     with work_dir("quality", args.work_dir) as work:
