@@ -6,7 +6,7 @@ sent by `--clients` concurrent clients after `/flush_cache`, so every request is
 or, when verified, a prefill computed in a batch with the others and compared with the record
 that was computed alone. Each round runs once per verification share in `--fractions`, switched
 at run time on the same server (the admin route `kvtier verify` uses), interleaved round by
-round so the host's drift falls on every share alike.
+round and in a rotating order, so the host's drift falls on every share alike.
 
 Reported per share: requests per second (median and p99 of the per-round rates) as a ratio to
 verification off in the same run, chunks verified, mismatches, and the largest relative error
@@ -87,8 +87,10 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         for text in prompts:  # misses, one at a time: the records are computed alone
             ask(server, text, args.max_new_tokens)
         time.sleep(1.0)  # the last store's log line
-        for _ in range(args.rounds):
-            for fraction in args.fractions:
+        for r in range(args.rounds):
+            # each round starts one share later: no share always runs first, or after another
+            for fraction in args.fractions[r % len(args.fractions):] + \
+                    args.fractions[:r % len(args.fractions)]:
                 _set_fraction(server, fraction)
                 mark = len(server.log())
                 rates[fraction].append(_round(server, prompts, args.clients,
