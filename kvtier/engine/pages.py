@@ -47,7 +47,7 @@ class PageStore:
         """`held`, for a serving engine deciding what to load: a query sampled for shadow
         verification (`verify_fraction`) finds nothing, so its pages are computed, and
         `write` compares them with the tiers' records before it stores them."""
-        if sampled(uuid.uuid4().hex, self.verify_fraction):
+        if self.verify_fraction > 0 and sampled(uuid.uuid4().hex, self.verify_fraction):
             return 0
         return self.held(keys)
 
