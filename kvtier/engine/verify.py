@@ -26,11 +26,11 @@ from typing import NamedTuple
 
 import torch
 
+from kvtier.backends.base import StorageBackend
 from kvtier.keys import ChunkKey, KeyChain
 from kvtier.memory import MemoryObj, lease
 from kvtier.metrics import RateLimitedLog
 from kvtier.storage import StorageManager
-from kvtier.storage.guard import GuardedTier
 
 __all__ = ["TOLERANCE", "Verdict", "Verification", "shadow_check", "sampled", "layer_errors"]
 
@@ -125,7 +125,7 @@ def shadow_check(storage: StorageManager, keys: Sequence[ChunkKey], start: int,
 class _Tier:
     """One tier's side of a check: its counters, the comparison, the quarantine."""
 
-    def __init__(self, storage: StorageManager, tier: GuardedTier, keys: Sequence[ChunkKey],
+    def __init__(self, storage: StorageManager, tier: StorageBackend, keys: Sequence[ChunkKey],
                  first: int):
         self._tier = tier
         self._keys = keys  # the request's chunks; compared from `first` on
