@@ -197,3 +197,23 @@ def test_a_nan_on_one_side_only_is_a_mismatch_and_on_both_is_not() -> None:
     fresh[0, 1, 2, 3] = float("nan")
     held[0, 2, 0, 0] = fresh[0, 2, 0, 0] = float("nan")
     assert layer_errors(fresh, held).tolist() == [0.0, math.inf, 0.0]
+
+
+@pytest.mark.parametrize("value", ["", "a b", "x" * 65])
+def test_a_model_fingerprint_that_cannot_be_a_key_component_is_refused(value: str) -> None:
+    with pytest.raises(ConfigError, match="model_fingerprint"):
+        Config(model_fingerprint=value)
+
+
+@pytest.mark.parametrize("fraction", ["2", "-0.1", "half"])
+def test_kvtier_verify_refuses_a_fraction_outside_0_1_before_any_request(
+        fraction: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtier.cli.main import main
+
+    try:
+        code = main(["verify", "--server", "http://127.0.0.1:1", "--fraction", fraction])
+    except SystemExit as exc:
+        code = exc.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--fraction" in err and "cannot reach" not in err
