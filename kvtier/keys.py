@@ -287,21 +287,25 @@ class KeyBuilder:
             return num_tokens - num_tokens % self.page_size
         return num_tokens - num_tokens % self.chunk_size
 
-    def root(self, salt: str = "") -> bytes:
-        """The digest every chain starts from (`h_{-1}`), with a request's `salt` mixed in."""
+    def root(self, salt: str = "", segment: bool = False) -> bytes:
+        """The digest every chain starts from (`h_{-1}`), with a request's `salt` mixed in.
+        `segment`: the root of position-independent segments (kvtier.blend), whose KV was
+        computed as if the segment were a whole prompt: never the same as a prefix's."""
+        if segment:
+            return hashlib.sha256(self._root + b"\0segment\0" + salt.encode()).digest()
         if not salt:
             return self._root
         return hashlib.sha256(self._root + b"\0cache_salt\0" + salt.encode()).digest()
 
     def chain(self, token_ids: torch.Tensor | Sequence[int] | np.ndarray,
-              salt: str = "") -> KeyChain:
+              salt: str = "", segment: bool = False) -> KeyChain:
         """The keys a lookup walks: `token_ids`' full chunks, with their tails (`tails` on).
         With tails off, the same keys as `keys` (the partial chunk too, per
-        `save_unfull_chunk`), and no tails."""
+        `save_unfull_chunk`), and no tails. `segment`: keys of a segment (see `root`)."""
         data = encode_tokens(token_ids)
         n = len(data) // 4
         full = n - n % self.chunk_size if self.tails else self.num_keyed_tokens(n)
-        root = self.root(salt)
+        root = self.root(salt, segment)
         return KeyChain(self._chunk(data, full, root), data, root, self, salt=salt)
 
     def tail_keys(self, data: memoryview, i: int, before: ChunkKey | None,
@@ -332,12 +336,12 @@ class KeyBuilder:
         return out
 
     def keys(self, token_ids: torch.Tensor | Sequence[int] | np.ndarray,
-             salt: str = "") -> list[ChunkKey]:
+             salt: str = "", segment: bool = False) -> list[ChunkKey]:
         """The chunk keys of `token_ids` in order (a trailing partial chunk per config).
         `salt`: a per-request salt (SGLang's `cache_salt`) mixed into the root digest, so
         only requests with the same salt share chunks."""
         data = encode_tokens(token_ids)
-        return self.keys_from_bytes(data, salt)
+        return self.keys_from_bytes(data, salt, segment)
 
     def inner_tail(self, token_ids: torch.Tensor | Sequence[int] | np.ndarray,
                    keys: Sequence[ChunkKey], n: int | None, salt: str = "") -> ChunkKey | None:
@@ -352,10 +356,12 @@ class KeyBuilder:
             return None
         return self.keys(token_ids[:n], salt)[-1]
 
-    def keys_from_bytes(self, data: bytes | memoryview, salt: str = "") -> list[ChunkKey]:
+    def keys_from_bytes(self, data: bytes | memoryview, salt: str = "",
+                        segment: bool = False) -> list[ChunkKey]:
         """Keys of a sequence given as little-endian uint32 bytes (see `encode_tokens`)."""
         data = memoryview(data).cast("B") if not isinstance(data, memoryview) else data
-        return self._chunk(data, self.num_keyed_tokens(len(data) // 4), self.root(salt))
+        return self._chunk(data, self.num_keyed_tokens(len(data) // 4),
+                           self.root(salt, segment))
 
     def _chunk(self, data: memoryview, end_all: int, h: bytes) -> list[ChunkKey]:
         """Keys of `data`'s first `end_all` tokens, cut every `chunk_size`, chained from `h`."""

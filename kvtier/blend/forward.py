@@ -1,0 +1,212 @@
+"""A Llama-family forward pass over plain weight tensors: in full, or blended.
+
+`prefill` computes every token in every layer: the reference. `blend` starts from KV that is
+already known for some tokens (segments loaded from the tiers, keys re-rotated to where they now
+stand), computes every token in the layers up to the check layer, and there keeps only the
+tokens that must be computed (`must`: tokens with no cached KV, a segment's first tokens, the
+last token) plus the `ratio` share of cached tokens whose fresh KV deviates most from the cached
+KV (squared L2 over keys and values). Later layers compute those tokens alone; the others keep
+their cached KV. Every token attends to every token before it, in every layer.
+
+What follows from that, and what the tests check: with `ratio` 1 the result is `prefill`'s; the
+KV of layers up to the check layer is always `prefill`'s, and so is the next layer's KV of every
+token computed past the check layer (their input there is exact).
+
+Weights are the model's own tensors (SGLang's, or read from safetensors): this module holds no
+copies and runs on their device. Matmuls run in the weights' dtype, norms and rotation in
+float32, as SGLang's native paths do.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from kvtier.blend.rope import RotaryTable
+
+__all__ = ["BlendPlan", "Blended", "LayerWeights", "LlamaWeights", "blend", "prefill"]
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """One decoder layer: fused q/k/v rows (q, then k, then v), output projection, fused
+    gate/up rows (gate, then up), down projection, and the two RMSNorm weights."""
+
+    ln_in: torch.Tensor
+    qkv: torch.Tensor
+    o: torch.Tensor
+    ln_post: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    qkv_bias: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class LlamaWeights:
+    """A decoder-only RoPE model with grouped-query attention, SwiGLU MLP and RMSNorm (Llama,
+    Qwen2, Mistral without a sliding window)."""
+
+    embed: torch.Tensor  # [vocab, hidden]
+    layers: tuple[LayerWeights, ...]
+    norm: torch.Tensor
+    lm_head: torch.Tensor  # [vocab, hidden]; the embedding itself when tied
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+    rope: RotaryTable
+
+    @property
+    def kv_width(self) -> int:
+        """Values per token per layer in K (and in V): kv heads x head_dim."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+
+class BlendPlan(NamedTuple):
+    """`ratio`: the share of cached tokens computed past `check_layer` (0..1). A check layer of
+    -1 computes no cached token in any layer: naive reuse, the baseline blending improves on."""
+
+    ratio: float = 0.15
+    check_layer: int = 1
+
+
+DEFAULT_PLAN = BlendPlan()
+
+
+class Blended(NamedTuple):
+    """The KV of every token (`[2, layers, tokens, kv_width]`, the weights' dtype), the last
+    token's logits (None when not asked for), and the tokens computed in the last layer."""
+
+    kv: torch.Tensor
+    logits: torch.Tensor | None
+    computed: torch.Tensor  # sorted token indices
+
+
+def prefill(w: LlamaWeights, tokens: torch.Tensor, *, logits: bool = True) -> Blended:
+    """Every token of `tokens` ([T] ids) at positions 0..T-1, in every layer."""
+    return _forward(w, tokens, None, None, None, BlendPlan(1.0, w.num_layers), logits)
+
+
+def blend(w: LlamaWeights, tokens: torch.Tensor, cached_kv: torch.Tensor,
+          cached: torch.Tensor, plan: BlendPlan = DEFAULT_PLAN, *,
+          must: torch.Tensor | None = None, logits: bool = True) -> Blended:
+    """`tokens` computed over the known KV of the tokens where `cached` ([T] bool) is set.
+
+    Args:
+        cached_kv: [2, layers, T, kv_width]: what each cached token's KV is taken to be, keys
+            rotated at the token's position; rows of uncached tokens are ignored.
+        cached: which tokens `cached_kv` holds.
+        plan: the share to recompute and the layer that picks it.
+        must: tokens to compute in every layer whether cached or not (the last token always is).
+
+    Raises:
+        ValueError: shapes that do not match `w` and `tokens`, a ratio outside [0, 1], a check
+            layer outside the model.
+    """
+    T = tokens.shape[0]
+    want = (2, w.num_layers, T, w.kv_width)
+    if tuple(cached_kv.shape) != want:
+        raise ValueError(f"cached_kv must have shape {want}, got {tuple(cached_kv.shape)}")
+    if cached.shape != (T,) or cached.dtype != torch.bool:
+        raise ValueError(f"cached must be a bool tensor of shape ({T},)")
+    if must is not None and (must.shape != (T,) or must.dtype != torch.bool):
+        raise ValueError(f"must must be a bool tensor of shape ({T},)")
+    if not 0.0 <= plan.ratio <= 1.0:
+        raise ValueError(f"ratio must lie in [0, 1], got {plan.ratio}")
+    if not -1 <= plan.check_layer < w.num_layers:
+        raise ValueError(f"check_layer must lie in [-1, {w.num_layers}), got "
+                         f"{plan.check_layer}")
+    return _forward(w, tokens, cached_kv, cached, must, plan, logits)
+
+
+def _forward(w: LlamaWeights, tokens: torch.Tensor, cached_kv: torch.Tensor | None,
+             cached: torch.Tensor | None, must: torch.Tensor | None, plan: BlendPlan,
+             want_logits: bool) -> Blended:
+    if tokens.dim() != 1 or tokens.numel() == 0:
+        raise ValueError(f"tokens must be a non-empty 1-D tensor, got {tuple(tokens.shape)}")
+    dev = w.embed.device
+    T = tokens.shape[0]
+    positions = torch.arange(T, device=dev)
+    kv = (torch.empty(2, w.num_layers, T, w.kv_width, dtype=w.embed.dtype, device=dev)
+          if cached_kv is None else cached_kv.to(dev, w.embed.dtype, copy=True))
+    h = w.embed[tokens.to(dev)]
+    active = positions
+    if plan.check_layer < 0 and cached is not None:
+        active = _select(None, None, cached.to(dev), None if must is None else must.to(dev), 0.0)
+        h = h[active]
+    with torch.inference_mode():
+        for layer, lw in enumerate(w.layers):
+            q, k, v = _qkv(w, lw, _rms(h, lw.ln_in, w.eps), positions[active])
+            kv[0, layer, active] = k
+            kv[1, layer, active] = v
+            keep = None
+            if layer == plan.check_layer and cached is not None and cached_kv is not None:
+                keep = _select(kv[:, layer], cached_kv[:, layer].to(dev), cached.to(dev),
+                               None if must is None else must.to(dev), plan.ratio)
+                q, h, active = q[keep], h[keep], active[keep]
+            attn = _attend(q, kv[0, layer], kv[1, layer], active, w)
+            h = h + F.linear(attn, lw.o)
+            gate, up = F.linear(_rms(h, lw.ln_post, w.eps), lw.gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, lw.down)
+        logits = None
+        if want_logits:
+            logits = F.linear(_rms(h[-1:], w.norm, w.eps), w.lm_head)[0].float()
+    return Blended(kv, logits, active)
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * weight.float()).to(x.dtype)
+
+
+def _qkv(w: LlamaWeights, lw: LayerWeights, x: torch.Tensor, pos: torch.Tensor
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rotated q [n, heads, d], rotated k [n, kv_width] and v [n, kv_width]."""
+    n, d = x.shape[0], w.head_dim
+    q, k, v = F.linear(x, lw.qkv, lw.qkv_bias).split(
+        [w.num_heads * d, w.kv_width, w.kv_width], dim=-1)
+    q = w.rope.apply(q.reshape(n, w.num_heads, d), pos)
+    k = w.rope.apply(k.reshape(n, w.num_kv_heads, d), pos).reshape(n, w.kv_width)
+    return q, k, v
+
+
+def _select(fresh: torch.Tensor | None, old: torch.Tensor | None, cached: torch.Tensor,
+            must: torch.Tensor | None, ratio: float) -> torch.Tensor:
+    """Indices (sorted) of the tokens to compute past the check layer: every uncached or
+    `must` token, the last token, and the `ratio` share of cached ones that deviate most."""
+    keep = ~cached
+    keep[-1] = True
+    if must is not None:
+        keep |= must
+    budget = math.ceil(ratio * int(cached.sum()))
+    if budget and fresh is not None and old is not None:
+        dev = (fresh.float() - old.float()).pow(2).sum(dim=(0, 2))
+        dev[keep] = -1.0  # already kept: never spend the budget on them
+        top = torch.topk(dev, min(budget, int((~keep).sum()))).indices
+        keep[top] = True
+    return keep.nonzero().squeeze(1)
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, qpos: torch.Tensor,
+            w: LlamaWeights) -> torch.Tensor:
+    """Causal attention of queries at `qpos` over every token's K/V before or at them."""
+    n, d = q.shape[0], w.head_dim
+    span = int(qpos[-1]) + 1
+    k = keys[:span].reshape(span, w.num_kv_heads, d).transpose(0, 1)
+    v = values[:span].reshape(span, w.num_kv_heads, d).transpose(0, 1)
+    qh = q.transpose(0, 1)
+    if n == span:  # every token up to the last: the plain causal mask
+        out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, enable_gqa=True)
+    else:
+        mask = torch.arange(span, device=q.device)[None, :] <= qpos[:, None]
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, enable_gqa=True)
+    return out.transpose(0, 1).reshape(n, w.num_heads * d)

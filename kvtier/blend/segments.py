@@ -1,0 +1,78 @@
+"""Where a prompt's segments are, and the keys they are cached under.
+
+A segment is a run of tokens the caller marked as reusable on its own: every run that a
+separator (a configured string, tokenized once) ends. What follows the last separator (the
+question) is not a segment. Separator tokens belong to no segment: they are always computed.
+
+A segment's key is the chain of its own tokens from the segment root (`KeyBuilder.root(salt,
+segment=True)`): position and order play no part, the model identity, layout, rank and a
+request's salt do, and no segment key is ever a prefix key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+from kvtier.keys import KeyBuilder, KeyChain
+
+__all__ = ["Segment", "find_segments", "segment_chain"]
+
+
+class Segment(NamedTuple):
+    """Tokens `[start, end)` of a prompt: one segment, separators excluded."""
+
+    start: int
+    end: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+def _occurrences(tokens: Sequence[int], pattern: Sequence[int]) -> list[int]:
+    """Start indices of non-overlapping occurrences of `pattern` in `tokens`, left to right."""
+    n, m = len(tokens), len(pattern)
+    first = pattern[0]
+    out: list[int] = []
+    i = 0
+    while i <= n - m:
+        if tokens[i] == first and list(tokens[i:i + m]) == list(pattern):
+            out.append(i)
+            i += m
+        else:
+            i += 1
+    return out
+
+
+def find_segments(tokens: Sequence[int] | torch.Tensor, separator: Sequence[int],
+                  min_tokens: int = 1) -> list[Segment]:
+    """The segments of `tokens`: each run that ends at an occurrence of `separator` and holds at
+    least `min_tokens` tokens (shorter runs are computed, not cached), in prompt order.
+
+    Raises:
+        ValueError: `separator` is empty, or `min_tokens` < 1.
+    """
+    if not len(separator):
+        raise ValueError("separator must hold at least one token id")
+    if min_tokens < 1:
+        raise ValueError(f"min_tokens must be >= 1, got {min_tokens}")
+    ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+    out: list[Segment] = []
+    start = 0
+    for at in _occurrences(ids, list(separator)):
+        if at - start >= min_tokens:
+            out.append(Segment(start, at))
+        start = at + len(separator)
+    return out
+
+
+def segment_chain(builder: KeyBuilder, tokens: Sequence[int] | torch.Tensor, segment: Segment,
+                  salt: str = "") -> KeyChain:
+    """The keys `segment` of `tokens` is cached under: its full chunks and, with tails on, the
+    page-aligned tails after them. The same for the same tokens wherever they stand."""
+    ids = tokens[segment.start:segment.end]
+    return builder.chain(ids if isinstance(ids, torch.Tensor) else list(ids), salt,
+                         segment=True)

@@ -1,0 +1,103 @@
+"""Segments' standalone KV in the tiers: the same chunks, records, tiers and encryption as a
+prefix's, under segment keys (`segments.segment_chain`).
+
+A segment is stored as its full chunks and, with `save_tails`, the longest page-aligned tail
+after them; it is read back the same way, leading chunks first, so a segment whose later chunks
+were evicted still gives its first tokens (the rest are computed like uncached tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvtier.blend.segments import Segment, segment_chain
+from kvtier.keys import ChunkKey, KeyBuilder, KeyChain
+from kvtier.memory import KVLayout, MemoryFormat, MemoryObj, lease
+from kvtier.storage import StorageManager
+
+__all__ = ["SegmentStore"]
+
+
+class SegmentStore:
+    """Puts and reads whole segments' KV (`[2, layers, tokens, kv_width]` tensors).
+
+    Args:
+        storage: the engine's storage manager (its tiers hold the segments beside prefixes).
+        keys: the engine's key builder (model identity, layout, rank, salt, chunking).
+        layout: the engine's KV layout; MHA only (blending re-rotates keys, MLA has none
+            apart from its values).
+        write_down: False keeps segments in the CPU tier only.
+
+    Raises:
+        ValueError: an MLA layout.
+    """
+
+    def __init__(self, storage: StorageManager, keys: KeyBuilder, layout: KVLayout, *,
+                 write_down: bool = True):
+        if layout.fmt is not MemoryFormat.KV_2LTD:
+            raise ValueError(f"segments are blended for MHA/GQA KV only, not {layout.fmt.name}")
+        self._storage = storage
+        self._keys = keys
+        self._layout = layout
+        self._write_down = write_down
+
+    def chain(self, tokens: Sequence[int] | torch.Tensor, segment: Segment,
+              salt: str = "") -> KeyChain:
+        return segment_chain(self._keys, tokens, segment, salt)
+
+    def _wanted(self, chain: KeyChain) -> list[ChunkKey]:
+        """What a segment is stored as: its full chunks, then its longest tail if any."""
+        return list(chain) + chain.tails(len(chain))[:1]
+
+    def lookup(self, chain: KeyChain) -> int:
+        """How many leading tokens of the segment some tier holds; no data moves."""
+        n = self._storage.contains(chain)
+        end = chain[n - 1].end if n else 0
+        if n == len(chain):
+            tail = self._storage.find_tail(chain.tails(n))
+            end = tail.end if tail is not None else end
+        return end
+
+    def save(self, chain: KeyChain, kv: torch.Tensor) -> int:
+        """Put the segment's KV (`kv[:, :, i]` is its token i) under `chain`'s keys; returns
+        the tokens put (0 when the arena has no room: counted as `store_no_memory`).
+
+        Raises:
+            ValueError: `kv` does not have the layout's shape and dtype for the segment.
+        """
+        want = self._layout.shape(chain.num_tokens)
+        if tuple(kv.shape) != want or kv.dtype != self._layout.dtype:
+            raise ValueError(f"kv must be {want} {self._layout.dtype}, got "
+                             f"{tuple(kv.shape)} {kv.dtype}")
+        keys = self._wanted(chain)
+        objs: list[MemoryObj] = []
+        with lease(objs):
+            for key in keys:
+                obj = self._storage.allocator.allocate(self._layout, key.num_tokens)
+                if obj is None:
+                    self._storage.counters.inc("store_no_memory")
+                    break
+                obj.tensor.copy_(kv[:, :, key.start:key.end])
+                objs.append(obj)
+            put = keys[:len(objs)]  # leading chunks: a read stops where they stop
+            self._storage.put(put, objs, write_down=self._write_down)
+        return put[-1].end if put else 0
+
+    def load(self, chain: KeyChain, out: torch.Tensor) -> int:
+        """Read the segment's leading stored tokens into `out` (`[2, layers, n, kv_width]`,
+        any device); returns how many arrived (0 on a miss)."""
+        loaded = 0
+        with self._storage.get(list(chain)) as objs:
+            for key, obj in zip(chain, objs):
+                out[:, :, key.start:key.end].copy_(obj.tensor, non_blocking=False)
+                loaded = key.end
+        if loaded == chain.num_tokens - chain.num_tokens % self._keys.chunk_size:
+            tail = self._storage.find_tail(chain.tails(len(chain)))
+            if tail is not None:
+                with self._storage.get([tail]) as objs:
+                    if objs:
+                        out[:, :, tail.start:tail.end].copy_(objs[0].tensor)
+                        loaded = tail.end
+        return loaded

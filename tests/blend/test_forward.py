@@ -1,0 +1,146 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtier.blend.forward import BlendPlan, LlamaWeights, blend, prefill
+from tests.blend.conftest import tiny_llama
+
+T = 48
+
+
+def _tokens(seed: int = 0, n: int = T) -> torch.Tensor:
+    return torch.randint(0, 101, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.sglang  # transformers, which `make sglang-env` installs, is the oracle
+def test_prefill_matches_transformers(llama: LlamaWeights) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = llama.head_dim
+    cfg = LlamaConfig(vocab_size=101, hidden_size=64, intermediate_size=96,
+                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                      rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096,
+                      tie_word_embeddings=False)
+    hf = LlamaForCausalLM(cfg).eval()
+    sd = {"model.embed_tokens.weight": llama.embed, "model.norm.weight": llama.norm,
+          "lm_head.weight": llama.lm_head}
+    for i, lw in enumerate(llama.layers):
+        q, k, v = lw.qkv.split([4 * d, 2 * d, 2 * d])
+        gate, up = lw.gate_up.chunk(2)
+        for name, t in (("self_attn.q_proj", q), ("self_attn.k_proj", k), ("self_attn.v_proj", v),
+                        ("self_attn.o_proj", lw.o), ("mlp.gate_proj", gate), ("mlp.up_proj", up),
+                        ("mlp.down_proj", lw.down), ("input_layernorm", lw.ln_in),
+                        ("post_attention_layernorm", lw.ln_post)):
+            sd[f"model.layers.{i}.{name}.weight"] = t
+    hf.load_state_dict(sd, strict=True)
+    toks = _tokens()
+    with torch.no_grad():
+        out = hf(toks[None], use_cache=True)
+    ours = prefill(llama, toks)
+    assert torch.allclose(ours.logits, out.logits[0, -1], atol=1e-4)
+    cache = out.past_key_values
+    for i in range(4):
+        k = cache.layers[i].keys[0].transpose(0, 1).reshape(T, -1)
+        v = cache.layers[i].values[0].transpose(0, 1).reshape(T, -1)
+        assert torch.allclose(ours.kv[0, i], k, atol=1e-5)
+        assert torch.allclose(ours.kv[1, i], v, atol=1e-5)
+
+
+def _stale_cache(llama: LlamaWeights, toks: torch.Tensor) -> torch.Tensor:
+    """The KV a cache would hold for tokens 8.. computed on their own (the segment case): no
+    attention to the first 8 tokens, keys re-rotated from positions 0.. to 8.."""
+    kv = prefill(llama, toks, logits=False).kv.clone()
+    alone = prefill(llama, toks[8:], logits=False).kv
+    n = T - 8
+    for layer in range(llama.num_layers):
+        keys = alone[0, layer].reshape(n, llama.num_kv_heads, llama.head_dim)
+        kv[0, layer, 8:] = llama.rope.rerotate(keys, 8).reshape(n, -1)
+        kv[1, layer, 8:] = alone[1, layer]
+    return kv
+
+
+def test_ratio_one_is_prefill(llama: LlamaWeights) -> None:
+    toks = _tokens()
+    full = prefill(llama, toks)
+    cached = torch.zeros(T, dtype=torch.bool)
+    cached[8:40] = True
+    out = blend(llama, toks, _stale_cache(llama, toks), cached, BlendPlan(1.0, 1))
+    assert torch.allclose(out.kv, full.kv, atol=1e-5)
+    assert torch.allclose(out.logits, full.logits, atol=1e-4)
+    assert out.computed.tolist() == list(range(T))
+
+
+def test_blend_is_exact_where_the_contract_says(llama: LlamaWeights) -> None:
+    toks = _tokens()
+    full = prefill(llama, toks).kv
+    stale = _stale_cache(llama, toks)
+    cached = torch.zeros(T, dtype=torch.bool)
+    cached[8:40] = True
+    must = torch.zeros(T, dtype=torch.bool)
+    must[8] = True  # a segment's first token
+    out = blend(llama, toks, stale, cached, BlendPlan(0.25, 1), must=must)
+    kept = out.computed
+    # uncached tokens, the must token, the last token, and 25% of 32 cached tokens
+    assert set(range(8)) | {8} | set(range(40, T)) <= set(kept.tolist())
+    assert len(kept) == 8 + 1 + 8 + 8
+    assert torch.allclose(out.kv[:, :2], full[:, :2], atol=1e-5)  # layers 0..check: exact
+    assert torch.allclose(out.kv[:, 2, kept], full[:, 2, kept], atol=1e-5)
+    skipped = torch.tensor([i for i in range(T) if i not in set(kept.tolist())])
+    assert torch.equal(out.kv[:, 2:, skipped], stale[:, 2:, skipped])  # kept as loaded
+    # the picked tokens are those whose fresh layer-1 KV deviates most from the stale KV
+    dev = (full[:, 1] - stale[:, 1]).pow(2).sum(dim=(0, 2))
+    dev[~cached] = -1
+    dev[8] = -1
+    assert set(torch.topk(dev, 8).indices.tolist()) <= set(kept.tolist())
+
+
+def test_exact_cache_blends_to_prefill_and_naive_reuse_differs(llama: LlamaWeights) -> None:
+    toks = _tokens()
+    full = prefill(llama, toks)
+    cached = torch.zeros(T, dtype=torch.bool)
+    cached[:40] = True  # a prefix: its cached KV is exactly what prefill computes
+    exact = blend(llama, toks, full.kv, cached, BlendPlan(0.0, 1))
+    assert torch.allclose(exact.kv, full.kv, atol=1e-5)
+    assert torch.allclose(exact.logits, full.logits, atol=1e-4)
+    naive = blend(llama, toks, _stale_cache(llama, toks), cached, BlendPlan(0.0, -1))
+    assert naive.computed.tolist() == list(range(40, T))
+    assert not torch.allclose(naive.logits, full.logits, atol=1e-2)
+
+
+def test_blended_logits_move_toward_prefill(llama: LlamaWeights) -> None:
+    toks = _tokens(3)
+    full = prefill(llama, toks).logits.log_softmax(-1)
+    stale = _stale_cache(llama, toks)
+    cached = torch.zeros(T, dtype=torch.bool)
+    cached[8:40] = True
+
+    def kl(plan: BlendPlan) -> float:
+        out = blend(llama, toks, stale, cached, plan).logits.log_softmax(-1)
+        return float((full.exp() * (full - out)).sum())
+
+    assert kl(BlendPlan(0.5, 1)) < kl(BlendPlan(0.0, -1))
+
+
+def test_refusals_name_the_argument(llama: LlamaWeights) -> None:
+    toks = _tokens()
+    kv = torch.zeros(2, 4, T, llama.kv_width)
+    cached = torch.zeros(T, dtype=torch.bool)
+    with pytest.raises(ValueError, match="cached_kv must have shape"):
+        blend(llama, toks, kv[:, :3], cached)
+    with pytest.raises(ValueError, match="cached must be"):
+        blend(llama, toks, kv, cached[:5])
+    with pytest.raises(ValueError, match="ratio"):
+        blend(llama, toks, kv, cached, BlendPlan(1.5, 1))
+    with pytest.raises(ValueError, match="check_layer"):
+        blend(llama, toks, kv, cached, BlendPlan(0.1, 4))
+    with pytest.raises(ValueError, match="tokens"):
+        prefill(llama, torch.tensor([], dtype=torch.long))
+
+
+def test_bf16_weights_run_and_stay_close() -> None:
+    f32, bf16 = tiny_llama(), tiny_llama(dtype=torch.bfloat16)
+    toks = _tokens()
+    a, b = prefill(f32, toks), prefill(bf16, toks)
+    assert b.kv.dtype == torch.bfloat16
+    assert float((a.kv - b.kv.float()).norm() / a.kv.norm()) < 5e-2
