@@ -15,4 +15,6 @@
     bench_stall.py      a running stream's gaps while a hit loads from a slow tier (entry point)
     bench_verify.py     shadow verification's cost per share, and honest records' spread
                         (entry point)
+    bench_blend.py      reuse at any position: blend vs full prefill vs naive reuse, TTFT and
+                        quality on a real model (entry point; kvtier's own forward so far)
 """

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvtier.blend.forward import BlendPlan, LlamaWeights, blend, prefill
+from kvtier.blend.forward import NAIVE, BlendPlan, LlamaWeights, blend, prefill
 from tests.blend.conftest import tiny_llama
 
 T = 48
@@ -65,7 +65,7 @@ def test_ratio_one_is_prefill(llama: LlamaWeights) -> None:
     full = prefill(llama, toks)
     cached = torch.zeros(T, dtype=torch.bool)
     cached[8:40] = True
-    out = blend(llama, toks, _stale_cache(llama, toks), cached, BlendPlan(1.0, 1))
+    out = blend(llama, toks, _stale_cache(llama, toks), cached, BlendPlan.one(1.0, 1))
     assert torch.allclose(out.kv, full.kv, atol=1e-5)
     assert torch.allclose(out.logits, full.logits, atol=1e-4)
     assert out.computed.tolist() == list(range(T))
@@ -79,7 +79,7 @@ def test_blend_is_exact_where_the_contract_says(llama: LlamaWeights) -> None:
     cached[8:40] = True
     must = torch.zeros(T, dtype=torch.bool)
     must[8] = True  # a segment's first token
-    out = blend(llama, toks, stale, cached, BlendPlan(0.25, 1), must=must)
+    out = blend(llama, toks, stale, cached, BlendPlan.one(0.25, 1), must=must)
     kept = out.computed
     # uncached tokens, the must token, the last token, and 25% of 32 cached tokens
     assert set(range(8)) | {8} | set(range(40, T)) <= set(kept.tolist())
@@ -88,11 +88,22 @@ def test_blend_is_exact_where_the_contract_says(llama: LlamaWeights) -> None:
     assert torch.allclose(out.kv[:, 2, kept], full[:, 2, kept], atol=1e-5)
     skipped = torch.tensor([i for i in range(T) if i not in set(kept.tolist())])
     assert torch.equal(out.kv[:, 2:, skipped], stale[:, 2:, skipped])  # kept as loaded
-    # the picked tokens are those whose fresh layer-1 KV deviates most from the stale KV
-    dev = (full[:, 1] - stale[:, 1]).pow(2).sum(dim=(0, 2))
+    # the picked tokens are those whose fresh layer-1 values deviate most from the stale ones
+    dev = (full[1, 1] - stale[1, 1]).pow(2).sum(dim=-1)
     dev[~cached] = -1
     dev[8] = -1
     assert set(torch.topk(dev, 8).indices.tolist()) <= set(kept.tolist())
+
+
+def test_check_layers_narrow_in_steps(llama: LlamaWeights) -> None:
+    toks = _tokens(1)
+    full = prefill(llama, toks).kv
+    cached = torch.zeros(T, dtype=torch.bool)
+    cached[8:40] = True
+    out = blend(llama, toks, _stale_cache(llama, toks), cached, BlendPlan((1, 2), (0.5, 0.25)))
+    assert len(out.computed) == 8 + 8 + 8  # uncached before and after, then 25% of 32
+    # computed at layer 1 (half the cached tokens): their layer-2 input, so KV, is exact
+    assert torch.allclose(out.kv[:, 2, out.computed], full[:, 2, out.computed], atol=1e-5)
 
 
 def test_exact_cache_blends_to_prefill_and_naive_reuse_differs(llama: LlamaWeights) -> None:
@@ -100,10 +111,10 @@ def test_exact_cache_blends_to_prefill_and_naive_reuse_differs(llama: LlamaWeigh
     full = prefill(llama, toks)
     cached = torch.zeros(T, dtype=torch.bool)
     cached[:40] = True  # a prefix: its cached KV is exactly what prefill computes
-    exact = blend(llama, toks, full.kv, cached, BlendPlan(0.0, 1))
+    exact = blend(llama, toks, full.kv, cached, BlendPlan.one(0.0, 1))
     assert torch.allclose(exact.kv, full.kv, atol=1e-5)
     assert torch.allclose(exact.logits, full.logits, atol=1e-4)
-    naive = blend(llama, toks, _stale_cache(llama, toks), cached, BlendPlan(0.0, -1))
+    naive = blend(llama, toks, _stale_cache(llama, toks), cached, NAIVE)
     assert naive.computed.tolist() == list(range(40, T))
     assert not torch.allclose(naive.logits, full.logits, atol=1e-2)
 
@@ -119,7 +130,7 @@ def test_blended_logits_move_toward_prefill(llama: LlamaWeights) -> None:
         out = blend(llama, toks, stale, cached, plan).logits.log_softmax(-1)
         return float((full.exp() * (full - out)).sum())
 
-    assert kl(BlendPlan(0.5, 1)) < kl(BlendPlan(0.0, -1))
+    assert kl(BlendPlan.one(0.5, 1)) < kl(NAIVE)
 
 
 def test_refusals_name_the_argument(llama: LlamaWeights) -> None:
@@ -130,10 +141,14 @@ def test_refusals_name_the_argument(llama: LlamaWeights) -> None:
         blend(llama, toks, kv[:, :3], cached)
     with pytest.raises(ValueError, match="cached must be"):
         blend(llama, toks, kv, cached[:5])
-    with pytest.raises(ValueError, match="ratio"):
-        blend(llama, toks, kv, cached, BlendPlan(1.5, 1))
-    with pytest.raises(ValueError, match="check_layer"):
-        blend(llama, toks, kv, cached, BlendPlan(0.1, 4))
+    with pytest.raises(ValueError, match="ratios"):
+        blend(llama, toks, kv, cached, BlendPlan.one(1.5, 1))
+    with pytest.raises(ValueError, match="ratios must lie in"):
+        blend(llama, toks, kv, cached, BlendPlan((1, 2), (0.1, 0.3)))
+    with pytest.raises(ValueError, match="check_layers must increase"):
+        blend(llama, toks, kv, cached, BlendPlan.one(0.1, 4))
+    with pytest.raises(ValueError, match="one length"):
+        blend(llama, toks, kv, cached, BlendPlan((1, 2), (0.1,)))
     with pytest.raises(ValueError, match="tokens"):
         prefill(llama, torch.tensor([], dtype=torch.long))
 

@@ -1,0 +1,216 @@
+"""Reuse at any position: blended prefill against full prefill and naive reuse, on a real model.
+
+A retrieval workload on SmolLM2-135M-Instruct (float32, CPU): a pool of `--pool` documents
+(inventory records, about `--doc-tokens` tokens each); every query is a system line, `--docs`
+documents drawn from the pool in a shuffled order, each ended by the separator, and a question
+about one fact in one of them. Each document is stored once on its own (a standalone prefill,
+through a real CPU tier: kvtier.blend.store), as a first request would store it.
+
+Per query, three ways to the first answer token:
+    full     every token computed (the reference)
+    blend    segments loaded and re-rotated, every token computed up to the check layer, then
+             the `--ratios` share of cached tokens that deviate most, and every uncached token
+    naive    segments loaded and re-rotated, no cached token computed in any layer
+
+Engine: `offline` (the only one so far): kvtier's own forward (kvtier/blend/forward.py) runs all
+three in this process. Its "TTFT" is that forward's time (for blend and naive: reading the
+segments, re-rotating and the forward), not a server's; SGLang serving with blending is the
+next step of issue 50.
+
+Quality against full: `kl` is KL(full || x) of the next-token distribution, averaged over the
+first `--kl-tokens` answer positions (full's greedy answer fed to both); `agree` is the share of
+queries whose free-running greedy answer (`--answer-tokens`) equals full's. Prints a table;
+writes benchmarks/results/bench_blend.json (or `--json PATH`) with `ttft_ratio` (blend / full,
+median), `kl_blend`, `kl_naive` (means over queries), `agree_blend`.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/serving/bench_blend.py [--queries 10] [--docs 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import write_results
+from benchmarks.serving.adaptive_report import p99
+from kvtier.blend.assemble import Assembled, assemble
+from kvtier.blend.forward import NAIVE, BlendPlan, LlamaWeights, blend, prefill
+from kvtier.blend.segments import find_segments
+from kvtier.blend.store import SegmentStore
+from kvtier.blend.weights import load_llama
+from kvtier.config import Config
+from kvtier.demo import texts
+from kvtier.demo.smollm2 import cached_smollm2
+from kvtier.keys import KeyBuilder
+from kvtier.memory import KVLayout
+from kvtier.storage import StorageManager
+
+SEPARATOR = "\n\n"  # one token in SmolLM2's vocabulary, also inside a prompt
+SYSTEM = ("<|im_start|>system\nAnswer from the inventory records.<|im_end|>\n"
+          "<|im_start|>user\n")
+ASK = "<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _pool(tok: Any, args: argparse.Namespace, rng: random.Random
+          ) -> tuple[list[list[int]], list[list[texts.Fact]]]:
+    per = max(1, args.doc_tokens // 19)  # a record is about 19 tokens
+    facts = [texts.facts(rng, per) for _ in range(args.pool)]
+    docs = [tok.encode(" ".join(texts.record(i, f) for i, f in enumerate(fs)),
+                       add_special_tokens=False) for fs in facts]
+    return docs, facts
+
+
+def _step(w: LlamaWeights, ids: torch.Tensor, kv: torch.Tensor, nxt: int
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One decode step: `nxt` appended, computed over the KV so far."""
+    ids = torch.cat([ids, torch.tensor([nxt])])
+    grown = torch.empty(2, w.num_layers, len(ids), w.kv_width, dtype=kv.dtype)
+    grown[:, :, :-1] = kv
+    cached = torch.ones(len(ids), dtype=torch.bool)
+    cached[-1] = False
+    out = blend(w, ids, grown, cached, NAIVE)
+    assert out.logits is not None
+    return ids, out.kv, out.logits
+
+
+def _answer(w: LlamaWeights, ids: torch.Tensor, kv: torch.Tensor, logits: torch.Tensor,
+            n: int, forced: list[int] | None = None) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy tokens (or `forced` ones) and the distribution before each."""
+    out, dists = [], []
+    for i in range(n):
+        dists.append(logits.log_softmax(-1))
+        nxt = forced[i] if forced is not None else int(logits.argmax())
+        out.append(nxt)
+        if i + 1 < n:
+            ids, kv, logits = _step(w, ids, kv, nxt)
+    return out, dists
+
+
+def _kl(ref: list[torch.Tensor], got: list[torch.Tensor]) -> float:
+    return statistics.fmean(float((p.exp() * (p - q)).sum()) for p, q in zip(ref, got))
+
+
+def _query(w: LlamaWeights, store: SegmentStore, ids: list[int], sep: list[int],
+           args: argparse.Namespace) -> dict[str, Any]:
+    toks = torch.tensor(ids)
+    t0 = time.perf_counter()
+    full = prefill(w, toks)
+    row: dict[str, Any] = {"tokens": len(ids), "full_s": time.perf_counter() - t0}
+    assert full.logits is not None
+    ref, ref_d = _answer(w, toks, full.kv, full.logits, args.answer_tokens)
+    blended = BlendPlan(tuple(args.check_layers), tuple(args.ratios))
+    for name, plan in (("blend", blended), ("naive", NAIVE)):
+        t0 = time.perf_counter()
+        got: Assembled = assemble(store, w.rope, ids, find_segments(ids, sep),
+                                  num_layers=w.num_layers, num_kv_heads=w.num_kv_heads,
+                                  head_dim=w.head_dim, dtype=torch.float32)
+        out = blend(w, toks, got.kv, got.cached, plan, must=got.must)
+        row[f"{name}_s"] = time.perf_counter() - t0
+        assert out.logits is not None
+        _, dists = _answer(w, toks, out.kv, out.logits, args.kl_tokens, forced=ref)
+        row[f"kl_{name}"] = _kl(ref_d[:args.kl_tokens], dists)
+        free, _ = _answer(w, toks, out.kv, out.logits, args.answer_tokens)
+        row[f"agree_{name}"] = free == ref
+        row[f"{name}_computed"] = len(out.computed)
+        row["cached"] = got.tokens_cached
+    return row
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(args.threads)
+    model_dir, _ = cached_smollm2()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    w = load_llama(model_dir)
+    sep = tok.encode(SEPARATOR, add_special_tokens=False)
+    rng = random.Random(args.seed)
+    docs, facts = _pool(tok, args, rng)
+    layout = KVLayout.mha(num_layers=w.num_layers, num_kv_heads=w.num_kv_heads,
+                          head_dim=w.head_dim, dtype=torch.float32)
+    storage = StorageManager(Config(chunk_size=256, max_local_cpu_size=4.0, save_tails=True),
+                             layout)
+    store = SegmentStore(storage, KeyBuilder(model="smollm2", fingerprint=layout.fingerprint(256),
+                                             chunk_size=256, tails=True), layout)
+    for doc in docs:  # each stored alone, as the first request that carries it would
+        store.save(store.chain(doc + sep, find_segments(doc + sep, sep)[0]),
+                   prefill(w, torch.tensor(doc), logits=False).kv)
+    system, ask = (tok.encode(x, add_special_tokens=False) for x in (SYSTEM, ASK))
+    rows = []
+    for q in range(args.queries):
+        picked = rng.sample(range(args.pool), args.docs)
+        fact = rng.choice(facts[rng.choice(picked)])
+        ids = list(system)
+        for d in picked:
+            ids += docs[d] + sep
+        ids += tok.encode(texts.question(fact), add_special_tokens=False) + ask
+        rows.append(_query(w, store, ids, sep, args))
+        r = rows[-1]
+        print(f"query {q}: {r['tokens']} tokens, full {r['full_s']:.2f}s, blend "
+              f"{r['blend_s']:.2f}s kl {r['kl_blend']:.4f} agree {r['agree_blend']}, naive "
+              f"kl {r['kl_naive']:.4f} agree {r['agree_naive']}", flush=True)
+    storage.close()
+    return _summary(rows, args)
+
+
+def _summary(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    ratio = [r["blend_s"] / r["full_s"] for r in rows]
+    naive = [r["naive_s"] / r["full_s"] for r in rows]
+    return {
+        "engine": "offline", "model": "SmolLM2-135M-Instruct float32", "args": vars(args),
+        "ttft_ratio": statistics.median(ratio), "ttft_ratio_p99": p99(ratio),
+        "ttft_ratio_naive": statistics.median(naive),
+        "kl_blend": statistics.fmean(r["kl_blend"] for r in rows),
+        "kl_naive": statistics.fmean(r["kl_naive"] for r in rows),
+        "agree_blend": statistics.fmean(r["agree_blend"] for r in rows),
+        "agree_naive": statistics.fmean(r["agree_naive"] for r in rows),
+        "computed_share": statistics.fmean(r["blend_computed"] / r["tokens"] for r in rows),
+        "rows": rows,
+    }
+
+
+def _table(s: dict[str, Any]) -> None:
+    print(f"\n{'':8s} {'TTFT/full (median, p99)':>24s} {'KL vs full':>11s} {'agree':>7s}")
+    print(f"{'full':8s} {'1.000':>24s} {'0':>11s} {'1.00':>7s}")
+    print(f"{'blend':8s} {s['ttft_ratio']:>15.3f}, {s['ttft_ratio_p99']:.3f} "
+          f"{s['kl_blend']:>11.4f} {s['agree_blend']:>7.2f}")
+    print(f"{'naive':8s} {s['ttft_ratio_naive']:>24.3f} {s['kl_naive']:>11.4f} "
+          f"{s['agree_naive']:>7.2f}")
+    print(f"blend computed {s['computed_share']:.1%} of the tokens past the check layer; "
+          f"kl_blend / kl_naive = {s['kl_blend'] / max(s['kl_naive'], 1e-12):.3f}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--queries", type=int, default=10)
+    ap.add_argument("--pool", type=int, default=12, help="documents to draw from")
+    ap.add_argument("--docs", type=int, default=6, help="documents per prompt")
+    ap.add_argument("--doc-tokens", type=int, default=400)
+    ap.add_argument("--ratios", type=lambda x: [float(r) for r in x.split(",")], default=[0.15],
+                    help="recompute shares, one per check layer (comma-separated)")
+    ap.add_argument("--check-layers", type=lambda x: [int(r) for r in x.split(",")],
+                    default=[1])
+    ap.add_argument("--answer-tokens", type=int, default=8)
+    ap.add_argument("--kl-tokens", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    summary = run(args)
+    _table(summary)
+    if args.json is not None:
+        args.json.write_text(json.dumps(summary, indent=2, default=str))
+        print(f"wrote {args.json}")
+    else:
+        write_results("bench_blend", summary)
+
+
+if __name__ == "__main__":
+    main()
