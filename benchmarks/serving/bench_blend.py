@@ -1,8 +1,8 @@
 """Reuse at any position: blended prefill against full prefill and naive reuse, on a real model.
 
 A retrieval workload on SmolLM2-135M-Instruct (float32, CPU): a pool of `--pool` documents
-(inventory records, about `--doc-tokens` tokens each); every query is a system line, `--docs`
-documents drawn from the pool in a shuffled order, each ended by the separator, and a question
+(inventory records, about `--doc-tokens` tokens each); every query is a system line and `--docs`
+documents drawn from the pool in a shuffled order, each ended by the separator, then a question
 about one fact in one of them. Each document is stored once on its own (a standalone prefill,
 through a real CPU tier: kvtier.blend.store), as a first request would store it.
 
@@ -147,7 +147,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for q in range(args.queries):
         picked = rng.sample(range(args.pool), args.docs)
         fact = rng.choice(facts[rng.choice(picked)])
-        ids = list(system)
+        ids = system + sep  # the system line ends with a separator too: no document joins it
         for d in picked:
             ids += docs[d] + sep
         ids += tok.encode(texts.question(fact), add_special_tokens=False) + ask

@@ -192,9 +192,10 @@ def _select(fresh_v: torch.Tensor, cached_v: torch.Tensor, must: torch.Tensor,
             budget: int) -> torch.Tensor:
     """Indices (sorted) into the computed tokens of those to keep computing: every `must`
     token, and the `budget` others whose fresh values deviate most from their cached values.
-    Values, not keys: over 3 queries of a retrieval workload on SmolLM2-135M, ranking by value
-    deviation left 0.25-0.48 of naive reuse's KL at a 15% share, keys and values 0.45-0.61,
-    keys alone 0.52-0.61 (benchmarks/LOG.md)."""
+    Values, not keys: on SmolLM2-135M (4 queries of 4 shuffled documents, 15% share, check
+    layer 1), ranking by value deviation left 0.22-0.48 of naive reuse's KL, keys and values
+    0.42-0.61, keys alone 0.41-0.61, each normalized by its mean norm 0.31-0.61
+    (benchmarks/LOG.md)."""
     keep = must.clone()
     free = int((~keep).sum())
     if budget and free:
