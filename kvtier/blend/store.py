@@ -61,8 +61,9 @@ class SegmentStore:
         return end
 
     def save(self, chain: KeyChain, kv: torch.Tensor) -> int:
-        """Put the segment's KV (`kv[:, :, i]` is its token i) under `chain`'s keys; returns
-        the tokens put (0 when the arena has no room: counted as `store_no_memory`).
+        """Put the segment's KV (`kv[:, :, i]` is its token i) under `chain`'s keys, from the
+        first chunk the CPU tier lacks; returns the end of what is now held from the segment's
+        start (0 when the arena has no room: counted as `store_no_memory`).
 
         Raises:
             ValueError: `kv` does not have the layout's shape and dtype for the segment.
@@ -71,7 +72,9 @@ class SegmentStore:
         if tuple(kv.shape) != want or kv.dtype != self._layout.dtype:
             raise ValueError(f"kv must be {want} {self._layout.dtype}, got "
                              f"{tuple(kv.shape)} {kv.dtype}")
-        keys = self._wanted(chain)
+        wanted = self._wanted(chain)
+        held = self._storage.contains(wanted, hot_only=True)  # put once, like a prefix
+        keys = wanted[held:]
         objs: list[MemoryObj] = []
         with lease(objs):
             for key in keys:
@@ -83,7 +86,7 @@ class SegmentStore:
                 objs.append(obj)
             put = keys[:len(objs)]  # leading chunks: a read stops where they stop
             self._storage.put(put, objs, write_down=self._write_down)
-        return put[-1].end if put else 0
+        return put[-1].end if put else (wanted[held - 1].end if held else 0)
 
     def load(self, chain: KeyChain, out: torch.Tensor) -> int:
         """Read the segment's leading stored tokens into `out` (`[2, layers, n, kv_width]`,

@@ -41,6 +41,9 @@ def test_a_segment_is_found_wherever_it_stands_and_after_a_restart(tmp_path: Pat
     kv = _kv(43, 0)
     assert store.lookup(store.chain(first, seg)) == 0
     assert store.save(store.chain(first, seg), kv) == 40
+    puts = storage.stats()["chunks_put"]
+    assert store.save(store.chain(first, seg), kv) == 40  # held: nothing put again
+    assert storage.stats()["chunks_put"] == puts
     assert storage.flush(30)
     storage.close()
 
