@@ -110,8 +110,11 @@ def _query(w: LlamaWeights, store: SegmentStore, ids: list[int], sep: list[int],
         t0 = time.perf_counter()
         got: Assembled = assemble(store, w.rope, ids, find_segments(ids, sep),
                                   num_layers=w.num_layers, num_kv_heads=w.num_kv_heads,
-                                  head_dim=w.head_dim, dtype=torch.float32)
-        out = blend(w, toks, got.kv, got.cached, plan, must=got.must)
+                                  head_dim=w.head_dim, dtype=torch.float32,
+                                  sink_tokens=args.sink_tokens)
+        # naive reuse computes no cached token at all, a segment's first ones included
+        out = blend(w, toks, got.kv, got.cached, plan,
+                    must=got.must if name == "blend" else None)
         row[f"{name}_s"] = time.perf_counter() - t0
         assert out.logits is not None
         _, dists = _answer(w, toks, out.kv, out.logits, args.kl_tokens, forced=ref)
@@ -197,6 +200,8 @@ def main() -> None:
                     help="recompute shares, one per check layer (comma-separated)")
     ap.add_argument("--check-layers", type=lambda x: [int(r) for r in x.split(",")],
                     default=[1])
+    ap.add_argument("--sink-tokens", type=int, default=1,
+                    help="each segment's first tokens, always computed")
     ap.add_argument("--answer-tokens", type=int, default=8)
     ap.add_argument("--kl-tokens", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
