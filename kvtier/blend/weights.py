@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from kvtier.blend.forward import LayerWeights, LlamaWeights
 from kvtier.blend.rope import RotaryTable
@@ -30,8 +29,8 @@ def _rope(cfg: dict, head_dim: int) -> RotaryTable:
         raise ValueError(f"rope type {kind!r} cannot be blended: re-rotation needs angles "
                          f"linear in the position ({', '.join(_LINEAR_ROPE)})")
     if kind != "default":
-        # kvtier builds only the plain table here; SGLang's own table covers scaled RoPEs.
-        raise ValueError(f"rope type {kind!r}: load this model through SGLang to blend it")
+        # Linear and Llama-3 scaling compose too, but this loader builds only the plain table.
+        raise ValueError(f"rope type {kind!r}: load_llama builds plain RoPE tables only")
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rot = int(head_dim * cfg.get("partial_rotary_factor", 1.0))
     return RotaryTable.from_theta(rot, float(theta), int(cfg.get("max_position_embeddings",
@@ -56,6 +55,11 @@ def load_llama(model_dir: str | Path, dtype: torch.dtype = torch.float32,
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads",
                                                            cfg["num_attention_heads"])
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    try:
+        from safetensors import safe_open
+    except ImportError:
+        raise ImportError("kvtier.blend.weights reads safetensors files: pip install "
+                          "safetensors (kvtier's dev extra has it)") from None
     tensors: dict[str, torch.Tensor] = {}
     for path in sorted(root.glob("*.safetensors")):
         with safe_open(str(path), "pt", device="cpu") as f:
