@@ -336,12 +336,12 @@ class KeyBuilder:
         return out
 
     def keys(self, token_ids: torch.Tensor | Sequence[int] | np.ndarray,
-             salt: str = "", segment: bool = False) -> list[ChunkKey]:
+             salt: str = "") -> list[ChunkKey]:
         """The chunk keys of `token_ids` in order (a trailing partial chunk per config).
         `salt`: a per-request salt (SGLang's `cache_salt`) mixed into the root digest, so
         only requests with the same salt share chunks."""
         data = encode_tokens(token_ids)
-        return self.keys_from_bytes(data, salt, segment)
+        return self.keys_from_bytes(data, salt)
 
     def inner_tail(self, token_ids: torch.Tensor | Sequence[int] | np.ndarray,
                    keys: Sequence[ChunkKey], n: int | None, salt: str = "") -> ChunkKey | None:
@@ -356,12 +356,10 @@ class KeyBuilder:
             return None
         return self.keys(token_ids[:n], salt)[-1]
 
-    def keys_from_bytes(self, data: bytes | memoryview, salt: str = "",
-                        segment: bool = False) -> list[ChunkKey]:
+    def keys_from_bytes(self, data: bytes | memoryview, salt: str = "") -> list[ChunkKey]:
         """Keys of a sequence given as little-endian uint32 bytes (see `encode_tokens`)."""
         data = memoryview(data).cast("B") if not isinstance(data, memoryview) else data
-        return self._chunk(data, self.num_keyed_tokens(len(data) // 4),
-                           self.root(salt, segment))
+        return self._chunk(data, self.num_keyed_tokens(len(data) // 4), self.root(salt))
 
     def _chunk(self, data: memoryview, end_all: int, h: bytes) -> list[ChunkKey]:
         """Keys of `data`'s first `end_all` tokens, cut every `chunk_size`, chained from `h`."""

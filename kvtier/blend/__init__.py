@@ -9,9 +9,11 @@ positions (`rope`), then a forward pass computes every token in the first layers
 check layer the share of cached tokens whose KV deviates most from a fresh computation, and
 computes only those (and every token that was not cached) in the later layers (`forward`).
 
-Modules: `segments` (where segments are, what they are keyed by), `rope` (rotary tables and
-re-rotation), `forward` (a Llama-family forward over plain weight tensors, in full or blended).
-Nothing here imports SGLang.
+Modules: `segments` (where segments are, what they are keyed by), `store` (a segment's KV in
+the tiers), `assemble` (a prompt's known KV from its cached segments), `rope` (rotary tables
+and re-rotation), `forward` (a Llama-family forward over plain weight tensors, in full or
+blended), `weights` (those tensors from a Hugging Face directory). Nothing here imports SGLang;
+SGLang does not blend yet (docs/blending.md).
 """
 
 from __future__ import annotations
