@@ -40,6 +40,8 @@ logger = logging.getLogger("kvtier.config")
 LMCACHE_KEYS = frozenset({
     "chunk_size", "local_cpu", "max_local_cpu_size", "local_disk", "max_local_disk_size",
     "remote_url", "remote_serde", "save_unfull_chunk", "blocking_timeout_secs",
+    "enable_blending", "blend_special_str", "blend_recompute_ratios", "blend_check_layers",
+    "blend_min_tokens",
 })
 # Variables that are kvtier (or LMCache) settings but not config keys: config file paths, the
 # kernel choice and build, the demo's SGLang shims, the background threads' nice increment, and

@@ -83,6 +83,8 @@ def _coerce(source: str, key: str, value: Any, from_env: bool) -> Any:
             value = yaml.safe_load(value) if typ is not str else value
         except yaml.YAMLError:
             raise _fail(source, key, f"cannot parse {brief(value)}") from None
+    if typing.get_origin(typ) is tuple:
+        return _coerce_list(source, key, typing.get_args(typ)[0], value)
     if key in LMCACHE_KEYS and isinstance(value, str) and typ is not str:
         value = _lmcache_string(key, typ, value)
     if typ is bool:
@@ -109,6 +111,21 @@ def _coerce(source: str, key: str, value: Any, from_env: bool) -> Any:
                         "written")
     raise _fail(source, key, f"must be a {typ.__name__}, got {type(value).__name__} "
                 f"{shown_in_error(key, value)}")
+
+
+def _coerce_list(source: str, key: str, item: type, value: Any) -> tuple[Any, ...]:
+    """A YAML list (or one value, as a list of one) of `item`s, as a tuple."""
+    values = value if isinstance(value, (list, tuple)) else [value]
+    out = []
+    for v in values:
+        if isinstance(v, str):
+            v = _lmcache_string(key, item, v)
+        ok = isinstance(v, (int, float)) if item is float else isinstance(v, item)
+        if isinstance(v, bool) or not ok:
+            raise _fail(source, key, f"must be a list of {item.__name__}s, got "
+                        f"{shown_in_error(key, value)}")
+        out.append(item(v))
+    return tuple(out)
 
 
 def is_config_key(key: str) -> bool:

@@ -29,7 +29,7 @@ from kvtier.config.redaction import shown_value
 from kvtier.config.urls import redact_url
 from kvtier.errors import ConfigError
 
-__all__ = ["Config", "PrefetchSection", "WriteSection", "validate", "REMOTE_SERDES",
+__all__ = ["BlendSection", "Config", "PrefetchSection", "WriteSection", "validate", "REMOTE_SERDES",
            "TRANSFER_ARENA_GB", "PATH_KEYS"]
 
 REMOTE_SERDES = ("naive",)
@@ -76,6 +76,18 @@ class WriteSection:
 
     policy: str
     selective_threshold: int
+
+
+@dataclass(frozen=True)
+class BlendSection:
+    """What blending reads (`Config.blend`): on or off, the separator text, the check layers
+    and the share of cached tokens recomputed at each, the shortest segment worth loading."""
+
+    enabled: bool
+    separator: str
+    check_layers: tuple[int, ...]
+    ratios: tuple[float, ...]
+    min_tokens: int
 
 
 @dataclass(frozen=True)
@@ -131,6 +143,15 @@ class Config:
     # copies of one model whose files differ (another format of the same weights). A wrong
     # value shares KV between models that compute different KV: verify_fraction catches it.
     model_fingerprint: str | None = None
+    # Reuse at any position (kvtier.blend; see docs/blending.md): a prompt's segments (each a
+    # run of tokens ended by blend_special_str) load from the tiers wherever they stand, and
+    # the blend_recompute_ratios share of their tokens is recomputed from blend_check_layers
+    # on. LMCache's names and meanings.
+    enable_blending: bool = False
+    blend_special_str: str = " # # "
+    blend_recompute_ratios: tuple[float, ...] = (0.15,)
+    blend_check_layers: tuple[int, ...] = (1,)
+    blend_min_tokens: int = 256  # a segment shorter than this is computed, never loaded
     log_level: str | None = None
     metrics_port: int | None = None  # serve Prometheus metrics on this port
 
@@ -149,6 +170,12 @@ class Config:
         return PrefetchSection(self.prefetch_policy, self.prefetch_timeout_base_ms,
                                self.prefetch_timeout_per_token_ms,
                                self.prefetch_wait_complete_max_ms)
+
+    @property
+    def blend(self) -> BlendSection:
+        return BlendSection(self.enable_blending, self.blend_special_str,
+                            self.blend_check_layers, self.blend_recompute_ratios,
+                            self.blend_min_tokens)
 
     @property
     def writes(self) -> WriteSection:
@@ -180,6 +207,32 @@ def validate(cfg: Config) -> None:
     _validate_memory(cfg)
     _validate_choices(cfg)
     _validate_tiers(cfg)
+    _validate_blend(cfg)
+
+
+# Deeper check layers than any model has are refused when the model is known (at launch).
+MAX_BLEND_MIN_TOKENS = 1 << 20
+
+
+def _validate_blend(cfg: Config) -> None:
+    src = "config"
+    layers, ratios = cfg.blend_check_layers, cfg.blend_recompute_ratios
+    if not layers or len(layers) != len(ratios):
+        raise _fail(src, "blend_check_layers", f"must be a non-empty list as long as "
+                    f"blend_recompute_ratios (one share per check layer), got {list(layers)} "
+                    f"and {list(ratios)}")
+    if any(x < 0 for x in layers) or list(layers) != sorted(set(layers)):
+        raise _fail(src, "blend_check_layers", f"must be layer numbers (>= 0) in increasing "
+                    f"order, got {list(layers)}")
+    if any(not 0.0 <= r <= 1.0 for r in ratios) or list(ratios) != sorted(ratios, reverse=True):
+        raise _fail(src, "blend_recompute_ratios", f"must be shares in [0, 1] that do not "
+                    f"increase (each check layer narrows the last), got {list(ratios)}")
+    if not 1 <= cfg.blend_min_tokens <= MAX_BLEND_MIN_TOKENS:
+        raise _fail(src, "blend_min_tokens", f"must be in 1..{MAX_BLEND_MIN_TOKENS}, got "
+                    f"{cfg.blend_min_tokens}")
+    if cfg.enable_blending and not cfg.blend_special_str.strip():
+        raise _fail(src, "blend_special_str", f"must hold visible text when enable_blending "
+                    f"is on (it marks where segments end), got {cfg.blend_special_str!r}")
 
 
 def _validate_numbers(cfg: Config) -> None:

@@ -98,11 +98,9 @@ LOADS: dict[str, tuple[tuple[str, ...], set[str], set[str]]] = {
                        {"remote_serde"}),
     "v0_disk_device.yaml": (("cpu",), {"local_device", "max_local_cache_size",
                                        "pipelined_backend", "save_decode_cache",
-                                       "enable_blending", "blend_recompute_ratio",
-                                       "blend_min_tokens", "blend_separator",
+                                       "blend_recompute_ratio", "blend_separator",
                                        "blend_add_special_in_precomp"}, {"remote_serde"}),
-    "blend_p2p.yaml": (("cpu",), {"enable_blending", "blend_special_str",
-                                  "blend_recompute_ratios", "enable_p2p", "p2p_host",
+    "blend_p2p.yaml": (("cpu",), {"enable_p2p", "p2p_host",
                                   "p2p_init_ports", "p2p_lookup_ports", "enable_controller",
                                   "lmcache_instance_id", "controller_pull_url",
                                   "controller_reply_url", "lmcache_worker_ports",
@@ -288,7 +286,7 @@ def test_migrate_config_prints_the_classification(capsys: pytest.CaptureFixture[
     assert main(["migrate-config", str(CORPUS / "blend_p2p.yaml")]) == 0
     kinds = {line.split()[0]: line.split()[1] for line in capsys.readouterr().out.splitlines()
              if line and not line.startswith("#") and ":" not in line.split()[0]}
-    assert kinds["chunk_size"] == "kvtier" and kinds["enable_blending"] == "ignored"
+    assert kinds["chunk_size"] == "kvtier" and kinds["enable_blending"] == "kvtier"
     assert kinds["enable_p2p"] == "unsupported" and kinds["p2p_host"] == "unsupported"
     assert main(["migrate-config", str(CORPUS / "weka_only.yaml")]) == 2
     captured = capsys.readouterr()
@@ -301,7 +299,7 @@ def test_ignored_keys_change_nothing(tmp_path: Path) -> None:
     plain.write_text("chunk_size: 256\nlocal_cpu: true\nmax_local_cpu_size: 2\n")
     assert load_config(CORPUS / "cpu_layerwise.yaml", env={}) == load_config(plain, env={})
     assert load_config(CORPUS / "blend_p2p.yaml", env={}) == Config(
-        max_local_cpu_size=2.0, save_unfull_chunk=True)
+        max_local_cpu_size=2.0, save_unfull_chunk=True, enable_blending=True)
 
 
 # ---- a file sized for a bigger host -------------------------------------------------------

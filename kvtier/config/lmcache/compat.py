@@ -82,15 +82,19 @@ def instead_of(key: str) -> str | None:
     return None if entry.status == "same" else entry.note
 
 
+def _likeness(a: str, b: str) -> float:
+    return difflib.SequenceMatcher(None, a, b).ratio()
+
+
 def unknown_hint(key: str, nearest: str | None) -> str:
     """What to write instead of `key`, a key no LMCache version had: `NOT_LMCACHE`'s line, else
-    "did you mean" the `nearest` kvtier key, else the nearest LMCache key kvtier ignores, else
-    a pointer to the key list."""
+    "did you mean" the closer of the `nearest` kvtier key and the nearest LMCache key kvtier
+    ignores, else a pointer to the key list."""
     if key in NOT_LMCACHE:
         return NOT_LMCACHE[key]
-    if nearest is not None:
-        return f"did you mean {nearest!r}?"
     near = difflib.get_close_matches(key, UNIMPLEMENTED, n=1, cutoff=0.6)
+    if nearest is not None and (not near or _likeness(key, nearest) >= _likeness(key, near[0])):
+        return f"did you mean {nearest!r}?"
     if near:
         return f"did you mean {near[0]!r} (an LMCache key kvtier accepts and ignores)?"
     return "see docs/lmcache.md for every LMCache key and docs/config.md for kvtier's"

@@ -66,7 +66,8 @@ _MARU = ("no CXL shared-memory tier: use local_cpu, or remote_url: redis://host:
          "KV between instances")
 _PLUGINS = ("no storage plugins: kvtier's tiers are local_cpu, local_disk and remote_url "
             "(redis://...)")
-_BLEND = "no CacheBlend; kvtier reuses KV of exact prefixes only"
+_BLEND = ("kvtier picks tokens to recompute by share (blend_recompute_ratios), not by "
+          "threshold, and never adds the separator to a segment")
 _CONTROLLER = "no cache controller; `kvtier stats`, `ls` and `purge` inspect the tiers"
 _LOOKUP = "no lookup service; each engine looks up its own tiers directly"
 _API = "no internal API server; metrics_port serves Prometheus metrics"
@@ -138,15 +139,17 @@ KEYS: dict[str, LMCacheKey] = {
     "local_disk_path_sharding": _ignored("kvtier keeps one directory; TP ranks are keyed apart "
                                          "inside it", "0.4.4-"),
     # ---- CacheBlend
-    "enable_blending": _ignored(_BLEND, "0.1-"),
-    "blend_recompute_ratio": _ignored(_BLEND, "0.1-0.3.11"),
-    "blend_recompute_ratios": _ignored(_BLEND, "0.3.6-"),
-    "blend_min_tokens": _ignored(_BLEND, "0.1-"),
-    "blend_special_str": _ignored(_BLEND, "0.3.0-"),
-    "blend_separator": _ignored(_BLEND, "0.1-0.3.11"),
+    "enable_blending": _same("0.1-"),
+    "blend_recompute_ratio": _ignored("LMCache v0's single share; use blend_recompute_ratios: "
+                                      "[0.15]", "0.1-0.3.11"),
+    "blend_recompute_ratios": _same("0.3.6-"),
+    "blend_min_tokens": _same("0.1-"),
+    "blend_special_str": _same("0.3.0-"),
+    "blend_separator": _ignored("LMCache v0's separator; use blend_special_str",
+                                "0.1-0.3.11"),
     "blend_add_special_in_precomp": _ignored(_BLEND, "0.1-0.3.11"),
     "blend_thresholds": _ignored(_BLEND, "0.3.6-"),
-    "blend_check_layers": _ignored(_BLEND, "0.3.6-"),
+    "blend_check_layers": _same("0.3.6-"),
     # ---- peer-to-peer sharing
     "enable_p2p": _unsupported(_P2P, "0.2-"),
     "lookup_url": _unsupported(_P2P, "0.2-0.3.6"),
@@ -260,7 +263,9 @@ PREFIXES: dict[str, LMCacheKey] = {
     "p2p_": _unsupported(_P2P, "0.3.7-"),
     "gds_": _unsupported(_GDS, "0.3.1-"),
     "maru_": _unsupported(_MARU, "0.4.3-"),
-    "blend_": _ignored(_BLEND, "0.1-"),
+    "blend_": _ignored("a CacheBlend option kvtier does not have; its blending keys are "
+                       "enable_blending and blend_special_str, _recompute_ratios, "
+                       "_check_layers, _min_tokens", "0.1-"),
     "controller_": _ignored(_CONTROLLER, "0.3.0-"),
     "lmcache_worker_": _ignored(_CONTROLLER, "0.3.0-"),
     "internal_api_server_": _ignored(_API, "0.3.4-"),
