@@ -12,10 +12,10 @@ Per query, three ways to the first answer token:
              the `--ratios` share of cached tokens that deviate most, and every uncached token
     naive    segments loaded and re-rotated, no cached token computed in any layer
 
-Engine: `offline` (the only one so far): kvtier's own forward (kvtier/blend/forward.py) runs all
-three in this process. Its "TTFT" is that forward's time (for blend and naive: reading the
-segments, re-rotating and the forward), not a server's; SGLang serving with blending is the
-next step of issue 50.
+Engines: `offline` (default): kvtier's own forward (kvtier/blend/forward.py) runs all three in
+this process; its "TTFT" is that forward's time (for blend and naive: reading the segments,
+re-rotating and the forward). `sglang`: a real SGLang server with `enable_blending` serves full
+and blend (benchmarks/serving/blend_sglang.py): TTFT is a request's wall time.
 
 Quality against full: `kl` is KL(full || x) of the next-token distribution, averaged over the
 first `--kl-tokens` answer positions (full's greedy answer fed to both); `agree` is the share of
@@ -126,16 +126,38 @@ def _query(w: LlamaWeights, store: SegmentStore, ids: list[int], sep: list[int],
     return row
 
 
+def _queries(tok: Any, docs: list[list[int]], facts: list[list[texts.Fact]], sep: list[int],
+             args: argparse.Namespace, rng: random.Random) -> list[list[int]]:
+    out = []
+    system, ask = (tok.encode(x, add_special_tokens=False) for x in (SYSTEM, ASK))
+    for _ in range(args.queries):
+        picked = rng.sample(range(args.pool), args.docs)
+        fact = rng.choice(facts[rng.choice(picked)])
+        ids = system + sep  # the system line ends with a separator too: no document joins it
+        for d in picked:
+            ids += docs[d] + sep
+        out.append(ids + tok.encode(texts.question(fact), add_special_tokens=False) + ask)
+    return out
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     torch.set_num_threads(args.threads)
     model_dir, _ = cached_smollm2()
     tok = AutoTokenizer.from_pretrained(model_dir)
-    w = load_llama(model_dir)
     sep = tok.encode(SEPARATOR, add_special_tokens=False)
     rng = random.Random(args.seed)
     docs, facts = _pool(tok, args, rng)
+    if args.engine == "sglang":
+        from benchmarks.common import work_dir
+        from benchmarks.serving.blend_sglang import run_sglang
+
+        system, ask = (tok.encode(x, add_special_tokens=False) for x in (SYSTEM, ASK))
+        with work_dir("bench_blend", args.work_dir) as work:
+            return run_sglang(args, model_dir, docs, _queries(tok, docs, facts, sep, args, rng),
+                              sep, system, ask, work, SEPARATOR)
+    w = load_llama(model_dir)
     layout = KVLayout.mha(num_layers=w.num_layers, num_kv_heads=w.num_kv_heads,
                           head_dim=w.head_dim, dtype=torch.float32)
     storage = StorageManager(Config(chunk_size=256, max_local_cpu_size=4.0, save_tails=True),
@@ -145,18 +167,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for doc in docs:  # each stored alone, as the first request that carries it would
         store.save(store.chain(doc + sep, find_segments(doc + sep, sep)[0]),
                    prefill(w, torch.tensor(doc), logits=False).kv)
-    system, ask = (tok.encode(x, add_special_tokens=False) for x in (SYSTEM, ASK))
     rows = []
-    for q in range(args.queries):
-        picked = rng.sample(range(args.pool), args.docs)
-        fact = rng.choice(facts[rng.choice(picked)])
-        ids = system + sep  # the system line ends with a separator too: no document joins it
-        for d in picked:
-            ids += docs[d] + sep
-        ids += tok.encode(texts.question(fact), add_special_tokens=False) + ask
+    for ids in _queries(tok, docs, facts, sep, args, rng):
         rows.append(_query(w, store, ids, sep, args))
         r = rows[-1]
-        print(f"query {q}: {r['tokens']} tokens, full {r['full_s']:.2f}s, blend "
+        print(f"query {len(rows) - 1}: {r['tokens']} tokens, full {r['full_s']:.2f}s, blend "
               f"{r['blend_s']:.2f}s kl {r['kl_blend']:.4f} agree {r['agree_blend']}, naive "
               f"kl {r['kl_naive']:.4f} agree {r['agree_naive']}", flush=True)
     storage.close()
@@ -180,10 +195,14 @@ def _summary(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, 
 
 
 def _table(s: dict[str, Any]) -> None:
-    print(f"\n{'':8s} {'TTFT/full (median, p99)':>24s} {'KL vs full':>11s} {'agree':>7s}")
+    print(f"\nengine {s['engine']}")
+    print(f"{'':8s} {'TTFT/full (median, p99)':>24s} {'KL vs full':>11s} {'agree':>7s}")
     print(f"{'full':8s} {'1.000':>24s} {'0':>11s} {'1.00':>7s}")
     print(f"{'blend':8s} {s['ttft_ratio']:>15.3f}, {s['ttft_ratio_p99']:.3f} "
           f"{s['kl_blend']:>11.4f} {s['agree_blend']:>7.2f}")
+    if s["engine"] == "sglang":
+        print(f"{s['blended']} of {len(s['rows'])} queries blended; no naive arm on a server")
+        return
     print(f"{'naive':8s} {s['ttft_ratio_naive']:>24.3f} {s['kl_naive']:>11.4f} "
           f"{s['agree_naive']:>7.2f}")
     print(f"blend computed {s['computed_share']:.1%} of the tokens past the check layer; "
@@ -192,6 +211,7 @@ def _table(s: dict[str, Any]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--engine", choices=("offline", "sglang"), default="offline")
     ap.add_argument("--queries", type=int, default=10)
     ap.add_argument("--pool", type=int, default=12, help="documents to draw from")
     ap.add_argument("--docs", type=int, default=6, help="documents per prompt")
@@ -207,6 +227,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--work-dir", type=Path, default=None,
+                    help="keep the sglang engine's config and server log here")
     args = ap.parse_args()
     summary = run(args)
     _table(summary)

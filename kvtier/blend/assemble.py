@@ -62,7 +62,7 @@ def assemble(store: SegmentStore, rope: RotaryTable, tokens: Sequence[int] | tor
             continue
         hit += 1
         keys = rows[0, :, :got].reshape(num_layers * got, num_kv_heads, head_dim)
-        shift = torch.full((num_layers * got,), seg.start, dtype=torch.long)
+        shift = torch.full((num_layers * got,), seg.start, dtype=torch.long, device=kv.device)
         rows[0, :, :got] = rope.rerotate(keys, shift).reshape(num_layers, got, width)
         cached[seg.start:seg.start + got] = True
         must[seg.start:seg.start + min(sink_tokens, got)] = True

@@ -152,6 +152,7 @@ def _forward(w: LlamaWeights, tokens: torch.Tensor, cached_kv: torch.Tensor | No
             active = must.nonzero().squeeze(1)
             h = h[active]
         total = int(cached.sum())
+    mask = _mask(active, w.num_heads // w.num_kv_heads)
     with torch.inference_mode():
         for layer, lw in enumerate(w.layers):
             q, k, v = _qkv(w, lw, _rms(h, lw.ln_in, w.eps), positions[active])
@@ -161,7 +162,8 @@ def _forward(w: LlamaWeights, tokens: torch.Tensor, cached_kv: torch.Tensor | No
                 keep = _select(v, cached_kv[1, layer, active].to(dev), must[active],
                                math.ceil(steps[layer] * total))
                 q, h, active = q[keep], h[keep], active[keep]
-            attn = _attend(q, kv[0, layer], kv[1, layer], active, w)
+                mask = _mask(active, w.num_heads // w.num_kv_heads)
+            attn = _attend(q, kv[0, layer], kv[1, layer], active, mask, w)
             h = h + F.linear(attn, lw.o)
             gate, up = F.linear(_rms(h, lw.ln_post, w.eps), lw.gate_up).chunk(2, dim=-1)
             h = h + F.linear(F.silu(gate) * up, lw.down)
@@ -216,17 +218,34 @@ def _check_plan(plan: BlendPlan, num_layers: int) -> None:
         raise ValueError(f"ratios must lie in [0, 1] and not increase, got {ratios}")
 
 
+def _mask(qpos: torch.Tensor, groups: int) -> torch.Tensor | None:
+    """The additive causal mask of queries at `qpos`, repeated for the `groups` query heads
+    that share a KV head (None when the queries are every position up to the last: the plain
+    causal mask). Built once per set of queries, not per layer."""
+    span = int(qpos[-1]) + 1
+    if qpos.numel() == span:
+        return None
+    allowed = torch.arange(span, device=qpos.device)[None, :] <= qpos[:, None]
+    mask = torch.zeros(allowed.shape, dtype=torch.float32, device=qpos.device)
+    return mask.masked_fill_(~allowed, float("-inf")).repeat(groups, 1)
+
+
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, qpos: torch.Tensor,
-            w: LlamaWeights) -> torch.Tensor:
-    """Causal attention of queries at `qpos` over every token's K/V before or at them."""
+            mask: torch.Tensor | None, w: LlamaWeights) -> torch.Tensor:
+    """Causal attention of queries at `qpos` over every token's K/V before or at them
+    (`mask`: `_mask(qpos)`). Some queries only: scores, softmax and values by hand, in
+    float32, the query heads of one KV head stacked (SDPA's masked path on a CPU spent a third
+    of its time converting and checking the mask)."""
     n, d = q.shape[0], w.head_dim
     span = int(qpos[-1]) + 1
-    k = keys[:span].reshape(span, w.num_kv_heads, d).transpose(0, 1)
-    v = values[:span].reshape(span, w.num_kv_heads, d).transpose(0, 1)
-    qh = q.transpose(0, 1)
-    if n == span:  # every token up to the last: the plain causal mask
-        out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, enable_gqa=True)
-    else:
-        mask = torch.arange(span, device=q.device)[None, :] <= qpos[:, None]
-        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, enable_gqa=True)
-    return out.transpose(0, 1).reshape(n, w.num_heads * d)
+    kvh, groups = w.num_kv_heads, w.num_heads // w.num_kv_heads
+    k = keys[:span].reshape(span, kvh, d).transpose(0, 1)
+    v = values[:span].reshape(span, kvh, d).transpose(0, 1)
+    if mask is None:  # every token up to the last: the plain causal mask
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True,
+                                             enable_gqa=True)
+        return out.transpose(0, 1).reshape(n, w.num_heads * d)
+    qh = q.reshape(n, kvh, groups, d).permute(1, 2, 0, 3).reshape(kvh, groups * n, d)
+    scores = torch.baddbmm(mask, qh.float(), k.float().transpose(1, 2), alpha=d ** -0.5)
+    out = torch.bmm(scores.softmax(dim=-1), v.float()).to(q.dtype)
+    return out.reshape(kvh, groups, n, d).permute(2, 0, 1, 3).reshape(n, w.num_heads * d)

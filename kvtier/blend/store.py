@@ -51,12 +51,13 @@ class SegmentStore:
         """What a segment is stored as: its full chunks, then its longest tail if any."""
         return list(chain) + chain.tails(len(chain))[:1]
 
-    def lookup(self, chain: KeyChain) -> int:
-        """How many leading tokens of the segment some tier holds; no data moves."""
-        n = self._storage.contains(chain)
+    def lookup(self, chain: KeyChain, *, hot_only: bool = False) -> int:
+        """How many leading tokens of the segment some tier (the CPU tier alone with
+        `hot_only`) holds; no data moves."""
+        n = self._storage.contains(chain, hot_only=hot_only)
         end = chain[n - 1].end if n else 0
         if n == len(chain):
-            tail = self._storage.find_tail(chain.tails(n))
+            tail = self._storage.find_tail(chain.tails(n), hot_only=hot_only)
             end = tail.end if tail is not None else end
         return end
 

@@ -26,6 +26,7 @@ from kvtier.config.names import (
     WRITE_THROUGH,
 )
 from kvtier.config.redaction import shown_value
+from kvtier.config.sections import BlendSection, PrefetchSection, WriteSection
 from kvtier.config.urls import redact_url
 from kvtier.errors import ConfigError
 
@@ -55,39 +56,6 @@ MAX_BY_KEY = {"prefetch_timeout_base_ms": 60_000.0, "prefetch_timeout_per_token_
 
 
 PATH_KEYS = ("local_disk",)  # keys holding a filesystem path: `~` is expanded in each
-
-
-# Typed views of the flat config (the YAML stays flat, as LMCache's): each storage part takes
-# the section it reads, not the whole `Config`.
-
-@dataclass(frozen=True)
-class PrefetchSection:
-    """What the prefetch policies read (`Config.prefetch`)."""
-
-    policy: str
-    timeout_base_ms: float
-    timeout_per_token_ms: float
-    wait_complete_max_ms: float
-
-
-@dataclass(frozen=True)
-class WriteSection:
-    """What the write policies read (`Config.writes`)."""
-
-    policy: str
-    selective_threshold: int
-
-
-@dataclass(frozen=True)
-class BlendSection:
-    """What blending reads (`Config.blend`): on or off, the separator text, the check layers
-    and the share of cached tokens recomputed at each, the shortest segment worth loading."""
-
-    enabled: bool
-    separator: str
-    check_layers: tuple[int, ...]
-    ratios: tuple[float, ...]
-    min_tokens: int
 
 
 @dataclass(frozen=True)
@@ -230,9 +198,8 @@ def _validate_blend(cfg: Config) -> None:
     if not 1 <= cfg.blend_min_tokens <= MAX_BLEND_MIN_TOKENS:
         raise _fail(src, "blend_min_tokens", f"must be in 1..{MAX_BLEND_MIN_TOKENS}, got "
                     f"{cfg.blend_min_tokens}")
-    if cfg.enable_blending and not cfg.blend_special_str.strip():
-        raise _fail(src, "blend_special_str", f"must hold visible text when enable_blending "
-                    f"is on (it marks where segments end), got {cfg.blend_special_str!r}")
+    if not cfg.blend_special_str:
+        raise _fail(src, "blend_special_str", "must not be empty (it marks where segments end)")
 
 
 def _validate_numbers(cfg: Config) -> None:

@@ -13,6 +13,7 @@ import torch
 from kvtier.backends.sealing import name_salt
 from kvtier.config import Config
 from kvtier.connectors.base import KVConnector
+from kvtier.engine.rows import limit_of, pool_rows
 from kvtier.engine.saving import PrefixSaver
 from kvtier.engine.tiers import TierControl
 from kvtier.engine.verify import Verification, sampled, shadow_check
@@ -25,6 +26,7 @@ from kvtier.storage.prefetch.prefill_prior import ModelShape, prefill_prior
 from kvtier.storage.sessions import session_tag
 
 if TYPE_CHECKING:
+    from kvtier.blend.store import SegmentStore
     from kvtier.kernels.streams import DeviceCopies
 
 # `Prefetch`: the handle `start_prefetch` returns, named here so callers need only this module.
@@ -33,25 +35,6 @@ __all__ = ["CacheEngine", "Prefetch", "TokenIds"]
 logger = logging.getLogger(__name__)
 
 TokenIds = torch.Tensor | Sequence[int] | np.ndarray
-
-
-def _limit(limit: int | None, num_tokens: int) -> int:
-    if limit is None:
-        return num_tokens
-    if not isinstance(limit, int) or limit < 0:
-        raise ValueError(f"limit must be a non-negative int, got {limit!r}")
-    return min(limit, num_tokens)
-
-
-def _rows(slots: torch.Tensor, start: int, end: int, skip: int, limit: int) -> torch.Tensor:
-    """Pool rows of tokens [start, end), with -1 (not written) before `skip` (the pool holds
-    them) and from `limit` on (not asked for)."""
-    rows = slots if start == 0 and end == slots.numel() else slots[start:end]
-    if start < skip or end > limit:
-        rows = rows.clone()
-        rows[: max(0, skip - start)] = -1
-        rows[max(0, limit - start):] = -1
-    return rows
 
 
 class CacheEngine:
@@ -204,7 +187,7 @@ class CacheEngine:
                                        self._chain(token_ids, keys, salt))
         if not isinstance(skip, int) or not 0 <= skip <= slots.numel():
             raise ValueError(f"skip must be an int in [0, {slots.numel()}], got {skip!r}")
-        limit = _limit(limit, slots.numel())
+        limit = limit_of(limit, slots.numel())
         wanted = [k for k in keys if k.end > skip and k.start < limit]
         if session_id is not None:
             self.storage.touch_session(session_id)
@@ -251,7 +234,7 @@ class CacheEngine:
             if not objs:
                 return skip
             start, end = wanted[0].start, wanted[len(objs) - 1].end
-            self._scatter(objs, _rows(slots, start, end, skip, limit))
+            self._scatter(objs, pool_rows(slots, start, end, skip, limit))
         return end
 
     def _scatter(self, objs: list[MemoryObj], rows: torch.Tensor) -> None:
@@ -271,7 +254,7 @@ class CacheEngine:
         with closing(self.storage.stream(wanted)) as chunks:
             for key, obj in zip(wanted, chunks):
                 with lease([obj]):
-                    self._scatter([obj], _rows(slots, key.start, key.end, skip, limit))
+                    self._scatter([obj], pool_rows(slots, key.start, key.end, skip, limit))
                 loaded = key.end
         return loaded
 
@@ -284,7 +267,7 @@ class CacheEngine:
         keys = self._chain(token_ids, keys, salt)
         if self._closed:
             return 0
-        limit = _limit(limit, len(token_ids))
+        limit = limit_of(limit, len(token_ids))
         usable = [k for k in keys if k.start < limit]
         n = self.storage.contains(usable, hot_only=hot_only)
         end = usable[n - 1].end if n else 0
@@ -301,7 +284,7 @@ class CacheEngine:
         if self._closed:
             return self.storage.start_prefetch([])
         keys = self._chain(token_ids, keys, salt)
-        limit = _limit(limit, len(token_ids))
+        limit = limit_of(limit, len(token_ids))
         if self.lookup(token_ids, hot_only=True, keys=keys, limit=limit) >= limit:
             return self.storage.start_prefetch([])  # all in the CPU tier: nothing to load
         return self.storage.start_prefetch(keys.upto(limit) if isinstance(keys, KeyChain)
@@ -357,6 +340,13 @@ class CacheEngine:
         """The keys `lookup`, `retrieve` and `start_prefetch` walk for `token_ids`: its full
         chunks, and the tails that may follow them (see `KeyChain`)."""
         return self.keys.chain(token_ids, salt)
+
+    def segments(self) -> SegmentStore:
+        """The store of segments' standalone KV (reuse at any position, `kvtier.blend`) in
+        this engine's tiers and keys; `ValueError` for MLA."""
+        from kvtier.blend.store import SegmentStore
+
+        return SegmentStore(self.storage, self.keys, self.layout, write_down=self._writes_down)
 
     def stats(self) -> dict[str, float]:
         return self.storage.stats()

@@ -32,6 +32,7 @@ from kvtier.connectors import KVConnector, SGLangMHAConnector, SGLangMLAConnecto
 from kvtier.engine import CacheEngine, Prefetch
 from kvtier.errors import ConfigError
 from kvtier.integration.sglang.attach import Attachments
+from kvtier.integration.sglang.blending import BLEND_COUNTERS
 from kvtier.integration.sglang.budget import SchedulerBudget
 from kvtier.integration.sglang.preflight import page_size_problem
 from kvtier.integration.sglang.sglang_views import MHAPoolView, MLAPoolView, Opaque
@@ -96,7 +97,7 @@ class SGLangKVTier:
             "loads", "tokens_loaded", "load_misses", "load_no_slots", "loads_short",
             "loads_discarded", "stores", "tokens_stored", "stores_skipped_busy", "store_errors",
             "prefetches", "prefetches_cancelled", "prefetch_waits",
-            "prefetches_skipped_hot", "verified_requests")))
+            "prefetches_skipped_hot", "verified_requests", *BLEND_COUNTERS)))
         self.budget = SchedulerBudget(self.counters)
         self._closed_sessions: set[str] = set()  # a store finishing late must not re-pin
         # request id -> its prefetch; registered on every rank alike (scheduler thread)
@@ -144,6 +145,10 @@ class SGLangKVTier:
             self._shadowed.clear()  # requests that never came back
         self._shadowed[rid] = device_len
         return True
+
+    def verifying(self, rid: str) -> bool:
+        """Whether request `rid` is computed to verify the tiers (`shadowed`)."""
+        return rid in self._shadowed
 
     def forget(self, rid: str) -> None:
         """Request `rid` was loaded, finished or aborted: drop its cached keys."""

@@ -18,7 +18,7 @@ engine's PageStore, so the tiers (CPU, disk, Redis), write policy and failure ha
 a tier that fails is a miss, never an error.
 
 Multimodal input: the radix-cache backend keeps requests with images, audio or video out of
-kvtier (`radix_cache._multimodal`). HiCache gives its L3 no request: `batch_exists`,
+kvtier (`requests.multimodal`). HiCache gives its L3 no request: `batch_exists`,
 `batch_get_v1` and `batch_set_v1` see page hashes (and the hashes before them) only, so a page
 of an image request cannot be told from a text page. Those hashes cover the items' pad values,
 which derive from an item hash a client may choose (`mm_hashes`), so one client could name its
@@ -150,6 +150,10 @@ class KVTierHiCacheStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfigView, kwargs: Opaque = None):
         extra = storage_config.extra_config or {}
         self.config = load_config(extra.get("kvtier_config_file"))
+        if self.config.enable_blending:
+            logger.warning("kvtier: enable_blending is ignored in the HiCache storage mode "
+                           "(--hicache-storage-backend kvtier): blending runs with "
+                           "--enable-kvtier (the radix-cache backend)")
         self._name_salt = name_salt(self.config.hash_salt, self.config.record_key_file)
         self.storage_config = storage_config
         self._writes = storage_config.is_storage_writer

@@ -215,11 +215,35 @@ def _enable_prefetch_hooks(result: Opaque, scheduler: SchedulerView, *args: Opaq
             logger.info("kvtier: an extend over a cached prefix computes the new tokens' "
                         "attention only (cpu_prefix_attention; SGLang's torch_native backend "
                         "recomputes the prefix's)")
+    if kvtier is not None and kvtier.engine.config.enable_blending:
+        _enable_blending(scheduler, kvtier)
     if kvtier is not None:
         enable_storage_prefetch(scheduler)
         logger.info("kvtier: loads from lower tiers run in the background (prefetch policy %s)",
                     kvtier.engine.config.prefetch_policy)
     return result
+
+
+def _enable_blending(scheduler: SchedulerView, kvtier: SGLangKVTier) -> None:
+    """`enable_blending`: a blender over the served model (loaded by now); `ConfigError`
+    naming why this server cannot blend."""
+    from kvtier.integration.sglang.blending import SGLangBlender
+
+    config = kvtier.engine.config
+    try:
+        store = kvtier.engine.segments()
+    except ValueError as exc:
+        raise ConfigError(f"enable_blending: {exc} (MLA models have no keys to re-rotate); "
+                          "drop enable_blending for this model") from None
+    blender = SGLangBlender.from_scheduler(scheduler, store, config.blend, kvtier.page_size,
+                                           kvtier.counters)
+    cache = cast("KVTierRadixCache", scheduler.tree_cache)
+    pool = blender.pool_k[0]
+    cache.attach_blender(blender, pool.shape[0], pool.device)
+    logger.info("kvtier: blending on: segments end at %r (%d tokens), check layers %s, "
+                "recompute shares %s, segments of %d+ tokens", config.blend_special_str,
+                len(blender.separator), list(config.blend_check_layers),
+                list(config.blend_recompute_ratios), config.blend_min_tokens)
 
 
 def _device(scheduler: SchedulerView) -> str:

@@ -71,7 +71,35 @@ def preflight(config: Config, args: Any, *,
                         f"passes 65535: each rank serves on metrics_port + rank; use at most "
                         f"{65536 - tp_size}")
     problems += filter(None, [_memory_now(config, args, tp_size * dp_size, available, notes)])
+    problems += filter(None, [blend_problem(config, args, tp_size * dp_size)])
     return Preflight(problems, notes)
+
+
+def blend_problem(config: Config, args: Any, ranks: int) -> str | None:
+    """What stops `enable_blending` on this launch, read from the flags and config.json (the
+    served model's tensors are checked again once loaded, `blend_model.served_weights`)."""
+    if not config.enable_blending:
+        return None
+    from kvtier.integration.sglang.blend_model import BLENDABLE
+    from kvtier.integration.sglang.identity import model_config
+
+    if ranks > 1:
+        return ("enable_blending: blending runs at --tp 1 and --dp 1 only (each rank would "
+                "blend its own shard apart); drop enable_blending or the parallelism")
+    model = model_config(args)
+    archs = model.get("architectures")
+    arch = archs[0] if isinstance(archs, list) and archs else None
+    if "kv_lora_rank" in model:
+        return ("enable_blending: an MLA model (kv_lora_rank in config.json) has no per-head "
+                "keys to re-rotate; drop enable_blending for this model")
+    if arch is not None and arch not in BLENDABLE:
+        return (f"enable_blending: kvtier blends {', '.join(BLENDABLE)} models, not {arch}; "
+                "drop enable_blending for this model")
+    if model.get("sliding_window") and model.get("use_sliding_window", True):
+        return (f"enable_blending: the model attends through a sliding window of "
+                f"{model['sliding_window']} tokens, which re-rotated segments do not model; "
+                "drop enable_blending for this model")
+    return None
 
 
 def _unverified_weights_problem(config: Config, args: Any, lower: list[str],

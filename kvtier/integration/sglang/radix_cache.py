@@ -21,14 +21,19 @@ The lock is released on the scheduler thread at the next tree call after the sto
 slots (`match_prefix`, `checkpoint`, `evict*`, `has_pending_cache_operations`), or when the
 store missed its deadline; so `/flush_cache` on an idle server succeeds at the first call.
 
-Every hook runs on SGLang's scheduler thread and is timed (`kvtier_scheduler_seconds`).
+Blend, with `enable_blending` (`blending.SGLangBlender`): when the CPU tier holds more of a
+request's segments than of its prefix, the match promises those tokens as the host hit and
+`init_load_back` computes them blended into the new slots instead of copying chunks. Their
+slots are marked, and a store stops at the first marked slot.
+
+Prefetch and the idle checks are `prefetch_hooks.StoragePrefetchHooks`. Every hook runs on
+SGLang's scheduler thread and is timed (`kvtier_scheduler_seconds`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -43,6 +48,14 @@ from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from kvtier import prometheus
 from kvtier.integration.sglang.adapter import SGLangKVTier
+from kvtier.integration.sglang.blending import (
+    BlendedSlots,
+    SegmentHits,
+    SGLangBlender,
+    wants_blend,
+)
+from kvtier.integration.sglang.prefetch_hooks import StoragePrefetchHooks
+from kvtier.integration.sglang.requests import full_ids, multimodal, salt_of, token_array
 from kvtier.integration.sglang.sglang_views import (
     InitLoadBackParamsView,
     KVAllocatorView,
@@ -59,17 +72,12 @@ __all__ = ["KVTierRadixCache"]
 logger = logging.getLogger(__name__)
 
 
-def _token_array(ids: Sequence[int] | np.ndarray) -> np.ndarray:
-    """A copy of SGLang's token ids as int64. Never a view: SGLang grows its token arrays in
-    place (`array.extend`), which fails while any view of one is alive, and a view handed down
-    the stack can outlive the call (an exception's traceback keeps every frame's locals)."""
-    return np.array(ids, dtype=np.int64)
-
-
-class KVTierRadixCache(UnifiedRadixCache):
+class KVTierRadixCache(StoragePrefetchHooks, UnifiedRadixCache):
     """`UnifiedRadixCache` that loads prefixes from kvtier and stores finished requests."""
 
     kvtier: SGLangKVTier | None = None
+    blender: SGLangBlender | None = None
+    _blended: BlendedSlots | None = None  # reset() runs in UnifiedRadixCache.__init__
     # What kvtier reads of the tree it extends (set by UnifiedRadixCache.__init__; annotations
     # only: nothing is assigned here).
     disable: bool
@@ -79,10 +87,18 @@ class KVTierRadixCache(UnifiedRadixCache):
     def attach_kvtier(self, kvtier: SGLangKVTier) -> None:
         """Connect the kvtier engine (once, right after construction)."""
         self.kvtier = kvtier
-        # request id -> (key, device tokens, end) that match_prefix reported as a host hit
-        self._promised: dict[str, tuple[RadixKeyView, int, int]] = {}
+        # request id -> (key, device tokens, end, segments to blend or None for a prefix
+        # load) that match_prefix reported as a host hit
+        self._promised: dict[str, tuple[RadixKeyView, int, int, SegmentHits | None]] = {}
         # request id -> end of what init_load_back loaded, until the request's prefill runs
         self._loaded: dict[str, int] = {}
+
+    def attach_blender(self, blender: SGLangBlender, num_slots: int,
+                       device: torch.device) -> None:
+        """Blend requests whose segments the tiers hold (`enable_blending`; once, after
+        `attach_kvtier`, over a pool of `num_slots` slots on `device`)."""
+        self.blender = blender
+        self._blended = BlendedSlots(self.token_to_kv_pool_allocator, num_slots, device)
 
     # ---- load ----
 
@@ -94,10 +110,11 @@ class KVTierRadixCache(UnifiedRadixCache):
         with kv.budget.timed("match_prefix", getattr(req, "rid", None)) as call:
             self._release_finished_stores()
             result: MatchResultView = super().match_prefix(params)
-            if req is None or not self._eligible(params.key) or _multimodal(req):
+            if req is None or not self._eligible(params.key) or multimodal(req):
                 return result
             self._check_discarded(req.rid, result.device_prefix_len)
             hit = self._host_hit(req, params.key, result.device_prefix_len)
+            hit = self._blend_hit(req, params.key, result.device_prefix_len, hit)
             if hit > 0:
                 call.work = f"CPU-tier hit of {hit} tokens"
                 result = result._replace(host_hit_length=hit)
@@ -119,13 +136,25 @@ class KVTierRadixCache(UnifiedRadixCache):
         if end <= device_len or kv.shadowed(rid, device_len):  # verified: computed, compared
             return 0
         start = time.perf_counter()
-        hit = kv.lookup(rid, _full_ids(req, key), _salt(key.cache_salt), limit=end)
+        hit = kv.lookup(rid, full_ids(req, key), salt_of(key.cache_salt), limit=end)
         prometheus.observe_hit("lookup", time.perf_counter() - start)
         if hit <= device_len:
             kv.counters.inc("sglang.load_misses")
             return 0
-        self._promised[rid] = (key, device_len, hit)
+        self._promised[rid] = (key, device_len, hit, None)
         return hit - device_len
+
+    def _blend_hit(self, req: ReqView, key: RadixKeyView, device_len: int, hit: int) -> int:
+        """The host hit to report: a blend of the request's held segments when they hold
+        more tokens than the prefix load (`hit`) gives, else `hit`."""
+        blender, kv = self.blender, self.kvtier
+        if blender is None or kv is None or kv.verifying(req.rid) or not wants_blend(req):
+            return hit
+        hits = blender.look(req.rid, full_ids(req, key), device_len, salt_of(key.cache_salt))
+        if hits.cached <= hit or hits.end <= device_len + hit:
+            return hit
+        self._promised[req.rid] = (key, device_len, hits.end, hits)
+        return hits.end - device_len
 
     def init_load_back(self, params: InitLoadBackParamsView) -> tuple[int, Opaque] | None:
         """The scheduler admitted a request with a kvtier host hit and made room for it: copy
@@ -141,8 +170,8 @@ class KVTierRadixCache(UnifiedRadixCache):
                     or promise[2] - promise[1] != params.host_hit_length:
                 kv.counters.inc("sglang.loads_short")
                 return 0, req.last_node
-            key, device_len, end = promise
-            loaded = self._load(req, key, device_len, end)
+            key, device_len, end, hits = promise
+            loaded = self._load(req, key, device_len, end, hits)
             call.work = f"copied {0 if loaded is None else end - device_len} tokens in"
             if loaded is None:
                 return 0, req.last_node
@@ -150,9 +179,11 @@ class KVTierRadixCache(UnifiedRadixCache):
             kv.forget(req.rid)
             return end - device_len, loaded
 
-    def _load(self, req: ReqView, key: RadixKeyView, device_len: int, end: int) -> Opaque:
-        """Copy tokens [device_len, end) from the CPU tier into new slots and insert them;
-        returns the node ending the prefix, or None (nothing changed) if any is missing."""
+    def _load(self, req: ReqView, key: RadixKeyView, device_len: int, end: int,
+              hits: SegmentHits | None) -> Opaque:
+        """Copy tokens [device_len, end) from the CPU tier (or blend them from `hits`) into
+        new slots and insert them; returns the node ending the prefix, or None (nothing
+        changed) if any is missing."""
         kv = self.kvtier
         assert kv is not None
         # The scheduler holds a lock on the device prefix (`_lock_node`) while it admits.
@@ -163,31 +194,51 @@ class KVTierRadixCache(UnifiedRadixCache):
             kv.counters.inc("sglang.load_no_slots")
             return None
         assert slots is not None
-        tokens = _full_ids(req, key)
-        mapping = torch.full((len(tokens),), -1, dtype=torch.int64, device=slots.device)
-        mapping[device_len:end] = slots
+        tokens = full_ids(req, key)
+        prefix = self.path_device_indices(req.last_node)[:device_len]
         start = time.perf_counter()
-        if kv.retrieve(req.rid, tokens, mapping, skip=device_len, salt=_salt(key.cache_salt),
-                       limit=end) < end:
+        if not self._fill(req.rid, tokens, key, device_len, end, hits, prefix, slots):
             self.token_to_kv_pool_allocator.free(slots)  # evicted since the match: recompute
-            kv.counters.inc("sglang.loads_short")
             return None
         copied = time.perf_counter()
-        prometheus.observe_hit("copy", copied - start)
-        prefix = self.path_device_indices(req.last_node)[:device_len]
+        prometheus.observe_hit("copy" if hits is None else "blend", copied - start)
         loaded_key = RadixKey(key.raw_token_ids()[:end], key.extra_key, cache_salt=key.cache_salt)
         # prev_prefix_len: the leading indices are the tree's own, not duplicates to free.
         self.insert(InsertParams(key=loaded_key, value=torch.cat([prefix.to(torch.int64), slots]),
                                  prev_prefix_len=device_len, inserted_len=device_len))
         matched: MatchResultView = super().match_prefix(MatchPrefixParams(key=loaded_key))
         prometheus.observe_hit("insert", time.perf_counter() - copied)
-        logger.info("kvtier: loaded %d tokens at admission of %s (device had %d of %d)",
-                    end - device_len, req.rid, device_len, len(key))
+        if hits is not None and self._blended is not None:
+            self._blended.mark(slots)  # approximate KV: never stored as a prefix
+        logger.info("kvtier: %s %d tokens at admission of %s (device had %d of %d)",
+                    "loaded" if hits is None else "blended", end - device_len, req.rid,
+                    device_len, len(key))
         if matched.device_prefix_len != end:  # never expected: recompute rather than guess
             logger.error("kvtier: inserted %d tokens but the tree matches %d; recomputing",
                          end, matched.device_prefix_len)
             return None
         return matched.last_device_node
+
+    def _fill(self, rid: str, tokens: np.ndarray, key: RadixKeyView, device_len: int, end: int,
+              hits: SegmentHits | None, prefix: torch.Tensor, slots: torch.Tensor) -> bool:
+        """Write tokens [device_len, end) into `slots`: a CPU-tier load, or a blend."""
+        kv = self.kvtier
+        assert kv is not None
+        salt = salt_of(key.cache_salt)
+        if hits is None:
+            mapping = torch.full((len(tokens),), -1, dtype=torch.int64, device=slots.device)
+            mapping[device_len:end] = slots
+            if kv.retrieve(rid, tokens, mapping, skip=device_len, salt=salt, limit=end) >= end:
+                return True
+            kv.counters.inc("sglang.loads_short")
+            return False
+        assert self.blender is not None
+        try:
+            return self.blender.fill(rid, tokens, hits, device_len, prefix, slots, salt)
+        except Exception:  # a cache never takes serving down: the request is computed
+            kv.counters.inc("sglang.blend_failures")
+            logger.exception("kvtier: blending %s failed; computing it instead", rid)
+            return False
 
     def _check_discarded(self, rid: str, device_len: int) -> None:
         """A request matched again after its load: count the load as discarded if the loaded
@@ -209,80 +260,6 @@ class KVTierRadixCache(UnifiedRadixCache):
             slots = allocator.alloc(num_tokens)
         return None if slots is None else slots.to(torch.int64)
 
-    # ---- background prefetch (SGLang's storage-prefetch hooks) ----
-
-    def is_backuped(self, node_id: Opaque) -> bool:
-        # kvtier keys are rebuilt from token ids, so a prefetch may start from any node.
-        return True
-
-    def prefetch_from_storage(self, request: ReqView, last_host_node_id: Opaque,
-                              new_input_tokens: Sequence[int], last_hash: Opaque = None,
-                              prefix_keys: Opaque = None,
-                              matched_prefix_tokens: Sequence[int] | None = None,
-                              extra_key: str | None = None, cache_salt: str | None = None,
-                              storage_hit_end: Opaque = None) -> None:
-        """A request joined the waiting queue: start loading its chunks in the background."""
-        kv = self.kvtier
-        if kv is None or self.disable or extra_key is not None \
-                or getattr(self.tree_core, "is_eagle", False) or _multimodal(request):
-            return
-        with kv.budget.timed("prefetch_from_storage", request.rid):
-            tokens = np.concatenate([_token_array(matched_prefix_tokens or []),
-                                     _token_array(new_input_tokens)])
-            kv.start_prefetch(request.rid, tokens, _salt(cache_salt))
-
-    def check_prefetch_progress(self, request: ReqView) -> bool:
-        """Whether the waiting request may be admitted now (per `prefetch_policy`)."""
-        kv = self.kvtier
-        if kv is None:
-            return True
-        with kv.budget.timed("check_prefetch_progress", request.rid):
-            self._release_finished_stores()
-            return kv.prefetch_ready(request.rid)
-
-    def pop_prefetch_loaded_span(self, request: ReqView) -> tuple[int, int | None]:
-        # Prefetched chunks reach the pool through init_load_back, as host hits.
-        return 0, None
-
-    def release_aborted_request(self, request: ReqView) -> None:
-        """The request is gone before admission: cancel its prefetch, free what it loaded."""
-        kv = self.kvtier
-        if kv is None:
-            return
-        with kv.budget.timed("release_aborted_request", request.rid):
-            self._promised.pop(request.rid, None)
-            self._loaded.pop(request.rid, None)
-            kv.cancel_prefetch(request.rid)
-        logger.info("kvtier: request %s aborted; the tree protects %d tokens", request.rid,
-                    self.protected_size())
-
-    def check_hicache_events(self) -> None:
-        """Called by the scheduler every step: hand back the locks of finished stores."""
-        kv = self.kvtier
-        if kv is not None and kv.pending_stores():  # most steps have none: no timing either
-            with kv.budget.timed("check_hicache_events"):
-                self._release_finished_stores()
-
-    def has_pending_cache_operations(self) -> bool:
-        """Asked by the scheduler's idle check (`/flush_cache` needs False): first wait for
-        the stores of finished requests to read their slots (memory speed, bounded by their
-        deadline) and hand their locks back."""
-        kv = self.kvtier
-        if kv is None:
-            return False
-        if not kv.pending_stores():  # the idle loop asks every turn: no timing for nothing
-            return kv.pending_prefetches() > 0
-        with kv.budget.timed("has_pending_cache_operations") as call:
-            call.work = f"waited for {kv.pending_stores()} stores to read their slots"
-            for job in kv.settle():
-                self.unlock(job.handle)
-            return kv.pending_prefetches() > 0 or kv.pending_stores() > 0
-
-    def clear_storage_backend(self) -> bool:
-        logger.warning("kvtier: clearing the storage tiers over HTTP is not supported; use "
-                       "`kvtier purge`")
-        return False
-
     # ---- store ----
 
     def checkpoint(self, req: ReqView, *, up_to: int, **kwargs: Opaque) -> None:
@@ -297,6 +274,9 @@ class KVTierRadixCache(UnifiedRadixCache):
                 kv.forget(req.rid)
                 if not self._aborted(req):
                     self._submit_store(req)
+                if self.blender is not None:  # its missed segments are computed alone
+                    self.blender.finished(req.rid, token_array(req.origin_input_ids),
+                                          salt_of(req.cache_salt), self._aborted(req))
 
     @staticmethod
     def _aborted(req: ReqView) -> bool:
@@ -308,20 +288,22 @@ class KVTierRadixCache(UnifiedRadixCache):
         kv = self.kvtier
         assert kv is not None
         node = req.last_node
-        if node is None or self.disable or req.extra_key is not None or _multimodal(req):
+        if node is None or self.disable or req.extra_key is not None or multimodal(req):
             return
         slots = self.path_device_indices(node)
+        if self._blended is not None:  # stop before blended KV (it is approximate)
+            slots = slots[:self._blended.exact_prefix(slots)]
         keyed = kv.engine.keys.num_keyed_tokens(len(slots))
         if keyed == 0:
             return
-        tokens = _token_array(req.full_untruncated_fill_ids)[:keyed]
+        tokens = token_array(req.full_untruncated_fill_ids)[:keyed]
         if len(tokens) < keyed:
             return
         lock = self.lock(node)
         session = getattr(req, "session", None)  # SGLang's session API: pin between turns
         sid = getattr(session, "session_id", None)
         if not kv.submit_store(tokens, slots[:keyed].to(torch.int64), lock, sid,
-                               _salt(req.cache_salt), len(req.origin_input_ids), req.rid):
+                               salt_of(req.cache_salt), len(req.origin_input_ids), req.rid):
             self.unlock(lock)
 
     def _release_finished_stores(self) -> None:
@@ -355,6 +337,10 @@ class KVTierRadixCache(UnifiedRadixCache):
                 kv.flush(kv.engine.config.blocking_timeout_secs)
                 self._promised.clear()
                 self._loaded.clear()
+        if self.blender is not None:
+            self.blender.forget()
+        if self._blended is not None:
+            self._blended.clear()  # the pool is emptied
         super().reset()
 
     def release_host_resources(self) -> None:
@@ -367,33 +353,11 @@ class KVTierRadixCache(UnifiedRadixCache):
         super().release_host_resources()
 
     def shutdown(self) -> None:
+        if self.blender is not None:
+            self.blender.close()
         if self.kvtier is not None:
             for job in self.kvtier.settle():
                 self.unlock(job.handle)
             self.kvtier.close()
         super().shutdown()
 
-
-def _multimodal(req: ReqView) -> bool:
-    """Whether a request carries images, audio or video. SGLang puts values derived from each
-    item's hash into the token ids in its place, and a client may choose that hash itself
-    (`mm_hashes`); keyed fleet-wide and kept for days, a collision of those (made on purpose,
-    or by a weak hash) would serve one image's KV for another, and token verification cannot
-    see it. So such requests bypass kvtier (the HiCache backend refuses such models)."""
-    return getattr(req, "multimodal_inputs", None) is not None
-
-
-def _full_ids(req: ReqView, key: RadixKeyView) -> np.ndarray:
-    """The request's whole token sequence: the match key stops before the last prompt token,
-    but the chunk holding it is named by all of its tokens (and loads in part)."""
-    matched = _token_array(key.raw_token_ids())
-    full = getattr(req, "full_untruncated_fill_ids", None)
-    ids = _token_array(full) if full else matched
-    if len(ids) < len(matched) or not np.array_equal(ids[:len(matched)], matched):
-        return matched  # never expected: trust the key alone
-    return ids
-
-
-def _salt(cache_salt: str | None) -> str:
-    """A request's `cache_salt` as kvtier mixes it into its keys ("" for none)."""
-    return "" if cache_salt is None else str(cache_salt)

@@ -144,3 +144,22 @@ def test_a_shared_tier_needs_weights_it_can_digest_unless_the_config_allows(
                          (disk, _args())):
         assert not [p for p in preflight(config, args, available=1 << 40).problems
                     if "allow_unverified_weights" in p], (config, args)
+
+
+def test_blending_is_refused_at_launch_where_it_cannot_compute_exactly(tmp_path: Path) -> None:
+    on = Config(max_local_cpu_size=0.01, enable_blending=True)
+    llama = _model(tmp_path / "llama", architectures=["LlamaForCausalLM"])
+    assert preflight(on, _args(model_path=str(llama))).problems == []
+    assert preflight(Config(max_local_cpu_size=0.01), _args(model_path=str(llama),
+                                                            tp_size=2)).problems == []
+    refused = {
+        "--tp 1 and --dp 1 only": _args(model_path=str(llama), tp_size=2),
+        "an MLA model": _args(model_path=str(_model(tmp_path / "mla", kv_lora_rank=32))),
+        "not GPT2LMHeadModel": _args(model_path=str(_model(tmp_path / "gpt2",
+                                                           architectures=["GPT2LMHeadModel"]))),
+        "sliding window of 4096": _args(model_path=str(_model(
+            tmp_path / "swa", architectures=["MistralForCausalLM"], sliding_window=4096))),
+    }
+    for reason, args in refused.items():
+        [problem] = preflight(on, args).problems
+        assert problem.startswith("enable_blending: ") and reason in problem, problem

@@ -1,0 +1,316 @@
+"""Blended prefill on SGLang (`enable_blending`): reuse of segments at any position.
+
+At a request's match (`KVTierRadixCache.match_prefix`) the blender finds its segments (runs
+ended by `blend_special_str`) past the device prefix and asks the CPU tier which it holds
+(metadata only). When they hold more tokens than a prefix load would give, the match promises
+them as a host hit; at admission (`init_load_back`) the blender computes the prompt, all but
+its last token, over that KV (`kvtier.blend`: segments re-rotated to where they stand, the
+device prefix read from the pool, a share of the cached tokens recomputed from the check
+layers on) with the served model's own weights, and writes it into the slots the tree inserts.
+SGLang then computes the last token and decodes as usual.
+
+Blended KV is an approximation, so it never becomes a prefix record: its slots are marked
+(`BlendedSlots`) and a store stops at the first marked slot. It stays in SGLang's device tree
+like computed KV until evicted (a later request of the same prefix on this server reuses it).
+
+Segments a request missed are computed alone (position 0) on a background thread, while a CPU
+engine is quiet (`background.ENGINE`), and put in the tiers for the next prompt that holds them.
+
+Limits, refused at launch by name: tensor parallel above 1, MLA, models other than Llama-family
+decoders with linear RoPE, packed or quantized weights, a KV pool of another dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from kvtier.background import ENGINE, HOLD_S, lower_priority, name_os_thread
+from kvtier.blend.assemble import assemble
+from kvtier.blend.forward import BlendPlan, LlamaWeights, blend, prefill
+from kvtier.blend.segments import Segment, find_segments
+from kvtier.blend.store import SegmentStore
+from kvtier.config.schema import BlendSection
+from kvtier.errors import ConfigError
+from kvtier.integration.sglang.blend_model import separator_ids, served_weights
+from kvtier.integration.sglang.sglang_views import Opaque, ReqView
+from kvtier.metrics import Counters
+
+__all__ = ["BLEND_COUNTERS", "BlendedSlots", "SGLangBlender", "SegmentHits", "wants_blend"]
+
+logger = logging.getLogger(__name__)
+
+BLEND_COUNTERS = ("blend_requests", "blend_segments_hit", "blend_tokens_loaded",
+                  "blend_tokens_recomputed", "blend_segments_stored", "blend_segments_dropped",
+                  "blend_failures")
+WARM_QUEUE = 64  # segments waiting for their standalone prefill; more are dropped (counted)
+MAX_REQUESTS = 4096  # requests whose segments are remembered from match to finish
+REQUEST_SWITCH = "kvtier_blend"  # sampling_params.custom_params key: false opts a request out
+
+
+def wants_blend(req: ReqView) -> bool:
+    """Whether `req` may blend: blending is on unless its `custom_params` say
+    `{"kvtier_blend": false}`."""
+    params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+    return not (isinstance(params, dict) and params.get(REQUEST_SWITCH) is False)
+
+
+class SegmentHits(NamedTuple):
+    """A prompt's segments past its device prefix, up to `end` (the tokens a blend computes):
+    those the CPU tier holds (`held`, `cached` tokens of them) and those it lacks."""
+
+    end: int
+    held: tuple[Segment, ...]
+    missed: tuple[Segment, ...]
+    cached: int
+
+
+class BlendedSlots:
+    """Which pool slots hold blended KV. A mark is set when a blend writes a slot and cleared
+    when the allocator frees it (its `free` is wrapped) or the pool is reset."""
+
+    def __init__(self, allocator: Opaque, num_slots: int, device: torch.device):
+        self._marks = torch.zeros(num_slots, dtype=torch.bool, device=device)
+        original: Callable[[torch.Tensor], Opaque] = allocator.free
+
+        def free(free_index: torch.Tensor) -> Opaque:
+            self._marks[free_index.to(self._marks.device, torch.int64)] = False
+            return original(free_index)
+
+        allocator.free = free
+
+    def mark(self, slots: torch.Tensor) -> None:
+        self._marks[slots.to(self._marks.device, torch.int64)] = True
+
+    def exact_prefix(self, slots: torch.Tensor) -> int:
+        """How many leading `slots` hold no blended KV."""
+        marked = self._marks[slots.to(self._marks.device, torch.int64)].nonzero()
+        return int(marked[0, 0]) if len(marked) else len(slots)
+
+    def clear(self) -> None:
+        self._marks.zero_()
+
+
+class SGLangBlender:
+    """Blends for one TP-1 scheduler. Built by `from_scheduler` after SGLang loaded the model.
+
+    Args:
+        weights: the served model's tensors (`blend_model.served_weights`).
+        store: the segment store in the engine's tiers (`CacheEngine.segments`).
+        section: the config's blending keys.
+        separator: `blend_special_str` as token ids.
+        pool: the KV pool's per-layer K and V buffers (`[slots, kv_heads, head_dim]`).
+        page_size: SGLang's page size (a blend ends on a page boundary).
+        counters: where `BLEND_COUNTERS` are counted (the adapter's).
+    """
+
+    def __init__(self, weights: LlamaWeights, store: SegmentStore, section: BlendSection,
+                 separator: Sequence[int], pool: tuple[Sequence[torch.Tensor],
+                                                       Sequence[torch.Tensor]],
+                 page_size: int, counters: Counters):
+        last = max(section.check_layers)
+        if last >= weights.num_layers:
+            raise ConfigError(f"blend_check_layers: {list(section.check_layers)} reaches past "
+                              f"the model's {weights.num_layers} layers")
+        self.w = weights
+        self.store = store
+        self.section = section
+        self.plan = BlendPlan(section.check_layers, section.ratios)
+        self.separator = tuple(separator)
+        self.pool_k, self._v = pool
+        self.page_size = page_size
+        self.counters = counters
+        self._queue: queue.Queue[tuple[np.ndarray, str] | None] = queue.Queue(WARM_QUEUE)
+        self._warming: set[tuple[int, ...]] = set()
+        self._hits: dict[str, SegmentHits] = {}  # request id -> its segments at its match
+        self._thread = threading.Thread(target=self._warm_loop, name="kvtier-segments",
+                                        daemon=True)
+        self._thread.start()
+
+    # ---- admission (scheduler thread) ----
+
+    def look(self, rid: str, tokens: np.ndarray, device_len: int, salt: str) -> SegmentHits:
+        """`tokens`' segments past `device_len` and what the CPU tier holds of them
+        (remembered for request `rid`'s `finished`)."""
+        n = len(tokens) - 1  # SGLang computes the last prompt token itself
+        end = n - n % self.page_size
+        held: list[Segment] = []
+        missed: list[Segment] = []
+        cached = 0
+        ids: list[int] = tokens[:end].tolist()
+        for seg in find_segments(ids, self.separator, self.section.min_tokens):
+            if seg.end <= device_len:
+                continue  # in the pool already, exact
+            got = self.store.lookup(self.store.chain(ids, seg, salt), hot_only=True)
+            (held if got else missed).append(seg)
+            if got < seg.num_tokens and got:
+                missed.append(seg)  # its tail was evicted: computed again, stored again
+            # What the pool holds of it stays (exact); the rest is what the segment adds.
+            cached += max(0, seg.start + got - max(seg.start, device_len))
+        hits = SegmentHits(end, tuple(held), tuple(missed), cached)
+        if len(self._hits) >= MAX_REQUESTS:
+            self._hits.clear()  # requests that never came back
+        self._hits[rid] = hits
+        return hits
+
+    def finished(self, rid: str, tokens: np.ndarray, salt: str, aborted: bool) -> None:
+        """Request `rid` finished: queue the segments it missed for a standalone prefill."""
+        hits = self._hits.pop(rid, None)
+        if hits is not None and hits.missed and not aborted:
+            self.warm(tokens, hits.missed, salt)
+
+    def forget(self, rid: str | None = None) -> None:
+        """Drop what was remembered of request `rid` (of every request when None)."""
+        if rid is None:
+            self._hits.clear()
+        else:
+            self._hits.pop(rid, None)
+
+    @torch.inference_mode()
+    def fill(self, rid: str, tokens: np.ndarray, hits: SegmentHits, device_len: int,
+             prefix_slots: torch.Tensor, slots: torch.Tensor, salt: str) -> bool:
+        """Compute tokens `[device_len, hits.end)` blended and write them into `slots`;
+        False (nothing written) when no held segment could be read any more."""
+        start = time.perf_counter()
+        w, end = self.w, hits.end
+        dev = w.embed.device
+        ids = torch.from_numpy(np.ascontiguousarray(tokens[:end])).to(dev)
+        known = assemble(self.store, w.rope, ids, hits.held, num_layers=w.num_layers,
+                         num_kv_heads=w.num_kv_heads, head_dim=w.head_dim,
+                         dtype=w.embed.dtype, device=dev, salt=salt)
+        if not known.segments_hit:
+            self.counters.inc("sglang.blend_failures")
+            return False
+        cached = known.cached.clone()
+        if device_len:
+            rows = prefix_slots.to(dev, torch.int64)
+            for layer in range(w.num_layers):
+                known.kv[0, layer, :device_len] = self.pool_k[layer][rows].view(device_len, -1)
+                known.kv[1, layer, :device_len] = self._v[layer][rows].view(device_len, -1)
+            cached[:device_len] = True
+        loaded_at = time.perf_counter()
+        with _compute_threads(dev) as threads:
+            out = blend(w, ids, known.kv, cached, self.plan, must=known.must, logits=False)
+        dst = slots.to(dev, torch.int64)
+        shape = (end - device_len, w.num_kv_heads, w.head_dim)
+        for layer in range(w.num_layers):
+            self.pool_k[layer][dst] = out.kv[0, layer, device_len:].reshape(shape)
+            self._v[layer][dst] = out.kv[1, layer, device_len:].reshape(shape)
+        new = torch.zeros(end, dtype=torch.bool, device=dev)
+        new[device_len:] = True  # what the pool held stays; count what the blend wrote
+        loaded = int((known.cached & new).sum())
+        recomputed = int((known.cached & new & ~known.must)[out.computed].sum())
+        self.counters.inc("sglang.blend_requests")
+        self.counters.inc("sglang.blend_segments_hit", known.segments_hit)
+        self.counters.inc("sglang.blend_tokens_loaded", loaded)
+        self.counters.inc("sglang.blend_tokens_recomputed", recomputed)
+        logger.info("kvtier: blended %s: %d tokens from %d segments at new positions, %d of them "
+                    "recomputed from layer %d, %d computed (device prefix %d); read %.2fs, "
+                    "computed %.2fs (%d threads)", rid, loaded, known.segments_hit,
+                    recomputed, self.plan.check_layers[0], end - device_len - loaded,
+                    device_len, loaded_at - start, time.perf_counter() - loaded_at,
+                    threads)
+        return True
+
+    # ---- segments computed alone (background thread) ----
+
+    def warm(self, tokens: np.ndarray, segments: Sequence[Segment], salt: str) -> None:
+        """Queue `segments` of `tokens` for a standalone prefill and a store (any thread)."""
+        for seg in segments:
+            ids = np.array(tokens[seg.start:seg.end], dtype=np.int64)
+            marker = _marker(ids, salt)
+            if marker in self._warming:
+                continue
+            try:
+                self._queue.put_nowait((ids, salt))
+                self._warming.add(marker)
+            except queue.Full:
+                self.counters.inc("sglang.blend_segments_dropped")
+
+    def _warm_loop(self) -> None:
+        lower_priority()
+        name_os_thread()
+        while (item := self._queue.get()) is not None:
+            ids, salt = item
+            try:
+                self._warm_one(ids, salt)
+            except Exception as exc:  # a cache never takes serving down
+                self.counters.inc("sglang.blend_failures")
+                logger.warning("kvtier: computing a %d-token segment alone failed: %s",
+                               len(ids), exc)
+            finally:
+                self._warming.discard(_marker(ids, salt))
+
+    @torch.inference_mode()
+    def _warm_one(self, ids: np.ndarray, salt: str) -> None:
+        chain = self.store.chain(ids.tolist(), Segment(0, len(ids)), salt)
+        if self.store.lookup(chain, hot_only=True) >= len(ids):
+            return  # another request's copy got there first
+        if ENGINE.enabled:
+            ENGINE.wait_quiet(HOLD_S)  # on a CPU engine, compute between batches
+        dev = self.w.embed.device
+        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+            kv = prefill(self.w, torch.from_numpy(ids).to(dev), logits=False).kv
+        if self.store.save(chain, kv):
+            self.counters.inc("sglang.blend_segments_stored")
+
+    def close(self) -> None:
+        try:
+            self._queue.put_nowait(None)
+        except queue.Full:
+            pass  # a daemon thread: it stops with the process
+
+    @classmethod
+    def from_scheduler(cls, scheduler: Opaque, store: SegmentStore, section: BlendSection,
+                       page_size: int, counters: Counters) -> SGLangBlender:
+        """The blender over `scheduler`'s served model; `ConfigError` naming why this server
+        cannot blend."""
+        args = scheduler.server_args
+        if int(getattr(args, "tp_size", 1)) > 1 or int(getattr(args, "dp_size", 1)) > 1:
+            raise ConfigError("enable_blending: blending runs at tensor and data parallel 1 "
+                              "only (each rank would blend its own shard apart); drop --tp/--dp "
+                              "or enable_blending")
+        model = scheduler.tp_worker.model_runner.model
+        weights = served_weights(model)
+        pool = scheduler.tp_worker.model_runner.token_to_kv_pool
+        k, v = list(pool.k_buffer), list(pool.v_buffer)
+        if k[0].dtype != weights.embed.dtype:
+            raise ConfigError(f"enable_blending: the KV pool holds {k[0].dtype} and the model "
+                              f"computes in {weights.embed.dtype}; blending needs one dtype "
+                              "(drop --kv-cache-dtype)")
+        if getattr(scheduler, "tokenizer", None) is None:
+            raise ConfigError("enable_blending: the server has no tokenizer to find "
+                              "blend_special_str with (--skip-tokenizer-init)")
+        separator = separator_ids(scheduler.tokenizer, section.separator)
+        return cls(weights, store, section, separator, (k, v), page_size, counters)
+
+
+@contextlib.contextmanager
+def _compute_threads(device: torch.device) -> Iterator[int]:
+    """On a CPU, every core this process may use for the blend's forward: SGLang's scheduler
+    thread runs with one (its forward passes run on another thread), which made a blend take
+    three times as long as the same forward offline."""
+    before = torch.get_num_threads()
+    if device.type != "cpu":
+        yield before
+        return
+    threads = max(before, len(os.sched_getaffinity(0)))
+    torch.set_num_threads(threads)
+    try:
+        yield threads
+    finally:
+        torch.set_num_threads(before)
+
+
+def _marker(ids: np.ndarray, salt: str) -> tuple[int, ...]:
+    """A segment's identity in the warm queue (dedup only: a collision skips one warm-up)."""
+    return (hash(salt), hash(ids.tobytes()), len(ids))

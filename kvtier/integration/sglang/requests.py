@@ -1,0 +1,44 @@
+"""What kvtier reads of an SGLang request: its token ids (copies, never views), its salt, and
+whether it carries multimodal inputs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvtier.integration.sglang.sglang_views import RadixKeyView, ReqView
+
+__all__ = ["full_ids", "multimodal", "salt_of", "token_array"]
+
+
+def token_array(ids: Sequence[int] | np.ndarray) -> np.ndarray:
+    """A copy of SGLang's token ids as int64. Never a view: SGLang grows its token arrays in
+    place (`array.extend`), which fails while any view of one is alive, and a view handed down
+    the stack can outlive the call (an exception's traceback keeps every frame's locals)."""
+    return np.array(ids, dtype=np.int64)
+
+
+def multimodal(req: ReqView) -> bool:
+    """Whether a request carries images, audio or video. SGLang puts values derived from each
+    item's hash into the token ids in its place, and a client may choose that hash itself
+    (`mm_hashes`); keyed fleet-wide and kept for days, a collision of those (made on purpose,
+    or by a weak hash) would serve one image's KV for another, and token verification cannot
+    see it. So such requests bypass kvtier (the HiCache backend refuses such models)."""
+    return getattr(req, "multimodal_inputs", None) is not None
+
+
+def full_ids(req: ReqView, key: RadixKeyView) -> np.ndarray:
+    """The request's whole token sequence: the match key stops before the last prompt token,
+    but the chunk holding it is named by all of its tokens (and loads in part)."""
+    matched = token_array(key.raw_token_ids())
+    full = getattr(req, "full_untruncated_fill_ids", None)
+    ids = token_array(full) if full else matched
+    if len(ids) < len(matched) or not np.array_equal(ids[:len(matched)], matched):
+        return matched  # never expected: trust the key alone
+    return ids
+
+
+def salt_of(cache_salt: str | None) -> str:
+    """A request's `cache_salt` as kvtier mixes it into its keys ("" for none)."""
+    return "" if cache_salt is None else str(cache_salt)

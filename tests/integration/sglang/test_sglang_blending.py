@@ -1,0 +1,101 @@
+"""Blended prefill on a real SGLang server (SmolLM2-135M-Instruct, trained weights, float32).
+
+One server with `enable_blending` and a recompute share of 1: every cached token is recomputed
+from the check layer on, so a blend must answer exactly as a full prefill does, and any slip in
+the plumbing (segments read from the wrong keys, keys rotated to the wrong positions, KV written
+into the wrong slots, the device prefix misread) shows as another answer. The share's selection
+itself is tested against a full prefill in tests/blend (quality: benchmarks/serving/bench_blend).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness.sglang_server import SGLangServer
+from kvtier.demo import texts
+from tests.integration.sglang.conftest import kvtier_metrics, write_config
+
+pytestmark = pytest.mark.sglang
+
+SEPARATOR = " # # "  # LMCache's default blend_special_str
+SYSTEM = ("<|im_start|>system\nAnswer from the inventory records.<|im_end|>\n"
+          "<|im_start|>user\nRecords:")
+ASK = "Question: Which depot is listed first?<|im_end|>\n<|im_start|>assistant\n"
+_rng = random.Random(7)
+DOCS = [" ".join(texts.record(i, f) for i, f in enumerate(texts.facts(_rng, 12)))
+        for _ in range(4)]  # about 230 tokens each
+
+
+def _prompt(order: list[int]) -> str:
+    return SYSTEM + SEPARATOR + "".join(DOCS[i] + SEPARATOR for i in order) + ASK
+
+
+def _generate(server: SGLangServer, text: str, *, opt_out: bool = False,
+              salt: str | None = None) -> dict[str, Any]:
+    params: dict[str, Any] = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
+    if opt_out:
+        params["custom_params"] = {"kvtier_blend": False}
+    body: dict[str, Any] = {"text": text, "sampling_params": params}
+    if salt is not None:
+        body["cache_salt"] = salt  # its own keys and radix namespace: computed from scratch
+    return server.post("/generate", body)
+
+
+def _metric(server: SGLangServer, name: str, at_least: float = 0.0) -> float:
+    """kvtier's counter `name` once it reaches `at_least` (the exporter syncs every second)."""
+    deadline = time.monotonic() + 180  # a bound on a hang, not a timing assertion
+    while (value := kvtier_metrics(server).get(f"kvtier_sglang_{name}_total", 0.0)) < at_least:
+        assert time.monotonic() < deadline, f"{name} = {value} < {at_least}"
+        time.sleep(0.5)
+    return value
+
+
+def _blends(server: SGLangServer) -> int:
+    """Requests blended so far (the scheduler logs each before its reply)."""
+    return len(re.findall(r"kvtier: blended \S+: ", server.log()))
+
+
+def test_segments_load_at_new_positions_and_blend_exactly_at_a_share_of_one(
+        real_model: Path, start_server: Callable[..., SGLangServer], tmp_path: Path) -> None:
+    config = write_config(tmp_path / "blend.yaml", chunk_size=64, max_local_cpu_size=0.2,
+                          enable_blending=True, blend_recompute_ratios=[1.0],
+                          blend_min_tokens=64)
+    server = start_server(real_model, config, "--max-total-tokens", "8192", "--enable-metrics")
+    first = _generate(server, _prompt([0, 1, 2, 3]))
+    assert first["meta_info"]["cached_tokens"] == 0 and _blends(server) == 0
+    # The four documents missed: each is computed alone in the background and stored.
+    assert _metric(server, "blend_segments_stored", at_least=4) == 4
+
+    shuffled = _prompt([2, 0, 3, 1])
+    reference = _generate(server, shuffled, opt_out=True, salt="reference")
+    assert reference["meta_info"]["cached_tokens"] == 0
+    blended = _generate(server, shuffled)
+    assert _blends(server) == 1 and _metric(server, "blend_requests", at_least=1) == 1
+    assert _metric(server, "blend_segments_hit") == 4
+    loaded = _metric(server, "blend_tokens_loaded")
+    assert 4 * 200 < loaded < len(shuffled)
+    # A share of 1: all of them but the segments' first tokens (computed as uncached are)
+    assert loaded - 4 <= _metric(server, "blend_tokens_recomputed") < loaded
+    assert blended["meta_info"]["cached_tokens"] > loaded
+    assert blended["output_ids"] == reference["output_ids"], (blended["text"],
+                                                              reference["text"])
+
+    # Blended KV never becomes a prefix record: after a flush the same prompt (opted out)
+    # finds at most the exact system prompt before the first document.
+    server.flush_cache()  # also waits for kvtier's background stores
+    again = _generate(server, shuffled, opt_out=True)
+    assert again["meta_info"]["cached_tokens"] < 64
+    assert again["output_ids"] == reference["output_ids"]
+
+    # A prompt without segments takes the prefix path alone and answers as before.
+    plain = SYSTEM + DOCS[0] + ASK
+    assert _generate(server, plain)["output_ids"] == \
+        _generate(server, plain, opt_out=True, salt="plain")["output_ids"]
+    assert _blends(server) == 1 and "Traceback" not in server.log()
