@@ -205,6 +205,8 @@ class SGLangBlender:
         for layer in range(w.num_layers):
             self.pool_k[layer][dst] = out.kv[0, layer, device_len:].reshape(shape)
             self._v[layer][dst] = out.kv[1, layer, device_len:].reshape(shape)
+        if dev.type == "cuda":  # SGLang's forward reads the slots on a stream of its own
+            torch.cuda.current_stream(dev).synchronize()
         new = torch.zeros(end, dtype=torch.bool, device=dev)
         new[device_len:] = True  # what the pool held stays; count what the blend wrote
         loaded = int((known.cached & new).sum())
