@@ -16,5 +16,6 @@
     bench_verify.py     shadow verification's cost per share, and honest records' spread
                         (entry point)
     bench_blend.py      reuse at any position: blend vs full prefill vs naive reuse, TTFT and
-                        quality on a real model (entry point; kvtier's own forward so far)
+                        quality on a real model (entry point; kvtier's own forward or SGLang)
+    blend_sglang.py     bench_blend's `--engine sglang`: one server with enable_blending
 """

@@ -152,7 +152,7 @@ def _forward(w: LlamaWeights, tokens: torch.Tensor, cached_kv: torch.Tensor | No
             active = must.nonzero().squeeze(1)
             h = h[active]
         total = int(cached.sum())
-    mask = _mask(active, w.num_heads // w.num_kv_heads)
+    mask = _mask(active)
     with torch.inference_mode():
         for layer, lw in enumerate(w.layers):
             q, k, v = _qkv(w, lw, _rms(h, lw.ln_in, w.eps), positions[active])
@@ -162,7 +162,7 @@ def _forward(w: LlamaWeights, tokens: torch.Tensor, cached_kv: torch.Tensor | No
                 keep = _select(v, cached_kv[1, layer, active].to(dev), must[active],
                                math.ceil(steps[layer] * total))
                 q, h, active = q[keep], h[keep], active[keep]
-                mask = _mask(active, w.num_heads // w.num_kv_heads)
+                mask = _mask(active)
             attn = _attend(q, kv[0, layer], kv[1, layer], active, mask, w)
             h = h + F.linear(attn, lw.o)
             gate, up = F.linear(_rms(h, lw.ln_post, w.eps), lw.gate_up).chunk(2, dim=-1)
@@ -218,24 +218,41 @@ def _check_plan(plan: BlendPlan, num_layers: int) -> None:
         raise ValueError(f"ratios must lie in [0, 1] and not increase, got {ratios}")
 
 
-def _mask(qpos: torch.Tensor, groups: int) -> torch.Tensor | None:
-    """The additive causal mask of queries at `qpos`, repeated for the `groups` query heads
-    that share a KV head (None when the queries are every position up to the last: the plain
-    causal mask). Built once per set of queries, not per layer."""
-    span = int(qpos[-1]) + 1
-    if qpos.numel() == span:
+ATTENTION_BLOCKS = 4  # query blocks, each over the keys up to its last query
+
+
+class _Block(NamedTuple):
+    start: int  # the block's queries: [start, stop) of the computed tokens
+    stop: int
+    span: int  # keys [0, span) are before or at one of its queries
+    mask: torch.Tensor  # [stop - start, span], additive: 0 or -inf
+
+
+def _mask(qpos: torch.Tensor) -> list[_Block] | None:
+    """The additive causal masks of queries at `qpos` (increasing), in blocks of queries that
+    each attend only to the keys up to their last query: scattered queries see half the keys
+    on average, and one mask over all of them would compute the other half for nothing. None
+    when the queries are every position up to the last: the plain causal mask. Built once per
+    set of queries, not per layer."""
+    n, span = qpos.numel(), int(qpos[-1]) + 1
+    if n == span:
         return None
-    allowed = torch.arange(span, device=qpos.device)[None, :] <= qpos[:, None]
-    mask = torch.zeros(allowed.shape, dtype=torch.float32, device=qpos.device)
-    return mask.masked_fill_(~allowed, float("-inf")).repeat(groups, 1)
+    bounds = sorted({round(i * n / ATTENTION_BLOCKS) for i in range(ATTENTION_BLOCKS + 1)})
+    blocks = []
+    for start, stop in zip(bounds, bounds[1:]):
+        end = int(qpos[stop - 1]) + 1
+        allowed = torch.arange(end, device=qpos.device)[None, :] <= qpos[start:stop, None]
+        mask = torch.zeros(allowed.shape, dtype=torch.float32, device=qpos.device)
+        blocks.append(_Block(start, stop, end, mask.masked_fill_(~allowed, float("-inf"))))
+    return blocks
 
 
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, qpos: torch.Tensor,
-            mask: torch.Tensor | None, w: LlamaWeights) -> torch.Tensor:
+            mask: list[_Block] | None, w: LlamaWeights) -> torch.Tensor:
     """Causal attention of queries at `qpos` over every token's K/V before or at them
     (`mask`: `_mask(qpos)`). Some queries only: scores, softmax and values by hand, in
-    float32, the query heads of one KV head stacked (SDPA's masked path on a CPU spent a third
-    of its time converting and checking the mask)."""
+    float32, block by block, the query heads of one KV head stacked (SDPA's masked path on a
+    CPU spent a third of its time converting and checking the mask)."""
     n, d = q.shape[0], w.head_dim
     span = int(qpos[-1]) + 1
     kvh, groups = w.num_kv_heads, w.num_heads // w.num_kv_heads
@@ -245,7 +262,14 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, qpos: tor
         out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True,
                                              enable_gqa=True)
         return out.transpose(0, 1).reshape(n, w.num_heads * d)
-    qh = q.reshape(n, kvh, groups, d).permute(1, 2, 0, 3).reshape(kvh, groups * n, d)
-    scores = torch.baddbmm(mask, qh.float(), k.float().transpose(1, 2), alpha=d ** -0.5)
-    out = torch.bmm(scores.softmax(dim=-1), v.float()).to(q.dtype)
-    return out.reshape(kvh, groups, n, d).permute(2, 0, 1, 3).reshape(n, w.num_heads * d)
+    kf, vf = k.float(), v.float()
+    qh = q.float().reshape(n, kvh, groups, d).permute(1, 2, 0, 3)  # [kvh, groups, n, d]
+    out = torch.empty(kvh, groups, n, d, dtype=torch.float32, device=q.device)
+    for b in mask:
+        rows = b.stop - b.start
+        qb = qh[:, :, b.start:b.stop].reshape(kvh, groups * rows, d)
+        scores = torch.bmm(qb, kf[:, :b.span].transpose(1, 2)).mul_(d ** -0.5)
+        scores.view(kvh, groups, rows, b.span).add_(b.mask)
+        out[:, :, b.start:b.stop] = torch.bmm(scores.softmax(dim=-1), vf[:, :b.span]).view(
+            kvh, groups, rows, d)
+    return out.to(q.dtype).permute(2, 0, 1, 3).reshape(n, w.num_heads * d)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from kvtier.keys import KeyBuilder, KeyChain
@@ -32,18 +33,20 @@ class Segment(NamedTuple):
         return self.end - self.start
 
 
-def _occurrences(tokens: Sequence[int], pattern: Sequence[int]) -> list[int]:
-    """Start indices of non-overlapping occurrences of `pattern` in `tokens`, left to right."""
-    n, m = len(tokens), len(pattern)
-    first = pattern[0]
+def _occurrences(tokens: Sequence[int] | np.ndarray, pattern: Sequence[int]) -> list[int]:
+    """Start indices of non-overlapping occurrences of `pattern` in `tokens`, left to right
+    (candidates found by numpy: this runs at every match of a long prompt)."""
+    ids = np.asarray(tokens, dtype=np.int64)
+    want = np.asarray(pattern, dtype=np.int64)
+    m = len(want)
+    if len(ids) < m:
+        return []
     out: list[int] = []
-    i = 0
-    while i <= n - m:
-        if tokens[i] == first and list(tokens[i:i + m]) == list(pattern):
+    after = 0
+    for i in np.flatnonzero(ids[:len(ids) - m + 1] == want[0]).tolist():
+        if i >= after and (m == 1 or np.array_equal(ids[i:i + m], want)):
             out.append(i)
-            i += m
-        else:
-            i += 1
+            after = i + m
     return out
 
 
@@ -59,7 +62,7 @@ def find_segments(tokens: Sequence[int] | torch.Tensor, separator: Sequence[int]
         raise ValueError("separator must hold at least one token id")
     if min_tokens < 1:
         raise ValueError(f"min_tokens must be >= 1, got {min_tokens}")
-    ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
+    ids = tokens.cpu().numpy() if isinstance(tokens, torch.Tensor) else tokens
     out: list[Segment] = []
     start = 0
     for at in _occurrences(ids, list(separator)):

@@ -16,6 +16,7 @@ from kvtier.blend.segments import Segment, segment_chain
 from kvtier.keys import ChunkKey, KeyBuilder, KeyChain
 from kvtier.memory import KVLayout, MemoryFormat, MemoryObj, lease
 from kvtier.storage import StorageManager
+from kvtier.storage.prefetch.handle import Prefetch
 
 __all__ = ["SegmentStore"]
 
@@ -60,6 +61,13 @@ class SegmentStore:
             tail = self._storage.find_tail(chain.tails(n), hot_only=hot_only)
             end = tail.end if tail is not None else end
         return end
+
+    def start_prefetch(self, chain: KeyChain) -> Prefetch | None:
+        """Start loading the segment from disk or Redis into the CPU tier in the background
+        (`StorageManager.start_prefetch`); None when the CPU tier holds all of it already."""
+        if self.lookup(chain, hot_only=True) >= chain.num_tokens:
+            return None
+        return self._storage.start_prefetch(chain)
 
     def save(self, chain: KeyChain, kv: torch.Tensor) -> int:
         """Put the segment's KV (`kv[:, :, i]` is its token i) under `chain`'s keys, from the

@@ -106,13 +106,13 @@ def _version(dist: str) -> str:
 def _sglang_internals() -> str:
     """Whether the installed SGLang still has every internal kvtier reaches for."""
     try:
-        from kvtier.integration.sglang import sglang_api
+        from kvtier.integration.sglang import sglang_canary
 
-        failed = sglang_api.check_all()
+        failed = sglang_canary.check_all()
     except Exception as exc:  # an SGLang that does not even import is worth one line here
         return f"cannot check: {type(exc).__name__}: {exc}"
     if not failed:
-        return f"all {len(sglang_api.REACH_INS)} present"
+        return f"all {len(sglang_canary.REACH_INS)} present"
     return f"{len(failed)} MOVED (kvtier may misbehave): " + "; ".join(failed)
 
 

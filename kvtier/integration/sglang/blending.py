@@ -40,6 +40,7 @@ from kvtier.blend.forward import BlendPlan, LlamaWeights, blend, prefill
 from kvtier.blend.segments import Segment, find_segments
 from kvtier.blend.store import SegmentStore
 from kvtier.config.schema import BlendSection
+from kvtier.engine import Prefetch
 from kvtier.errors import ConfigError
 from kvtier.integration.sglang.blend_model import separator_ids, served_weights
 from kvtier.integration.sglang.sglang_views import Opaque, ReqView
@@ -132,6 +133,7 @@ class SGLangBlender:
         self._queue: queue.Queue[tuple[np.ndarray, str] | None] = queue.Queue(WARM_QUEUE)
         self._warming: set[tuple[int, ...]] = set()
         self._hits: dict[str, SegmentHits] = {}  # request id -> its segments at its match
+        self._prefetches: dict[str, list[Prefetch]] = {}  # request id -> its segment loads
         self._thread = threading.Thread(target=self._warm_loop, name="kvtier-segments",
                                         daemon=True)
         self._thread.start()
@@ -162,6 +164,34 @@ class SGLangBlender:
         self._hits[rid] = hits
         return hits
 
+    def prefetch(self, rid: str, tokens: np.ndarray, salt: str) -> None:
+        """Request `rid` joined the waiting queue: start loading its segments that only disk
+        or Redis hold into the CPU tier, where its match looks for them."""
+        ids: list[int] = tokens[:len(tokens) - 1].tolist()
+        loads = [load for seg in find_segments(ids, self.separator, self.section.min_tokens)
+                 if (load := self.store.start_prefetch(self.store.chain(ids, seg, salt)))]
+        if loads:
+            if len(self._prefetches) >= MAX_REQUESTS:
+                self._prefetches.clear()  # requests that never came back
+            self._prefetches[rid] = loads
+
+    def prefetch_ready(self, rid: str) -> bool:
+        """Whether request `rid`'s segment loads let it be admitted (per `prefetch_policy`);
+        once they do, they stop (what arrived stays in the CPU tier)."""
+        loads = self._prefetches.get(rid)
+        if loads is None:
+            return True
+        if not all(load.ready() for load in loads):
+            return False
+        for load in self._prefetches.pop(rid):
+            load.cancel()
+        return True
+
+    def cancel_prefetch(self, rid: str) -> None:
+        """Request `rid` went away before admission: stop its segment loads."""
+        for load in self._prefetches.pop(rid, []):
+            load.cancel(drop=True)
+
     def finished(self, rid: str, tokens: np.ndarray, salt: str, aborted: bool) -> None:
         """Request `rid` finished: queue the segments it missed for a standalone prefill."""
         hits = self._hits.pop(rid, None)
@@ -184,9 +214,9 @@ class SGLangBlender:
         w, end = self.w, hits.end
         dev = w.embed.device
         ids = torch.from_numpy(np.ascontiguousarray(tokens[:end])).to(dev)
-        known = assemble(self.store, w.rope, ids, hits.held, num_layers=w.num_layers,
-                         num_kv_heads=w.num_kv_heads, head_dim=w.head_dim,
-                         dtype=w.embed.dtype, device=dev, salt=salt)
+        known = assemble(self.store, w.rope, tokens[:end].tolist(), hits.held,
+                         num_layers=w.num_layers, num_kv_heads=w.num_kv_heads,
+                         head_dim=w.head_dim, dtype=w.embed.dtype, device=dev, salt=salt)
         if not known.segments_hit:
             self.counters.inc("sglang.blend_failures")
             return False

@@ -10,36 +10,33 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
 
 import numpy as np
+from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from kvtier.integration.sglang.adapter import SGLangKVTier
-from kvtier.integration.sglang.blending import SGLangBlender
+from kvtier.integration.sglang.blending import SGLangBlender, wants_blend
 from kvtier.integration.sglang.requests import multimodal, salt_of, token_array
 from kvtier.integration.sglang.sglang_views import Opaque, ReqView, TreeCoreView
 
 __all__ = ["StoragePrefetchHooks"]
 
-logger = logging.getLogger("kvtier.integration.sglang.radix_cache")
+logger = logging.getLogger("kvtier.integration.sglang.radix_cache")  # one logger: one tree
 
 
-class StoragePrefetchHooks:
-    """The prefetch half of `KVTierRadixCache` (a mixin before `UnifiedRadixCache`)."""
+class StoragePrefetchHooks(UnifiedRadixCache):
+    """SGLang's unified tree with kvtier's storage-prefetch hooks and idle checks: the base of
+    `KVTierRadixCache`, which attaches the engine (`kvtier`) and the blender."""
 
-    kvtier: SGLangKVTier | None
-    blender: SGLangBlender | None
+    kvtier: SGLangKVTier | None = None
+    blender: SGLangBlender | None = None
     disable: bool
     tree_core: TreeCoreView
-    _promised: dict[str, Any]
-    _loaded: dict[str, int]
 
-    if TYPE_CHECKING:  # the tree's own (declared only: a definition here would shadow them)
-        def _release_finished_stores(self) -> None: ...
-
-        def unlock(self, node: Opaque) -> Opaque: ...
-
-        def protected_size(self) -> int: ...
+    def _unlock_stored(self, kv: SGLangKVTier) -> None:
+        """Hand back the tree locks of the stores that have read their slots."""
+        for job in kv.poll_done():
+            self.unlock(job.handle)
 
     def is_backuped(self, node_id: Opaque) -> bool:
         # kvtier keys are rebuilt from token ids, so a prefetch may start from any node.
@@ -60,6 +57,9 @@ class StoragePrefetchHooks:
             tokens = np.concatenate([token_array(matched_prefix_tokens or []),
                                      token_array(new_input_tokens)])
             kv.start_prefetch(request.rid, tokens, salt_of(cache_salt))
+            if self.blender is not None and wants_blend(request) \
+                    and not kv.engine.verifies(request.rid):
+                self.blender.prefetch(request.rid, tokens, salt_of(cache_salt))
 
     def check_prefetch_progress(self, request: ReqView) -> bool:
         """Whether the waiting request may be admitted now (per `prefetch_policy`)."""
@@ -67,33 +67,20 @@ class StoragePrefetchHooks:
         if kv is None:
             return True
         with kv.budget.timed("check_prefetch_progress", request.rid):
-            self._release_finished_stores()
-            return kv.prefetch_ready(request.rid)
+            self._unlock_stored(kv)
+            return kv.prefetch_ready(request.rid) and (
+                self.blender is None or self.blender.prefetch_ready(request.rid))
 
     def pop_prefetch_loaded_span(self, request: ReqView) -> tuple[int, int | None]:
         # Prefetched chunks reach the pool through init_load_back, as host hits.
         return 0, None
-
-    def release_aborted_request(self, request: ReqView) -> None:
-        """The request is gone before admission: cancel its prefetch, free what it loaded."""
-        kv = self.kvtier
-        if kv is None:
-            return
-        with kv.budget.timed("release_aborted_request", request.rid):
-            self._promised.pop(request.rid, None)
-            self._loaded.pop(request.rid, None)
-            if self.blender is not None:
-                self.blender.forget(request.rid)
-            kv.cancel_prefetch(request.rid)
-        logger.info("kvtier: request %s aborted; the tree protects %d tokens", request.rid,
-                    self.protected_size())
 
     def check_hicache_events(self) -> None:
         """Called by the scheduler every step: hand back the locks of finished stores."""
         kv = self.kvtier
         if kv is not None and kv.pending_stores():  # most steps have none: no timing either
             with kv.budget.timed("check_hicache_events"):
-                self._release_finished_stores()
+                self._unlock_stored(kv)
 
     def has_pending_cache_operations(self) -> bool:
         """Asked by the scheduler's idle check (`/flush_cache` needs False): first wait for

@@ -203,13 +203,15 @@ class KVTierRadixCache(StoragePrefetchHooks, UnifiedRadixCache):
         copied = time.perf_counter()
         prometheus.observe_hit("copy" if hits is None else "blend", copied - start)
         loaded_key = RadixKey(key.raw_token_ids()[:end], key.extra_key, cache_salt=key.cache_salt)
+        if hits is not None and self._blended is not None:
+            # Approximate KV, never stored as a prefix; marked before the insert, which frees
+            # (and so unmarks) any slot the tree already holds computed KV for.
+            self._blended.mark(slots)
         # prev_prefix_len: the leading indices are the tree's own, not duplicates to free.
         self.insert(InsertParams(key=loaded_key, value=torch.cat([prefix.to(torch.int64), slots]),
                                  prev_prefix_len=device_len, inserted_len=device_len))
         matched: MatchResultView = super().match_prefix(MatchPrefixParams(key=loaded_key))
         prometheus.observe_hit("insert", time.perf_counter() - copied)
-        if hits is not None and self._blended is not None:
-            self._blended.mark(slots)  # approximate KV: never stored as a prefix
         logger.info("kvtier: %s %d tokens at admission of %s (device had %d of %d)",
                     "loaded" if hits is None else "blended", end - device_len, req.rid,
                     device_len, len(key))
@@ -259,6 +261,21 @@ class KVTierRadixCache(StoragePrefetchHooks, UnifiedRadixCache):
             allocator.evict_to_free_tokens(self, num_tokens)
             slots = allocator.alloc(num_tokens)
         return None if slots is None else slots.to(torch.int64)
+
+    def release_aborted_request(self, request: ReqView) -> None:
+        """The request is gone before admission: cancel its prefetch, free what it loaded."""
+        kv = self.kvtier
+        if kv is None:
+            return
+        with kv.budget.timed("release_aborted_request", request.rid):
+            self._promised.pop(request.rid, None)
+            self._loaded.pop(request.rid, None)
+            if self.blender is not None:
+                self.blender.forget(request.rid)
+                self.blender.cancel_prefetch(request.rid)
+            kv.cancel_prefetch(request.rid)
+        logger.info("kvtier: request %s aborted; the tree protects %d tokens", request.rid,
+                    self.protected_size())
 
     # ---- store ----
 

@@ -1,6 +1,7 @@
 """Blended prefill on a real SGLang server (SmolLM2-135M-Instruct, trained weights, float32).
 
-One server with `enable_blending` and a recompute share of 1: every cached token is recomputed
+A server with `enable_blending`, a disk tier and a recompute share of 1, then the same server
+restarted (its segments then come from the disk): every cached token is recomputed
 from the check layer on, so a blend must answer exactly as a full prefill does, and any slip in
 the plumbing (segments read from the wrong keys, keys rotated to the wrong positions, KV written
 into the wrong slots, the device prefix misread) shows as another answer. The share's selection
@@ -65,6 +66,7 @@ def _blends(server: SGLangServer) -> int:
 def test_segments_load_at_new_positions_and_blend_exactly_at_a_share_of_one(
         real_model: Path, start_server: Callable[..., SGLangServer], tmp_path: Path) -> None:
     config = write_config(tmp_path / "blend.yaml", chunk_size=64, max_local_cpu_size=0.2,
+                          local_disk=str(tmp_path / "disk"), max_local_disk_size=1.0,
                           enable_blending=True, blend_recompute_ratios=[1.0],
                           blend_min_tokens=64)
     server = start_server(real_model, config, "--max-total-tokens", "8192", "--enable-metrics")
@@ -99,3 +101,13 @@ def test_segments_load_at_new_positions_and_blend_exactly_at_a_share_of_one(
     assert _generate(server, plain)["output_ids"] == \
         _generate(server, plain, opt_out=True, salt="plain")["output_ids"]
     assert _blends(server) == 1 and "Traceback" not in server.log()
+
+    # After a restart the segments come from the disk: loaded into the CPU tier while the
+    # request waits (prefetch_policy: wait_complete), then blended.
+    server.stop()
+    restarted = start_server(real_model, config, "--max-total-tokens", "8192",
+                             "--enable-metrics")
+    other = _prompt([3, 1, 0, 2])
+    reference = _generate(restarted, other, opt_out=True, salt="reference")
+    assert _generate(restarted, other)["output_ids"] == reference["output_ids"]
+    assert _blends(restarted) == 1 and _metric(restarted, "blend_segments_hit", at_least=4) == 4

@@ -36,8 +36,8 @@ VIEWS_FILE = INTEGRATION / "sglang" / "sglang_views.py"
 NOT_SCANNED = {
     ("attach.py", "attach_config"),  # kvtier's own Config, by a computed name
     # the canary's own checks (they resolve what SURFACE lists)
-    ("sglang_api.py", "_resolve"), ("sglang_api.py", "_has"), ("sglang_api.py", "_exists"),
-    ("sglang_api.py", "check"),
+    ("sglang_canary.py", "_resolve"), ("sglang_canary.py", "_has"),
+    ("sglang_canary.py", "_exists"), ("sglang_canary.py", "check"),
 }
 
 
