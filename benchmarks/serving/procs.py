@@ -101,10 +101,13 @@ def scrape_counters(port: int) -> dict[str, float]:
 
 
 def kvtier_config(path: Path, disk: Path, redis_url: str, metrics_port: int,
-                  disk_gb: float, lower_tiers: tuple[str, ...] = ("disk", "redis")) -> Path:
+                  disk_gb: float, lower_tiers: tuple[str, ...] = ("disk", "redis"),
+                  verify_fraction: float = 0.0) -> Path:
     """CPU + `lower_tiers` (disk and Redis by default), kvtier's defaults otherwise (a disk
-    tier needs a size)."""
+    tier needs a size); `verify_fraction` only when not 0."""
     values: dict[str, object] = {"metrics_port": metrics_port}
+    if verify_fraction:
+        values["verify_fraction"] = verify_fraction
     if "disk" in lower_tiers:
         values.update(local_disk=str(disk), max_local_disk_size=disk_gb)
     if "redis" in lower_tiers:

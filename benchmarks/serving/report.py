@@ -15,7 +15,9 @@ from benchmarks.serving.shared import Options, RunResult
 
 DISCARDED = "kvtier_sglang_loads_discarded_total"
 # Counters shown in the table's notes (every kvtier counter goes to the JSON).
-SHOWN_COUNTERS = (DISCARDED, "kvtier_sglang_tokens_loaded_total", "kvtier_prefetch_timeouts_total")
+SHOWN_COUNTERS = (DISCARDED, "kvtier_sglang_tokens_loaded_total", "kvtier_prefetch_timeouts_total",
+                  "kvtier_sglang_verified_requests_total", "kvtier_verify_checked_total",
+                  "kvtier_verify_mismatch_total")
 
 
 def _f(value: float | None, fmt: str) -> str:
@@ -76,6 +78,8 @@ RATIOS = {
         Ratio("first-again", "none", "p99_ttft_ms", True, None),
     "mean TTFT, second kvtier server / no kvtier":
         Ratio("second", "none", "mean_ttft_ms", True, 0.35),
+    "request throughput, second kvtier server verifying `--verify-fraction` / not":
+        Ratio("second-verify", "second", "request_throughput", False, 0.98),
     "no-reuse request throughput, kvtier / none":
         Ratio("noreuse-kv", "noreuse-none", "request_throughput", False, 0.97),
     "no-reuse request throughput, kvtier / none, side by side on a core each":
@@ -119,6 +123,25 @@ def ratios(results: list[RunResult]) -> dict[str, dict[str, Any]]:
                 entry["bound"] = f"{'<=' if ratio.most else '>='} {bound}x"
                 entry["held"] = sum(v <= bound if ratio.most else v >= bound for v in values)
             out[f"{label} (system prompt {length})"] = entry
+    return out
+
+
+def expected_verify(results: list[RunResult], fraction: float) -> dict[int, float]:
+    """Per prompt length, the throughput that verifying `fraction` of the `second` server's
+    requests should keep, if each verified request costs a miss (`none`'s time per request)
+    instead of a hit (`second`'s): 1 / (1 + fraction * (miss / hit - 1)). The measured
+    `second-verify` runs sample few requests at a small share; this says what they average to."""
+    out = {}
+    for length in sorted({r.system_prompt_len for r in results}):
+        per = {}
+        for phase in ("none", "second"):
+            rates = [r.request_throughput for r in results
+                     if r.system_prompt_len == length and r.phase == phase
+                     and r.request_throughput]
+            if rates:
+                per[phase] = 1 / statistics.median(rates)
+        if len(per) == 2:
+            out[length] = 1 / (1 + fraction * (per["none"] / per["second"] - 1))
     return out
 
 
@@ -319,6 +342,10 @@ def report(opts: Options, results: list[RunResult], model: Path) -> dict[str, An
             held = (f"; bound {v['bound']} held in {v['held']} of {len(v['values'])}"
                     if "bound" in v else "")
             print(f"{label}: {v['median']:.2f}x (median of {each}){held}")
+    for length, v in expected_verify(results, opts.verify_fraction).items():
+        print(f"request throughput expected at verify_fraction {opts.verify_fraction} from the "
+              f"cost of a miss (none) over a hit (second), system prompt {length}: "
+              f"{v:.3f}x")
     pairs = pair_ratios(results)
     nulls = pair_ratios(results, NULL_PAIR)
     for title, found in (("kvtier / none", pairs), ("no kvtier / no kvtier", nulls)):

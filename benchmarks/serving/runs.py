@@ -23,7 +23,14 @@ from benchmarks.serving.procs import (
     thread_cpu,
 )
 from benchmarks.serving.report import row
-from benchmarks.serving.shared import KVTIER_PHASES, NOREUSE_PHASES, PAIRS, Options, RunResult
+from benchmarks.serving.shared import (
+    KVTIER_PHASES,
+    NOREUSE_PHASES,
+    PAIRS,
+    SECOND_PHASES,
+    Options,
+    RunResult,
+)
 from benchmarks.serving.timeline import Sampler, forward_totals, in_window
 from harness.redis import RedisProcess
 from kvtier.demo.models import LlamaSpec, make_llama
@@ -98,8 +105,10 @@ class Bench:
         config = None
         if kv:
             assert disk is not None
+            verify = self.opts.verify_fraction if phase == "second-verify" else 0.0
             config = kvtier_config(self.work / f"{name}.yaml", disk, self.redis.url,
-                                   metrics_port, self.opts.disk_gb, self.opts.lower_tiers)
+                                   metrics_port, self.opts.disk_gb, self.opts.lower_tiers,
+                                   verify)
         run = Run(name, result, self.server(name, config, kernel_dir, threads), metrics_port)
         run.server.launch()
         return run
@@ -256,7 +265,8 @@ class Bench:
         return result
 
     def run_set(self, system_len: int, rep: int) -> None:
-        """The phases in order; `second` reuses what `first-again` left in Redis and on disk."""
+        """The phases in order; `second` and `second-verify` reuse what `first-again` left in
+        Redis and on disk."""
         kernel_dir = self.work / f"kernel-L{system_len}-r{rep}"  # empty until a server builds
         kernel_dir.mkdir()
         shared_disk: Path | None = None
@@ -264,7 +274,7 @@ class Bench:
             repeat = self.opts.phases[:i + 1].count(phase)
             disk = None
             if phase in KVTIER_PHASES:
-                if phase == "second" and shared_disk is not None:
+                if phase in SECOND_PHASES and shared_disk is not None:
                     disk = shared_disk  # the Redis and the disk of `first-again`
                 else:
                     self.redis.client().flushall()

@@ -9,12 +9,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-PHASES = ("none", "first", "first-again", "second", "noreuse-none", "noreuse-kv",
-          "noreuse-pair", "null-pair")
+PHASES = ("none", "first", "first-again", "second", "second-verify", "noreuse-none",
+          "noreuse-kv", "noreuse-pair", "null-pair")
 # `noreuse-pair` runs as two results, `pair-none` and `pair-kv`, `null-pair` as `null-a` and
 # `null-b` (see `Bench.run_pair`).
 PAIRS = {"noreuse-pair": ("pair-none", "pair-kv"), "null-pair": ("null-a", "null-b")}
-KVTIER_PHASES = frozenset({"first", "first-again", "second", "noreuse-kv", "pair-kv"})
+KVTIER_PHASES = frozenset({"first", "first-again", "second", "second-verify", "noreuse-kv",
+                           "pair-kv"})
+# Phases served from what `first-again` left in Redis and on disk.
+SECOND_PHASES = frozenset({"second", "second-verify"})
 NOREUSE_PHASES = frozenset({"noreuse-none", "noreuse-kv", "pair-none", "pair-kv", "null-a",
                             "null-b"})
 
@@ -48,6 +51,7 @@ class Options:
     # CPU). At 43 no two share more than 9 tokens, at both default lengths.
     noreuse_seed: int = 43
     timeline: bool = False  # also sample kvtier's lower-tier writes every second
+    verify_fraction: float = 0.01  # `second-verify`'s share of requests verified
 
 
 @dataclass

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from benchmarks.serving.report import calibrated, same_speed
+from benchmarks.serving.report import calibrated, expected_verify, ratios, same_speed
 from benchmarks.serving.shared import RunResult
 
 
@@ -56,3 +56,25 @@ def test_calibrated_divides_each_seat_by_its_null_pairs() -> None:
 
 def test_calibrated_needs_both_seats_in_both_kinds_of_pair() -> None:
     assert calibrated({"by_core": {0: [0.95]}}, {"by_core": {0: [1.0], 1: [1.0]}}) is None
+
+
+def _rate(phase: str, length: int, rate: float) -> RunResult:
+    return RunResult(phase, length, 1, phase != "none", "generated-shared-prefix",
+                     request_throughput=rate)
+
+
+def test_expected_verify_charges_a_miss_for_each_verified_hit() -> None:
+    # A miss costs 1/2 s, a hit 1/10 s: verifying 1% adds 0.01 x 0.4 s to 0.1 s per request.
+    runs = [_rate("none", 1024, 2.0), _rate("second", 1024, 10.0), _rate("second", 1024, 9.0),
+            _rate("second", 1024, 11.0), _rate("none", 2048, 1.0)]
+    got = expected_verify(runs, 0.01)
+    assert got == {1024: pytest.approx(0.1 / (0.1 + 0.01 * 0.4))}
+    assert expected_verify(runs, 0.0)[1024] == pytest.approx(1.0)
+
+
+def test_verify_ratio_is_second_verify_over_second() -> None:
+    runs = [_rate("second", 1024, 10.0), _rate("second-verify", 1024, 9.7)]
+    got = ratios(runs)
+    entry = next(v for k, v in got.items() if k.startswith("request throughput, second"))
+    assert entry["median"] == pytest.approx(0.97)
+    assert entry["held"] == 0 and entry["bound"] == ">= 0.98x"
