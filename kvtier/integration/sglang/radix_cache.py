@@ -24,7 +24,8 @@ store missed its deadline; so `/flush_cache` on an idle server succeeds at the f
 Blend, with `enable_blending` (`blending.SGLangBlender`): when the CPU tier holds more of a
 request's segments than of its prefix, the match promises those tokens as the host hit and
 `init_load_back` computes them blended into the new slots instead of copying chunks. Their
-slots are marked, and a store stops at the first marked slot.
+slots are marked, and a store stops at the first marked slot; an opted-out or verified request
+matches only up to it (`_exact_match`).
 
 Prefetch and the idle checks are `prefetch_hooks.StoragePrefetchHooks`. Every hook runs on
 SGLang's scheduler thread and is timed (`kvtier_scheduler_seconds`).
@@ -48,14 +49,9 @@ from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from kvtier import prometheus
 from kvtier.integration.sglang.adapter import SGLangKVTier
-from kvtier.integration.sglang.blending import (
-    BlendedSlots,
-    SegmentHits,
-    SGLangBlender,
-    wants_blend,
-)
+from kvtier.integration.sglang.blending import BlendedSlots, SegmentHits, SGLangBlender, wants_blend
 from kvtier.integration.sglang.prefetch_hooks import StoragePrefetchHooks
-from kvtier.integration.sglang.requests import full_ids, multimodal, salt_of, token_array
+from kvtier.integration.sglang.requests import aborted, full_ids, multimodal, salt_of, token_array
 from kvtier.integration.sglang.sglang_views import (
     InitLoadBackParamsView,
     KVAllocatorView,
@@ -112,6 +108,9 @@ class KVTierRadixCache(StoragePrefetchHooks, UnifiedRadixCache):
             result: MatchResultView = super().match_prefix(params)
             if req is None or not self._eligible(params.key) or multimodal(req):
                 return result
+            exact = self._exact_match(req, params, result)
+            if exact is not None:  # nothing loaded: it would be inserted beside blended KV
+                return exact
             self._check_discarded(req.rid, result.device_prefix_len)
             hit = self._host_hit(req, params.key, result.device_prefix_len)
             hit = self._blend_hit(req, params.key, result.device_prefix_len, hit)
@@ -119,6 +118,27 @@ class KVTierRadixCache(StoragePrefetchHooks, UnifiedRadixCache):
                 call.work = f"CPU-tier hit of {hit} tokens"
                 result = result._replace(host_hit_length=hit)
             return result
+
+    def _exact_match(self, req: ReqView, params: MatchPrefixParamsView,
+                     result: MatchResultView) -> MatchResultView | None:
+        """For a request that must read no blended KV (opted out of blending, or verified):
+        the device match cut before its first blended slot; None if it reached none. The
+        request is kept out of the tree: SGLang's insert would swap its computed KV for the
+        tree's blended copy."""
+        kv, blender, blended = self.kvtier, self.blender, self._blended
+        if blended is None or blender is None or kv is None or result.device_prefix_len == 0 \
+                or (wants_blend(req) and not kv.engine.verifies(req.rid)):
+            return None
+        slots = self.path_device_indices(result.last_device_node)[:result.device_prefix_len]
+        cut = blended.exact_prefix(slots)
+        if cut >= result.device_prefix_len:
+            return None
+        page = blender.page_size  # a blend starts and ends on page boundaries
+        if not req.skip_radix_cache_insert:  # SGLang may match a waiting request again
+            logger.info("kvtier: %s read no blended KV: computed after %d tokens", req.rid, cut)
+        req.skip_radix_cache_insert = True
+        return super().match_prefix(MatchPrefixParams(key=params.key[:cut - cut % page],
+                                                      req=req))
 
     def _eligible(self, key: RadixKeyView) -> bool:
         # kvtier keys cover token ids and a per-request cache_salt: LoRA adapters (extra_key)
@@ -289,17 +309,11 @@ class KVTierRadixCache(StoragePrefetchHooks, UnifiedRadixCache):
             super().checkpoint(req, up_to=up_to, **kwargs)
             if req.finished():
                 kv.forget(req.rid)
-                if not self._aborted(req):
+                if not aborted(req):
                     self._submit_store(req)
                 if self.blender is not None:  # its missed segments are computed alone
                     self.blender.finished(req.rid, token_array(req.origin_input_ids),
-                                          salt_of(req.cache_salt), self._aborted(req))
-
-    @staticmethod
-    def _aborted(req: ReqView) -> bool:
-        from sglang.srt.managers.schedule_batch import FINISH_ABORT
-
-        return isinstance(req.finished_reason, FINISH_ABORT)
+                                          salt_of(req.cache_salt), aborted(req))
 
     def _submit_store(self, req: ReqView) -> None:
         kv = self.kvtier

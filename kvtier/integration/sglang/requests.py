@@ -1,5 +1,5 @@
-"""What kvtier reads of an SGLang request: its token ids (copies, never views), its salt, and
-whether it carries multimodal inputs."""
+"""What kvtier reads of an SGLang request: its token ids (copies, never views), its salt,
+whether it carries multimodal inputs, whether it was aborted."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 
 from kvtier.integration.sglang.sglang_views import RadixKeyView, ReqView
 
-__all__ = ["full_ids", "multimodal", "salt_of", "token_array"]
+__all__ = ["aborted", "full_ids", "multimodal", "salt_of", "token_array"]
 
 
 def token_array(ids: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -42,3 +42,10 @@ def full_ids(req: ReqView, key: RadixKeyView) -> np.ndarray:
 def salt_of(cache_salt: str | None) -> str:
     """A request's `cache_salt` as kvtier mixes it into its keys ("" for none)."""
     return "" if cache_salt is None else str(cache_salt)
+
+
+def aborted(req: ReqView) -> bool:
+    """Whether SGLang aborted the request (its KV may be partial)."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    return isinstance(req.finished_reason, FINISH_ABORT)

@@ -57,6 +57,7 @@ class ReqView(Protocol):
     cache_salt: str | None
     full_untruncated_fill_ids: Sequence[int]
     origin_input_ids: Sequence[int]
+    skip_radix_cache_insert: bool  # set: its KV never enters the tree, it is freed at release
 
     def finished(self) -> bool: ...
 
@@ -72,6 +73,8 @@ class RadixKeyView(Protocol):
     def raw_token_ids(self) -> Sequence[int]: ...
 
     def __len__(self) -> int: ...
+
+    def __getitem__(self, idx: slice) -> RadixKeyView: ...
 
 
 @view_of(f"{_BPC}.MatchPrefixParams")

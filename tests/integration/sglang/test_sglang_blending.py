@@ -89,6 +89,14 @@ def test_segments_load_at_new_positions_and_blend_exactly_at_a_share_of_one(
     assert blended["output_ids"] == reference["output_ids"], (blended["text"],
                                                               reference["text"])
 
+    # An opted-out request reads no blended KV: its device match stops at the first blended
+    # slot, after the system prompt, and it is kept out of the tree, so a second one does too.
+    for _ in range(2):
+        private = _generate(server, shuffled, opt_out=True)
+        assert private["meta_info"]["cached_tokens"] < 64
+        assert private["output_ids"] == reference["output_ids"]
+    assert server.log().count("read no blended KV") == 2
+
     # Blended KV never becomes a prefix record: after a flush the same prompt (opted out)
     # finds at most the exact system prompt before the first document.
     server.flush_cache()  # also waits for kvtier's background stores
