@@ -20,11 +20,13 @@ from typing import Any
 import pytest
 
 from harness.sglang_server import SGLangServer
+from kvtier.cli import tiers as cli_tiers
 from kvtier.demo import texts
 from tests.integration.sglang.conftest import kvtier_metrics, write_config
 
 pytestmark = pytest.mark.sglang
 
+ADMIN = "kvtier-blend-admin"
 SEPARATOR = " # # "  # LMCache's default blend_special_str
 SYSTEM = ("<|im_start|>system\nAnswer from the inventory records.<|im_end|>\n"
           "<|im_start|>user\nRecords:")
@@ -69,7 +71,8 @@ def test_segments_load_at_new_positions_and_blend_exactly_at_a_share_of_one(
                           local_disk=str(tmp_path / "disk"), max_local_disk_size=1.0,
                           enable_blending=True, blend_recompute_ratios=[1.0],
                           blend_min_tokens=64)
-    server = start_server(real_model, config, "--max-total-tokens", "8192", "--enable-metrics")
+    server = start_server(real_model, config, "--max-total-tokens", "8192", "--enable-metrics",
+                          "--admin-api-key", ADMIN)
     first = _generate(server, _prompt([0, 1, 2, 3]))
     assert first["meta_info"]["cached_tokens"] == 0 and _blends(server) == 0
     # The four documents missed: each is computed alone in the background and stored.
@@ -96,6 +99,13 @@ def test_segments_load_at_new_positions_and_blend_exactly_at_a_share_of_one(
         assert private["meta_info"]["cached_tokens"] < 64
         assert private["output_ids"] == reference["output_ids"]
     assert server.log().count("read no blended KV") == 2
+    # A verified request reads none either: blended KV under it would fail honest records.
+    assert cli_tiers.request(server.url, {"op": "verify", "fraction": 1}, ADMIN)[0] == 200
+    verified = _generate(server, shuffled)
+    assert cli_tiers.request(server.url, {"op": "verify", "fraction": 0}, ADMIN)[0] == 200
+    assert verified["meta_info"]["cached_tokens"] < 64 and _blends(server) == 1
+    assert verified["output_ids"] == reference["output_ids"]
+    assert server.log().count("read no blended KV") == 3
 
     # Blended KV never becomes a prefix record: after a flush the same prompt (opted out)
     # finds at most the exact system prompt before the first document.
