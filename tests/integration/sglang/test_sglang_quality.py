@@ -6,11 +6,12 @@ top-20 distribution within KL `KL_LIMIT` (kvtier/demo/quality.py states and just
 Paths: the CPU tier after `/flush_cache` (the prompt's partial last chunk included) and a
 conversation's next turn (the previous turn's prompt and answer hit) at TP 1 (page sizes 1 and
 16, chunk sizes 256 and 64) and TP 2 (page size 32, chunk size 64); the disk after a restart at
-TP 1; Redis from a second instance at TP 2. On those two, shadow verification is then switched
-on while the server runs (`kvtier verify`): every rank computes the prompts again and finds the
-records another server wrote (disk; Redis, without a CPU tier) equal to what it computed. (A
-server start at TP 2 costs over a minute on 2 cores, so the disk at TP 2 and Redis at TP 1 are
-left to benchmarks/serving/bench_quality.py and, on a generated model, test_sglang_tiers.py.)
+TP 1; Redis from a second instance at TP 2, where one rank's missing records then make both
+ranks load nothing. On those two, shadow verification is switched on while the server runs
+(`kvtier verify`): every rank computes the prompts again and finds the records another server
+wrote (disk; Redis, without a CPU tier) equal to what it computed. (A server start at TP 2
+costs over a minute on 2 cores, so the disk at TP 2 and Redis at TP 1 are left to
+benchmarks/serving/bench_quality.py and, on a generated model, test_sglang_tiers.py.)
 The reference server runs without kvtier and without SGLang's own prefix cache, so every
 reference answer is computed from scratch. Servers start one at a time: a 2-core host starting
 several SGLang servers at once took minutes for each.
@@ -202,7 +203,25 @@ def test_a_restart_hits_from_disk(servers: Servers, disks: dict[str, str],
 def test_at_tp2_a_second_instance_hits_from_redis(
         servers: Servers, redis: RedisProcess, reference: Callable[[str], Answer]) -> None:
     """The TP 2 server above stopped; a second instance (no disk, no CPU tier: a hit comes from
-    Redis) loads each rank's shard."""
-    servers.stop(_replay(servers, "tp2-page32-chunk64", "second",
-                         "Redis from a second instance", reference, ["redis"],
-                         local_cpu=False, remote_url=redis.url))
+    Redis) loads each rank's shard. Then rank 1's records go: the ranks agree to load nothing,
+    and the answer is still right."""
+    server = _replay(servers, "tp2-page32-chunk64", "second", "Redis from a second instance",
+                     reference, ["redis"], local_cpu=False, remote_url=redis.url)
+    admin = ["--server", server.url, "--admin-key", ADMIN]
+    assert kvtier_main(["verify", *admin, "--fraction", "0"]) == 0  # loads again
+    # Every hit above also stored its chunks again (written where Redis lacks them). The
+    # detach writes what is queued and stops the writes, so none lands after the delete below.
+    assert kvtier_main(["tiers", *admin, "detach", "redis"]) == 0
+    logged(server, r"kvtier: detached tier redis", 2)  # each rank, once drained
+    client = redis.client()
+    shard_1 = list(client.scan_iter(match="kvtier/*/1of2/*", count=1000))
+    assert shard_1 and any(client.scan_iter(match="kvtier/*/0of2/*", count=1000))
+    client.delete(*shard_1)
+    assert kvtier_main(["tiers", *admin, "attach", "redis"]) == 0  # every rank, or none
+    server.flush_cache()
+    loaded = server.log().count("kvtier: loaded ")
+    alone = ask(server, PROMPTS[0])  # rank 0 holds every chunk, rank 1 none: MIN is nothing
+    assert alone.cached_tokens < 32, alone
+    assert server.log().count("kvtier: loaded ") == loaded
+    gate(reference(PROMPTS[0]), alone, "rank 1's records gone")
+    servers.stop(server)
