@@ -6,11 +6,11 @@ top-20 distribution within KL `KL_LIMIT` (kvtier/demo/quality.py states and just
 Paths: the CPU tier after `/flush_cache` (the prompt's partial last chunk included) and a
 conversation's next turn (the previous turn's prompt and answer hit) at TP 1 (page sizes 1 and
 16, chunk sizes 256 and 64) and TP 2 (page size 32, chunk size 64); the disk after a restart at
-TP 1; Redis from a second instance at TP 2, where one rank's missing records then make both
-ranks load nothing. On those two, shadow verification is switched on while the server runs
-(`kvtier verify`): every rank computes the prompts again and finds the records another server
-wrote (disk; Redis, without a CPU tier) equal to what it computed. (A server start at TP 2
-costs over a minute on 2 cores, so the disk at TP 2 and Redis at TP 1 are left to
+TP 1; Redis from a second instance at TP 2 (where one rank's missing records then make both
+ranks load nothing) and at TP 1, page size 1. On those three, shadow verification is switched
+on while the server runs (`kvtier verify`): every rank computes the prompts again and finds the
+records another server wrote (disk; Redis, without a CPU tier) equal to what it computed. (A
+server start at TP 2 costs over a minute on 2 cores, so the disk at TP 2 is left to
 benchmarks/serving/bench_quality.py and, on a generated model, test_sglang_tiers.py.)
 The reference server runs without kvtier and without SGLang's own prefix cache, so every
 reference answer is computed from scratch. Servers start one at a time: a 2-core host starting
@@ -225,3 +225,12 @@ def test_at_tp2_a_second_instance_hits_from_redis(
     assert server.log().count("kvtier: loaded ") == loaded
     gate(reference(PROMPTS[0]), alone, "rank 1's records gone")
     servers.stop(server)
+
+
+@pytest.mark.timeout(600)
+def test_at_tp1_page1_a_second_instance_hits_from_redis(
+        servers: Servers, redis: RedisProcess, reference: Callable[[str], Answer]) -> None:
+    """The TP 1 page-1 server above stopped; a second instance (no disk, no CPU tier) loads
+    every prompt token but the last from Redis: two whole chunks and the tail after them."""
+    servers.stop(_replay(servers, "tp1-page1-chunk256", "second", "Redis from a second instance",
+                         reference, ["redis"], local_cpu=False, remote_url=redis.url))
