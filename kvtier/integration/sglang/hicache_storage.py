@@ -38,7 +38,7 @@ import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
 from kvtier.backends.sealing import name_salt
-from kvtier.config import load_config
+from kvtier.config import load_config, with_overrides
 from kvtier.engine import PageStore
 from kvtier.errors import ConfigError
 from kvtier.integration.sglang.identity import model_identity
@@ -137,8 +137,10 @@ class KVTierHiCacheStorage(HiCacheStorage):
 
     Args (as SGLang's dynamic backend factory passes them):
         storage_config: ranks and `extra_config`; `extra_config["kvtier_config_file"]` names
-            the kvtier YAML (else `KVTIER_CONFIG_FILE` / `LMCACHE_CONFIG_FILE`). The model is
-            named from SGLang's server args (`hicache_model`), not its `model_name`.
+            the kvtier YAML (else `KVTIER_CONFIG_FILE` / `LMCACHE_CONFIG_FILE`);
+            `extra_config["verify_fraction"]` replaces the file's (SGLang's
+            `PUT /hicache/storage-backend` carries it: the share changes at run time). The
+            model is named from SGLang's server args (`hicache_model`), not its `model_name`.
         kwargs: unused (SGLang passes its factory keyword arguments here).
 
     Raises:
@@ -150,6 +152,11 @@ class KVTierHiCacheStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfigView, kwargs: Opaque = None):
         extra = storage_config.extra_config or {}
         self.config = load_config(extra.get("kvtier_config_file"))
+        if "verify_fraction" in extra:  # the one kvtier key SGLang's attach route may change
+            self.config = with_overrides(self.config, {"verify_fraction": extra["verify_fraction"]},
+                                         "hicache_storage_backend_extra_config")
+            logger.info("kvtier HiCache storage: verify_fraction %g (from the extra config)",
+                        self.config.verify_fraction)
         if self.config.enable_blending:
             logger.warning("kvtier: enable_blending is ignored in the HiCache storage mode "
                            "(--hicache-storage-backend kvtier): blending runs with "

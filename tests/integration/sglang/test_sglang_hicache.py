@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvtier.errors import ConfigError
 from tests.gpu import cuda
 from tests.integration.sglang.conftest import write_config
 
@@ -105,7 +106,7 @@ def make_backend(tmp_path: Path, published: Any) -> Iterator[Callable[..., Any]]
     made: list[Any] = []
 
     def make(pool: Any, *, is_mla: bool = False, tp_rank: int = 0, tp_size: int = 1,
-             **config: Any) -> Any:
+             extra: dict[str, Any] | None = None, **config: Any) -> Any:
         from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
         from sglang.srt.mem_cache.storage import StorageBackendFactory
 
@@ -117,7 +118,7 @@ def make_backend(tmp_path: Path, published: Any) -> Iterator[Callable[..., Any]]
             extra_config={"backend_name": "kvtier",
                           "module_path": "kvtier.integration.sglang.hicache_storage",
                           "class_name": "KVTierHiCacheStorage", "interface_v1": 1,
-                          "kvtier_config_file": str(cfg)})
+                          "kvtier_config_file": str(cfg), **(extra or {})})
         backend = StorageBackendFactory.create_backend("dynamic", storage_config, pool)
         backend.register_mem_pool_host(pool)  # as SGLang's cache controller does
         made.append(backend)
@@ -231,6 +232,28 @@ def test_verification_recomputes_then_compares_pages_set_again(
     dst = pool.alloc(3 * PAGE)  # removed, then stored fresh: the pages this backup sent
     assert checker.batch_get_v1(KEYS, dst) == [True, True, True]
     assert page_bytes(pool, dst, 3) == page_bytes(pool, wrong, 3)
+
+
+def test_the_attach_routes_extra_config_sets_the_verified_share(
+        make_backend: Callable[..., Any], tmp_path: Path) -> None:
+    """SGLang's `PUT /hicache/storage-backend` builds the backend again with the extra config
+    it was sent: its `verify_fraction` replaces the file's, so an operator changes the share
+    while the server runs; a bad one refuses the attach, naming the key."""
+    disk = {"local_disk": str(tmp_path / "disk"), "max_local_disk_size": 0.01}
+    pool = host_pool("mha", "layer_first")
+    writer = make_backend(pool, **disk)
+    assert all(writer.batch_set_v1(KEYS, fill_pages(pool, 3, seed=7)))
+    writer.close()
+    assert make_backend(pool, **disk).batch_exists(KEYS) == 3  # the file's share: 0
+    checker = make_backend(pool, extra={"verify_fraction": 1}, verify_fraction=0.0, **disk)
+    assert checker.pages.verify_fraction == 1.0
+    assert checker.batch_exists(KEYS) == 0  # every query sampled: computed, then compared
+    off = make_backend(pool, extra={"verify_fraction": 0}, verify_fraction=1.0, **disk)
+    assert off.batch_exists(KEYS) == 3
+    for bad in (1.5, "often", None):
+        with pytest.raises(ConfigError, match="hicache_storage_backend_extra_config: "
+                                              "verify_fraction"):
+            make_backend(pool, extra={"verify_fraction": bad}, **disk)
 
 
 def test_mla_pages_are_written_by_rank_zero_only(make_backend: Callable[..., Any],
