@@ -18,4 +18,5 @@
     bench_blend.py      reuse at any position: blend vs full prefill vs naive reuse, TTFT and
                         quality on a real model (entry point; kvtier's own forward or SGLang)
     blend_sglang.py     bench_blend's `--engine sglang`: one server with enable_blending
+    blend_plain.py      bench_blend's `--plain`: prompts without segments, blending on vs off
 """

@@ -15,7 +15,9 @@ Per query, three ways to the first answer token:
 Engines: `offline` (default): kvtier's own forward (kvtier/blend/forward.py) runs all three in
 this process; its "TTFT" is that forward's time (for blend and naive: reading the segments,
 re-rotating and the forward). `sglang`: a real SGLang server with `enable_blending` serves full
-and blend (benchmarks/serving/blend_sglang.py): TTFT is a request's wall time.
+and blend (benchmarks/serving/blend_sglang.py): TTFT is a request's wall time. `--engine sglang
+--plain`: the same prompts without separators, on servers with and without blending
+(benchmarks/serving/blend_plain.py): what blending costs a prompt it cannot blend.
 
 Quality against full: `kl` is KL(full || x) of the next-token distribution, averaged over the
 first `--kl-tokens` answer positions (full's greedy answer fed to both); `agree` is the share of
@@ -154,9 +156,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from benchmarks.serving.blend_sglang import run_sglang
 
         system, ask = (tok.encode(x, add_special_tokens=False) for x in (SYSTEM, ASK))
+        queries = _queries(tok, docs, facts, sep, args, rng)
         with work_dir("bench_blend", args.work_dir) as work:
-            return run_sglang(args, model_dir, docs, _queries(tok, docs, facts, sep, args, rng),
-                              sep, system, ask, work, SEPARATOR)
+            if args.plain:
+                from benchmarks.serving.blend_plain import plain_prompts, run_plain
+
+                joiner = tok.encode("\n", add_special_tokens=False)
+                return run_plain(args, model_dir, plain_prompts(queries, sep, joiner), work,
+                                 SEPARATOR)
+            return run_sglang(args, model_dir, docs, queries, sep, system, ask, work,
+                              SEPARATOR)
     w = load_llama(model_dir)
     layout = KVLayout.mha(num_layers=w.num_layers, num_kv_heads=w.num_kv_heads,
                           head_dim=w.head_dim, dtype=torch.float32)
@@ -195,6 +204,10 @@ def _summary(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, 
 
 
 def _table(s: dict[str, Any]) -> None:
+    if s["engine"] == "sglang-plain":
+        from benchmarks.serving.blend_plain import table
+
+        return table(s)
     print(f"\nengine {s['engine']}")
     print(f"{'':8s} {'TTFT/full (median, p99)':>24s} {'KL vs full':>11s} {'agree':>7s}")
     print(f"{'full':8s} {'1.000':>24s} {'0':>11s} {'1.00':>7s}")
@@ -226,6 +239,9 @@ def main() -> None:
     ap.add_argument("--kl-tokens", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--plain", action="store_true",
+                    help="with --engine sglang: the prompts without separators, on a server "
+                         "with blending and one without (what blending costs them)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--work-dir", type=Path, default=None,
                     help="keep the sglang engine's config and server log here")

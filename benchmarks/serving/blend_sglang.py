@@ -31,25 +31,28 @@ from benchmarks.serving.adaptive_report import p99
 from kvtier.demo.quality import TOP_K, Answer, compare
 from kvtier.demo.server import CPU_FLAGS, SGLangServer, cpu_shims_dir
 
-__all__ = ["run_sglang"]
+__all__ = ["BLENDED", "generate", "run_sglang", "server_for"]
 
 BLENDED = re.compile(r"kvtier: blended \S+: (\d+) tokens from (\d+) segments .*?, (\d+) of "
                      r"them recomputed")
 
 
-def _server(model: Path, work: Path, args: argparse.Namespace, separator: str) -> SGLangServer:
-    config = work / "blend.yaml"
+def server_for(model: Path, work: Path, args: argparse.Namespace, separator: str, *,
+               name: str = "blend", blending: bool = True) -> SGLangServer:
+    """A server of the README's CPU line with kvtier (`blending`: `enable_blending`); its
+    config and log are `name`.yaml and `name`-server.log in `work`."""
+    config = work / f"{name}.yaml"
     config.write_text(yaml.safe_dump({
-        "chunk_size": 256, "max_local_cpu_size": 2.0, "enable_blending": True,
+        "chunk_size": 256, "max_local_cpu_size": 2.0, "enable_blending": blending,
         "blend_special_str": separator, "blend_recompute_ratios": args.ratios,
         "blend_check_layers": args.check_layers, "blend_min_tokens": 64}))
     flags = ["--enable-kvtier", "--kvtier-config-file", str(config), "--max-total-tokens",
              "16384", "--enable-metrics"]
-    return SGLangServer(model, work / "blend-server.log", args=flags,
+    return SGLangServer(model, work / f"{name}-server.log", args=flags,
                         pythonpath=[cpu_shims_dir()], cpu_flags=CPU_FLAGS)
 
 
-def _generate(server: SGLangServer, ids: list[int], tokens: int, *, full: bool,
+def generate(server: SGLangServer, ids: list[int], tokens: int, *, full: bool,
               salt: str | None) -> tuple[dict[str, Any], float]:
     params: dict[str, Any] = {"temperature": 0.0, "max_new_tokens": tokens}
     if full:
@@ -77,7 +80,7 @@ def _stored(server: SGLangServer) -> float:
 def _warm(server: SGLangServer, docs: list[list[int]], sep: list[int], system: list[int],
           ask: list[int]) -> None:
     for doc in docs:
-        _generate(server, system + sep + doc + sep + ask, 1, full=False, salt=None)
+        generate(server, system + sep + doc + sep + ask, 1, full=False, salt=None)
     deadline = time.monotonic() + 60 * len(docs)
     while _stored(server) < len(docs):
         if time.monotonic() > deadline:
@@ -90,7 +93,7 @@ def run_sglang(args: argparse.Namespace, model: Path, docs: list[list[int]],
                queries: list[list[int]], sep: list[int], system: list[int], ask: list[int],
                work: Path, separator: str) -> dict[str, Any]:
     """The sglang engine's summary (bench_blend's JSON keys; no naive arm)."""
-    server = _server(model, work, args, separator)
+    server = server_for(model, work, args, separator)
     server.start()
     rows = []
     try:
@@ -100,8 +103,8 @@ def run_sglang(args: argparse.Namespace, model: Path, docs: list[list[int]],
             for arm in ("full", "blend"):
                 server.flush_cache()
                 salt = f"full-{q}" if arm == "full" else None
-                _, row[f"{arm}_s"] = _generate(server, ids, 1, full=arm == "full", salt=salt)
-                out, _ = _generate(server, ids, args.answer_tokens, full=arm == "full",
+                _, row[f"{arm}_s"] = generate(server, ids, 1, full=arm == "full", salt=salt)
+                out, _ = generate(server, ids, args.answer_tokens, full=arm == "full",
                                    salt=salt)
                 row[arm] = Answer.from_response(out)
             found = BLENDED.findall(server.log())
