@@ -11,6 +11,8 @@ Per query and server, each as a one-token request timed by its wall time:
     hit      the same again after `/flush_cache`: the prefix loaded from kvtier's CPU tier
 then the `--answer-tokens` greedy answer, compared across the two servers
 (`kvtier.demo.quality.compare`: identical tokens, log-probabilities, first-token KL).
+`--null`: both servers without blending, the same run otherwise: the spread two equal servers
+show on this host, which a difference must exceed to count.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ def run_plain(args: argparse.Namespace, model: Path, queries: list[list[int]],
     try:
         for arm in ARMS:
             servers[arm] = server_for(model, work, args, separator, name=f"plain-{arm}",
-                                      blending=arm == "on")
+                                      blending=arm == "on" and not args.null)
             servers[arm].start()
         for q, ids in enumerate(queries):
             rows.append(_query(servers, q, ids, args.answer_tokens))
@@ -101,7 +103,9 @@ def run_plain(args: argparse.Namespace, model: Path, queries: list[list[int]],
 
 
 def table(s: dict[str, Any]) -> None:
-    print(f"\nprompts without segments, {len(s['rows'])} queries: blending on / off")
+    what = ("the null: both servers without blending, the second one's over the first's"
+            if s["args"]["null"] else "blending on / off")
+    print(f"\nprompts without segments, {len(s['rows'])} queries: {what}")
     print(f"{'':6s} {'off (median)':>13s} {'on (median)':>12s} {'on/off median':>14s} "
           f"{'p99':>6s} {'min':>6s}")
     for kind in ("miss", "hit"):
