@@ -1,7 +1,8 @@
 """Blended prefill on a real SGLang server (SmolLM2-135M-Instruct, trained weights, float32).
 
-A server with `enable_blending`, a disk tier and a recompute share of 1, then the same server
-restarted (its segments then come from the disk): every cached token is recomputed
+A server with `enable_blending`, a disk tier, Redis and a recompute share of 1, then the same
+server restarted (its segments then come from the disk), then a second instance with Redis
+alone and no CPU tier (they come from Redis): every cached token is recomputed
 from the check layer on, so a blend must answer exactly as a full prefill does, and any slip in
 the plumbing (segments read from the wrong keys, keys rotated to the wrong positions, KV written
 into the wrong slots, the device prefix misread) shows as another answer. The share's selection
@@ -19,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from harness.redis import RedisProcess
 from harness.sglang_server import SGLangServer
 from kvtier.cli import tiers as cli_tiers
 from kvtier.demo import texts
@@ -66,11 +68,14 @@ def _blends(server: SGLangServer) -> int:
 
 
 def test_segments_load_at_new_positions_and_blend_exactly_at_a_share_of_one(
-        real_model: Path, start_server: Callable[..., SGLangServer], tmp_path: Path) -> None:
-    config = write_config(tmp_path / "blend.yaml", chunk_size=64, max_local_cpu_size=0.2,
-                          local_disk=str(tmp_path / "disk"), max_local_disk_size=1.0,
-                          enable_blending=True, blend_recompute_ratios=[1.0],
-                          blend_min_tokens=64)
+        real_model: Path, start_server: Callable[..., SGLangServer], tmp_path: Path,
+        redis_factory: Callable[..., RedisProcess]) -> None:
+    redis = redis_factory()
+    blending: dict[str, Any] = {"enable_blending": True, "blend_recompute_ratios": [1.0],
+                                "blend_min_tokens": 64, "chunk_size": 64,
+                                "max_local_cpu_size": 0.2}
+    config = write_config(tmp_path / "blend.yaml", local_disk=str(tmp_path / "disk"),
+                          max_local_disk_size=1.0, remote_url=redis.url, **blending)
     server = start_server(real_model, config, "--max-total-tokens", "8192", "--enable-metrics",
                           "--admin-api-key", ADMIN)
     first = _generate(server, _prompt([0, 1, 2, 3]))
@@ -129,3 +134,16 @@ def test_segments_load_at_new_positions_and_blend_exactly_at_a_share_of_one(
     reference = _generate(restarted, other, opt_out=True, salt="reference")
     assert _generate(restarted, other)["output_ids"] == reference["output_ids"]
     assert _blends(restarted) == 1 and _metric(restarted, "blend_segments_hit", at_least=4) == 4
+
+    # A second instance that shares only Redis and keeps no CPU tier (local_cpu: false): the
+    # segments the first server wrote are staged from Redis while the request waits, then
+    # blended.
+    restarted.stop()
+    shared = write_config(tmp_path / "second.yaml", local_cpu=False, remote_url=redis.url,
+                          **blending)
+    second = start_server(real_model, shared, "--max-total-tokens", "8192", "--enable-metrics")
+    third = _prompt([1, 3, 2, 0])
+    reference = _generate(second, third, opt_out=True, salt="reference")
+    assert _generate(second, third)["output_ids"] == reference["output_ids"]
+    assert _blends(second) == 1 and _metric(second, "blend_segments_hit", at_least=4) == 4
+    assert "Traceback" not in second.log()
