@@ -244,6 +244,8 @@ def main() -> None:
                          "with blending and one without (what blending costs them)")
     ap.add_argument("--null", action="store_true",
                     help="with --plain: both servers without blending (the spread of equals)")
+    ap.add_argument("--on-first", action="store_true",
+                    help="with --plain: start the blending server first")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--work-dir", type=Path, default=None,
                     help="keep the sglang engine's config and server log here")

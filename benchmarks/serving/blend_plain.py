@@ -11,6 +11,7 @@ Per query and server, each as a one-token request timed by its wall time:
     hit      the same again after `/flush_cache`: the prefix loaded from kvtier's CPU tier
 then the `--answer-tokens` greedy answer, compared across the two servers
 (`kvtier.demo.quality.compare`: identical tokens, log-probabilities, first-token KL).
+`--on-first` starts the blending server first (the host may favour one position).
 `--null`: both servers without blending, the same run otherwise: the spread two equal servers
 show on this host, which a difference must exceed to count.
 """
@@ -84,7 +85,7 @@ def run_plain(args: argparse.Namespace, model: Path, queries: list[list[int]],
     servers: dict[str, SGLangServer] = {}
     rows = []
     try:
-        for arm in ARMS:
+        for arm in ARMS[::-1] if args.on_first else ARMS:
             servers[arm] = server_for(model, work, args, separator, name=f"plain-{arm}",
                                       blending=arm == "on" and not args.null)
             servers[arm].start()
