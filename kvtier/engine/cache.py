@@ -116,7 +116,7 @@ class CacheEngine:
     def store(self, token_ids: TokenIds, slot_mapping: torch.Tensor, *,
               session_id: str | None = None, on_read: Callable[[], None] | None = None,
               salt: str = "", also_prefix: int | None = None,
-              ready: torch.cuda.Event | None = None) -> int:
+              ready: torch.cuda.Event | None = None, known: int = 0) -> int:
         """Save the KV of `token_ids` (in pool rows `slot_mapping`) chunk by chunk.
 
         Chunks the CPU tier already holds are skipped (lower tiers are never asked here: their
@@ -129,8 +129,11 @@ class CacheEngine:
         inside the last chunk (SGLang: the prompt without its answer, which the same prompt
         sent again looks up; tails are found by exact length). `ready` (CUDA pools): the event
         recorded after the forward that wrote the KV; the copy starts once it has fired (None:
-        once the caller's current stream has run what it holds now). Returns the number of
-        tokens newly stored.
+        once the caller's current stream has run what it holds now). `known`: the leading
+        tokens the request found in the tiers at admission; without a CPU tier to skip them
+        by (`local_cpu: false`), their whole chunks are not stored again (a lower tier holds
+        them, and writers keep a chunk's predecessors). Returns the number of tokens newly
+        stored.
         """
         keys, slots, lowest = self._prepare(token_ids, slot_mapping,
                                             self.keys.keys(token_ids, salt) if salt else None)
@@ -139,7 +142,11 @@ class CacheEngine:
                 on_read()
             return 0
         extra = self.keys.inner_tail(token_ids, keys, also_prefix, salt)
-        stored = self._saver.save(keys, slots, on_read, extra, ready,
+        todo = keys
+        if known > 0 and not self.storage.hot.keeps_puts:
+            todo = [k for k in keys if k.end > known]
+            extra = None if extra is not None and extra.end <= known else extra
+        stored = self._saver.save(todo, slots, on_read, extra, ready,
                                   unwritten=lowest is None or lowest < 0)
         if session_id is not None:
             self.storage.pin_session(session_id, keys)

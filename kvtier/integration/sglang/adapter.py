@@ -106,6 +106,9 @@ class SGLangKVTier:
         self._keys: dict[str, KeyChain] = {}  # request id -> its key chain
         # Requests computed as a miss to verify the tiers -> the device prefix they had then.
         self._shadowed: dict[str, int] = {}
+        # Request id -> the leading tokens its admission load found in the tiers (its store
+        # need not write them again where no CPU tier can tell).
+        self._found: dict[str, int] = {}
         self._exported = _AdapterStats(self.counters)
         prometheus.register(self._exported)  # the engine's own stats are exported by storage
         self.stores = StoreWorker(self._store, self.counters)
@@ -172,6 +175,10 @@ class SGLangKVTier:
                                    keys=keys, limit=limit)
         got = max(self.agree_min(got - got % self.page_size), skip)
         if got > skip:
+            if rid is not None:
+                if len(self._found) >= MAX_CACHED_KEYS:
+                    self._found.clear()  # requests that never stored
+                self._found[rid] = got
             self.counters.inc("sglang.loads")
             self.counters.inc("sglang.tokens_loaded", got - skip)
         else:
@@ -223,6 +230,7 @@ class SGLangKVTier:
         self.forget(rid)
         self._checked.discard(rid)
         self._shadowed.pop(rid, None)
+        self._found.pop(rid, None)
         prefetch = self._prefetches.pop(rid, None)
         if prefetch is None:
             return
@@ -277,9 +285,10 @@ class SGLangKVTier:
             ready = torch.cuda.Event()
             ready.record()
         verify_from = self._shadowed.pop(rid, None) if rid is not None else None
+        known = self._found.pop(rid, 0) if rid is not None else 0
         return self.stores.submit(StoreJob(token_ids, slots, handle, ready, session_id,
                                            salt=salt, prompt_len=prompt_len,
-                                           verify_from=verify_from))
+                                           verify_from=verify_from, known=known))
 
     def poll_done(self) -> list[StoreJob]:
         """Stores whose slots are free, whose handles the caller may now release (scheduler
@@ -303,7 +312,7 @@ class SGLangKVTier:
             return self._verify(job, sid, also)
         stored = self.engine.store(job.token_ids, job.slots, session_id=sid,
                                    on_read=job.release_slots, salt=job.salt, also_prefix=also,
-                                   ready=job.ready)
+                                   ready=job.ready, known=job.known)
         self.counters.inc("sglang.stores")
         self.counters.inc("sglang.tokens_stored", stored)
         logger.debug("kvtier: stored %d new tokens of a %d-token prefix", stored,

@@ -99,3 +99,39 @@ def test_without_a_cpu_tier_a_direct_retrieve_keeps_nothing_staged(tmp_path: Pat
         assert engine.retrieve(tokens, slots) == n  # read through the staging tier, tail too
         assert all(torch.equal(a[1:n + 1], b[1:n + 1]) for a, b in zip(pool, source))
         assert engine.storage.allocator.used_bytes == 0  # nothing left staged
+
+
+def test_without_a_cpu_tier_a_hits_store_queues_only_what_it_did_not_find(
+        tmp_path: Path) -> None:
+    """The chunks a request loaded are in a lower tier already: its store (the prompt and
+    what followed) queues only the chunks after them, where no CPU tier could tell."""
+    cfg = Config(chunk_size=16, local_cpu=False, max_local_cpu_size=0.01,
+                 local_disk=str(tmp_path / "disk"), max_local_disk_size=0.1)
+    found = 3 * 16
+    tokens, slots = torch.arange(100, 100 + TOKENS), torch.arange(1, TOKENS + 1)
+    source = _pool()
+    with CacheEngine(cfg, model_name="m", layout=SMALL_MHA,
+                     connector=SGLangMHAConnector(source[::2], source[1::2])) as writer:
+        assert writer.store(tokens[:found], slots[:found]) == found and writer.storage.flush()
+    pool = _pool()
+    engine = CacheEngine(cfg, model_name="m", layout=SMALL_MHA,
+                         connector=SGLangMHAConnector(pool[::2], pool[1::2]))
+    kv = SGLangKVTier(engine, page_size=1)
+    counters = engine.storage.counters
+    try:
+        kv.start_prefetch("req", tokens.numpy())  # staged from the disk, as SGLang admits
+        assert kv._prefetches["req"].wait_done(HANG_BOUND_S) and kv.prefetch_ready("req")
+        assert kv.retrieve("req", tokens.numpy(), slots, 0) == found
+        job_slots = slots.clone()
+        assert kv.submit_store(tokens.numpy(), job_slots, "handle", rid="req")
+        assert kv.settle() and engine.storage.flush()
+        snap = counters.snapshot(declared=True)
+        assert snap["disk.writes"] == 1 and snap["disk.write_present"] == 0  # the 4th chunk
+        # Without the load to go by (another request), every chunk is queued again, and the
+        # writer finds them there.
+        assert kv.submit_store(tokens.numpy(), job_slots, "handle", rid="other")
+        assert kv.settle() and engine.storage.flush()
+        assert counters.snapshot(declared=True)["disk.write_present"] == 4
+    finally:
+        kv.close()
+        engine.close()

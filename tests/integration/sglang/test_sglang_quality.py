@@ -209,8 +209,8 @@ def test_at_tp2_a_second_instance_hits_from_redis(
                      reference, ["redis"], local_cpu=False, remote_url=redis.url)
     admin = ["--server", server.url, "--admin-key", ADMIN]
     assert kvtier_main(["verify", *admin, "--fraction", "0"]) == 0  # loads again
-    # Every hit above also stored its chunks again (written where Redis lacks them). The
-    # detach writes what is queued and stops the writes, so none lands after the delete below.
+    # The verified requests above stored what they computed (written where Redis lacks it).
+    # The detach writes what is queued and stops the writes, so none lands after the delete.
     assert kvtier_main(["tiers", *admin, "detach", "redis"]) == 0
     logged(server, r"kvtier: detached tier redis", 2)  # each rank, once drained
     client = redis.client()
