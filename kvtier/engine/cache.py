@@ -157,10 +157,10 @@ class CacheEngine:
                salt: str = "", also_prefix: int | None = None,
                ready: torch.cuda.Event | None = None) -> Verification:
         """`store`, after comparing the KV in `slot_mapping` with every tier's records of the
-        same full chunks from token `start` on (those the request computed, not found in the
-        pool): a chunk that differs beyond `verify.TOLERANCE` is counted, logged and removed
-        from its tier with the chunks after it, so the store writes the fresh KV in its place.
-        Its other arguments are `store`'s."""
+        same full chunks from the one holding token `start` on (the request computed tokens
+        from `start` on; those before came from the pool): a chunk that differs beyond
+        `verify.TOLERANCE` is counted, logged and removed from its tier with the chunks after
+        it, so the store writes the fresh KV in its place. Its other arguments are `store`'s."""
         _, slots, _ = self._prepare(token_ids, slot_mapping)
         verdicts = [] if self._closed else shadow_check(
             self.storage, self.key_chain(token_ids, salt), start,

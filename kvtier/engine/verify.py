@@ -103,11 +103,14 @@ def layer_errors(fresh: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
 def shadow_check(storage: StorageManager, keys: Sequence[ChunkKey], start: int,
                  gather: Callable[[Sequence[ChunkKey]], list[MemoryObj]]) -> list[Verdict]:
     """Compare the fresh KV of the chunks of `keys` (a request's full chunks; a `KeyChain`
-    also names the tails a quarantine removes) from token `start` on with every tier's records
-    of them; quarantine and count what differs. `gather` copies the named chunks from the pool
-    into new objects (fewer when memory runs out). Runs before the store of the same chunks,
-    so that the store writes fresh KV where a record was removed."""
-    first = next((i for i, k in enumerate(keys) if k.start >= start), len(keys))
+    also names the tails a quarantine removes) that hold token `start` or later with every
+    tier's records of them; quarantine and count what differs. `gather` copies the named chunks
+    from the pool into new objects (fewer when memory runs out). Runs before the store of the
+    same chunks, so that the store writes fresh KV where a record was removed."""
+    # The chunk that holds `start` is compared whole: the request computed its later tokens,
+    # and its earlier ones are the pool's own prefix (a device-held system prompt ends inside
+    # a chunk on most requests; skipping that chunk would leave it never verified).
+    first = next((i for i, k in enumerate(keys) if k.end > start), len(keys))
     span = list(keys[first:])
     held = [(tier, tier.batch_contains(span)) for tier in (storage.hot, *storage.lower_tiers)]
     held = [(tier, n) for tier, n in held if n]

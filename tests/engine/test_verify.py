@@ -147,6 +147,19 @@ def test_a_changed_model_is_named_by_its_first_differing_layer(
     assert all(torch.equal(b[rows], w) for b, w in zip(pool.v, want))
 
 
+def test_the_chunk_where_the_computed_tokens_start_is_compared_whole(
+        mha: CacheEngine, tokens: torch.Tensor, slots: torch.Tensor) -> None:
+    """The pool held a prefix that ends inside chunk 1 (a system prompt): the request computed
+    the rest of that chunk, so a wrong record of it is caught; chunk 0 was not computed."""
+    bad = slots.clone()
+    bad[[CHUNK + 1, CHUNK + 2]] = bad[[CHUNK + 2, CHUNK + 1]]  # in the pool's part of chunk 1
+    _stored(mha, tokens, bad)
+    result = mha.verify(tokens, slots, start=CHUNK + CHUNK // 2)
+    assert min(v.chunk for v in result.verdicts) == 1
+    assert {(v.tier, v.chunk, v.layer) for v in result.mismatches} == {("cpu", 1, 0),
+                                                                        ("disk", 1, 0)}
+
+
 def test_nothing_is_compared_without_a_record(mha: CacheEngine, tokens: torch.Tensor,
                                              slots: torch.Tensor) -> None:
     result = mha.verify(tokens, slots)
