@@ -3,24 +3,28 @@ path a hit can take answers as a server without kvtier computing from scratch: t
 tokens, log-probabilities of the first 16 within `LOGPROB_TOLERANCE`, and the first token's
 top-20 distribution within KL `KL_LIMIT` (kvtier/demo/quality.py states and justifies both).
 
-Paths: the CPU tier after `/flush_cache` (the prompt's partial last chunk included) and a
-conversation's next turn (the previous turn's prompt and answer hit) at TP 1 (page sizes 1 and
-16, chunk sizes 256 and 64) and TP 2 (page size 32, chunk size 64); the disk after a restart at
-TP 1; Redis from a second instance at TP 2 (where one rank's missing records then make both
-ranks load nothing) and at TP 1, page size 1. On those three, shadow verification is switched
-on while the server runs (`kvtier verify`): every rank computes the prompts again and finds the
-records another server wrote (disk; Redis, without a CPU tier) equal to what it computed. (A
-server start at TP 2 costs over a minute on 2 cores, so the disk at TP 2 is left to
-benchmarks/serving/bench_quality.py and, on a generated model, test_sglang_tiers.py.)
+Every path runs at every setup: TP 1 and TP 2, page sizes 1, 16 and 32, chunk sizes 64 and 256.
+Each setup has two servers. The first computes both prompts (misses) and hits them from its CPU
+tier after `/flush_cache` (the partial last chunk included), then a conversation's next turn.
+It writes through to disk and Redis, except that the disk is detached before the second prompt:
+that prompt is in Redis only. The second server starts after the first stopped, on the same
+disk directory and Redis: the first prompt hits from disk after a restart, the second from Redis
+as a second instance would (without a CPU tier where the setup says so). Then shadow
+verification is switched on while it runs (`kvtier verify`): every rank computes the prompts
+again and finds the records the first server wrote equal to what it computed. At TP 2, page 32,
+rank 1's records are then deleted and the ranks agree to load nothing.
+
 The reference server runs without kvtier and without SGLang's own prefix cache, so every
 reference answer is computed from scratch. Servers start one at a time: a 2-core host starting
-several SGLang servers at once took minutes for each.
+several SGLang servers at once took minutes for each. Each setup has a key namespace of its
+own, so no server finds another setup's records.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import yaml
@@ -35,9 +39,23 @@ pytestmark = pytest.mark.sglang
 
 POOL = ("--max-total-tokens", "8192")
 ADMIN = "kvtier-quality-admin"
-# (TP, page size, chunk size): what the paths run at
-SETUPS = {"tp1-page1-chunk256": (1, 1, 256), "tp1-page16-chunk64": (1, 16, 64),
-          "tp2-page32-chunk64": (2, 32, 64)}
+
+
+class Setup(NamedTuple):
+    """What the paths run at; `cpu_tier`: whether the second server has a CPU tier."""
+
+    tp: int
+    page: int
+    chunk: int
+    cpu_tier: bool
+
+
+SETUPS = {"tp1-page1-chunk256": Setup(1, 1, 256, cpu_tier=False),
+          "tp1-page16-chunk64": Setup(1, 16, 64, cpu_tier=True),
+          "tp1-page32-chunk256": Setup(1, 32, 256, cpu_tier=True),
+          "tp2-page1-chunk64": Setup(2, 1, 64, cpu_tier=True),
+          "tp2-page16-chunk256": Setup(2, 16, 256, cpu_tier=False),
+          "tp2-page32-chunk64": Setup(2, 32, 64, cpu_tier=False)}
 FOLLOW_UP = "\nQuestion: Which depot is listed first?\nAnswer:"
 PROMPTS = documents(2, facts=24)  # about 530 tokens each
 
@@ -52,10 +70,11 @@ class Servers:
     def make(self, name: str, setup: str | None, **tiers: object) -> SGLangServer:
         args: list[str] = [*POOL]
         if setup is not None:
-            tp, page, chunk = SETUPS[setup]
+            tp, page, chunk, _ = SETUPS[setup]
             config = self.root / f"{name}.yaml"
             config.write_text(yaml.safe_dump({"chunk_size": chunk, "max_local_cpu_size": 0.5,
-                                              "prefetch_policy": "wait_complete", **tiers}))
+                                              "prefetch_policy": "wait_complete",
+                                              "key_namespace": setup, **tiers}))
             args += ["--enable-kvtier", "--kvtier-config-file", str(config),
                      "--tp", str(tp), "--page-size", str(page), "--admin-api-key", ADMIN]
         else:
@@ -126,38 +145,50 @@ def disks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {setup: str(tmp_path_factory.mktemp(setup)) for setup in SETUPS}
 
 
-@pytest.mark.timeout(600)  # a server start on a busy 2-core host, and eight prefills
+def detach(server: SGLangServer, tier: str, tp: int) -> None:
+    """Detaches `tier` on every rank; each writes what it has queued for it first."""
+    done = server.log().count(f"kvtier: detached tier {tier}")
+    assert kvtier_main(["tiers", "--server", server.url, "--admin-key", ADMIN,
+                        "detach", tier]) == 0
+    logged(server, rf"kvtier: detached tier {tier}\b", done + tp)  # each rank, once drained
+
+
+@pytest.mark.timeout(600)  # a server start on a busy 2-core host, and five prefills
 @pytest.mark.parametrize("setup", list(SETUPS))
 def test_hits_from_the_cpu_tier_and_a_next_turn_answer_as_computed_from_scratch(
         setup: str, servers: Servers, redis: RedisProcess, disks: dict[str, str],
         reference: Callable[[str], Answer]) -> None:
+    """The first server of `setup`. It writes through to disk and Redis; the disk is detached
+    once the first prompt is stored, so the second reaches Redis only."""
     server = servers.make(setup, setup, local_disk=disks[setup], max_local_disk_size=1.0,
-                          remote_url=redis.url)  # the disk and Redis rows start from here
+                          remote_url=redis.url)
     servers.start(server)
-    tp, page, _ = SETUPS[setup]
-    for text in PROMPTS:  # misses: kvtier stores, and changes nothing of what is computed
-        miss = ask(server, text)
-        assert miss.cached_tokens < 32  # at most the prompts' shared heading, from the device
+    tp, page = SETUPS[setup].tp, SETUPS[setup].page
+    for n, text in enumerate(PROMPTS):
+        miss = ask(server, text)  # kvtier stores, and changes nothing of what is computed
+        assert miss.cached_tokens < 32, miss  # at most the prompts' shared heading
         gate(reference(text), miss, "miss")
-    server.flush_cache()
-    for text in PROMPTS:  # the CPU tier, the partial last chunk (a tail) included
-        hit = ask(server, text)
+        server.flush_cache()
+        hit = ask(server, text)  # the CPU tier, the partial last chunk (a tail) included
         assert hit.cached_tokens == hit_floor(hit, page), hit
         gate(reference(text), hit, "CPU tier after /flush_cache")
+        if n == 0:  # stored, so its disk writes are queued: the detach writes them first
+            detach(server, "disk", tp)
     server.flush_cache()
     follow = PROMPTS[0] + reference(PROMPTS[0]).text + FOLLOW_UP
     turn = ask(server, follow)  # the last turn's prompt and answer, from the CPU tier
     assert turn.cached_tokens >= hit_floor(reference(PROMPTS[0]), page) - page, turn
     gate(reference(follow), turn, "a conversation's next turn")
     assert server.log().count("kvtier: loaded ") >= (len(PROMPTS) + 1) * tp  # every rank
-    servers.stop(server)  # a SIGTERM: kvtier drains its queued disk and Redis writes
+    servers.stop(server)  # a SIGTERM: kvtier drains its queued Redis writes
 
 
-def verified_at_run_time(server: SGLangServer, tp: int, reference: Callable[[str], Answer],
-                         tiers: list[str]) -> None:
+def verified_at_run_time(server: SGLangServer, setup: Setup,
+                         reference: Callable[[str], Answer], held: list[list[str]]) -> None:
     """Shadow verification switched on while the server runs (`kvtier verify`, every rank):
-    the prompts are computed again, not loaded, and every rank compares what it computed with
-    its shard's records in `tiers` (written by another server): no mismatch, the same answers."""
+    the prompts are computed again, not loaded, and every rank compares each full chunk it
+    computed (the one holding the shared heading the device kept included) with its shard's
+    records in the tiers `held[n]` says hold prompt n: no mismatch, the same answers."""
     assert kvtier_main(["verify", "--server", server.url, "--admin-key", ADMIN,
                         "--fraction", "1"]) == 0
     server.flush_cache()
@@ -165,57 +196,53 @@ def verified_at_run_time(server: SGLangServer, tp: int, reference: Callable[[str
         again = ask(server, text)
         assert again.cached_tokens < 32, again  # computed: at most the shared heading
         gate(reference(text), again, "verified (computed, compared with every tier)")
-    found = logged(server, r"kvtier: verified (\d+) chunks of .*? against (\[.*?\]): (\d+) "
-                   r"mismatched", tp * len(PROMPTS))
-    assert all(int(n) > 0 and held == str(tiers) and bad == "0" for n, held, bad in found), found
+    found = logged(server, r"kvtier: verified (\d+) chunks of a (\d+)-token prefix against "
+                   r"(\[.*?\]): (\d+) mismatched", setup.tp * len(PROMPTS))
+    assert all(int(n) == int(length) // setup.chunk and bad == "0"
+               for n, length, _, bad in found), found
+    assert sorted(tiers for *_, tiers, _ in found) == sorted(map(str, held * setup.tp)), found
 
 
-def _replay(servers: Servers, setup: str, name: str, path: str,
-            reference: Callable[[str], Answer], verified: list[str],
-            **tiers: object) -> SGLangServer:
-    """A new server of `setup` with `tiers` only, after the setup's first server stopped:
-    every prompt hits from those tiers and answers as computed from scratch; then, verified,
-    every prompt is computed and matches the records of the `verified` tiers."""
-    server = servers.make(f"{setup}-{name}", setup, **tiers)
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("setup", list(SETUPS))
+def test_a_restart_hits_from_disk_and_a_second_instance_from_redis(
+        setup: str, servers: Servers, redis: RedisProcess, disks: dict[str, str],
+        reference: Callable[[str], Answer]) -> None:
+    """A server on the disk directory and Redis of the setup's first server, started after it
+    stopped: the first prompt hits from disk, the second (never written to disk) from Redis."""
+    assert any(Path(disks[setup]).iterdir()), "the setup's first server stores first"
+    tp, page, _, cpu_tier = SETUPS[setup]
+    server = servers.make(f"{setup}-second", setup, local_cpu=cpu_tier, local_disk=disks[setup],
+                          max_local_disk_size=1.0, remote_url=redis.url)
     servers.start(server)
-    tp, page, _ = SETUPS[setup]
-    for text in PROMPTS:
+    for text, path in zip(PROMPTS, ("disk after a restart", "Redis from a second instance")):
         hit = ask(server, text)
         assert hit.cached_tokens == hit_floor(hit, page), (path, hit)
         gate(reference(text), hit, path)
     assert server.log().count("kvtier: loaded ") >= tp * len(PROMPTS)  # every rank
-    verified_at_run_time(server, tp, reference, verified)
-    return server
+    cpu = ["cpu"] if cpu_tier else []  # a CPU tier keeps what was loaded
+    verified_at_run_time(server, SETUPS[setup], reference,
+                         [[*cpu, "disk", "redis"], [*cpu, "redis"]])
+    if tp == 2 and page == 32:
+        _one_rank_without_records_loads_nothing(server, redis, setup, reference)
+    servers.stop(server)
 
 
-@pytest.mark.timeout(600)
-def test_a_restart_hits_from_disk(servers: Servers, disks: dict[str, str],
-                                  reference: Callable[[str], Answer]) -> None:
-    """The TP 1 page-16 server above stopped; a server on its disk directory (no Redis: a hit
-    comes from disk) starts with an empty CPU tier."""
-    setup = "tp1-page16-chunk64"
-    assert any(Path(disks[setup]).iterdir()), "the CPU-tier test of this setup stores first"
-    servers.stop(_replay(servers, setup, "restarted", "disk after a restart", reference,
-                         ["cpu", "disk"], local_disk=disks[setup], max_local_disk_size=1.0))
-
-
-@pytest.mark.timeout(600)
-def test_at_tp2_a_second_instance_hits_from_redis(
-        servers: Servers, redis: RedisProcess, reference: Callable[[str], Answer]) -> None:
-    """The TP 2 server above stopped; a second instance (no disk, no CPU tier: a hit comes from
-    Redis) loads each rank's shard. Then rank 1's records go: the ranks agree to load nothing,
-    and the answer is still right."""
-    server = _replay(servers, "tp2-page32-chunk64", "second", "Redis from a second instance",
-                     reference, ["redis"], local_cpu=False, remote_url=redis.url)
+def _one_rank_without_records_loads_nothing(server: SGLangServer, redis: RedisProcess,
+                                             setup: str,
+                                             reference: Callable[[str], Answer]) -> None:
+    """Rank 1's records go: the ranks agree to load nothing, and the answer is still right."""
+    assert not SETUPS[setup].cpu_tier  # else rank 0's CPU tier would keep what it loaded
     admin = ["--server", server.url, "--admin-key", ADMIN]
     assert kvtier_main(["verify", *admin, "--fraction", "0"]) == 0  # loads again
-    # The verified requests above stored what they computed (written where Redis lacks it).
-    # The detach writes what is queued and stops the writes, so none lands after the delete.
-    assert kvtier_main(["tiers", *admin, "detach", "redis"]) == 0
-    logged(server, r"kvtier: detached tier redis", 2)  # each rank, once drained
+    # The verified requests stored what they computed where it was missing (the second prompt,
+    # on disk). The detaches write what is queued and stop the writes, so none lands after the
+    # delete; the disk stays detached: Redis alone holds the prompts.
+    detach(server, "disk", 2)
+    detach(server, "redis", 2)
     client = redis.client()
-    shard_1 = list(client.scan_iter(match="kvtier/*/1of2/*", count=1000))
-    assert shard_1 and any(client.scan_iter(match="kvtier/*/0of2/*", count=1000))
+    shard_1 = list(client.scan_iter(match=f"kvtier/*/{setup}/*/1of2/*", count=1000))
+    assert shard_1 and any(client.scan_iter(match=f"kvtier/*/{setup}/*/0of2/*", count=1000))
     client.delete(*shard_1)
     assert kvtier_main(["tiers", *admin, "attach", "redis"]) == 0  # every rank, or none
     server.flush_cache()
@@ -224,13 +251,3 @@ def test_at_tp2_a_second_instance_hits_from_redis(
     assert alone.cached_tokens < 32, alone
     assert server.log().count("kvtier: loaded ") == loaded
     gate(reference(PROMPTS[0]), alone, "rank 1's records gone")
-    servers.stop(server)
-
-
-@pytest.mark.timeout(600)
-def test_at_tp1_page1_a_second_instance_hits_from_redis(
-        servers: Servers, redis: RedisProcess, reference: Callable[[str], Answer]) -> None:
-    """The TP 1 page-1 server above stopped; a second instance (no disk, no CPU tier) loads
-    every prompt token but the last from Redis: two whole chunks and the tail after them."""
-    servers.stop(_replay(servers, "tp1-page1-chunk256", "second", "Redis from a second instance",
-                         reference, ["redis"], local_cpu=False, remote_url=redis.url))
