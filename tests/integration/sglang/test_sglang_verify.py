@@ -4,9 +4,9 @@ weights differ in one matrix, keyed under the first one's identity by a careless
 the first one's records on its first verified hit, names the tier and the layer, removes them,
 and answers with its own model.
 
-Records another server wrote (disk after a restart at TP 1; Redis from a second instance at TP
-2, without a CPU tier), verified with verification switched on at run time: the quality gate
-(test_sglang_quality.py). A writer bug (two token rows swapped under valid checksums): the
+Records another server wrote (disk after a restart, Redis from a second instance, with and
+without a CPU tier, at TP 1 and 2 and page sizes 1, 16 and 32), verified with verification
+switched on at run time: the quality gate (test_sglang_quality.py). A writer bug (two token rows swapped under valid checksums): the
 engine's tests (tests/engine/test_verify.py), on real CPU and disk tiers.
 """
 
