@@ -36,7 +36,7 @@ __all__ = ["SGLangServer", "StreamResult", "free_port", "cpu_shims_dir", "server
 
 # Flags measured to serve on a 2-core CPU machine; the caller adds --max-total-tokens.
 # --sleep-on-idle: an idle scheduler otherwise polls its sockets without pause, a whole core
-# per TP rank (10 CPU seconds in 10 s idle at TP 1, 14 at TP 2; 0.2-0.4 with the flag), taken
+# per TP rank (10 CPU seconds in 10 s idle at TP 1, 14 at TP 2; 0.18 and 0.42 with it), taken
 # from whatever else runs: another server, kvtier's writers, the client. A request wakes it at
 # once (it waits on the socket), and it never sleeps while a request waits for a load.
 CPU_FLAGS = (

@@ -3,7 +3,8 @@ path a hit can take answers as a server without kvtier computing from scratch: t
 tokens, log-probabilities of the first 16 within `LOGPROB_TOLERANCE`, and the first token's
 top-20 distribution within KL `KL_LIMIT` (kvtier/demo/quality.py states and justifies both).
 
-Every path runs at every setup: TP 1 and TP 2, page sizes 1, 16 and 32, chunk sizes 64 and 256.
+Every path runs at every setup: TP 1 and TP 2, each at page sizes 1, 16 and 32 (each setup
+with chunk size 64 or 256, both sizes at each TP).
 Each setup has two servers. The first computes both prompts (misses) and hits them from its CPU
 tier after `/flush_cache` (the partial last chunk included), then a conversation's next turn.
 It writes through to disk and Redis, except that the disk is detached before the second prompt:
