@@ -1,10 +1,11 @@
 """Reuse at any position: blended prefill against full prefill and naive reuse, on a real model.
 
-A retrieval workload on SmolLM2-135M-Instruct (float32, CPU): a pool of `--pool` documents
-(inventory records, about `--doc-tokens` tokens each); every query is a system line and `--docs`
-documents drawn from the pool in a shuffled order, each ended by the separator, then a question
-about one fact in one of them. Each document is stored once on its own (a standalone prefill,
-through a real CPU tier: kvtier.blend.store), as a first request would store it.
+A retrieval workload on SmolLM2-135M-Instruct (float32, CPU; blend_workload.py): a pool of
+`--pool` documents (a depot's records, about `--doc-tokens` tokens each); every query is a
+system line and `--docs` documents drawn from the pool in a shuffled order, each ended by the
+separator, then a question whose answer one of them holds (who manages a depot). Each document
+is stored once on its own (a standalone prefill, through a real CPU tier: kvtier.blend.store),
+as a first request would store it.
 
 Per query, three ways to the first answer token:
     full     every token computed (the reference)
@@ -21,9 +22,11 @@ and blend (benchmarks/serving/blend_sglang.py): TTFT is a request's wall time. `
 
 Quality against full: `kl` is KL(full || x) of the next-token distribution, averaged over the
 first `--kl-tokens` answer positions (full's greedy answer fed to both); `agree` is the share of
-queries whose free-running greedy answer (`--answer-tokens`) equals full's. Prints a table;
-writes benchmarks/results/bench_blend.json (or `--json PATH`) with `ttft_ratio` (blend / full,
-median), `kl_blend`, `kl_naive` (means over queries), `agree_blend`.
+queries whose answer (the first sentence of `--answer-tokens` free-running greedy tokens)
+equals full's, `identical` the share whose every token does; `correct` the share whose answer
+names the right manager (how often the model knows it at all). Prints a
+table; writes benchmarks/results/bench_blend.json (or `--json PATH`) with `ttft_ratio` (blend /
+full, median), `kl_blend`, `kl_naive` (means over queries), `agree_blend`, `correct_<arm>`.
 
     PYTHONPATH=. .venv/bin/python benchmarks/serving/bench_blend.py [--queries 10] [--docs 6]
 """
@@ -33,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import statistics
 import time
 from pathlib import Path
@@ -41,6 +45,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import write_results
+from benchmarks.serving import blend_workload
 from benchmarks.serving.adaptive_report import p99
 from kvtier.blend.assemble import Assembled, assemble
 from kvtier.blend.forward import NAIVE, BlendPlan, LlamaWeights, blend, prefill
@@ -48,25 +53,12 @@ from kvtier.blend.segments import find_segments
 from kvtier.blend.store import SegmentStore
 from kvtier.blend.weights import load_llama
 from kvtier.config import Config
-from kvtier.demo import texts
 from kvtier.demo.smollm2 import cached_smollm2
 from kvtier.keys import KeyBuilder
 from kvtier.memory import KVLayout
 from kvtier.storage import StorageManager
 
 SEPARATOR = "\n\n"  # one token in SmolLM2's vocabulary, also inside a prompt
-SYSTEM = ("<|im_start|>system\nAnswer from the inventory records.<|im_end|>\n"
-          "<|im_start|>user\n")
-ASK = "<|im_end|>\n<|im_start|>assistant\n"
-
-
-def _pool(tok: Any, args: argparse.Namespace, rng: random.Random
-          ) -> tuple[list[list[int]], list[list[texts.Fact]]]:
-    per = max(1, args.doc_tokens // 19)  # a record is about 19 tokens
-    facts = [texts.facts(rng, per) for _ in range(args.pool)]
-    docs = [tok.encode(" ".join(texts.record(i, f) for i, f in enumerate(fs)),
-                       add_special_tokens=False) for fs in facts]
-    return docs, facts
 
 
 def _step(w: LlamaWeights, ids: torch.Tensor, kv: torch.Tensor, nxt: int
@@ -107,6 +99,7 @@ def _query(w: LlamaWeights, store: SegmentStore, ids: list[int], sep: list[int],
     row: dict[str, Any] = {"tokens": len(ids), "full_s": time.perf_counter() - t0}
     assert full.logits is not None
     ref, ref_d = _answer(w, toks, full.kv, full.logits, args.answer_tokens)
+    row["full_answer"] = ref
     blended = BlendPlan(tuple(args.check_layers), tuple(args.ratios))
     for name, plan in (("blend", blended), ("naive", NAIVE)):
         t0 = time.perf_counter()
@@ -123,23 +116,10 @@ def _query(w: LlamaWeights, store: SegmentStore, ids: list[int], sep: list[int],
         row[f"kl_{name}"] = _kl(ref_d[:args.kl_tokens], dists)
         free, _ = _answer(w, toks, out.kv, out.logits, args.answer_tokens)
         row[f"agree_{name}"] = free == ref
+        row[f"{name}_answer"] = free
         row[f"{name}_computed"] = len(out.computed)
         row["cached"] = got.tokens_cached
     return row
-
-
-def _queries(tok: Any, docs: list[list[int]], facts: list[list[texts.Fact]], sep: list[int],
-             args: argparse.Namespace, rng: random.Random) -> list[list[int]]:
-    out = []
-    system, ask = (tok.encode(x, add_special_tokens=False) for x in (SYSTEM, ASK))
-    for _ in range(args.queries):
-        picked = rng.sample(range(args.pool), args.docs)
-        fact = rng.choice(facts[rng.choice(picked)])
-        ids = system + sep  # the system line ends with a separator too: no document joins it
-        for d in picked:
-            ids += docs[d] + sep
-        out.append(ids + tok.encode(texts.question(fact), add_special_tokens=False) + ask)
-    return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -150,13 +130,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tok = AutoTokenizer.from_pretrained(model_dir)
     sep = tok.encode(SEPARATOR, add_special_tokens=False)
     rng = random.Random(args.seed)
-    docs, facts = _pool(tok, args, rng)
+    pool = blend_workload.depots(tok, args.pool, args.doc_tokens, rng)
+    docs = [d.ids for d in pool]
+    asked = blend_workload.queries(tok, pool, sep, args.queries, args.docs, rng)
+    queries = [ids for ids, _ in asked]
     if args.engine == "sglang":
         from benchmarks.common import work_dir
         from benchmarks.serving.blend_sglang import run_sglang
 
-        system, ask = (tok.encode(x, add_special_tokens=False) for x in (SYSTEM, ASK))
-        queries = _queries(tok, docs, facts, sep, args, rng)
+        system, ask = (tok.encode(x, add_special_tokens=False)
+                       for x in (blend_workload.SYSTEM, blend_workload.ASK))
         with work_dir("bench_blend", args.work_dir) as work:
             if args.plain:
                 from benchmarks.serving.blend_plain import plain_prompts, run_plain
@@ -164,8 +147,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 joiner = tok.encode("\n", add_special_tokens=False)
                 return run_plain(args, model_dir, plain_prompts(queries, sep, joiner), work,
                                  SEPARATOR)
-            return run_sglang(args, model_dir, docs, queries, sep, system, ask, work,
-                              SEPARATOR)
+            return _answers(run_sglang(args, model_dir, docs, queries, sep, system, ask, work,
+                                       SEPARATOR), asked, None)
     w = load_llama(model_dir)
     layout = KVLayout.mha(num_layers=w.num_layers, num_kv_heads=w.num_kv_heads,
                           head_dim=w.head_dim, dtype=torch.float32)
@@ -177,14 +160,43 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         store.save(store.chain(doc + sep, find_segments(doc + sep, sep)[0]),
                    prefill(w, torch.tensor(doc), logits=False).kv)
     rows = []
-    for ids in _queries(tok, docs, facts, sep, args, rng):
+    for ids in queries:
         rows.append(_query(w, store, ids, sep, args))
         r = rows[-1]
         print(f"query {len(rows) - 1}: {r['tokens']} tokens, full {r['full_s']:.2f}s, blend "
-              f"{r['blend_s']:.2f}s kl {r['kl_blend']:.4f} agree {r['agree_blend']}, naive "
-              f"kl {r['kl_naive']:.4f} agree {r['agree_naive']}", flush=True)
+              f"{r['blend_s']:.2f}s kl {r['kl_blend']:.4f} identical {r['agree_blend']}, naive "
+              f"kl {r['kl_naive']:.4f} identical {r['agree_naive']}", flush=True)
     storage.close()
-    return _summary(rows, args)
+    return _answers(_summary(rows, args), asked, tok)
+
+
+def _answers(summary: dict[str, Any], asked: list[tuple[list[int], blend_workload.Depot]],
+             tok: Any) -> dict[str, Any]:
+    """Per arm, the shares over queries whose answer equals full's (`agree_<arm>`), whose
+    tokens all do (`identical_<arm>`), and whose answer names the asked depot's manager
+    (`correct_<arm>`: how often the model knows the answer at all)."""
+    rows = summary["rows"]
+    arms = [k.removesuffix("_answer") for k in rows[0] if k.endswith("_answer")]
+    for row, (_, depot) in zip(rows, asked):
+        for arm in arms:
+            text = row[f"{arm}_answer"]
+            if tok is not None:
+                text = row[f"{arm}_answer"] = tok.decode(text)
+            row[f"correct_{arm}"] = depot.manager in _sentence(text)
+        for arm in arms:
+            row[f"identical_{arm}"] = row.get(f"agree_{arm}", True)  # every token the same
+            row[f"agree_{arm}"] = _sentence(row[f"{arm}_answer"]) == _sentence(
+                row["full_answer"])
+    for arm in arms:
+        for what in ("correct", "identical", "agree"):
+            summary[f"{what}_{arm}"] = statistics.fmean(r[f"{what}_{arm}"] for r in rows)
+    return summary
+
+
+def _sentence(text: str) -> str:
+    """The answer: a reply's first sentence. What the model says after it (the offline arms
+    do not stop at the end of the turn) is not part of the answer."""
+    return re.split(r"[.\n]|<\|im_end\|>", text, maxsplit=1)[0].strip()
 
 
 def _summary(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
@@ -209,15 +221,16 @@ def _table(s: dict[str, Any]) -> None:
 
         return table(s)
     print(f"\nengine {s['engine']}")
-    print(f"{'':8s} {'TTFT/full (median, p99)':>24s} {'KL vs full':>11s} {'agree':>7s}")
-    print(f"{'full':8s} {'1.000':>24s} {'0':>11s} {'1.00':>7s}")
+    print(f"{'':8s} {'TTFT/full (median, p99)':>24s} {'KL vs full':>11s} {'agree':>7s} "
+          f"{'correct':>8s}")
+    print(f"{'full':8s} {'1.000':>24s} {'0':>11s} {'1.00':>7s} {s['correct_full']:>8.2f}")
     print(f"{'blend':8s} {s['ttft_ratio']:>15.3f}, {s['ttft_ratio_p99']:.3f} "
-          f"{s['kl_blend']:>11.4f} {s['agree_blend']:>7.2f}")
+          f"{s['kl_blend']:>11.4f} {s['agree_blend']:>7.2f} {s['correct_blend']:>8.2f}")
     if s["engine"] == "sglang":
         print(f"{s['blended']} of {len(s['rows'])} queries blended; no naive arm on a server")
         return
     print(f"{'naive':8s} {s['ttft_ratio_naive']:>24.3f} {s['kl_naive']:>11.4f} "
-          f"{s['agree_naive']:>7.2f}")
+          f"{s['agree_naive']:>7.2f} {s['correct_naive']:>8.2f}")
     print(f"blend computed {s['computed_share']:.1%} of the tokens past the check layer; "
           f"kl_blend / kl_naive = {s['kl_blend'] / max(s['kl_naive'], 1e-12):.3f}")
 
@@ -235,8 +248,9 @@ def main() -> None:
                     default=[1])
     ap.add_argument("--sink-tokens", type=int, default=1,
                     help="each segment's first tokens, always computed")
-    ap.add_argument("--answer-tokens", type=int, default=8)
-    ap.add_argument("--kl-tokens", type=int, default=4)
+    ap.add_argument("--answer-tokens", type=int, default=16,
+                    help="greedy tokens compared (the answer is about 14)")
+    ap.add_argument("--kl-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plain", action="store_true",

@@ -10,9 +10,10 @@ segments), two ways to the first answer token:
     blend    the same prompt with blending on
 TTFT is the wall time of a request for one output token. Quality: the answer of
 `--answer-tokens` greedy tokens served right after (it reuses the prompt's KV the TTFT request
-left on the device, blended or full) and the first token's top-20 distribution
-(`kvtier.demo.quality.compare`: its KL, over the ids both list). No naive arm here: the offline
-engine measures it.
+left on the device, blended or full), and the KL of the next-token distribution (top 20, over
+the ids both list) averaged over the first `--kl-tokens` answer positions, as far as the two
+answers are the same (`answer_kl`; `kl_first`: the first position's alone). No naive arm here:
+the offline engine measures it.
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ from typing import Any
 import yaml
 
 from benchmarks.serving.adaptive_report import p99
-from kvtier.demo.quality import TOP_K, Answer, compare
+from kvtier.demo.quality import TOP_K, Answer, compare, top_kl
 from kvtier.demo.server import CPU_FLAGS, SGLangServer, cpu_shims_dir
 
-__all__ = ["BLENDED", "generate", "run_sglang", "server_for"]
+__all__ = ["BLENDED", "answer_kl", "generate", "run_sglang", "server_for"]
 
 BLENDED = re.compile(r"kvtier: blended \S+: (\d+) tokens from (\d+) segments .*?, (\d+) of "
                      r"them recomputed")
@@ -77,6 +78,19 @@ def _stored(server: SGLangServer) -> float:
                if s.name == "kvtier_sglang_blend_segments_stored_total")
 
 
+def answer_kl(full: Answer, blend: Answer, full_tops: list[Any], blend_tops: list[Any],
+              n: int) -> float:
+    """KL(full || blend) of the next-token distribution (top-K lists) averaged over the first
+    `n` answer positions, but only as far as both answers are the same so far: past the first
+    token where they part, the two condition on different text. The position where they part
+    counts (its distributions still follow the same text)."""
+    same = next((i for i, (a, b) in enumerate(zip(full.ids, blend.ids)) if a != b),
+                min(len(full.ids), len(blend.ids)) - 1)
+    kls = [top_kl({int(t[1]): float(t[0]) for t in f}, {int(t[1]): float(t[0]) for t in b})
+           for f, b in list(zip(full_tops, blend_tops))[:min(n, same + 1)]]
+    return statistics.fmean(kls)
+
+
 def _warm(server: SGLangServer, docs: list[list[int]], sep: list[int], system: list[int],
           ask: list[int]) -> None:
     for doc in docs:
@@ -107,17 +121,22 @@ def run_sglang(args: argparse.Namespace, model: Path, docs: list[list[int]],
                 out, _ = generate(server, ids, args.answer_tokens, full=arm == "full",
                                    salt=salt)
                 row[arm] = Answer.from_response(out)
+                row[f"{arm}_tops"] = out["meta_info"]["output_top_logprobs"]
             found = BLENDED.findall(server.log())
             agreement = compare(row["full"], row["blend"])
             rows.append({"tokens": row["tokens"], "full_s": row["full_s"],
-                         "blend_s": row["blend_s"], "kl_blend": agreement.kl,
+                         "blend_s": row["blend_s"],
+                         "kl_blend": answer_kl(row["full"], row["blend"], row["full_tops"],
+                                               row["blend_tops"], args.kl_tokens),
+                         "kl_first": agreement.kl,
                          "agree_blend": agreement.identical,
+                         "full_answer": row["full"].text, "blend_answer": row["blend"].text,
                          "blend_loaded": int(found[-1][0]) if found else 0,
                          "blend_recomputed": int(found[-1][2]) if found else 0})
             r = rows[-1]
             print(f"query {q}: {r['tokens']} tokens, full {r['full_s']:.2f}s, blend "
                   f"{r['blend_s']:.2f}s ({r['blend_loaded']} loaded, {r['blend_recomputed']} "
-                  f"recomputed) kl {r['kl_blend']:.4f} agree {r['agree_blend']}", flush=True)
+                  f"recomputed) kl {r['kl_blend']:.4f} identical {r['agree_blend']}", flush=True)
     finally:
         server.stop()
     ratio = [r["blend_s"] / r["full_s"] for r in rows]

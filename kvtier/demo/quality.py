@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from kvtier.demo import texts
 
 __all__ = ["Answer", "Agreement", "compare", "ask", "documents", "LOGPROB_TOKENS",
-           "LOGPROB_TOLERANCE", "KL_LIMIT", "TOP_K"]
+           "LOGPROB_TOLERANCE", "KL_LIMIT", "TOP_K", "top_kl"]
 
 LOGPROB_TOKENS = 16
 LOGPROB_TOLERANCE = 1e-3
@@ -81,8 +81,14 @@ def compare(reference: Answer, got: Answer) -> Agreement:
                                          strict=True)]
     shared = [i for i in reference.first_top if i in got.first_top]
     return Agreement(reference.ids == got.ids, max(deltas, default=0.0),
-                     _kl([reference.first_top[i] for i in shared],
-                         [got.first_top[i] for i in shared]), len(shared))
+                     top_kl(reference.first_top, got.first_top), len(shared))
+
+
+def top_kl(reference: dict[int, float], got: dict[int, float]) -> float:
+    """KL(reference || got) of two top-K lists (token id -> log-probability), over the ids
+    both hold, each renormalized; inf when they share none."""
+    shared = [i for i in reference if i in got]
+    return _kl([reference[i] for i in shared], [got[i] for i in shared])
 
 
 def _kl(p_logs: list[float], q_logs: list[float]) -> float:

@@ -10,12 +10,12 @@ from __future__ import annotations
 import random
 from typing import NamedTuple
 
-__all__ = ["Fact", "facts", "sentence", "record", "question"]
+__all__ = ["Fact", "GOODS", "PLACES", "facts", "question", "record", "sentence"]
 
-_PLACES = ("Lyon", "Osaka", "Quito", "Tromso", "Perth", "Accra", "Lima", "Graz", "Hanoi",
-           "Leeds", "Turku", "Cusco", "Dakar", "Split", "Bergen", "Nantes")
-_GOODS = ("apples", "copper wire", "wool blankets", "glass jars", "rice", "bicycle tyres",
-          "olive oil", "paper", "candles", "salt", "batteries", "coffee beans")
+PLACES = ("Lyon", "Osaka", "Quito", "Tromso", "Perth", "Accra", "Lima", "Graz", "Hanoi",
+         "Leeds", "Turku", "Cusco", "Dakar", "Split", "Bergen", "Nantes")
+GOODS = ("apples", "copper wire", "wool blankets", "glass jars", "rice", "bicycle tyres",
+         "olive oil", "paper", "candles", "salt", "batteries", "coffee beans")
 
 
 class Fact(NamedTuple):
@@ -25,7 +25,7 @@ class Fact(NamedTuple):
 
 
 def facts(rng: random.Random, count: int) -> list[Fact]:
-    return [Fact(rng.choice(_PLACES), rng.choice(_GOODS), rng.randint(10, 990))
+    return [Fact(rng.choice(PLACES), rng.choice(GOODS), rng.randint(10, 990))
             for _ in range(count)]
 
 
