@@ -7,10 +7,10 @@ query is a system line, `docs` documents drawn from the pool in a shuffled order
 the separator), then "Who is the manager of the depot in X?" about one of them.
 
 Why this question: the answer is in exactly one document, and SmolLM2-135M answers it from
-the documents more often than not (5 of 8 prompts of 1900 tokens in a probe), so a blend that
-changes the answer is visible. The earlier workload asked for a crate count that two or three
-records often named with different counts; the full prefill itself gave the right number in
-about 1 of 10 prompts, so agreement there compared guesses.
+the documents about half the time at 6 documents (5 of 10 prompts), so a blend that changes
+the answer is visible. The earlier workload asked for a crate count that two or three records
+often named with different counts, and the full prefill's first digit was wrong in each of the
+7 of 10 answers that reached it: agreement there compared guesses.
 """
 
 from __future__ import annotations
