@@ -1,4 +1,4 @@
-"""bench_blend's retrieval workload: depot documents and a question the model can answer.
+"""bench_blend's retrieval workload: depot documents and a question one of them answers.
 
 The pool holds `pool` documents, one per depot (a place no other document names), each run by
 a manager of its own. A document opens with who manages the depot, then lists its stock, every
