@@ -19,4 +19,5 @@
                         quality on a real model (entry point; kvtier's own forward or SGLang)
     blend_sglang.py     bench_blend's `--engine sglang`: one server with enable_blending
     blend_plain.py      bench_blend's `--plain`: prompts without segments, blending on vs off
+    blend_workload.py   bench_blend's documents (a depot each) and questions (who manages one)
 """
