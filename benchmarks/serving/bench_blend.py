@@ -24,9 +24,10 @@ Quality against full: `kl` is KL(full || x) of the next-token distribution, aver
 first `--kl-tokens` answer positions (full's greedy answer fed to both); `agree` is the share of
 queries whose answer (the first sentence of `--answer-tokens` free-running greedy tokens)
 equals full's, `identical` the share whose every token does; `correct` the share whose answer
-names the right manager (how often the model knows it at all). Prints a
-table; writes benchmarks/results/bench_blend.json (or `--json PATH`) with `ttft_ratio` (blend /
-full, median), `kl_blend`, `kl_naive` (means over queries), `agree_blend`, `correct_<arm>`.
+names the right manager (how often the model knows it at all). Prints a table; writes
+benchmarks/results/bench_blend.json (or `--json PATH`) with `ttft_ratio` (blend / full,
+median), `kl_blend`, `kl_naive` (means over queries), `agree_blend`, `identical_<arm>` and
+`correct_<arm>`.
 
     PYTHONPATH=. .venv/bin/python benchmarks/serving/bench_blend.py [--queries 10] [--docs 6]
 """
@@ -36,7 +37,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import re
 import statistics
 import time
 from pathlib import Path
@@ -115,7 +115,7 @@ def _query(w: LlamaWeights, store: SegmentStore, ids: list[int], sep: list[int],
         _, dists = _answer(w, toks, out.kv, out.logits, args.kl_tokens, forced=ref)
         row[f"kl_{name}"] = _kl(ref_d[:args.kl_tokens], dists)
         free, _ = _answer(w, toks, out.kv, out.logits, args.answer_tokens)
-        row[f"agree_{name}"] = free == ref
+        row[f"identical_{name}"] = free == ref
         row[f"{name}_answer"] = free
         row[f"{name}_computed"] = len(out.computed)
         row["cached"] = got.tokens_cached
@@ -164,8 +164,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rows.append(_query(w, store, ids, sep, args))
         r = rows[-1]
         print(f"query {len(rows) - 1}: {r['tokens']} tokens, full {r['full_s']:.2f}s, blend "
-              f"{r['blend_s']:.2f}s kl {r['kl_blend']:.4f} identical {r['agree_blend']}, naive "
-              f"kl {r['kl_naive']:.4f} identical {r['agree_naive']}", flush=True)
+              f"{r['blend_s']:.2f}s kl {r['kl_blend']:.4f} identical {r['identical_blend']}, "
+              f"naive kl {r['kl_naive']:.4f} identical {r['identical_naive']}", flush=True)
     storage.close()
     return _answers(_summary(rows, args), asked, tok)
 
@@ -178,25 +178,20 @@ def _answers(summary: dict[str, Any], asked: list[tuple[list[int], blend_workloa
     rows = summary["rows"]
     arms = [k.removesuffix("_answer") for k in rows[0] if k.endswith("_answer")]
     for row, (_, depot) in zip(rows, asked):
+        row["identical_full"] = True
+        if tok is not None:  # the offline engine keeps token ids
+            for arm in arms:
+                row[f"{arm}_answer"] = tok.decode(row[f"{arm}_answer"])
+        reference = blend_workload.answer(row["full_answer"])
         for arm in arms:
-            text = row[f"{arm}_answer"]
-            if tok is not None:
-                text = row[f"{arm}_answer"] = tok.decode(text)
-            row[f"correct_{arm}"] = depot.manager in _sentence(text)
-        for arm in arms:
-            row[f"identical_{arm}"] = row.get(f"agree_{arm}", True)  # every token the same
-            row[f"agree_{arm}"] = _sentence(row[f"{arm}_answer"]) == _sentence(
-                row["full_answer"])
+            said = blend_workload.answer(row[f"{arm}_answer"])
+            row[f"correct_{arm}"] = depot.manager in said
+            row[f"agree_{arm}"] = said == reference
     for arm in arms:
         for what in ("correct", "identical", "agree"):
             summary[f"{what}_{arm}"] = statistics.fmean(r[f"{what}_{arm}"] for r in rows)
     return summary
 
-
-def _sentence(text: str) -> str:
-    """The answer: a reply's first sentence. What the model says after it (the offline arms
-    do not stop at the end of the turn) is not part of the answer."""
-    return re.split(r"[.\n]|<\|im_end\|>", text, maxsplit=1)[0].strip()
 
 
 def _summary(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
@@ -208,8 +203,6 @@ def _summary(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, 
         "ttft_ratio_naive": statistics.median(naive),
         "kl_blend": statistics.fmean(r["kl_blend"] for r in rows),
         "kl_naive": statistics.fmean(r["kl_naive"] for r in rows),
-        "agree_blend": statistics.fmean(r["agree_blend"] for r in rows),
-        "agree_naive": statistics.fmean(r["agree_naive"] for r in rows),
         "computed_share": statistics.fmean(r["blend_computed"] / r["tokens"] for r in rows),
         "rows": rows,
     }

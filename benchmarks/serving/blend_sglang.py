@@ -129,14 +129,15 @@ def run_sglang(args: argparse.Namespace, model: Path, docs: list[list[int]],
                          "kl_blend": answer_kl(row["full"], row["blend"], row["full_tops"],
                                                row["blend_tops"], args.kl_tokens),
                          "kl_first": agreement.kl,
-                         "agree_blend": agreement.identical,
+                         "identical_blend": agreement.identical,
                          "full_answer": row["full"].text, "blend_answer": row["blend"].text,
                          "blend_loaded": int(found[-1][0]) if found else 0,
                          "blend_recomputed": int(found[-1][2]) if found else 0})
             r = rows[-1]
             print(f"query {q}: {r['tokens']} tokens, full {r['full_s']:.2f}s, blend "
                   f"{r['blend_s']:.2f}s ({r['blend_loaded']} loaded, {r['blend_recomputed']} "
-                  f"recomputed) kl {r['kl_blend']:.4f} identical {r['agree_blend']}", flush=True)
+                  f"recomputed) kl {r['kl_blend']:.4f} identical {r['identical_blend']}",
+                  flush=True)
     finally:
         server.stop()
     ratio = [r["blend_s"] / r["full_s"] for r in rows]
@@ -144,6 +145,5 @@ def run_sglang(args: argparse.Namespace, model: Path, docs: list[list[int]],
         "engine": "sglang", "model": "SmolLM2-135M-Instruct float32", "args": vars(args),
         "ttft_ratio": statistics.median(ratio), "ttft_ratio_p99": p99(ratio),
         "kl_blend": statistics.fmean(r["kl_blend"] for r in rows),
-        "agree_blend": statistics.fmean(r["agree_blend"] for r in rows),
         "blended": sum(r["blend_loaded"] > 0 for r in rows), "rows": rows,
     }

@@ -7,7 +7,7 @@ query is a system line, `docs` documents drawn from the pool in a shuffled order
 the separator), then "Who is the manager of the depot in X?" about one of them.
 
 Why this question: the answer is in exactly one document, and SmolLM2-135M answers it from
-the documents about half the time at 6 documents (5 of 10 prompts), so a blend that changes
+the documents about half the time at 6 documents (11 of 20 prompts), so a blend that changes
 the answer is visible. The earlier workload asked for a crate count that two or three records
 often named with different counts, and the full prefill's first digit was wrong in each of the
 7 of 10 answers that reached it: agreement there compared guesses.
@@ -16,11 +16,13 @@ often named with different counts, and the full prefill's first digit was wrong 
 from __future__ import annotations
 
 import random
+import re
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from kvtier.demo import texts
 
-__all__ = ["ASK", "Depot", "MANAGERS", "SYSTEM", "depots", "queries"]
+__all__ = ["ASK", "Depot", "MANAGERS", "SYSTEM", "answer", "depots", "queries"]
 
 SYSTEM = ("<|im_start|>system\nAnswer from the depot records.<|im_end|>\n"
           "<|im_start|>user\n")
@@ -36,7 +38,8 @@ class Depot(NamedTuple):
     ids: list[int]  # the document's tokens
 
 
-def _text(place: str, manager: str, tokens: int, count: Any, rng: random.Random) -> str:
+def _text(place: str, manager: str, tokens: int, count: Callable[[str], int],
+          rng: random.Random) -> str:
     lines = [f"This is the record of the depot in {place}. The manager of the depot in "
              f"{place} is {manager}."]
     while count(" ".join(lines)) < tokens:
@@ -82,3 +85,9 @@ def queries(tok: Any, pool: list[Depot], sep: list[int], n: int, docs: int,
         question = f"Who is the manager of the depot in {asked.place}?"
         out.append((ids + tok.encode(question, add_special_tokens=False) + ask, asked))
     return out
+
+
+def answer(reply: str) -> str:
+    """The answer in a reply: its first sentence. What the model says after it (the offline
+    engine does not stop at the end of the turn) is not part of the answer."""
+    return re.split(r"[.\n]|<\|im_end\|>", reply, maxsplit=1)[0].strip()
