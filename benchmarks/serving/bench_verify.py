@@ -4,17 +4,22 @@ One kvtier server (SmolLM2-135M-Instruct, float32, CPU + disk tiers) serves `--p
 documents once, one at a time (misses: kvtier stores them). Then rounds of the same prompts,
 sent by `--clients` concurrent clients after `/flush_cache`, so every request is a CPU-tier hit,
 or, when verified, a prefill computed in a batch with the others and compared with the record
-that was computed alone. Each round runs once per verification share in `--fractions`, switched
-at run time on the same server (the admin route `kvtier verify` uses), interleaved round by
-round and in a rotating order, so the host's drift falls on every share alike.
+that was computed alone. A round sends the prompts `--repeat` times over: a share of 0.01 needs
+a few hundred requests per round to verify any. SGLang's device pool (`--max-total-tokens`, by
+default about 6 prompts) holds fewer than the prompts, so it never holds the next one: a request
+SGLang found in its own pool would be neither loaded nor verified. Each round runs once per
+verification share in `--fractions`, switched at run time on the same server (the admin route
+`kvtier verify` uses), interleaved round by round and in a rotating order, so the host's drift
+falls on every share alike.
 
 Reported per share: requests per second (median and p99 of the per-round rates) as a ratio to
-verification off in the same run, chunks verified, mismatches, and the largest relative error
-an honest record showed (what the tolerance in kvtier/engine/verify.py must stay above).
+verification off in the same run, requests and chunks verified, mismatches, and the largest
+relative error an honest record showed (what the tolerance in kvtier/engine/verify.py must stay
+above).
 Prints a table, writes benchmarks/results/bench_verify.json.
 
     PYTHONPATH=. .venv/bin/python benchmarks/serving/bench_verify.py [--prompts 16]
-        [--clients 4] [--rounds 3] [--fractions 0,0.01,1]
+        [--clients 4] [--rounds 3] [--repeat 1] [--fractions 0,0.01,1]
 
 Needs the SGLang CPU environment (`make sglang-env`).
 """
@@ -52,7 +57,7 @@ def _server(work: Path, args: argparse.Namespace) -> SGLangServer:
     model = cached_smollm2()[0]
     return SGLangServer(model, work / "server.log", args=[
         "--enable-kvtier", "--kvtier-config-file", str(config), "--page-size", "16",
-        "--max-total-tokens", "16384", "--admin-api-key", ADMIN],
+        "--max-total-tokens", str(args.max_total_tokens), "--admin-api-key", ADMIN],
         pythonpath=[cpu_shims_dir()], cpu_flags=CPU_FLAGS)
 
 
@@ -64,7 +69,7 @@ def _set_fraction(server: SGLangServer, fraction: float) -> None:
 
 def _round(server: SGLangServer, prompts: list[str], clients: int,
            max_new_tokens: int) -> float:
-    """One round of every prompt, `clients` at a time; requests per second."""
+    """One round of `prompts`, `clients` at a time; requests per second."""
     server.flush_cache()
     start = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
@@ -72,17 +77,18 @@ def _round(server: SGLangServer, prompts: list[str], clients: int,
     return len(prompts) / (time.perf_counter() - start)
 
 
-def _verified(log: str, since: int) -> tuple[int, int, float]:
-    """(chunks verified, mismatched, largest relative error) in `log` from offset `since`."""
+def _verified(log: str, since: int) -> tuple[int, int, int, float]:
+    """(requests verified, chunks verified, mismatched, largest relative error) in `log` from
+    offset `since`: one line per verified request."""
     found = VERIFIED.findall(log[since:])
-    return (sum(int(n) for n, _, _ in found), sum(int(m) for _, m, _ in found),
+    return (len(found), sum(int(n) for n, _, _ in found), sum(int(m) for _, m, _ in found),
             max((float(e) for _, _, e in found), default=0.0))
 
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     prompts = documents(args.prompts, facts=args.facts, seed=11)
     rates: dict[float, list[float]] = {f: [] for f in args.fractions}
-    seen = {f: [0, 0, 0.0] for f in args.fractions}
+    seen = {f: [0, 0, 0, 0.0] for f in args.fractions}
     with _server(work, args) as server:
         for text in prompts:  # misses, one at a time: the records are computed alone
             ask(server, text, args.max_new_tokens)
@@ -93,31 +99,35 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     args.fractions[:r % len(args.fractions)]:
                 _set_fraction(server, fraction)
                 mark = len(server.log())
-                rates[fraction].append(_round(server, prompts, args.clients,
+                rates[fraction].append(_round(server, prompts * args.repeat, args.clients,
                                               args.max_new_tokens))
                 time.sleep(1.0)  # the round's last verifications log after their replies
-                chunks, bad, worst = _verified(server.log(), mark)
-                seen[fraction][0] += chunks
-                seen[fraction][1] += bad
-                seen[fraction][2] = max(seen[fraction][2], worst)
+                *counts, worst = _verified(server.log(), mark)
+                for i, count in enumerate(counts):
+                    seen[fraction][i] += count
+                seen[fraction][3] = max(seen[fraction][3], worst)
     base = statistics.median(rates[args.fractions[0]])
     rows = [{"fraction": f, "requests_per_s_median": statistics.median(r),
              "requests_per_s_p99": p99(r), "ratio_to_off": statistics.median(r) / base,
-             "rounds": r, "chunks_verified": seen[f][0], "mismatches": seen[f][1],
-             "largest_honest_error": seen[f][2]} for f, r in rates.items()]
-    return {"prompts": args.prompts, "clients": args.clients, "rounds": args.rounds,
+             "rounds": r, "requests_verified": seen[f][0], "chunks_verified": seen[f][1],
+             "mismatches": seen[f][2], "largest_honest_error": seen[f][3]}
+            for f, r in rates.items()]
+    return {"prompts": args.prompts, "repeat": args.repeat, "clients": args.clients,
+            "rounds": args.rounds, "max_new_tokens": args.max_new_tokens,
             "baseline": f"verify_fraction {args.fractions[0]}", "rows": rows}
 
 
 def print_table(result: dict[str, Any]) -> None:
-    print(f"\n{result['prompts']} prompts x {result['rounds']} rounds, {result['clients']} "
-          f"clients; ratio to {result['baseline']} (medians of rounds)")
-    print(f"{'fraction':>9} {'req/s med':>10} {'req/s p99':>10} {'ratio':>7} {'chunks':>7} "
-          f"{'mismatch':>9} {'max honest err':>15}")
+    print(f"\n{result['prompts']} prompts x {result['repeat']} per round x {result['rounds']} "
+          f"rounds, {result['clients']} clients, {result['max_new_tokens']} output tokens; ratio "
+          f"to {result['baseline']} (medians of rounds)")
+    print(f"{'fraction':>9} {'req/s med':>10} {'req/s p99':>10} {'ratio':>7} {'requests':>9} "
+          f"{'chunks':>7} {'mismatch':>9} {'max honest err':>15}")
     for row in result["rows"]:
         print(f"{row['fraction']:>9g} {row['requests_per_s_median']:>10.2f} "
               f"{row['requests_per_s_p99']:>10.2f} {row['ratio_to_off']:>7.3f} "
-              f"{row['chunks_verified']:>7d} {row['mismatches']:>9d} "
+              f"{row['requests_verified']:>9d} {row['chunks_verified']:>7d} "
+              f"{row['mismatches']:>9d} "
               f"{row['largest_honest_error']:>15.3g}")
 
 
@@ -134,9 +144,12 @@ def main() -> None:
     parser.add_argument("--facts", type=int, default=24, help="lines per document (~16 tokens)")
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=1, help="times a round sends the prompts")
     parser.add_argument("--fractions", type=_fractions, default=[0.0, 0.01, 1.0],
                         help="verification shares, the first the baseline (default 0,0.01,1)")
     parser.add_argument("--chunk-size", type=int, default=64)
+    parser.add_argument("--max-total-tokens", type=int, default=3072,
+                        help="SGLang's device pool, in tokens (keep it under the prompts')")
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--work-dir", type=Path, help="keep configs and logs here")
     args = parser.parse_args()
