@@ -147,19 +147,23 @@ def serving_log(text: str, lines: int = 150) -> str:
 def start_server(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Callable[..., SGLangServer]]:
-    """`start(model, config_path, *extra_args, env=)` -> a running kvtier-enabled server; every
-    server started through it is stopped when the module's tests are done."""
+    """`start(model, config_path, *extra_args, env=, ready=True)` -> a running kvtier-enabled
+    server (with `ready=False` launched only: the caller waits with `wait_ready`, so its start
+    overlaps other work); every server started through it is stopped when the module's tests
+    are done."""
     started: list[SGLangServer] = []
     logs = tmp_path_factory.mktemp("sglang-logs")
 
     def start(model: Path, config: Path | None, *args: str,
-              env: dict[str, str] | None = None) -> SGLangServer:
+              env: dict[str, str] | None = None, ready: bool = True) -> SGLangServer:
         flags = ["--enable-kvtier", "--kvtier-config-file", str(config)] if config else []
         server = SGLangServer(model, logs / f"server-{len(started)}.log",
                               args=[*flags, *args], env=env)
         started.append(server)
         _LIVE.append(server)
-        server.start()
+        server.launch()
+        if ready:
+            server.wait_ready()
         return server
 
     try:

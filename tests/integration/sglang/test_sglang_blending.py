@@ -130,18 +130,21 @@ def test_segments_load_at_new_positions_and_blend_exactly_at_a_share_of_one(
     server.stop()
     restarted = start_server(real_model, config, "--max-total-tokens", "8192",
                              "--enable-metrics")
+    # A second instance that shares only Redis and keeps no CPU tier (local_cpu: false),
+    # launched now: it starts while the restarted server serves.
+    shared = write_config(tmp_path / "second.yaml", local_cpu=False, remote_url=redis.url,
+                          **blending)
+    second = start_server(real_model, shared, "--max-total-tokens", "8192", "--enable-metrics",
+                          ready=False)
     other = _prompt([3, 1, 0, 2])
     reference = _generate(restarted, other, opt_out=True, salt="reference")
     assert _generate(restarted, other)["output_ids"] == reference["output_ids"]
     assert _blends(restarted) == 1 and _metric(restarted, "blend_segments_hit", at_least=4) == 4
 
-    # A second instance that shares only Redis and keeps no CPU tier (local_cpu: false): the
-    # segments the first server wrote are staged from Redis while the request waits, then
-    # blended.
+    # The second instance: the segments the first server wrote are staged from Redis while
+    # the request waits, then blended.
     restarted.stop()
-    shared = write_config(tmp_path / "second.yaml", local_cpu=False, remote_url=redis.url,
-                          **blending)
-    second = start_server(real_model, shared, "--max-total-tokens", "8192", "--enable-metrics")
+    second.wait_ready()
     third = _prompt([1, 3, 2, 0])
     reference = _generate(second, third, opt_out=True, salt="reference")
     assert _generate(second, third)["output_ids"] == reference["output_ids"]

@@ -43,7 +43,9 @@ def test_two_servers_share_a_cluster_and_survive_a_master_failover(
     # was timed, on each primary, when the servers started.
     config = write_config(tmp_path / "kvtier.yaml", remote_url=cluster.url,
                           remote_timeout_secs=2.0, prefetch_policy="adaptive")
-    servers = [start_server(tiny_llama, config), start_server(tiny_llama, config)]
+    servers = [start_server(tiny_llama, config, ready=False) for _ in range(2)]
+    for server in servers:  # started side by side
+        server.wait_ready()
     ids = prompt(70, TURN)
     expected = cold(servers[0], ids)
 

@@ -16,8 +16,10 @@ again and finds the records the first server wrote equal to what it computed. At
 rank 1's records are then deleted and the ranks agree to load nothing.
 
 The reference server runs without kvtier and without SGLang's own prefix cache, so every
-reference answer is computed from scratch. Servers start one at a time: a 2-core host starting
-several SGLang servers at once took minutes for each. Each setup has a key namespace of its
+reference answer is computed from scratch. Each test launches the server of the test after it
+once its own server is ready (`Servers.ahead`): the next start's half a minute of imports runs
+beside this test's requests instead of after them, one start at a time (a 2-core host starting
+several SGLang servers at once took minutes for each). Each setup has a key namespace of its
 own, so no server finds another setup's records.
 """
 
@@ -67,6 +69,7 @@ class Servers:
     def __init__(self, model: Path, root: Path) -> None:
         self.model, self.root = model, root
         self.started: list[SGLangServer] = []
+        self.launched: dict[str, SGLangServer] = {}  # ahead of the test that takes them
 
     def make(self, name: str, setup: str | None, **tiers: object) -> SGLangServer:
         args: list[str] = [*POOL]
@@ -91,6 +94,21 @@ class Servers:
             server.launch()
         for server in servers:
             server.wait_ready()
+
+    def ahead(self, name: str, setup: str, **tiers: object) -> None:
+        """Launch server `name` now, for a later `take`."""
+        if name not in self.launched:
+            self.launched[name] = server = self.make(name, setup, **tiers)
+            server.launch()
+
+    def take(self, name: str, setup: str, **tiers: object) -> SGLangServer:
+        """Server `name`, launched ahead or now, once it is ready."""
+        server = self.launched.pop(name, None)
+        if server is None:
+            self.ahead(name, setup, **tiers)
+            server = self.launched.pop(name)
+        server.wait_ready()
+        return server
 
     def stop(self, server: SGLangServer) -> None:
         server.stop(timeout=30)  # a SIGTERM: kvtier drains its queued writes first
@@ -146,6 +164,29 @@ def disks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {setup: str(tmp_path_factory.mktemp(setup)) for setup in SETUPS}
 
 
+def take_server(servers: Servers, setup: str, second: bool, disks: dict[str, str],
+                redis: RedisProcess) -> SGLangServer:
+    """The first (or `second`) server of `setup`, ready; the next test's is launched behind
+    it. The tests run every setup's first server, then every setup's second server."""
+    order = [(s, False) for s in SETUPS] + [(s, True) for s in SETUPS]
+
+    def spec(setup: str, second: bool) -> tuple[str, dict[str, object]]:
+        tiers: dict[str, object] = {"local_disk": disks[setup], "max_local_disk_size": 1.0,
+                                    "remote_url": redis.url}
+        if second:  # on the first server's disk directory and Redis, started after it stopped
+            return f"{setup}-second", {"local_cpu": SETUPS[setup].cpu_tier, **tiers}
+        return setup, tiers
+
+    name, tiers = spec(setup, second)
+    server = servers.take(name, setup, **tiers)
+    at = order.index((setup, second))
+    if at + 1 < len(order):
+        next_setup, next_second = order[at + 1]
+        next_name, next_tiers = spec(next_setup, next_second)
+        servers.ahead(next_name, next_setup, **next_tiers)
+    return server
+
+
 def detach(server: SGLangServer, tier: str, tp: int) -> None:
     """Detaches `tier` on every rank; each writes what it has queued for it first."""
     done = server.log().count(f"kvtier: detached tier {tier}")
@@ -161,9 +202,7 @@ def test_hits_from_the_cpu_tier_and_a_next_turn_answer_as_computed_from_scratch(
         reference: Callable[[str], Answer]) -> None:
     """The first server of `setup`. It writes through to disk and Redis; the disk is detached
     once the first prompt is stored, so the second reaches Redis only."""
-    server = servers.make(setup, setup, local_disk=disks[setup], max_local_disk_size=1.0,
-                          remote_url=redis.url)
-    servers.start(server)
+    server = take_server(servers, setup, False, disks, redis)
     tp, page = SETUPS[setup].tp, SETUPS[setup].page
     for n, text in enumerate(PROMPTS):
         miss = ask(server, text)  # kvtier stores, and changes nothing of what is computed
@@ -213,9 +252,7 @@ def test_a_restart_hits_from_disk_and_a_second_instance_from_redis(
     stopped: the first prompt hits from disk, the second (never written to disk) from Redis."""
     assert any(Path(disks[setup]).iterdir()), "the setup's first server stores first"
     tp, page, _, cpu_tier = SETUPS[setup]
-    server = servers.make(f"{setup}-second", setup, local_cpu=cpu_tier, local_disk=disks[setup],
-                          max_local_disk_size=1.0, remote_url=redis.url)
-    servers.start(server)
+    server = take_server(servers, setup, True, disks, redis)
     for text, path in zip(PROMPTS, ("disk after a restart", "Redis from a second instance")):
         hit = ask(server, text)
         assert hit.cached_tokens == hit_floor(hit, page), (path, hit)

@@ -82,6 +82,9 @@ def test_redis_detached_and_attached_over_http_while_serving(
         start_server: Callable[..., SGLangServer], tiny_llama: Path, redis: RedisProcess,
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     writer = start_server(tiny_llama, write_config(tmp_path / "w.yaml", remote_url=redis.url))
+    # Launched now, it starts while the writer serves.
+    clients = start_server(tiny_llama, write_config(tmp_path / "k.yaml", remote_url=redis.url),
+                           "--api-key", "client-key", ready=False)
     shared = [prompt(80, TURN), prompt(81, TURN)]
     expected = [cold(writer, ids) for ids in shared]
     for ids in shared:
@@ -94,8 +97,7 @@ def test_redis_detached_and_attached_over_http_while_serving(
     writer.stop()
 
     # Only --api-key (inference clients' key): that key changes no tier either.
-    clients = start_server(tiny_llama, write_config(tmp_path / "k.yaml", remote_url=redis.url),
-                           "--api-key", "client-key")
+    clients.wait_ready()
     assert cli_tiers.request(clients.url, attach, "client-key")[0] == 403
     assert cli_tiers.request(clients.url, attach)[0] in (401, 403)
     assert clients.generate(shared[0])["output_ids"] == expected[0]  # it serves, with its key

@@ -58,8 +58,11 @@ def servers_ab(start_server: Callable[..., SGLangServer], tiny_llama: Path, disk
                             remote_url=redis.url, remote_timeout_secs=0.5)
     config_b = write_config(cfg / "b.yaml", local_cpu=False, remote_url=redis.url,
                             remote_timeout_secs=0.5, prefetch_policy="adaptive")
-    return (start_server(tiny_llama, config_a, "--page-size", "4"),
-            start_server(tiny_llama, config_b, "--page-size", "4"))
+    a, b = (start_server(tiny_llama, config, "--page-size", "4", ready=False)
+            for config in (config_a, config_b))
+    a.wait_ready()  # started side by side
+    b.wait_ready()
+    return a, b
 
 
 @pytest.fixture(scope="module")
