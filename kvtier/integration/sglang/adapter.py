@@ -97,7 +97,8 @@ class SGLangKVTier:
             "loads", "tokens_loaded", "load_misses", "load_no_slots", "loads_short",
             "loads_discarded", "stores", "tokens_stored", "stores_skipped_busy", "store_errors",
             "prefetches", "prefetches_cancelled", "prefetch_waits",
-            "prefetches_skipped_hot", "verified_requests", *BLEND_COUNTERS)))
+            "prefetches_skipped_hot", "verified_requests", "verified_tokens",
+            *BLEND_COUNTERS)))
         self.budget = SchedulerBudget(self.counters)
         self._closed_sessions: set[str] = set()  # a store finishing late must not re-pin
         # request id -> its prefetch; registered on every rank alike (scheduler thread)
@@ -325,13 +326,16 @@ class SGLangKVTier:
         result = self.engine.verify(job.token_ids, job.slots, start=job.verify_from,
                                     session_id=sid, on_read=job.release_slots, salt=job.salt,
                                     also_prefix=also, ready=job.ready)
+        chunks = len({v.chunk for v in result.verdicts})
         self.counters.inc("sglang.verified_requests")
+        # What verification cost: the tokens a tier held, which a hit would have loaded.
+        self.counters.inc("sglang.verified_tokens", chunks * self.chunk_size)
         self.counters.inc("sglang.stores")
         self.counters.inc("sglang.tokens_stored", result.stored)
         worst = max((v.error for v in result.verdicts), default=0.0)
         logger.info("kvtier: verified %d chunks of a %d-token prefix against %s: %d mismatched "
                     "(largest relative error %.3g)",
-                    len({v.chunk for v in result.verdicts}), len(job.token_ids),
+                    chunks, len(job.token_ids),
                     sorted({v.tier for v in result.verdicts}) or "no tier (nothing held)",
                     len(result.mismatches), worst)
         return result.stored
