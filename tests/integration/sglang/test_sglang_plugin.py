@@ -163,9 +163,15 @@ def test_the_memory_check_at_launch_counts_data_parallel_ranks_too(
     from kvtier.config.host import cgroup_memory_limit
 
     limit = min(physical_memory_bytes(), cgroup_memory_limit(None) or physical_memory_bytes())
-    per_rank = round(limit * 0.4 / 1e9, 3)  # two ranks fit, three do not
+    per_rank = round(limit * 0.4 / 1e9, 3)  # two ranks fit the host's memory, three do not
     config = write_config(tmp_path / "kvtier.yaml", max_local_cpu_size=per_rank)
-    parse(tiny_llama, "--enable-kvtier", "--kvtier-config-file", str(config), "--dp-size", "2")
+    try:
+        parse(tiny_llama, "--enable-kvtier", "--kvtier-config-file", str(config),
+              "--dp-size", "2")
+    except ConfigError as error:
+        # Two fit the host, but maybe not the memory free now, which other processes on this
+        # host decide (a CI job's own servers): that check counts both ranks as well.
+        assert "local rank(s)" not in str(error) and "x 2 rank(s)" in str(error), error
     with pytest.raises(ConfigError, match=r"x 3 local rank\(s\)"):
         parse(tiny_llama, "--enable-kvtier", "--kvtier-config-file", str(config),
               "--dp-size", "3")
