@@ -131,6 +131,12 @@ def print_table(result: dict[str, Any]) -> None:
               f"{row['largest_honest_error']:>15.3g}")
 
 
+def _at_least_one(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"--repeat wants a whole number >= 1, got {text!r}")
+    return int(text)
+
+
 def _fractions(text: str) -> list[float]:
     values = [float(v) for v in text.split(",") if v]
     if not values or any(not 0 <= v <= 1 for v in values):
@@ -144,7 +150,8 @@ def main() -> None:
     parser.add_argument("--facts", type=int, default=24, help="lines per document (~16 tokens)")
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--repeat", type=int, default=1, help="times a round sends the prompts")
+    parser.add_argument("--repeat", type=_at_least_one, default=1,
+                        help="times a round sends the prompts")
     parser.add_argument("--fractions", type=_fractions, default=[0.0, 0.01, 1.0],
                         help="verification shares, the first the baseline (default 0,0.01,1)")
     parser.add_argument("--chunk-size", type=int, default=64)
