@@ -10,7 +10,8 @@ default about 6 prompts) holds fewer than the prompts, so it never holds the nex
 SGLang found in its own pool would be neither loaded nor verified. Each round runs once per
 verification share in `--fractions`, switched at run time on the same server (the admin route
 `kvtier verify` uses), interleaved round by round and in a rotating order, so the host's drift
-falls on every share alike.
+falls on every share alike. Each share above 0 runs once per scope in `--scopes` (`full`: the
+whole prompt is computed; `tail`: the prefix loads and the hit's last full chunk is computed).
 
 Reported per share: requests per second (median and p99 of the per-round rates) as a ratio to
 verification off in the same run, requests and chunks verified, mismatches, and the largest
@@ -19,7 +20,7 @@ above).
 Prints a table, writes benchmarks/results/bench_verify.json.
 
     PYTHONPATH=. .venv/bin/python benchmarks/serving/bench_verify.py [--prompts 16]
-        [--clients 4] [--rounds 3] [--repeat 1] [--fractions 0,0.01,1]
+        [--clients 4] [--rounds 3] [--repeat 1] [--fractions 0,0.01,1] [--scopes full,tail]
 
 Needs the SGLang CPU environment (`make sglang-env`).
 """
@@ -39,6 +40,7 @@ import yaml
 from benchmarks.common import work_dir, write_results
 from benchmarks.serving.adaptive_report import p99
 from kvtier.cli.tiers import request
+from kvtier.config.schema import VERIFY_SCOPES
 from kvtier.demo.quality import ask, documents
 from kvtier.demo.server import CPU_FLAGS, SGLangServer, cpu_shims_dir
 from kvtier.demo.smollm2 import cached_smollm2
@@ -61,10 +63,14 @@ def _server(work: Path, args: argparse.Namespace) -> SGLangServer:
         pythonpath=[cpu_shims_dir()], cpu_flags=CPU_FLAGS)
 
 
-def _set_fraction(server: SGLangServer, fraction: float) -> None:
-    status, answer = request(server.url, {"op": "verify", "fraction": fraction}, ADMIN)
+Arm = tuple[float, str]  # (verify_fraction, verify_scope)
+
+
+def _set_arm(server: SGLangServer, arm: Arm) -> None:
+    status, answer = request(server.url, {"op": "verify", "fraction": arm[0], "scope": arm[1]},
+                             ADMIN)
     if status != 200 or not answer.get("success"):
-        raise RuntimeError(f"setting verify_fraction {fraction}: {status} {answer}")
+        raise RuntimeError(f"setting verification to {arm}: {status} {answer}")
 
 
 def _round(server: SGLangServer, prompts: list[str], clients: int,
@@ -87,31 +93,33 @@ def _verified(log: str, since: int) -> tuple[int, int, int, float]:
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     prompts = documents(args.prompts, facts=args.facts, seed=11)
-    rates: dict[float, list[float]] = {f: [] for f in args.fractions}
-    seen = {f: [0, 0, 0, 0.0] for f in args.fractions}
+    arms: list[Arm] = [(args.fractions[0], args.scopes[0])] + [
+        (f, scope) for f in args.fractions[1:] for scope in args.scopes]
+    rates: dict[Arm, list[float]] = {arm: [] for arm in arms}
+    seen = {arm: [0, 0, 0, 0.0] for arm in arms}
     with _server(work, args) as server:
         for text in prompts:  # misses, one at a time: the records are computed alone
             ask(server, text, args.max_new_tokens)
         time.sleep(1.0)  # the last store's log line
         for r in range(args.rounds):
-            # each round starts one share later: no share always runs first, or after another
-            for fraction in args.fractions[r % len(args.fractions):] + \
-                    args.fractions[:r % len(args.fractions)]:
-                _set_fraction(server, fraction)
+            # each round starts one arm later: no arm always runs first, or after another
+            for arm in arms[r % len(arms):] + arms[:r % len(arms)]:
+                _set_arm(server, arm)
                 mark = len(server.log())
-                rates[fraction].append(_round(server, prompts * args.repeat, args.clients,
-                                              args.max_new_tokens))
+                rates[arm].append(_round(server, prompts * args.repeat, args.clients,
+                                         args.max_new_tokens))
                 time.sleep(1.0)  # the round's last verifications log after their replies
                 *counts, worst = _verified(server.log(), mark)
                 for i, count in enumerate(counts):
-                    seen[fraction][i] += count
-                seen[fraction][3] = max(seen[fraction][3], worst)
-    base = statistics.median(rates[args.fractions[0]])
-    rows = [{"fraction": f, "requests_per_s_median": statistics.median(r),
+                    seen[arm][i] += count
+                seen[arm][3] = max(seen[arm][3], worst)
+    base = statistics.median(rates[arms[0]])
+    rows = [{"fraction": f, "scope": scope, "requests_per_s_median": statistics.median(r),
              "requests_per_s_p99": p99(r), "ratio_to_off": statistics.median(r) / base,
-             "rounds": r, "requests_verified": seen[f][0], "chunks_verified": seen[f][1],
-             "mismatches": seen[f][2], "largest_honest_error": seen[f][3]}
-            for f, r in rates.items()]
+             "rounds": r, "requests_verified": seen[f, scope][0],
+             "chunks_verified": seen[f, scope][1],
+             "mismatches": seen[f, scope][2], "largest_honest_error": seen[f, scope][3]}
+            for (f, scope), r in rates.items()]
     return {"prompts": args.prompts, "repeat": args.repeat, "clients": args.clients,
             "rounds": args.rounds, "max_new_tokens": args.max_new_tokens,
             "baseline": f"verify_fraction {args.fractions[0]}", "rows": rows}
@@ -121,10 +129,10 @@ def print_table(result: dict[str, Any]) -> None:
     print(f"\n{result['prompts']} prompts x {result['repeat']} per round x {result['rounds']} "
           f"rounds, {result['clients']} clients, {result['max_new_tokens']} output tokens; ratio "
           f"to {result['baseline']} (medians of rounds)")
-    print(f"{'fraction':>9} {'req/s med':>10} {'req/s p99':>10} {'ratio':>7} {'requests':>9} "
-          f"{'chunks':>7} {'mismatch':>9} {'max honest err':>15}")
+    print(f"{'fraction':>9} {'scope':>5} {'req/s med':>10} {'req/s p99':>10} {'ratio':>7} "
+          f"{'requests':>9} {'chunks':>7} {'mismatch':>9} {'max honest err':>15}")
     for row in result["rows"]:
-        print(f"{row['fraction']:>9g} {row['requests_per_s_median']:>10.2f} "
+        print(f"{row['fraction']:>9g} {row['scope']:>5} {row['requests_per_s_median']:>10.2f} "
               f"{row['requests_per_s_p99']:>10.2f} {row['ratio_to_off']:>7.3f} "
               f"{row['requests_verified']:>9d} {row['chunks_verified']:>7d} "
               f"{row['mismatches']:>9d} "
@@ -144,6 +152,14 @@ def _fractions(text: str) -> list[float]:
     return values
 
 
+def _scopes(text: str) -> list[str]:
+    values = [v for v in text.split(",") if v]
+    if not values or any(v not in VERIFY_SCOPES for v in values):
+        raise argparse.ArgumentTypeError(f"--scopes wants some of {', '.join(VERIFY_SCOPES)}, "
+                                         f"got {text!r}")
+    return values
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=16)
@@ -154,6 +170,8 @@ def main() -> None:
                         help="times a round sends the prompts")
     parser.add_argument("--fractions", type=_fractions, default=[0.0, 0.01, 1.0],
                         help="verification shares, the first the baseline (default 0,0.01,1)")
+    parser.add_argument("--scopes", type=_scopes, default=["full"],
+                        help="verify_scope values each share above 0 runs with (default full)")
     parser.add_argument("--chunk-size", type=int, default=64)
     parser.add_argument("--max-total-tokens", type=int, default=3072,
                         help="SGLang's device pool, in tokens (keep it under the prompts')")

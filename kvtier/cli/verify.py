@@ -3,10 +3,13 @@
     kvtier verify --server http://127.0.0.1:30000                  # the share, and per rank and
                                                                   # tier: chunks checked, mismatched
     kvtier verify --server URL --fraction 0.01                    # verify 1% of the hits from now
+    kvtier verify --server URL --scope tail                       # compute only a hit's last chunk
 
-A verified request loads nothing: it is computed as a miss, and what it computed is compared
-with what every tier holds for the same chunks (docs/verification.md). The share applies on
-every TP rank until the server restarts (the config's `verify_fraction` then applies again).
+A verified request is computed, and what it computed is compared with what every tier holds
+for the same chunks (docs/verification.md): its whole prompt (scope full: it loads nothing), or
+the last full chunk of its hit over the loaded prefix (scope tail). The share and scope apply
+on every TP rank until the server restarts (the config's `verify_fraction` and `verify_scope`
+then apply again).
 Talks to the server's `/kvtier/tiers` route like `kvtier tiers`; changing the share needs the
 admin key when the server has one (`SGLANG_ADMIN_API_KEY` or `--admin-key`).
 """
@@ -21,6 +24,7 @@ from typing import Any
 import yaml
 
 from kvtier.cli.tiers import ADMIN_KEY_ENV, admin_key, check_server, request
+from kvtier.config.schema import VERIFY_SCOPES
 from kvtier.config.urls import redact_url
 
 __all__ = ["add_parser"]
@@ -39,7 +43,9 @@ def _fraction(text: str) -> float:
 
 def _run(args: argparse.Namespace) -> int:
     check_server(args.server, args.insecure)
-    body = None if args.fraction is None else {"op": "verify", "fraction": args.fraction}
+    change = {k: v for k, v in (("fraction", args.fraction), ("scope", args.scope))
+              if v is not None}
+    body = {"op": "verify", **change} if change else None
     try:
         status, answer = request(args.server, body, admin_key(args))
     except (urllib.error.URLError, OSError) as exc:
@@ -48,7 +54,8 @@ def _run(args: argparse.Namespace) -> int:
     ranks = answer.get("ranks")
     shown: dict[str, Any] = {"success": answer.get("success", False)}
     if isinstance(ranks, list):
-        shown["ranks"] = [{k: r.get(k) for k in ("verify_fraction", "verified", "error")
+        shown["ranks"] = [{k: r.get(k) for k in ("verify_fraction", "verify_scope", "verified",
+                                                 "error")
                            if k in r} for r in ranks if isinstance(r, dict)]
     elif "error" in answer or "detail" in answer:
         shown["error"] = answer.get("error", answer.get("detail"))
@@ -63,6 +70,9 @@ def add_parser(sub: Any) -> None:
                    "http:// to a loopback address)")
     p.add_argument("--fraction", type=_fraction, help="the share of requests that would hit "
                    "to verify from now on, 0-1 (0: off); without it, show the share and counts")
+    p.add_argument("--scope", choices=VERIFY_SCOPES, help="what a verified request computes: "
+                   "full (its whole prompt) or tail (the last full chunk of its hit, the prefix "
+                   "loaded)")
     p.add_argument("--admin-key", help=f"the server's --admin-api-key, if it has one (better: "
                    f"{ADMIN_KEY_ENV}, which the process list does not show)")
     p.add_argument("--insecure", action="store_true",

@@ -34,6 +34,7 @@ __all__ = ["BlendSection", "Config", "PrefetchSection", "WriteSection", "validat
            "TRANSFER_ARENA_GB", "PATH_KEYS"]
 
 REMOTE_SERDES = ("naive",)
+VERIFY_SCOPES = ("full", "tail")
 CHUNK_MULTIPLE = 16
 MAX_CHUNK = 1 << 20  # tokens; a chunk is one arena object, and a prompt is far shorter
 # The arena kvtier still needs to move chunks to and from disk/Redis when LMCache's
@@ -107,6 +108,10 @@ class Config:
     # This share of the requests that would hit is computed as a miss instead, and the fresh
     # KV compared with what the tiers hold (kvtier.engine.verify); 0: off.
     verify_fraction: float = 0.0
+    # What a verified request computes: "full" (its whole prompt, as a miss: every chunk is
+    # compared) or "tail" (the prefix loads; the last full chunk of its hit is computed and
+    # compared: one chunk's prefill, and a changed model or a bad prefix still shows there).
+    verify_scope: str = "full"
     # Key the KV under this instead of the fingerprint of the model's weights and config: for
     # copies of one model whose files differ (another format of the same weights). A wrong
     # value shares KV between models that compute different KV: verify_fraction catches it.
@@ -243,6 +248,9 @@ def _validate_numbers(cfg: Config) -> None:
     if not 0.0 <= cfg.verify_fraction <= 1.0:
         raise _fail(src, "verify_fraction",
                     f"must lie in [0, 1] (a share of the requests), got {cfg.verify_fraction}")
+    if cfg.verify_scope not in VERIFY_SCOPES:
+        raise _fail(src, "verify_scope",
+                    f"must be one of {', '.join(VERIFY_SCOPES)}, got {cfg.verify_scope!r}")
     if not 0 < cfg.session_ttl_secs <= MAX_SECONDS:
         raise _fail(src, "session_ttl_secs",
                     f"must be in (0, {MAX_SECONDS:g}], got {cfg.session_ttl_secs}")

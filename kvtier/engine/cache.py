@@ -16,7 +16,7 @@ from kvtier.connectors.base import KVConnector
 from kvtier.engine.rows import limit_of, pool_rows
 from kvtier.engine.saving import PrefixSaver
 from kvtier.engine.tiers import TierControl
-from kvtier.engine.verify import Verification, sampled, shadow_check
+from kvtier.engine.verify import Verification, disowned, purge, sampled, shadow_check
 from kvtier.kernels import ops
 from kvtier.keys import ChunkKey, KeyBuilder, KeyChain
 from kvtier.memory import KVLayout, MemoryFormat, MemoryObj, lease
@@ -110,30 +110,27 @@ class CacheEngine:
             from kvtier import prometheus
 
             prometheus.serve_rank(config.metrics_port + rank)
-        self.verify_fraction = config.verify_fraction  # the admin route changes it
+        self.verify_fraction = config.verify_fraction  # both changed at run time (admin route)
+        self.verify_scope = config.verify_scope
         self._closed = False
 
     def store(self, token_ids: TokenIds, slot_mapping: torch.Tensor, *,
               session_id: str | None = None, on_read: Callable[[], None] | None = None,
               salt: str = "", also_prefix: int | None = None,
               ready: torch.cuda.Event | None = None, known: int = 0) -> int:
-        """Save the KV of `token_ids` (in pool rows `slot_mapping`) chunk by chunk.
+        """Save the KV of `token_ids` (in pool rows `slot_mapping`) chunk by chunk; returns the
+        tokens newly stored. Chunks the CPU tier holds are skipped (lower tiers' writers skip
+        what they hold); storing stops at the first `-1` slot or chunk that finds no memory.
 
-        Chunks the CPU tier already holds are skipped (lower tiers are never asked here: their
-        writers skip what they hold); storing stops at the first chunk that has a `-1` slot or
-        finds no memory. `on_read` is called as soon as the pool rows have been read, before
-        the chunks are put anywhere: the caller may reuse the rows from then on. With
-        `session_id`, the prefix is then pinned in the CPU tier as that session's latest turn
-        (see `release_session`). `salt`: the request's own salt (see `chunk_keys`).
-        `also_prefix`: the length of a shorter prefix whose tail is stored too, when it ends
-        inside the last chunk (SGLang: the prompt without its answer, which the same prompt
-        sent again looks up; tails are found by exact length). `ready` (CUDA pools): the event
-        recorded after the forward that wrote the KV; the copy starts once it has fired (None:
-        once the caller's current stream has run what it holds now). `known`: the leading
-        tokens the request found in the tiers at admission; without a CPU tier to skip them
-        by (`local_cpu: false`), their whole chunks are not stored again (a lower tier holds
-        them, and writers keep a chunk's predecessors). Returns the number of tokens newly
-        stored.
+        `on_read`: called once the pool rows are read (the caller may reuse them from then on).
+        `session_id`: pin the prefix in the CPU tier as that session's latest turn (see
+        `release_session`). `salt`: the request's salt (see `chunk_keys`). `also_prefix`: a
+        shorter prefix whose tail is stored too when it ends inside the last chunk (SGLang: the
+        prompt without its answer, which the same prompt sent again looks up; tails are found
+        by exact length). `ready` (CUDA pools): the event recorded after the forward that wrote
+        the KV (None: what the caller's current stream holds now). `known`: the leading tokens
+        found in the tiers at admission; without a CPU tier to skip them by (`local_cpu:
+        false`), their whole chunks are not stored again (writers keep a chunk's predecessors).
         """
         keys, slots, lowest = self._prepare(token_ids, slot_mapping,
                                             self.keys.keys(token_ids, salt) if salt else None)
@@ -153,26 +150,33 @@ class CacheEngine:
         return stored
 
     def verify(self, token_ids: TokenIds, slot_mapping: torch.Tensor, *, start: int = 0,
-               session_id: str | None = None, on_read: Callable[[], None] | None = None,
-               salt: str = "", also_prefix: int | None = None,
+               loaded: bool = False, session_id: str | None = None,
+               on_read: Callable[[], None] | None = None, salt: str = "",
+               also_prefix: int | None = None,
                ready: torch.cuda.Event | None = None) -> Verification:
         """`store`, after comparing the KV in `slot_mapping` with every tier's records of the
-        same full chunks from the one holding token `start` on (the request computed tokens
-        from `start` on; those before came from the pool): a chunk that differs beyond
-        `verify.TOLERANCE` is counted, logged and removed from its tier with the chunks after
-        it, so the store writes the fresh KV in its place. Its other arguments are `store`'s."""
+        full chunks from the one holding token `start` on (what the request computed): a chunk
+        over `verify.TOLERANCE` is counted, logged and removed from its tier with the chunks
+        after it, and the store writes the fresh KV. `loaded`: the tokens before `start` came
+        from the tiers (`verify_scope: tail`); a chunk no tier's record matches then takes all
+        the request's chunks out of every tier, and nothing is stored (`verify.purge`)."""
         _, slots, _ = self._prepare(token_ids, slot_mapping)
+        keys = self.key_chain(token_ids, salt)
         verdicts = [] if self._closed else shadow_check(
-            self.storage, self.key_chain(token_ids, salt), start,
-            lambda todo: self._saver.fill(todo, slots, ready))
+            self.storage, keys, start, lambda todo: self._saver.fill(todo, slots, ready))
+        if loaded and disowned(verdicts):
+            if on_read is not None:  # nothing of the request is stored
+                on_read()
+            return Verification(0, verdicts, purge(self.storage, keys))
         stored = self.store(token_ids, slot_mapping, session_id=session_id, on_read=on_read,
                             salt=salt, also_prefix=also_prefix, ready=ready)
         return Verification(stored, verdicts)
 
-    def verifies(self, request_id: str) -> bool:
-        """Whether request `request_id` is verified rather than loaded (`verify_fraction`,
-        changed at run time through `verify_fraction`; every rank agrees)."""
-        return sampled(request_id, self.verify_fraction)
+    def verifies(self, request_id: str, scope: str | None = None) -> bool:
+        """Whether request `request_id` is verified (`verify_fraction`; every rank agrees), in
+        `verify_scope` `scope` if one is named."""
+        return (scope is None or scope == self.verify_scope) and \
+            sampled(request_id, self.verify_fraction)
 
     def retrieve(self, token_ids: TokenIds, slot_mapping: torch.Tensor, skip: int = 0, *,
                  hot_only: bool = False, session_id: str | None = None,

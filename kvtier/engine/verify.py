@@ -14,6 +14,11 @@ mismatch: counted (`verify_mismatch` in the tier's scope), logged with the tier,
 the first layer that differs, and quarantined: the chunk and every later chunk of the request
 are removed from that tier, so no request loads them (a chained key is never reached past a
 missing one) and the store that follows writes the fresh KV in their place.
+
+With `verify_scope: tail` the request loads its prefix and computes only the last full chunk of
+its hit. A fresh chunk computed over a loaded prefix that no tier's record matches may owe the
+difference to that prefix (a changed model differs everywhere), so `purge` then removes every
+chunk of the request from every tier and nothing of it is stored: the next request computes it.
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ from kvtier.memory import MemoryObj, lease
 from kvtier.metrics import RateLimitedLog
 from kvtier.storage import StorageManager
 
-__all__ = ["TOLERANCE", "Verdict", "Verification", "shadow_check", "sampled", "layer_errors"]
+__all__ = ["TOLERANCE", "Verdict", "Verification", "shadow_check", "sampled", "layer_errors",
+           "disowned", "purge"]
 
 logger = logging.getLogger(__name__)
 _warn = RateLimitedLog(logger)
@@ -65,11 +71,13 @@ class Verdict(NamedTuple):
 
 
 class Verification(NamedTuple):
-    """What `CacheEngine.verify` did: tokens newly stored, and a verdict per chunk and tier
-    compared (none when no tier held a chunk of the verified span)."""
+    """What `CacheEngine.verify` did: tokens newly stored, a verdict per chunk and tier
+    compared (none when no tier held a chunk of the verified span), and the chunks `purge`
+    removed from every tier (a tail verification whose loaded prefix is suspect)."""
 
     stored: int
     verdicts: list[Verdict]
+    purged: int = 0
 
     @property
     def mismatches(self) -> list[Verdict]:
@@ -168,3 +176,28 @@ class _Tier:
                       "writer bug: see docs/verification.md",
                       tier.name, i, keys[i].start, keys[i].end, keys[i].key[:16], layer, error,
                       tolerance, removed, tier.name)
+
+
+def disowned(verdicts: Sequence[Verdict]) -> bool:
+    """Whether some chunk's fresh KV differs from every tier's record of it: no tier vouches
+    for what this server computed (one tier that matches puts the fault in the other's
+    record)."""
+    vouched: dict[int, bool] = {}
+    for v in verdicts:
+        vouched[v.chunk] = vouched.get(v.chunk, False) or v.matched
+    return not all(vouched.values())
+
+
+def purge(storage: StorageManager, keys: KeyChain) -> int:
+    """Remove every chunk of `keys` and the tails after its first from every tier; returns
+    how many records went. For a tail verification that `disowned` its records: the fresh
+    chunk was computed over a prefix the tiers supplied, so that prefix is as suspect as the
+    chunk (a model changed under the same identity differs in every chunk)."""
+    doomed = [*keys, *keys.tails(0)]
+    removed = sum(tier.remove(doomed) for tier in (storage.hot, *storage.lower_tiers))
+    _warn.warning("verify-purge",
+                  "kvtier: verification (scope tail): a chunk computed over a loaded prefix "
+                  "matches no tier's record of it, so the prefix is suspect too: %d records of "
+                  "the request's %d chunks removed from every tier and nothing stored; the next "
+                  "request computes them", removed, len(keys))
+    return removed

@@ -160,6 +160,42 @@ def test_the_chunk_where_the_computed_tokens_start_is_compared_whole(
                                                                         ("disk", 1, 0)}
 
 
+def test_a_tail_that_matches_no_tier_takes_the_loaded_prefix_out_of_every_tier(
+        mha: CacheEngine, tokens: torch.Tensor, slots: torch.Tensor) -> None:
+    """`verify_scope: tail`: chunks 0-2 were loaded, chunk 3 computed by a changed model (its
+    layer 2 on). No tier vouches for the fresh chunk, so the prefix it was computed over is as
+    suspect: every chunk leaves every tier, and nothing of the request is stored."""
+    _stored(mha, tokens, slots)
+    pool = _pool(mha)
+    tail = slots[3 * CHUNK:4 * CHUNK]
+    for layer in range(2, LAYERS):
+        pool.v[layer][tail] *= 1.05
+    result = mha.verify(tokens, slots, start=3 * CHUNK, loaded=True)
+    assert {(v.tier, v.chunk, v.layer) for v in result.verdicts} == {("cpu", 3, 2),
+                                                                     ("disk", 3, 2)}
+    assert result.stored == 0 and result.purged == 2 * 3  # chunk 3 went in the quarantine
+    assert mha.flush(30) and mha.lookup(tokens) == 0
+    assert mha.storage.contains(mha.key_chain(tokens)) == 0  # disk too
+
+
+def test_a_tail_that_one_tier_vouches_for_keeps_the_prefix(
+        mha: CacheEngine, tokens: torch.Tensor, slots: torch.Tensor) -> None:
+    """The CPU tier's record of chunk 3 matches the fresh chunk and the disk's does not: the
+    fault is that record's, so only the disk loses it; the prefix stays in both tiers."""
+    bad = slots.clone()
+    bad[[3 * CHUNK + 1, 3 * CHUNK + 2]] = bad[[3 * CHUNK + 2, 3 * CHUNK + 1]]
+    _stored(mha, tokens, bad)
+    assert mha.storage.hot.remove([mha.key_chain(tokens)[3]]) == 1
+    assert mha.store(tokens, slots) == CHUNK  # the CPU tier's chunk 3 is honest again
+    assert mha.flush(30)
+    result = mha.verify(tokens, slots, start=3 * CHUNK, loaded=True)
+    assert [(v.tier, v.chunk, v.matched) for v in result.verdicts] == [("cpu", 3, True),
+                                                                       ("disk", 3, False)]
+    assert result.purged == 0 and result.stored == 0  # the CPU tier holds every chunk
+    assert mha.flush(30) and mha.lookup(tokens) == 4 * CHUNK
+    assert mha.storage.lower_tiers[0].batch_contains(mha.key_chain(tokens)) == 3
+
+
 def test_nothing_is_compared_without_a_record(mha: CacheEngine, tokens: torch.Tensor,
                                              slots: torch.Tensor) -> None:
     result = mha.verify(tokens, slots)
@@ -189,6 +225,11 @@ def test_verify_fraction_outside_0_1_is_refused(value: float) -> None:
         Config(verify_fraction=value)
 
 
+def test_a_verify_scope_other_than_full_or_tail_is_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match="verify_scope: must be one of full, tail, got 'head'"):
+        Config(verify_scope="head")
+
+
 def test_without_a_cpu_tier_the_lower_tiers_are_verified(tmp_path: Path, tokens: torch.Tensor,
                                                          slots: torch.Tensor) -> None:
     engine = _engine(_mha(torch.float32), tmp_path, local_cpu=False)
@@ -216,6 +257,17 @@ def test_a_nan_on_one_side_only_is_a_mismatch_and_on_both_is_not() -> None:
 def test_a_model_fingerprint_that_cannot_be_a_key_component_is_refused(value: str) -> None:
     with pytest.raises(ConfigError, match="model_fingerprint"):
         Config(model_fingerprint=value)
+
+
+def test_kvtier_verify_refuses_an_unknown_scope_before_any_request(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from kvtier.cli.main import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["verify", "--server", "http://127.0.0.1:1", "--scope", "head"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--scope" in err and "'head'" in err and "cannot reach" not in err
 
 
 @pytest.mark.parametrize("fraction", ["2", "-0.1", "half"])

@@ -105,8 +105,9 @@ class SGLangKVTier:
         self._prefetches: dict[str, Prefetch] = {}
         self._checked: set[str] = set()  # requests whose prefetch was asked about once
         self._keys: dict[str, KeyChain] = {}  # request id -> its key chain
-        # Requests computed as a miss to verify the tiers -> the device prefix they had then.
-        self._shadowed: dict[str, int] = {}
+        # Verified requests -> (the token their comparison starts at, whether the tokens
+        # before it were loaded from the tiers: `verify_scope: tail`).
+        self._shadowed: dict[str, tuple[int, bool]] = {}
         # Request id -> the leading tokens its admission load found in the tiers (its store
         # need not write them again where no CPU tier can tell).
         self._found: dict[str, int] = {}
@@ -140,15 +141,30 @@ class SGLangKVTier:
         return keys
 
     def shadowed(self, rid: str, device_len: int) -> bool:
-        """Whether request `rid` is verified rather than loaded (`verify_fraction`; every rank
-        decides alike): it hits nothing, and its store first compares what it computed past
-        `device_len` with the tiers' records (`CacheEngine.verify`)."""
-        if self._closed or not self.engine.verifies(rid):
+        """Whether request `rid` is verified in full (`verify_fraction`, `verify_scope: full`;
+        every rank decides alike): it hits nothing, and its store first compares what it
+        computed past `device_len` with the tiers' records (`CacheEngine.verify`)."""
+        if self._closed or not self.engine.verifies(rid, "full"):
             return False
+        self._shadow(rid, device_len, loaded=False)
+        return True
+
+    def shadow_tail(self, rid: str, device_len: int, hit: int) -> int:
+        """How much of its `hit` (tokens, from 0) request `rid` loads: all of it, or, when
+        it is verified with `verify_scope: tail`, all but the hit's last full chunk, which it
+        computes and its store compares with the tiers' records. With no full chunk past
+        `device_len` in the hit, it loads nothing and is compared from `device_len` on."""
+        if self._closed or hit <= device_len or not self.engine.verifies(rid, "tail"):
+            return hit
+        full_end = hit - hit % self.chunk_size  # chunks are whole pages: so is the cut
+        cut = max(full_end - self.chunk_size, device_len)
+        self._shadow(rid, cut, loaded=cut > device_len)
+        return cut
+
+    def _shadow(self, rid: str, start: int, *, loaded: bool) -> None:
         if len(self._shadowed) >= MAX_CACHED_KEYS:
             self._shadowed.clear()  # requests that never came back
-        self._shadowed[rid] = device_len
-        return True
+        self._shadowed[rid] = (start, loaded)
 
     def verifying(self, rid: str) -> bool:
         """Whether request `rid` is computed to verify the tiers (`shadowed`)."""
@@ -190,8 +206,8 @@ class SGLangKVTier:
 
     def start_prefetch(self, rid: str, token_ids: np.ndarray, salt: str = "") -> None:
         """Start loading `token_ids`' lower-tier chunks into the CPU tier for request `rid`."""
-        if self._closed or rid in self._prefetches or self.engine.verifies(rid):
-            return  # a verified request loads nothing: it is computed, then compared
+        if self._closed or rid in self._prefetches or self.engine.verifies(rid, "full"):
+            return  # it loads nothing: it is computed, then compared
         end = self.loadable_end(len(token_ids))
         if end == 0:
             return
@@ -285,11 +301,12 @@ class SGLangKVTier:
         if slots.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
-        verify_from = self._shadowed.pop(rid, None) if rid is not None else None
+        shadow = self._shadowed.pop(rid, None) if rid is not None else None
         known = self._found.pop(rid, 0) if rid is not None else 0
-        return self.stores.submit(StoreJob(token_ids, slots, handle, ready, session_id,
-                                           salt=salt, prompt_len=prompt_len,
-                                           verify_from=verify_from, known=known))
+        return self.stores.submit(StoreJob(
+            token_ids, slots, handle, ready, session_id, salt=salt, prompt_len=prompt_len,
+            verify_from=None if shadow is None else shadow[0],
+            verify_loaded=shadow is not None and shadow[1], known=known))
 
     def poll_done(self) -> list[StoreJob]:
         """Stores whose slots are free, whose handles the caller may now release (scheduler
@@ -324,7 +341,8 @@ class SGLangKVTier:
         """The store of a verified request: the comparison, then the store itself."""
         assert job.verify_from is not None
         result = self.engine.verify(job.token_ids, job.slots, start=job.verify_from,
-                                    session_id=sid, on_read=job.release_slots, salt=job.salt,
+                                    loaded=job.verify_loaded, session_id=sid,
+                                    on_read=job.release_slots, salt=job.salt,
                                     also_prefix=also, ready=job.ready)
         chunks = len({v.chunk for v in result.verdicts})
         self.counters.inc("sglang.verified_requests")
@@ -334,10 +352,12 @@ class SGLangKVTier:
         self.counters.inc("sglang.tokens_stored", result.stored)
         worst = max((v.error for v in result.verdicts), default=0.0)
         logger.info("kvtier: verified %d chunks of a %d-token prefix against %s: %d mismatched "
-                    "(largest relative error %.3g)",
+                    "(largest relative error %.3g)%s",
                     chunks, len(job.token_ids),
                     sorted({v.tier for v in result.verdicts}) or "no tier (nothing held)",
-                    len(result.mismatches), worst)
+                    len(result.mismatches), worst,
+                    f"; {result.purged} records of its loaded prefix removed"
+                    if result.purged else "")
         return result.stored
 
     # ---- lifecycle ----

@@ -3,7 +3,8 @@
     GET  /kvtier/tiers   the attached tiers and session pins per TP rank, and recent attaches
     POST /kvtier/tiers   {"op": "attach", "tier": "redis", "config": {"remote_timeout_secs": 3}}
                          {"op": "detach", "tier": "redis", "drain": true}
-                         {"op": "verify", "fraction": 0.01}   (shadow verification's share)
+                         {"op": "verify", "fraction": 0.01, "scope": "tail"}
+                                        (shadow verification's share and scope; either key)
 
 An attach answers 202 with an id at once and runs in the background (`attach.py`): every rank
 builds the tier on a thread of its own, then the tier is published on every rank, or on none
@@ -36,6 +37,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
+from kvtier.config.schema import VERIFY_SCOPES
 from kvtier.config.tiers import lower_tier_names
 from kvtier.errors import ConfigError
 from kvtier.integration.sglang.attach import MAX_TIMEOUT_S, attach_config
@@ -49,6 +51,7 @@ from kvtier.integration.sglang.sglang_views import (
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
+    from kvtier.engine import CacheEngine
     from kvtier.integration.sglang.adapter import SGLangKVTier
 
 __all__ = ["apply", "add_routes", "wrap_attach", "wrap_detach"]
@@ -89,8 +92,7 @@ def apply(kvtier: SGLangKVTier, request: dict[str, Any]) -> dict[str, Any]:
         # the scheduler does not wait for them.
         engine.tiers.detach(name, drain=bool(request.get("drain", True)), wait=False)
     elif op == "verify":
-        engine.verify_fraction = _fraction(request)
-        logger.info("kvtier: verify_fraction set to %g over HTTP", engine.verify_fraction)
+        _set_verification(engine, request)
     elif op != "list":
         raise ValueError(f"op: must be list, attach, detach or verify, got {op!r}")
     stats = engine.stats()
@@ -99,9 +101,22 @@ def apply(kvtier: SGLangKVTier, request: dict[str, Any]) -> dict[str, Any]:
             "sessions_pinned": stats.get("sessions_pinned", 0),
             "session_pinned_bytes": stats.get("session_pinned_bytes", 0),
             "verify_fraction": engine.verify_fraction,
+            "verify_scope": engine.verify_scope,
             "verified": {tier: {"checked": stats.get(f"{tier}.verify_checked", 0),
                                 "mismatched": stats.get(f"{tier}.verify_mismatch", 0)}
                          for tier in engine.tiers.names}}
+
+
+def _set_verification(engine: CacheEngine, request: dict[str, Any]) -> None:
+    """The `verify` op: a new `fraction`, `scope` or both, each checked before either is set."""
+    if "fraction" not in request and "scope" not in request:
+        raise ValueError("fraction: a verify op needs a fraction, a scope or both")
+    fraction = _fraction(request) if "fraction" in request else engine.verify_fraction
+    scope = request.get("scope", engine.verify_scope)
+    if scope not in VERIFY_SCOPES:
+        raise ValueError(f"scope: must be one of {', '.join(VERIFY_SCOPES)}, got {scope!r}")
+    engine.verify_fraction, engine.verify_scope = fraction, scope
+    logger.info("kvtier: verify_fraction %g, verify_scope %s (set over HTTP)", fraction, scope)
 
 
 def _fraction(request: dict[str, Any]) -> float:

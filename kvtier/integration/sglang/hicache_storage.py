@@ -157,6 +157,10 @@ class KVTierHiCacheStorage(HiCacheStorage):
                                          "hicache_storage_backend_extra_config")
             logger.info("kvtier HiCache storage: verify_fraction %g (from the extra config)",
                         self.config.verify_fraction)
+        if self.config.verify_fraction > 0 and self.config.verify_scope != "full":
+            logger.warning("kvtier: verify_scope %s applies to --enable-kvtier (the radix-cache "
+                           "backend); in the HiCache storage mode a sampled query is verified "
+                           "in full", self.config.verify_scope)
         if self.config.enable_blending:
             logger.warning("kvtier: enable_blending is ignored in the HiCache storage mode "
                            "(--hicache-storage-backend kvtier): blending runs with "

@@ -161,6 +161,9 @@ class KVTierRadixCache(StoragePrefetchHooks, UnifiedRadixCache):
         if hit <= device_len:
             kv.counters.inc("sglang.load_misses")
             return 0
+        hit = kv.shadow_tail(rid, device_len, hit)  # verified by its last chunk: computed
+        if hit <= device_len:
+            return 0
         self._promised[rid] = (key, device_len, hit, None)
         return hit - device_len
 

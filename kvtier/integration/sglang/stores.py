@@ -51,6 +51,7 @@ class StoreJob:
     salt: str = ""  # the request's cache_salt
     prompt_len: int | None = None  # the prompt alone, whose tail is stored too
     verify_from: int | None = None  # shadow verification: compare from this token on, then store
+    verify_loaded: bool = False  # the tokens before `verify_from` were loaded from the tiers
     known: int = 0  # leading tokens the request found in the tiers (`CacheEngine.store`)
     deadline: float = 0.0  # monotonic; a job still queued then is cancelled
     state: str = QUEUED

@@ -1,39 +1,84 @@
 """The SGLang adapter's verified requests, as SGLang's scheduler drives it: what they cost is
 counted (`kvtier_sglang_verified_tokens_total`: the tokens a tier held, which a hit would have
-loaded). Real SGLang servers verify in test_sglang_verify.py and the quality gate."""
+loaded), and with `verify_scope: tail` a request loads all but its hit's last full chunk.
+Real SGLang servers verify in test_sglang_verify.py and the quality gate."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import pytest
 import torch
 
 from kvtier.config import Config
 from kvtier.connectors import SGLangMHAConnector
 from kvtier.engine import CacheEngine
 from kvtier.integration.sglang.adapter import SGLangKVTier
+from kvtier.integration.sglang.admin import apply
 from tests.helpers import SMALL_MHA
 
 CHUNK, TOKENS, HELD = 16, 64, 48  # the tiers hold the first 3 of the prompt's 4 chunks
 
 
-def test_a_verified_request_counts_the_tokens_a_hit_would_have_loaded() -> None:
+@pytest.fixture
+def kv() -> Iterator[SGLangKVTier]:
     shape = (TOKENS + 1, SMALL_MHA.num_kv_heads, SMALL_MHA.head_dim)
     pool = [torch.randn(shape).to(SMALL_MHA.dtype) for _ in range(2 * SMALL_MHA.num_layers)]
     cfg = Config(chunk_size=CHUNK, max_local_cpu_size=0.01, verify_fraction=1.0)
     engine = CacheEngine(cfg, model_name="m", layout=SMALL_MHA,
                          connector=SGLangMHAConnector(pool[::2], pool[1::2]))
-    kv = SGLangKVTier(engine, page_size=1)
+    adapter = SGLangKVTier(engine, page_size=1)
+    yield adapter
+    adapter.close()
+    engine.close()
+
+
+def _verify_stored(kv: SGLangKVTier, tokens: torch.Tensor, slots: torch.Tensor,
+                   rid: str) -> dict[str, float]:
+    """Submit request `rid`'s store, wait for it and return the adapter's counters."""
+    assert kv.submit_store(tokens.numpy(), slots.clone(), "handle", rid=rid)
+    assert kv.settle()
+    return dict(kv.counters.snapshot(declared=True))
+
+
+def test_a_verified_request_counts_the_tokens_a_hit_would_have_loaded(
+        kv: SGLangKVTier) -> None:
+    engine = kv.engine
     tokens, slots = torch.arange(100, 100 + TOKENS), torch.arange(1, TOKENS + 1)
-    try:
-        assert engine.store(tokens[:HELD], slots[:HELD]) == HELD
-        assert kv.shadowed("req", device_len=0)  # a share of 1: computed, not loaded
-        assert kv.submit_store(tokens.numpy(), slots.clone(), "handle", rid="req")
-        assert kv.settle()
-        counts = kv.counters.snapshot(declared=True)
-        assert counts["sglang.verified_requests"] == 1
-        assert counts["sglang.verified_tokens"] == HELD  # the 4th chunk was held by no tier
-        assert counts["sglang.tokens_stored"] == TOKENS - HELD
-        checked = engine.storage.counters.snapshot(declared=True)
-        assert checked.get("cpu.verify_checked", 0) == HELD // CHUNK, checked
-    finally:
-        kv.close()
-        engine.close()
+    assert engine.store(tokens[:HELD], slots[:HELD]) == HELD
+    assert kv.shadowed("req", device_len=0)  # a share of 1: computed, not loaded
+    counts = _verify_stored(kv, tokens, slots, "req")
+    assert counts["sglang.verified_requests"] == 1
+    assert counts["sglang.verified_tokens"] == HELD  # the 4th chunk was held by no tier
+    assert counts["sglang.tokens_stored"] == TOKENS - HELD
+    checked = engine.storage.counters.snapshot(declared=True)
+    assert checked.get("cpu.verify_checked", 0) == HELD // CHUNK, checked
+
+
+def test_scope_tail_loads_all_but_the_hit_s_last_full_chunk(kv: SGLangKVTier) -> None:
+    answer = apply(kv, {"op": "verify", "scope": "tail"})
+    assert answer["verify_scope"] == "tail" and answer["verify_fraction"] == 1.0
+    assert not kv.shadowed("full", device_len=0)  # scope tail: nothing is verified in full
+    assert kv.shadow_tail("a", device_len=0, hit=HELD) == HELD - CHUNK
+    assert kv.shadow_tail("b", device_len=0, hit=HELD + 5) == HELD - CHUNK  # a tail loads too
+    assert kv.shadow_tail("c", device_len=40, hit=HELD) == 40  # no chunk to spare: computed
+    tokens, slots = torch.arange(100, 100 + TOKENS), torch.arange(1, TOKENS + 1)
+    assert kv.engine.store(tokens[:HELD], slots[:HELD]) == HELD
+    counts = _verify_stored(kv, tokens, slots, "a")  # loaded up to 32, computed from there
+    assert counts["sglang.verified_tokens"] == CHUNK  # the held chunk it computed: one
+    assert counts["sglang.tokens_stored"] == TOKENS - HELD
+    apply(kv, {"op": "verify", "fraction": 0.0})
+    assert kv.shadow_tail("d", device_len=0, hit=HELD) == HELD  # off: the whole hit loads
+
+
+@pytest.mark.parametrize("request_, named", [
+    ({"op": "verify", "scope": "head"}, "scope: must be one of full, tail, got 'head'"),
+    ({"op": "verify", "fraction": 2, "scope": "tail"}, "fraction: must be a number in [0, 1]"),
+    ({"op": "verify"}, "fraction: a verify op needs a fraction, a scope or both"),
+])
+def test_the_verify_op_refuses_a_bad_value_before_changing_either(
+        kv: SGLangKVTier, request_: dict[str, object], named: str) -> None:
+    with pytest.raises(ValueError) as refused:
+        apply(kv, request_)
+    assert named in str(refused.value)
+    assert (kv.engine.verify_fraction, kv.engine.verify_scope) == (1.0, "full")

@@ -2,7 +2,8 @@
 page 16, chunk 64): honest records of every tier match a fresh prefill, and a server whose
 weights differ in one matrix, keyed under the first one's identity by a careless config, catches
 the first one's records on its first verified hit, names the tier and the layer, removes them,
-and answers with its own model.
+and answers with its own model. Verified by their tails (`verify_scope: tail`), honest records
+load and match, and the changed model's tail takes the whole prompt out of every tier.
 
 Records another server wrote (disk after a restart, Redis from a second instance, with and
 without a CPU tier, at TP 1 and 2 and page sizes 1, 16 and 32), verified with verification
@@ -101,11 +102,19 @@ def mismatch_lines(server: SGLangServer) -> list[tuple[str, int]]:
 
 
 class Honest:
-    """The real model's answers (stored in every tier), and what verifying them counted."""
+    """The real model's answers (stored in every tier), what verifying them in full counted,
+    and the answers of the same prompts verified by their tails (`verify_scope: tail`)."""
 
     def __init__(self, answers: dict[str, Answer], counts: dict[str, dict[str, int]],
-                 chunks: int):
-        self.answers, self.counts, self.chunks = answers, counts, chunks
+                 chunks: int, tails: dict[str, Answer]):
+        self.answers, self.counts, self.chunks, self.tails = answers, counts, chunks, tails
+
+
+def tail_cut(prompt_tokens: int) -> int:
+    """What a request verified by its tail loads: its hit (all but the prompt's last token,
+    in whole pages) without the hit's last full chunk."""
+    hit = (prompt_tokens - 1) // 16 * 16
+    return hit - hit % 64 - 64
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +137,23 @@ def honest(real_model: Path, launch: Callable[..., SGLangServer]) -> Honest:
     found = logged(server, r"kvtier: verified (\d+) chunks .*?: (\d+) mismatched", len(PROMPTS))
     assert all(int(bad) == 0 for _, bad in found), found
     assert not mismatch_lines(server)
-    return Honest(answers, verified(server), sum(int(n) for n, _ in found))
+    counts = verified(server)
+    return Honest(answers, counts, sum(int(n) for n, _ in found), _tails(server))
+
+
+def _tails(server: SGLangServer) -> dict[str, Answer]:
+    """The same prompts verified by their tails: loaded, then one chunk computed and compared."""
+    refused = cli_tiers.request(server.url, {"op": "verify", "scope": "head"}, ADMIN)
+    assert refused[0] == 400 and "scope" in str(refused[1]["ranks"]), refused
+    assert kvtier_main(["verify", "--server", server.url, "--admin-key", ADMIN,
+                        "--scope", "tail"]) == 0
+    server.flush_cache()
+    tails = {text: ask(server, text) for text in PROMPTS}
+    found = logged(server, r"kvtier: verified (\d+) chunks .*?: (\d+) mismatched",
+                   2 * len(PROMPTS))[len(PROMPTS):]
+    assert all(int(n) >= 1 and int(bad) == 0 for n, bad in found), found
+    assert not mismatch_lines(server)
+    return tails
 
 
 @pytest.mark.timeout(600)
@@ -138,6 +163,13 @@ def test_honest_records_of_every_tier_match_a_fresh_prefill(honest: Honest) -> N
     assert honest.chunks >= 4 * len(PROMPTS)
     for tier in ("cpu", "disk", "redis"):  # each chunk, in each tier
         assert honest.counts[tier] == {"checked": honest.chunks, "mismatched": 0}, honest.counts
+
+
+@pytest.mark.timeout(600)
+def test_scope_tail_loads_all_but_the_last_chunk_and_answers_the_same(honest: Honest) -> None:
+    for text, answer in honest.tails.items():
+        assert answer.cached_tokens == tail_cut(answer.prompt_tokens) >= 3 * 64, answer
+        assert answer.ids == honest.answers[text].ids, (answer.text, honest.answers[text].text)
 
 
 @pytest.mark.timeout(600)
@@ -160,3 +192,28 @@ def test_a_changed_model_under_the_same_identity_is_caught_and_answers_as_itself
     loaded = ask(server, text)
     assert loaded.cached_tokens >= 4 * 64, loaded
     assert loaded.ids == first.ids, (loaded.text, first.text)
+    # Verified by its tail, a prompt whose records the first model wrote: the tail this
+    # model computed over them matches no tier, so the whole prompt leaves every tier.
+    assert kvtier_main(["verify", "--server", server.url, "--admin-key", ADMIN,
+                        "--fraction", "1", "--scope", "tail"]) == 0
+    other = PROMPTS[1]
+    server.flush_cache()
+    over_theirs = ask(server, other)  # loaded the first model's prefix
+    assert over_theirs.cached_tokens == tail_cut(over_theirs.prompt_tokens), over_theirs
+    purged = logged(server, r"verified \d+ chunks .*?; (\d+) records of its loaded prefix "
+                            r"removed", 1)
+    assert int(purged[0]) > 0, purged
+    counts = verified(server)
+    assert {tier: counts[tier]["mismatched"] for tier in counts} == {
+        "cpu": 1, "disk": 2, "redis": 2}, counts  # the prefetch had brought them to the CPU
+    server.flush_cache()
+    own = ask(server, other)  # nothing held: computed, and stored
+    assert own.cached_tokens < 32, own
+    server.flush_cache()
+    again = ask(server, other)  # its own records now: loaded, the tail matches
+    assert again.cached_tokens == tail_cut(own.prompt_tokens) and again.ids == own.ids
+    logged(server, r"kvtier: verified \d+ chunks", 3)
+    after = verified(server)
+    assert {tier: after[tier]["mismatched"] for tier in after} == {
+        tier: counts[tier]["mismatched"] for tier in counts}, after
+    assert all(after[tier]["checked"] == counts[tier]["checked"] + 1 for tier in after), after
