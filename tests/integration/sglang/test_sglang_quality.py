@@ -262,8 +262,26 @@ def test_a_restart_hits_from_disk_and_a_second_instance_from_redis(
     verified_at_run_time(server, SETUPS[setup], reference,
                          [[*cpu, "disk", "redis"], [*cpu, "redis"]])
     if tp == 2 and page == 32:
+        _verified_by_tails(server, SETUPS[setup], reference)
         _one_rank_without_records_loads_nothing(server, redis, setup, reference)
     servers.stop(server)
+
+
+def _verified_by_tails(server: SGLangServer, setup: Setup,
+                       reference: Callable[[str], Answer]) -> None:
+    """`verify_scope: tail` at TP 2 without a CPU tier: both ranks prefetch and load all but
+    the hit's last full chunk, compute that chunk and find it equal to their shard's records."""
+    assert kvtier_main(["verify", "--server", server.url, "--admin-key", ADMIN,
+                        "--scope", "tail"]) == 0
+    server.flush_cache()
+    for text in PROMPTS:
+        again = ask(server, text)
+        hit = hit_floor(again, setup.page)
+        assert again.cached_tokens == hit - hit % setup.chunk - setup.chunk, again
+        gate(reference(text), again, "verified by its tail (loaded, its last chunk computed)")
+    found = logged(server, r"kvtier: verified (\d+) chunks .*?: (\d+) mismatched",
+                   2 * setup.tp * len(PROMPTS))[setup.tp * len(PROMPTS):]
+    assert all(int(n) >= 1 and bad == "0" for n, bad in found), found
 
 
 def _one_rank_without_records_loads_nothing(server: SGLangServer, redis: RedisProcess,
