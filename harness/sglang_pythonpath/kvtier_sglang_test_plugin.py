@@ -1,17 +1,47 @@
-"""Test-only SGLang plugin (entry point `kvtier_test_fixes`): CPU fixes for tiny test models.
+"""Test-only SGLang plugin (entry point `kvtier_test_fixes`): CPU fixes for tiny test models,
+and a quicker start to a SIGTERM stop.
 
 Under `--attention-backend torch_native` SGLang's DeepSeek dispatcher has no handler and falls
 back to the Triton one, which picks the MHA path for a prefix-free prefill; on the CPU
 torch_native backend that path fails on MLA shapes. Dispatching every torch_native forward to
 the MLA method (which torch_native implements) makes tiny DeepSeek-style models serve on CPU.
+
+SGLang's SIGTERM watchdog looks at its flag every 5 s, so a stopped server idles 2.5 s on
+average before its stop begins: about two minutes over the suite's 50 servers. Here it looks
+every 0.1 s; what the stop then does is SGLang's own, unchanged.
 """
 
 from __future__ import annotations
 
+import asyncio
+import sys
 from typing import Any
+
+WATCHDOG_POLL_S = 0.1
+
+
+class _QuickWatchdogAsyncio:
+    """`asyncio` as SGLang's tokenizer manager sees it: the same, but the SIGTERM watchdog's
+    5-second sleeps take `WATCHDOG_POLL_S`."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(asyncio, name)
+
+    @staticmethod
+    def sleep(delay: float, result: Any = None) -> Any:
+        if sys._getframe(1).f_code.co_name == "sigterm_watchdog":
+            delay = min(delay, WATCHDOG_POLL_S)
+        return asyncio.sleep(delay, result)
 
 
 def register() -> None:
+    from sglang.srt.managers import tokenizer_manager
+
+    tokenizer_manager.asyncio = _QuickWatchdogAsyncio()  # type: ignore[assignment]
+    _register_mla_dispatch()
+
+
+def _register_mla_dispatch() -> None:
     from sglang.srt.models.deepseek_common.attention_backend_handler import (
         AttentionBackendRegistry,
     )
