@@ -72,8 +72,8 @@ class Verdict(NamedTuple):
 
 class Verification(NamedTuple):
     """What `CacheEngine.verify` did: tokens newly stored, a verdict per chunk and tier
-    compared (none when no tier held a chunk of the verified span), and the chunks `purge`
-    removed from every tier (a tail verification whose loaded prefix is suspect)."""
+    compared (none when no tier held a chunk of the verified span), and the records `purge`
+    removed, over every tier (a tail verification whose loaded prefix is suspect)."""
 
     stored: int
     verdicts: list[Verdict]
@@ -189,8 +189,9 @@ def disowned(verdicts: Sequence[Verdict]) -> bool:
 
 
 def purge(storage: StorageManager, keys: KeyChain) -> int:
-    """Remove every chunk of `keys` and the tails after its first from every tier; returns
-    how many records went. For a tail verification that `disowned` its records: the fresh
+    """Remove every full chunk of `keys` and the tails inside its first chunk from every tier
+    (tails further on hang off removed chunks: no chained lookup reaches them); returns how
+    many records went. For a tail verification that `disowned` its records: the fresh
     chunk was computed over a prefix the tiers supplied, so that prefix is as suspect as the
     chunk (a model changed under the same identity differs in every chunk)."""
     doomed = [*keys, *keys.tails(0)]

@@ -167,7 +167,7 @@ class SGLangKVTier:
         self._shadowed[rid] = (start, loaded)
 
     def verifying(self, rid: str) -> bool:
-        """Whether request `rid` is computed to verify the tiers (`shadowed`)."""
+        """Whether request `rid` is computed to verify the tiers (`shadowed`, `shadow_tail`)."""
         return rid in self._shadowed
 
     def forget(self, rid: str) -> None:

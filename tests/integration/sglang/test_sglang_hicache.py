@@ -5,6 +5,7 @@ its model identity: the radix-cache backend's, from SGLang's server args (issue 
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -254,6 +255,22 @@ def test_the_attach_routes_extra_config_sets_the_verified_share(
         with pytest.raises(ConfigError, match="hicache_storage_backend_extra_config: "
                                               "verify_fraction"):
             make_backend(pool, extra={"verify_fraction": bad}, **disk)
+
+
+def test_a_tail_scope_is_named_in_a_warning_and_queries_are_verified_in_full(
+        make_backend: Callable[..., Any], tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """HiCache asks about pages, never a request with a hit to cut: `verify_scope: tail` has
+    nothing to act on there, so the backend says so and verifies a sampled query in full."""
+    disk = {"local_disk": str(tmp_path / "disk"), "max_local_disk_size": 0.01}
+    pool = host_pool("mha", "layer_first")
+    writer = make_backend(pool, **disk)
+    assert all(writer.batch_set_v1(KEYS, fill_pages(pool, 3, seed=8)))
+    writer.close()
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        checker = make_backend(pool, verify_fraction=1.0, verify_scope="tail", **disk)
+    assert "verify_scope tail applies to --enable-kvtier" in caplog.text
+    assert checker.batch_exists(KEYS) == 0  # sampled: every page computed, none loaded
 
 
 def test_mla_pages_are_written_by_rank_zero_only(make_backend: Callable[..., Any],
