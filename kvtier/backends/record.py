@@ -82,6 +82,7 @@ _FLAGS = {0, AUTHENTICATED, _SEALED}
 # Plausibility bounds: they keep a corrupt length field from making a reader allocate or read
 # absurd amounts before the checksum has been verified.
 MAX_KEY_LEN = 4096
+_PIECE = 1 << 20  # what `verify_payload` decrypts at a time
 MAX_TOKENS = 1 << 20
 _FORMATS = {int(f) for f in MemoryFormat}
 
@@ -314,7 +315,7 @@ def open_payload(header: RecordHeader, keys: RecordKeys | None) -> Unseal:
 def verify_payload(header: RecordHeader, view: memoryview | bytes, *,
                    unseal: Unseal | None = None, keys: RecordKeys | None = None) -> None:
     """Raise unless `view` is exactly and genuinely the payload `header` describes; on return,
-    an encrypted payload has been decrypted in place (`view` must then be writable).
+    an encrypted payload has been decrypted where it lies (`view` must then be writable).
 
     `unseal`: the payload's `Unseal` (from `open_payload`) when the caller fed the stored
     bytes through it already; else one is made with `keys` and fed `view`.
@@ -328,5 +329,13 @@ def verify_payload(header: RecordHeader, view: memoryview | bytes, *,
         raise CorruptEntry(f"payload_len: got {len(view)} bytes, expected {header.payload_len}")
     if unseal is None:
         unseal = open_payload(header, keys)
-        unseal.update(memoryview(view))
+        view = memoryview(view)
+        # A payload already in memory: each piece is copied to the scratch and decrypted back
+        # (never in place; I/O code avoids the copy by reading into `landing` itself).
+        for at in range(0, len(view), _PIECE):
+            piece = view[at : at + _PIECE]
+            stored = unseal.landing(piece)
+            if stored is not piece:
+                stored[:] = piece
+            unseal.update(stored, piece)
     unseal.finish(header.checksum)

@@ -17,10 +17,12 @@ only when they are the same chunk's record and drew the same nonce.
 
 Sealing runs piece by piece, as I/O code walks the payload: a writer encrypts each piece into a
 buffer of its own (never the arena, whose object stays the plaintext the engine reads), a
-reader decrypts each piece in place, in the arena, right after reading it, so the payload is
-never copied. The payload checksum (xxh3) covers the stored bytes, ciphertext included: a torn
-or corrupt record is a `CorruptEntry` (deleted), while a record that is whole but fails GCM's
-tag is a `ForgedEntry` (kept: it may be another key's).
+reader reads each piece into a scratch buffer of one piece and decrypts it from there into the
+arena right after reading it, so the payload crosses memory once, as a plain record's does
+(GCM is not run in place: cryptography 51 refuses overlapping buffers). The payload checksum
+(xxh3) covers the stored bytes, ciphertext included: a torn or corrupt record is a
+`CorruptEntry` (deleted), while a record that is whole but fails GCM's tag is a `ForgedEntry`
+(kept: it may be another key's).
 
 The AEAD is `cryptography`'s (OpenSSL's AES-GCM); none of it is written here, on purpose.
 """
@@ -279,7 +281,8 @@ class Seal:
 class Unseal:
     """The reading side of `Seal`: checks that `keys` may open a record whose header holds
     seal field `field` (None: a plain record) and, piece by piece, checksums the stored bytes
-    and decrypts them in place.
+    and decrypts them into the payload's memory: I/O code reads each piece into
+    `landing(piece)`, then calls `update(stored, piece)`.
 
     Raises (from the constructor, before any payload is read):
         KeyMismatch: a plain record and a reader with keys; a sealed record and a reader
@@ -288,6 +291,7 @@ class Unseal:
 
     def __init__(self, keys: RecordKeys | None, field: bytes | None, aad: bytes):
         self._sum = xxhash.xxh3_64()
+        self._scratch = memoryview(bytearray(0))
         if field is None:
             if keys is not None:
                 raise KeyMismatch("seal: the record is not encrypted (written without a "
@@ -308,12 +312,38 @@ class Unseal:
                            modes.GCM(nonce, tag)).decryptor()
         self._dec.authenticate_additional_data(aad + key_id)
 
-    def update(self, piece: memoryview) -> None:
-        """The payload's next stored `piece` (writable, when encrypted): checksummed, then
-        decrypted in place."""
-        self._sum.update(piece)
-        if self._dec is not None:
-            self._dec.update_into(piece, piece)
+    @property
+    def encrypted(self) -> bool:
+        return self._dec is not None
+
+    def landing(self, piece: memoryview) -> memoryview:
+        """Where I/O code reads the stored bytes of the payload's next `piece`: `piece` itself
+        for a plain record, else a scratch buffer of `len(piece)` bytes, reused from piece to
+        piece, that `update()` decrypts into `piece`. The stored bytes cross memory once
+        either way: GCM may not decrypt in place (cryptography >= 51 refuses overlapping
+        buffers), and a scratch of one piece stays in the CPU cache between read and decrypt.
+        """
+        if self._dec is None:
+            return piece
+        if len(self._scratch) < len(piece):
+            self._scratch = memoryview(bytearray(len(piece)))
+        return self._scratch[: len(piece)]
+
+    def update(self, stored: memoryview | bytes, piece: memoryview | None = None) -> None:
+        """The payload's next `stored` bytes, read into `landing(piece)`: checksummed and,
+        when encrypted, decrypted into `piece` (writable, `len(stored)` bytes, not overlapping
+        `stored`).
+
+        Raises ValueError naming `piece` when an encrypted record's piece is missing or of
+        another size than `stored`.
+        """
+        self._sum.update(stored)
+        if self._dec is None:
+            return
+        if piece is None or len(piece) != len(stored):
+            raise ValueError(f"piece: decrypting {len(stored)} stored bytes needs a piece of as "
+                             f"many, got {None if piece is None else len(piece)}")
+        self._dec.update_into(stored, piece)
 
     def finish(self, checksum: int) -> None:
         """Raise unless the payload read is whole and genuine.

@@ -52,13 +52,18 @@ def _sealed(key: ChunkKey, keys: RecordKeys | None, seed: int = 0, step: int = 7
 
 def _open(buf: bytes | bytearray, key: ChunkKey, keys: RecordKeys | None,
           step: int = 5) -> bytes:
-    """Read a whole record as the tiers do: header, then the payload in `step`-byte pieces
-    decrypted in place; the plaintext, or the exception."""
+    """Read a whole record as the tiers do: header, then the payload in `step`-byte pieces,
+    each read into `landing(piece)` and decrypted into the payload; the plaintext, or the
+    exception."""
     head = parse_header(buf, key, SMALL_MHA)
     unseal = open_payload(head, keys)
-    payload = memoryview(bytearray(buf[head.header_len :]))
+    stored = buf[head.header_len :]
+    payload = memoryview(bytearray(len(stored)))
     for start in range(0, len(payload), step):
-        unseal.update(payload[start : start + step])
+        piece = payload[start : start + step]
+        landing = unseal.landing(piece)
+        landing[:] = stored[start : start + len(piece)]  # the tier's read
+        unseal.update(landing, piece)
     verify_payload(head, payload, unseal=unseal)
     return bytes(payload)
 
@@ -187,6 +192,36 @@ def test_an_encrypting_seal_needs_an_output_of_the_pieces_size() -> None:
             seal.update(obj.byte_view()[:8])
         with pytest.raises(ValueError, match="out"):
             seal.update(obj.byte_view()[:8], bytearray(7))
+
+
+def test_a_decrypting_unseal_lands_pieces_outside_the_payload() -> None:
+    """GCM never runs in place (cryptography 51 refuses overlapping buffers): an encrypted
+    record's pieces land in a scratch buffer apart from the payload, a plain record's in the
+    payload itself, and a piece of another size than the stored bytes is refused by name."""
+    key = make_keys(16)[0]
+    buf, plain = _sealed(key, KEYS)
+    head = _head(buf, key)
+    payload = memoryview(bytearray(head.payload_len))
+    unseal = open_payload(head, KEYS)
+    landing = unseal.landing(payload[:64])
+    assert len(landing) == 64 and landing.obj is not payload.obj
+    with pytest.raises(ValueError, match="piece: .* needs a piece of as many, got 63"):
+        unseal.update(landing, payload[:63])
+    plain_buf, _ = _sealed(key, None)
+    plain_head = _head(plain_buf, key)
+    assert open_payload(plain_head, None).landing(payload[:64]) is not landing
+    piece = payload[:64]
+    assert open_payload(plain_head, None).landing(piece) is piece
+    assert _open(buf, key, KEYS, step=1 << 20) == plain
+
+
+def test_a_payload_in_memory_is_verified_and_decrypted_where_it_lies() -> None:
+    key = make_keys(16)[0]
+    buf, plain = _sealed(key, KEYS)
+    head = _head(buf, key)
+    payload = bytearray(buf[head.header_len :])
+    verify_payload(head, memoryview(payload), keys=KEYS)
+    assert bytes(payload) == plain
 
 
 _MUTATION = st.tuples(st.sampled_from(["flip", "truncate"]), st.integers(0, 1 << 16),

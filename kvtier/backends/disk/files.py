@@ -7,7 +7,8 @@ The disk tier (`disk.py`) owns the policy (index, size cap, LRU); this module ow
 - It is written to `<stem>.<pid>.<seq>.tmp` next to its final name; the caller `os.replace`s it.
   A temp file whose pid is dead (or that is older than STALE_TMP_SECS) is garbage.
 - It is read with the header first, validated in full, then the payload straight into arena
-  memory (decrypted in place if encrypted) and verified before the object is handed out.
+  memory (if encrypted, through a one-piece scratch buffer it is decrypted from) and verified
+  before the object is handed out.
 - Privacy: the tree holds every user's prompts. Directories kvtier creates are 0700, records
   0600; a root is refused if it is another user's, writable by others, or reached through a
   symlink (`prepare_root`), and an `ab/cd` directory is used only once checked the same way
@@ -301,8 +302,8 @@ def open_record(dirs: RecordDirs, name: str) -> tuple[int, os.stat_result]:
 def read_record(fd: int, size: int, key: ChunkKey, layout: KVLayout,
                 allocate: Callable[[int], MemoryObj | None],
                 keys: RecordKeys | None = None) -> MemoryObj | None:
-    """Read and verify the record in `fd` (`size` bytes) into a new arena object (decrypted in
-    place if encrypted; `keys`: the reader's record keys). Returns the object (the caller owns
+    """Read and verify the record in `fd` (`size` bytes) into a new arena object (decrypted
+    into it if encrypted; `keys`: the reader's record keys). Returns the object (the caller owns
     its one reference), or None when the arena is full.
 
     Raises:
@@ -324,10 +325,11 @@ def read_record(fd: int, size: int, key: ChunkKey, layout: KVLayout,
         pos = 0
         while pos < len(view):  # piece by piece, each verified while still in the cache
             piece = view[pos : pos + PIECE]
-            n = os.preadv(fd, [piece], header.header_len + pos)
+            stored = unseal.landing(piece)
+            n = os.preadv(fd, [stored], header.header_len + pos)
             if n <= 0:
                 raise CorruptEntry(f"truncated: payload ends after {pos} of {len(view)} bytes")
-            unseal.update(piece[:n])
+            unseal.update(stored[:n], piece[:n])
             pos += n
         verify_payload(header, view, unseal=unseal)
     except BaseException:

@@ -24,7 +24,8 @@ every record is checked against the payload checksum in its header (and its GCM 
 encrypted), and the caller re-reads a record that fails the check with one MGET before calling
 it corrupt, since a concurrent overwrite or expiry can mix or drop the segments of a sound
 record. With a record key, a record is written from a buffer holding its ciphertext (the one
-copy encryption costs a put) and decrypted in place in arena memory as it is read.
+copy encryption costs a put) and read piece by piece into a scratch buffer that is decrypted
+into arena memory while it is still in the CPU cache.
 """
 
 from __future__ import annotations
@@ -172,8 +173,9 @@ def read_record(stream: GetStream, key: ChunkKey, layout: KVLayout, nseg: int,
                 raise CorruptEntry(f"segment {i} is missing or has the wrong length")
             for at in range(start, end, PIECE):  # each piece verified while in the CPU cache
                 piece = view[at:min(at + PIECE, end)]
-                reader.read_into(piece)
-                unseal.update(piece)
+                stored = unseal.landing(piece)
+                reader.read_into(stored)
+                unseal.update(stored, piece)
             reader.end_bulk()
         record.verify_payload(head, view, unseal=unseal)
     except BaseException:
