@@ -30,8 +30,9 @@ if TYPE_CHECKING:  # annotations only: the tiers' contract does not import the c
 __all__ = ["BackendContext", "StorageBackend", "HotTier", "ProbeSample", "PROBE_PREFIX",
            "StoredRecord", "RecordInventory"]
 
-# Scratch records of `StorageBackend.probe` live under this prefix: never a record's name, so
-# no listing, lookup or purge of records ever sees one.
+# Scratch records of `StorageBackend.probe` carry this in their names (Redis: inside the tier's
+# key prefix, which a tenant's ACL allows): never a record's name, so no listing, lookup or
+# purge of records ever sees one.
 PROBE_PREFIX = "kvtier-probe"
 
 
@@ -127,10 +128,11 @@ class StorageBackend(ABC):
 
     def probe(self, nbytes: int) -> list[ProbeSample]:
         """Time this tier whatever it holds: write a scratch record of `nbytes` under a name
-        starting with `PROBE_PREFIX` (never a record, never listed or counted as data), time
-        a lookup and a read of it, and delete it, also when a step fails (a remote scratch
-        record expires by itself besides). One sample per place reads go (each primary of a
-        Redis Cluster); [] where the tier cannot be probed. A failure raises, as any call."""
+        carrying `PROBE_PREFIX`, where the tier may write (never a record, never listed or
+        counted as data), time a lookup and a read of it, and delete it, also when a step fails
+        (a remote scratch record expires by itself besides). One sample per place reads go
+        (each primary of a Redis Cluster); [] where the tier cannot be probed. A failure
+        raises, as any call."""
         return []
 
     @abstractmethod

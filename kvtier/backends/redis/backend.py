@@ -141,9 +141,9 @@ class RedisBackend(StorageBackend):
         if router is None or nbytes <= 0:
             return []
         try:
-            return probe_primaries(router, nbytes)
-        except rio.ReplyError as exc:  # e.g. OOM or READONLY: unmeasured, not down
-            self._health.warn("probe", "probe: server replied %s", exc)
+            return probe_primaries(router, nbytes, self.ctx.config.key_namespace)
+        except rio.ReplyError as exc:  # e.g. OOM, READONLY or NOPERM: unmeasured, not down
+            self._health.warn("probe", "probe: server replied %.300s", exc)
         except _TIER_ERRORS as exc:
             self._health.failed("probe", exc)
         return []

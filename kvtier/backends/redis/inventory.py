@@ -9,6 +9,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from kvtier.backends.base import RecordInventory, StoredRecord
+from kvtier.backends.redis.probe import probe_prefix
 from kvtier.backends.redis.url import Router, parse_remote_url
 from kvtier.config import Config
 from kvtier.config.names import REDIS
@@ -51,13 +52,17 @@ class RedisInventory(RecordInventory):
 def _scan_node(client: Any, namespace: str) -> Iterator[StoredRecord]:
     """The records of `namespace` on one node. SCAN is not filtered by ACL key patterns, so
     it is asked for this namespace only (`MATCH`): a tenant never lists another's names. A
-    record this user may not read (NOPERM) is skipped and counted in a warning."""
+    record this user may not read (NOPERM) is skipped and counted in a warning; a probe's
+    scratch value (`probe_prefix`) is not a record."""
     segments: dict[str, list[str]] = {}  # key string -> its record's Redis names
     # Namespaces are [A-Za-z0-9._-]: nothing in them is a glob character.
     pattern = ALL_KEYS.removesuffix("*") + f"{namespace}/*"
+    scratch = probe_prefix(namespace)
     denied = 0
     for raw in client.scan_iter(match=pattern, count=SCAN_BATCH):
         rkey = raw.decode() if isinstance(raw, bytes) else raw
+        if rkey.startswith(scratch):
+            continue
         segments.setdefault(key_of_redis_name(rkey), []).append(rkey)
     keys = list(segments)
     for start in range(0, len(keys), SCAN_BATCH):

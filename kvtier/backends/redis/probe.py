@@ -3,10 +3,11 @@
 A tier that holds nothing (or only small records) is timed all the same: a lookup of the
 scratch name before it exists (one round trip), a `SET` with a TTL, a `GET` read through
 kvtier's own reader under the same deadline as record reads, and a `DEL` whatever happened
-(the TTL removes it should the `DEL` not get through). Scratch names start with
-`PROBE_PREFIX`, never a record's prefix, so no listing, lookup or purge of records sees them.
-On a cluster each primary is probed, with a hash tag chosen to land on it: a request's chunks
-are read from every primary.
+(the TTL removes it should the `DEL` not get through). Scratch names live inside the tier's
+own key prefix, `kvtier/v2/{key_namespace}/`, which a tenant's ACL allows (docs/security.md),
+in a component no record has (`probe_prefix`), so no listing, lookup or purge of records sees
+them. On a cluster each primary is probed, with a hash tag chosen to land on it: a request's
+chunks are read from every primary.
 """
 
 from __future__ import annotations
@@ -21,18 +22,27 @@ from kvtier.backends.base import PROBE_PREFIX, ProbeSample
 from kvtier.backends.redis.io import pooled_reader
 from kvtier.backends.redis.resp import CommandWriter, ReplyError
 from kvtier.backends.redis.url import Router
+from kvtier.keys import KEY_VERSION
 
-__all__ = ["probe_primaries", "PROBE_TTL_S"]
+__all__ = ["probe_primaries", "probe_prefix", "PROBE_TTL_S"]
 
 PROBE_TTL_S = 60  # a scratch value outlives a failed DEL by at most this
 _TAGS = 1 << 14  # hash tags tried to find a slot on each primary (16384 slots: never short)
 
 
-def probe_primaries(router: Router, nbytes: int) -> list[ProbeSample]:
-    """One sample per primary of `router` (see the module docstring)."""
+def probe_prefix(namespace: str) -> str:
+    """Where scratch values of a tier of `namespace` live: inside the namespace's prefix, in
+    the model's place, as `@kvtier-probe` (a model's component never starts with `@`)."""
+    return f"{KEY_VERSION}/{namespace}/@{PROBE_PREFIX}/"
+
+
+def probe_primaries(router: Router, nbytes: int, namespace: str) -> list[ProbeSample]:
+    """One sample per primary of `router`, scratch names under `probe_prefix(namespace)`
+    (see the module docstring)."""
     token = f"{os.getpid()}-{secrets.token_hex(6)}"
     payload = memoryview(bytes(nbytes))
-    return [probe_node(client, name, payload) for client, name in _names(router, token)]
+    names = _names(router, probe_prefix(namespace), token)
+    return [probe_node(client, name, payload) for client, name in names]
 
 
 def probe_node(client: redis.Redis, name: str, payload: memoryview) -> ProbeSample:
@@ -50,11 +60,11 @@ def probe_node(client: redis.Redis, name: str, payload: memoryview) -> ProbeSamp
         _one(client, "DEL", name)
 
 
-def _names(router: Router, token: str) -> list[tuple[redis.Redis, str]]:
+def _names(router: Router, prefix: str, token: str) -> list[tuple[redis.Redis, str]]:
     want = len(router.primaries())
     found: dict[int, tuple[redis.Redis, str]] = {}
     for tag in range(_TAGS):
-        name = f"{PROBE_PREFIX}/{{{tag}}}/{token}"
+        name = f"{prefix}{{{tag}}}/{token}"
         client = router.node_for(name)
         found.setdefault(id(client), (client, name))
         if len(found) == want:

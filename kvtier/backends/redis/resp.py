@@ -31,6 +31,10 @@ _SCRATCH = 64 * 1024
 # choose how much memory a lookup takes. Payloads go through `header()` + `read_into`, into
 # objects sized by the layout, never by the server.
 MAX_SMALL_BULK = 64 * 1024
+# `reply()` answers nest two levels at most (EXEC's list of lists): deeper is a protocol error,
+# read without recursion past it, so a hostile server cannot exhaust the stack and have the
+# failure logged as a bug with a traceback of thousands of lines.
+MAX_NESTING = 8
 # The slowest reply rate a call's deadline allows for (`ReplyReader.expect`): far below any
 # network a shared cache runs on, so only a stuck or dripping server reaches it.
 MIN_BYTES_PER_S = 20e6
@@ -193,8 +197,9 @@ class ReplyReader:
                            if line[:1] == b"+" else ReplyError(line[1:].decode(errors="replace")))
         return out
 
-    def reply(self) -> Any:
-        """A small reply as a value: bytes, int, list, None, or a `ReplyError` (not raised)."""
+    def reply(self, depth: int = 0) -> Any:
+        """A small reply as a value: bytes, int, list, None, or a `ReplyError` (not raised);
+        `depth`: how deep in an array it sits (arrays nest `MAX_NESTING` levels at most)."""
         line = self.line()
         kind = line[:1]
         if kind == b"+":
@@ -209,7 +214,10 @@ class ReplyReader:
         if n < 0:
             return None
         if kind == b"*":
-            return [self.reply() for _ in range(n)]
+            if depth >= MAX_NESTING:
+                raise RedisConnectionError(f"protocol error: a reply nested over {MAX_NESTING} "
+                                           "arrays deep")
+            return [self.reply(depth + 1) for _ in range(n)]
         if n > MAX_SMALL_BULK:
             raise RedisConnectionError(f"protocol error: a {n}-byte bulk reply where a small "
                                        f"reply was expected (limit {MAX_SMALL_BULK})")
