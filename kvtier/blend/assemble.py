@@ -17,6 +17,7 @@ import torch
 from kvtier.blend.rope import RotaryTable
 from kvtier.blend.segments import Segment
 from kvtier.blend.store import SegmentStore
+from kvtier.keys import KeyChain
 
 __all__ = ["Assembled", "assemble"]
 
@@ -39,25 +40,31 @@ class Assembled(NamedTuple):
 def assemble(store: SegmentStore, rope: RotaryTable, tokens: Sequence[int] | torch.Tensor,
              segments: Sequence[Segment], *, num_layers: int, num_kv_heads: int,
              head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu",
-             salt: str = "", sink_tokens: int = 1) -> Assembled:
+             salt: str = "", sink_tokens: int = 1,
+             chains: Sequence[KeyChain] | None = None) -> Assembled:
     """The known KV of `tokens` from the segments some tier holds (see the module docstring).
+    `chains`: each segment's key chain (`store.chain(tokens, segment, salt)`), when the
+    caller built them already; `salt` is then unused.
 
     Raises:
-        ValueError: `sink_tokens` < 0, or a segment outside `tokens`.
+        ValueError: `sink_tokens` < 0, a segment outside `tokens`, or `chains` not one per
+            segment.
     """
     if sink_tokens < 0:
         raise ValueError(f"sink_tokens must be >= 0, got {sink_tokens}")
+    if chains is not None and len(chains) != len(segments):
+        raise ValueError(f"{len(chains)} chains for {len(segments)} segments")
     T = len(tokens)
     width = num_kv_heads * head_dim
     kv = torch.empty(2, num_layers, T, width, dtype=dtype, device=device)
     cached = torch.zeros(T, dtype=torch.bool, device=device)
     must = torch.zeros(T, dtype=torch.bool, device=device)
     hit = 0
-    for seg in segments:
+    for i, seg in enumerate(segments):
         if not 0 <= seg.start < seg.end <= T:
             raise ValueError(f"segment {tuple(seg)} lies outside the {T} tokens")
         rows = kv[:, :, seg.start:seg.end]
-        got = store.load(store.chain(tokens, seg, salt), rows)
+        got = store.load(store.chain(tokens, seg, salt) if chains is None else chains[i], rows)
         if not got:
             continue
         hit += 1

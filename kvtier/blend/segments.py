@@ -50,7 +50,7 @@ def _occurrences(tokens: Sequence[int] | np.ndarray, pattern: Sequence[int]) -> 
     return out
 
 
-def find_segments(tokens: Sequence[int] | torch.Tensor, separator: Sequence[int],
+def find_segments(tokens: Sequence[int] | torch.Tensor | np.ndarray, separator: Sequence[int],
                   min_tokens: int = 1) -> list[Segment]:
     """The segments of `tokens`: each run that ends at an occurrence of `separator` and holds at
     least `min_tokens` tokens (shorter runs are computed, not cached), in prompt order.
@@ -72,10 +72,10 @@ def find_segments(tokens: Sequence[int] | torch.Tensor, separator: Sequence[int]
     return out
 
 
-def segment_chain(builder: KeyBuilder, tokens: Sequence[int] | torch.Tensor, segment: Segment,
-                  salt: str = "") -> KeyChain:
+def segment_chain(builder: KeyBuilder, tokens: Sequence[int] | torch.Tensor | np.ndarray,
+                  segment: Segment, salt: str = "") -> KeyChain:
     """The keys `segment` of `tokens` is cached under: its full chunks and, with tails on, the
     page-aligned tails after them. The same for the same tokens wherever they stand."""
     ids = tokens[segment.start:segment.end]
-    return builder.chain(ids if isinstance(ids, torch.Tensor) else list(ids), salt,
-                         segment=True)
+    return builder.chain(ids if isinstance(ids, (torch.Tensor, np.ndarray)) else list(ids),
+                         salt, segment=True)

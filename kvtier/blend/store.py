@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from kvtier.blend.segments import Segment, segment_chain
@@ -44,7 +45,7 @@ class SegmentStore:
         self._layout = layout
         self._write_down = write_down
 
-    def chain(self, tokens: Sequence[int] | torch.Tensor, segment: Segment,
+    def chain(self, tokens: Sequence[int] | torch.Tensor | np.ndarray, segment: Segment,
               salt: str = "") -> KeyChain:
         return segment_chain(self._keys, tokens, segment, salt)
 

@@ -37,13 +37,15 @@ import torch
 from kvtier.background import ENGINE, HOLD_S, lower_priority, name_os_thread
 from kvtier.blend.assemble import assemble
 from kvtier.blend.forward import BlendPlan, LlamaWeights, blend, prefill
-from kvtier.blend.segments import Segment, find_segments
+from kvtier.blend.segments import Segment
 from kvtier.blend.store import SegmentStore
 from kvtier.config.schema import BlendSection
 from kvtier.engine import Prefetch
 from kvtier.errors import ConfigError
+from kvtier.integration.sglang.blend_chains import SegmentChains
 from kvtier.integration.sglang.blend_model import separator_ids, served_weights
 from kvtier.integration.sglang.sglang_views import Opaque, ReqView
+from kvtier.keys import KeyChain
 from kvtier.metrics import Counters
 
 __all__ = ["BLEND_COUNTERS", "BlendedSlots", "SGLangBlender", "SegmentHits", "wants_blend"]
@@ -52,7 +54,7 @@ logger = logging.getLogger(__name__)
 
 BLEND_COUNTERS = ("blend_requests", "blend_segments_hit", "blend_tokens_loaded",
                   "blend_tokens_recomputed", "blend_segments_stored", "blend_segments_dropped",
-                  "blend_failures")
+                  "blend_segments_capped", "blend_failures")
 WARM_QUEUE = 64  # segments waiting for their standalone prefill; more are dropped (counted)
 MAX_REQUESTS = 4096  # requests whose segments are remembered from match to finish
 REQUEST_SWITCH = "kvtier_blend"  # sampling_params.custom_params key: false opts a request out
@@ -67,12 +69,14 @@ def wants_blend(req: ReqView) -> bool:
 
 class SegmentHits(NamedTuple):
     """A prompt's segments past its device prefix, up to `end` (the tokens a blend computes):
-    those the CPU tier holds (`held`, `cached` tokens of them) and those it lacks."""
+    those the CPU tier holds (`held`, `cached` tokens of them, `chains` their key chains) and
+    those it lacks."""
 
     end: int
     held: tuple[Segment, ...]
     missed: tuple[Segment, ...]
     cached: int
+    chains: tuple[KeyChain, ...] = ()
 
 
 class BlendedSlots:
@@ -132,6 +136,7 @@ class SGLangBlender:
         self.counters = counters
         self._queue: queue.Queue[tuple[np.ndarray, str] | None] = queue.Queue(WARM_QUEUE)
         self._warming: set[tuple[int, ...]] = set()
+        self.chains = SegmentChains(store, self.separator, section.min_tokens, counters)
         self._hits: dict[str, SegmentHits] = {}  # request id -> its segments at its match
         self._prefetches: dict[str, list[Prefetch]] = {}  # request id -> its segment loads
         self._thread = threading.Thread(target=self._warm_loop, name="kvtier-segments",
@@ -142,23 +147,29 @@ class SGLangBlender:
 
     def look(self, rid: str, tokens: np.ndarray, device_len: int, salt: str) -> SegmentHits:
         """`tokens`' segments past `device_len` and what the CPU tier holds of them
-        (remembered for request `rid`'s `finished`)."""
+        (remembered for request `rid`'s `finished`). The segments and their keys are found
+        once per request (`chains`); the CPU tier is asked at every call."""
         n = len(tokens) - 1  # SGLang computes the last prompt token itself
         end = n - n % self.page_size
         held: list[Segment] = []
+        chains: list[KeyChain] = []
         missed: list[Segment] = []
         cached = 0
-        ids: list[int] = tokens[:end].tolist()
-        for seg in find_segments(ids, self.separator, self.section.min_tokens):
+        prompt = self.chains.of(rid, tokens, salt)
+        for seg, chain in zip(prompt.segments, prompt.chains):
+            if seg.end + len(self.separator) > end:
+                break  # its separator is not computed by the blend: the rest are not either
             if seg.end <= device_len:
                 continue  # in the pool already, exact
-            got = self.store.lookup(self.store.chain(ids, seg, salt), hot_only=True)
+            got = self.store.lookup(chain, hot_only=True)
             (held if got else missed).append(seg)
+            if got:
+                chains.append(chain)
             if got < seg.num_tokens and got:
                 missed.append(seg)  # its tail was evicted: computed again, stored again
             # What the pool holds of it stays (exact); the rest is what the segment adds.
             cached += max(0, seg.start + got - max(seg.start, device_len))
-        hits = SegmentHits(end, tuple(held), tuple(missed), cached)
+        hits = SegmentHits(end, tuple(held), tuple(missed), cached, tuple(chains))
         if len(self._hits) >= MAX_REQUESTS:
             self._hits.clear()  # requests that never came back
         self._hits[rid] = hits
@@ -167,9 +178,8 @@ class SGLangBlender:
     def prefetch(self, rid: str, tokens: np.ndarray, salt: str) -> None:
         """Request `rid` joined the waiting queue: start loading its segments that only disk
         or Redis hold into the CPU tier, where its match looks for them."""
-        ids: list[int] = tokens[:len(tokens) - 1].tolist()
-        loads = [load for seg in find_segments(ids, self.separator, self.section.min_tokens)
-                 if (load := self.store.start_prefetch(self.store.chain(ids, seg, salt)))]
+        loads = [load for chain in self.chains.of(rid, tokens, salt).chains
+                 if (load := self.store.start_prefetch(chain))]
         if loads:
             if len(self._prefetches) >= MAX_REQUESTS:
                 self._prefetches.clear()  # requests that never came back
@@ -195,11 +205,13 @@ class SGLangBlender:
     def finished(self, rid: str, tokens: np.ndarray, salt: str, aborted: bool) -> None:
         """Request `rid` finished: queue the segments it missed for a standalone prefill."""
         hits = self._hits.pop(rid, None)
+        self.chains.forget(rid)
         if hits is not None and hits.missed and not aborted:
             self.warm(tokens, hits.missed, salt)
 
     def forget(self, rid: str | None = None) -> None:
         """Drop what was remembered of request `rid` (of every request when None)."""
+        self.chains.forget(rid)
         if rid is None:
             self._hits.clear()
         else:
@@ -216,7 +228,8 @@ class SGLangBlender:
         ids = torch.from_numpy(np.ascontiguousarray(tokens[:end])).to(dev)
         known = assemble(self.store, w.rope, tokens[:end].tolist(), hits.held,
                          num_layers=w.num_layers, num_kv_heads=w.num_kv_heads,
-                         head_dim=w.head_dim, dtype=w.embed.dtype, device=dev, salt=salt)
+                         head_dim=w.head_dim, dtype=w.embed.dtype, device=dev, salt=salt,
+                         chains=hits.chains or None)
         if not known.segments_hit:
             self.counters.inc("sglang.blend_failures")
             return False
