@@ -3,7 +3,8 @@
 - `schema`: the `Config` tree and the checks of its values;
 - `load`: strict loading from YAML and the environment (`env`, `file`);
 - `host`: whether a config fits the machine (memory, cgroup, disk);
-- `names`, `urls`, `redaction`: the shared names, remote URLs, what a message may show;
+- `names`, `urls`, `paths`, `redaction`: the shared names, remote URLs, `local_disk` as LMCache
+  reads it, what a message may show;
 - `lmcache/`: LMCache's keys, what kvtier does with each, and `kvtier migrate-config`.
 """
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from kvtier.config.names import (
     WRITE_POLICIES,
     WRITE_THROUGH,
 )
+from kvtier.config.paths import PATH_KEYS, check_local_disk, disk_path, resolved_paths
 from kvtier.config.redaction import shown_value
 from kvtier.config.sections import BlendSection, PrefetchSection, WriteSection
 from kvtier.config.urls import redact_url
@@ -54,9 +54,6 @@ MAX_WRITE_QUEUE_CHUNKS = 65536
 MAX_BY_KEY = {"prefetch_timeout_base_ms": 60_000.0, "prefetch_timeout_per_token_ms": 10.0,
               "prefetch_wait_complete_max_ms": 600_000.0, "blocking_timeout_secs": 3600.0,
               "remote_timeout_secs": 600.0}
-
-
-PATH_KEYS = ("local_disk",)  # keys holding a filesystem path: `~` is expanded in each
 
 
 @dataclass(frozen=True)
@@ -129,7 +126,8 @@ class Config:
     metrics_port: int | None = None  # serve Prometheus metrics on this port
 
     def __post_init__(self) -> None:
-        for key, path in expanded_paths(self).items():  # "~/kv" must not make a directory "~"
+        # "~/kv" must not make a directory "~"; "kv/" is where the server starts, now
+        for key, path in resolved_paths(self).items():
             object.__setattr__(self, key, path)
         validate(self)
 
@@ -288,7 +286,7 @@ def _validate_choices(cfg: Config) -> None:
 def _validate_tiers(cfg: Config) -> None:
     src = "config"
     if cfg.local_disk is not None:
-        _check_local_disk(cfg.local_disk)
+        check_local_disk(cfg.local_disk)
         if cfg.max_local_disk_size <= 0:
             raise _fail(src, "max_local_disk_size",
                         f"must be > 0 when local_disk is set, got {cfg.max_local_disk_size}")
@@ -302,41 +300,6 @@ def _validate_tiers(cfg: Config) -> None:
                     "(gds_path, weka_path: use local_disk: file:///path/) or storage plugins; "
                     "keep local_cpu: true, or set local_disk or a shared remote_url: "
                     "redis://host:6379 (`kvtier migrate-config FILE` names the key)")
-
-
-def disk_path(value: str) -> str:
-    """The directory `local_disk` names: a path, or a file URL (`file:///path`, or
-    `file://localhost/path`, the same)."""
-    path = value.strip()
-    if path.startswith("file://"):
-        path = path.removeprefix("file://")
-        if path.startswith("localhost/"):
-            path = path.removeprefix("localhost")
-    return path
-
-
-def _check_local_disk(value: str) -> None:
-    parts = [p.strip() for p in value.split(",")]
-    if len(parts) > 1 and all(p.startswith(("file://", "/", "~")) for p in parts[1:]):
-        raise _fail("config", "local_disk",
-                    f"several disks ({value!r}) are not supported: kvtier keeps one directory "
-                    "(pick one, or put the disks behind one mount)")
-    path = disk_path(value)
-    shown = value if len(value) <= 200 else value[:200] + "..."
-    if not path or value.startswith(("redis", "http")) or "://" in path:
-        raise _fail("config", "local_disk",
-                    f"must be a directory path or file:///path URL, got {shown!r}")
-    if "\0" in path:
-        raise _fail("config", "local_disk", f"holds a NUL byte: {shown!r}")
-    if value.strip().startswith("file://") and not path.startswith("/"):
-        raise _fail("config", "local_disk", f"{shown!r} names the host "
-                    f"{path.partition('/')[0]!r}; the disk tier is this host's: use "
-                    "file:///path or a path")
-    if not os.path.isabs(path) and not path.startswith("~"):
-        raise _fail("config", "local_disk", f"must be an absolute path, got {shown!r} (a "
-                    "relative one would depend on the server's working directory)")
-    if len(path) > 1024:
-        raise _fail("config", "local_disk", f"is {len(path)} characters long; at most 1024")
 
 
 def _check_remote_url(url: str) -> None:
@@ -364,27 +327,3 @@ def _check_remote_url(url: str) -> None:
         parser(url)
     except ConfigError as exc:
         raise ConfigError(f"config: {exc}") from None
-
-
-def expanded_paths(cfg: Config) -> dict[str, str]:
-    """The path keys of `cfg` (`PATH_KEYS`) whose path starts with `~`, with it expanded
-    (`os.path.expanduser`; a `file://` prefix is kept), for `Config` to store instead.
-
-    `ConfigError` naming the key when `~` cannot be expanded (no such user, or `HOME` empty):
-    left as it is, the path would be relative and create a directory literally named `~`."""
-    out = {}
-    for key in PATH_KEYS:
-        value = getattr(cfg, key)
-        if not isinstance(value, str):
-            continue
-        prefix = "file://" if value.strip().startswith("file://") else ""
-        path = value.strip().removeprefix("file://").strip()
-        if not path.startswith("~"):
-            continue
-        expanded = os.path.expanduser(path)
-        own_home = path == "~" or path.startswith("~/")
-        if expanded.startswith("~") or (own_home and os.environ.get("HOME") == ""):
-            raise ConfigError(f"config: {key}: cannot expand '~' in {value!r} (no home "
-                              "directory for that user): give an absolute path")
-        out[key] = prefix + expanded
-    return out

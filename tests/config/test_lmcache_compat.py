@@ -108,6 +108,7 @@ LOADS: dict[str, tuple[tuple[str, ...], set[str], set[str]]] = {
     "big_host_cpu.yaml": (("cpu",), set(), set()),
     "example_async_loading.yaml": (("cpu",), {"async_loading"}, set()),
     "lmcache_05_full.yaml": (("cpu", "disk"), set(), set()),  # ignored: every other key
+    "sglang_disk_relative.yaml": (("cpu", "disk"), {"use_layerwise"}, set()),
 }
 # file -> (the key the load error names, a phrase of the message, the key `migrate-config`
 # names as the file's storage, or None where the error names it already)
@@ -133,19 +134,25 @@ def test_every_corpus_file_has_an_expectation() -> None:
 
 @pytest.mark.parametrize("name", sorted(LOADS))
 def test_corpus_loads_with_one_warning_listing_what_kvtier_does_instead(
-    name: str, caplog: pytest.LogCaptureFixture,
+    name: str, caplog: pytest.LogCaptureFixture, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     tiers, ignored, translated = LOADS[name]
+    monkeypatch.chdir(tmp_path)  # where a relative local_disk resolves, as LMCache's would
     with caplog.at_level(logging.WARNING, logger="kvtier.config"):
         cfg = load_config(CORPUS / name, env={})
     assert cfg.tiers == tiers
+    relative = [r.getMessage() for r in caplog.records if r.name == "kvtier.config.paths"]
+    assert len(relative) == (name == "sglang_disk_relative.yaml")  # LMCache: ./local_disk/
+    if relative:  # one warning, naming the directory
+        assert cfg.local_disk_path == tmp_path / "local_disk"
+        assert f" {cfg.local_disk_path} " in relative[0]
     report = load_config_report(CORPUS / name, env={})
     if name == "lmcache_05_full.yaml":  # every LMCache key that is not a kvtier key
         data = yaml.safe_load((CORPUS / name).read_text())
         ignored = {k for k in data if not is_config_key(k)}
     assert {k for k, _ in report.ignored} == ignored
     assert {k for k, _ in report.notes} == translated
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "kvtier.config.load"]
     if not ignored and not translated:
         assert warnings == []
         return
@@ -182,13 +189,14 @@ def test_corpus_errors_name_the_key_and_what_to_use(name: str) -> None:
 
 
 def test_corpus_storage_kvtier_has_loads() -> None:
-    """The files whose storage kvtier has (CPU, disk, Redis) all load; those that fail use
-    storage kvtier does not have, or a key no LMCache version had."""
+    """The files whose storage kvtier has (CPU, disk, Redis) all load (13 of 13); those that
+    fail use storage kvtier does not have, or a key no LMCache version had."""
     storage_kvtier_lacks = {n for n, (_, _, storage) in FAILS.items() if storage}
     storage_kvtier_lacks |= {"mooncake.yaml", "lm_server.yaml", "s3.yaml", "external.yaml",
                              "multi_disk.yaml"}
     not_lmcache = {"typo_disk_path.yaml", "vllm_disagg_flag.yaml"}
     assert set(FAILS) == storage_kvtier_lacks | not_lmcache
+    assert len(LOADS) == 13 and "sglang_disk_relative.yaml" in LOADS
 
 
 # ---- the table ----------------------------------------------------------------------------
