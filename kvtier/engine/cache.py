@@ -16,7 +16,7 @@ from kvtier.connectors.base import KVConnector
 from kvtier.engine.rows import limit_of, pool_rows
 from kvtier.engine.saving import PrefixSaver
 from kvtier.engine.tiers import TierControl
-from kvtier.engine.verify import Verification, disowned, purge, sampled, shadow_check
+from kvtier.engine.verify import Verification, disowned, purge, sampled, sampling_key, shadow_check
 from kvtier.kernels import ops
 from kvtier.keys import ChunkKey, KeyBuilder, KeyChain
 from kvtier.memory import KVLayout, MemoryFormat, MemoryObj, lease
@@ -112,6 +112,7 @@ class CacheEngine:
             prometheus.serve_rank(config.metrics_port + rank)
         self.verify_fraction = config.verify_fraction  # both changed at run time (admin route)
         self.verify_scope = config.verify_scope
+        self.sampling_key = sampling_key()  # secret: clients set request ids (verify.sampled)
         self._closed = False
 
     def store(self, token_ids: TokenIds, slot_mapping: torch.Tensor, *,
@@ -173,10 +174,9 @@ class CacheEngine:
         return Verification(stored, verdicts)
 
     def verifies(self, request_id: str, scope: str | None = None) -> bool:
-        """Whether request `request_id` is verified (`verify_fraction`; every rank agrees), in
-        `verify_scope` `scope` if one is named."""
+        """Whether request `request_id` is sampled (`verify.sampled`), in scope `scope` if named."""
         return (scope is None or scope == self.verify_scope) and \
-            sampled(request_id, self.verify_fraction)
+            sampled(request_id, self.verify_fraction, self.sampling_key)
 
     def retrieve(self, token_ids: TokenIds, slot_mapping: torch.Tensor, skip: int = 0, *,
                  hot_only: bool = False, session_id: str | None = None,

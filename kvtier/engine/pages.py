@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kvtier.config import Config
-from kvtier.engine.verify import sampled, shadow_check
+from kvtier.engine.verify import sampled, sampling_key, shadow_check
 from kvtier.keys import ChunkKey
 from kvtier.memory import KVLayout, MemoryObj, lease
 from kvtier.storage import StorageManager
@@ -34,6 +34,7 @@ class PageStore:
         self._writes = writes
         self._storage = StorageManager(config, layout)
         self.verify_fraction = config.verify_fraction
+        self._sampling_key = sampling_key()
 
     @property
     def tier_names(self) -> list[str]:
@@ -47,7 +48,8 @@ class PageStore:
         """`held`, for a serving engine deciding what to load: a query sampled for shadow
         verification (`verify_fraction`) finds nothing, so its pages are computed, and
         `write` compares them with the tiers' records before it stores them."""
-        if self.verify_fraction > 0 and sampled(uuid.uuid4().hex, self.verify_fraction):
+        if self.verify_fraction > 0 and sampled(uuid.uuid4().hex, self.verify_fraction,
+                                                self._sampling_key):
             return 0
         return self.held(keys)
 

@@ -26,6 +26,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import os
+import secrets
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -37,8 +39,8 @@ from kvtier.memory import MemoryObj, lease
 from kvtier.metrics import RateLimitedLog
 from kvtier.storage import StorageManager
 
-__all__ = ["TOLERANCE", "Verdict", "Verification", "shadow_check", "sampled", "layer_errors",
-           "disowned", "purge"]
+__all__ = ["TOLERANCE", "Verdict", "Verification", "shadow_check", "sampled", "sampling_key",
+           "agreed_sampling_key", "layer_errors", "disowned", "purge"]
 
 logger = logging.getLogger(__name__)
 _warn = RateLimitedLog(logger)
@@ -84,14 +86,41 @@ class Verification(NamedTuple):
         return [v for v in self.verdicts if not v.matched]
 
 
-def sampled(request_id: str, fraction: float) -> bool:
-    """Whether request `request_id` is one of the `fraction` verified: a hash of the id, so
-    every TP rank (and every call about the same request) decides the same way."""
+SAMPLING_KEY_BYTES = 16
+
+
+def sampling_key() -> bytes:
+    """A new secret for `sampled`, from `os.urandom`."""
+    return os.urandom(SAMPLING_KEY_BYTES)
+
+
+def agreed_sampling_key(agree_min: Callable[[int], int]) -> bytes:
+    """A secret for `sampled` that every TP rank gets alike: `agree_min` gives the minimum of
+    an int over the ranks (a collective: every rank calls this in step), taken over random
+    draws, so no rank, and nobody outside, chooses it."""
+    return b"".join(agree_min(secrets.randbits(63)).to_bytes(8, "big")
+                    for _ in range(SAMPLING_KEY_BYTES // 8))
+
+
+def sampled(request_id: str, fraction: float, key: bytes) -> bool:
+    """Whether request `request_id` is one of the `fraction` verified: a hash of the id keyed
+    by `key`, a secret the server drew at start (`sampling_key`; TP ranks agree on one,
+    `agreed_sampling_key`). Every call about the same request under the same key decides the
+    same way; a client, which sets request ids, can neither predict nor choose which of its
+    requests are verified. Each id is sampled with probability `fraction` over keys; 0 samples
+    none and 1 every id.
+
+    Raises:
+        ValueError: `key` is shorter than `SAMPLING_KEY_BYTES` (an empty key is no secret).
+    """
+    if len(key) < SAMPLING_KEY_BYTES:
+        raise ValueError(f"key: a sampling key has at least {SAMPLING_KEY_BYTES} bytes, "
+                         f"got {len(key)}")
     if fraction <= 0.0:
         return False
     if fraction >= 1.0:
         return True
-    digest = hashlib.blake2b(request_id.encode(), digest_size=8).digest()
+    digest = hashlib.blake2b(request_id.encode(), digest_size=8, key=key).digest()
     return int.from_bytes(digest, "big") < fraction * 2.0 ** 64
 
 

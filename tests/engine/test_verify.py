@@ -15,7 +15,7 @@ from kvtier.config import Config
 from kvtier.connectors import SGLangMHAConnector, SGLangMLAConnector
 from kvtier.connectors.base import KVConnector
 from kvtier.engine import CacheEngine
-from kvtier.engine.verify import TOLERANCE, layer_errors, sampled
+from kvtier.engine.verify import TOLERANCE, layer_errors, sampled, sampling_key
 from kvtier.errors import ConfigError
 
 SLOTS = 256
@@ -205,10 +205,36 @@ def test_nothing_is_compared_without_a_record(mha: CacheEngine, tokens: torch.Te
 
 def test_sampling_is_a_stable_share_of_request_ids() -> None:
     ids = [f"req-{i}" for i in range(4000)]
-    assert not any(sampled(r, 0.0) for r in ids) and all(sampled(r, 1.0) for r in ids)
-    share = sum(sampled(r, 0.1) for r in ids) / len(ids)
+    key = b"k" * 16  # a fixed key: the same answers every time
+    assert not any(sampled(r, 0.0, key) for r in ids) and all(sampled(r, 1.0, key) for r in ids)
+    share = sum(sampled(r, 0.1, key) for r in ids) / len(ids)
     assert 0.08 < share < 0.12
-    assert [sampled(r, 0.1) for r in ids] == [sampled(r, 0.1) for r in ids]
+    assert [sampled(r, 0.1, key) for r in ids] == [sampled(r, 0.1, key) for r in ids]
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        sampled("req-0", 0.5, b"")  # an empty key would be the unkeyed hash a client computes
+
+
+def test_which_requests_are_sampled_is_a_server_secret() -> None:
+    """Issue 67: clients set request ids, and an unkeyed hash of the id let a client find an
+    id that is verified (or one that is not) in a few local guesses. Keyed by a secret each
+    server draws, two servers choose different requests, each still the share asked for."""
+    ids = [f"req-{i}" for i in range(2000)]
+    chosen = []
+    for key in (sampling_key(), sampling_key()):
+        picks = {r for r in ids if sampled(r, 0.5, key)}
+        assert 0.45 < len(picks) / len(ids) < 0.55
+        chosen.append(picks)
+    assert chosen[0] != chosen[1]
+    assert len(chosen[0] ^ chosen[1]) > 0.3 * len(ids)  # independent keys: about half differ
+    engines = [CacheEngine(Config(chunk_size=CHUNK, max_local_cpu_size=0.001,
+                                  verify_fraction=0.5), model_name="m", layout=pool.layout,
+                           connector=pool) for pool in (_mha(torch.float32),) * 2]
+    try:
+        first, second = ({r for r in ids if e.verifies(r)} for e in engines)
+        assert first != second and 0.45 < len(first) / len(ids) < 0.55
+    finally:
+        for engine in engines:
+            engine.close()
 
 
 def test_layer_errors_are_relative_per_layer() -> None:

@@ -30,6 +30,7 @@ from kvtier import prometheus
 from kvtier.config import Config
 from kvtier.connectors import KVConnector, SGLangMHAConnector, SGLangMLAConnector
 from kvtier.engine import CacheEngine, Prefetch
+from kvtier.engine.verify import agreed_sampling_key
 from kvtier.errors import ConfigError
 from kvtier.integration.sglang.attach import Attachments
 from kvtier.integration.sglang.blending import BLEND_COUNTERS
@@ -78,7 +79,8 @@ class SGLangKVTier:
         engine: the kvtier engine over this rank's pool.
         page_size: SGLang's page size (loads and stores are whole pages).
         reduce_min: all-reduces a 1-element int64 tensor with MIN across the TP group, so that
-            every rank loads the same number of tokens (ranks must agree on the tree).
+            every rank loads as many tokens and verifies the same requests (a secret agreed
+            here, so every rank constructs its adapter in step; ranks must agree on the tree).
         stores: whether this rank stores (an MLA rank other than 0 keeps its CPU tier only:
             the engine decides what reaches the lower tiers).
     """
@@ -92,6 +94,8 @@ class SGLangKVTier:
         self.page_size = page_size
         self.chunk_size: int = engine.config.chunk_size
         self._reduce_min = reduce_min
+        if reduce_min is not None:
+            engine.sampling_key = agreed_sampling_key(self.agree_min)
         # Counted from the scheduler thread and the store thread: `Counters` is thread-safe.
         self.counters = Counters(*(f"sglang.{name}" for name in (
             "loads", "tokens_loaded", "load_misses", "load_no_slots", "loads_short",

@@ -5,6 +5,7 @@ Real SGLang servers verify in test_sglang_verify.py and the quality gate."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -20,13 +21,17 @@ from tests.helpers import SMALL_MHA
 CHUNK, TOKENS, HELD = 16, 64, 48  # the tiers hold the first 3 of the prompt's 4 chunks
 
 
-@pytest.fixture
-def kv() -> Iterator[SGLangKVTier]:
+def _engine(fraction: float = 1.0) -> CacheEngine:
     shape = (TOKENS + 1, SMALL_MHA.num_kv_heads, SMALL_MHA.head_dim)
     pool = [torch.randn(shape).to(SMALL_MHA.dtype) for _ in range(2 * SMALL_MHA.num_layers)]
-    cfg = Config(chunk_size=CHUNK, max_local_cpu_size=0.01, verify_fraction=1.0)
-    engine = CacheEngine(cfg, model_name="m", layout=SMALL_MHA,
-                         connector=SGLangMHAConnector(pool[::2], pool[1::2]))
+    cfg = Config(chunk_size=CHUNK, max_local_cpu_size=0.01, verify_fraction=fraction)
+    return CacheEngine(cfg, model_name="m", layout=SMALL_MHA,
+                       connector=SGLangMHAConnector(pool[::2], pool[1::2]))
+
+
+@pytest.fixture
+def kv() -> Iterator[SGLangKVTier]:
+    engine = _engine()
     adapter = SGLangKVTier(engine, page_size=1)
     yield adapter
     adapter.close()
@@ -82,3 +87,49 @@ def test_the_verify_op_refuses_a_bad_value_before_changing_either(
         apply(kv, request_)
     assert named in str(refused.value)
     assert (kv.engine.verify_fraction, kv.engine.verify_scope) == (1.0, "full")
+
+
+class _Group:
+    """A MIN all-reduce over ranks that are threads: each rank's n-th call meets the others'."""
+
+    def __init__(self, ranks: int):
+        self._barrier = threading.Barrier(ranks, timeout=30)
+        self._lock = threading.Lock()
+        self._calls: dict[int, list[int]] = {}
+        self._done = threading.local()
+
+    def reduce_min(self, t: torch.Tensor) -> None:
+        n = getattr(self._done, "calls", 0)
+        self._done.calls = n + 1
+        with self._lock:
+            self._calls.setdefault(n, []).append(int(t.item()))
+        self._barrier.wait()
+        t.fill_(min(self._calls[n]))
+
+
+def test_tp_ranks_verify_the_same_requests_and_other_servers_other_ones() -> None:
+    """Issue 67: the sampled requests are chosen by a secret, not by the client's request id;
+    the ranks of one server agree on the secret when their adapters are built (in step), so
+    every rank verifies the same requests, while two servers verify different ones."""
+    ids = [f"req-{i}" for i in range(2000)]
+    group = _Group(2)
+    engines = [_engine(0.5) for _ in range(3)]
+    built: list[SGLangKVTier] = []
+    ranks = [threading.Thread(target=lambda e=e: built.append(
+        SGLangKVTier(e, page_size=1, reduce_min=group.reduce_min))) for e in engines[:2]]
+    for rank in ranks:
+        rank.start()
+    for rank in ranks:
+        rank.join(60)
+    built.append(SGLangKVTier(engines[2], page_size=1))  # another server: its own secret
+    try:
+        assert len(built) == 3
+        chosen = [{r for r in ids if e.verifies(r)} for e in engines]
+        assert chosen[0] == chosen[1]  # the TP ranks of one server
+        assert chosen[0] != chosen[2]
+        assert all(0.45 < len(c) / len(ids) < 0.55 for c in chosen)
+    finally:
+        for adapter in built:
+            adapter.close()
+        for engine in engines:
+            engine.close()
