@@ -21,6 +21,7 @@ from kvtier.kernels import ops
 from kvtier.keys import ChunkKey, KeyBuilder, KeyChain
 from kvtier.memory import KVLayout, MemoryFormat, MemoryObj, lease
 from kvtier.storage import StorageManager
+from kvtier.storage.backlog import WriteBacklog
 from kvtier.storage.prefetch.handle import Prefetch
 from kvtier.storage.prefetch.prefill_prior import ModelShape, prefill_prior
 from kvtier.storage.sessions import session_tag
@@ -337,9 +338,9 @@ class CacheEngine:
         most (default `blocking_timeout_secs`); False if some are still queued."""
         return self.storage.flush(timeout)
 
-    def write_backlog(self) -> tuple[int, int]:
-        """(lower-tier writes written so far, writes queued now): what a drain reports."""
-        return self.storage.writes_done(), self.storage.queued_writes()
+    def write_backlog(self) -> WriteBacklog:
+        """Lower-tier writes written, pending and lost so far: what a drain reports."""
+        return self.storage.write_backlog()
 
     def chunk_keys(self, token_ids: TokenIds, salt: str = "") -> list[ChunkKey]:
         """The keys `store` puts `token_ids` under (whole chunks, then the partial one per

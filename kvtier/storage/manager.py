@@ -22,6 +22,7 @@ from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey, stub_key
 from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj, lease
 from kvtier.metrics import Counters, RateLimitedLog
+from kvtier.storage.backlog import WriteBacklog, write_backlog
 from kvtier.storage.gate import Gate
 from kvtier.storage.guard import STAGING, GuardedHotTier, GuardedTier, StagingTier
 from kvtier.storage.prefetch.estimates import PrefillSpeed
@@ -305,13 +306,9 @@ class StorageManager:
         out["arena_bytes"] = self.allocator.size
         return out
 
-    def queued_writes(self) -> int:
-        """Lower-tier writes queued and not yet written, over every tier."""
-        return sum(w.pending() for w in self._writers)
-
-    def writes_done(self) -> int:
-        """Lower-tier writes written so far, over every tier."""
-        return sum(n for k, n in self.counters.snapshot().items() if k.endswith(".writes"))
+    def write_backlog(self) -> WriteBacklog:
+        """Lower-tier writes over every tier: written, pending, lost since the start."""
+        return write_backlog(self.counters, sum(w.pending() for w in self._writers))
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every lower-tier write queued so far is done, `timeout` seconds in all

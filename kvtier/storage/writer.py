@@ -37,6 +37,7 @@ from kvtier.background import (
 from kvtier.keys import ChunkKey, stub_key
 from kvtier.memory import MemoryObj
 from kvtier.metrics import Counters, RateLimitedLog
+from kvtier.storage.backlog import CANCELLED, DROPPED, FAILED, LOSS_REASONS, LOST, ORPHANED
 
 __all__ = ["TierWriter"]
 
@@ -51,7 +52,11 @@ _BATCH_CPU_ENGINE = 2
 class TierWriter:
     """Owns the references of queued objects and releases each exactly once: when written,
     dropped, or discarded at close/cancel. Nothing is queued once `close`/`cancel` began, so
-    nothing queued is left behind."""
+    nothing queued is left behind.
+
+    Every chunk handed to `submit` is counted once when settled: `writes`, `write_present`
+    (the tier held it), or lost, under its reason and `writes_lost` (`kvtier.storage.backlog`).
+    """
 
     def __init__(
         self,
@@ -74,8 +79,8 @@ class TierWriter:
         self._urgent_from = max(1, int(capacity * URGENT_SHARE))
         self._counters = counters
         counters.declare(*(f"{backend.name}.{event}" for event in (
-            "writes", "write_dropped", "write_errors", "write_orphans", "write_cancelled",
-            "write_present", "write_deferrals")))
+            "writes", "write_errors", "write_present", "write_deferrals", LOST,
+            *LOSS_REASONS)))
         self._warn = warn
         self._reachable = reachable
         self._recent: OrderedDict[str, None] = OrderedDict()
@@ -92,7 +97,8 @@ class TierWriter:
         were queued. Stops at the first chunk that does not fit: later ones would be orphans."""
         name = self.backend.name
         with self._lock:
-            if self._closed:
+            if self._closed:  # a caller holding the writer list from before a detach/close
+                self._lose(len(keys), CANCELLED)
                 return 0
             now = time.monotonic()
             for i, (key, obj) in enumerate(zip(keys, objs, strict=True)):
@@ -101,7 +107,7 @@ class TierWriter:
                     self._queue.put_nowait((key, obj, now))
                 except queue.Full:
                     obj.release()
-                    self._counters.inc(f"{name}.write_dropped", len(keys) - i)
+                    self._lose(len(keys) - i, DROPPED)
                     self._warn.warning(f"queue-{name}", "kvtier: %s write queue full; "
                                        "dropping writes (the tier is slower than the store "
                                        "rate)", name)
@@ -109,7 +115,9 @@ class TierWriter:
             return len(keys)
 
     def pending(self) -> int:
-        return self._queue.qsize()
+        """Chunks handed over and not settled yet: queued, or in the write running now (a
+        stop ending now loses them). Counts the worker's stop marker while it waits."""
+        return self._queue.unfinished_tasks
 
     def drain(self, timeout: float) -> bool:
         """Wait until everything queued so far is written; False if `timeout` ran out."""
@@ -137,7 +145,7 @@ class TierWriter:
         if stuck:
             logger.warning("kvtier: %s writer did not drain within %.1fs; %d writes lost",
                            self.backend.name, timeout, self._queue.qsize())
-        self._discard_queued()
+        self._lose(self._discard_queued(), CANCELLED)
         if stuck:
             self._stop_marker()  # the first one may have gone with the rest
 
@@ -146,8 +154,7 @@ class TierWriter:
         Idempotent (also after `close`)."""
         if not self._shut():
             return
-        dropped = self._discard_queued()
-        self._counters.inc(f"{self.backend.name}.write_cancelled", dropped)
+        self._lose(self._discard_queued(), CANCELLED)
         self._stop_marker()
         self._thread.join(timeout)
 
@@ -227,19 +234,38 @@ class TierWriter:
 
     def _write(self, batch: list[tuple[ChunkKey, MemoryObj]]) -> None:
         name = self.backend.name
+        settled = 0  # chunks of `batch` written, held already, or counted as lost
         try:
-            keys, objs = self._orderly(self._not_held(batch))
+            rest = self._not_held(batch)
+            settled = len(batch) - len(rest)
+            keys, objs = self._orderly(rest)
+            self._lose(len(rest) - len(keys), ORPHANED)
+            settled += len(rest) - len(keys)
             if keys:
+                # A guarded tier answers a failure (error, timeout, down) with fewer written:
+                # the shortfall is lost, counted below (the tier's own warning says why).
                 written = self.backend.batch_put(keys, objs)
                 self._counters.inc(f"{name}.writes", written)
+                settled += written
                 for key in keys[:written]:
                     self._remember(key.key)
+                if written < len(keys):
+                    self._warn.warning(f"short-{name}", "kvtier: %s took %d of %d writes; the "
+                                       "rest are lost (see the tier's warnings)", name,
+                                       written, len(keys))
         except Exception as exc:  # never kill the writer (tier failures are already misses)
-            self._counters.inc(f"{name}.write_errors", len(batch))
+            self._counters.inc(f"{name}.write_errors", len(batch) - settled)
             self._warn.warning(f"write-{name}", "kvtier: %s write failed: %r", name, exc)
         finally:
+            self._lose(len(batch) - settled, FAILED)
             for _, obj in batch:
                 obj.release()
+
+    def _lose(self, n: int, reason: str) -> None:
+        """Count `n` handed chunks that will never be written, under `reason` and `LOST`."""
+        if n:
+            self._counters.inc(f"{self.backend.name}.{reason}", n)
+            self._counters.inc(f"{self.backend.name}.{LOST}", n)
 
     def _not_held(
         self, batch: list[tuple[ChunkKey, MemoryObj]]
@@ -257,7 +283,8 @@ class TierWriter:
     def _orderly(
         self, batch: list[tuple[ChunkKey, MemoryObj]]
     ) -> tuple[list[ChunkKey], list[MemoryObj]]:
-        """The chunks of `batch` whose predecessor is reachable (checked in order)."""
+        """The chunks of `batch` whose predecessor is reachable (checked in order); the
+        caller counts the others."""
         keys: list[ChunkKey] = []
         objs: list[MemoryObj] = []
         ok: set[str] = set()
@@ -268,8 +295,6 @@ class TierWriter:
                 keys.append(key)
                 objs.append(obj)
                 ok.add(key.key)
-            else:
-                self._counters.inc(f"{self.backend.name}.write_orphans")
         return keys, objs
 
     def _remember(self, key: str) -> None:

@@ -16,9 +16,11 @@ every store and disk/Redis write kvtier still had queued. Here:
 - In each scheduler (`install_scheduler_handlers`), SIGTERM drains kvtier: the queued stores
   are finished and the lower-tier writes written, `DRAIN_S` seconds in all, on a thread of
   its own (the scheduler thread may hold a lock a store needs); one log line says how many
-  writes were drained and how many were dropped, then the process exits. SIGINT there (a
-  terminal's Ctrl-C reaches every process of the group) is left to the launcher, which stops
-  the server as above; a second SIGINT stops the scheduler at once.
+  writes were drained, how many were dropped at the stop and how many were lost before it
+  (per tier and why: a full queue, a failed or timed-out write, an orphan), a warning if
+  any, then the process exits. SIGINT there (a terminal's Ctrl-C reaches every process of
+  the group) is left to the launcher, which stops the server as above; a second SIGINT
+  stops the scheduler at once.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
     from kvtier.integration.sglang.adapter import SGLangKVTier
+    from kvtier.storage.backlog import WriteLoss
 
 __all__ = ["GRACE_S", "DRAIN_S", "LAUNCHER_ENV", "Drained", "bound_http_grace", "drain",
            "drain_and_log",
@@ -92,13 +95,30 @@ _launcher_pid: list[int] = []
 
 
 class Drained(NamedTuple):
-    """What a drain at exit did: lower-tier writes written during it, writes still queued
-    when its time ran out (dropped), store jobs not finished (their writes never queued)."""
+    """What a drain at exit did: lower-tier writes written during it, writes still pending
+    when its time ran out (dropped: the exit loses them), store jobs not finished (their
+    writes never queued); and the writes lost before that, since the start, per lower tier
+    (`lost`: failed, timed out, refused by a full queue, orphaned, cancelled; none of them
+    among `dropped`)."""
 
     written: int
     dropped: int
     stores_left: int
     seconds: float
+    lost: tuple[WriteLoss, ...] = ()
+
+    @property
+    def lost_total(self) -> int:
+        return sum(loss.total for loss in self.lost)
+
+    def describe(self) -> str:
+        """The stop's log line (after "kvtier: stopping: ")."""
+        stores = f", {self.stores_left} stores not finished" if self.stores_left else ""
+        lost = [str(loss) for loss in self.lost if loss.total]
+        before = (f"{self.lost_total} writes lost since the start: {'; '.join(lost)}" if lost
+                  else "no write lost before the stop")
+        return (f"{self.written} queued writes drained in {self.seconds:.1f} s, {self.dropped} "
+                f"dropped (still queued after {DRAIN_S:.0f} s){stores}; {before}")
 
 
 def drain(kv: SGLangKVTier, bound_s: float = DRAIN_S) -> Drained:
@@ -107,11 +127,12 @@ def drain(kv: SGLangKVTier, bound_s: float = DRAIN_S) -> Drained:
     start = time.monotonic()
     deadline = start + bound_s
     engine = kv.engine
-    before, _ = engine.write_backlog()
+    before = engine.write_backlog().written
     stores_left = 0 if kv.stores.drain(bound_s) else kv.stores.pending()
     engine.flush(max(0.0, deadline - time.monotonic()))
-    written, queued = engine.write_backlog()
-    return Drained(written - before, queued, stores_left, time.monotonic() - start)
+    after = engine.write_backlog()
+    return Drained(after.written - before, after.pending, stores_left,
+                   time.monotonic() - start, after.lost)
 
 
 def leave_sigint_to_launcher() -> None:
@@ -184,11 +205,9 @@ def drain_and_log(kv: SGLangKVTier) -> None:
     launcher's SIGTERM: the launcher waited its whole bound for a report). Never raises."""
     try:
         done = drain(kv)
-        level = logging.WARNING if done.dropped or done.stores_left else logging.INFO
-        logger.log(level, "kvtier: stopping: %d queued writes drained in %.1f s, %d dropped "
-                   "(still queued after %.0f s)%s", done.written, done.seconds, done.dropped,
-                   DRAIN_S, f", {done.stores_left} stores not finished"
-                   if done.stores_left else "")
+        lossy = done.dropped or done.stores_left or done.lost_total
+        logger.log(logging.WARNING if lossy else logging.INFO, "kvtier: stopping: %s",
+                   done.describe())
     except Exception:  # a stop must go on whatever the drain hit
         logger.exception("kvtier: stopping: the drain failed; queued writes are dropped")
     finally:
@@ -255,14 +274,39 @@ def drain_then_kill(children: list[Any], stop_dir: Path) -> None:
 
     The others wait because a scheduler dies with its parent: at `--dp-size` > 1 the
     schedulers are children of SGLang's data-parallel controller, which dies on SIGTERM, and
-    its children are SIGKILLed with it (a test saw both schedulers killed mid-drain)."""
-    draining = {int(marker.name) for marker in stop_dir.glob("[0-9]*")}
+    its children are SIGKILLed with it (a test saw both schedulers killed mid-drain).
+
+    Anything else in `stop_dir` (a name that is not a plain decimal pid, a directory) is
+    ignored (`_marker_pids`): it must not cost the schedulers their drain."""
+    strays: set[str] = set()
+    draining = _marker_pids(stop_dir, strays)
     schedulers = [proc for proc in children if proc.pid in draining]
     _terminate(schedulers)
     try:
-        _wait_for_drains(stop_dir, schedulers)
+        _wait_for_drains(stop_dir, schedulers, strays)
     finally:
         _terminate([proc for proc in children if proc.pid not in draining])
+
+
+def _marker_pids(stop_dir: Path, strays: set[str]) -> set[int]:
+    """The pids whose scheduler files are in `stop_dir`: regular files named by a plain
+    decimal pid (`str(pid)`). Anything else (`123abc`, `0123`, a directory) is not one of
+    ours: ignored, logged at debug once per name (`strays` holds those logged). Never raises
+    (a missing directory: none)."""
+    try:
+        entries = list(stop_dir.iterdir())
+    except OSError:
+        return set()
+    pids: set[int] = set()
+    for entry in entries:
+        name = entry.name
+        if name.isascii() and name.isdigit() and str(int(name)) == name and entry.is_file():
+            pids.add(int(name))
+        elif name not in strays:
+            strays.add(name)
+            logger.debug("kvtier: %r in the stop directory %s is not a scheduler's file (a "
+                         "file named by its pid); ignored", name, stop_dir)
+    return pids
 
 
 def _terminate(procs: list[Any]) -> None:
@@ -271,21 +315,21 @@ def _terminate(procs: list[Any]) -> None:
             proc.terminate()
 
 
-def _wait_for_drains(stop_dir: Path, schedulers: list[Any]) -> None:
+def _wait_for_drains(stop_dir: Path, schedulers: list[Any], strays: set[str]) -> None:
     """Until every scheduler's file is gone, or its process is (a second Ctrl-C stops a
     scheduler at once, before any report), `DRAIN_S` + a margin at most."""
     start = time.monotonic()
     deadline = start + DRAIN_S + _EXIT_MARGIN_S
     alive = {proc.pid: proc for proc in schedulers}
 
-    def reporting() -> list[Path]:
-        return [marker for marker in stop_dir.glob("[0-9]*")
-                if int(marker.name) in alive and _running(alive[int(marker.name)])]
+    def reporting() -> list[int]:
+        return [pid for pid in _marker_pids(stop_dir, strays)
+                if pid in alive and _running(alive[pid])]
 
     try:
         while (left := reporting()) and time.monotonic() < deadline:
             time.sleep(0.05)
-        gone = len(list(stop_dir.glob("[0-9]*"))) - len(left)
+        gone = len(_marker_pids(stop_dir, strays) & alive.keys()) - len(left)
     except KeyboardInterrupt:
         logger.warning("kvtier: stop forced: queued writes of the schedulers are dropped")
         return

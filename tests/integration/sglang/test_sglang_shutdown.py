@@ -146,6 +146,7 @@ def test_sigterm_takes_sglang_s_graceful_path_and_drains_too(
     log = server.log()
     drained = DRAINED.search(log)
     assert drained and int(drained[2]) == 0, log[-3000:]
+    assert "no write lost before the stop" in log, log[-3000:]  # a healthy disk lost none
     assert "still draining" not in log, log[-3000:]  # the scheduler reported its drain done
     assert len(list((tmp_path / "disk").rglob("*.kvt"))) >= 3 * (PROMPT // CHUNK)
     assert "nanobind: leaked" not in log and "Traceback" not in log, log[-3000:]
