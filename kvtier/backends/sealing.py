@@ -34,6 +34,7 @@ import hashlib
 import math
 import os
 import stat
+import zlib
 from collections.abc import Sequence
 
 import xxhash
@@ -134,15 +135,25 @@ class RecordKeys:
         return f"RecordKeys(ids={self.ids})"
 
 
-MIN_KEY_ENTROPY_BITS = 96  # of the key's bytes, by their frequencies: repeats and words fail
+MIN_KEY_ENTROPY_BITS = 96  # by `_entropy_bits`: words, repeated phrases and patterns fail
 
 
 def _entropy_bits(secret: bytes) -> tuple[float, int]:
-    """An estimate of `secret`'s entropy (its length times the Shannon entropy of its byte
-    frequencies: an upper bound for words and patterns) and its number of distinct bytes."""
+    """An estimate of `secret`'s entropy and its number of distinct bytes.
+
+    The Shannon entropy of its byte frequencies per byte, times the bytes left once repeats are
+    taken out: raw DEFLATE with fixed Huffman codes, where a literal costs a byte (8 or 9 bits)
+    and every repeat of 3 bytes or more a short back-reference, so the share of the secret
+    DEFLATE cannot shorten is the share that is not repetition (at most 1). Frequencies alone
+    count a phrase repeated k times k times over; this counts it about once. An upper bound
+    for words and patterns; a random key loses nothing (32 random bytes as base64 or hex
+    estimate at 190 bits or more, twice the minimum)."""
     counts = collections.Counter(secret)
     n = len(secret)
-    return -sum(c * math.log2(c / n) for c in counts.values()), len(counts)
+    per_byte = -sum(c * math.log2(c / n) for c in counts.values()) / n
+    packer = zlib.compressobj(9, zlib.DEFLATED, -15, 9, zlib.Z_FIXED)
+    unrepeated = min(n, len(packer.compress(secret) + packer.flush()))
+    return per_byte * unrepeated, len(counts)
 
 
 def _trust_problem(path: str) -> str | None:
@@ -177,13 +188,17 @@ def load_record_keys(path: str | None) -> RecordKeys | None:
     lines skipped), the current key first; None without a path.
 
     Raises:
-        ConfigError: naming `record_key_file` (never a key) when the file cannot be read, holds
-            no key or a key of fewer than `MIN_KEY_BYTES` bytes, holds one key twice, or is
-            open to the group or others (a mode other than 0600 or 0400), may be changed by
-            another user (`_trust_problem`), or holds a guessable key (`_entropy_bits`).
+        ConfigError: naming `record_key_file` (never a key) when the path holds a NUL byte,
+            the file cannot be read, holds no key or a key of fewer than `MIN_KEY_BYTES`
+            bytes, holds one key twice, or is open to the group or others (a mode other than
+            0600 or 0400), may be changed by another user (`_trust_problem`), or holds a
+            guessable key (`_entropy_bits`).
     """
     if not path:
         return None
+    if "\0" in path:  # open() would raise ValueError, not OSError
+        raise ConfigError(f"record_key_file: {path!r} holds a NUL byte, which no file name "
+                          "can: give the path of the key file")
     full = os.path.expanduser(path)
     try:
         with open(full, "rb") as f:

@@ -70,7 +70,7 @@ class TierSet:
         probe_tiers([tier for tier, _ in built], self._probe_bytes())
         for pair in built:
             self.add(*pair)
-        _warn_guessable_names(self._ctx.config)
+        _warn_plain_records(self._ctx.config, [tier.name for tier, _ in built])
 
     def attach(self, name: str, config: Config | None = None) -> None:
         """Add lower tier `name` while stores and loads run (`build`, then `publish`); it
@@ -231,18 +231,28 @@ class TierSet:
 MIN_SALT_BYTES = 16  # 128 bits: a salt a reader cannot search
 
 
-def _warn_guessable_names(config: Config) -> None:
-    """A shared tier (Redis) whose key names a reader can test a guessed prompt against: the
-    names are chained hashes of the token ids, salted by `hash_salt` only."""
-    if config.remote_url is None or config.record_key_file is not None:
+def _warn_plain_records(config: Config, names: Sequence[str]) -> None:
+    """One warning line when lower tiers `names` (disk, Redis) keep plain records: without
+    `record_key_file` nothing tells a record this fleet wrote from one planted by whoever can
+    write the tier (checksums catch accidents only), and the KV gives the prompts back. With
+    Redis and a short `hash_salt`, the line adds that its key names let a reader test a
+    guessed prompt."""
+    lower = [name for name in names if name != CPU]
+    if not lower or config.record_key_file is not None:
         return
+    names_line = ""
     salt = len((config.hash_salt or "").encode())
-    if salt < MIN_SALT_BYTES:
-        logger.warning("kvtier: the Redis tier's key names are hashes of the prompts' tokens "
-                       "salted by hash_salt (%d bytes): whoever can list the Redis can test "
-                       "whether a guessed prompt was served; set hash_salt to at least %d "
-                       "random bytes, or record_key_file (docs/security.md)", salt,
-                       MIN_SALT_BYTES)
+    if config.remote_url is not None and salt < MIN_SALT_BYTES:
+        names_line = ("; and the Redis key names are hashes of the prompts' tokens salted by "
+                      f"hash_salt ({salt} bytes): whoever can list the Redis can test whether "
+                      "a guessed prompt was served (a hash_salt of at least "
+                      f"{MIN_SALT_BYTES} random bytes hides the names only)")
+    logger.warning("kvtier: no record_key_file, so the %s tier%s keep%s plain records: anyone "
+                   "who can write there can forge records that this server will serve as KV, "
+                   "and anyone who can read them can read the prompts back%s; set "
+                   "record_key_file to a secret shared by the servers (see docs/security.md)",
+                   " and ".join(lower), "s" if len(lower) > 1 else "",
+                   "" if len(lower) > 1 else "s", names_line)
 
 
 def probe_tiers(tiers: Sequence[GuardedTier], nbytes: int, bound_s: float | None = None,

@@ -20,7 +20,7 @@ from kvtier.errors import ConfigError
 from kvtier.memory import MemoryAllocator, lease
 from tests.helpers import SMALL_MHA, make_keys, put_random, same_bytes
 
-SECRET = b"0123456789abcdef0123456789abcdef"
+SECRET = b"0123456789abcdefghijklmnopqrstuv"  # no repeat: a repeated phrase is guessable
 
 
 def _key_file(tmp_path: Path, secret: bytes, name: str) -> str:
