@@ -3,6 +3,8 @@ no listing, lookup or count sees and that is gone afterwards, also after a failu
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable
 
 import pytest
@@ -12,6 +14,7 @@ from harness.redis import RedisCluster, RedisProcess, RedisSentinel
 from kvtier.backends import BackendContext, StorageBackend
 from kvtier.backends.base import PROBE_PREFIX
 from kvtier.backends.disk import DiskBackend
+from kvtier.backends.disk.inflight import GRACE_S
 from kvtier.backends.disk.probe import scratch_files
 from kvtier.backends.redis import RedisBackend
 from kvtier.backends.redis import probe as redis_probe
@@ -112,7 +115,9 @@ def test_a_redis_probe_value_expires_if_its_delete_never_arrives(
 def test_a_disk_probe_file_left_by_a_killed_process_is_removed(
         open_disk: Callable[..., DiskBackend]) -> None:
     disk = open_disk()
-    orphan = disk.root / ".kvtier-probe.999999999.0.tmp"  # no such pid
+    orphan = disk.root / ".kvtier-probe.999999999.0.tmp"  # unlocked: its writer is gone
     orphan.write_bytes(b"x" * 100)
+    old = time.time() - 2 * GRACE_S  # past the grace a file has before its writer locks it
+    os.utime(orphan, (old, old))
     assert disk.probe(4096)[0].read_bytes == 4096
     assert scratch_files(disk.root) == []

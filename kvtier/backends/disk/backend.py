@@ -341,11 +341,10 @@ class DiskBackend(StorageBackend):
                 return False
             self._index.reserved += size
         tmp = rf.temp_path(path)
-        written = committed = False
+        fd, committed = -1, False
         try:
-            # leaves nothing on failure
-            rf.write_temp(self._dirs, name, tmp, key, obj, stamp, self._keys)
-            written = True
+            # leaves nothing on failure; else holds the temp file's lock until it is renamed
+            fd = rf.write_temp(self._dirs, name, tmp, key, obj, stamp, self._keys)
             with self._lock:
                 if not self._closed:
                     os.replace(tmp, path)
@@ -363,8 +362,10 @@ class DiskBackend(StorageBackend):
         finally:
             with self._lock:
                 self._index.reserved -= size
-            if written and not committed:
-                self._unlink(Path(tmp))
+            if fd >= 0:
+                if not committed:
+                    self._unlink(Path(tmp))
+                os.close(fd)
         return committed
 
     def remove(self, keys: Sequence[ChunkKey]) -> int:

@@ -4,8 +4,9 @@ The disk tier (`disk.py`) owns the policy (index, size cap, LRU); this module ow
 
 - A record of key string `k` lives at `root/ab/cd/<sha256(k)>.kvt`. Hashing the whole key
   string (namespace included) makes the path a pure function of the key: no listing on lookup.
-- It is written to `<stem>.<pid>.<seq>.tmp` next to its final name; the caller `os.replace`s it.
-  A temp file whose pid is dead (or that is older than STALE_TMP_SECS) is garbage.
+- It is written to `<stem>.<pid>.<seq>.tmp` next to its final name, locked while in flight;
+  the caller `os.replace`s it. Whether a temp file is garbage is told by its lock, never by
+  its name (`inflight`: the pid means nothing in another PID namespace).
 - It is read with the header first, validated in full, then the payload straight into arena
   memory (if encrypted, through a one-piece scratch buffer it is decrypted from) and verified
   before the object is handed out.
@@ -22,11 +23,12 @@ import errno
 import hashlib
 import itertools
 import os
+import secrets
 import stat
-import time
 from collections.abc import Callable
 from pathlib import Path
 
+from kvtier.backends.disk import inflight
 from kvtier.backends.disk.paths import SUFFIX, is_temp_name, record_stem, root_problem
 from kvtier.backends.record import (
     RecordKeys,
@@ -45,12 +47,13 @@ __all__ = ["SUFFIX", "file_name", "record_path", "record_file", "temp_path", "wr
            "read_record", "scan", "prepare_root", "RecordDirs", "UnsafeDirectory", "dir_problem",
            "NotRegular", "open_record"]
 
-STALE_TMP_SECS = 3600.0  # older than this, a temp file is garbage even if its pid was reused
 _HEX = frozenset("0123456789abcdef")
 # I/O size: large enough that syscalls are cheap, small enough to stay in the CPU cache
 # between checksumming and copying (measured here: ~10% faster puts than hashing 32 MiB first).
 PIECE = 1 << 20
-_SEQ = itertools.count()
+# From a random start: a server with the same pid in another PID namespace, writing the same
+# record, does not pick the same temp name (its O_EXCL would fail: a dropped write).
+_SEQ = itertools.count(secrets.randbelow(1 << 48))
 # O_NONBLOCK: opening a FIFO must not wait for a writer (harmless on regular files);
 # O_NOFOLLOW: a symlink planted at a record path is not a record.
 _READ_FLAGS = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW
@@ -144,9 +147,9 @@ def prepare_root(root: Path) -> str | None:
                else f"`chown {os.geteuid()} {root}` or use a directory of uid {os.geteuid()}")
         raise UnsafeDirectory(errno.EPERM, f"{root} {why}; the cache holds every user's "
                                            f"prompts, so its directory must be private: {fix}")
-    probe = root / f".probe.{os.getpid()}.tmp"
-    with contextlib.suppress(FileNotFoundError):  # left by a crash, if this pid is reused
-        os.unlink(probe)  # safe: the root is private by now
+    # A name of its own, never this pid's: a server with this pid in another PID namespace
+    # may be checking the same root, and nothing another process made is ever unlinked.
+    probe = root / f".probe.{secrets.token_hex(8)}.tmp"
     os.close(os.open(probe, _WRITE_FLAGS, FILE_MODE))
     os.unlink(probe)
     if st.st_mode & 0o055:
@@ -223,9 +226,12 @@ def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
 
 
 def write_temp(dirs: RecordDirs, name: str, tmp: str, key: ChunkKey, obj: MemoryObj,
-               stamp_ns: int, keys: RecordKeys | None = None) -> None:
+               stamp_ns: int, keys: RecordKeys | None = None) -> int:
     """Write the record `name` of `obj` under `key` to the new file `tmp` (0600, in the
     record's directory), with mtime `stamp_ns`; encrypted under `keys.current` with `keys`.
+
+    Returns the temp file's descriptor, still locked as in flight (`inflight.create_locked`):
+    the caller renames or removes `tmp`, then closes it, so no clean-up takes it meanwhile.
 
     The payload goes to the file piece by piece, each checksummed (and encrypted into a piece
     buffer) just before it is written, so the kernel copies it from the CPU cache; then the
@@ -238,10 +244,10 @@ def write_temp(dirs: RecordDirs, name: str, tmp: str, key: ChunkKey, obj: Memory
     seal = seal_for(key, obj, keys=keys)  # before any file: a ValueError leaves nothing
     dirs.require(name)
     try:
-        fd = os.open(tmp, _WRITE_FLAGS, FILE_MODE)
+        fd = inflight.create_locked(tmp, FILE_MODE)
     except FileNotFoundError:  # the tree was removed behind our back: check it anew
         dirs.require(name, recheck=True)
-        fd = os.open(tmp, _WRITE_FLAGS, FILE_MODE)
+        fd = inflight.create_locked(tmp, FILE_MODE)
     try:
         view = obj.byte_view()
         offset = expected_header_len(key)
@@ -255,9 +261,9 @@ def write_temp(dirs: RecordDirs, name: str, tmp: str, key: ChunkKey, obj: Memory
     except BaseException:
         with contextlib.suppress(OSError):  # in a checked directory: no redirect to fear
             os.unlink(tmp)
-        raise
-    finally:
         os.close(fd)
+        raise
+    return fd
 
 
 class NotRegular(OSError):
@@ -338,23 +344,6 @@ def read_record(fd: int, size: int, key: ChunkKey, layout: KVLayout,
     return obj
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by someone else
-        return True
-    return True
-
-
-def _stale_tmp(entry: os.DirEntry[str]) -> bool:
-    pid = int(entry.name.split(".")[1])  # <stem>.<pid>.<seq>.tmp (`is_temp_name`)
-    age = time.time() - entry.stat().st_mtime
-    # Our own pid counts as alive: another tier instance in this process may be writing it.
-    return not _pid_alive(pid) or age > STALE_TMP_SECS
-
-
 def _private(entry: os.DirEntry[str]) -> bool:
     try:
         return dir_problem(entry.stat(follow_symlinks=False)) is None
@@ -372,7 +361,8 @@ def _subdirs(path: Path | str, check: bool) -> list[str]:
 def scan(root: Path, dirs: RecordDirs | None = None) -> tuple[list[tuple[int, str, int]], int]:
     """Every record under `root` as (mtime ns, stem, size), oldest first, from directory
     entries and `stat` only (no file is opened; only regular files named as records in their
-    `ab/cd` count: `paths.record_stem`); removes stale temp files (`paths.is_temp_name`).
+    `ab/cd` count: `paths.record_stem`); removes stale temp files (named as `paths.is_temp_name`
+    says, and garbage as `inflight.remove_stale` tells: never one in flight).
     Symlinked directories are never entered; with `dirs`, neither are directories that are not
     private (`dir_problem`), and the others are marked in `dirs`.
 
@@ -393,8 +383,8 @@ def scan(root: Path, dirs: RecordDirs | None = None) -> tuple[list[tuple[int, st
                                 continue  # a FIFO, device, directory or symlink: not a record
                             st = entry.stat(follow_symlinks=False)
                             found.append((st.st_mtime_ns, stem, st.st_size))
-                        elif is_temp_name(entry.name, *names) and _stale_tmp(entry):
-                            os.unlink(entry.path)
+                        elif is_temp_name(entry.name, *names) and inflight.remove_stale(
+                                entry.path):
                             removed += 1
                     except FileNotFoundError:
                         pass  # deleted meanwhile by a process sharing the directory

@@ -91,9 +91,14 @@ def record_stem(filename: str, top: str, sub: str) -> str | None:
 
 def is_temp_name(filename: str, top: str, sub: str) -> bool:
     """Whether `filename` in `top/sub` is named as the tier's temp files are."""
-    parts = filename.split(".")  # <stem>.<pid>.<seq>.tmp
-    return (len(parts) == 4 and parts[3] == "tmp" and parts[1].isdigit() and parts[2].isdigit()
+    parts = filename.split(".")  # <stem>.<pid>.<seq>.tmp, ASCII digits only (str.isdigit
+    # takes "²"): the numbers are never read, but a name is ours only as the tier writes it
+    return (len(parts) == 4 and parts[3] == "tmp" and _digits(parts[1]) and _digits(parts[2])
             and _in_place(parts[0], top, sub))
+
+
+def _digits(text: str) -> bool:
+    return text.isascii() and text.isdigit()
 
 
 def unlink_record(root: Path, filename: str) -> bool:

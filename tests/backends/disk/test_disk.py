@@ -146,11 +146,14 @@ def test_sigkill_mid_writes_never_serves_a_torn_record(
 ) -> None:
     root = tmp_path / "disk"
     results = [_write_until_killed(root, rnd) for rnd in range(ROUNDS)]
-    # Leftovers of a dead writer, plus an in-flight temp file of a live process sharing the dir.
+    # Leftovers of the killed writers, dated past the grace (their locks died with them), plus
+    # a temp file just created by a process sharing the dir (within the grace: kept).
     (root / "00" / "00").mkdir(parents=True, exist_ok=True)
     stale = root / "00" / "00" / f"{'0' * 64}.{results[0][1]}.9.tmp"
-    live = root / "00" / "00" / f"{'1' * 64}.{os.getppid()}.9.tmp"
     stale.write_bytes(b"torn")
+    for left in _files(root, "*.tmp"):
+        os.utime(left, (0, 0))
+    live = root / "00" / "00" / f"{'1' * 64}.{os.getppid()}.9.tmp"
     live.write_bytes(b"in flight")
 
     disk = open_disk(layout=BIG, cap_gb=1.0)

@@ -90,6 +90,7 @@ def test_files_not_named_as_records_are_never_indexed_evicted_or_deleted(
     planted = _plant_foreign(root)
     stale = rf.record_path(root, OTHER).with_suffix(".4000000.7.tmp")
     stale.write_bytes(b"a stale temp file of ours")
+    os.utime(stale, (0, 0))  # unlocked, past the grace: a dead writer's
     tiny = open_disk(root=root, cap_gb=record / 1e9)  # opened over its cap: deletes nothing
     assert tiny.stats()["entries"] == 4 and tiny.stats()["evictions"] == 0
     _put(tiny, make_keys(16, seed=9), arena)  # a write shrinks it: evicts all it may

@@ -43,7 +43,7 @@ def _with_bait(root: Path) -> Path:
     (root / "00" / "00" / f"{'0' * 64}.kvt").write_bytes(b"not a record")
     stale = root / "00" / "00" / f"{'0' * 64}.1.1.tmp"
     stale.write_bytes(b"stale")
-    os.utime(stale, (0, 0))  # older than STALE_TMP_SECS: garbage to a tier that opens
+    os.utime(stale, (0, 0))  # unlocked, past the grace: garbage to a tier that opens
     return root
 
 
