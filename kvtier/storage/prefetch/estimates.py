@@ -69,6 +69,7 @@ class TierSpeed:
         self.name = name
         self._latency = Samples()
         self._bandwidth = Samples()
+        self._lookups: deque[bool] = deque(maxlen=WINDOW)  # whether each lookup found a chunk
         self._lock = threading.Lock()
         self._queued = 0
         self._probed = -math.inf
@@ -105,6 +106,19 @@ class TierSpeed:
         """`nbytes` more of a read already under way arrived in `seconds` (no round trip)."""
         if nbytes > 0 and seconds > 0:
             self._bandwidth.add(nbytes / seconds)
+
+    def observe_lookup(self, found: bool) -> None:
+        """A request's lookup asked this tier and it held (`found`) or lacked its next chunk."""
+        with self._lock:
+            self._lookups.append(found)
+
+    @property
+    def hit_rate(self) -> float:
+        """The share of recent lookups that found a chunk here, with one imagined hit and one
+        imagined miss added (0.5 before any lookup): a tier that has not been asked yet is
+        worth waiting for as long as a hit would save more than a miss costs."""
+        with self._lock:
+            return (sum(self._lookups) + 1) / (len(self._lookups) + 2)
 
     @property
     def latency_s(self) -> float:

@@ -89,7 +89,7 @@ class PrefetchLoads:
         """A prefetch of `keys` (and then its tail), queued for the workers if `accept`; else
         (or without keys) done at once with 0 chunks. Never blocks."""
         tokens = sum(k.num_tokens for k in keys)
-        admission = self._planner.admission(tokens)
+        admission = self._planner.admission(tokens, keys)
         budget = self._policy.budget_s(self._section, tokens, admission.budget_s)
         prefetch = Prefetch(keys, self._policy, budget, drop=self.drop)
         prefetch.unwaited = admission.reason

@@ -156,28 +156,51 @@ class LoadPlanner:
         """Whether some lower tier has no measured speed yet (`TierSpeed.known`)."""
         return not all(tier.speed.known for tier in self._tiers())
 
-    def admission(self, tokens: int) -> Admission:
-        """How long a prompt of `tokens` tokens may wait for its plan under `adaptive`: what a
-        load of all of it could save at the speeds measured now (its recompute time less the
-        round trip and transfer of the best measured tier). A tier whose measured round trip
-        alone is longer than the recompute cannot pay and is left out; a tier not measured yet
-        adds nothing to the budget (asking it may take longer than any load could save), and
-        its hits load in the background."""
+    def admission(self, tokens: int, keys: Sequence[ChunkKey] = ()) -> Admission:
+        """How long a prompt of `tokens` tokens (chunks `keys`, when known) may wait for its
+        plan under `adaptive`: what a load of all of it could save at the speeds measured now,
+        over the best tier that is worth waiting for.
+
+        A tier's best case is its lookup's round trip (none when its recent answers cover
+        `keys`), then the read's round trip and the transfer. A tier whose round trips alone
+        are longer than the recompute cannot pay and is left out. So is one whose lookups hit
+        too rarely: a request that waits for a lookup that misses pays its round trip for
+        nothing, so a tier is waited for only while its hit rate times the best case's saving
+        exceeds its miss rate times the lookup's round trip. A tier remembered to lack the
+        first chunk adds nothing. A tier not measured yet adds nothing either (asking it may
+        take longer than any load could save): its hits load in the background."""
         full = self.prefill.recompute_s(tokens, tokens)
         nbytes = self._chunk_bytes(tokens)
         budget, guessing = 0.0, False
         for tier in self._tiers():
             speed = tier.speed
-            if speed.latency_measured and speed.latency_s >= full:
+            lookup_s = self._lookup_s(tier, keys)
+            if lookup_s is None:
+                continue  # its recent answer: it holds none of the prompt
+            trips = lookup_s + speed.latency_s
+            if speed.latency_measured and trips >= full:
                 continue  # hopeless for this prompt, whatever its bandwidth
             if not speed.known_for(nbytes):
                 guessing = True
                 continue
-            budget = max(budget, full - speed.latency_s - nbytes / speed.read_bytes_per_s)
+            saved = full - trips - nbytes / speed.read_bytes_per_s
+            hit = speed.hit_rate
+            if hit * saved > (1 - hit) * lookup_s:
+                budget = max(budget, saved)
         budget = min(full, budget)
         reason = "deadline" if budget > 0 else \
             "unmeasured" if guessing else "slower_than_recompute"
         return Admission(budget, reason, guessing)
+
+    @staticmethod
+    def _lookup_s(tier: GuardedTier, keys: Sequence[ChunkKey]) -> float | None:
+        """What asking `tier` where `keys` are costs: 0 when its recent answers cover them
+        (`Existence`), None when they say it lacks the first one, else a round trip."""
+        if keys:
+            held, answered = tier.existence.leading(keys[:1])
+            if answered:
+                return 0.0 if held else None
+        return tier.speed.latency_s
 
     def budget_before_plan_s(self, tokens: int) -> float:
         """`admission(tokens).budget_s`."""
@@ -290,6 +313,7 @@ class LoadPlanner:
                         skipped.append(tier)
                     continue
                 got = tier.recall_contains(keys[n:])
+                tier.speed.observe_lookup(got > 0)
                 if got:
                     spans.append(best._replace(chunks=got))
                     n += got

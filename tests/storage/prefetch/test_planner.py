@@ -172,6 +172,73 @@ def test_a_tier_whose_round_trip_exceeds_the_recompute_is_left_out_of_the_budget
     assert 0 < got.budget_s <= 1.0 and got.reason == "deadline" and got.guessing
 
 
+def test_the_lookup_round_trip_counts_in_a_tiers_best_case() -> None:
+    """One round trip (0.6 s) is less than the recompute (1 s), but the lookup and the read
+    take one each: the tier cannot pay, and no request waits for it (issue 67: a far Redis
+    held every request for a lookup that could never be repaid)."""
+    far = _tier(0.6, 1e12)
+    assert planner_admission(_planner_over(far)) == Admission(0.0, "slower_than_recompute",
+                                                                 False)
+    near = _tier(0.1, 1e12)
+    transfer = SMALL_MHA.nbytes(1000) / near.read_bytes_per_s
+    assert planner_admission(_planner_over(near)).budget_s == pytest.approx(1.0 - 0.2 - transfer)
+
+
+def test_a_tier_whose_lookups_keep_missing_is_not_waited_for() -> None:
+    """A miss costs the lookup's round trip for nothing: a 100 ms tier whose recent lookups
+    all missed is not worth it; a 0.5 ms one still is; hits bring the far one back."""
+    far, near = _tier(0.1, 1e12), _tier(0.0005, 1e12)
+    assert far.hit_rate == 0.5  # not asked yet: worth waiting for while a hit saves more
+    assert planner_admission(_planner_over(far)).budget_s > 0
+    for _ in range(16):
+        far.observe_lookup(False)
+        near.observe_lookup(False)
+    assert far.hit_rate == pytest.approx(1 / 18)
+    assert planner_admission(_planner_over(far)) == Admission(0.0, "slower_than_recompute",
+                                                                 False)
+    assert planner_admission(_planner_over(near)).budget_s > 0.9
+    for _ in range(4):
+        far.observe_lookup(True)
+    assert planner_admission(_planner_over(far)).budget_s > 0.7
+
+
+def test_a_tiers_recent_answers_stand_in_for_its_lookup(tmp_path: Path) -> None:
+    """Remembered to hold the first chunk: no lookup round trip in the best case; remembered
+    to lack it: the tier adds nothing to the wait."""
+    cfg = Config(chunk_size=CHUNK, local_disk=str(tmp_path / "d"), max_local_disk_size=0.1)
+    inner = DiskBackend(BackendContext(config=cfg, layout=SMALL_MHA,
+                                       allocator=MemoryAllocator(1 << 20)))
+    disk = GuardedTier(inner, Counters("disk.errors"), RateLimitedLog(logging.getLogger()))
+    try:
+        disk.speed.observe_latency(0.2)
+        disk.speed.observe_read(10**6, 0.2 + 10**6 / 1e12)
+        planner = LoadPlanner(lambda: [disk], _prefill(1000), SMALL_MHA.nbytes,
+                              arena_bytes=1 << 30, counters=Counters())
+        keys = make_keys(1000)
+        transfer = SMALL_MHA.nbytes(1000) / disk.speed.read_bytes_per_s
+        asked = planner.admission(1000, keys).budget_s
+        assert asked == pytest.approx(1.0 - 0.4 - transfer)
+        disk.existence.remember(keys, 1)
+        assert planner.admission(1000, keys).budget_s == pytest.approx(1.0 - 0.2 - transfer)
+        disk.existence.remember(keys, 0)
+        assert planner.admission(1000, keys).budget_s == 0.0
+    finally:
+        disk.close()
+
+
+def test_a_plan_records_whether_each_tier_it_asked_held_the_prompt(
+        disk_manager: StorageManager) -> None:
+    sm = disk_manager
+    sm.prefill.observe(4096, 4096 / 100.0, 4096)
+    (tier,) = sm.lower_tiers
+    before = tier.speed.hit_rate
+    _settled(sm, make_keys(32 * CHUNK, seed=99))  # stored nowhere
+    assert tier.speed.hit_rate < before
+    after_miss = tier.speed.hit_rate
+    _settled(sm, make_keys(32 * CHUNK))  # stored on the disk
+    assert tier.speed.hit_rate > after_miss
+
+
 def planner_admission(planner: LoadPlanner) -> Admission:
     return planner.admission(1000)  # 1 s of recompute at 1000 tokens/s
 
@@ -252,8 +319,9 @@ def test_before_a_tier_is_measured_nobody_waits_for_a_plan(tmp_path: Path) -> No
         disk.speed.observe_latency(0.01)  # a round trip timed, no read yet: still a guess
         assert planner.budget_before_plan_s(1000) == 0.0
         disk.speed.observe_read(10**6, 0.01 + 10**6 / 1e9)  # ~1 GB/s
-        # What a load of it all could save: recompute less a round trip and the bytes.
-        expected = 1.0 - 0.01 - SMALL_MHA.nbytes(1000) / disk.speed.read_bytes_per_s
+        # What a load of it all could save: recompute less the lookup's and the read's round
+        # trips and the bytes.
+        expected = 1.0 - 2 * 0.01 - SMALL_MHA.nbytes(1000) / disk.speed.read_bytes_per_s
         assert planner.budget_before_plan_s(1000) == pytest.approx(expected)
         disk.speed.observe_latency(5.0)
         disk.speed.observe_latency(5.0)  # now 5 s away (the median): nothing to wait for
