@@ -16,7 +16,7 @@ from kvtier.connectors.base import KVConnector
 from kvtier.engine.rows import limit_of, pool_rows
 from kvtier.engine.saving import PrefixSaver
 from kvtier.engine.tiers import TierControl
-from kvtier.engine.verify import Verification, disowned, purge, sampled, sampling_key, shadow_check
+from kvtier.engine.verify import Verification, purge, sampled, sampling_key, shadow_check, suspect
 from kvtier.kernels import ops
 from kvtier.keys import ChunkKey, KeyBuilder, KeyChain
 from kvtier.memory import KVLayout, MemoryFormat, MemoryObj, lease
@@ -156,17 +156,16 @@ class CacheEngine:
                on_read: Callable[[], None] | None = None, salt: str = "",
                also_prefix: int | None = None,
                ready: torch.cuda.Event | None = None) -> Verification:
-        """`store`, after comparing the KV in `slot_mapping` with every tier's records of the
-        full chunks from the one holding token `start` on (what the request computed): a chunk
-        over `verify.TOLERANCE` is counted, logged and removed from its tier with the chunks
-        after it, and the store writes the fresh KV. `loaded`: the tokens before `start` came
-        from the tiers (`verify_scope: tail`); a chunk no tier's record matches then takes all
-        the request's chunks out of every tier, and nothing is stored (`verify.purge`)."""
+        """`store`, after comparing the KV in `slot_mapping` with every tier's records of the full
+        chunks from the one holding token `start` on (what the request computed): a chunk over
+        `verify.TOLERANCE` is counted, logged and removed from its tier with the chunks after it;
+        the store writes the fresh KV. `loaded` (scope tail): the tokens before `start` came from
+        the tiers; if that prefix is `verify.suspect`, all chunks leave every tier, none stored."""
         _, slots, _ = self._prepare(token_ids, slot_mapping)
         keys = self.key_chain(token_ids, salt)
         verdicts = [] if self._closed else shadow_check(
             self.storage, keys, start, lambda todo: self._saver.fill(todo, slots, ready))
-        if loaded and disowned(verdicts):
+        if loaded and suspect(self.storage, keys, start, verdicts):
             if on_read is not None:  # nothing of the request is stored
                 on_read()
             return Verification(0, verdicts, purge(self.storage, keys))

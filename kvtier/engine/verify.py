@@ -17,8 +17,11 @@ missing one) and the store that follows writes the fresh KV in their place.
 
 With `verify_scope: tail` the request loads its prefix and computes only the last full chunk of
 its hit. A fresh chunk computed over a loaded prefix that no tier's record matches may owe the
-difference to that prefix (a changed model differs everywhere), so `purge` then removes every
-chunk of the request from every tier and nothing of it is stored: the next request computes it.
+difference to that prefix (a changed model differs everywhere), or to the records alone (one
+forged record). Blame goes by source (`suspect`): only when a tier that supplied the prefix
+holds one of the differing records does `purge` remove every chunk of the request from every
+tier, storing nothing of it (the next request computes it); otherwise the quarantine of the
+differing records stands, as in a full verification.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from kvtier.metrics import RateLimitedLog
 from kvtier.storage import StorageManager
 
 __all__ = ["TOLERANCE", "Verdict", "Verification", "shadow_check", "sampled", "sampling_key",
-           "agreed_sampling_key", "layer_errors", "disowned", "purge"]
+           "agreed_sampling_key", "layer_errors", "disowned", "suspect", "purge"]
 
 logger = logging.getLogger(__name__)
 _warn = RateLimitedLog(logger)
@@ -59,13 +62,15 @@ _DEFAULT_TOLERANCE = 5e-2  # 8-bit pools and anything else: as loose as bf16
 class Verdict(NamedTuple):
     """One chunk compared with one tier's record of it. `layer`: the first layer over the
     tolerance (None: the chunk matched); `error`: the relative distance there (or the worst of
-    all layers on a match)."""
+    all layers on a match); `source`: the tier whose record it is: `tier`, except for the CPU
+    tier's copy of a record it read from a lower tier (`StorageManager.origins`)."""
 
     tier: str
     chunk: int
     key: ChunkKey
     layer: int | None
     error: float
+    source: str = ""
 
     @property
     def matched(self) -> bool:
@@ -171,6 +176,7 @@ class _Tier:
         self._keys = keys  # the request's chunks; compared from `first` on
         self._first = first
         self._counters = storage.counters.scope(tier.name, "verify_checked", "verify_mismatch")
+        self._source = _sources(storage) if tier is storage.hot else lambda _: tier.name
 
     def compare(self, fresh: Sequence[MemoryObj], held: Sequence[MemoryObj]) -> list[Verdict]:
         """A verdict per chunk `held` (in order), up to the first mismatch (the chunks after
@@ -184,7 +190,8 @@ class _Tier:
             layer = int(over[0]) if over.numel() else None
             error = float(errors[layer] if layer is not None else errors.max())
             chunk = self._first + i
-            verdicts.append(Verdict(tier.name, chunk, self._keys[chunk], layer, error))
+            key = self._keys[chunk]
+            verdicts.append(Verdict(tier.name, chunk, key, layer, error, self._source(key)))
             self._counters.inc("verify_checked")
             if layer is not None:
                 self._counters.inc("verify_mismatch")
@@ -207,27 +214,49 @@ class _Tier:
                       tolerance, removed, tier.name)
 
 
-def disowned(verdicts: Sequence[Verdict]) -> bool:
-    """Whether some chunk's fresh KV differs from every tier's record of it: no tier vouches
-    for what this server computed (one tier that matches puts the fault in the other's
-    record)."""
-    vouched: dict[int, bool] = {}
-    for v in verdicts:
-        vouched[v.chunk] = vouched.get(v.chunk, False) or v.matched
-    return not all(vouched.values())
+def disowned(verdicts: Sequence[Verdict]) -> set[int]:
+    """The chunks whose fresh KV differs from every tier's record of them: no tier vouches for
+    what this server computed (one tier that matches puts the fault in the other's record)."""
+    return {v.chunk for v in verdicts} - {v.chunk for v in verdicts if v.matched}
+
+
+def suspect(storage: StorageManager, keys: Sequence[ChunkKey], start: int,
+            verdicts: Sequence[Verdict]) -> bool:
+    """For a verification whose tokens before `start` were loaded from the tiers (`verify_scope:
+    tail`): whether the evidence points at that prefix, not only at records. It does when a
+    tier that supplied a chunk of the prefix holds a record of a `disowned` chunk
+    (`Verdict.source`): that tier's writer computed, over the same prefix, KV this server does
+    not (a model changed under the same identity). A disowned chunk's records from tiers that
+    supplied none of the prefix (a forged Redis record of the last chunk, over a prefix from
+    the CPU tier or disk) blame those records alone."""
+    orphans = disowned(verdicts)
+    if not orphans:
+        return False
+    source = _sources(storage)
+    suppliers = {source(k) for k in keys if k.end <= start}
+    return any(v.chunk in orphans and v.source in suppliers for v in verdicts)
+
+
+def _sources(storage: StorageManager) -> Callable[[ChunkKey], str]:
+    """Which tier's record the CPU tier's copy of a chunk is (its own, unless it was read from a
+    lower tier; what a request loaded came through the CPU tier)."""
+    hot = storage.hot.name
+    return lambda key: storage.origins.of(key, hot)
 
 
 def purge(storage: StorageManager, keys: KeyChain) -> int:
     """Remove every full chunk of `keys` and the tails inside its first chunk from every tier
     (tails further on hang off removed chunks: no chained lookup reaches them); returns how
-    many records went. For a tail verification that `disowned` its records: the fresh
-    chunk was computed over a prefix the tiers supplied, so that prefix is as suspect as the
-    chunk (a model changed under the same identity differs in every chunk)."""
+    many records went. For a tail verification whose loaded prefix is `suspect`: the fresh
+    chunk was computed over a prefix the tiers supplied, and a tier that supplied it disagrees
+    with this server about what follows (a model changed under the same identity differs in
+    every chunk)."""
     doomed = [*keys, *keys.tails(0)]
     removed = sum(tier.remove(doomed) for tier in (storage.hot, *storage.lower_tiers))
     _warn.warning("verify-purge",
                   "kvtier: verification (scope tail): a chunk computed over a loaded prefix "
-                  "matches no tier's record of it, so the prefix is suspect too: %d records of "
-                  "the request's %d chunks removed from every tier and nothing stored; the next "
+                  "matches no tier's record of it, and a tier that supplied the prefix holds "
+                  "one of those records, so the prefix is suspect too: %d records of the "
+                  "request's %d chunks removed from every tier and nothing stored; the next "
                   "request computes them", removed, len(keys))
     return removed

@@ -25,6 +25,7 @@ from kvtier.metrics import Counters, RateLimitedLog
 from kvtier.storage.backlog import WriteBacklog, write_backlog
 from kvtier.storage.gate import Gate
 from kvtier.storage.guard import STAGING, GuardedHotTier, GuardedTier, StagingTier
+from kvtier.storage.origins import Origins
 from kvtier.storage.prefetch.estimates import PrefillSpeed
 from kvtier.storage.prefetch.handle import Prefetch
 from kvtier.storage.prefetch.loads import PrefetchLoads, longest_held
@@ -63,6 +64,7 @@ class StorageManager:
         hot = _open_hot_tier(ctx, self._warn)
         self.counters.declare(f"{hot.name}.hit_chunks")
         self.hot = hot
+        self.origins = Origins()  # which lower tier the CPU tier's copies were read from
         self.policy = make_write_policy(config.writes, hot)
         self._set = TierSet(ctx, self._warn,
                             reachable=self._in_hot if self.policy.holds_back else _never)
@@ -120,6 +122,7 @@ class StorageManager:
                 return
             if self.hot.keeps_puts:
                 self.hot.batch_put(keys, objs)
+                self.origins.stored(keys)
             if write_down:
                 self.policy.on_put(keys, objs, self._writers)
             self.counters.inc("chunks_put", len(keys))
@@ -169,6 +172,7 @@ class StorageManager:
                     for obj in objs:
                         if tier is not self.hot:
                             self.hot.batch_put([keys[n]], [obj])  # promote
+                            self.origins.promoted(keys[n], tier.name)
                         self.policy.on_hit(keys[n], obj, self._writers)
                         self.counters.inc(f"{tier.name}.hit_chunks")
                         got += 1

@@ -163,8 +163,9 @@ def test_the_chunk_where_the_computed_tokens_start_is_compared_whole(
 def test_a_tail_that_matches_no_tier_takes_the_loaded_prefix_out_of_every_tier(
         mha: CacheEngine, tokens: torch.Tensor, slots: torch.Tensor) -> None:
     """`verify_scope: tail`: chunks 0-2 were loaded, chunk 3 computed by a changed model (its
-    layer 2 on). No tier vouches for the fresh chunk, so the prefix it was computed over is as
-    suspect: every chunk leaves every tier, and nothing of the request is stored."""
+    layer 2 on). No tier vouches for the fresh chunk, and the CPU tier, which supplied the
+    prefix, holds a record that differs: the prefix it was computed over is as suspect, so
+    every chunk leaves every tier, and nothing of the request is stored."""
     _stored(mha, tokens, slots)
     pool = _pool(mha)
     tail = slots[3 * CHUNK:4 * CHUNK]

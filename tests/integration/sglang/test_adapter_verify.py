@@ -5,12 +5,16 @@ Real SGLang servers verify in test_sglang_verify.py and the quality gate."""
 
 from __future__ import annotations
 
+import functools
 import threading
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
+from harness.redis import RedisProcess
 from kvtier.config import Config
 from kvtier.connectors import SGLangMHAConnector
 from kvtier.engine import CacheEngine
@@ -133,3 +137,52 @@ def test_tp_ranks_verify_the_same_requests_and_other_servers_other_ones() -> Non
             adapter.close()
         for engine in engines:
             engine.close()
+
+
+def test_a_forged_redis_tail_loses_only_its_records_through_the_scheduler_s_calls(
+        tmp_path: Path, redis_server: RedisProcess) -> None:
+    """Issue 67: the reported case as the scheduler drives it. This server computed chunks 0-2
+    (CPU tier, disk, Redis); a forged plain record of chunk 3 sits in Redis alone. A request
+    verified by its tail prefetches chunk 3 from Redis, loads chunks 0-2 from the CPU tier and
+    computes chunk 3, which matches no record. Before, that purged all 9 honest records; the
+    prefix's supplier holds no record of chunk 3, so only Redis's record and the CPU tier's
+    copy of it go, and the store writes the fresh chunk in their place."""
+    tokens, slots = torch.arange(100, 169), torch.arange(1, 70)  # 4 full chunks and 5 tokens
+    shape = (70, SMALL_MHA.num_kv_heads, SMALL_MHA.head_dim)
+    pool = [torch.randn(shape).to(SMALL_MHA.dtype) for _ in range(2 * SMALL_MHA.num_layers)]
+    forged = [buf.clone() for buf in pool]
+    for buf in forged:
+        buf[slots[HELD:TOKENS]] = torch.randn(CHUNK, *shape[1:]).to(buf.dtype)
+    config = functools.partial(Config, chunk_size=CHUNK, max_local_cpu_size=0.01,
+                               save_tails=False, remote_url=redis_server.url,
+                               key_namespace=f"t{uuid.uuid4().hex[:8]}")
+    forger = CacheEngine(config(), model_name="m", layout=SMALL_MHA,
+                         connector=SGLangMHAConnector(forged[::2], forged[1::2]))
+    engine = CacheEngine(config(local_disk=str(tmp_path / "disk"), max_local_disk_size=0.05,
+                                verify_fraction=1.0, verify_scope="tail",
+                                prefetch_policy="wait_complete"),
+                         model_name="m", layout=SMALL_MHA,
+                         connector=SGLangMHAConnector(pool[::2], pool[1::2]))
+    kv = SGLangKVTier(engine, page_size=1)
+    try:
+        assert engine.store(tokens[:HELD], slots[:HELD]) == HELD and engine.flush(30)
+        assert forger.store(tokens, slots) == TOKENS and forger.flush(30)
+        ids = tokens.numpy()
+        kv.start_prefetch("r", ids)
+        for _ in range(10_000):
+            if kv.prefetch_ready("r"):
+                break
+        hit = kv.lookup("r", ids, limit=kv.loadable_end(len(ids)))
+        assert hit == TOKENS  # chunk 3 came from Redis
+        cut = kv.shadow_tail("r", device_len=0, hit=hit)
+        assert cut == HELD and kv.retrieve("r", ids, slots, skip=0, limit=cut) == HELD
+        counts = _verify_stored(kv, tokens, slots, "r")
+        assert counts["sglang.tokens_stored"] == CHUNK  # not a purge: the fresh chunk 3
+        assert engine.flush(30)
+        keys = engine.key_chain(tokens)
+        assert [t.batch_contains(keys) for t in engine.storage.tiers] == [4, 4, 4]
+        assert not engine.verify(tokens, slots).mismatches  # every record honest now
+    finally:
+        kv.close()
+        engine.close()
+        forger.close()
