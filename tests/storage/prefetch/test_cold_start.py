@@ -3,6 +3,7 @@ is not asked on the admission path, and a repeated prefix asks no second round t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -20,7 +21,7 @@ from kvtier.config import Config
 from kvtier.connectors import SGLangMHAConnector
 from kvtier.engine import CacheEngine
 from kvtier.keys import ChunkKey
-from kvtier.memory import MemoryAllocator, MemoryObj
+from kvtier.memory import MemoryAllocator, MemoryObj, lease
 from kvtier.metrics import Counters, RateLimitedLog
 from kvtier.storage import StorageManager, tierset
 from kvtier.storage.existence import Existence
@@ -280,3 +281,55 @@ def test_a_tier_attached_at_run_time_is_measured_before_it_serves(tmp_path: Path
         assert disk.speed.known
     finally:
         sm.close()
+
+
+@contextlib.contextmanager
+def _redis_manager(url: str) -> Iterator[StorageManager]:
+    """A fresh CPU tier over Redis at `url` (its speeds timed by its start-up probe)."""
+    cfg = Config(chunk_size=CHUNK, max_local_cpu_size=0.008, remote_url=url,
+                 remote_timeout_secs=5.0)
+    sm = StorageManager(cfg, SMALL_MHA)
+    try:
+        yield sm
+    finally:
+        sm.close()
+
+
+def test_a_far_redis_holds_no_request_for_its_lookup_and_a_near_one_loads_at_once(
+        redis_server, request: pytest.FixtureRequest) -> None:
+    """Issue 67: Redis 150 ms away at 2 MB/s. One round trip and the transfer are less than
+    the recompute, so a load might look worth waiting for, but the lookup's round trip comes
+    on top: nothing can be saved, and the request is admitted at once. The same Redis reached
+    directly (a near mirror) loads the prompt on the manager's very first request."""
+    from harness.delay_proxy import DelayProxy
+
+    model = f"far-near-{request.node.name}"
+    keys = make_keys(32 * CHUNK, model=model)
+    with _redis_manager(redis_server.url) as writer:
+        objs = [make_obj(writer.allocator, SMALL_MHA, k.num_tokens, i)
+                for i, k in enumerate(keys)]
+        with lease(objs):
+            writer.put(keys, objs)
+        assert writer.flush()
+
+    with DelayProxy(redis_server.port, 0.15, bytes_per_s=2e6) as proxy, \
+            _redis_manager(proxy.url) as far:
+        (tier,) = far.lower_tiers
+        assert tier.speed.known, tier.speed.stats()  # timed by its start-up probe
+        rtt, transfer = tier.speed.latency_s, SMALL_MHA.nbytes(len(keys) * CHUNK) \
+            / tier.speed.read_bytes_per_s
+        # Recomputing takes 1.5 round trips plus the transfer: more than a read, less than a
+        # lookup and a read.
+        recompute = 1.5 * rtt + transfer
+        far.prefill.observe(len(keys) * CHUNK, recompute, len(keys) * CHUNK)
+        prefetch = far.start_prefetch(keys)
+        assert prefetch.ready(), far.stats()  # admitted before any round trip
+        assert prefetch.wait_done(HANG_BOUND_S)
+
+    with _redis_manager(redis_server.url) as near:
+        near.prefill.observe(len(keys) * CHUNK, 1.5 * recompute, len(keys) * CHUNK)
+        prefetch = near.start_prefetch(keys)
+        assert not prefetch.ready()  # worth waiting for: a load saves most of the recompute
+        assert prefetch.wait_done(HANG_BOUND_S)
+        assert prefetch.result() == len(keys)
+        assert near.stats()["adaptive_tokens_loaded"] == len(keys) * CHUNK
