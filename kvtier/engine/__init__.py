@@ -11,5 +11,7 @@ from __future__ import annotations
 from kvtier.engine.cache import CacheEngine, Prefetch, TokenIds
 from kvtier.engine.pages import PageStore
 from kvtier.engine.tiers import TierControl
+from kvtier.storage.backlog import WriteBacklog, WriteLoss
 
-__all__ = ["CacheEngine", "PageStore", "Prefetch", "TierControl", "TokenIds"]
+__all__ = ["CacheEngine", "PageStore", "Prefetch", "TierControl", "TokenIds", "WriteBacklog",
+           "WriteLoss"]

@@ -41,8 +41,8 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
+    from kvtier.engine import WriteLoss
     from kvtier.integration.sglang.adapter import SGLangKVTier
-    from kvtier.storage.backlog import WriteLoss
 
 __all__ = ["GRACE_S", "DRAIN_S", "LAUNCHER_ENV", "Drained", "bound_http_grace", "drain",
            "drain_and_log",
