@@ -12,8 +12,9 @@ computes only those (and every token that was not cached) in the later layers (`
 Modules: `segments` (where segments are, what they are keyed by), `store` (a segment's KV in
 the tiers), `assemble` (a prompt's known KV from its cached segments), `rope` (rotary tables
 and re-rotation), `forward` (a Llama-family forward over plain weight tensors, in full or
-blended), `weights` (those tensors from a Hugging Face directory). Nothing here imports SGLang;
-SGLang does not blend yet (docs/blending.md).
+blended), `weights` (those tensors from a Hugging Face directory), `verify` (segment records
+compared with the segment computed alone again). Nothing here imports SGLang; it is served by
+`kvtier.integration.sglang.blending` (docs/blending.md).
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ import numpy as np
 import torch
 
 from kvtier.blend.segments import Segment, segment_chain
+from kvtier.blend.verify import check_segment
+from kvtier.engine.verify import Verdict
 from kvtier.keys import ChunkKey, KeyBuilder, KeyChain
 from kvtier.memory import KVLayout, MemoryFormat, MemoryObj, lease
 from kvtier.storage import StorageManager
@@ -97,6 +99,12 @@ class SegmentStore:
             put = keys[:len(objs)]  # leading chunks: a read stops where they stop
             self._storage.put(put, objs, write_down=self._write_down)
         return put[-1].end if put else (wanted[held - 1].end if held else 0)
+
+    def verify(self, chain: KeyChain, kv: torch.Tensor) -> list[Verdict]:
+        """Compare every tier's records of the segment with `kv`, its KV computed alone now
+        (as `save` takes it), and remove what differs from the tier that holds it; a verdict
+        per record compared (`verify.check_segment`)."""
+        return check_segment(self._storage, chain, kv)
 
     def load(self, chain: KeyChain, out: torch.Tensor) -> int:
         """Read the segment's leading stored tokens into `out` (`[2, layers, n, kv_width]`,

@@ -14,7 +14,9 @@ Blended KV is an approximation, so it never becomes a prefix record: its slots a
 like computed KV until evicted (a later request of the same prefix on this server reuses it).
 
 Segments a request missed are computed alone (position 0) on a background thread, while a CPU
-engine is quiet (`background.ENGINE`), and put in the tiers for the next prompt that holds them.
+engine is quiet (`background.ENGINE`), and put in the tiers for the next prompt that holds them;
+a request that verification samples has its segments' records compared with them computed
+alone again there (`blend_worker.SegmentWorker`).
 
 Limits, refused at launch by name: tensor parallel above 1, MLA, models other than Llama-family
 decoders with linear RoPE, packed or quantized weights, a KV pool of another dtype.
@@ -25,8 +27,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import queue
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
@@ -34,9 +34,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kvtier.background import ENGINE, HOLD_S, lower_priority, name_os_thread
 from kvtier.blend.assemble import assemble
-from kvtier.blend.forward import BlendPlan, LlamaWeights, blend, prefill
+from kvtier.blend.forward import BlendPlan, LlamaWeights, blend
 from kvtier.blend.segments import Segment
 from kvtier.blend.store import SegmentStore
 from kvtier.config.schema import BlendSection
@@ -44,6 +43,7 @@ from kvtier.engine import Prefetch
 from kvtier.errors import ConfigError
 from kvtier.integration.sglang.blend_chains import SegmentChains
 from kvtier.integration.sglang.blend_model import separator_ids, served_weights
+from kvtier.integration.sglang.blend_worker import WORKER_COUNTERS, SegmentWorker
 from kvtier.integration.sglang.sglang_views import Opaque, ReqView
 from kvtier.keys import KeyChain
 from kvtier.metrics import Counters
@@ -53,9 +53,8 @@ __all__ = ["BLEND_COUNTERS", "BlendedSlots", "SGLangBlender", "SegmentHits", "wa
 logger = logging.getLogger(__name__)
 
 BLEND_COUNTERS = ("blend_requests", "blend_segments_hit", "blend_tokens_loaded",
-                  "blend_tokens_recomputed", "blend_segments_stored", "blend_segments_dropped",
-                  "blend_segments_capped", "blend_failures")
-WARM_QUEUE = 64  # segments waiting for their standalone prefill; more are dropped (counted)
+                  "blend_tokens_recomputed", *WORKER_COUNTERS, "blend_segments_capped",
+                  "blend_failures")
 MAX_REQUESTS = 4096  # requests whose segments are remembered from match to finish
 REQUEST_SWITCH = "kvtier_blend"  # sampling_params.custom_params key: false opts a request out
 
@@ -134,14 +133,11 @@ class SGLangBlender:
         self.pool_k, self._v = pool
         self.page_size = page_size
         self.counters = counters
-        self._queue: queue.Queue[tuple[np.ndarray, str] | None] = queue.Queue(WARM_QUEUE)
-        self._warming: set[tuple[int, ...]] = set()
         self.chains = SegmentChains(store, self.separator, section.min_tokens, counters)
+        self.worker = SegmentWorker(weights, store, self.separator, section.min_tokens,
+                                    self.chains.max_segments, counters)
         self._hits: dict[str, SegmentHits] = {}  # request id -> its segments at its match
         self._prefetches: dict[str, list[Prefetch]] = {}  # request id -> its segment loads
-        self._thread = threading.Thread(target=self._warm_loop, name="kvtier-segments",
-                                        daemon=True)
-        self._thread.start()
 
     # ---- admission (scheduler thread) ----
 
@@ -202,12 +198,19 @@ class SGLangBlender:
         for load in self._prefetches.pop(rid, []):
             load.cancel(drop=True)
 
-    def finished(self, rid: str, tokens: np.ndarray, salt: str, aborted: bool) -> None:
-        """Request `rid` finished: queue the segments it missed for a standalone prefill."""
+    def finished(self, rid: str, tokens: np.ndarray, salt: str, aborted: bool,
+                 verified: bool = False) -> None:
+        """Request `rid` (prompt `tokens`) finished: queue the segments it missed for a
+        standalone prefill and, when verification sampled it (`verified`), the records of its
+        segments for a comparison with them computed alone (`SegmentWorker`)."""
         hits = self._hits.pop(rid, None)
         self.chains.forget(rid)
-        if hits is not None and hits.missed and not aborted:
-            self.warm(tokens, hits.missed, salt)
+        if aborted:
+            return
+        if hits is not None and hits.missed:
+            self.worker.warm(tokens, hits.missed, salt)
+        if verified:
+            self.worker.verify(tokens, salt)
 
     def forget(self, rid: str | None = None) -> None:
         """Drop what was remembered of request `rid` (of every request when None)."""
@@ -266,53 +269,8 @@ class SGLangBlender:
                     threads)
         return True
 
-    # ---- segments computed alone (background thread) ----
-
-    def warm(self, tokens: np.ndarray, segments: Sequence[Segment], salt: str) -> None:
-        """Queue `segments` of `tokens` for a standalone prefill and a store (any thread)."""
-        for seg in segments:
-            ids = np.array(tokens[seg.start:seg.end], dtype=np.int64)
-            marker = _marker(ids, salt)
-            if marker in self._warming:
-                continue
-            try:
-                self._queue.put_nowait((ids, salt))
-                self._warming.add(marker)
-            except queue.Full:
-                self.counters.inc("sglang.blend_segments_dropped")
-
-    def _warm_loop(self) -> None:
-        lower_priority()
-        name_os_thread()
-        while (item := self._queue.get()) is not None:
-            ids, salt = item
-            try:
-                self._warm_one(ids, salt)
-            except Exception as exc:  # a cache never takes serving down
-                self.counters.inc("sglang.blend_failures")
-                logger.warning("kvtier: computing a %d-token segment alone failed: %s",
-                               len(ids), exc)
-            finally:
-                self._warming.discard(_marker(ids, salt))
-
-    @torch.inference_mode()
-    def _warm_one(self, ids: np.ndarray, salt: str) -> None:
-        chain = self.store.chain(ids.tolist(), Segment(0, len(ids)), salt)
-        if self.store.lookup(chain, hot_only=True) >= len(ids):
-            return  # another request's copy got there first
-        if ENGINE.enabled:
-            ENGINE.wait_quiet(HOLD_S)  # on a CPU engine, compute between batches
-        dev = self.w.embed.device
-        with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
-            kv = prefill(self.w, torch.from_numpy(ids).to(dev), logits=False).kv
-        if self.store.save(chain, kv):
-            self.counters.inc("sglang.blend_segments_stored")
-
     def close(self) -> None:
-        try:
-            self._queue.put_nowait(None)
-        except queue.Full:
-            pass  # a daemon thread: it stops with the process
+        self.worker.close()
 
     @classmethod
     def from_scheduler(cls, scheduler: Opaque, store: SegmentStore, section: BlendSection,
@@ -354,8 +312,3 @@ def _compute_threads(device: torch.device) -> Iterator[int]:
         yield threads
     finally:
         torch.set_num_threads(before)
-
-
-def _marker(ids: np.ndarray, salt: str) -> tuple[int, ...]:
-    """A segment's identity in the warm queue (dedup only: a collision skips one warm-up)."""
-    return (hash(salt), hash(ids.tobytes()), len(ids))

@@ -27,7 +27,8 @@ request's segments than of its prefix, the match promises those tokens as the ho
 slots are marked, and a store stops at the first marked slot; an opted-out or verified request
 matches only up to it (`_exact_match`).
 
-Prefetch and the idle checks are `prefetch_hooks.StoragePrefetchHooks`. Every hook runs on
+Prefetch and the idle checks are `prefetch_hooks.StoragePrefetchHooks`; a finished request
+reaches the blender through `blend_hooks.BlendReleaseHook`. Every hook runs on
 SGLang's scheduler thread and is timed (`kvtier_scheduler_seconds`).
 """
 
@@ -49,6 +50,7 @@ from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from kvtier import prometheus
 from kvtier.integration.sglang.adapter import SGLangKVTier
+from kvtier.integration.sglang.blend_hooks import BlendReleaseHook
 from kvtier.integration.sglang.blending import BlendedSlots, SegmentHits, SGLangBlender, wants_blend
 from kvtier.integration.sglang.prefetch_hooks import StoragePrefetchHooks
 from kvtier.integration.sglang.requests import aborted, full_ids, multimodal, salt_of, token_array
@@ -68,7 +70,7 @@ __all__ = ["KVTierRadixCache"]
 logger = logging.getLogger(__name__)
 
 
-class KVTierRadixCache(StoragePrefetchHooks, UnifiedRadixCache):
+class KVTierRadixCache(StoragePrefetchHooks, BlendReleaseHook, UnifiedRadixCache):
     """`UnifiedRadixCache` that loads prefixes from kvtier and stores finished requests."""
 
     kvtier: SGLangKVTier | None = None
@@ -314,9 +316,6 @@ class KVTierRadixCache(StoragePrefetchHooks, UnifiedRadixCache):
                 kv.forget(req.rid)
                 if not aborted(req):
                     self._submit_store(req)
-                if self.blender is not None:  # its missed segments are computed alone
-                    self.blender.finished(req.rid, token_array(req.origin_input_ids),
-                                          salt_of(req.cache_salt), aborted(req))
 
     def _submit_store(self, req: ReqView) -> None:
         kv = self.kvtier

@@ -111,6 +111,9 @@ def test_segments_load_at_new_positions_and_blend_exactly_at_a_share_of_one(
     assert verified["meta_info"]["cached_tokens"] < 64 and _blends(server) == 1
     assert verified["output_ids"] == reference["output_ids"]
     assert server.log().count("read no blended KV") == 3
+    # Its four segments' records were computed alone again and compared: all honest.
+    assert _metric(server, "blend_segments_verified", at_least=4) == 4
+    assert _metric(server, "blend_segments_mismatched") == 0
 
     # Blended KV never becomes a prefix record: after a flush the same prompt (opted out)
     # finds at most the exact system prompt before the first document.
