@@ -9,6 +9,7 @@ The server class is the demo's (`kvtier.demo.server`); tests add their own SGLan
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import time
 from collections.abc import Iterator, Sequence
@@ -19,11 +20,15 @@ from kvtier.demo import server as _server
 from kvtier.demo.server import cpu_shims_dir, free_port
 from kvtier.integration.sglang.cpu import SHIM_DIR
 
-__all__ = ["SGLangServer", "free_port", "PYTHONPATH_DIRS", "SHIMS_DIR", "CPU_FLAGS", "running"]
+__all__ = ["SGLangServer", "free_port", "PYTHONPATH_DIRS", "SHIMS_DIR", "CPU_FLAGS", "running",
+           "LAUNCHES"]
 
 SHIMS_DIR = SHIM_DIR  # the sgl_kernel stand-in (in-process SGLang imports need it too)
 PYTHONPATH_DIRS = (cpu_shims_dir(), Path(__file__).resolve().parent / "sglang_pythonpath")
 CPU_FLAGS = (*_server.CPU_FLAGS, "--max-total-tokens", "2048")
+# The test that launched each server (pytest's PYTEST_CURRENT_TEST), for the suite's budget
+# table (tests/support/budget.py): server starts are most of the suite's time.
+LAUNCHES: list[str] = []
 
 
 class SGLangServer(_server.SGLangServer):
@@ -33,6 +38,10 @@ class SGLangServer(_server.SGLangServer):
                  env: dict[str, str] | None = None, module: str = "sglang.launch_server"):
         super().__init__(model, log_path, args=args, env=env, pythonpath=PYTHONPATH_DIRS,
                          cpu_flags=CPU_FLAGS, module=module)
+
+    def launch(self) -> None:
+        LAUNCHES.append(os.environ.get("PYTEST_CURRENT_TEST", ""))
+        super().launch()
 
     def wait_for_log(self, pattern: str, timeout: float = 30.0) -> list[Any]:
         """The matches of regex `pattern` in the log once there is one (the scheduler logs

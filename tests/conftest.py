@@ -28,6 +28,12 @@ from harness.redis import (
     create_cluster,
     wait_for,
 )
+from tests.support.budget import SuiteBudget, budget_from_env
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The suite's time budget and per-module table (tests/support/budget.py)."""
+    config.pluginmanager.register(SuiteBudget(budget_from_env()), "kvtier-suite-budget")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,74 @@
+"""The suite's time budget (tests/support/budget.py): the per-module table, and a run over its
+budget fails naming its three slowest modules."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from tests.support.budget import DEFAULT_BUDGET_S, SuiteBudget, budget_from_env
+
+
+class _Terminal:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def section(self, title: str) -> None:
+        self.lines.append(f"== {title}")
+
+    def write_line(self, line: str, **markup: bool) -> None:
+        self.lines.append(line)
+
+
+def _ran(plugin: SuiteBudget, seconds: dict[str, float]) -> None:
+    for nodeid, secs in seconds.items():
+        plugin.pytest_runtest_logreport(SimpleNamespace(nodeid=nodeid, duration=secs))
+
+
+def _finish(plugin: SuiteBudget, took_s: float) -> tuple[int, list[str]]:
+    plugin.started = time.monotonic() - took_s
+    session = SimpleNamespace(exitstatus=0, testscollected=4)
+    plugin.pytest_sessionfinish(session, 0)
+    terminal = _Terminal()
+    plugin.pytest_terminal_summary(terminal)
+    return int(session.exitstatus), terminal.lines
+
+
+RUN = {"tests/a.py::t1": 5.0, "tests/a.py::t2": 50.0, "tests/b.py::t": 30.0,
+       "tests/c.py::t": 80.0, "tests/d.py::t": 1.0}
+
+
+def test_a_run_over_its_budget_fails_naming_the_three_slowest_modules() -> None:
+    plugin = SuiteBudget(budget_s=100)
+    _ran(plugin, RUN)
+    status, lines = _finish(plugin, took_s=170)
+    assert status == pytest.ExitCode.TESTS_FAILED
+    (failed,) = [line for line in lines if line.startswith("FAILED")]
+    assert "took 170 s, over its budget of 100 s" in failed
+    assert failed.endswith("tests/c.py (80 s), tests/a.py (55 s), tests/b.py (30 s)")
+    assert lines[1].split() == ["80.0", "s", "tests/c.py"]  # the table, slowest first
+
+
+def test_a_run_within_its_budget_passes_and_still_shows_where_time_went() -> None:
+    plugin = SuiteBudget(budget_s=1000)
+    _ran(plugin, RUN)
+    status, lines = _finish(plugin, took_s=170)
+    assert status == 0 and not [line for line in lines if line.startswith("FAILED")]
+    assert "166.0 s  in all, 4 modules, 0 SGLang servers" in lines[-1]
+
+
+def test_a_budget_of_zero_turns_the_check_off() -> None:
+    plugin = SuiteBudget(budget_s=0)
+    _ran(plugin, RUN)
+    assert _finish(plugin, took_s=1e6)[0] == 0
+
+
+def test_the_budget_comes_from_the_environment_by_name() -> None:
+    assert budget_from_env({}) == DEFAULT_BUDGET_S
+    assert budget_from_env({"KVTIER_SUITE_BUDGET_S": "1500"}) == 1500.0
+    with pytest.raises(ValueError, match="KVTIER_SUITE_BUDGET_S .* got '25m'"):
+        budget_from_env({"KVTIER_SUITE_BUDGET_S": "25m"})
+    with pytest.raises(ValueError, match="KVTIER_SUITE_BUDGET_S must be >= 0"):
+        SuiteBudget(-1)
