@@ -41,8 +41,8 @@ ROUND_TRIP = textwrap.dedent("""
 
 
 def _copy_checkout(dst: Path) -> Path:
-    """The source tree without build products, caches or the venv."""
-    ignore = shutil.ignore_patterns(".venv", ".git", "build", "*.so", "__pycache__",
+    """The source tree without build products, caches or the venvs (`make test-latest`'s too)."""
+    ignore = shutil.ignore_patterns(".venv*", ".git", "build", "*.so", "__pycache__",
                                     "*.egg-info", ".mypy_cache", ".ruff_cache", "results")
     shutil.copytree(REPO, dst, ignore=ignore)
     return dst
