@@ -345,16 +345,26 @@ class KeyBuilder:
 
     def inner_tail(self, token_ids: torch.Tensor | Sequence[int] | np.ndarray,
                    keys: Sequence[ChunkKey], n: int | None, salt: str = "") -> ChunkKey | None:
-        """The tail of the first `n` of `token_ids` (in whole pages) if they end inside the
-        last of `keys` (their keys) and it is a tail itself: a whole chunk serves any prefix
-        of itself (loads take part of one). None without tails."""
+        """The tail of the first `n` of `token_ids` (in whole pages) when they end inside one of
+        `keys` (their keys, chained from `salt`), whole chunk or tail: that key also names
+        tokens past `n`, so a lookup of the first `n` alone, which finds tails by exact
+        length, cannot name it. None without tails, or where `n` ends a chunk or is past
+        `keys`. Hashes only the tail's tokens, after the digest of the chunk before it."""
         if n is None or not self.tails or not keys:
             return None
         n -= n % self.page_size
-        last = keys[-1]
-        if last.num_tokens == self.chunk_size or not last.start < n < last.end:
+        i = n // self.chunk_size
+        start = i * self.chunk_size
+        if n == start or i >= len(keys) or keys[i].end <= n:
             return None
-        return self.keys(token_ids[:n], salt)[-1]
+        before = keys[i - 1] if i else None
+        h = self.root(salt) if before is None else \
+            bytes.fromhex(before.key.rpartition("/")[2])
+        tokens = encode_tokens(token_ids[start:n]).tobytes()
+        d = hashlib.sha256(h)
+        d.update(tokens)
+        return ChunkKey(self.prefix + d.hexdigest(), start, n, tokens,
+                        None if before is None else before.key)
 
     def keys_from_bytes(self, data: bytes | memoryview, salt: str = "") -> list[ChunkKey]:
         """Keys of a sequence given as little-endian uint32 bytes (see `encode_tokens`)."""

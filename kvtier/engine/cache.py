@@ -127,9 +127,9 @@ class CacheEngine:
         `on_read`: called once the pool rows are read (the caller may reuse them from then on).
         `session_id`: pin the prefix in the CPU tier as that session's latest turn (see
         `release_session`). `salt`: the request's salt (see `chunk_keys`). `also_prefix`: a
-        shorter prefix whose tail is stored too when it ends inside the last chunk (SGLang: the
-        prompt without its answer, which the same prompt sent again looks up; tails are found
-        by exact length). `ready` (CUDA pools): the event recorded after the forward that wrote
+        shorter prefix whose own tail is stored too, uncounted, if it ends inside any chunk
+        (SGLang: the prompt less its last token, which a repeat loads whatever the answer's
+        length). `ready` (CUDA pools): the event recorded after the forward that wrote
         the KV (None: what the caller's current stream holds now). `known`: the leading tokens
         found in the tiers at admission; without a CPU tier to skip them by (`local_cpu:
         false`), their whole chunks are not stored again (writers keep a chunk's predecessors).

@@ -147,12 +147,14 @@ class PrefixSaver:
                 raise ValueError(f"slot_mapping holds values outside [-1, "
                                  f"{self._connector.num_slots}); nothing was stored")
             whole = [word == 0 for word in status]
+            tail: tuple[list[ChunkKey], list[MemoryObj]] = ([], [])
             if inner and objs:
                 if whole[0]:
-                    self._put(todo[:1], objs[:1])
+                    tail = todo[:1], objs[:1]
                 todo, objs, whole = todo[1:], objs[1:], whole[1:]
             n = whole.index(False) if False in whole else len(whole)
             self._put(todo[:n], objs[:n])
+            self._put(*tail)  # after the chunk it hangs off: writers drop orphans
         stored = sum(k.num_tokens for k in todo[:n])
         self._storage.counters.inc("tokens_stored", stored)
         return stored

@@ -241,9 +241,9 @@ def test_the_same_prompt_again_finds_the_tail_stored_for_it_beside_its_answers()
     assert b.retrieve(answered[:40], slots_b, limit=39) == 39
     assert _same(src, slots_a[:39], dst, slots_b[:39])
     assert b.lookup(answered) == 47  # the longer one is still there
-    # Nothing to add where the prompt ends in a whole chunk (a load takes part of one) or in
-    # an earlier chunk.
-    assert a.store(answered, slots_a, also_prefix=20) == 0
+    # Nothing to add where the prompt ends a chunk (its own chain names it); an earlier
+    # chunk's inner tail: tests/engine/test_prompt_tails.py.
+    assert a.store(answered, slots_a, also_prefix=32) == 0
     assert a.stats()["chunks_put"] == 4
     a.close()
 

@@ -326,8 +326,8 @@ class SGLangKVTier:
     def _store(self, job: StoreJob) -> int:
         """The store thread's work for one job."""
         sid = job.session_id if job.session_id not in self._closed_sessions else None
-        # A repeat of the prompt matches all but its last token.
-        also = None if job.prompt_len is None else job.prompt_len - 1
+        # A repeat of the prompt loads all but its last token (a whole chunk it ends needs no tail)
+        also = job.prompt_len - 1 if job.prompt_len and job.prompt_len % self.chunk_size else None
         # On a GPU the copy waits for `job.ready` on kvtier's stream, not on this thread, and
         # the slots are released once it has run there.
         if job.verify_from is not None:

@@ -88,12 +88,13 @@ def prompt(seed: int, n: int = 80) -> list[int]:
     return [rng.choice(VOCAB) for _ in range(n)]
 
 
-def cold(server: SGLangServer, ids: Sequence[int]) -> list[int]:
+def cold(server: SGLangServer, ids: Sequence[int], max_new_tokens: int = 8) -> list[int]:
     """Output ids computed from scratch: a fresh `extra_key` namespaces the request away from
     both SGLang's prefix tree and kvtier (which bypasses namespaced requests)."""
     out = server.post("/generate", {
         "input_ids": list(ids), "extra_key": uuid.uuid4().hex,
-        "sampling_params": {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True},
+        "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens,
+                            "ignore_eos": True},
     })
     assert out["meta_info"]["cached_tokens"] == 0
     return list(out["output_ids"])

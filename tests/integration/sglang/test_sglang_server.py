@@ -44,14 +44,17 @@ def test_each_turn_of_a_conversation_hits_the_previous_turn_down_to_the_page(
     check_conversation([server], seed=5)
 
 
-def test_a_prompt_sent_again_hits_all_but_its_last_token(server: SGLangServer) -> None:
-    """Not a whole number of chunks: the tail of the prompt alone is stored beside the one
-    of the prompt and its answer."""
-    ids = prompt(6, 40)
-    expected = cold(server, ids)
-    assert server.generate(ids)["output_ids"] == expected
+@pytest.mark.parametrize("new_tokens", [8, 24], ids=["answer-in-its-chunk", "answer-crosses"])
+def test_a_prompt_sent_again_hits_all_but_its_last_token(server: SGLangServer,
+                                                         new_tokens: int) -> None:
+    """Not a whole number of chunks: the tail of the prompt alone is stored beside the
+    prompt and its answer, whether the answer ends in the chunk the prompt ends in (40 + 8)
+    or crosses into the next one (40 + 24: the prompt hit its whole chunks only, issue 74)."""
+    ids = prompt(6 + new_tokens, 40)
+    expected = cold(server, ids, new_tokens)
+    assert server.generate(ids, new_tokens)["output_ids"] == expected
     server.flush_cache()
-    again = server.generate(ids)
+    again = server.generate(ids, new_tokens)
     assert again["meta_info"]["cached_tokens"] == full_hit(server, 40)
     assert again["output_ids"] == expected
 
