@@ -9,6 +9,8 @@
     shared.py           bench_serving's phases, options and a run's result
     bench_adaptive.py   load or recompute on slow and far tiers, per prefetch policy (entry point)
     adaptive_report.py  bench_adaptive's records and report (and p99, KV bytes per token)
+    bench_far_tier.py   a far Redis's cost to requests that miss, alternated with a server
+                        without kvtier (entry point)
     bench_hit.py        a cached prefix served from each tier vs a device-cache hit (entry point)
     bench_readme_cpu.py the README's CPU launch line as written, on SmolLM2-135M (entry point)
     bench_quality.py    whether a hit changes what a real model says (entry point)

@@ -58,7 +58,7 @@ class Request:
 class CaseRun:
     """One fresh server serving every prompt once."""
 
-    case: str  # none, fast, throttled, coldstart, coldempty
+    case: str  # none, fast, throttled, coldstart, coldmiss, coldempty
     policy: str | None  # None for `none`
     run: int
     start_s: float = 0.0
@@ -122,8 +122,8 @@ def report(opts: Options, results: list[CaseRun], spec: LlamaSpec, store_ttft_ms
           f"+{opts.delay_ms:.0f} ms per reply, {throttle['bytes_per_s'] / 1e6:.2f} MB/s "
           f"(a load >= {throttle['load_over_recompute']:.1f}x recompute); coldstart: a fresh "
           f"server, warmed up without kvtier, its Redis +{opts.cold_delay_ms:.0f} ms per reply "
-          f"burst at {opts.cold_mbps:g} MB/s; coldempty: the same, started on an empty Redis "
-          f"that the prompts reach afterwards")
+          f"burst at {opts.cold_mbps:g} MB/s; coldmiss: the same, with prompts no tier holds; "
+          f"coldempty: the same, started on an empty Redis that the prompts reach afterwards")
     print("| case | policy | median TTFT ms | p99 TTFT ms | median cached tokens "
           "| median / none | p99 / none | outputs as stored |\n"
           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")

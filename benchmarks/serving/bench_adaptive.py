@@ -19,13 +19,16 @@ each (nothing comes from SGLang's device cache), in this order:
                 probe), on the same Redis behind a proxy that holds every reply burst
                 `--cold-delay-ms` (150 ms) and streams at `--cold-mbps` (2 MB/s): a far tier
                 whose round trip alone costs about a prompt's recompute
+    coldmiss    as coldstart, but every prompt is new (no tier holds it): what a far tier's
+                lookup costs a request that misses (the `none` server serves the same
+                prompts too, for their outputs; its own TTFTs stay those of the other prompts)
     coldempty   as coldstart, but the server starts on an empty Redis (behind the same kind
                 of proxy), as a new instance of a fleet that comes up at once: the prompts
                 arrive in that Redis after the server started (copied from the first, as
                 another instance would have stored them), so only a probe of the empty
                 tier can have timed it
 
-`fast`, `throttled`, `coldstart` and `coldempty` run once per policy in `--policies`
+`fast`, `throttled`, `coldstart`, `coldmiss` and `coldempty` run once per policy in `--policies`
 (`prefetch_policy` in the kvtier config; `timeout` with its default budget). Each server is warmed
 up with two prompts no case uses (its first long prefill pays one-time costs; the adaptive policy
 also measures the prefill speed there). Measured per request: TTFT (streaming, `--max-new-tokens`
@@ -75,7 +78,7 @@ from kvtier.demo.server import (
 
 MODELS = {"small": SMALL_MODEL, "full": FULL_MODEL}
 POLICIES = ("adaptive", "timeout", "wait_complete", "best_effort")
-CASES = ("none", "fast", "throttled", "coldstart", "coldempty")
+CASES = ("none", "fast", "throttled", "coldstart", "coldmiss", "coldempty")
 FIRST_ID, VOCAB = 4, 430  # token ids every generated tokenizer has (0-3 are specials)
 _LOADED = re.compile(r"kvtier: loaded (\d+) tokens")
 
@@ -112,6 +115,8 @@ class Bench:
         self.model, _ = cached_llama(self.spec)
         self.prompts = [_prompt(f"adaptive-{i}", opts.prompt_len) for i in range(opts.prompts)]
         self.expected: list[list[int]] = []  # the storing server's outputs
+        self.misses: list[list[int]] = []  # `coldmiss`'s prompts this run, stored nowhere
+        self.miss_expected: list[list[int]] = []  # the `none` server's outputs for them
         self.store_ttft_ms: list[float] = []  # the storing server's TTFTs (JSON only)
         self.redis = RedisProcess(work / "redis")
         self.empty_redis = RedisProcess(work / "redis-empty")  # `coldempty`'s
@@ -226,7 +231,12 @@ class Bench:
         metrics = free_port()
         config = None
         proxy = {"throttled": self.proxy, "coldstart": self.cold_proxy,
-                 "coldempty": self.empty_proxy}.get(case)
+                 "coldmiss": self.cold_proxy, "coldempty": self.empty_proxy}.get(case)
+        if case == "none":  # new prompts for this run's `coldmiss` (its servers store them)
+            self.misses = [_prompt(f"miss-{run}-{i}", self.opts.prompt_len)
+                           for i in range(self.opts.prompts)]
+        prompts, expected = (self.misses, self.miss_expected) if case == "coldmiss" \
+            else (self.prompts, self.expected)
         if case == "coldempty":
             self.empty_redis.client().flushall()
         if case != "none":
@@ -242,7 +252,7 @@ class Bench:
                       f"started", flush=True)
             offset = len(server.log())
             marks = []  # proxy bytes before each request's flush, and at the end
-            for i, ids in enumerate(self.prompts):
+            for i, ids in enumerate(prompts):
                 marks.append(proxy.reply_bytes if proxy is not None else 0)
                 server.flush_cache()
                 got = server.stream_generate(ids, self.opts.max_new_tokens)
@@ -251,7 +261,10 @@ class Bench:
                 offset = len(log)
                 result.requests.append(Request(
                     i, got.ttft_s * 1e3, got.cached_tokens, got.prompt_tokens,
-                    got.output_ids == self.expected[i], loaded))
+                    got.output_ids == expected[i], loaded))
+            if case == "none":
+                self.miss_expected = [server.generate(ids, self.opts.max_new_tokens)
+                                      ["output_ids"] for ids in self.misses]
             if proxy is not None:
                 marks.append(proxy.reply_bytes)
                 for req, a, b in zip(result.requests, marks, marks[1:]):
