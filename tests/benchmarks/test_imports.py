@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-FAMILIES = ("anchors", "serving", "fleet", "micro")
+FAMILIES = ("anchors", "serving", "fleet", "micro", "traces")
 
 
 def _name(path: Path) -> str:

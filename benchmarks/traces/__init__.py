@@ -1,0 +1,7 @@
+"""Trace replays: production request traces (block-hash chains) through kvtier's own storage
+manager and tiers, beside the LRU and Belady bounds computed from the same file.
+
+    trace.py   reading a trace (one JSON request a line) into requests of 512-token blocks
+    bounds.py  the plain-Python caches: infinite, leaf-first LRU, Belady's offline optimum
+    replay.py  the replay through kvtier's StorageManager, its table and its JSON
+"""

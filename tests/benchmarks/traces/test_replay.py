@@ -1,0 +1,108 @@
+"""The trace replay on the checked-in slices (the first 300 requests of Mooncake's two traces):
+kvtier's CPU tier against the plain-Python LRU that copies its rules, Belady's bound, the
+infinite cache, and the command's JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.traces.bounds import belady, infinite, leaf_lru
+from benchmarks.traces.replay import replay, run
+from benchmarks.traces.trace import BLOCK, Request, load
+
+ROOT = Path(__file__).resolve().parents[3]
+DATA = ROOT / "benchmarks" / "traces" / "data"
+SLICES = sorted(DATA.glob("*_head300.jsonl"))
+CAPACITIES = [10_000, 100_000, 500_000, 2_000_000]  # 19 to 3906 blocks: the slices hold ~8k
+
+
+def test_the_slices_are_checked_in_with_their_license() -> None:
+    assert [p.name for p in SLICES] == ["conversation_head300.jsonl", "synthetic_head300.jsonl"]
+    assert "Apache License" in (DATA / "LICENSE-APACHE").read_text()
+    assert all(len(load(p)) == 300 for p in SLICES)
+
+
+@pytest.mark.parametrize("trace", SLICES, ids=lambda p: p.name.split("_")[0])
+def test_kvtier_matches_its_lru_and_stays_within_the_bounds(trace: Path) -> None:
+    result = run(trace, CAPACITIES)
+    assert result["requests"] == 300
+    assert result["input_tokens"] == sum(r.input_length for r in load(trace))
+    top = result["infinite_hit_rate"]
+    assert 0 < top < 1
+    rates = []
+    for row in result["runs"]:
+        # The CPU tier is LRU over leaves; the plain model copies its rules step for step,
+        # so the two agree to the token, evictions of requests longer than the cache included.
+        assert row["hit_rate"] == row["lru_hit_rate"]
+        assert 0 < row["hit_rate"] <= row["belady_hit_rate"] <= top
+        cpu = row["tiers"]["cpu"]
+        assert cpu["stored_chunks"] == row["chunks_put"] > 0
+        assert cpu["bytes_written"] == cpu["stored_chunks"] * 4096
+        assert cpu["hit_chunks"] * BLOCK >= row["hit_tokens"]
+        rates.append((row["hit_rate"], row["belady_hit_rate"]))
+    assert rates == sorted(rates)  # a larger cache never hits less, under either policy
+    assert result["runs"][0]["tiers"]["cpu"]["evicted_chunks"] > 0
+    assert result["runs"][-1]["belady_hit_rate"] == pytest.approx(top)  # holds the slice
+
+
+def test_a_disk_tier_serves_what_the_cpu_tier_evicted() -> None:
+    requests = load(SLICES[0])
+    alone = replay(requests, 10_000)
+    both = replay(requests, 10_000, disk_tokens=1_000_000)
+    disk = both["tiers"]["disk"]
+    # Write-through: every put is offered to the disk (a writer skips a chunk whose prefix
+    # is no longer there to reach it).
+    assert disk["hit_chunks"] > 0 and 0.95 * both["chunks_put"] < disk["stored_chunks"] \
+        <= both["chunks_put"]
+    assert disk["bytes_written"] > disk["stored_chunks"] * 4096  # records carry headers
+    assert disk["evicted_chunks"] > 0  # 1953 records' worth of disk for ~8k chunks
+    assert disk["writes_lost"] == both["stats"]["disk.writes_lost"] >= 0
+    assert alone["hit_rate"] < both["hit_rate"] <= infinite(requests) / 4269971
+
+
+def _req(*blocks: int) -> Request:
+    return Request(len(blocks) * BLOCK, blocks)
+
+
+def test_belady_declines_to_store_what_comes_back_last_and_lru_does_not() -> None:
+    trace = [_req(1, 2), _req(3), _req(1, 2), _req(3)]
+    assert infinite(trace) == 3 * BLOCK
+    assert belady(trace, 2) == 2 * BLOCK  # keeps 1, 2: the third request hits both
+    assert leaf_lru(trace, 2) == BLOCK  # 3 evicted the leaf 2: the third hits 1 only
+
+
+def test_lru_takes_a_chain_from_its_end_before_touching_another() -> None:
+    # 1-2 and 5 are stored; 6 evicts leaf 2 (least recent); the parent 1 becomes a leaf and is
+    # taken next, before 5, so 7 leaves 5 and 6 cached.
+    trace = [_req(1, 2), _req(5), _req(6), _req(7), _req(5), _req(1)]
+    assert leaf_lru(trace, 3) == BLOCK  # 5 hits, 1 misses
+    assert belady(trace, 3) == 2 * BLOCK
+
+
+def test_a_hit_is_capped_at_the_input_length() -> None:
+    trace = [Request(600, (1, 2)), Request(700, (1, 2))]
+    assert infinite(trace) == 700 and leaf_lru(trace, 2) == 700 and belady(trace, 2) == 700
+
+
+def test_the_command_writes_the_json_the_issue_names(tmp_path: Path) -> None:
+    out = tmp_path / "replay.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/traces/replay.py", "--trace", str(SLICES[1]),
+         "--capacity-tokens", "1e4,1e5", "--limit", "120", "--json", str(out)],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+        timeout=120, check=True)
+    data = json.loads(out.read_text())
+    assert data["requests"] == 120 and data["input_tokens"] > 0
+    assert 0 <= data["infinite_hit_rate"] <= 1
+    assert [r["capacity_tokens"] for r in data["runs"]] == [10_000, 100_000]
+    for row in data["runs"]:
+        assert row["policy"] == "lru" and 0 <= row["hit_rate"] <= data["infinite_hit_rate"]
+        assert set(row["tiers"]["cpu"]) == {"hit_chunks", "stored_chunks", "evicted_chunks",
+                                            "bytes_written"}
+    assert "kvtier/Belady" in proc.stdout and "no capacity limit" in proc.stdout
