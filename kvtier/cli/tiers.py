@@ -8,8 +8,9 @@ An attach re-attaches a tier the server's config declares (its `remote_url` or `
 with only behaviour keys changed; it runs in the background on the server, and this command
 waits until every TP rank has it (or none does) and prints the outcome.
 
-Talks to the server's `/kvtier/tiers` route; `SGLANG_ADMIN_API_KEY` (or `--admin-key`) when the
-server was started with `--admin-api-key`.
+Talks to the server's `/kvtier/tiers` route. Attaching and detaching need SGLang's admin key:
+the server launched with `--admin-api-key KEY`, the same key in `SGLANG_ADMIN_API_KEY` (or
+`--admin-key`); a 401 or 403 is one error line that says so.
 
 Secrets stay out of the process list and off the wire in the clear: `--set-from-env KEY=VAR`
 and `--set-file KEY=PATH` take a value from the environment or a file (a `--set` value holding
@@ -42,7 +43,8 @@ from kvtier.config.tiers import lower_tier_names
 from kvtier.config.urls import redact_url
 from kvtier.errors import KVTierError
 
-__all__ = ["add_parser", "admin_key", "request", "check_server", "TiersError", "RedirectRefused"]
+__all__ = ["add_parser", "admin_key", "request", "check_server", "refusal", "TiersError",
+           "RedirectRefused"]
 
 ADMIN_KEY_ENV = "SGLANG_ADMIN_API_KEY"
 ATTACH_WAIT_S = 120.0  # longer than the server's own attach deadline
@@ -206,6 +208,25 @@ def _tier_config(settings: list[_Setting]) -> dict[str, Any]:
     return out
 
 
+def refusal(server: str, status: int, answer: dict[str, Any], key_sent: bool) -> str | None:
+    """The error line for an admin route's 401 or 403 (what to do about it); None for any
+    other status. SGLang answers 403 on a server launched without `--admin-api-key` (its admin
+    routes are closed to everyone) and 401 when the request did not carry the admin key."""
+    if status not in (401, 403):
+        return None
+    said = answer.get("error", answer.get("detail"))
+    head = f"kvtier: error: {redact_url(server)} answered {status}" + (f" {said}" if said else "")
+    give = (f"give kvtier the same key in {ADMIN_KEY_ENV} (or --admin-key, which the process "
+            "list shows)")
+    if status == 403:
+        return (f"{head}: SGLang refuses its admin routes on a server launched without an "
+                f"admin key; launch it with --admin-api-key KEY and {give}")
+    sent = ("the key given in " + ADMIN_KEY_ENV + " or --admin-key is not the server's"
+            if key_sent else f"no admin key was given (neither {ADMIN_KEY_ENV} nor --admin-key)")
+    return (f"{head}: {sent}; the server's --admin-api-key is needed (an inference "
+            f"--api-key is not enough): {give}")
+
+
 def admin_key(args: argparse.Namespace) -> str | None:
     if args.admin_key:
         print(f"kvtier: warning: --admin-key is visible to every user of this machine in the "
@@ -232,6 +253,10 @@ def _run(args: argparse.Namespace) -> int:
     except (urllib.error.URLError, OSError) as exc:
         print(f"kvtier: error: cannot reach {redact_url(args.server)}: {exc}", file=sys.stderr)
         return 2
+    refused = refusal(args.server, status, answer, key_sent=key is not None)
+    if refused is not None:
+        print(refused, file=sys.stderr)
+        return 1
     print(yaml.safe_dump(answer, sort_keys=False), end="")
     return 0 if status == 200 and answer.get("success") else 1
 
@@ -258,8 +283,8 @@ def add_parser(sub: Any) -> None:
     p = sub.add_parser("tiers", help="list, attach or detach tiers of a running SGLang server")
     p.add_argument("--server", required=True, help="the SGLang server's URL (https://, or "
                    "http:// to a loopback address)")
-    p.add_argument("--admin-key", help=f"the server's --admin-api-key, if it has one (better: "
-                   f"{ADMIN_KEY_ENV}, which the process list does not show)")
+    p.add_argument("--admin-key", help=f"the server's --admin-api-key, which attach and detach "
+                   f"need (better: {ADMIN_KEY_ENV}, which the process list does not show)")
     p.add_argument("--insecure", action="store_true",
                    help="allow plain http:// to a host that is not loopback (the admin key and "
                    "the config cross the network unencrypted)")

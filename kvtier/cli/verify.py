@@ -10,8 +10,9 @@ for the same chunks (docs/verification.md): its whole prompt (scope full: it loa
 the last full chunk of its hit over the loaded prefix (scope tail). The share and scope apply
 on every TP rank until the server restarts (the config's `verify_fraction` and `verify_scope`
 then apply again).
-Talks to the server's `/kvtier/tiers` route like `kvtier tiers`; changing the share needs the
-admin key when the server has one (`SGLANG_ADMIN_API_KEY` or `--admin-key`).
+Talks to the server's `/kvtier/tiers` route like `kvtier tiers`; changing the share or scope needs
+SGLang's admin key: the server launched with `--admin-api-key KEY`, the same key in
+`SGLANG_ADMIN_API_KEY` (or `--admin-key`). A 401 or 403 is one error line that says so.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from kvtier.cli.tiers import ADMIN_KEY_ENV, admin_key, check_server, request
+from kvtier.cli.tiers import ADMIN_KEY_ENV, admin_key, check_server, refusal, request
 from kvtier.config.schema import VERIFY_SCOPES
 from kvtier.config.urls import redact_url
 
@@ -46,11 +47,16 @@ def _run(args: argparse.Namespace) -> int:
     change = {k: v for k, v in (("fraction", args.fraction), ("scope", args.scope))
               if v is not None}
     body = {"op": "verify", **change} if change else None
+    key = admin_key(args)
     try:
-        status, answer = request(args.server, body, admin_key(args))
+        status, answer = request(args.server, body, key)
     except (urllib.error.URLError, OSError) as exc:
         print(f"kvtier: error: cannot reach {redact_url(args.server)}: {exc}", file=sys.stderr)
         return 2
+    refused = refusal(args.server, status, answer, key_sent=key is not None)
+    if refused is not None:
+        print(refused, file=sys.stderr)
+        return 1
     ranks = answer.get("ranks")
     shown: dict[str, Any] = {"success": answer.get("success", False)}
     if isinstance(ranks, list):
@@ -73,8 +79,9 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--scope", choices=VERIFY_SCOPES, help="what a verified request computes: "
                    "full (its whole prompt) or tail (the last full chunk of its hit, the prefix "
                    "loaded)")
-    p.add_argument("--admin-key", help=f"the server's --admin-api-key, if it has one (better: "
-                   f"{ADMIN_KEY_ENV}, which the process list does not show)")
+    p.add_argument("--admin-key", help=f"the server's --admin-api-key, which --fraction and "
+                   f"--scope need (better: {ADMIN_KEY_ENV}, which the process list does not "
+                   "show)")
     p.add_argument("--insecure", action="store_true",
                    help="allow plain http:// to a host that is not loopback")
     p.set_defaults(func=_run)
