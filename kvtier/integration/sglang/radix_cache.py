@@ -362,7 +362,8 @@ class KVTierRadixCache(StoragePrefetchHooks, BlendReleaseHook, UnifiedRadixCache
     def reset(self) -> None:
         kv = self.kvtier  # None while UnifiedRadixCache.__init__ runs
         if kv is not None:
-            with kv.budget.timed("reset"):
+            with kv.budget.timed("reset") as call:
+                call.streams_waited = self.protected_size() > 0  # SGLang flushes when idle
                 # A flush clears the pool: no store may still be reading it. Lower tiers are
                 # flushed too, so a flush makes everything stored so far durable (bounded).
                 for job in kv.settle():

@@ -332,6 +332,42 @@ def test_multimodal_requests_bypass_kvtier(engine_for: Any) -> None:
         kv.close()
 
 
+def test_a_flush_of_an_idle_tree_stalls_no_stream(engine_for: Any,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """SGLang's `/flush_cache` resets only an idle scheduler: however long kvtier's part takes,
+    no stream waited, so it logs no warning; a reset while a request holds the tree would."""
+    from array import array
+
+    from sglang.srt.mem_cache.base_prefix_cache import InsertParams, MatchPrefixParams
+    from sglang.srt.mem_cache.radix_cache import RadixKey
+
+    pool = make_pool("mha", 1, torch.float32)
+    kv = SGLangKVTier(engine_for(pool), page_size=1)
+    try:
+        cache = _radix_cache(pool, kv)
+        kv.budget.warn_s = 0.0  # every reset is "slow"
+        key = RadixKey(token_ids=array("q", range(10, 10 + CHUNK)), extra_key=None)
+
+        def insert() -> None:
+            slots = make_allocator(pool, 1).alloc(CHUNK).to(torch.int64)
+            cache.insert(InsertParams(key=key, value=slots))
+
+        insert()
+        with caplog.at_level("DEBUG", logger="kvtier.integration.sglang.budget"):
+            cache.reset()
+        assert "reset took" in caplog.text and "no request was in flight" in caplog.text
+        assert not [r for r in caplog.records if r.levelname == "WARNING"]
+        caplog.clear()
+        insert()
+        cache.inc_lock_ref(cache.match_prefix(MatchPrefixParams(key=key)).last_device_node)
+        with caplog.at_level("DEBUG", logger="kvtier.integration.sglang.budget"):
+            cache.reset()  # as if a request were running on the tree
+        assert [r for r in caplog.records if r.levelname == "WARNING"
+                and "every running stream waited" in r.getMessage()]
+    finally:
+        kv.close()
+
+
 @pytest.mark.parametrize("kind", ["mha", "mla"])
 @pytest.mark.parametrize("device", [pytest.param("cuda", marks=cuda)])
 def test_an_admitted_load_is_read_by_the_next_forward_with_the_overlap_streams(
