@@ -121,8 +121,8 @@ SURFACE: dict[str, tuple[str, ...]] = {
         "prefetch_from_storage", "check_prefetch_progress", "pop_prefetch_loaded_span",
         "release_aborted_request", "check_hicache_events",
         "clear_storage_backend", "checkpoint", "release_session", "evict", "evict_for_alloc",
-        "reset", "shutdown", "release_host_resources",  # (and has_pending_cache_operations:
-        # CALLED_BY_SGLANG)
+        "reset", "shutdown", "release_host_resources", "on_release",
+        # (and has_pending_cache_operations: CALLED_BY_SGLANG)
         # inherited and used
         "disable", "tree_core", "token_to_kv_pool_allocator", "path_device_indices", "insert",
         "lock", "unlock", "protected_size", "_all_reduce_attn_groups",
