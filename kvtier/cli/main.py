@@ -127,10 +127,11 @@ def _info(args: argparse.Namespace) -> int:
     from kvtier.memory import KVLayout, MemoryAllocator
 
     cfg = load_config(args.file)
+    kernel, why = ops.kernel_status()  # the reason goes in the table, not in a log line
     rows = [("kvtier", _version("kvtier")), ("python", platform.python_version()),
             ("torch", torch.__version__), ("cuda", str(torch.cuda.is_available())),
             ("redis-py", _version("redis")), ("sglang", _version("sglang")),
-            ("copy kernel", ops.kernel_name())]
+            ("copy kernel", f"{kernel}: {why}" if why else kernel)]
     if getattr(args, "sglang", False) and _version("sglang") != "not installed":
         rows.append(("sglang internals", _sglang_internals()))  # imports SGLang: seconds
     # Reachability: build the CPU and Redis tiers against a tiny arena and ask for their stats

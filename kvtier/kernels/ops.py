@@ -33,8 +33,8 @@ from kvtier.kernels import checks
 from kvtier.kernels.checks import SKIP_SLOT, CheckedLayers
 
 __all__ = ["gather", "scatter", "gather_chunks", "scatter_chunks", "prepare", "kernel_name",
-           "reference_gather", "reference_scatter", "CheckedLayers", "slot_bounds", "token_bytes",
-           "check_result"]
+           "kernel_status", "reference_gather", "reference_scatter", "CheckedLayers",
+           "slot_bounds", "token_bytes", "check_result"]
 
 logger = logging.getLogger(__name__)
 
@@ -208,10 +208,17 @@ def prepare() -> str:
 def kernel_name() -> str:
     """The implementation `gather`/`scatter` use now for GPU pools if a GPU is present, else
     for CPU pools: "cuda", "cpp" or "torch" (never compiles; see `prepare`)."""
+    return kernel_status()[0]
+
+
+def kernel_status() -> tuple[str, str | None]:
+    """`kernel_name()` and, for "torch", why the compiled kernel is not used (None otherwise).
+    Logs nothing: for a caller that shows the reason itself (`kvtier info`)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if _kernel(device) is None:
-        return "torch"
-    return "cuda" if device.type == "cuda" else "cpp"
+    ext, reason = _select(device)
+    if ext is None:
+        return "torch", reason
+    return "cuda" if device.type == "cuda" else "cpp", None
 
 
 def reference_gather(
@@ -249,25 +256,30 @@ def _choice() -> str:
 
 
 def _kernel(device: torch.device) -> ModuleType | None:
-    """The compiled extension if it should serve tensors on `device`, else None (reference)."""
+    """The compiled extension if it should serve tensors on `device`, else None (reference,
+    its reason logged once)."""
+    ext, reason = _select(device)
+    if reason is not None:
+        _log_once(reason)
+    return ext
+
+
+def _select(device: torch.device) -> tuple[ModuleType | None, str | None]:
+    """The compiled extension for tensors on `device`, or None and why not."""
     choice = _choice()
     if choice == "torch":
-        _log_once("KVTIER_KERNEL=torch: using the PyTorch reference for gather/scatter")
-        return None
+        return None, "KVTIER_KERNEL=torch: using the PyTorch reference for gather/scatter"
     ext = _loaded_ext()
     if ext is None:
         if choice == "cpp":
             raise ConfigError(f"KVTIER_KERNEL=cpp but the C++ kernel is not loaded: "
                               f"{_ext_error or 'call kvtier.kernels.ops.prepare() first'}")
-        _log_once(_fallback_reason())
-        return None
+        return None, _fallback_reason()
     if device.type == "cuda" and not ext.WITH_CUDA:
-        _log_once("the compiled kernels have no CUDA: using the PyTorch reference on GPU")
-        return None
+        return None, "the compiled kernels have no CUDA: using the PyTorch reference on GPU"
     if device.type not in ("cpu", "cuda"):
-        _log_once(f"no kvtier kernel for {device.type} tensors; using the PyTorch reference")
-        return None
-    return ext
+        return None, f"no kvtier kernel for {device.type} tensors; using the PyTorch reference"
+    return ext, None
 
 
 def _loaded_ext() -> ModuleType | None:

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -110,6 +111,17 @@ def test_info_reports_kernel_and_tiers(capsys: pytest.CaptureFixture[str]) -> No
     out = capsys.readouterr().out
     assert "copy kernel" in out and "tier cpu" in out and "ok" in out
     assert "sglang internals" not in out  # only with --sglang: importing SGLang takes seconds
+
+
+def test_info_says_why_the_reference_kernel_in_its_table_not_in_a_log_line(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("KVTIER_KERNEL", "torch")
+    with caplog.at_level(logging.DEBUG):
+        assert main(["info"]) == 0
+    out, err = capsys.readouterr()
+    assert "copy kernel  torch: KVTIER_KERNEL=torch: using the PyTorch reference" in out
+    assert err == "" and not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 def test_info_shows_sizes_in_human_units(tmp_path: Path, capsys: pytest.CaptureFixture[str],
