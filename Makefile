@@ -67,13 +67,13 @@ lint: setup
 	$(BIN)/mypy
 
 test: setup redis-server sglang-env lint
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=25 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -rs -p no:cacheprovider --durations=25 $(PYTEST_ARGS)
 
 # The quick loop while working: no SGLang servers, no installs (`make setup` and a redis-server
 # on PATH first); `make test` runs everything.
 test-fast:
 	@test -x $(BIN)/python || { echo "make test-fast: run 'make setup' first"; exit 2; }
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not sglang and not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -rs -p no:cacheprovider -m "not sglang and not slow" $(PYTEST_ARGS)
 
 # The newest release of every dependency instead of constraints.txt's (torch stays 2.13.0, the
 # local CPU wheel; SGLang stays 0.5.23, each of its runtime deps the newest that it allows), in a
@@ -101,9 +101,9 @@ test-latest: redis-server
 		 NR == FNR { if (NF && $$0 !~ /^#/) pin[n($$1)] = $$2; next } \
 		 !(n($$1) in pin) { print "  " $$1 " " $$2 " (not pinned)"; next } \
 		 pin[n($$1)] != $$2 { print "  " $$1 " " pin[n($$1)] " -> " $$2 }' $(CONSTRAINTS) -
-	$(LATEST_BIN)/python -m pytest -q -p no:cacheprovider -m "not sglang and not slow" \
+	$(LATEST_BIN)/python -m pytest -q -rs -p no:cacheprovider -m "not sglang and not slow" \
 		$(PYTEST_ARGS)
-	$(SGLANG_LOCK) $(LATEST_BIN)/python -m pytest -q -p no:cacheprovider \
+	$(SGLANG_LOCK) $(LATEST_BIN)/python -m pytest -q -rs -p no:cacheprovider \
 		tests/integration/sglang/test_sglang_tiers.py $(PYTEST_ARGS)
 
 # Rewrites $(CONSTRAINTS) with what $(VENV) holds (its comment lines at the top kept; kvtier
