@@ -126,6 +126,18 @@ class StorageBackend(ABC):
     def remove(self, keys: Sequence[ChunkKey]) -> int:
         """Delete `keys` that are present; returns how many were deleted."""
 
+    def touch(self, keys: Sequence[ChunkKey]) -> None:  # noqa: B027 - a no-op by default
+        """`keys` (a prefix, in order) were just served by a faster tier: those this tier
+        holds count as used now, the first as the most recent (a prefix is used front to
+        back and evicted from its end), so its eviction does not take the prefixes the tiers
+        above keep serving.
+
+        Advisory and cheap: called on the serving thread, so no I/O and no waiting on a
+        tier's writes (a tier that cannot note it in memory does nothing); changes recency
+        only, never what is held; keys it does not hold are ignored; never raises for a
+        miss; a no-op after close. Key strings only, as `batch_contains`.
+        """
+
     def probe(self, nbytes: int) -> list[ProbeSample]:
         """Time this tier whatever it holds: write a scratch record of `nbytes` under a name
         carrying `PROBE_PREFIX`, where the tier may write (never a record, never listed or

@@ -153,6 +153,7 @@ class StorageManager:
             self.policy.on_hit(key, obj, self._writers)
         if objs:
             self.counters.inc(f"{self.hot.name}.hit_chunks", len(objs))
+            self._used(keys[:len(objs)])
         return objs
 
     def stream(self, keys: Sequence[ChunkKey], *, hot_only: bool = False,
@@ -165,23 +166,26 @@ class StorageManager:
         """
         n = 0
         tiers = [self.hot] if hot_only else self.tiers
-        while n < len(keys) and not self._gate.closed:
-            got = 0
-            for tier in tiers:
-                with closing(tier.iter_get(keys[n:])) as objs:
-                    for obj in objs:
-                        if tier is not self.hot:
-                            self.hot.batch_put([keys[n]], [obj])  # promote
-                            self.origins.promoted(keys[n], tier.name)
-                        self.policy.on_hit(keys[n], obj, self._writers)
-                        self.counters.inc(f"{tier.name}.hit_chunks")
-                        got += 1
-                        n += 1
-                        yield obj
-                if got:
+        try:
+            while n < len(keys) and not self._gate.closed:
+                got = 0
+                for tier in tiers:
+                    with closing(tier.iter_get(keys[n:])) as objs:
+                        for obj in objs:
+                            if tier is not self.hot:
+                                self.hot.batch_put([keys[n]], [obj])  # promote
+                                self.origins.promoted(keys[n], tier.name)
+                            self.policy.on_hit(keys[n], obj, self._writers)
+                            self.counters.inc(f"{tier.name}.hit_chunks")
+                            got += 1
+                            n += 1
+                            yield obj
+                    if got:
+                        break
+                if not got:
                     break
-            if not got:
-                break
+        finally:
+            self._used(keys[:n])
 
     def contains(self, keys: Sequence[ChunkKey], *, hot_only: bool = False) -> int:
         """How many leading `keys` some tier (only the CPU tier with `hot_only`) holds; no
@@ -353,6 +357,15 @@ class StorageManager:
                 obj.release()  # the CPU tier keeps its own reference
                 n += 1
         return n
+
+    def _used(self, keys: Sequence[ChunkKey]) -> None:
+        """Prefix `keys` was just served: each lower tier notes the use (`touch`, no I/O), so
+        none evicts what the tiers above serve and then refuses its extensions as orphans.
+        The whole prefix once per get: its first chunk is each tier's newest, so a prefix is
+        still evicted from its end whichever tier served which part."""
+        if keys:
+            for tier in self._set.tiers:
+                tier.touch(keys)
 
     def _evict(self, nbytes: int) -> int:
         """Arena callback: free at least `nbytes` by evicting from the hot tier if possible."""

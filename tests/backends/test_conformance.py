@@ -109,6 +109,24 @@ def test_close_is_idempotent_and_then_misses(
         assert backend.batch_put(keys[:1], [obj]) == 0
 
 
+def test_touch_changes_nothing_held(backend_ctx: tuple[StorageBackend, BackendContext]) -> None:
+    # A use served by a faster tier: held keys stay held and byte-exact, keys not held are
+    # ignored (nothing is created), and after close it is a no-op.
+    backend, ctx = backend_ctx
+    keys = make_keys(64)
+    expected = _put(backend, ctx, keys[:2])
+    backend.touch(keys)
+    backend.touch([])
+    backend.touch(keys[2:])
+    assert backend.batch_contains(keys) == 2
+    assert backend.batch_contains(keys[2:]) == 0
+    with lease(backend.batch_get(keys)) as got:
+        assert [same_bytes(o.tensor, w) for o, w in zip(got, expected)] == [True, True]
+    backend.close()
+    backend.touch(keys)
+    assert backend.batch_contains(keys) == 0
+
+
 def test_stats_count_hits(backend_ctx: tuple[StorageBackend, BackendContext]) -> None:
     backend, ctx = backend_ctx
     keys = make_keys(32)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.backends.cpu import CPUBackend
+from kvtier.backends.record import expected_header_len
 from kvtier.config import Config
 from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey
@@ -258,3 +259,32 @@ def test_a_tier_that_cannot_be_built_leaves_nothing_running(
     with pytest.raises(ConfigError, match="remote_url"):
         StorageManager(_config(tmp_path, remote_url="redis://127.0.0.1:1"), SMALL_MHA)
     assert {t.name for t in threading.enumerate()} - before == set()  # no writer left behind
+
+
+def test_cpu_hits_keep_their_prefix_on_the_disk(tmp_path: Path) -> None:
+    # The CPU tier serves prefix A again and again while other prompts pass through a disk of
+    # 8 records: the disk must learn of those uses (`StorageBackend.touch`), keep A, and take
+    # A's extension (before, it evicted A as its least recently used and refused the
+    # extension as an orphan).
+    record = expected_header_len(make_keys(CHUNK)[0]) + SMALL_MHA.nbytes(CHUNK)
+    sm = StorageManager(_config(tmp_path, max_local_disk_size=8.5 * record / 1e9), SMALL_MHA)
+    try:
+        disk = _tier(sm, "disk")
+        ext = make_keys(3 * CHUNK, seed=1)
+        prefix = ext[:2]
+        _put(sm, prefix)
+        assert sm.flush()
+        for i in range(12):
+            with sm.get(prefix) as got:
+                assert len(got) == 2
+            _put(sm, make_keys(2 * CHUNK, seed=100 + i))
+            assert sm.flush()
+            assert disk.batch_contains(prefix) == 2, f"round {i}: the reused prefix was evicted"
+        assert sm.stats()["cpu.hit_chunks"] == 24 and sm.stats()["disk.hit_chunks"] == 0
+        _put(sm, ext[2:])
+        assert sm.flush()
+        assert disk.batch_contains(ext) == 3
+        assert sm.stats()["disk.write_orphans"] == 0
+        assert sm.stats()["disk.evictions"] > 0
+    finally:
+        sm.close()

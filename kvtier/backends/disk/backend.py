@@ -76,7 +76,8 @@ class DiskBackend(StorageBackend):
         self.ctx = ctx  # public: the layout and arena its records are read into
         self._keys = ctx.record_key
         self._lock = threading.Lock()  # one index change and its file change are one step
-        self._index = DiskIndex(self.capacity, lambda name: identify(self._dirs, name))
+        self._index = DiskIndex(self.capacity, lambda name: identify(self._dirs, name),
+                                lambda key: rf.file_name(key.key))
         self._counts = ctx.counters.scope(self.name, *_COUNTERS)
         self._warn = RateLimitedLog(logger)
         self._closed = False
@@ -114,6 +115,12 @@ class DiskBackend(StorageBackend):
             for key, stamp in zip(keys, self._stamps(len(keys)), strict=True):
                 with contextlib.suppress(OSError):  # a file gone meanwhile does not matter
                     os.utime(self.path_for(key.key), ns=(stamp, stamp))
+
+    def touch(self, keys: Sequence[ChunkKey]) -> None:
+        # Noted without the lock (a write holds it over renames and unlinks); the lock's next
+        # holder, most often a write on its writer's thread, hashes and applies it first.
+        if keys and not self._closed:
+            self._index.note(tuple(keys))
 
     def _adopt_locked(self, name: str, size: int, key: str) -> None:
         if self._index.adopt(name, size, owner_of(key)):

@@ -11,27 +11,35 @@ writes for (`claim`). A record whose owner is not known yet is never evicted."""
 from __future__ import annotations
 
 import time
-from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 __all__ = ["DiskIndex", "IDENTIFY_PER_WRITE"]
 
 IDENTIFY_PER_WRITE = 64  # record headers a write may read to find its own oldest records
+NOTED_USES = 1024  # uses noted between two index changes, at most (past it the oldest go):
+# a bound on the memory they hold and on the hashing that applying them costs
 
 
 class DiskIndex:
     """Record names (file stems) to sizes in LRU order, least recent first, against a byte cap.
 
-    Not thread-safe: the caller serializes every call (the backend's lock).
+    Not thread-safe: the caller serializes every call (the backend's lock), except `note`.
 
     Args:
         capacity: the cap in bytes (`max_local_disk_size`).
+        identify: a record's owner, read from its file (the caller's I/O).
+        name_of: a noted key's record name (`note` takes keys: the backend's `ChunkKey`s).
     """
 
     def __init__(self, capacity: int,
-                 identify: Callable[[str], str | None] = lambda name: None):
+                 identify: Callable[[str], str | None] = lambda name: None,
+                 name_of: Callable[[Any], str] = str):
         self.capacity = capacity
-        self._identify = identify  # a record's owner, read from its file (the caller's I/O)
+        self._identify = identify
+        self._name_of = name_of
+        self._noted: deque[Sequence[Any]] = deque(maxlen=NOTED_USES)  # keys, by `note`
         self._sizes: OrderedDict[str, int] = OrderedDict()
         self.bytes = 0  # indexed records
         self._owners: dict[str, str] = {}  # name -> owner, where known
@@ -49,6 +57,7 @@ class DiskIndex:
 
     def names(self) -> list[str]:
         """Indexed record names, least recently used first."""
+        self.apply_noted()
         return list(self._sizes)
 
     def load(self, found: Iterable[tuple[int, str, int]]) -> None:
@@ -60,6 +69,7 @@ class DiskIndex:
     def put(self, name: str, size: int, owner: str | None = None) -> None:
         """Index record `name` of `size` bytes as the most recently used (replacing any), of
         `owner` when known."""
+        self.apply_noted()  # uses noted before this put are older
         self.forget(name)
         self._sizes[name] = size
         self.bytes += size
@@ -130,9 +140,26 @@ class DiskIndex:
     def touch(self, names: Iterable[str]) -> None:
         """Mark `names` used, the first as the most recent (a prefix is used front to back, and
         its first chunk is the last to evict)."""
+        self.apply_noted()  # uses noted before this one are older
+        self._move_to_end(names)
+
+    def _move_to_end(self, names: Iterable[str]) -> None:
         for name in reversed(list(names)):
             if name in self._sizes:
                 self._sizes.move_to_end(name)
+
+    def note(self, keys: Sequence[Any]) -> None:
+        """`touch` the records of `keys` (named by `name_of`) later: safe without the caller's
+        lock (a deque's append is atomic), so a use served by a faster tier never waits on a
+        write holding it, nor hashes names. Applied, oldest first, before the order is next
+        read or changed."""
+        self._noted.append(keys)
+
+    def apply_noted(self) -> None:
+        """Apply what `note` noted (only the lock's holder takes from the deque, and appends
+        only lengthen it, so it is never found empty here after a check)."""
+        while self._noted:
+            self._move_to_end(self._name_of(key) for key in self._noted.popleft())
 
     def stamps(self, n: int) -> list[int]:
         """`n` fresh, strictly decreasing mtimes (ns): a batch's first chunk is its newest."""
@@ -156,6 +183,7 @@ class DiskIndex:
         fit. Picks only: the caller deletes them and `forget`s each."""
         if need > self.capacity:
             return None
+        self.apply_noted()
         if self.unknown and self.bytes + self.reserved + need > self.capacity:
             self._identify_oldest()  # this tier's own may be among them
         over = self.own_bytes + self.reserved + need - self.capacity
@@ -175,6 +203,7 @@ class DiskIndex:
         """The least recently used records of `mine`, none being read, that hold at least
         `nbytes` (all of them when they hold less): what a full disk evicts. Picks only, as
         `victims`."""
+        self.apply_noted()
         chosen = []
         for name, size in self._sizes.items():
             if nbytes <= 0:

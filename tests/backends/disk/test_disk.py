@@ -96,6 +96,23 @@ def test_restart_keeps_recency_so_eviction_takes_suffixes(
     assert disk.batch_contains(new) == 2  # then the deepest chunks of the next oldest prompt
 
 
+def test_touch_keeps_a_prefix_served_above_and_evicts_from_its_end(
+    open_disk: Opener, arena: MemoryAllocator,
+) -> None:
+    cap = 10 * (CHUNK_BYTES + 400)  # room for about ten records
+    disk = open_disk(cap_gb=cap / 1e9)
+    old, new = make_keys(16 * 4, seed=1), make_keys(16 * 4, seed=2)
+    _put(disk, old, arena)
+    _put(disk, new, arena)
+    disk.touch(old[:2])  # a faster tier served the old prompt's prefix: no read here
+    assert disk.stats()["hits"] == 0
+    _put(disk, make_keys(16 * 6, seed=3), arena)  # 14 records: four must go
+    assert disk.stats()["evictions"] == 4
+    assert disk.batch_contains(old) == 2  # the used prefix stays, its unused suffix went first
+    assert disk.batch_contains(new) == 2
+    disk.check_integrity()
+
+
 def test_large_records_round_trip_and_verify(open_disk: Opener, arena: MemoryAllocator) -> None:
     """4 MiB records: multi-page payloads, written and read without intermediate copies."""
     keys = make_keys(64, chunk_size=32, layout=BIG)

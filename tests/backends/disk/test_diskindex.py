@@ -31,6 +31,19 @@ def test_touch_makes_the_first_name_the_most_recent() -> None:
     assert index.victims(60) == ["c", "b"]
 
 
+def test_noted_uses_apply_in_order_before_the_order_is_read() -> None:
+    index = _index(90, ("a", 30), ("b", 30), ("c", 30))
+    index.note(["b"])  # a faster tier served "b", then the prefix "a", "b"
+    index.note(["a", "b"])
+    assert index.victims(60) == ["c", "b"]
+    index.note(["c"])
+    index.put("d", 30)  # a put after the use is newer than it
+    assert index.names() == ["b", "a", "c", "d"]
+    index.note(["zz"])  # not held: ignored
+    index.touch(["b"])
+    assert index.names() == ["a", "c", "d", "b"]
+
+
 def test_a_pinned_record_is_never_a_victim() -> None:
     index = _index(60, ("a", 30), ("b", 30))
     index.pin("a")
