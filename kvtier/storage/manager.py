@@ -13,18 +13,15 @@ from collections.abc import Generator, Iterator, Sequence
 from contextlib import closing, contextmanager
 
 from kvtier import prometheus
-from kvtier.backends import BackendContext, HotTier, StorageBackend, create_backend
-from kvtier.backends.cpu import CPUBackend
+from kvtier.backends import BackendContext, StorageBackend
 from kvtier.config import Config
-from kvtier.config.host import arena_now_problem, memory_problem
-from kvtier.config.names import CPU
-from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey, stub_key
 from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj, lease
 from kvtier.metrics import Counters, RateLimitedLog
 from kvtier.storage.backlog import WriteBacklog, write_backlog
 from kvtier.storage.gate import Gate
-from kvtier.storage.guard import STAGING, GuardedHotTier, GuardedTier, StagingTier
+from kvtier.storage.guard import GuardedTier
+from kvtier.storage.hot import new_arena, open_hot_tier
 from kvtier.storage.origins import Origins
 from kvtier.storage.prefetch.estimates import PrefillSpeed
 from kvtier.storage.prefetch.handle import Prefetch
@@ -56,12 +53,12 @@ class StorageManager:
                  allocator: MemoryAllocator | None = None):
         self.config = config
         self.layout = layout
-        self.allocator = allocator if allocator is not None else _new_arena(config)
+        self.allocator = allocator if allocator is not None else new_arena(config)
         self.counters = Counters(*COUNTERS)
         self._warn = RateLimitedLog(logger)
         self._gate = Gate()  # put/stats/start_prefetch calls: close() waits for them
         ctx = BackendContext(config, layout, self.allocator, self.counters)
-        hot = _open_hot_tier(ctx, self._warn)
+        hot = open_hot_tier(ctx, self._warn)
         self.counters.declare(f"{hot.name}.hit_chunks")
         self.hot = hot
         self.origins = Origins()  # which lower tier the CPU tier's copies were read from
@@ -383,28 +380,6 @@ class StorageManager:
 
     def _in_hot(self, key: str) -> bool:
         return self.hot.batch_contains([stub_key(key)]) == 1
-
-
-def _new_arena(config: Config) -> MemoryAllocator:
-    """An arena of `max_local_cpu_size` GB; `ConfigError` if this host cannot hold it."""
-    # A config may be sized for a bigger host (check-config only warns): refuse here, naming
-    # the key, before a too-large arena is allocated and faulted in.
-    # Then against what is free now: a serving engine allocates its own pool first.
-    problem = memory_problem(config) or arena_now_problem(config)
-    if problem:
-        raise ConfigError(problem)
-    return MemoryAllocator(int(config.max_local_cpu_size * 1e9))
-
-
-def _open_hot_tier(ctx: BackendContext, warn: RateLimitedLog) -> HotTier:
-    """The CPU tier behind its failure guard; with `local_cpu: false`, a CPU tier that only
-    stages loads (`StagingTier`), so lower tiers are read in the background in every
-    configuration and no code path needs to ask whether there is a CPU tier."""
-    if not ctx.config.local_cpu:
-        return StagingTier(CPUBackend(ctx, name=STAGING), ctx.counters, warn)
-    cpu = create_backend(CPU, ctx)
-    assert isinstance(cpu, HotTier), cpu
-    return GuardedHotTier(cpu, ctx.counters, warn)
 
 
 def _never(key: str) -> bool:

@@ -89,11 +89,10 @@ class DiskBackend(StorageBackend):
         self._stop = threading.Event()
         self._learning = False
         if self._index.bytes > self.capacity:
-            logger.warning("kvtier disk: %s holds %.2f GB, more than the cap of %.2f GB "
-                           "(max_local_disk_size); nothing is deleted now: this tier shrinks "
-                           "its own model's records as it writes, and never deletes other "
-                           "models' or namespaces'", root, self._index.bytes / 1e9,
-                           self.capacity / 1e9)
+            logger.warning("kvtier disk: %s holds %.2f GB, over max_local_disk_size (%.2f GB);"
+                           " nothing is deleted now: this tier shrinks its own model's records "
+                           "as it writes, never other models' or namespaces'", root,
+                           self._index.bytes / 1e9, self.capacity / 1e9)
         logger.info("kvtier disk: %s holds %d records (%.2f of %.2f GB), indexed in %.2fs",
                     root, len(self._index), self._index.bytes / 1e9, self.capacity / 1e9,
                     time.perf_counter() - start)
@@ -117,8 +116,7 @@ class DiskBackend(StorageBackend):
                     os.utime(self.path_for(key.key), ns=(stamp, stamp))
 
     def touch(self, keys: Sequence[ChunkKey]) -> None:
-        # Noted without the lock (a write holds it over renames and unlinks); the lock's next
-        # holder, most often a write on its writer's thread, hashes and applies it first.
+        # Noted without the lock (held by writes over file changes): its next holder applies it.
         if keys and not self._closed:
             self._index.note(tuple(keys))
 
@@ -160,15 +158,11 @@ class DiskBackend(StorageBackend):
         return [probe_disk(self.root, nbytes)]
 
     def batch_contains(self, keys: Sequence[ChunkKey]) -> int:
-        n = 0
         with self._lock:
             if self._closed:
                 return 0
-            for key in keys:
-                if not self._held_locked(key.key):
-                    break
-                n += 1
-        return n
+            return next((i for i, key in enumerate(keys) if not self._held_locked(key.key)),
+                        len(keys))
 
     def first_held(self, keys: Sequence[ChunkKey]) -> int:
         # A prefix's candidate tails are many (one per page of a chunk): one lock for all.
