@@ -41,7 +41,7 @@ RUN = {"tests/a.py::t1": 5.0, "tests/a.py::t2": 50.0, "tests/b.py::t": 30.0,
 
 
 def test_a_run_over_its_budget_fails_naming_the_three_slowest_modules() -> None:
-    plugin = SuiteBudget(budget_s=100)
+    plugin = SuiteBudget(budget_s=100, launches=list)
     _ran(plugin, RUN)
     status, lines = _finish(plugin, took_s=170)
     assert status == pytest.ExitCode.TESTS_FAILED
@@ -52,15 +52,17 @@ def test_a_run_over_its_budget_fails_naming_the_three_slowest_modules() -> None:
 
 
 def test_a_run_within_its_budget_passes_and_still_shows_where_time_went() -> None:
-    plugin = SuiteBudget(budget_s=1000)
+    launches = ["tests/c.py::t (setup)", "tests/c.py::t (call)", "tests/a.py::t2 (call)"]
+    plugin = SuiteBudget(budget_s=1000, launches=lambda: launches)
     _ran(plugin, RUN)
     status, lines = _finish(plugin, took_s=170)
     assert status == 0 and not [line for line in lines if line.startswith("FAILED")]
-    assert "166.0 s  in all, 4 modules, 0 SGLang servers" in lines[-1]
+    assert lines[1].endswith("tests/c.py  (2 SGLang servers)")
+    assert "166.0 s  in all, 4 modules, 3 SGLang servers" in lines[-1]
 
 
 def test_a_budget_of_zero_turns_the_check_off() -> None:
-    plugin = SuiteBudget(budget_s=0)
+    plugin = SuiteBudget(budget_s=0, launches=list)
     _ran(plugin, RUN)
     assert _finish(plugin, took_s=1e6)[0] == 0
 

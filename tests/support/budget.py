@@ -16,6 +16,7 @@ import os
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 import pytest
 
@@ -36,7 +37,9 @@ def slowest(seconds: dict[str, float], n: int) -> list[tuple[str, float]]:
 class SuiteBudget:
     """A pytest plugin: per-module time, SGLang server starts, and the budget check."""
 
-    def __init__(self, budget_s: float):
+    def __init__(self, budget_s: float, launches: Callable[[], list[str]] | None = None):
+        """`launches`: the test behind each SGLang server started (default: the test
+        harness's record, `harness.sglang_server.LAUNCHES`)."""
         if budget_s < 0:
             raise ValueError(f"KVTIER_SUITE_BUDGET_S must be >= 0, got {budget_s}")
         self.budget_s = budget_s
@@ -44,15 +47,15 @@ class SuiteBudget:
         self.servers: dict[str, int] = defaultdict(int)
         self.started = time.monotonic()
         self.over: float | None = None
+        self._launches = launches or _harness_launches
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.seconds[report.nodeid.split("::")[0]] += report.duration
 
     def _count_servers(self) -> None:
-        """Attribute each test server launched (`harness.sglang_server.LAUNCHES`) to the module
-        whose test or fixture launched it."""
-        harness = sys.modules.get("harness.sglang_server")
-        for current in getattr(harness, "LAUNCHES", []):
+        """Attribute each test server launched to the module whose test or fixture launched
+        it."""
+        for current in self._launches():
             self.servers[current.split("::")[0]] += 1
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
@@ -78,6 +81,11 @@ class SuiteBudget:
             write(f"FAILED: the suite took {self.over:.0f} s, over its budget of "
                   f"{self.budget_s:.0f} s (KVTIER_SUITE_BUDGET_S); slowest modules: {top}",
                   red=True, bold=True)
+
+
+def _harness_launches() -> list[str]:
+    harness = sys.modules.get("harness.sglang_server")  # loaded by the tests that start one
+    return list(getattr(harness, "LAUNCHES", []))
 
 
 def budget_from_env(env: dict[str, str] | os._Environ[str] = os.environ) -> float:
