@@ -9,11 +9,16 @@ TORCH := torch==2.13.0
 CONSTRAINTS ?= constraints.txt
 PIP_INSTALL := $(BIN)/pip install -q -c $(CONSTRAINTS)
 PYTEST_ARGS ?=
+# Two pytest workers (pytest-xdist), each taking whole modules (so a module's servers are
+# started once) in the order tests/conftest.py gives them, longest first: the suite mostly
+# waits on servers, and two overlap on the 2-core host. WORKERS=0 runs in one process.
+WORKERS ?= 2
+XDIST := -n $(WORKERS) --dist loadfile --no-loadscope-reorder
 DEMO_ARGS ?=
 FLEET_ARGS ?=
 
 .PHONY: setup bench demo fleet anchors test test-fast test-latest test-gpu lint redis-server \
-	sglang-env constraints wheel clean
+	sglang-env constraints wheel clean test-ids
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -67,13 +72,20 @@ lint: setup
 	$(BIN)/mypy
 
 test: setup redis-server sglang-env lint
-	$(BIN)/python -m pytest -q -rs -p no:cacheprovider --durations=25 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -rs -p no:cacheprovider --durations=25 $(XDIST) $(PYTEST_ARGS)
 
 # The quick loop while working: no SGLang servers, no installs (`make setup` and a redis-server
 # on PATH first); `make test` runs everything.
 test-fast:
 	@test -x $(BIN)/python || { echo "make test-fast: run 'make setup' first"; exit 2; }
-	$(BIN)/python -m pytest -q -rs -p no:cacheprovider -m "not sglang and not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -q -rs -p no:cacheprovider -m "not sglang and not slow" $(XDIST) \
+		$(PYTEST_ARGS)
+
+# The test ids collected at REV against the working tree: what a change added and removed
+# (fails when it removed any).
+REV ?= HEAD
+test-ids:
+	bash scripts/test_ids.sh $(REV) $(VENV)
 
 # The newest release of every dependency instead of constraints.txt's (torch stays 2.13.0, the
 # local CPU wheel; SGLang stays 0.5.23, each of its runtime deps the newest that it allows), in a
@@ -102,7 +114,7 @@ test-latest: redis-server
 		 !(n($$1) in pin) { print "  " $$1 " " $$2 " (not pinned)"; next } \
 		 pin[n($$1)] != $$2 { print "  " $$1 " " pin[n($$1)] " -> " $$2 }' $(CONSTRAINTS) -
 	$(LATEST_BIN)/python -m pytest -q -rs -p no:cacheprovider -m "not sglang and not slow" \
-		$(PYTEST_ARGS)
+		$(XDIST) $(PYTEST_ARGS)
 	$(SGLANG_LOCK) $(LATEST_BIN)/python -m pytest -q -rs -p no:cacheprovider \
 		tests/integration/sglang/test_sglang_tiers.py $(PYTEST_ARGS)
 

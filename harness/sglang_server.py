@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import signal
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -26,22 +27,42 @@ __all__ = ["SGLangServer", "free_port", "PYTHONPATH_DIRS", "SHIMS_DIR", "CPU_FLA
 SHIMS_DIR = SHIM_DIR  # the sgl_kernel stand-in (in-process SGLang imports need it too)
 PYTHONPATH_DIRS = (cpu_shims_dir(), Path(__file__).resolve().parent / "sglang_pythonpath")
 CPU_FLAGS = (*_server.CPU_FLAGS, "--max-total-tokens", "2048")
+FORK_CHILDREN_ENV = "KVTIER_TEST_FORK_CHILDREN"  # read by sglang_pythonpath's test plugin
 # The test that launched each server (pytest's PYTEST_CURRENT_TEST), for the suite's budget
 # table (tests/support/budget.py): server starts are most of the suite's time.
 LAUNCHES: list[str] = []
 
 
 class SGLangServer(_server.SGLangServer):
-    """A CPU test server: the test plugin and the `sgl_kernel` stand-in on its PYTHONPATH."""
+    """A CPU test server: the test plugin and the `sgl_kernel` stand-in on its PYTHONPATH.
+
+    With `fork_children` (the default) the test plugin has SGLang fork its scheduler and
+    detokenizer processes instead of spawning them: a spawned child imports SGLang again, and
+    those imports were two thirds of a server start (28 CPU-seconds -> 10 on the 2-core
+    host). Tests of the launch itself (plugins loading in fresh children, signals, the
+    README's command) pass `fork_children=False`: SGLang's own spawn.
+    """
 
     def __init__(self, model: Path, log_path: Path, *, args: Sequence[str] = (),
-                 env: dict[str, str] | None = None, module: str = "sglang.launch_server"):
+                 env: dict[str, str] | None = None, module: str = "sglang.launch_server",
+                 fork_children: bool = True):
+        env = {**(env or {}), **({FORK_CHILDREN_ENV: "1"} if fork_children else {})}
         super().__init__(model, log_path, args=args, env=env, pythonpath=PYTHONPATH_DIRS,
                          cpu_flags=CPU_FLAGS, module=module)
 
     def launch(self) -> None:
         LAUNCHES.append(os.environ.get("PYTEST_CURRENT_TEST", ""))
         super().launch()
+
+    def kill(self) -> None:
+        """Stop at once (SIGKILL to the process group): what a test's teardown needs, since
+        nothing a server holds outlives it but what `/flush_cache` made durable. A graceful
+        `stop()` costs SGLang's drain, about 5 s a server."""
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(30)
+        self.stop()  # reaps what outlived the leader
 
     def wait_for_log(self, pattern: str, timeout: float = 30.0) -> list[Any]:
         """The matches of regex `pattern` in the log once there is one (the scheduler logs
@@ -60,4 +81,4 @@ def running(model: Path, log_path: Path, **kwargs: Any) -> Iterator[SGLangServer
     try:
         yield server
     finally:
-        server.stop()
+        server.kill()

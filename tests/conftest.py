@@ -36,6 +36,30 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(SuiteBudget(budget_from_env()), "kvtier-suite-budget")
 
 
+# The longest modules first (tests/README.md's table, longest first), then every module that
+# starts servers or builds, then the rest: with two workers (`make test`: pytest-xdist, whole
+# modules each) the long ones start at once and the quick ones fill the gaps at the end,
+# instead of one worker finishing a long module alone.
+LONGEST_FIRST = tuple(f"tests/{name}.py" for name in (
+    "integration/sglang/test_sglang_quality", "integration/sglang/test_sglang_shutdown",
+    "demo/test_demo", "test_install", "integration/sglang/test_sglang_blending"))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def weight(item: pytest.Item) -> int:
+        name = item.nodeid.split("::")[0]
+        if name in LONGEST_FIRST:
+            return LONGEST_FIRST.index(name)
+        heavy = item.get_closest_marker("sglang") or item.get_closest_marker("slow")
+        return len(LONGEST_FIRST) + (0 if heavy else 1)
+
+    module: dict[str, int] = {}  # a module's weight is its heaviest test's: it stays whole
+    for item in items:
+        name = item.nodeid.split("::")[0]
+        module[name] = min(module.get(name, len(LONGEST_FIRST) + 1), weight(item))
+    items.sort(key=lambda item: module[item.nodeid.split("::")[0]])  # stable
+
+
 @pytest.fixture(scope="session")
 def redis_factory(
     tmp_path_factory: pytest.TempPathFactory,

@@ -16,7 +16,7 @@ import os
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -27,6 +27,7 @@ __all__ = ["DEFAULT_BUDGET_S", "SuiteBudget", "slowest"]
 # host's 47 min a wide margin.
 DEFAULT_BUDGET_S = 3600.0
 SHOWN = 12  # modules in the end-of-run table
+SERVERS_PROPERTY = "kvtier_sglang_servers"
 
 
 def slowest(seconds: dict[str, float], n: int) -> list[tuple[str, float]]:
@@ -48,15 +49,28 @@ class SuiteBudget:
         self.started = time.monotonic()
         self.over: float | None = None
         self._launches = launches or _harness_launches
+        self._counted = 0  # of this process's launches, those already in a report
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item,
+                                  call: pytest.CallInfo[None]) -> Iterator[None]:
+        """Each phase's report carries the SGLang servers launched during it, so the count
+        reaches the table from pytest-xdist's workers too (reports travel, modules do not)."""
+        outcome = yield
+        report = outcome.get_result()
+        launched = len(self._launches())
+        if launched > self._counted:
+            # A new list: pytest hands every phase of a test the item's own list.
+            report.user_properties = [*report.user_properties,
+                                      (SERVERS_PROPERTY, launched - self._counted)]
+            self._counted = launched
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        self.seconds[report.nodeid.split("::")[0]] += report.duration
-
-    def _count_servers(self) -> None:
-        """Attribute each test server launched to the module whose test or fixture launched
-        it."""
-        for current in self._launches():
-            self.servers[current.split("::")[0]] += 1
+        module = report.nodeid.split("::")[0]
+        self.seconds[module] += report.duration
+        for name, value in getattr(report, "user_properties", ()):
+            if name == SERVERS_PROPERTY:
+                self.servers[module] += int(value)
 
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         took = time.monotonic() - self.started
@@ -68,7 +82,6 @@ class SuiteBudget:
     def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         if not self.seconds:
             return
-        self._count_servers()
         write = terminalreporter.write_line
         terminalreporter.section("time per module (setup + call + teardown)")
         for module, secs in slowest(self.seconds, SHOWN):

@@ -146,20 +146,22 @@ def serving_log(text: str, lines: int = 150) -> str:
 
 @pytest.fixture(scope="module")
 def start_server(
-    tmp_path_factory: pytest.TempPathFactory,
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest,
 ) -> Iterator[Callable[..., SGLangServer]]:
     """`start(model, config_path, *extra_args, env=, ready=True)` -> a running kvtier-enabled
     server (with `ready=False` launched only: the caller waits with `wait_ready`, so its start
-    overlaps other work); every server started through it is stopped when the module's tests
-    are done."""
+    overlaps other work); every server started through it is killed when the module's tests
+    are done. Its children are forked (`SGLangServer`), unless the module is marked
+    `spawn`."""
     started: list[SGLangServer] = []
     logs = tmp_path_factory.mktemp("sglang-logs")
+    fork_children = request.node.get_closest_marker("spawn") is None
 
     def start(model: Path, config: Path | None, *args: str,
               env: dict[str, str] | None = None, ready: bool = True) -> SGLangServer:
         flags = ["--enable-kvtier", "--kvtier-config-file", str(config)] if config else []
         server = SGLangServer(model, logs / f"server-{len(started)}.log",
-                              args=[*flags, *args], env=env)
+                              args=[*flags, *args], env=env, fork_children=fork_children)
         started.append(server)
         _LIVE.append(server)
         server.launch()
@@ -171,7 +173,7 @@ def start_server(
         yield start
     finally:
         for server in started:
-            server.stop()
+            server.kill()
             _LIVE.remove(server)
 
 

@@ -17,7 +17,9 @@ from harness.sglang_server import SGLangServer
 from kvtier.demo.server import free_port
 from tests.integration.sglang.conftest import CHUNK, cold, prompt, write_config
 
-pytestmark = pytest.mark.sglang
+# A fresh server as users launch it: its children spawned, each loading kvtier's plugin and
+# kernels itself.
+pytestmark = [pytest.mark.sglang, pytest.mark.spawn]
 
 COMPILED = re.compile(r"kvtier: compiled the C\+\+ copy kernel in [\d.]+s on thread (\S+)")
 # The HTTP server's start: no request is taken before it. (SGLang's "fired up and ready" line

@@ -46,8 +46,10 @@ def _stream_until_cut(server: SGLangServer, started: threading.Event) -> None:
 def _server(tiny_llama: Path, tmp_path: Path, *more: str) -> SGLangServer:
     config = write_config(tmp_path / "kvtier.yaml", local_disk=str(tmp_path / "disk"),
                           max_local_disk_size=0.5, prefetch_policy="adaptive")
+    # Spawned children, as SGLang makes them: forked ones would inherit the launcher's
+    # signal handlers, and the stop is what these tests are about.
     server = SGLangServer(tiny_llama, tmp_path / "server.log", args=[
-        "--enable-kvtier", "--kvtier-config-file", str(config), *more])
+        "--enable-kvtier", "--kvtier-config-file", str(config), *more], fork_children=False)
     return server.start()
 
 
