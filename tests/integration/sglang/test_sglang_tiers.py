@@ -58,8 +58,8 @@ def servers_ab(start_server: Callable[..., SGLangServer], tiny_llama: Path, disk
                             remote_url=redis.url, remote_timeout_secs=0.5)
     config_b = write_config(cfg / "b.yaml", local_cpu=False, remote_url=redis.url,
                             remote_timeout_secs=0.5, prefetch_policy="adaptive")
-    a, b = (start_server(tiny_llama, config, "--page-size", "4", ready=False)
-            for config in (config_a, config_b))
+    a = start_server(tiny_llama, config_a, "--page-size", "4", ready=False)
+    b = start_server(tiny_llama, config_b, "--page-size", "4", "--enable-metrics", ready=False)
     a.wait_ready()  # started side by side
     b.wait_ready()
     return a, b
