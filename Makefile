@@ -48,14 +48,14 @@ demo: setup sglang-env
 # without kvtier, and a master failover (docs/fleet.md; ~15 min on 2 cores).
 fleet: sglang-env redis-server
 	$(PIP_INSTALL) -e '.[fleet]'
-	PYTHONPATH=. $(BIN)/python benchmarks/fleet/bench_fleet.py $(FLEET_ARGS)
+	$(BIN)/python -m benchmarks.fleet.bench_fleet $(FLEET_ARGS)
 
 # The two methods operators and the anchors publish, on real SGLang servers with and without
 # kvtier (generated model, CPU is fine; 4-5 min on 2 cores): SGLang HiCache's multi-turn method,
 # then LMCache's long-document QA. Tables on stdout, JSON in benchmarks/results/.
 anchors: sglang-env redis-server
-	PYTHONPATH=. $(BIN)/python benchmarks/anchors/bench_multiturn.py --round-barrier --flush-between-rounds
-	PYTHONPATH=. $(BIN)/python benchmarks/anchors/bench_longdoc.py
+	$(BIN)/python -m benchmarks.anchors.bench_multiturn --round-barrier --flush-between-rounds
+	$(BIN)/python -m benchmarks.anchors.bench_longdoc
 
 redis-server:
 	@command -v redis-server >/dev/null && command -v redis-cli >/dev/null || \

@@ -31,7 +31,7 @@ outputs compared with the `none` arm's request by request. Prints a table, write
 benchmarks/results/bench_longdoc.json (and .png with matplotlib).
 
     # `make anchors` runs it (~2 min on 2 cores):
-    PYTHONPATH=. .venv/bin/python benchmarks/anchors/bench_longdoc.py
+    .venv/bin/python -m benchmarks.anchors.bench_longdoc
 
 Needs the SGLang CPU environment (`make sglang-env`) and, for the Redis arms, `redis-server`
 on PATH (a throwaway one is started on a free loopback port).

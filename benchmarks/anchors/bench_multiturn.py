@@ -23,7 +23,7 @@ round's span, hit rate (sum of `meta_info.cached_tokens` / sum of prompt tokens)
 median and p99 TTFT as ratios to the `none` arm's same round. Prints a table, writes
 benchmarks/results/bench_multiturn.json (and .png with matplotlib).
 
-    PYTHONPATH=. .venv/bin/python benchmarks/anchors/bench_multiturn.py --round-barrier \\
+    .venv/bin/python -m benchmarks.anchors.bench_multiturn --round-barrier \\
         --flush-between-rounds          # what `make anchors` runs (~2 min on 2 cores)
 
 Needs the SGLang CPU environment (`make sglang-env`) and, for the Redis arms, `redis-server`

@@ -13,7 +13,7 @@ The gap between consecutive streamed chunks is measured on the client. The table
 case, the median, p99 and largest gap over all rounds, and the attach case's ratios to the
 baseline's. It also shows whether every attach failed as it should.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/fleet/bench_attach.py [--rounds 3]
+    .venv/bin/python -m benchmarks.fleet.bench_attach [--rounds 3]
 """
 
 from __future__ import annotations

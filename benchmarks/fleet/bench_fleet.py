@@ -24,8 +24,8 @@ Runs, each on fresh servers (and a flushed cluster):
 sent once, one after another, to the other servers; the time is when the first of the probes
 that are whole hits from then on (>= 80% cached) came back, counted from the promotion.
 
-    make fleet                 # = PYTHONPATH=. .venv/bin/python benchmarks/fleet/bench_fleet.py
-    PYTHONPATH=. .venv/bin/python benchmarks/fleet/bench_fleet.py --servers 2 --num-groups 4
+    make fleet                 # = .venv/bin/python -m benchmarks.fleet.bench_fleet
+    .venv/bin/python -m benchmarks.fleet.bench_fleet --servers 2 --num-groups 4
 
 Prints a table, writes benchmarks/results/bench_fleet.json and (with matplotlib) a plot. Needs
 `make sglang-env`, `sglang-router` (`pip install -e '.[fleet]'`), `redis-server` and `redis-cli`.

@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 
 import torch
-from bench_disk import _drop_cache as drop_page_cache  # this directory is on sys.path
 
+from benchmarks.micro.bench_disk import _drop_cache as drop_page_cache
 from kvtier.cli.bench import LLAMA3_8B
 from kvtier.config import Config
 from kvtier.connectors import SGLangMHAConnector

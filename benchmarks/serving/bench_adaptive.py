@@ -38,11 +38,11 @@ metrics. The table gives per case and policy the median and p99 TTFT over every 
 run, the median cached tokens, and the ratios of the median and p99 TTFT to `none` measured in the
 same invocation. Nothing is compared with a fixed number: these machines are shared and noisy.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/serving/bench_adaptive.py [--prompts 8]
+    .venv/bin/python -m benchmarks.serving.bench_adaptive [--prompts 8]
         [--prompt-len 2048] [--runs 1] [--delay-ms 20] [--mbps auto] [--slowdown 4]
         [--policies adaptive,timeout]
     # a quick check (3 prompts of 1024 tokens, one run):
-    PYTHONPATH=. .venv/bin/python benchmarks/serving/bench_adaptive.py --quick
+    .venv/bin/python -m benchmarks.serving.bench_adaptive --quick
 
 Needs the SGLang CPU environment (`make sglang-env`) and `redis-server` on PATH.
 """

@@ -29,7 +29,7 @@ benchmarks/results/bench_blend.json (or `--json PATH`) with `ttft_ratio` (blend 
 median), `kl_blend`, `kl_naive` (means over queries), `agree_blend`, `identical_<arm>` and
 `correct_<arm>`.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/serving/bench_blend.py [--queries 10] [--docs 6]
+    .venv/bin/python -m benchmarks.serving.bench_blend [--queries 10] [--docs 6]
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ run (users' hosts are busy).
 Reported: per server, the median and p99 request time (greedy `--max-new-tokens` tokens,
 non-streaming) and their ratio to the server without kvtier in the same run.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/serving/bench_far_tier.py [--prompts 12]
+    .venv/bin/python -m benchmarks.serving.bench_far_tier [--prompts 12]
         [--prompt-len 2740] [--delay-ms 150] [--mbps 2] [--busy] [--compare-root DIR]
 
 Needs the SGLang CPU environment (`make sglang-env`) and `redis-server` on PATH.

@@ -19,9 +19,9 @@ turn: the tokens each turn found cached against what the previous turn computed 
 and answer). kvtier's `kvtier_hit_seconds` histogram (lookup, gate, copy, insert) is read from
 the CPU-tier server. Prints tables, writes benchmarks/results/bench_hit.json.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/serving/bench_hit.py [--lengths 1024,4096,16384]
+    .venv/bin/python -m benchmarks.serving.bench_hit [--lengths 1024,4096,16384]
         [--repeats 3] [--turns 4]
-    PYTHONPATH=. .venv/bin/python benchmarks/serving/bench_hit.py --quick   # 1024 and 4096, 2 each
+    .venv/bin/python -m benchmarks.serving.bench_hit --quick   # 1024 and 4096, 2 each
 
 Needs the SGLang CPU environment (`make sglang-env`) and `redis-server` on PATH.
 """

@@ -17,7 +17,7 @@ with the records of its tiers (`cpu+verify`: the first server's CPU tier, disk a
 second instance's, no CPU tier); those rows add the chunks verified and the mismatches.
 Prints a table, writes benchmarks/results/bench_quality.json.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/serving/bench_quality.py [--prompts 50] [--facts 24]
+    .venv/bin/python -m benchmarks.serving.bench_quality [--prompts 50] [--facts 24]
         [--tp 1] [--page-size 16] [--chunk-size 64] [--verify]
 
 Needs the SGLang CPU environment (`make sglang-env`) and `redis-server` on PATH.

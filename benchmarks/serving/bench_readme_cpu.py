@@ -10,7 +10,7 @@ prompt again loads it from kvtier's CPU tier. TTFT through SGLang's streaming en
 result is the hit's TTFT as a ratio to the miss's. Prints a table, writes
 benchmarks/results/bench_readme_cpu.json.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/serving/bench_readme_cpu.py [--prompts 3]
+    .venv/bin/python -m benchmarks.serving.bench_readme_cpu [--prompts 3]
         [--tokens 2048]
 
 Needs the SGLang CPU environment (`make sglang-env`).

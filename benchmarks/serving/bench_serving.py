@@ -58,9 +58,9 @@ differ in speed). Nothing is measured against a fixed time: these machines are
 shared and noisy. After each run the benchmark calls `sync`, so the disk tier's unflushed
 records are not written back during the next run.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/serving/bench_serving.py [--runs 3]
+    .venv/bin/python -m benchmarks.serving.bench_serving [--runs 3]
     # a quick check (about 2 minutes on an idle 2-core machine):
-    PYTHONPATH=. .venv/bin/python benchmarks/serving/bench_serving.py --system-prompt-lens 256 \\
+    .venv/bin/python -m benchmarks.serving.bench_serving --system-prompt-lens 256 \\
         --num-groups 2 --prompts-per-group 2 --phases none,first
 
 Needs the SGLang CPU environment (`make sglang-env`), `redis-server` on PATH, and `datasets`

@@ -12,7 +12,7 @@ through SGLang's prefetch hooks, policy wait_complete: the load is always waited
 it recomputes), and `kvtier, no CPU tier` (`local_cpu: false`, where loads still run on the
 scheduler thread: the old behaviour).
 
-    PYTHONPATH=. .venv/bin/python benchmarks/serving/bench_stall.py [--delay-ms 150]
+    .venv/bin/python -m benchmarks.serving.bench_stall [--delay-ms 150]
         [--prompt-tokens 2700] [--chunk-size 64] [--fresh-kernel]
 
 `--fresh-kernel` gives every server an empty `KVTIER_CACHE_DIR`, so each kvtier server compiles

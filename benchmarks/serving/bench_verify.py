@@ -20,7 +20,7 @@ relative error an honest record showed (what the tolerance in kvtier/engine/veri
 above).
 Prints a table, writes benchmarks/results/bench_verify.json.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/serving/bench_verify.py [--prompts 16]
+    .venv/bin/python -m benchmarks.serving.bench_verify [--prompts 16]
         [--clients 4] [--rounds 3] [--repeat 1] [--fractions 0,0.01,1] [--scopes full,tail]
 
 Needs the SGLang CPU environment (`make sglang-env`).

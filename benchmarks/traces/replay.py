@@ -18,7 +18,7 @@ The hit rate is the hit tokens over all input tokens; per-tier hits, stored and 
 and bytes written come from the manager's counters (all of them are in the JSON's `stats`). The
 LRU and Belady columns are caches of the CPU tier's capacity alone, with a disk tier too.
 
-    PYTHONPATH=. python benchmarks/traces/replay.py --trace FILE \\
+    python -m benchmarks.traces.replay --trace FILE \\
         --capacity-tokens 1e5,1e6,3e6,1e7 [--policy lru] [--disk-tokens N] [--limit N] \\
         [--json OUT]
 """
