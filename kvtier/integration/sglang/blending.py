@@ -138,6 +138,7 @@ class SGLangBlender:
                                     self.chains.max_segments, counters)
         self._hits: dict[str, SegmentHits] = {}  # request id -> its segments at its match
         self._prefetches: dict[str, list[Prefetch]] = {}  # request id -> its segment loads
+        self._hinted = False  # the preamble hint (`_hint_preamble`) was logged
 
     # ---- admission (scheduler thread) ----
 
@@ -166,10 +167,30 @@ class SGLangBlender:
             # What the pool holds of it stays (exact); the rest is what the segment adds.
             cached += max(0, seg.start + got - max(seg.start, device_len))
         hits = SegmentHits(end, tuple(held), tuple(missed), cached, tuple(chains))
+        if held and not self._hinted and prompt.segments:
+            self._hint_preamble(rid, prompt.segments[0], hits, device_len)
         if len(self._hits) >= MAX_REQUESTS:
             self._hits.clear()  # requests that never came back
         self._hits[rid] = hits
         return hits
+
+    def _hint_preamble(self, rid: str, first: Segment, hits: SegmentHits,
+                       device_len: int) -> None:
+        """Once per server: the run that starts a prompt (no separator before it) missed while
+        later segments hit. A preamble that no separator ends is one segment with the first
+        document, which then misses wherever that document stands elsewhere
+        (docs/blending.md, "Turning it on")."""
+        if first.start != 0 or first.end <= device_len or first in hits.held \
+                or first not in hits.missed:
+            return
+        self._hinted = True
+        logger.warning("kvtier: %s: the %d tokens before the first separator were not found as "
+                       "a segment, while %d later segments were. If a preamble (a system "
+                       "prompt, a chat template's opening) stands before the first document, "
+                       "end it with the separator too (%r): otherwise that document is cached "
+                       "only together with the preamble (logged once; docs/blending.md, "
+                       "\"Turning it on\")", rid, first.num_tokens, len(hits.held),
+                       self.section.separator)
 
     def prefetch(self, rid: str, tokens: np.ndarray, salt: str) -> None:
         """Request `rid` joined the waiting queue: start loading its segments that only disk
@@ -222,9 +243,14 @@ class SGLangBlender:
 
     @torch.inference_mode()
     def fill(self, rid: str, tokens: np.ndarray, hits: SegmentHits, device_len: int,
-             prefix_slots: torch.Tensor, slots: torch.Tensor, salt: str) -> bool:
-        """Compute tokens `[device_len, hits.end)` blended and write them into `slots`;
-        False (nothing written) when no held segment could be read any more."""
+             prefix_slots: torch.Tensor, slots: torch.Tensor, salt: str) -> int | None:
+        """Compute tokens `[device_len, hits.end)` blended and write them into `slots`.
+
+        Returns:
+            How many of them kept their cached KV past the check layers (loaded and not
+            recomputed: what SGLang may count as `cached_tokens`; every other one was
+            computed), or None (nothing written) when no held segment could be read any more.
+        """
         start = time.perf_counter()
         w, end = self.w, hits.end
         dev = w.embed.device
@@ -235,7 +261,7 @@ class SGLangBlender:
                          chains=hits.chains or None)
         if not known.segments_hit:
             self.counters.inc("sglang.blend_failures")
-            return False
+            return None
         cached = known.cached.clone()
         if device_len:
             rows = prefix_slots.to(dev, torch.int64)
@@ -257,17 +283,21 @@ class SGLangBlender:
         new[device_len:] = True  # what the pool held stays; count what the blend wrote
         loaded = int((known.cached & new).sum())
         recomputed = int((known.cached & new & ~known.must)[out.computed].sum())
+        last = torch.zeros(end, dtype=torch.bool, device=dev)
+        last[out.computed] = True  # a segment's first tokens are computed too (`must`)
+        kept = int((known.cached & new & ~last).sum())
         self.counters.inc("sglang.blend_requests")
         self.counters.inc("sglang.blend_segments_hit", known.segments_hit)
         self.counters.inc("sglang.blend_tokens_loaded", loaded)
         self.counters.inc("sglang.blend_tokens_recomputed", recomputed)
         logger.info("kvtier: blended %s: %d tokens from %d segments at new positions, %d of them "
-                    "recomputed from layer %d, %d computed (device prefix %d); read %.2fs, "
+                    "recomputed from layer %d, %d computed (device prefix %d); cached_tokens "
+                    "%d (the device prefix and the %d kept from the cache); read %.2fs, "
                     "computed %.2fs (%d threads)", rid, loaded, known.segments_hit,
                     recomputed, self.plan.check_layers[0], end - device_len - loaded,
-                    device_len, loaded_at - start, time.perf_counter() - loaded_at,
-                    threads)
-        return True
+                    device_len, device_len + kept, kept, loaded_at - start,
+                    time.perf_counter() - loaded_at, threads)
+        return kept
 
     def close(self) -> None:
         self.worker.close()

@@ -28,7 +28,8 @@ slots are marked, and a store stops at the first marked slot; an opted-out or ve
 matches only up to it (`_exact_match`).
 
 Prefetch and the idle checks are `prefetch_hooks.StoragePrefetchHooks`; a finished request
-reaches the blender through `blend_hooks.BlendReleaseHook`. Every hook runs on
+reaches the blender, and the blend's match and admission run, in `blend_hooks.BlendHooks`
+(which also tells SGLang how many blended tokens came from the cache). Every hook runs on
 SGLang's scheduler thread and is timed (`kvtier_scheduler_seconds`).
 """
 
@@ -50,8 +51,8 @@ from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from kvtier import prometheus
 from kvtier.integration.sglang.adapter import SGLangKVTier
-from kvtier.integration.sglang.blend_hooks import BlendReleaseHook
-from kvtier.integration.sglang.blending import BlendedSlots, SegmentHits, SGLangBlender, wants_blend
+from kvtier.integration.sglang.blend_hooks import BlendHooks
+from kvtier.integration.sglang.blending import BlendedSlots, SegmentHits, SGLangBlender
 from kvtier.integration.sglang.prefetch_hooks import StoragePrefetchHooks
 from kvtier.integration.sglang.requests import aborted, full_ids, multimodal, salt_of, token_array
 from kvtier.integration.sglang.sglang_views import (
@@ -70,7 +71,7 @@ __all__ = ["KVTierRadixCache"]
 logger = logging.getLogger(__name__)
 
 
-class KVTierRadixCache(StoragePrefetchHooks, BlendReleaseHook, UnifiedRadixCache):
+class KVTierRadixCache(StoragePrefetchHooks, BlendHooks, UnifiedRadixCache):
     """`UnifiedRadixCache` that loads prefixes from kvtier and stores finished requests."""
 
     kvtier: SGLangKVTier | None = None
@@ -115,32 +116,14 @@ class KVTierRadixCache(StoragePrefetchHooks, BlendReleaseHook, UnifiedRadixCache
                 return exact
             self._check_discarded(req.rid, result.device_prefix_len)
             hit = self._host_hit(req, params.key, result.device_prefix_len)
-            hit = self._blend_hit(req, params.key, result.device_prefix_len, hit)
+            hits = self._blend_hit(req, params.key, result.device_prefix_len, hit)
+            if hits is not None:  # a blend gives more: promised instead of the prefix load
+                self._promised[req.rid] = (params.key, result.device_prefix_len, hits.end, hits)
+                hit = hits.end - result.device_prefix_len
             if hit > 0:
                 call.work = f"CPU-tier hit of {hit} tokens"
                 result = result._replace(host_hit_length=hit)
             return result
-
-    def _exact_match(self, req: ReqView, params: MatchPrefixParamsView,
-                     result: MatchResultView) -> MatchResultView | None:
-        """For a request that must read no blended KV (opted out of blending, or verified):
-        the device match cut before its first blended slot; None if it reached none. The
-        request is kept out of the tree: SGLang's insert would swap its computed KV for the
-        tree's blended copy."""
-        kv, blender, blended = self.kvtier, self.blender, self._blended
-        if blended is None or blender is None or kv is None or result.device_prefix_len == 0 \
-                or (wants_blend(req) and not kv.engine.verifies(req.rid)):
-            return None
-        slots = self.path_device_indices(result.last_device_node)[:result.device_prefix_len]
-        cut = blended.exact_prefix(slots)
-        if cut >= result.device_prefix_len:
-            return None
-        page = blender.page_size  # a blend starts and ends on page boundaries
-        if not req.skip_radix_cache_insert:  # SGLang may match a waiting request again
-            logger.info("kvtier: %s read no blended KV: computed after %d tokens", req.rid, cut)
-        req.skip_radix_cache_insert = True
-        return super().match_prefix(MatchPrefixParams(key=params.key[:cut - cut % page],
-                                                      req=req))
 
     def _eligible(self, key: RadixKeyView) -> bool:
         # kvtier keys cover token ids and a per-request cache_salt: LoRA adapters (extra_key)
@@ -169,18 +152,6 @@ class KVTierRadixCache(StoragePrefetchHooks, BlendReleaseHook, UnifiedRadixCache
         self._promised[rid] = (key, device_len, hit, None)
         return hit - device_len
 
-    def _blend_hit(self, req: ReqView, key: RadixKeyView, device_len: int, hit: int) -> int:
-        """The host hit to report: a blend of the request's held segments when they hold
-        more tokens than the prefix load (`hit`) gives, else `hit`."""
-        blender, kv = self.blender, self.kvtier
-        if blender is None or kv is None or kv.verifying(req.rid) or not wants_blend(req):
-            return hit
-        hits = blender.look(req.rid, full_ids(req, key), device_len, salt_of(key.cache_salt))
-        if hits.cached <= hit or hits.end <= device_len + hit:
-            return hit
-        self._promised[req.rid] = (key, device_len, hits.end, hits)
-        return hits.end - device_len
-
     def init_load_back(self, params: InitLoadBackParamsView) -> tuple[int, Opaque] | None:
         """The scheduler admitted a request with a kvtier host hit and made room for it: copy
         the promised chunks into new slots and insert them. Returns (tokens loaded, the node
@@ -200,15 +171,18 @@ class KVTierRadixCache(StoragePrefetchHooks, BlendReleaseHook, UnifiedRadixCache
             call.work = f"copied {0 if loaded is None else end - device_len} tokens in"
             if loaded is None:
                 return 0, req.last_node
+            node, kept = loaded
+            if hits is not None:
+                self._report_blend(req, end - device_len, kept)
             self._loaded[req.rid] = end
             kv.forget(req.rid)
-            return end - device_len, loaded
+            return end - device_len, node
 
     def _load(self, req: ReqView, key: RadixKeyView, device_len: int, end: int,
-              hits: SegmentHits | None) -> Opaque:
+              hits: SegmentHits | None) -> tuple[Opaque, int] | None:
         """Copy tokens [device_len, end) from the CPU tier (or blend them from `hits`) into
-        new slots and insert them; returns the node ending the prefix, or None (nothing
-        changed) if any is missing."""
+        new slots and insert them; returns the node ending the prefix and how many of the
+        tokens came from the cache, or None (nothing changed) if any is missing."""
         kv = self.kvtier
         assert kv is not None
         # The scheduler holds a lock on the device prefix (`_lock_node`) while it admits.
@@ -222,7 +196,8 @@ class KVTierRadixCache(StoragePrefetchHooks, BlendReleaseHook, UnifiedRadixCache
         tokens = full_ids(req, key)
         prefix = self.path_device_indices(req.last_node)[:device_len]
         start = time.perf_counter()
-        if not self._fill(req.rid, tokens, key, device_len, end, hits, prefix, slots):
+        kept = self._fill(req.rid, tokens, key, device_len, end, hits, prefix, slots)
+        if kept is None:
             self.token_to_kv_pool_allocator.free(slots)  # evicted since the match: recompute
             return None
         copied = time.perf_counter()
@@ -244,28 +219,23 @@ class KVTierRadixCache(StoragePrefetchHooks, BlendReleaseHook, UnifiedRadixCache
             logger.error("kvtier: inserted %d tokens but the tree matches %d; recomputing",
                          end, matched.device_prefix_len)
             return None
-        return matched.last_device_node
+        return matched.last_device_node, kept
 
     def _fill(self, rid: str, tokens: np.ndarray, key: RadixKeyView, device_len: int, end: int,
-              hits: SegmentHits | None, prefix: torch.Tensor, slots: torch.Tensor) -> bool:
-        """Write tokens [device_len, end) into `slots`: a CPU-tier load, or a blend."""
+              hits: SegmentHits | None, prefix: torch.Tensor, slots: torch.Tensor) -> int | None:
+        """Write tokens [device_len, end) into `slots`: a CPU-tier load (all of them from the
+        cache), or a blend (`_blend_into`); None if nothing could be written."""
         kv = self.kvtier
         assert kv is not None
         salt = salt_of(key.cache_salt)
-        if hits is None:
-            mapping = torch.full((len(tokens),), -1, dtype=torch.int64, device=slots.device)
-            mapping[device_len:end] = slots
-            if kv.retrieve(rid, tokens, mapping, skip=device_len, salt=salt, limit=end) >= end:
-                return True
-            kv.counters.inc("sglang.loads_short")
-            return False
-        assert self.blender is not None
-        try:
-            return self.blender.fill(rid, tokens, hits, device_len, prefix, slots, salt)
-        except Exception:  # a cache never takes serving down: the request is computed
-            kv.counters.inc("sglang.blend_failures")
-            logger.exception("kvtier: blending %s failed; computing it instead", rid)
-            return False
+        if hits is not None:
+            return self._blend_into(rid, tokens, hits, device_len, prefix, slots, salt)
+        mapping = torch.full((len(tokens),), -1, dtype=torch.int64, device=slots.device)
+        mapping[device_len:end] = slots
+        if kv.retrieve(rid, tokens, mapping, skip=device_len, salt=salt, limit=end) >= end:
+            return end - device_len
+        kv.counters.inc("sglang.loads_short")
+        return None
 
     def _check_discarded(self, rid: str, device_len: int) -> None:
         """A request matched again after its load: count the load as discarded if the loaded

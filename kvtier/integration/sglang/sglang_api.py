@@ -142,7 +142,10 @@ SURFACE: dict[str, tuple[str, ...]] = {
     _SB: ("FINISH_ABORT",),
     f"{_SB}.Req": ("rid", "last_node", "prefix_len", "finished_reason", "finished",
                    "extra_key", "cache_salt", "full_untruncated_fill_ids", "origin_input_ids",
-                   "multimodal_inputs", "session", "sampling_params", "skip_radix_cache_insert"),
+                   "multimodal_inputs", "session", "sampling_params", "skip_radix_cache_insert",
+                   # a blend's cached_tokens (blend_hooks._report_blend)
+                   "already_computed", "cached_tokens_device", "cached_tokens_host",
+                   "_cache_breakdown_computed"),
     "sglang.srt.session.session_controller.Session": ("session_id",),
     "sglang.srt.mem_cache.memory_pool": ("MHATokenToKVPool", "MLATokenToKVPool"),
     "sglang.srt.mem_cache.memory_pool.MHATokenToKVPool": ("k_buffer", "v_buffer"),

@@ -182,6 +182,12 @@ REACH_INS: tuple[ReachIn, ...] = (
             "a request kept off blended KV stays out of the tree",
             _source_has("sglang.srt.mem_cache.common", "not req.skip_radix_cache_insert",
                         "checkpoint and not req.skip_radix_cache_insert")),
+    ReachIn("ScheduleBatch.prepare_for_extend counts `pre_len - req.already_computed` as "
+            "cached and sets the breakdown once (`_cache_breakdown_computed`)",
+            "a blended request's cached_tokens count only what came from the cache",
+            _source_has("sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend",
+                        "pre_len - req.already_computed",
+                        "if not req._cache_breakdown_computed:")),
     ReachIn("MHATokenToKVPool.k_buffer / v_buffer, MLATokenToKVPool.kv_buffer",
             "the connectors copy straight from SGLang's per-layer pool tensors",
             _source_has("sglang.srt.mem_cache.memory_pool.MHATokenToKVPool",

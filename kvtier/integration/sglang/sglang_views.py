@@ -58,6 +58,12 @@ class ReqView(Protocol):
     full_untruncated_fill_ids: Sequence[int]
     origin_input_ids: Sequence[int]
     skip_radix_cache_insert: bool  # set: its KV never enters the tree, it is freed at release
+    # what SGLang counts in `cached_tokens` (`prefix_len - already_computed`, when its prefill
+    # is prepared) and its breakdown (set once): a blend corrects them (blend_hooks.py)
+    already_computed: int
+    cached_tokens_device: int
+    cached_tokens_host: int
+    _cache_breakdown_computed: bool
 
     def finished(self) -> bool: ...
 

@@ -142,7 +142,13 @@ def test_a_blend_over_the_request_s_chains_writes_what_it_wrote_before(
     hits = blender.look("r", tokens, 0, "")
     assert len(hits.held) == 2
     slots = torch.arange(hits.end)
-    assert blender.fill("r", tokens, hits, 0, slots[:0], slots, "")
+    kept = blender.fill("r", tokens, hits, 0, slots[:0], slots, "")
+    # What SGLang is told came from the cache: the held tokens less those computed past the
+    # check layer (the share recomputed, and each segment's first token).
+    counts = blender.counters.snapshot()
+    assert kept == counts["sglang.blend_tokens_loaded"] - \
+        counts["sglang.blend_tokens_recomputed"] - 2 > 0
+    assert counts["sglang.blend_tokens_loaded"] == 2 * DOC
     # Before: each held segment keyed again from its tokens at admission.
     known = assemble(store, w.rope, tokens[:hits.end].tolist(), hits.held,
                      num_layers=w.num_layers, num_kv_heads=w.num_kv_heads,
@@ -152,3 +158,42 @@ def test_a_blend_over_the_request_s_chains_writes_what_it_wrote_before(
     for layer in range(w.num_layers):
         got = blender.pool_k[layer][slots].reshape(hits.end, -1)
         assert torch.equal(got, want[0, layer])
+
+
+def _store_alone(blender: SGLangBlender, tokens: np.ndarray, segment: Segment) -> None:
+    ids = torch.from_numpy(tokens[segment.start:segment.end])
+    blender.store.save(blender.store.chain(ids, Segment(0, len(ids))),
+                       prefill(blender.w, ids, logits=False).kv)
+
+
+def test_a_reordered_prompt_with_a_separated_preamble_finds_every_document(
+        blender: SGLangBlender, caplog: pytest.LogCaptureFixture) -> None:
+    first = _prompt(3, seed=3)
+    for seg in find_segments(first.tolist(), [SEP], 16):
+        _store_alone(blender, first, seg)
+    sep_at = [i for i, t in enumerate(first) if t == SEP]
+    preamble, docs = first[:sep_at[0] + 1], [first[a + 1:b + 1] for a, b in
+                                              zip(sep_at, sep_at[1:])]
+    reordered = np.concatenate([preamble, docs[2], docs[0], docs[1], first[sep_at[-1] + 1:]])
+    with caplog.at_level(logging.WARNING, "kvtier"):
+        hits = blender.look("r", reordered, 0, "")
+    assert len(hits.held) == 3 and not hits.missed and hits.cached == 3 * DOC
+    assert not [r for r in caplog.records if "preamble" in r.getMessage()]
+
+
+def test_a_preamble_without_a_separator_is_named_once(
+        blender: SGLangBlender, caplog: pytest.LogCaptureFixture) -> None:
+    """A preamble that no separator ends makes one segment with the first document, which a
+    reorder then misses: the log says how to separate it (once per server)."""
+    tokens = _prompt(3, seed=4)
+    joined = np.delete(tokens, int(np.flatnonzero(tokens == SEP)[0]))  # preamble + document
+    segments = find_segments(joined.tolist(), [SEP], 16)
+    assert segments[0].start == 0 and segments[0].num_tokens == 5 + DOC
+    _store_alone(blender, joined, segments[1])
+    with caplog.at_level(logging.WARNING, "kvtier"):
+        hits = blender.look("r", joined, 0, "")
+        blender.look("s", joined, 0, "")
+    assert hits.held == (segments[1],) and segments[0] in hits.missed
+    hints = [r.getMessage() for r in caplog.records if "preamble" in r.getMessage()]
+    assert len(hints) == 1 and "end it with the separator too" in hints[0], hints
+    assert f"the {5 + DOC} tokens before the first separator" in hints[0]

@@ -67,6 +67,20 @@ def _blends(server: SGLangServer) -> int:
     return len(re.findall(r"kvtier: blended \S+: ", server.log()))
 
 
+BLENDED = re.compile(r"kvtier: blended \S+: (\d+) tokens from (\d+) segments at new positions, "
+                     r"(\d+) of them recomputed from layer \d+, (\d+) computed \(device prefix "
+                     r"(\d+)\)")
+
+
+def _last_blend(server: SGLangServer) -> dict[str, int]:
+    """The last blend's log line: tokens loaded from segments, segments, tokens of them
+    recomputed, tokens computed, the device prefix."""
+    found = BLENDED.findall(server.log())
+    assert found, server.log()[-3000:]
+    return dict(zip(("loaded", "segments", "recomputed", "computed", "device"),
+                    map(int, found[-1])))
+
+
 def test_segments_load_at_new_positions_and_blend_exactly_at_a_share_of_one(
         real_model: Path, start_server: Callable[..., SGLangServer], tmp_path: Path,
         redis_factory: Callable[..., RedisProcess]) -> None:
@@ -93,7 +107,10 @@ def test_segments_load_at_new_positions_and_blend_exactly_at_a_share_of_one(
     assert 4 * 200 < loaded < len(shuffled)
     # A share of 1: all of them but the segments' first tokens (computed as uncached are)
     assert loaded - 4 <= _metric(server, "blend_tokens_recomputed") < loaded
-    assert blended["meta_info"]["cached_tokens"] > loaded
+    # A share of 1 recomputes every loaded token: only the device prefix counts as cached.
+    line = _last_blend(server)
+    assert line["loaded"] == loaded and line["segments"] == 4
+    assert blended["meta_info"]["cached_tokens"] == line["device"], (blended["meta_info"], line)
     assert blended["output_ids"] == reference["output_ids"], (blended["text"],
                                                               reference["text"])
 
@@ -153,3 +170,36 @@ def test_segments_load_at_new_positions_and_blend_exactly_at_a_share_of_one(
     assert _generate(second, third)["output_ids"] == reference["output_ids"]
     assert _blends(second) == 1 and _metric(second, "blend_segments_hit", at_least=4) == 4
     assert "Traceback" not in second.log()
+
+
+def test_a_reordered_rag_prompt_with_a_preamble_reuses_every_document(
+        real_model: Path, start_server: Callable[..., SGLangServer], tmp_path: Path) -> None:
+    """Issue 74: after a reorder only one of three documents was reused (the preamble had
+    merged into the first document's segment), and `cached_tokens` counted the 730 tokens the
+    blend computed as cached. With the preamble ended by the separator (docs/blending.md),
+    every document is reused, and `cached_tokens` is the device prefix plus the tokens whose
+    cached KV the blend kept: neither the tokens it computed nor those it recomputed."""
+    config = write_config(tmp_path / "blend.yaml", enable_blending=True, chunk_size=64,
+                          blend_min_tokens=64, blend_recompute_ratios=[0.15],
+                          max_local_cpu_size=0.2)
+    server = start_server(real_model, config, "--max-total-tokens", "8192", "--enable-metrics")
+    _generate(server, _prompt([0, 1, 2]))
+    assert _metric(server, "blend_segments_stored", at_least=3) == 3
+    server.flush_cache()  # no device prefix: every token past it comes from the blend
+    reordered = _generate(server, _prompt([2, 0, 1]))
+    line = _last_blend(server)
+    assert line["segments"] == 3 and _metric(server, "blend_segments_hit") == 3, line
+    assert line["device"] == 0, line
+    assert line["loaded"] > 3 * 200 and line["computed"] < line["loaded"] / 4, line
+    kept = line["loaded"] - line["recomputed"] - line["segments"]  # first tokens: computed
+    assert 0 < kept < line["loaded"]
+    meta = reordered["meta_info"]
+    assert meta["cached_tokens"] == line["device"] + kept, (meta, line)
+    assert meta["cached_tokens_details"]["host"] == kept, meta
+
+    # Without the separator after it, the preamble and the first document are one segment,
+    # which a reorder misses: the log says how to separate it.
+    joined = SYSTEM + DOCS[1] + SEPARATOR + DOCS[2] + SEPARATOR + ASK
+    _generate(server, joined)
+    assert server.log().count("end it with the separator too") == 1, server.log()[-3000:]
+    assert "Traceback" not in server.log()

@@ -49,6 +49,8 @@ class Subclass:
     base: str  # the SGLang class, dotted
     own: set[str] = field(default_factory=set)  # what the class itself defines or assigns
     overrides: set[str] = field(default_factory=set)  # its public methods
+    kvtier_bases: list[str] = field(default_factory=list)  # bases that are no SGLang names
+    self_reads: list[tuple[str, str]] = field(default_factory=list)  # (name, where) touched
 
 
 @dataclass
@@ -186,7 +188,8 @@ def _scan_subclass(cls: ast.ClassDef, bound: dict[str, str], where: str, out: Sc
     if not bases:
         return
     base = bases[0]
-    sub = Subclass(f"{where}:{cls.name}", base)
+    sub = Subclass(f"{where}:{cls.name}", base, kvtier_bases=[
+        b.id for b in cls.bases if isinstance(b, ast.Name) and b.id not in bound])
     for item in cls.body:
         if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
             sub.own.add(item.name)
@@ -214,6 +217,7 @@ def _scan_subclass(cls: ast.ClassDef, bound: dict[str, str], where: str, out: Sc
         value = node.value
         if isinstance(value, ast.Name) and value.id == "self" and node.attr not in sub.own:
             out.touch(base, node.attr, f"{short}:{node.lineno}")
+            sub.self_reads.append((node.attr, f"{short}:{node.lineno}"))
         elif isinstance(value, ast.Call) and isinstance(value.func, ast.Name) \
                 and value.func.id == "super":
             out.touch(base, node.attr, f"{short}:{node.lineno}")
@@ -251,7 +255,23 @@ def scan_integration() -> Scan:
     for target in sglang_api.HOOK_TARGETS.values():
         owner, _, name = target.rpartition(".")
         out.touch(owner, name, "sglang_api.HOOK_TARGETS")
+    _drop_kvtier_base_members(out)
     return out
+
+
+def _drop_kvtier_base_members(out: Scan) -> None:
+    """A kvtier subclass that also derives from kvtier's own subclasses of the same SGLang class
+    (mixins: `KVTierRadixCache(StoragePrefetchHooks, BlendHooks, UnifiedRadixCache)`) reads
+    their members as its own, not SGLang's."""
+    own = {sub.name.rpartition(":")[2]: sub for sub in out.subclasses}
+    for sub in out.subclasses:
+        inherited = {name for b in sub.kvtier_bases if b in own and own[b].base == sub.base
+                     for name in own[b].own}
+        for name, where in sub.self_reads:
+            if name in inherited and where in out.owned.get((sub.base, name), []):
+                out.owned[(sub.base, name)].remove(where)
+                if not out.owned[(sub.base, name)]:
+                    del out.owned[(sub.base, name)]
 
 
 def missing_from_list(found: Scan) -> list[str]:
