@@ -18,8 +18,13 @@ The hit rate is the hit tokens over all input tokens; per-tier hits, stored and 
 and bytes written come from the manager's counters (all of them are in the JSON's `stats`). The
 LRU and Belady columns are caches of the CPU tier's capacity alone, with a disk tier too.
 
+A policy is `EVICTION[+ADMISSION]`, the config's `eviction_policy` and `admission_policy`
+(`lru`, `arc`; `always`, `second_hit`: docs/policies.md); `--policy` takes several, comma-
+separated, each replayed at every capacity. Stores go through `StorageManager.admit` first.
+
     python -m benchmarks.traces.replay --trace FILE \\
-        --capacity-tokens 1e5,1e6,3e6,1e7 [--policy lru] [--disk-tokens N] [--limit N] \\
+        --capacity-tokens 1e5,1e6,3e6,1e7 [--policy lru,lru+second_hit] [--disk-tokens N] \\
+        [--limit N] \\
         [--json OUT]
 """
 
@@ -40,6 +45,7 @@ from benchmarks.traces.bounds import belady, infinite, leaf_lru
 from benchmarks.traces.trace import BLOCK, Request, hit_tokens, input_tokens, load
 from kvtier.backends.record import expected_header_len
 from kvtier.config import Config
+from kvtier.config.names import ADMISSION_POLICIES, ALWAYS, EVICTION_POLICIES
 from kvtier.keys import KeyBuilder
 from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj, lease
 from kvtier.storage import StorageManager
@@ -48,7 +54,8 @@ __all__ = ["POLICIES", "replay", "run"]
 
 LAYOUT = KVLayout.mha(1, 1, 1, torch.float32)
 CHUNK_BYTES = LAYOUT.nbytes(BLOCK)  # 4096: the arena's alignment, so chunks tile it exactly
-POLICIES = ("lru",)  # the CPU tier's leaf-first LRU: kvtier's only eviction policy so far
+POLICIES = tuple(e if a == ALWAYS else f"{e}+{a}"
+                 for e in EVICTION_POLICIES for a in ADMISSION_POLICIES)
 _OFFSETS = np.arange(BLOCK, dtype=np.uint64)
 
 
@@ -58,6 +65,7 @@ def replay(requests: list[Request], capacity_tokens: int, policy: str = "lru",
     (and a disk tier of `disk_tokens`, in a temporary directory, when positive)."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}: one of {', '.join(POLICIES)}")
+    eviction, _, admission = policy.partition("+")
     chunks = capacity_tokens // BLOCK
     if chunks < 1:
         raise ValueError(f"capacity_tokens must hold one {BLOCK}-token block, got "
@@ -70,7 +78,8 @@ def replay(requests: list[Request], capacity_tokens: int, policy: str = "lru",
             record = expected_header_len(probe) + CHUNK_BYTES
             disk = {"local_disk": tmp,
                     "max_local_disk_size": disk_tokens // BLOCK * record / 1e9}
-        config = Config(chunk_size=BLOCK, max_local_cpu_size=chunks * CHUNK_BYTES / 1e9, **disk)
+        config = Config(chunk_size=BLOCK, max_local_cpu_size=chunks * CHUNK_BYTES / 1e9,
+                        eviction_policy=eviction, admission_policy=admission or ALWAYS, **disk)
         manager = StorageManager(config, LAYOUT, MemoryAllocator(chunks * CHUNK_BYTES, pin=False))
         manager.counters.declare("store_no_memory")  # as the engine does
         try:
@@ -100,6 +109,7 @@ def _one(manager: StorageManager, builder: KeyBuilder, req: Request, *, flush: b
     with manager.get(keys) as got:
         n = len(got)
     todo = keys[manager.contains(keys, hot_only=True):]
+    todo = todo[:manager.admit(todo)]
     objs: list[MemoryObj] = []
     with lease(objs):
         for _ in todo:
@@ -124,21 +134,31 @@ def _tier(stats: dict[str, float], name: str, bytes_written: float) -> dict[str,
 
 def run(trace: Path, capacities: list[int], policy: str = "lru", disk_tokens: int = 0,
         limit: int | None = None) -> dict[str, Any]:
-    """Every capacity replayed through kvtier, with the bounds of the same requests."""
+    """Every capacity replayed through kvtier under each of the comma-separated `policy`
+    names, with the bounds of the same requests."""
     requests = load(trace, limit)
     if requests and max(max(r.blocks) for r in requests) * BLOCK + BLOCK > 2**32:
         raise ValueError(f"{trace}: block ids must stay below 2**23 to become uint32 tokens")
     total = input_tokens(requests)
     runs = []
     for capacity in capacities:
-        row = replay(requests, capacity, policy, disk_tokens)
         start = time.perf_counter()
-        row["lru_hit_rate"] = leaf_lru(requests, capacity // BLOCK) / total
-        row["belady_hit_rate"] = belady(requests, capacity // BLOCK) / total
-        row["bounds_seconds"] = round(time.perf_counter() - start, 2)
-        runs.append(row)
+        bounds = {"lru_hit_rate": leaf_lru(requests, capacity // BLOCK) / total,
+                  "belady_hit_rate": belady(requests, capacity // BLOCK) / total,
+                  "bounds_seconds": round(time.perf_counter() - start, 2)}
+        for name in policies(policy):
+            runs.append({**replay(requests, capacity, name, disk_tokens), **bounds})
     return {"trace": str(trace), "requests": len(requests), "input_tokens": total,
             "infinite_hit_rate": infinite(requests) / total if total else 0.0, "runs": runs}
+
+
+def policies(names: str) -> list[str]:
+    """The policy names of a comma-separated list; `ValueError` naming an unknown one."""
+    out = [n.strip() for n in names.split(",") if n.strip()]
+    for name in out:
+        if name not in POLICIES:
+            raise ValueError(f"unknown policy {name!r}: one of {', '.join(POLICIES)}")
+    return out
 
 
 def table(result: dict[str, Any]) -> str:
@@ -165,13 +185,18 @@ def main() -> None:
     parser.add_argument("--trace", type=Path, required=True)
     parser.add_argument("--capacity-tokens", default="1e5,1e6,3e6,1e7",
                         help="CPU tier sizes in tokens, comma-separated (1e6 is fine)")
-    parser.add_argument("--policy", default="lru", choices=POLICIES)
+    parser.add_argument("--policy", default="lru",
+                        help=f"comma-separated, each one of {', '.join(POLICIES)}")
     parser.add_argument("--disk-tokens", type=float, default=0,
                         help="add a disk tier of this many tokens (a temporary directory)")
     parser.add_argument("--limit", type=int, default=None, help="replay the first N requests")
     parser.add_argument("--json", type=Path, default=RESULTS / "trace_replay.json")
     args = parser.parse_args()
     capacities = [int(float(c)) for c in args.capacity_tokens.split(",") if c.strip()]
+    try:
+        policies(args.policy)
+    except ValueError as e:
+        parser.error(str(e))
     start = time.perf_counter()
     result = run(args.trace, capacities, args.policy, int(args.disk_tokens), args.limit)
     result["seconds"] = round(time.perf_counter() - start, 1)

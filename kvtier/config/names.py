@@ -10,6 +10,7 @@ import re
 __all__ = ["CPU", "DISK", "REDIS",
            "WRITE_THROUGH", "WRITE_THROUGH_SELECTIVE", "WRITE_BACK", "WRITE_POLICIES",
            "ADAPTIVE", "BEST_EFFORT", "WAIT_COMPLETE", "TIMEOUT", "PREFETCH_POLICIES",
+           "LRU", "ARC", "EVICTION_POLICIES", "ALWAYS", "SECOND_HIT", "ADMISSION_POLICIES",
            "NAMESPACE_PATTERN"]
 
 # The built-in tiers' names (the tiers themselves, in order: `kvtier.config.tiers`).
@@ -27,6 +28,19 @@ BEST_EFFORT = "best_effort"
 WAIT_COMPLETE = "wait_complete"
 TIMEOUT = "timeout"
 PREFETCH_POLICIES = (ADAPTIVE, BEST_EFFORT, WAIT_COMPLETE, TIMEOUT)
+
+# Eviction policies of the CPU tier (`kvtier.backends.cpu`): `lru` (leaves, least recently used
+# first), `arc` (first-seen prefixes in a window, the others in a main segment, the split
+# adapted to which comes back: `kvtier.backends.segments`).
+LRU = "lru"
+ARC = "arc"
+EVICTION_POLICIES = (LRU, ARC)
+
+# Admission policies (`kvtier.storage.admission`): `always` stores every chunk offered;
+# `second_hit` refuses, when storing would evict, a prefix whose first new chunk was never seen.
+ALWAYS = "always"
+SECOND_HIT = "second_hit"
+ADMISSION_POLICIES = (ALWAYS, SECOND_HIT)
 
 # `key_namespace`: it appears in every key string, so tenants stay apart in ACL patterns.
 NAMESPACE_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,64}")

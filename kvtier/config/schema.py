@@ -19,6 +19,10 @@ from kvtier.config import tiers as tier_table
 from kvtier.config.lmcache import compat
 from kvtier.config.names import (
     ADAPTIVE,
+    ADMISSION_POLICIES,
+    ALWAYS,
+    EVICTION_POLICIES,
+    LRU,
     NAMESPACE_PATTERN,
     PREFETCH_POLICIES,
     WRITE_POLICIES,
@@ -82,6 +86,10 @@ class Config:
     record_key_file: str | None = None
     write_policy: str = WRITE_THROUGH
     selective_write_threshold: int = 2
+    # Which chunks a full CPU tier lets go of first, and which it declines to store at all
+    # (kvtier.backends.cpu, kvtier.storage.admission; measured in docs/policies.md).
+    eviction_policy: str = LRU
+    admission_policy: str = ALWAYS
     # A request waits for the part of its disk/Redis load that arrives sooner than it could
     # be recomputed (measured speeds; the running requests go on meanwhile).
     prefetch_policy: str = ADAPTIVE
@@ -270,7 +278,8 @@ def _validate_choices(cfg: Config) -> None:
         raise _fail("config", "log_level",
                     f"must be one of {list(LOG_LEVELS)} or null, got {cfg.log_level!r}")
     choices = (("write_policy", WRITE_POLICIES), ("prefetch_policy", PREFETCH_POLICIES),
-               ("remote_serde", REMOTE_SERDES))
+               ("remote_serde", REMOTE_SERDES), ("eviction_policy", EVICTION_POLICIES),
+               ("admission_policy", ADMISSION_POLICIES))
     for key, allowed in choices:
         if getattr(cfg, key) not in allowed:
             raise _fail("config", key, f"must be one of {list(allowed)}, got {getattr(cfg, key)!r}")

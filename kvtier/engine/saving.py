@@ -61,6 +61,7 @@ class PrefixSaver:
             if skipped.numel():
                 cut = start + int(skipped[0])
                 todo = [k for k in todo if k.end <= cut]
+        todo, extra = self._admit(todo, extra)
         objs: list[MemoryObj] = []
         with lease(objs):
             inner = self._gather_one(extra, slots) if extra is not None else None
@@ -111,6 +112,14 @@ class PrefixSaver:
     def _put(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]) -> None:
         self._storage.put(keys, objs, write_down=self._write_down)
 
+    def _admit(self, todo: list[ChunkKey] | Sequence[ChunkKey], extra: ChunkKey | None,
+               ) -> tuple[list[ChunkKey], ChunkKey | None]:
+        """The leading chunks of `todo` the admission policy takes (`StorageManager.admit`),
+        and the inner tail unless a chunk before it was refused (it would hang off nothing)."""
+        todo = list(todo)
+        n = self._storage.admit(todo) if todo else 0
+        return (todo, extra) if n == len(todo) else (todo[:n], None)
+
     def _allocate(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
         """Arena objects for `keys`, up to the first that finds no memory (counted)."""
         objs: list[MemoryObj] = []
@@ -129,7 +138,7 @@ class PrefixSaver:
         kernel; chunks up to the first one that met a -1 slot are kept."""
         assert self._device is not None
         hot = self._storage.contains
-        todo = list(keys[hot(keys, hot_only=True):])
+        todo, extra = self._admit(list(keys[hot(keys, hot_only=True):]), extra)
         inner = extra is not None and not hot([extra], hot_only=True)
         if inner and extra is not None:
             todo.insert(0, extra)

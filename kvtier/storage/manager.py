@@ -16,8 +16,9 @@ from kvtier import prometheus
 from kvtier.backends import BackendContext, StorageBackend
 from kvtier.config import Config
 from kvtier.keys import ChunkKey, stub_key
-from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj, lease
+from kvtier.memory import ALIGN, KVLayout, MemoryAllocator, MemoryObj, lease
 from kvtier.metrics import Counters, RateLimitedLog
+from kvtier.storage.admission import make_admission
 from kvtier.storage.backlog import WriteBacklog, write_backlog
 from kvtier.storage.gate import Gate
 from kvtier.storage.guard import GuardedTier
@@ -63,6 +64,8 @@ class StorageManager:
         self.hot = hot
         self.origins = Origins()  # which lower tier the CPU tier's copies were read from
         self.policy = make_write_policy(config.writes, hot)
+        self.admission = make_admission(config.admission_policy, self.allocator.size,
+                                        layout.nbytes(config.chunk_size))
         self._set = TierSet(ctx, self._warn,
                             reachable=self._in_hot if self.policy.holds_back else _never)
         try:
@@ -123,6 +126,14 @@ class StorageManager:
             if write_down:
                 self.policy.on_put(keys, objs, self._writers)
             self.counters.inc("chunks_put", len(keys))
+
+    def admit(self, keys: Sequence[ChunkKey]) -> int:
+        """How many leading `keys` (chunks the CPU tier lacks, in order) a store should add:
+        the admission policy's answer, before anything is allocated (`storage.admission`)."""
+        arena = self.allocator
+        return self.admission.admit(keys, lambda: sum(
+            -(-self.layout.nbytes(k.num_tokens) // ALIGN) * ALIGN for k in keys)
+            <= arena.size - arena.used_bytes)
 
     @contextmanager
     def get(self, keys: Sequence[ChunkKey], *, hot_only: bool = False,
@@ -306,6 +317,7 @@ class StorageManager:
                 out.update(self._set.stats())  # lower tiers' speeds and write queues
                 out.update(self.prefill.stats())
                 out.update(self.sessions.stats())
+                out.update(self.admission.stats())
         out["prefetch_queue"] = self._loads.pending()
         out["arena_used_bytes"] = self.allocator.used_bytes
         out["arena_bytes"] = self.allocator.size
@@ -375,6 +387,7 @@ class StorageManager:
             self.policy.on_evict(key, obj, self._writers)
             obj.release()
         if popped:
+            self.admission.evicted([key for key, _ in popped])
             self.counters.inc("cpu_evictions", len(popped))
         return freed
 

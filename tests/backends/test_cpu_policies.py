@@ -1,0 +1,120 @@
+"""The CPU tier's eviction policies (`eviction_policy`): `lru` and `arc`. Under `arc` a burst of
+first-seen prompts is evicted before a prefix that came back, however old that prefix is, and
+eviction still takes leaves only (never a hole in a prefix)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier.backends.base import BackendContext
+from kvtier.backends.cpu import CPUBackend
+from kvtier.backends.segments import Segments
+from kvtier.config import Config
+from kvtier.errors import ConfigError
+from kvtier.keys import ChunkKey
+from kvtier.memory import KVLayout, MemoryAllocator
+from tests.helpers import make_keys, make_obj
+
+LAYOUT = KVLayout.mha(1, 1, 16, torch.float16)  # 16 tokens: 1 KiB, one 4 KiB arena unit
+CHUNK_BYTES = LAYOUT.nbytes(16)
+
+
+def _tier(policy: str, chunks: int = 16) -> tuple[CPUBackend, MemoryAllocator]:
+    alloc = MemoryAllocator(chunks * 4096, pin=False)
+    cfg = Config(chunk_size=16, max_local_cpu_size=chunks * 4096 / 1e9, eviction_policy=policy)
+    return CPUBackend(BackendContext(cfg, LAYOUT, alloc)), alloc
+
+
+def _put(cpu: CPUBackend, alloc: MemoryAllocator, keys: list[ChunkKey]) -> None:
+    objs = [make_obj(alloc, LAYOUT, k.num_tokens, 0) for k in keys]
+    cpu.batch_put(keys, objs)
+    for obj in objs:
+        obj.release()
+
+
+def _evict(cpu: CPUBackend, chunks: int) -> list[str]:
+    out = []
+    for key, obj in cpu.pop_lru(chunks * CHUNK_BYTES):
+        out.append(key.key)
+        obj.release()
+    return out
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_a_prefix_that_came_back_outlives_one_off_prompts_under_arc(policy: str) -> None:
+    cpu, alloc = _tier(policy)
+    p, q, r = (make_keys(4 * 16, layout=LAYOUT, seed=s) for s in (1, 2, 3))
+    _put(cpu, alloc, p)
+    assert _evict(cpu, 4) == [k.key for k in reversed(p)]  # leaf first: a chain from its end
+    _put(cpu, alloc, p)  # it came back: under arc it joins the main segment
+    _put(cpu, alloc, q)  # two first-seen prompts, stored after it
+    _put(cpu, alloc, r)
+    gone = _evict(cpu, 2)  # the window (8 chunks) stays over its target (1.6 + 4) meanwhile
+    want = p if policy == "lru" else q  # lru takes the least recent; arc the window's
+    assert gone == [k.key for k in reversed(want[2:])]
+    assert cpu.batch_contains(p) == (2 if policy == "lru" else 4)
+    if policy == "arc":
+        assert cpu.stats()["window_target_chunks"] > 1.6  # grew: p came back from the window
+    cpu.close()
+
+
+PROMPTS = [make_keys(16 * 4, layout=LAYOUT, seed=s) for s in range(6)]
+PROMPTS_FLAT = [k for keys in PROMPTS for k in keys]
+op = st.tuples(st.sampled_from(["put", "get", "pin", "unpin", "evict", "remove"]),
+               st.integers(0, len(PROMPTS) - 1), st.integers(1, 4))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(op, max_size=40))
+def test_arc_evicts_unpinned_leaves_only(ops) -> None:  # noqa: ANN001
+    cpu, alloc = _tier("arc", 64)
+    pins: dict[int, int] = {}
+    for kind, p, n in ops:
+        keys = PROMPTS[p][:n]
+        if kind == "put":
+            _put(cpu, alloc, keys)
+        elif kind == "get":
+            for o in cpu.batch_get(keys):
+                o.release()
+        elif kind == "pin":
+            pins[p] = cpu.pin(PROMPTS[p])
+        elif kind == "unpin" and p in pins:
+            cpu.unpin(PROMPTS[p][:pins.pop(p)])
+        elif kind == "remove":
+            cpu.remove(keys[-1:])
+        elif kind == "evict":
+            cached = set(cpu._entries)  # noqa: SLF001 - the invariant's subject
+            gone: set[str] = set()
+            for key, obj in cpu.pop_lru(n * CHUNK_BYTES):
+                kids = {k.key for k in PROMPTS_FLAT if k.prev == key.key and k.key in cached}
+                assert kids <= gone, "a chunk went while its child was cached"
+                assert key.key not in cpu._pins, "a pinned chunk was evicted"  # noqa: SLF001
+                gone.add(key.key)
+                obj.release()
+        entries, children, pinned = cpu._entries, cpu._children, cpu._pins  # noqa: SLF001
+        want = {n for n in entries if not children.get(n) and n not in pinned}
+        window, main = set(cpu._leaves), set(cpu._main_leaves)  # noqa: SLF001
+        assert window | main == want and not window & main
+    cpu.close()
+
+
+def test_the_window_target_adapts_to_where_returning_prefixes_were_evicted_from() -> None:
+    seg = Segments(100)
+    a, b = make_keys(3 * 16, layout=LAYOUT, seed=7), make_keys(2 * 16, layout=LAYOUT, seed=8)
+    assert not seg.joins_main(a)  # first seen
+    assert seg.joins_main(a)  # seen
+    start = seg.target
+    seg.evicted(b[0].key, main=False)
+    assert seg.joins_main(b) and seg.target == start + 2  # came back from the window: grows
+    seg.evicted(b[0].key, main=True)
+    assert seg.joins_main(b) and seg.target == start  # from the main segment: shrinks
+    assert seg.window_first(int(start) + 1) and not seg.window_first(int(start))
+
+
+def test_the_eviction_policy_is_a_config_choice() -> None:
+    assert Config().eviction_policy == "lru"
+    with pytest.raises(ConfigError, match="eviction_policy"):
+        Config(eviction_policy="mru")
