@@ -8,15 +8,18 @@ The server class is the demo's (`kvtier.demo.server`); tests add their own SGLan
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import re
 import signal
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from harness.sglang_zygote import Zygote
 from kvtier.demo import server as _server
 from kvtier.demo.server import cpu_shims_dir, free_port
 from kvtier.integration.sglang.cpu import SHIM_DIR
@@ -41,6 +44,10 @@ class SGLangServer(_server.SGLangServer):
     those imports were two thirds of a server start (28 CPU-seconds -> 10 on the 2-core
     host). Tests of the launch itself (plugins loading in fresh children, signals, the
     README's command) pass `fork_children=False`: SGLang's own spawn.
+
+    With `fork_children` the launcher itself is forked too, from this pytest process's
+    zygote (`sglang_zygote.py`), which imported what the launcher imports first once: 10
+    CPU-seconds a start -> 3.
     """
 
     def __init__(self, model: Path, log_path: Path, *, args: Sequence[str] = (),
@@ -49,10 +56,21 @@ class SGLangServer(_server.SGLangServer):
         env = {**(env or {}), **({FORK_CHILDREN_ENV: "1"} if fork_children else {})}
         super().__init__(model, log_path, args=args, env=env, pythonpath=PYTHONPATH_DIRS,
                          cpu_flags=CPU_FLAGS, module=module)
+        self.fork_children = fork_children
 
     def launch(self) -> None:
         LAUNCHES.append(os.environ.get("PYTEST_CURRENT_TEST", ""))
-        super().launch()
+        zygote = _zygote() if self.fork_children and self.module == "sglang.launch_server" \
+            else None
+        if zygote is None or not zygote.serves(self.env):
+            super().launch()
+            return
+        self._log_start = self.log_path.stat().st_size if self.log_path.exists() else 0
+        argv = ["--model-path", str(self.model), *self.cpu_flags, "--host", "127.0.0.1",
+                "--port", str(self.port), *self.args]
+        with open(self.log_path, "ab") as log:
+            log.write(f"$ (forked from the zygote) -m {self.module} {' '.join(argv)}\n".encode())
+        self.proc = zygote.launch(argv, self.env, self.log_path)  # type: ignore[assignment]
 
     def kill(self) -> None:
         """Stop at once (SIGKILL to the process group): what a test's teardown needs, since
@@ -72,6 +90,21 @@ class SGLangServer(_server.SGLangServer):
             assert time.monotonic() < deadline, f"no {pattern!r} in the log after {timeout}s"
             time.sleep(0.05)
         return found
+
+
+_ZYGOTES: list[Zygote] = []
+
+
+def _zygote() -> Zygote | None:
+    """This process's zygote, started at its first forked-children server (`None` when
+    `KVTIER_TEST_ZYGOTE=0`: every server then starts the usual way)."""
+    if os.environ.get("KVTIER_TEST_ZYGOTE") == "0":
+        return None
+    if not _ZYGOTES:
+        env = _server.server_env({FORK_CHILDREN_ENV: "1"}, PYTHONPATH_DIRS)
+        _ZYGOTES.append(Zygote(env, Path(tempfile.mkdtemp(prefix="kvtier-zygote-"))))
+        atexit.register(_ZYGOTES[0].close)
+    return _ZYGOTES[0]
 
 
 @contextlib.contextmanager
