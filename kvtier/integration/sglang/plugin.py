@@ -43,6 +43,7 @@ from kvtier.integration.sglang.sglang_views import (
     SchedulerView,
     TreeCacheBuildContextView,
 )
+from kvtier.integration.sglang.shutdown import note_batch
 
 if TYPE_CHECKING:
     import torch
@@ -161,14 +162,14 @@ def _worker_ranks(args: LaunchArgsView) -> int:
 def _bounded_stop() -> None:
     """A signal stops this server within seconds and lets kvtier write what it has queued
     (shutdown.py); the children learn they are a server's from `LAUNCHER_ENV`."""
-    from kvtier.integration.sglang import shutdown
+    from kvtier.integration.sglang import http_stop, shutdown
 
-    shutdown.prepare_launcher()
+    shutdown.prepare_launcher(http_stop.install)
     try:
         import uvicorn
     except ImportError:  # SGLang's HTTP server is uvicorn; without it there is nothing to bound
         return
-    shutdown.bound_http_grace(uvicorn.Server)
+    http_stop.bound_http_grace(uvicorn.Server)
 
 
 def _one_line_launch_errors() -> None:
@@ -255,11 +256,13 @@ def _run_batch(scheduler: SchedulerView, *args: Opaque, **kwargs: Opaque) -> Non
     handled (`process_batch_result`: with the overlap scheduler the forward may still run
     after `run_batch` returned)."""
     ENGINE.enter()
+    note_batch(True)  # a stop's drain waits for it (shutdown.py)
 
 
 def _on_idle(scheduler: SchedulerView, *args: Opaque, **kwargs: Opaque) -> None:
     """Before `Scheduler.on_idle` (a loop turn that ran no batch): whether requests still wait
     (then the engine is about to compute, not quiet)."""
+    note_batch(False)
     if ENGINE.enabled:
         ENGINE.idle(_waiting(scheduler))
 

@@ -15,8 +15,9 @@ slots, copies the chunks in and inserts them into the tree like computed KV, all
 promised tokens or none. A load that is evicted before its request used it is counted in
 `kvtier_sglang_loads_discarded_total`.
 
-Store, `checkpoint` of a finished (not aborted) request: once SGLang has inserted the request's
-KV, the tree node ending its prefix is locked and the prefix is queued for a background store.
+Store, `checkpoint` of a finished request (aborted ones too: what they prefilled): once SGLang
+has inserted the request's KV, the tree node ending its prefix is locked and the prefix is
+queued for a background store.
 The lock is released on the scheduler thread at the next tree call after the store has read the
 slots (`match_prefix`, `checkpoint`, `evict*`, `has_pending_cache_operations`), or when the
 store missed its deadline; so `/flush_cache` on an idle server succeeds at the first call.
@@ -54,7 +55,7 @@ from kvtier.integration.sglang.adapter import SGLangKVTier
 from kvtier.integration.sglang.blend_hooks import BlendHooks
 from kvtier.integration.sglang.blending import BlendedSlots, SegmentHits, SGLangBlender
 from kvtier.integration.sglang.prefetch_hooks import StoragePrefetchHooks
-from kvtier.integration.sglang.requests import aborted, full_ids, multimodal, salt_of, token_array
+from kvtier.integration.sglang.requests import full_ids, multimodal, salt_of, token_array
 from kvtier.integration.sglang.sglang_views import (
     InitLoadBackParamsView,
     KVAllocatorView,
@@ -283,9 +284,10 @@ class KVTierRadixCache(StoragePrefetchHooks, BlendHooks, UnifiedRadixCache):
             self._loaded.pop(req.rid, None)  # its prefill ran: the load was used
             super().checkpoint(req, up_to=up_to, **kwargs)
             if req.finished():
+                # An aborted request too (a client gone, a server's stop): what it prefilled
+                # is exact KV the tree now holds (SGLang inserts only the committed tokens).
                 kv.forget(req.rid)
-                if not aborted(req):
-                    self._submit_store(req)
+                self._submit_store(req)
 
     def _submit_store(self, req: ReqView) -> None:
         kv = self.kvtier

@@ -98,6 +98,7 @@ SURFACE: dict[str, tuple[str, ...]] = {
     "sglang.srt.entrypoints": ("http_server",),
     "sglang.srt.entrypoints.http_server": ("app", "_global_state", "launch_server"),
     "sglang.srt.entrypoints.http_server._GlobalState": ("tokenizer_manager",),
+    "sglang.srt.managers.tokenizer_manager": ("TokenizerManager",),  # a stop's cut (http_stop)
     "sglang.srt.managers.tokenizer_manager.TokenizerManager": (
         "auto_create_handle_loop", "attach_hicache_storage_communicator",
         "_subprocess_watchdog"),  # stopped before kvtier's drain at exit (shutdown.py)
@@ -190,6 +191,7 @@ NOT_SGLANG: dict[str, str] = {
     "enable_kvtier": "kvtier's own flag on SGLang's parsed arguments (plugin._add_cli_args)",
     "kvtier_config_file": "kvtier's own flag on SGLang's parsed arguments",
     "path": "FastAPI's routes (`app.routes`: is /kvtier/tiers there already)",
+    "uncancel": "asyncio's Task.uncancel (Python 3.11+; http_stop: a request the stop cut)",
 }
 
 

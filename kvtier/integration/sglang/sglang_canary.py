@@ -188,6 +188,14 @@ REACH_INS: tuple[ReachIn, ...] = (
             _source_has("sglang.srt.managers.schedule_batch.ScheduleBatch.prepare_for_extend",
                         "pre_len - req.already_computed",
                         "if not req._cache_breakdown_computed:")),
+    ReachIn("TokenizerManager.generate_request / abort_request; a ValueError a request raises "
+            "ends SGLang's stream with an error event",
+            "a stop ends each request still running with an error and aborts it in the "
+            "scheduler (http_stop.py)",
+            _all(_has("sglang.srt.managers.tokenizer_manager.TokenizerManager",
+                      "generate_request", "abort_request"),
+                 _source_has("sglang.srt.entrypoints.http_server", "except ValueError as e:",
+                             '"error": {', 'yield b"data: [DONE]'))),
     ReachIn("MHATokenToKVPool.k_buffer / v_buffer, MLATokenToKVPool.kv_buffer",
             "the connectors copy straight from SGLang's per-layer pool tensors",
             _source_has("sglang.srt.mem_cache.memory_pool.MHATokenToKVPool",

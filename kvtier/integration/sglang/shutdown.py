@@ -5,15 +5,19 @@ waits, with no bound, until every streaming response has ended (a long generatio
 server up for 97 s after Ctrl-C); then SGLang SIGKILLs its scheduler processes, and with them
 every store and disk/Redis write kvtier still had queued. Here:
 
-- In the launcher (`bound_http_grace`), the first signal gives in-flight requests
-  `GRACE_S` seconds, then uvicorn aborts them; a second SIGINT forces, as before.
+- In the launcher (`http_stop.bound_http_grace`), the first signal gives in-flight requests
+  `GRACE_S` seconds; shortly before it ends, each request still running is aborted in the
+  scheduler and ends with an error its client sees (`http_stop.cut_requests_at_stop`); a
+  second SIGINT forces, as before.
 - In the launcher (`drain_then_kill`, around SGLang's HTTP `launch_server`), before the
   SIGKILL each child is sent SIGTERM and given `DRAIN_S` seconds to exit; a second SIGINT
   cuts the wait short.
 - SIGTERM to the launcher takes SGLang's own graceful path (in-flight requests finish, then
   each scheduler leaves its loop and releases its host resources): kvtier's radix cache
   drains there (`drain_and_log`, in `release_host_resources`).
-- In each scheduler (`install_scheduler_handlers`), SIGTERM drains kvtier: the queued stores
+- In each scheduler (`install_scheduler_handlers`), SIGTERM drains kvtier: once the batch
+  running then is over (`SETTLE_S` at most: the requests the stop aborted finish in it and
+  their prefilled prompts are queued for a store), the queued stores
   are finished and the lower-tier writes written, `DRAIN_S` seconds in all, on a thread of
   its own (the scheduler thread may hold a lock a store needs); one log line says how many
   writes were drained, how many were dropped at the stop and how many were lost before it
@@ -25,7 +29,6 @@ every store and disk/Redis write kvtier still had queued. Here:
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import contextlib
 import logging
@@ -44,16 +47,16 @@ if TYPE_CHECKING:
     from kvtier.engine import WriteLoss
     from kvtier.integration.sglang.adapter import SGLangKVTier
 
-__all__ = ["GRACE_S", "DRAIN_S", "LAUNCHER_ENV", "Drained", "bound_http_grace", "drain",
-           "drain_and_log",
+__all__ = ["GRACE_S", "DRAIN_S", "LAUNCHER_ENV", "Drained", "drain", "drain_and_log",
            "drain_then_kill", "install_scheduler_handlers", "around_launch_server",
-           "in_server", "prepare_launcher", "leave_sigint_to_launcher",
-           "exit_unfinalized_at_exit"]
+           "in_server", "is_launcher", "set_exit_code", "prepare_launcher",
+           "leave_sigint_to_launcher", "exit_unfinalized_at_exit", "note_batch"]
 
 logger = logging.getLogger(__name__)
 
 GRACE_S = 3.0  # in-flight requests, after the first signal, before uvicorn aborts them
 DRAIN_S = 4.0  # kvtier's queued stores and writes, before the process exits anyway
+SETTLE_S = 1.5  # of DRAIN_S: the scheduler's batch running at SIGTERM, before the drain
 _EXIT_MARGIN_S = 1.0  # the launcher's wait beyond DRAIN_S: logging and the exit itself
 # Set by the launcher for its children: a directory where each scheduler with kvtier keeps a
 # file named by its pid until its drain is done (the launcher waits for the directory to
@@ -62,11 +65,15 @@ _EXIT_MARGIN_S = 1.0  # the launcher's wait beyond DRAIN_S: logging and the exit
 LAUNCHER_ENV = "KVTIER_STOP_DIR"
 
 
-def prepare_launcher() -> None:
+def prepare_launcher(*at_start: Callable[[], None]) -> None:
     """In a launcher with kvtier (its arguments parsed): `around_launch_server` takes over the
-    stop. Nothing else changes until the HTTP server really starts (a test parsing arguments
-    in its own process stays as it is)."""
+    stop, and calls `at_start` when the HTTP server starts. Nothing else changes until then (a
+    test parsing arguments in its own process stays as it is)."""
     _enabled.append(os.getpid())
+    _at_start.extend(at_start)
+
+
+_at_start: list[Callable[[], None]] = []
 
 
 def _start_launcher() -> None:
@@ -77,6 +84,8 @@ def _start_launcher() -> None:
     os.environ[LAUNCHER_ENV] = tempfile.mkdtemp(prefix=f"kvtier-stop-{os.getpid()}-")
     _launcher_pid.append(os.getpid())
     exit_unfinalized_at_exit()
+    for start in _at_start:
+        start()
 
 
 _enabled: list[int] = []
@@ -84,11 +93,19 @@ _enabled: list[int] = []
 
 def in_server() -> bool:
     """Whether this process is a child of a launcher that `prepare_launcher` prepared."""
-    return bool(os.environ.get(LAUNCHER_ENV)) and not _is_launcher()
+    return bool(os.environ.get(LAUNCHER_ENV)) and not is_launcher()
 
 
-def _is_launcher() -> bool:
+def is_launcher() -> bool:
+    """Whether this process is a launcher whose HTTP server `around_launch_server` started."""
     return os.getpid() in _launcher_pid
+
+
+def set_exit_code(code: int) -> None:
+    """The launcher's exit status, whatever uvicorn re-raises (`exit_unfinalized_at_exit`)."""
+    _exit_code[0] = code
+
+
 
 
 _launcher_pid: list[int] = []
@@ -199,12 +216,12 @@ def _marker() -> Path:
     return Path(os.environ[LAUNCHER_ENV]) / str(os.getpid())
 
 
-def drain_and_log(kv: SGLangKVTier) -> None:
+def drain_and_log(kv: SGLangKVTier, bound_s: float = DRAIN_S) -> None:
     """`drain`, then one line saying what was written and what was dropped, then tell the
     launcher this scheduler is done (SGLang's graceful path drains here, not on the
     launcher's SIGTERM: the launcher waited its whole bound for a report). Never raises."""
     try:
-        done = drain(kv)
+        done = drain(kv, bound_s)
         lossy = done.dropped or done.stores_left or done.lost_total
         logger.log(logging.WARNING if lossy else logging.INFO, "kvtier: stopping: %s",
                    done.describe())
@@ -216,54 +233,36 @@ def drain_and_log(kv: SGLangKVTier) -> None:
                 _marker().unlink()
 
 
+_batch = threading.Event()  # set while the scheduler runs batches (`note_batch`)
+
+
+def note_batch(running: bool) -> None:
+    """The scheduler starts a batch (True), or a turn of its loop found none to run and every
+    result is processed (False: `Scheduler.on_idle`). The plugin's hooks call it."""
+    if running:
+        _batch.set()
+    else:
+        _batch.clear()
+
+
+def _settle(bound_s: float) -> float:
+    """Wait, `bound_s` at most, until the scheduler's loop runs no batch: the requests the
+    stop aborted (http_stop.py) finish in the batch after the abort, and their prefilled KV is
+    queued for a store then. Returns the seconds waited."""
+    start = time.monotonic()
+    while _batch.is_set() and time.monotonic() - start < bound_s:
+        time.sleep(0.01)
+    return time.monotonic() - start
+
+
 def _drain_and_exit(kv: SGLangKVTier) -> None:
     try:
-        drain_and_log(kv)
+        drain_and_log(kv, DRAIN_S - _settle(SETTLE_S))
     finally:
         for handler in logging.getLogger().handlers:
             with contextlib.suppress(Exception):
                 handler.flush()
         os._exit(0)
-
-
-def bound_http_grace(server_class: Any) -> None:
-    """Give uvicorn's graceful shutdown a bound (`GRACE_S`) from its first signal on, unless
-    SGLang set one. Idempotent; `server_class` is `uvicorn.Server`."""
-    original: Callable[..., None] = server_class.handle_exit
-    if getattr(original, "kvtier", False):
-        return
-
-    def handle_exit(self: Any, sig: int, frame: FrameType | None) -> None:
-        if not self.should_exit:
-            if self.config.timeout_graceful_shutdown is None:
-                self.config.timeout_graceful_shutdown = GRACE_S
-            logging.getLogger("uvicorn.error").addFilter(_CutAtStop())
-            logger.warning("kvtier: %s: no new requests; in-flight requests get %.0f s, then "
-                           "kvtier writes what it has queued (up to %.0f s); %s again forces",
-                           signal.Signals(sig).name, self.config.timeout_graceful_shutdown,
-                           DRAIN_S, signal.Signals(sig).name)
-        if sig == signal.SIGINT and _is_launcher():
-            # 130 as a shell reports an interrupted program, also where uvicorn does not
-            # re-raise the SIGINT it stopped on (a CI run saw it end with status 0)
-            _exit_code[0] = 130
-        original(self, sig, frame)
-
-    handle_exit.kvtier = True  # type: ignore[attr-defined]
-    server_class.handle_exit = handle_exit
-
-
-class _CutAtStop(logging.Filter):
-    """Once a stop has begun, a response uvicorn cancels when the grace runs out is logged as
-    one line, not as a 60-line "Exception in ASGI application" traceback of CancelledError."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, asyncio.CancelledError) and \
-                record.getMessage().strip() == "Exception in ASGI application":
-            record.msg = "kvtier: a response still streaming was cut by the stop"
-            record.args, record.exc_info, record.exc_text = (), None, None
-            record.levelno, record.levelname = logging.WARNING, "WARNING"
-        return True
 
 
 def drain_then_kill(children: list[Any], stop_dir: Path) -> None:
@@ -356,12 +355,12 @@ def around_launch_server(original: Callable[..., Any], *args: Any, **kwargs: Any
     ends (a signal, an error), before the launcher SIGKILLs its children, stop SGLang's
     subprocess watchdog (a scheduler exiting after its drain is not a crash) and let every
     child drain (`drain_then_kill`)."""
-    if os.getpid() in _enabled and not _is_launcher():
+    if os.getpid() in _enabled and not is_launcher():
         _start_launcher()
     try:
         return original(*args, **kwargs)
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it stopped on: an exit, no error
-        if not _is_launcher():
+        if not is_launcher():
             raise
         logger.info("kvtier: stopped by SIGINT")
         _exit_code[0] = 130
@@ -373,7 +372,7 @@ def around_launch_server(original: Callable[..., Any], *args: Any, **kwargs: Any
         _exit_code[0] = 1
         raise
     finally:
-        if _is_launcher():
+        if is_launcher():
             _let_children_drain()
 
 

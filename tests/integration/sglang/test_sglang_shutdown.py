@@ -29,33 +29,44 @@ PROMPT = 400
 STOP_BOUND_S = 2 * (GRACE_S + DRAIN_S) + 1
 
 
-def _stream_until_cut(server: SGLangServer, started: threading.Event) -> None:
-    body = json.dumps({"input_ids": prompt(99, PROMPT), "stream": True, "sampling_params": {
+STREAMED = prompt(99, PROMPT)  # the prompt of the response the stop cuts
+
+
+def _stream_until_cut(server: SGLangServer, started: threading.Event,
+                      events: list[str]) -> None:
+    """Stream a long answer to `STREAMED`, keeping each `data:` event in `events`, and an
+    `OSError` that ended it as `"cut: ..."`."""
+    body = json.dumps({"input_ids": STREAMED, "stream": True, "sampling_params": {
         "max_new_tokens": 1500, "ignore_eos": True, "temperature": 0}}).encode()
     req = urllib.request.Request(f"{server.url}/generate", data=body,
                                  headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=120) as resp:
-            for _ in resp:
+            for line in resp:
+                if line.startswith(b"data: "):
+                    events.append(line[6:].decode().strip())
                 started.set()
-    except OSError:
-        pass  # the stop cuts it
+    except OSError as exc:
+        events.append(f"cut: {exc!r}")  # the connection closed without an end
     started.set()
 
 
-def _server(tiny_llama: Path, tmp_path: Path, *more: str) -> SGLangServer:
-    config = write_config(tmp_path / "kvtier.yaml", local_disk=str(tmp_path / "disk"),
-                          max_local_disk_size=0.5, prefetch_policy="adaptive")
+def _server(tiny_llama: Path, tmp_path: Path, *more: str, log: str = "server.log",
+            policy: str = "adaptive") -> SGLangServer:
+    config = write_config(tmp_path / f"{log}.yaml", local_disk=str(tmp_path / "disk"),
+                          max_local_disk_size=0.5, prefetch_policy=policy)
     # Spawned children, as SGLang makes them: forked ones would inherit the launcher's
     # signal handlers, and the stop is what these tests are about.
-    server = SGLangServer(tiny_llama, tmp_path / "server.log", args=[
+    server = SGLangServer(tiny_llama, tmp_path / log, args=[
         "--enable-kvtier", "--kvtier-config-file", str(config), *more], fork_children=False)
     return server.start()
 
 
-def _interrupt_while_streaming(server: SGLangServer, times: int) -> float:
+def _interrupt_while_streaming(server: SGLangServer, times: int,
+                               events: list[str] | None = None) -> float:
     started = threading.Event()
-    threading.Thread(target=_stream_until_cut, args=(server, started), daemon=True).start()
+    threading.Thread(target=_stream_until_cut, args=(server, started, [] if events is None
+                                                     else events), daemon=True).start()
     assert started.wait(60), "the streaming response never started"
     assert server.proc is not None
     sent = time.monotonic()
@@ -69,16 +80,18 @@ def _interrupt_while_streaming(server: SGLangServer, times: int) -> float:
 DRAINED = re.compile(r"kvtier: stopping: (\d+) queued writes drained in [\d.]+ s, (\d+) dropped")
 
 
-def _ctrl_c_after(tiny_llama: Path, tmp_path: Path, prompts: int,
-                  *more: str) -> tuple[SGLangServer, str, list[tuple[str, str]]]:
+def _ctrl_c_after(tiny_llama: Path, tmp_path: Path, prompts: int, *more: str,
+                  events: list[str] | None = None
+                  ) -> tuple[SGLangServer, str, list[tuple[str, str]]]:
     """A server that answered `prompts` prompts (their disk writes queue behind the stream's
-    batches), stopped by one Ctrl-C while a response streams: the server, its log, and each
-    scheduler's (drained, dropped). Checks the stop's bound and that nothing crashed."""
+    batches), stopped by one Ctrl-C while a response streams (its events in `events`): the
+    server, its log, and each scheduler's (drained, dropped). Checks the stop's bound and that
+    nothing crashed."""
     server = _server(tiny_llama, tmp_path, *more)
     try:
         for seed in range(prompts):
             server.generate(prompt(seed, PROMPT), max_new_tokens=1)
-        took = _interrupt_while_streaming(server, times=1)
+        took = _interrupt_while_streaming(server, times=1, events=events)
     finally:
         server.stop()
     log = server.log()
@@ -93,17 +106,42 @@ def _ctrl_c_after(tiny_llama: Path, tmp_path: Path, prompts: int,
 
 def test_ctrl_c_while_streaming_stops_in_seconds_and_drains_queued_writes(
         tiny_llama: Path, tmp_path: Path) -> None:
-    server, log, drained = _ctrl_c_after(tiny_llama, tmp_path, 3)
+    events: list[str] = []
+    server, log, drained = _ctrl_c_after(tiny_llama, tmp_path, 3, events=events)
     assert len(drained) == 1 and drained[0][1] == "0", log[-3000:]
     assert "kvtier: SIGINT: no new requests; in-flight requests get" in log
-    # the stream cut at the end of the grace is one line, not uvicorn's CancelledError dump
-    assert "a response still streaming was cut by the stop" in log
+    # The stream the grace did not let finish ends with an error naming the stop, then
+    # [DONE] (it used to just end, as if the answer were complete: issue 74).
+    assert len(events) > 2 and events[-1] == "[DONE]", events[-3:]
+    error = json.loads(events[-2])["error"]
+    assert "server stopping (SIGINT)" in error["message"], error
+    assert "kvtier: the stop ends 1 requests still running" in log, log[-3000:]
+    assert "a response still streaming was cut by the stop" not in log, log[-3000:]
     assert "Exception in ASGI application" not in log and "Traceback" not in log, log[-3000:]
     assert server.proc is not None and server.proc.returncode == 130
     # dependencies' noise kvtier keeps out of the log: SGLang's freeze_gc race, nanobind's
     # leak report at a killed process's exit
     assert "freeze_gc failed: the request raced" in log or "freeze_gc failed" not in log
     assert "nanobind: leaked" not in log
+
+
+def test_the_prompt_a_stopped_stream_prefilled_is_stored_for_the_next_server(
+        tiny_llama: Path, tmp_path: Path) -> None:
+    """The request the stop cut is aborted in the scheduler, which stores what it prefilled,
+    and the drain writes it: the next server (same disk) hits the prompt (issue 74: "0
+    dropped", and nothing of it on disk)."""
+    events: list[str] = []
+    _, log, drained = _ctrl_c_after(tiny_llama, tmp_path, 0, events=events)
+    assert "error" in json.loads(events[-2]), events[-3:]
+    assert len(drained) == 1 and drained[0][1] == "0", log[-3000:]
+    # The next server reads the disk alone for it (the stopped server's CPU tier is gone).
+    nxt = _server(tiny_llama, tmp_path, log="next.log", policy="wait_complete")
+    try:
+        got = nxt.generate(STREAMED, max_new_tokens=1)
+    finally:
+        nxt.stop()
+    assert got["meta_info"]["cached_tokens"] >= PROMPT - CHUNK, (got["meta_info"],
+                                                                 nxt.log()[-3000:])
 
 
 def test_every_data_parallel_scheduler_drains_at_ctrl_c(tiny_llama: Path, tmp_path: Path) -> None:
@@ -162,11 +200,12 @@ def test_the_launcher_reports_an_interrupt_as_130_whatever_uvicorn_re_raises(
     import uvicorn
 
     from kvtier.integration.sglang import shutdown
+    from kvtier.integration.sglang.http_stop import bound_http_grace
 
     class Server(uvicorn.Server):  # patched here only, never uvicorn's own class
         pass
 
-    shutdown.bound_http_grace(Server)
+    bound_http_grace(Server)
     monkeypatch.setattr(shutdown, "_launcher_pid", [os.getpid()])
     monkeypatch.setattr(shutdown, "_exit_code", [0])
     server = Server(uvicorn.Config(app=None))
