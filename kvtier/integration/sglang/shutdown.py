@@ -106,8 +106,6 @@ def set_exit_code(code: int) -> None:
     _exit_code[0] = code
 
 
-
-
 _launcher_pid: list[int] = []
 
 
