@@ -7,12 +7,12 @@ to cancel the responses still streaming: the client saw its stream end with neit
 `data: [DONE]` nor an error, as if the answer were complete, and the scheduler never heard of
 it, so the prompt it had prefilled was freed with the process. Now, shortly before the grace
 runs out (`CUT_BEFORE_S`), each request still running (`generate_request`, which serves
-/generate and the OpenAI routes) is aborted in the scheduler and raises a `ValueError` naming
-the stop: SGLang answers it as it answers a bad request, with a last event
-`data: {"error": {"message": "server stopping (SIGINT): ..."}}` then `data: [DONE]` on a
-stream, or an error response. The scheduler finishes the aborted request, its prefilled KV
-goes into the tree and kvtier stores it (`KVTierRadixCache.checkpoint`), and the scheduler's
-drain writes it down (shutdown.py).
+/generate and the OpenAI routes) is aborted in the scheduler and raises `ServerStopping` (a
+`ValueError` whose `status_code` is 503) naming the stop: SGLang answers it as it answers a
+bad request, with a last event `data: {"error": {"message": "server stopping (SIGINT): ...",
+"code": 503, ...}}` then `data: [DONE]` on a stream, or an HTTP 503 error response. The
+scheduler finishes the aborted request, its prefilled KV goes into the tree and kvtier stores
+it (`KVTierRadixCache.checkpoint`), and the scheduler's drain writes it down (shutdown.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from typing import Any
 
 from kvtier.integration.sglang import shutdown
 
-__all__ = ["CUT_BEFORE_S", "bound_http_grace", "cut_requests_at_stop", "install"]
+__all__ = ["CUT_BEFORE_S", "ServerStopping", "bound_http_grace", "cut_requests_at_stop",
+           "install"]
 
 logger = logging.getLogger("kvtier.integration.sglang.shutdown")  # one logger: one stop
 
@@ -34,6 +35,13 @@ logger = logging.getLogger("kvtier.integration.sglang.shutdown")  # one logger: 
 # last event (`create_abort_task`), and the response ends only after it.
 CUT_BEFORE_S = 2.5
 _CUT = "kvtier: the server's stop"  # the cancel message of a request kvtier cuts
+
+
+class ServerStopping(ValueError):
+    """A request the server's stop cut. A `ValueError`: SGLang's routes turn one into an error
+    response (an error event on a stream) with its `status_code`."""
+
+    status_code = 503
 
 
 class _Running:
@@ -104,7 +112,7 @@ def cut_requests_at_stop(manager_class: Any) -> None:
         try:
             while True:
                 if running.cut:
-                    raise ValueError(_STOP.message)
+                    raise ServerStopping(_STOP.message)
                 running.awaiting = True
                 try:
                     out = await outputs.__anext__()
@@ -115,7 +123,7 @@ def cut_requests_at_stop(manager_class: Any) -> None:
                         raise
                     if hasattr(task, "uncancel"):  # Python 3.11+ counts cancellations
                         task.uncancel()  # kvtier's cut: the response goes on, with the error
-                    raise ValueError(_STOP.message) from None
+                    raise ServerStopping(_STOP.message) from None
                 finally:
                     running.awaiting = False
                     running.rids = _rids(obj)

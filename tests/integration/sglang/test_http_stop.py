@@ -58,7 +58,7 @@ async def _consume(manager: _Manager, obj: _Request, seen: list[Any]) -> None:
             seen.append(out)
             await asyncio.sleep(0)  # the response's send
     except ValueError as exc:
-        seen.append({"error": str(exc)})
+        seen.append({"error": str(exc), "code": getattr(exc, "status_code", 400)})
 
 
 def test_a_stop_ends_running_requests_with_an_error_and_aborts_them(
@@ -76,7 +76,7 @@ def test_a_stop_ends_running_requests_with_an_error_and_aborts_them(
     first, second, manager = asyncio.run(run())
     for seen in (first, second):
         assert len(seen) > 2 and all("step" in out for out in seen[:-1])
-        assert seen[-1] == {"error": http_stop._STOP.message}
+        assert seen[-1] == {"error": http_stop._STOP.message, "code": 503}
     assert "server stopping (SIGINT)" in http_stop._STOP.message
     assert sorted(manager.aborted) == ["assigned", "given"]
     assert not http_stop._STOP.running

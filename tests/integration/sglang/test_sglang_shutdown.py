@@ -114,7 +114,7 @@ def test_ctrl_c_while_streaming_stops_in_seconds_and_drains_queued_writes(
     # [DONE] (it used to just end, as if the answer were complete: issue 74).
     assert len(events) > 2 and events[-1] == "[DONE]", events[-3:]
     error = json.loads(events[-2])["error"]
-    assert "server stopping (SIGINT)" in error["message"], error
+    assert "server stopping (SIGINT)" in error["message"] and error["code"] == 503, error
     assert "kvtier: the stop ends 1 requests still running" in log, log[-3000:]
     assert "a response still streaming was cut by the stop" not in log, log[-3000:]
     assert "Exception in ASGI application" not in log and "Traceback" not in log, log[-3000:]
