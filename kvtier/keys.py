@@ -53,6 +53,9 @@ class ChunkKey(NamedTuple):
     # read-only view of the one copy its position's candidates share (`KeyBuilder.tail_keys`).
     tokens: bytes | memoryview
     prev: str | None  # the previous chunk's key, None for the first chunk
+    # The request's salt (SGLang's `cache_salt`, "" for none): the tenant whose record key
+    # seals the chunk on disk and in Redis (kvtier.backends.tenant_keys).
+    salt: str = ""
 
     @property
     def num_tokens(self) -> int:
@@ -235,7 +238,7 @@ class KeyChain(list[ChunkKey]):
         cands = self._tails.get(i)
         if cands is None:
             cands = self._tails[i] = b.tail_keys(self._data, i, self[i - 1] if i else None,
-                                                 self._root)
+                                                 self._root, self.salt)
         limit = self.limit if limit is None else min(limit, self.limit)
         return [k for k in cands if k.end <= limit] if cands and cands[0].end > limit \
             else cands
@@ -306,10 +309,10 @@ class KeyBuilder:
         n = len(data) // 4
         full = n - n % self.chunk_size if self.tails else self.num_keyed_tokens(n)
         root = self.root(salt, segment)
-        return KeyChain(self._chunk(data, full, root), data, root, self, salt=salt)
+        return KeyChain(self._chunk(data, full, root, salt), data, root, self, salt=salt)
 
     def tail_keys(self, data: memoryview, i: int, before: ChunkKey | None,
-                  root: bytes) -> list[ChunkKey]:
+                  root: bytes, salt: str = "") -> list[ChunkKey]:
         """Every page-aligned partial chunk of `data` that could follow its first `i` full
         chunks (`before` the last of them, or None with the chain's `root`), longest first."""
         start = i * self.chunk_size
@@ -331,7 +334,8 @@ class KeyBuilder:
         for stop in range(page, avail * 4 + 1, page):
             d.update(span[stop - page:stop])
             key = prefix + d.copy().hexdigest()
-            out.append(make(ChunkKey, (key, start, start + (stop >> 2), span[:stop], prev)))
+            out.append(make(ChunkKey, (key, start, start + (stop >> 2), span[:stop], prev,
+                                       salt)))
         out.reverse()
         return out
 
@@ -364,14 +368,14 @@ class KeyBuilder:
         d = hashlib.sha256(h)
         d.update(tokens)
         return ChunkKey(self.prefix + d.hexdigest(), start, n, tokens,
-                        None if before is None else before.key)
+                        None if before is None else before.key, salt)
 
     def keys_from_bytes(self, data: bytes | memoryview, salt: str = "") -> list[ChunkKey]:
         """Keys of a sequence given as little-endian uint32 bytes (see `encode_tokens`)."""
         data = memoryview(data).cast("B") if not isinstance(data, memoryview) else data
-        return self._chunk(data, self.num_keyed_tokens(len(data) // 4), self.root(salt))
+        return self._chunk(data, self.num_keyed_tokens(len(data) // 4), self.root(salt), salt)
 
-    def _chunk(self, data: memoryview, end_all: int, h: bytes) -> list[ChunkKey]:
+    def _chunk(self, data: memoryview, end_all: int, h: bytes, salt: str) -> list[ChunkKey]:
         """Keys of `data`'s first `end_all` tokens, cut every `chunk_size`, chained from `h`."""
         step = self.chunk_size * 4
         sha256 = hashlib.sha256
@@ -387,6 +391,6 @@ class KeyBuilder:
             d.update(tokens)
             h = d.digest()
             key = prefix + h.hex()
-            append(make(ChunkKey, (key, start >> 2, stop >> 2, tokens.tobytes(), prev)))
+            append(make(ChunkKey, (key, start >> 2, stop >> 2, tokens.tobytes(), prev, salt)))
             prev = key
         return out

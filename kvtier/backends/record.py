@@ -101,6 +101,7 @@ class RecordHeader(NamedTuple):
     flags: int
     seal: bytes  # the seal field when flags has ENCRYPTED or AUTHENTICATED, else b""
     aad: bytes  # the header bytes GCM authenticates (see `_aad`)
+    salt: str = ""  # the tenant it is read for (the requested key's): picks the record key
 
 
 def payload_checksum(view: memoryview | bytes) -> int:
@@ -152,14 +153,14 @@ def _prefix(key: ChunkKey, obj: MemoryObj, segment_bytes: int, flags: int,
 def seal_for(key: ChunkKey, obj: MemoryObj, *, segment_bytes: int = 0,
              keys: RecordKeys | None = None) -> Seal:
     """A `Seal` for the record of `obj` under `key` (encrypting under `keys.current` when
-    `keys` is given), for I/O code to feed the payload through piece by piece before
-    `encode_header(..., seal=)`.
+    `keys` is given, with the key of `key.salt`'s tenant), for I/O code to feed the payload
+    through piece by piece before `encode_header(..., seal=)`.
 
     Raises:
         ValueError: naming `key`, `obj` or `segment_bytes` when they cannot form a record.
     """
     prefix, body = _prefix(key, obj, segment_bytes, _SEALED if keys else 0, 0)
-    return Seal(keys, _aad(prefix, body))
+    return Seal(keys, _aad(prefix, body), key.salt)
 
 
 def encode_header(key: ChunkKey, obj: MemoryObj, *, segment_bytes: int = 0,
@@ -294,7 +295,8 @@ def parse_header(buf: bytes | memoryview, key: ChunkKey, layout: KVLayout) -> Re
         raise OtherVersion(f"flags: {flags:#x} has bits this version does not know")
     seal = head[digest_end:digest_end + MAC] if flags else b""
     return RecordHeader(hlen, MemoryFormat(fmt), dtype, shape, payload_len, segment_bytes,
-                        checksum, key.key, flags, seal, _aad(head, head[FIXED_SIZE:digest_end]))
+                        checksum, key.key, flags, seal, _aad(head, head[FIXED_SIZE:digest_end]),
+                        key.salt)
 
 
 def open_payload(header: RecordHeader, keys: RecordKeys | None) -> Unseal:
@@ -309,7 +311,7 @@ def open_payload(header: RecordHeader, keys: RecordKeys | None) -> Unseal:
     if header.flags == AUTHENTICATED:  # an older kvtier's HMAC: the payload is in clear
         raise KeyMismatch("seal: the record is authenticated with an HMAC by an older kvtier, "
                           "not encrypted; it is loaded by no reader of this version")
-    return Unseal(keys, header.seal if header.flags else None, header.aad)
+    return Unseal(keys, header.seal if header.flags else None, header.aad, header.salt)
 
 
 def verify_payload(header: RecordHeader, view: memoryview | bytes, *,

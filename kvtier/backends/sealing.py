@@ -13,7 +13,8 @@ string, and a key id, the first 4 bytes of SHA-256 over a fixed prefix and the m
 record is encrypted under its own key, HKDF-Expand of the master key with the record's random
 96-bit nonce and header: random nonces would otherwise cap one master key at 2^32 records
 (NIST SP 800-38D), which a fleet can write in weeks; now two records share a GCM key and nonce
-only when they are the same chunk's record and drew the same nonce.
+only when they are the same chunk's record and drew the same nonce. A salted chunk (a
+tenant's) derives its record key from its tenant's master key instead (tenant_keys.py).
 
 Sealing runs piece by piece, as I/O code walks the payload: a writer encrypts each piece into a
 buffer of its own (never the arena, whose object stays the plaintext the engine reads), a
@@ -43,6 +44,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF, HKDFExpand
 
+from kvtier.backends.tenant_keys import tenant_master
 from kvtier.errors import ConfigError, CorruptEntry
 
 __all__ = ["ForgedEntry", "KeyMismatch", "RecordKeys", "Seal", "Unseal", "load_record_keys",
@@ -88,10 +90,12 @@ class _Key:
         record keys)."""
         return HKDFExpand(hashes.SHA256(), 32, info=_NAMES_INFO).derive(self._master).hex()
 
-    def record_key(self, nonce: bytes, aad: bytes) -> bytes:
-        """The AES-256 key of the record with `nonce` and header `aad` (see the module doc)."""
+    def record_key(self, nonce: bytes, aad: bytes, salt: str = "") -> bytes:
+        """The AES-256 key of the record with `nonce` and header `aad` (see the module doc),
+        of tenant `salt` (kvtier.backends.tenant_keys)."""
         info = _RECORD_INFO + nonce + aad
-        return HKDFExpand(hashes.SHA256(), 32, info=info).derive(self._master)
+        return HKDFExpand(hashes.SHA256(), 32, info=info).derive(
+            tenant_master(self._master, salt))
 
     def __repr__(self) -> str:
         return f"<record key id {self.key_id.hex()}>"
@@ -243,9 +247,10 @@ class Seal:
     (AES-256-GCM, `aad` and the key id authenticated with it).
 
     `update()` with the payload's pieces in order, then `field()` once for the header.
+    `salt`: the record's tenant, whose key encrypts it (kvtier.backends.tenant_keys).
     """
 
-    def __init__(self, keys: RecordKeys | None = None, aad: bytes = b""):
+    def __init__(self, keys: RecordKeys | None = None, aad: bytes = b"", salt: str = ""):
         self.aad = aad
         self._sum = xxhash.xxh3_64()
         self._field = b""
@@ -254,7 +259,8 @@ class Seal:
             return
         key, nonce = keys.current, os.urandom(NONCE)
         self._head = key.key_id + nonce
-        self._enc = Cipher(algorithms.AES(key.record_key(nonce, aad)), modes.GCM(nonce)).encryptor()
+        self._enc = Cipher(algorithms.AES(key.record_key(nonce, aad, salt)),
+                           modes.GCM(nonce)).encryptor()
         self._enc.authenticate_additional_data(aad + key.key_id)
 
     @property
@@ -297,14 +303,16 @@ class Unseal:
     """The reading side of `Seal`: checks that `keys` may open a record whose header holds
     seal field `field` (None: a plain record) and, piece by piece, checksums the stored bytes
     and decrypts them into the payload's memory: I/O code reads each piece into
-    `landing(piece)`, then calls `update(stored, piece)`.
+    `landing(piece)`, then calls `update(stored, piece)`. `salt`: the tenant the record is
+    read for (one written for another fails its tag in `finish`).
 
     Raises (from the constructor, before any payload is read):
         KeyMismatch: a plain record and a reader with keys; a sealed record and a reader
             without keys, or without the key the record names.
     """
 
-    def __init__(self, keys: RecordKeys | None, field: bytes | None, aad: bytes):
+    def __init__(self, keys: RecordKeys | None, field: bytes | None, aad: bytes,
+                 salt: str = ""):
         self._sum = xxhash.xxh3_64()
         self._scratch = memoryview(bytearray(0))
         if field is None:
@@ -323,7 +331,7 @@ class Unseal:
         if key is None:
             raise KeyMismatch(f"seal: key id {key_id.hex()} is none of this reader's record "
                               f"keys ({', '.join(keys.ids)}): written under another key")
-        self._dec = Cipher(algorithms.AES(key.record_key(nonce, aad)),
+        self._dec = Cipher(algorithms.AES(key.record_key(nonce, aad, salt)),
                            modes.GCM(nonce, tag)).decryptor()
         self._dec.authenticate_additional_data(aad + key_id)
 
@@ -375,4 +383,5 @@ class Unseal:
                 self._dec.finalize()
             except InvalidTag:
                 raise ForgedEntry("seal: the GCM tag does not verify (the record or its header "
-                                  "was made or changed without the record key)") from None
+                                  "was made or changed without the record key, or for "
+                                  "another tenant)") from None
