@@ -104,13 +104,21 @@ class BlendHooks(UnifiedRadixCache):
             return None
 
     @staticmethod
-    def _report_blend(req: ReqView, blended: int, kept: int) -> None:
+    def _report_blend(req: ReqView, blended: int, kept: int) -> int:
         """Tell SGLang that of the `blended` tokens its host hit promised, only `kept` came
-        from the cache. SGLang counts `prefix_len - already_computed` as the request's
-        `cached_tokens` when its prefill is prepared: the tokens the blend computed are
-        computed already. Its breakdown (`cached_tokens_details`: device, host) is set
-        here too, once, as SGLang sets it."""
+        from the cache; returns the tokens the blend computed. SGLang counts
+        `prefix_len - already_computed` as the request's `cached_tokens` when its prefill is
+        prepared: the tokens the blend computed are computed already. Its breakdown
+        (`cached_tokens_details`: device, host) is set here too, once, as SGLang sets it."""
         req.already_computed += blended - kept
         req.cached_tokens_device = req.prefix_len
         req.cached_tokens_host = kept
         req._cache_breakdown_computed = True
+        return blended - kept
+
+    @staticmethod
+    def _unreport_blend(req: ReqView, computed: int) -> None:
+        """The request is matched again before its prefill ran (`_report_blend` undone): what
+        its next admission finds is counted afresh."""
+        req.already_computed -= computed
+        req._cache_breakdown_computed = False

@@ -34,7 +34,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kvtier.blend.assemble import assemble
+from kvtier.blend.assemble import Assembled, assemble
 from kvtier.blend.forward import BlendPlan, LlamaWeights, blend
 from kvtier.blend.segments import Segment
 from kvtier.blend.store import SegmentStore
@@ -279,17 +279,7 @@ class SGLangBlender:
             self._v[layer][dst] = out.kv[1, layer, device_len:].reshape(shape)
         if dev.type == "cuda":  # SGLang's forward reads the slots on a stream of its own
             torch.cuda.current_stream(dev).synchronize()
-        new = torch.zeros(end, dtype=torch.bool, device=dev)
-        new[device_len:] = True  # what the pool held stays; count what the blend wrote
-        loaded = int((known.cached & new).sum())
-        recomputed = int((known.cached & new & ~known.must)[out.computed].sum())
-        last = torch.zeros(end, dtype=torch.bool, device=dev)
-        last[out.computed] = True  # a segment's first tokens are computed too (`must`)
-        kept = int((known.cached & new & ~last).sum())
-        self.counters.inc("sglang.blend_requests")
-        self.counters.inc("sglang.blend_segments_hit", known.segments_hit)
-        self.counters.inc("sglang.blend_tokens_loaded", loaded)
-        self.counters.inc("sglang.blend_tokens_recomputed", recomputed)
+        loaded, recomputed, kept = self._account(known, out.computed, device_len)
         logger.info("kvtier: blended %s: %d tokens from %d segments at new positions, %d of them "
                     "recomputed from layer %d, %d computed (device prefix %d); cached_tokens "
                     "%d (the device prefix and the %d kept from the cache); read %.2fs, "
@@ -298,6 +288,24 @@ class SGLangBlender:
                     device_len, device_len + kept, kept, loaded_at - start,
                     time.perf_counter() - loaded_at, threads)
         return kept
+
+    def _account(self, known: Assembled, computed: torch.Tensor,
+                 device_len: int) -> tuple[int, int, int]:
+        """Count a blend (`BLEND_COUNTERS`). Returns the tokens past `device_len` it loaded,
+        those of them recomputed (the share), and those that kept their cached KV (loaded,
+        and not computed in the last layer: neither the share nor a segment's first token)."""
+        new = torch.zeros_like(known.cached)
+        new[device_len:] = True  # what the pool held stays; count what the blend wrote
+        loaded = int((known.cached & new).sum())
+        recomputed = int((known.cached & new & ~known.must)[computed].sum())
+        last = torch.zeros_like(new)
+        last[computed] = True
+        kept = int((known.cached & new & ~last).sum())
+        self.counters.inc("sglang.blend_requests")
+        self.counters.inc("sglang.blend_segments_hit", known.segments_hit)
+        self.counters.inc("sglang.blend_tokens_loaded", loaded)
+        self.counters.inc("sglang.blend_tokens_recomputed", recomputed)
+        return loaded, recomputed, kept
 
     def close(self) -> None:
         self.worker.close()

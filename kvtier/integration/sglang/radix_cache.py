@@ -90,8 +90,9 @@ class KVTierRadixCache(StoragePrefetchHooks, BlendHooks, UnifiedRadixCache):
         # request id -> (key, device tokens, end, segments to blend or None for a prefix
         # load) that match_prefix reported as a host hit
         self._promised: dict[str, tuple[RadixKeyView, int, int, SegmentHits | None]] = {}
-        # request id -> end of what init_load_back loaded, until the request's prefill runs
-        self._loaded: dict[str, int] = {}
+        # request id -> (end of what init_load_back loaded, tokens of it a blend computed),
+        # until the request's prefill runs
+        self._loaded: dict[str, tuple[int, int]] = {}
 
     def attach_blender(self, blender: SGLangBlender, num_slots: int,
                        device: torch.device) -> None:
@@ -115,7 +116,7 @@ class KVTierRadixCache(StoragePrefetchHooks, BlendHooks, UnifiedRadixCache):
             exact = self._exact_match(req, params, result)
             if exact is not None:  # nothing loaded: it would be inserted beside blended KV
                 return exact
-            self._check_discarded(req.rid, result.device_prefix_len)
+            self._check_discarded(req, result.device_prefix_len)
             hit = self._host_hit(req, params.key, result.device_prefix_len)
             hits = self._blend_hit(req, params.key, result.device_prefix_len, hit)
             if hits is not None:  # a blend gives more: promised instead of the prefix load
@@ -173,9 +174,8 @@ class KVTierRadixCache(StoragePrefetchHooks, BlendHooks, UnifiedRadixCache):
             if loaded is None:
                 return 0, req.last_node
             node, kept = loaded
-            if hits is not None:
-                self._report_blend(req, end - device_len, kept)
-            self._loaded[req.rid] = end
+            computed = 0 if hits is None else self._report_blend(req, end - device_len, kept)
+            self._loaded[req.rid] = (end, computed)
             kv.forget(req.rid)
             return end - device_len, node
 
@@ -238,14 +238,20 @@ class KVTierRadixCache(StoragePrefetchHooks, BlendHooks, UnifiedRadixCache):
         kv.counters.inc("sglang.loads_short")
         return None
 
-    def _check_discarded(self, rid: str, device_len: int) -> None:
+    def _check_discarded(self, req: ReqView, device_len: int) -> None:
         """A request matched again after its load: count the load as discarded if the loaded
-        tokens left the device before the request used them."""
-        end = self._loaded.pop(rid, None)
-        if end is not None and device_len < end and self.kvtier is not None:
+        tokens left the device before the request used them (and take back what a blend told
+        SGLang: the request is admitted anew)."""
+        loaded = self._loaded.pop(req.rid, None)
+        if loaded is None:
+            return
+        end, computed = loaded
+        if computed:
+            self._unreport_blend(req, computed)
+        if device_len < end and self.kvtier is not None:
             self.kvtier.counters.inc("sglang.loads_discarded")
             logger.warning("kvtier: request %s lost %d loaded tokens to eviction before it ran",
-                           rid, end - device_len)
+                           req.rid, end - device_len)
 
     def load_back_is_cache_owned(self) -> bool:
         return True  # loaded slots are inserted into the tree at once
