@@ -8,7 +8,8 @@ A tail is a partial chunk (fewer than `chunk_size` tokens, a whole number of pag
 same way after the digest of the full chunks before it: a longer prompt that runs through a
 stored tail finds it by hashing each page-aligned length of its own next tokens (`KeyChain`).
 
-Key strings: `kvtier/v2/{namespace}/{model}/{layout}/{rank}of{world}/{digest}`. `namespace` is
+Key strings: `kvtier/v2/{namespace}/{model}/{layout}/{rank}of{world}/{digest}`, and a salted
+chunk's (a tenant's) `.../{rank}of{world}/t-{tag}/{digest}` (`tenant_tag`). `namespace` is
 the operator's (`key_namespace`: tenants apart in Redis ACL patterns, `ls`, `purge`); `model`
 is the served model's name, percent-encoded (reversible, so `org/model` and `org--model` stay
 apart and `ls --model` takes the name as given), then `@` and a fingerprint of what else makes
@@ -17,9 +18,8 @@ its KV differ (weights, revision, quantization, overrides); `layout` names shape
 
 from __future__ import annotations
 
-import array
 import hashlib
-import sys
+import hmac
 import urllib.parse
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -28,19 +28,21 @@ import numpy as np
 import torch
 
 from kvtier.config.names import NAMESPACE_PATTERN
-from kvtier.kernels import ops
+from kvtier.kernels.tokens import encode_tokens
 
 __all__ = ["ChunkKey", "KeyBuilder", "KeyChain", "KeySpace", "encode_tokens", "stub_key",
            "redis_names", "key_of_redis_name", "KEY_VERSION", "ALL_KEYS", "model_component",
-           "model_name_of", "NAMESPACE_PATTERN"]
+           "model_name_of", "NAMESPACE_PATTERN", "TAG_PREFIX", "tenant_tag", "tag_of_key"]
 
 KEY_VERSION = "kvtier/v2"
 ALL_KEYS = f"{KEY_VERSION}/*"  # a glob (Redis SCAN MATCH) over every kvtier key
 # Characters a model name keeps as they are; everything else (/, space, #, {, }, @, %, ...)
 # is percent-encoded, so the name is one key component, reversibly.
 _NAME_SAFE = "-._~+=,"
-_U32_MAX = 2**32 - 1
-_U32_CODE = next(code for code in "IL" if array.array(code).itemsize == 4)
+# Tenant tags (`tenant_tag`): a salted chunk's key names its tenant keyed by the names' secret.
+TAG_PREFIX = "t-"
+_TAG_HEX = 16
+_TAG_LABEL = b"kvtier tenant tag v1\0"
 
 
 class ChunkKey(NamedTuple):
@@ -62,50 +64,31 @@ class ChunkKey(NamedTuple):
         return self.end - self.start
 
 
-def encode_tokens(token_ids: torch.Tensor | Sequence[int] | np.ndarray) -> memoryview:
-    """Token ids as little-endian uint32 bytes; `ValueError` names `token_ids` when invalid."""
-    if isinstance(token_ids, list):
-        # array('I') converts and range-checks a list in C: ~6x faster than np.asarray.
-        try:
-            packed = array.array(_U32_CODE, token_ids)
-        except OverflowError:
-            raise ValueError("token_ids must lie in [0, 2**32)") from None
-        except TypeError as exc:
-            raise ValueError(f"token_ids must be a flat list of ints: {exc}") from None
-        if sys.byteorder == "big":
-            packed.byteswap()
-        return memoryview(packed).cast("B")
-    if isinstance(token_ids, torch.Tensor):
-        # The compiled kernel checks and converts the usual CPU tensor in one call: the torch
-        # and numpy calls below cost a cold serving call ~100 us, a fifth of its Python.
-        raw = ops.token_bytes(token_ids)
-        if raw is not None:
-            return memoryview(raw)
-        if token_ids.dim() != 1:
-            raise ValueError(f"token_ids must be 1-D, got shape {tuple(token_ids.shape)}")
-        if token_ids.is_meta:
-            raise ValueError("token_ids is a meta tensor: it has no values to key")
-        if token_ids.dtype.is_floating_point or token_ids.dtype.is_complex or \
-                token_ids.dtype == torch.bool:
-            raise ValueError(f"token_ids must be an integer tensor, got {token_ids.dtype}")
-        arr = token_ids.detach().cpu().numpy()
-    else:
-        try:
-            arr = np.asarray(token_ids)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"token_ids must be a sequence of ints: {exc}") from None
-        if arr.size == 0:
-            arr = arr.astype(np.int64)
-        if arr.ndim != 1:
-            raise ValueError(f"token_ids must be 1-D, got shape {arr.shape}")
-        if arr.dtype.kind not in "iu":
-            raise ValueError(f"token_ids must hold ints, got dtype {arr.dtype}")
-    if arr.size and (arr.min() < 0 or arr.max() > _U32_MAX):
-        raise ValueError(
-            f"token_ids must lie in [0, 2**32), got range [{arr.min()}, {arr.max()}]"
-        )
-    # A memoryview, not bytes: `tobytes()` would copy (and page-fault) the whole buffer again.
-    return np.ascontiguousarray(arr, dtype="<u4").data.cast("B")
+def tenant_tag(names_secret: str, salt: str) -> str:
+    """The tag of tenant `salt` (a request's `cache_salt`) under the salt of key names
+    `names_secret` ("" for no salt: no tag): 16 hex digits of HMAC-SHA256, keyed by
+    `hash_salt` and, with `record_key_file`, a secret derived from the record key
+    (`sealing.name_salt`), so an operator finds a tenant's records (`kvtier purge --tenant`)
+    while a reader without the key cannot tell whose they are nor test a guessed salt. With
+    neither set the tag is a plain hash. Raises ValueError naming `salt` when it is not text."""
+    if not salt:
+        return ""
+    try:
+        msg = _TAG_LABEL + salt.encode()
+    except UnicodeEncodeError:
+        raise ValueError("salt: not encodable as UTF-8") from None
+    mac = hmac.new(names_secret.encode(), msg, hashlib.sha256)
+    return mac.hexdigest()[:_TAG_HEX]
+
+
+def tag_of_key(key: str) -> str | None:
+    """The tenant tag a key string carries (without `TAG_PREFIX`); None for an unsalted key."""
+    prefix, _, _ = key.rpartition("/")
+    last = prefix.rpartition("/")[2]
+    if not last.startswith(TAG_PREFIX):
+        return None
+    tag = last[len(TAG_PREFIX):]
+    return tag if len(tag) == _TAG_HEX and all(c in "0123456789abcdef" for c in tag) else None
 
 
 def model_component(name: str, identity: str = "") -> str:
@@ -165,11 +148,13 @@ class KeySpace(NamedTuple):
 
     @staticmethod
     def parse(key: str) -> tuple[KeySpace, str] | None:
-        """The namespace and digest of a kvtier key string; None for anything else."""
+        """The namespace and digest of a kvtier key string (a tenant's too: its tag, before
+        the digest, is `tag_of_key`'s); None for anything else."""
         parts = key.split("/")
-        if len(parts) != 7 or "/".join(parts[:2]) != KEY_VERSION:
+        tagged = len(parts) == 8 and parts[6].startswith(TAG_PREFIX)
+        if len(parts) != 7 and not tagged or "/".join(parts[:2]) != KEY_VERSION:
             return None
-        return KeySpace(parts[3], parts[4], parts[5], parts[2]), parts[6]
+        return KeySpace(parts[3], parts[4], parts[5], parts[2]), parts[-1]
 
 
 def stub_key(key: str) -> ChunkKey:
@@ -280,6 +265,12 @@ class KeyBuilder:
         self.space = KeySpace(model, fingerprint, f"{rank}of{world_size}", namespace)
         self.prefix = self.space.prefix
         self._root = hashlib.sha256(KEY_VERSION.encode() + salt.encode()).digest()
+        self._names = salt  # keys the tenant tags
+
+    def prefix_of(self, salt: str) -> str:
+        """The prefix of tenant `salt`'s keys: with its tag when salted (`tenant_tag`)."""
+        return f"{self.prefix}{TAG_PREFIX}{tenant_tag(self._names, salt)}/" if salt \
+            else self.prefix
 
     def num_keyed_tokens(self, num_tokens: int) -> int:
         """How many leading tokens of a `num_tokens` sequence are stored under keys: whole
@@ -329,7 +320,7 @@ class KeyBuilder:
         span = memoryview(data[start * 4:(start + avail) * 4].tobytes())
         out: list[ChunkKey] = []
         make = tuple.__new__
-        prefix = self.prefix
+        prefix = self.prefix_of(salt)
         prev = None if before is None else before.key
         for stop in range(page, avail * 4 + 1, page):
             d.update(span[stop - page:stop])
@@ -367,7 +358,7 @@ class KeyBuilder:
         tokens = encode_tokens(token_ids[start:n]).tobytes()
         d = hashlib.sha256(h)
         d.update(tokens)
-        return ChunkKey(self.prefix + d.hexdigest(), start, n, tokens,
+        return ChunkKey(self.prefix_of(salt) + d.hexdigest(), start, n, tokens,
                         None if before is None else before.key, salt)
 
     def keys_from_bytes(self, data: bytes | memoryview, salt: str = "") -> list[ChunkKey]:
@@ -380,7 +371,7 @@ class KeyBuilder:
         step = self.chunk_size * 4
         sha256 = hashlib.sha256
         make = tuple.__new__  # ChunkKey(...) goes through a Python-level __new__: ~10% slower
-        prefix = self.prefix
+        prefix = self.prefix_of(salt)
         prev: str | None = None
         out: list[ChunkKey] = []
         append = out.append

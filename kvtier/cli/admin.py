@@ -13,6 +13,7 @@ from kvtier.cli.args import add_command, add_config_file
 from kvtier.config import load_config
 from kvtier.config.tiers import lower_tier_names
 from kvtier.config.urls import redact_url
+from kvtier.errors import ConfigError
 
 __all__ = ["add_parsers"]
 
@@ -124,30 +125,51 @@ def _ls(args: argparse.Namespace) -> int:
     return 1 if down else 0
 
 
+def _tenant_tag(config: Any, salt: str | None) -> str | None:
+    """The tag of tenant `salt` in this config's key names (`kvtier.keys.tenant_tag`); None
+    for none. Raises ConfigError naming `--tenant` for an empty salt (unsalted records have
+    no tenant)."""
+    if salt is None:
+        return None
+    from kvtier.backends.sealing import name_salt
+    from kvtier.keys import tenant_tag
+
+    if not salt:
+        raise ConfigError("--tenant: give the tenant's salt (a request's cache_salt); "
+                          "records without one belong to no tenant")
+    try:
+        return tenant_tag(name_salt(config.hash_salt, config.record_key_file), salt)
+    except ValueError as exc:
+        raise ConfigError(f"--tenant: {exc}") from None
+
+
 def _purge(args: argparse.Namespace) -> int:
     from kvtier.cli import inventory
 
     config = load_config(args.file)
+    tag = _tenant_tag(config, args.tenant)
     what = f"model {args.model}" if args.model else "every model"
+    if tag is not None:
+        what += f" of tenant tag t-{tag}"
     if not args.yes:
         if not sys.stdin.isatty():
             lower = [t for t in config.tiers if t in lower_tier_names()]  # cpu may be off
             print(f"kvtier: purge would delete {what} from {', '.join(lower) or '-'};"
                   " not a terminal: pass --yes to confirm", file=sys.stderr)
             return 2
-        listings = inventory.survey(config, args.model)
+        listings = inventory.survey(config, args.model, tag)
         total = sum(g.chunks for x in listings for g in x.groups)
         answer = input(f"delete {total} chunks of {what} from the disk/Redis tiers? [y/N] ")
         if answer.strip().lower() not in ("y", "yes"):
             print("nothing deleted")
             return 1
-    listings = inventory.purge(config, args.model)
+    listings = inventory.purge(config, args.model, tag)
     for x in listings:
         if x.error is not None:
             print(f"{x.tier}: DOWN, nothing deleted there: {x.error}")
         for g in x.groups:
             print(f"deleted {g.chunks} chunks ({g.nbytes / 1e9:.3f} GB) of {g.model} / "
-                  f"{g.layout} from {g.tier}")
+                  f"{g.layout}{'' if tag is None else f' (tenant t-{tag})'} from {g.tier}")
     if not any(x.groups for x in listings):
         print("nothing to delete")
     return 1 if any(x.error is not None for x in listings) else 0
@@ -170,5 +192,8 @@ def add_parsers(sub: Any) -> None:
                     "--model)")
     add_config_file(p)
     p.add_argument("--model", help="only this model (the key's model name)")
+    p.add_argument("--tenant", metavar="SALT",
+                   help="only this tenant's records (a request's cache_salt), found by the "
+                        "tenant tag in their key names; no other tenant's record is touched")
     p.add_argument("--yes", action="store_true", help="do not ask")
     p.set_defaults(func=_purge)

@@ -16,6 +16,7 @@ from kvtier.backends import RecordInventory, StoredRecord, check_dependencies
 from kvtier.config import Config
 from kvtier.config.tiers import load_attr, tier_spec
 from kvtier.errors import ConfigError
+from kvtier.keys import tag_of_key
 
 __all__ = ["Group", "Listing", "purge", "survey"]
 
@@ -41,23 +42,24 @@ class Listing:
     error: str | None = None
 
 
-def survey(config: Config, model: str | None = None) -> list[Listing]:
+def survey(config: Config, model: str | None = None, tag: str | None = None) -> list[Listing]:
     """One `Listing` per persistent tier of the config, in tier order: a tier that cannot be
     reached is a listing with its `error`, so the others are still shown. `ConfigError`
     (a `local_disk` the tier would refuse) is raised: it is the config's fault, not the
-    tier's state."""
+    tier's state. `model`, `tag`: only that model's records, only the records of the tenant
+    with that tag (`kvtier.keys.tenant_tag`)."""
     return [Listing(tier, _sum(iter(found)), error)
-            for tier, found, error in _each_tier(config, model, delete=False)]
+            for tier, found, error in _each_tier(config, model, tag, delete=False)]
 
 
-def purge(config: Config, model: str | None = None) -> list[Listing]:
+def purge(config: Config, model: str | None = None, tag: str | None = None) -> list[Listing]:
     """Delete what `survey` lists; one `Listing` per tier of what was deleted, or of why
     nothing could be (a tier that is down is reported, the others are still purged)."""
     return [Listing(tier, _sum(iter(gone)), error)
-            for tier, gone, error in _each_tier(config, model, delete=True)]
+            for tier, gone, error in _each_tier(config, model, tag, delete=True)]
 
 
-def _each_tier(config: Config, model: str | None, *, delete: bool,
+def _each_tier(config: Config, model: str | None, tag: str | None, *, delete: bool,
                ) -> Iterator[tuple[str, list[StoredRecord], str | None]]:
     for tier in config.tiers:
         spec = tier_spec(tier)
@@ -73,7 +75,7 @@ def _each_tier(config: Config, model: str | None, *, delete: bool,
             continue
         try:
             found = list(_select(inventory.records(config.key_namespace),
-                                 config.key_namespace, model))
+                                 config.key_namespace, model, tag))
             yield tier, inventory.delete(found) if delete and found else found, None
         except ConfigError:
             raise
@@ -89,10 +91,11 @@ def _reason(exc: Exception) -> str:
     return str(exc) or type(exc).__name__
 
 
-def _select(found: Iterator[StoredRecord], namespace: str,
-            model: str | None) -> Iterator[StoredRecord]:
+def _select(found: Iterator[StoredRecord], namespace: str, model: str | None,
+            tag: str | None) -> Iterator[StoredRecord]:
     return (e for e in found if e.namespace in (namespace, None)
-            and (model is None or e.model == model))
+            and (model is None or e.model == model)
+            and (tag is None or tag_of_key(e.key) == tag))
 
 
 def _sum(found: Iterator[StoredRecord]) -> list[Group]:

@@ -143,7 +143,7 @@ def _tails_as_first_defined(kb: KeyBuilder, tokens: torch.Tensor, i: int,
     out = []
     for end in range(start + room - room % kb.page_size, start, -kb.page_size):
         part = data[start * 4:end * 4]
-        out.append((kb.prefix + hashlib.sha256(h + part).hexdigest(), start, end, part))
+        out.append((kb.prefix_of(salt) + hashlib.sha256(h + part).hexdigest(), start, end, part))
     return out
 
 
