@@ -60,6 +60,12 @@ def test_purge_tenant_removes_its_records_and_no_others(
                 assert engine.store(_ids(seed), torch.arange(1, 65), salt=salt) == 64
         assert engine.storage.flush()
         a_key = engine.chunk_keys(_ids(0), salt="tenant-a")[0].key
+        # One tenant's lookup never finds another's prompt: the CPU tier here, ...
+        assert engine.lookup(_ids(0), salt="tenant-b") == engine.lookup(_ids(0)) == 0
+        assert engine.lookup(_ids(10), salt="tenant-a") == 0
+    with _engine(cfg) as fresh:  # ... and disk and Redis (an empty CPU tier)
+        assert fresh.lookup(_ids(0), salt="tenant-b") == fresh.lookup(_ids(0)) == 0
+        assert fresh.lookup(_ids(0), salt="tenant-a") == 64
     config = load_config(cfg)
     secret = name_salt(config.hash_salt, config.record_key_file)
     assert tag_of_key(a_key) == tenant_tag(secret, "tenant-a") and "tenant-a" not in a_key
