@@ -136,6 +136,7 @@ def run(trace: Path, capacities: list[int], policy: str = "lru", disk_tokens: in
         limit: int | None = None) -> dict[str, Any]:
     """Every capacity replayed through kvtier under each of the comma-separated `policy`
     names, with the bounds of the same requests."""
+    names = policies(policy)
     requests = load(trace, limit)
     if requests and max(max(r.blocks) for r in requests) * BLOCK + BLOCK > 2**32:
         raise ValueError(f"{trace}: block ids must stay below 2**23 to become uint32 tokens")
@@ -146,7 +147,7 @@ def run(trace: Path, capacities: list[int], policy: str = "lru", disk_tokens: in
         bounds = {"lru_hit_rate": leaf_lru(requests, capacity // BLOCK) / total,
                   "belady_hit_rate": belady(requests, capacity // BLOCK) / total,
                   "bounds_seconds": round(time.perf_counter() - start, 2)}
-        for name in policies(policy):
+        for name in names:
             runs.append({**replay(requests, capacity, name, disk_tokens), **bounds})
     return {"trace": str(trace), "requests": len(requests), "input_tokens": total,
             "infinite_hit_rate": infinite(requests) / total if total else 0.0, "runs": runs}

@@ -1,6 +1,5 @@
-"""The hot tier: memory objects resident in the arena, LRU by chunk (`eviction_policy: lru`), or
-in two LRU segments (`arc`: first-seen prefixes in a window, prefixes seen before in the main
-segment, the split adapted to which comes back: `kvtier.backends.segments`).
+"""The hot tier: memory objects resident in the arena, LRU by chunk (`eviction_policy: lru`;
+the other policies subclass it: `kvtier.backends.cpu_tier`).
 
 Eviction takes suffixes first, so a lookup after memory pressure still finds a usable prefix
 rather than holes: a batch is touched from its last chunk to its first (within a prefix the
@@ -13,13 +12,12 @@ from __future__ import annotations
 import threading
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
-from itertools import chain
+from typing import Any
 
 from kvtier.backends.base import BackendContext, HotTier
-from kvtier.backends.segments import Segments
-from kvtier.config.names import ARC, CPU
+from kvtier.config.names import CPU
 from kvtier.keys import ChunkKey
-from kvtier.memory import ALIGN, MemoryObj
+from kvtier.memory import MemoryObj
 
 __all__ = ["CPUBackend"]
 
@@ -37,16 +35,9 @@ class CPUBackend(HotTier):
         self._children: dict[str, int] = {}  # key -> number of cached chunks whose prev it is
         # The entries eviction may take (no cached child, not pinned), in LRU order: an
         # eviction never walks past pinned chunks or parents (thousands of sessions' pins made
-        # every store walk them all).
-        self._leaves: OrderedDict[str, None] = OrderedDict()
-        # arc: the main segment's chunks (`_main`; empty under lru) and its leaves (`_leaves`
-        # then holds the window's).
-        self._main_leaves: OrderedDict[str, None] = OrderedDict()
-        self._main: set[str] = set()
-        self._segments: Segments | None = None
-        if ctx.config.eviction_policy == ARC:
-            chunk = -(-ctx.layout.nbytes(ctx.config.chunk_size) // ALIGN) * ALIGN
-            self._segments = Segments(ctx.allocator.size // chunk)
+        # every store walk them all). A policy may put a queue of its own here (the calls
+        # used: in, iter, pop, setdefault, move_to_end, clear).
+        self._leaves: Any = OrderedDict()
         self._pins: Counter[str] = Counter()  # key -> number of holders pinning it
         self._pinned_bytes = 0
         self._bytes = 0
@@ -81,8 +72,6 @@ class CPUBackend(HotTier):
                 self._entries.move_to_end(k.key)
                 if k.key in self._leaves:
                     self._leaves.move_to_end(k.key)
-                elif k.key in self._main_leaves:
-                    self._main_leaves.move_to_end(k.key)
             return out
 
     def batch_put(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]) -> int:
@@ -91,13 +80,10 @@ class CPUBackend(HotTier):
         with self._lock:
             if self._closed:
                 return 0
-            main = bool(keys) and self._segments is not None and self._segments.joins_main(keys)
             for k, obj in zip(reversed(keys), reversed(objs)):
                 old = self._drop_locked(k.key)
                 if old is not None:
                     old[1].release()
-                if main:
-                    self._main.add(k.key)
                 self._entries[k.key] = (k, obj.retain())
                 self._bytes += obj.nbytes
                 if k.key in self._pins:
@@ -106,7 +92,7 @@ class CPUBackend(HotTier):
                 if k.prev is not None:
                     self._children[k.prev] = self._children.get(k.prev, 0) + 1
                     self._leaves.pop(k.prev, None)
-                    self._main_leaves.pop(k.prev, None)
+            self._on_put(keys)
             self._counts.inc("puts", len(keys))
             return len(keys)
 
@@ -120,7 +106,6 @@ class CPUBackend(HotTier):
                 if not self._pins[k.key]:
                     self._pinned_bytes += entry[1].nbytes
                     self._leaves.pop(k.key, None)
-                    self._main_leaves.pop(k.key, None)
                 self._pins[k.key] += 1
                 n += 1
             return n
@@ -149,26 +134,15 @@ class CPUBackend(HotTier):
             while freed < nbytes:
                 # Leaves only (no holes, nothing pinned), least recent first, skipping chunks
                 # in use right now; evicting a leaf makes its parent the next one.
-                victim = next((n for n in chain(*self._victim_order())
-                               if self._entries[n][1].refs == 1), None)
+                victim = next((n for n in self._leaves if self._entries[n][1].refs == 1), None)
                 if victim is None:
                     break
-                if self._segments is not None:
-                    self._segments.evicted(victim, victim in self._main)
-                entry = self._drop_locked(victim)
+                entry = self._drop_locked(victim, evicted=True)
                 assert entry is not None
                 freed += entry[1].nbytes
                 out.append(entry)
             self._counts.inc("evictions", len(out))
         return out
-
-    def _victim_order(self) -> tuple[OrderedDict[str, None], OrderedDict[str, None]]:
-        """The leaf queues eviction walks, in order: the window's first while it is over its
-        target (`arc`); under lru the main queue is empty."""
-        seg = self._segments
-        if seg is None or seg.window_first(len(self._entries) - len(self._main)):
-            return self._leaves, self._main_leaves
-        return self._main_leaves, self._leaves
 
     def remove(self, keys: Sequence[ChunkKey]) -> int:
         with self._lock:
@@ -180,13 +154,20 @@ class CPUBackend(HotTier):
                     n += 1
             return n
 
-    def _drop_locked(self, name: str) -> tuple[ChunkKey, MemoryObj] | None:
+    def _on_put(self, keys: Sequence[ChunkKey]) -> None:
+        """A policy's hook: `keys` (a prefix's next chunks) were just stored, each a new
+        entry (a leaf where no child of it is cached)."""
+
+    def _on_drop(self, name: str, evicted: bool) -> None:
+        """A policy's hook: `name` left the tier (`evicted`: for room, else removed)."""
+
+    def _drop_locked(self, name: str, evicted: bool = False,
+                     ) -> tuple[ChunkKey, MemoryObj] | None:
         """Unlink an entry; the caller gets the tier's reference."""
         entry = self._entries.pop(name, None)
         if entry is not None:
+            self._on_drop(name, evicted)
             self._leaves.pop(name, None)
-            self._main_leaves.pop(name, None)
-            self._main.discard(name)
             self._bytes -= entry[1].nbytes
             if name in self._pins:  # removed while pinned: its pins now hold nothing
                 self._pinned_bytes -= entry[1].nbytes
@@ -198,26 +179,21 @@ class CPUBackend(HotTier):
                 else:
                     del self._children[prev]
                     if self._sync_leaf(prev):  # a prefix's next chunk to go: evicted next
-                        self._queue(prev).move_to_end(prev, last=False)
+                        self._leaves.move_to_end(prev, last=False)
         return entry
 
-    def _queue(self, name: str) -> OrderedDict[str, None]:
-        return self._main_leaves if name in self._main else self._leaves
-
     def _sync_leaf(self, name: str) -> bool:
-        """Keep `name` among the leaves iff it is cached, childless and unpinned; whether it is."""
+        """Keep `name` in `_leaves` iff it is cached, childless and unpinned; whether it is."""
         if name in self._entries and not self._children.get(name) and name not in self._pins:
-            self._queue(name).setdefault(name, None)
+            self._leaves.setdefault(name, None)
             return True
         self._leaves.pop(name, None)
-        self._main_leaves.pop(name, None)
         return False
 
     def stats(self) -> dict[str, float]:
         with self._lock:
             gauges = {"entries": len(self._entries), "bytes": self._bytes,
-                      "pinned_bytes": self._pinned_bytes,
-                      **(self._segments.stats() if self._segments is not None else {})}
+                      "pinned_bytes": self._pinned_bytes}
         return {**self._counts.snapshot(declared=True), **gauges}
 
     def close(self) -> None:
@@ -226,8 +202,6 @@ class CPUBackend(HotTier):
             entries, self._entries = self._entries, OrderedDict()
             self._children.clear()
             self._leaves.clear()
-            self._main_leaves.clear()
-            self._main.clear()
             self._bytes = 0
         for _, obj in entries.values():
             obj.release()

@@ -2,7 +2,8 @@
 segment a stored prefix joins, and which segment gives up the next leaf.
 
 Chunks of a prefix stored for the first time join the *window*; chunks of a prefix this tier
-has seen before (stored, or evicted, recently) join the *main* segment. Eviction takes the
+has seen lately (its first new chunk was stored, or evicted, not long ago: lists of key
+strings, no data) join the *main* segment. Eviction takes the
 least recently used leaf of the window while the window holds more than its target, else of
 the main segment. The target adapts as in ARC (Megiddo and Modha, FAST'03): a store whose
 first chunk was evicted from the window lately grows it, one evicted from the main segment
@@ -21,7 +22,7 @@ from kvtier.keys import ChunkKey
 
 __all__ = ["Segments", "GHOST_PER_CHUNK", "MAX_GHOST", "WINDOW_START"]
 
-GHOST_PER_CHUNK = 2  # keys remembered per chunk the tier holds (each ghost list, and seen)
+GHOST_PER_CHUNK = 2  # keys remembered per chunk the tier holds, in each list
 MAX_GHOST = 1 << 18  # at most this many keys per list (about 30 MB of strings and links)
 WINDOW_START = 0.1  # the window's first target, as a share of the tier
 
@@ -43,21 +44,20 @@ class Segments:
 
     def joins_main(self, keys: Sequence[ChunkKey]) -> bool:
         """Whether the chunks of a put (a prefix's next chunks, in order) join the main
-        segment; adapts the window's target to where the first one was evicted from."""
+        segment: its first chunk was offered or evicted lately. Adapts the window's target
+        to where that chunk was evicted from."""
         first = keys[0].key
         window, main = self._gone_window, self._gone_main
-        step = len(keys)
+        known = first in self._seen
         if window.pop(first, 0) is None:
-            grow = step * max(1, len(main) / max(1, len(window)))
+            grow = len(keys) * max(1, len(main) / max(1, len(window)))
             self.target = min(self.capacity, self.target + grow)
             known = True
         elif main.pop(first, 0) is None:
-            shrink = step * max(1, len(window) / max(1, len(main)))
+            shrink = len(keys) * max(1, len(window) / max(1, len(main)))
             self.target = max(0.0, self.target - shrink)
             known = True
-        else:
-            known = first in self._seen
-        for k in keys:
+        for k in keys:  # held now: out of the ghost lists, into what was seen
             _remember(self._seen, k.key, self._ghost_cap)
             window.pop(k.key, None)
             main.pop(k.key, None)

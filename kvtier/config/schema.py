@@ -21,8 +21,8 @@ from kvtier.config.names import (
     ADAPTIVE,
     ADMISSION_POLICIES,
     ALWAYS,
+    ARC,
     EVICTION_POLICIES,
-    LRU,
     NAMESPACE_PATTERN,
     PREFETCH_POLICIES,
     WRITE_POLICIES,
@@ -88,7 +88,7 @@ class Config:
     selective_write_threshold: int = 2
     # Which chunks a full CPU tier lets go of first, and which it declines to store at all
     # (kvtier.backends.cpu, kvtier.storage.admission; measured in docs/policies.md).
-    eviction_policy: str = LRU
+    eviction_policy: str = ARC
     admission_policy: str = ALWAYS
     # A request waits for the part of its disk/Redis load that arrives sooner than it could
     # be recomputed (measured speeds; the running requests go on meanwhile).

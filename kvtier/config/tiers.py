@@ -70,7 +70,7 @@ class TierSpec:
 
 # Fastest first: the order puts and gets walk.
 TABLE: list[TierSpec] = [
-    TierSpec(CPU, "kvtier.backends.cpu:CPUBackend", "local_cpu"),
+    TierSpec(CPU, "kvtier.backends.cpu_tier:CPUTier", "local_cpu"),
     TierSpec(DISK, "kvtier.backends.disk:DiskBackend", "local_disk",
              overridable=frozenset({"max_local_disk_size"}),
              inventory="kvtier.backends.disk.inventory:DiskInventory"),

@@ -25,8 +25,8 @@ op = st.tuples(st.sampled_from(["put", "get", "pin", "unpin", "evict", "remove"]
 @given(st.lists(op, max_size=40))
 def test_only_unpinned_leaves_are_evicted_and_the_candidates_stay_exact(ops) -> None:  # noqa: ANN001
     alloc = MemoryAllocator(1 << 24, pin=False)
-    cpu = CPUBackend(BackendContext(Config(chunk_size=16, max_local_cpu_size=0.02), LAYOUT,
-                                    alloc))
+    cpu = CPUBackend(BackendContext(Config(chunk_size=16, max_local_cpu_size=0.02,
+                                           eviction_policy="lru"), LAYOUT, alloc))
     pins: dict[int, int] = {}
     for kind, p, n in ops:
         keys = PROMPTS[p][:n]

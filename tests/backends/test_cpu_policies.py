@@ -1,4 +1,5 @@
-"""The CPU tier's eviction policies (`eviction_policy`): `lru` and `arc`. Under `arc` a burst of
+"""The CPU tier's eviction policies (`eviction_policy`): `lru` and `arc` (`CPUTier(ctx)`, the
+tier table's CPU tier, builds the one configured). Under `arc` a burst of
 first-seen prompts is evicted before a prefix that came back, however old that prefix is, and
 eviction still takes leaves only (never a hole in a prefix)."""
 
@@ -11,6 +12,8 @@ from hypothesis import strategies as st
 
 from kvtier.backends.base import BackendContext
 from kvtier.backends.cpu import CPUBackend
+from kvtier.backends.cpu_arc import ARCBackend
+from kvtier.backends.cpu_tier import CPUTier
 from kvtier.backends.segments import Segments
 from kvtier.config import Config
 from kvtier.errors import ConfigError
@@ -25,7 +28,10 @@ CHUNK_BYTES = LAYOUT.nbytes(16)
 def _tier(policy: str, chunks: int = 16) -> tuple[CPUBackend, MemoryAllocator]:
     alloc = MemoryAllocator(chunks * 4096, pin=False)
     cfg = Config(chunk_size=16, max_local_cpu_size=chunks * 4096 / 1e9, eviction_policy=policy)
-    return CPUBackend(BackendContext(cfg, LAYOUT, alloc)), alloc
+    cpu = CPUTier(BackendContext(cfg, LAYOUT, alloc))
+    assert isinstance(cpu, CPUBackend)
+    assert isinstance(cpu, ARCBackend) == (policy == "arc")
+    return cpu, alloc
 
 
 def _put(cpu: CPUBackend, alloc: MemoryAllocator, keys: list[ChunkKey]) -> None:
@@ -96,7 +102,8 @@ def test_arc_evicts_unpinned_leaves_only(ops) -> None:  # noqa: ANN001
                 obj.release()
         entries, children, pinned = cpu._entries, cpu._children, cpu._pins  # noqa: SLF001
         want = {n for n in entries if not children.get(n) and n not in pinned}
-        window, main = set(cpu._leaves), set(cpu._main_leaves)  # noqa: SLF001
+        leaves = cpu._leaves  # noqa: SLF001
+        window, main = set(leaves.window), set(leaves.main_leaves)
         assert window | main == want and not window & main
     cpu.close()
 
@@ -104,7 +111,7 @@ def test_arc_evicts_unpinned_leaves_only(ops) -> None:  # noqa: ANN001
 def test_the_window_target_adapts_to_where_returning_prefixes_were_evicted_from() -> None:
     seg = Segments(100)
     a, b = make_keys(3 * 16, layout=LAYOUT, seed=7), make_keys(2 * 16, layout=LAYOUT, seed=8)
-    assert not seg.joins_main(a)  # first seen
+    assert not seg.joins_main(a)  # first seen: the window
     assert seg.joins_main(a)  # seen
     start = seg.target
     seg.evicted(b[0].key, main=False)
@@ -115,6 +122,6 @@ def test_the_window_target_adapts_to_where_returning_prefixes_were_evicted_from(
 
 
 def test_the_eviction_policy_is_a_config_choice() -> None:
-    assert Config().eviction_policy == "lru"
+    assert Config().eviction_policy == "arc"
     with pytest.raises(ConfigError, match="eviction_policy"):
         Config(eviction_policy="mru")

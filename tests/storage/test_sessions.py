@@ -3,6 +3,7 @@ and one session's long prompt costs neither other sessions nor ordinary requests
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -59,9 +60,13 @@ def _slots(n: int) -> torch.Tensor:
     return torch.arange(1, n + 1)
 
 
+_FLOOD_SEEDS = itertools.count(100)
+
+
 def _flood(engine: CacheEngine, rounds: int = 12) -> None:
-    """Store more unrelated chunks than the arena holds: everything unpinned is evicted."""
-    for seed in range(100, 100 + rounds):
+    """Store more unrelated chunks than the arena holds: everything unpinned is evicted (fresh
+    prompts each time: under `arc`, prompts seen before would join the main segment)."""
+    for seed in itertools.islice(_FLOOD_SEEDS, rounds):
         engine.store(_prompt(seed, 4), _slots(4 * CHUNK))
 
 

@@ -106,3 +106,21 @@ def test_the_command_writes_the_json_the_issue_names(tmp_path: Path) -> None:
         assert set(row["tiers"]["cpu"]) == {"hit_chunks", "stored_chunks", "evicted_chunks",
                                             "bytes_written"}
     assert "kvtier/Belady" in proc.stdout and "no capacity limit" in proc.stdout
+
+
+def test_each_policy_is_replayed_at_each_capacity_and_second_hit_refuses_one_offs() -> None:
+    result = run(SLICES[0], [10_000, 500_000], "lru,arc,lru+second_hit")
+    rows = {(r["capacity_tokens"], r["policy"]): r for r in result["runs"]}
+    assert [(r["capacity_tokens"], r["policy"]) for r in result["runs"]] == [
+        (c, p) for c in (10_000, 500_000) for p in ("lru", "arc", "lru+second_hit")]
+    for cap in (10_000, 500_000):
+        lru, arc, gated = (rows[cap, p] for p in ("lru", "arc", "lru+second_hit"))
+        assert lru["hit_rate"] == lru["lru_hit_rate"]  # the bounds belong to the capacity
+        assert arc["lru_hit_rate"] == lru["lru_hit_rate"]
+        assert 0 <= arc["stats"]["cpu.window_target_chunks"] <= cap // BLOCK
+        # On this slice most chains are seen once: refused, and the few that come back hit.
+        assert gated["stats"]["admission_refused_chunks"] > 0
+        assert gated["chunks_put"] < lru["chunks_put"]
+        assert gated["hit_rate"] > lru["hit_rate"]
+    with pytest.raises(ValueError, match="unknown policy 'mru'"):
+        run(SLICES[0], [10_000], "lru,mru", limit=5)
