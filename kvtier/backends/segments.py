@@ -57,10 +57,15 @@ class Segments:
             shrink = len(keys) * max(1, len(window) / max(1, len(main)))
             self.target = max(0.0, self.target - shrink)
             known = True
-        for k in keys:  # held now: out of the ghost lists, into what was seen
-            _remember(self._seen, k.key, self._ghost_cap)
-            window.pop(k.key, None)
-            main.pop(k.key, None)
+        seen = self._seen
+        for k in keys:  # held now: out of the ghost lists, into what was seen (the newest)
+            name = k.key
+            seen[name] = None
+            seen.move_to_end(name)
+            window.pop(name, None)
+            main.pop(name, None)
+        while len(seen) > self._ghost_cap:
+            seen.popitem(last=False)
         return known
 
     def evicted(self, name: str, main: bool) -> None:
