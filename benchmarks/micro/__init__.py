@@ -7,4 +7,6 @@ the same run.
     bench_gpu.py        engine store/retrieve on CUDA pools vs a pinned memcpy (needs a GPU)
     bench_retrieve.py   a cold retrieve from the disk tier, pipelined vs serial
     bench_admission.py  the admission copy from the CPU tier into the KV pool, batched vs per chunk
+    bench_policies.py   the CPU tier's store and lookup under each eviction/admission policy vs lru
+    bench_sealing.py    record sealing (AES-GCM) per tenant key vs the record key alone
 """

@@ -4,4 +4,5 @@ manager and tiers, beside the LRU and Belady bounds computed from the same file.
     trace.py   reading a trace (one JSON request a line) into requests of 512-token blocks
     bounds.py  the plain-Python caches: infinite, leaf-first LRU, Belady's offline optimum
     replay.py  the replay through kvtier's StorageManager, its table and its JSON
+    plot.py    hit rate against capacity per policy, from replay.py's JSON (docs/policies.png)
 """

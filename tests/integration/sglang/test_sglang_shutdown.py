@@ -52,13 +52,15 @@ def _stream_until_cut(server: SGLangServer, started: threading.Event,
 
 
 def _server(tiny_llama: Path, tmp_path: Path, *more: str, log: str = "server.log",
-            policy: str = "adaptive") -> SGLangServer:
+            policy: str = "adaptive", stopped: bool = True) -> SGLangServer:
     config = write_config(tmp_path / f"{log}.yaml", local_disk=str(tmp_path / "disk"),
                           max_local_disk_size=0.5, prefetch_policy=policy)
-    # Spawned children, as SGLang makes them: forked ones would inherit the launcher's
-    # signal handlers, and the stop is what these tests are about.
+    # A server a test `stopped` has spawned children, as SGLang makes them: forked ones would
+    # inherit the launcher's signal handlers, and the stop is what these tests are about. A
+    # server that only reads what a stopped one left is a test server like any other.
     server = SGLangServer(tiny_llama, tmp_path / log, args=[
-        "--enable-kvtier", "--kvtier-config-file", str(config), *more], fork_children=False)
+        "--enable-kvtier", "--kvtier-config-file", str(config), *more],
+        fork_children=not stopped)
     return server.start()
 
 
@@ -135,11 +137,11 @@ def test_the_prompt_a_stopped_stream_prefilled_is_stored_for_the_next_server(
     assert "error" in json.loads(events[-2]), events[-3:]
     assert len(drained) == 1 and drained[0][1] == "0", log[-3000:]
     # The next server reads the disk alone for it (the stopped server's CPU tier is gone).
-    nxt = _server(tiny_llama, tmp_path, log="next.log", policy="wait_complete")
+    nxt = _server(tiny_llama, tmp_path, log="next.log", policy="wait_complete", stopped=False)
     try:
         got = nxt.generate(STREAMED, max_new_tokens=1)
     finally:
-        nxt.stop()
+        nxt.kill()
     assert got["meta_info"]["cached_tokens"] >= PROMPT - CHUNK, (got["meta_info"],
                                                                  nxt.log()[-3000:])
 
