@@ -208,13 +208,16 @@ def check_reload_after_flush(server: SGLangServer, seed: int) -> None:
 
 
 def check_conversation(servers: Sequence[SGLangServer], seed: int, turns: int = 4, *,
-                       planned: Sequence[SGLangServer] = ()) -> None:
+                       planned: Sequence[SGLangServer] = (),
+                       landed: Callable[[], None] | None = None) -> None:
     """A conversation of `turns` turns, each sent to the next of `servers` with every device
     cache flushed first: each turn hits all of the previous turn's prompt and answer but at
     most one page (kvtier's tails), and answers as a cold run does. A server in `planned`
     (the `adaptive` policy, started with `--enable-metrics`) may also leave out the tail, one
     chunk at most, and whatever its metrics say it chose to recompute as quicker than the
-    load: on a busy host a short prompt can recompute sooner than Redis answers."""
+    load: on a busy host a short prompt can recompute sooner than Redis answers. `landed`
+    returns once the previous turn's writes to a shared tier are there to be read: another
+    server's write-through is asynchronous, and a busy host can still be writing it."""
     history = prompt(seed, 37)
     before = 0  # tokens the previous turn computed: its prompt and answer
     for turn in range(turns):
@@ -222,6 +225,8 @@ def check_conversation(servers: Sequence[SGLangServer], seed: int, turns: int = 
         expected = cold(server, history)
         for each in servers:
             each.flush_cache()  # kvtier must serve it; also lands the previous turn's stores
+        if landed is not None:
+            landed()
         chosen = _timed_recomputes(server) if server in planned else 0.0
         got = server.generate(history)
         assert got["output_ids"] == expected, f"turn {turn + 1}"

@@ -79,7 +79,9 @@ def test_every_problem_is_reported_at_once_by_the_launch_and_check_config(
         argv += [f"--{flag.replace('_', '-')}", str(value)]
     assert main(argv) == 1
     out, err = capsys.readouterr()
-    assert yaml.safe_load(out)["launch_problems"] == found.problems
+    # the memory available moves between the two checks (13.73 GB, then 13.74, in a CI run)
+    assert list(map(_steady, yaml.safe_load(out)["launch_problems"])) == \
+        list(map(_steady, found.problems))
     assert err.count("kvtier: problem: on this host, ") == 7 and "Traceback" not in err
     nothing = tmp_path / "d"
     assert not nothing.exists()  # checked, never created
@@ -163,3 +165,8 @@ def test_blending_is_refused_at_launch_where_it_cannot_compute_exactly(tmp_path:
     for reason, args in refused.items():
         [problem] = preflight(on, args).problems
         assert problem.startswith("enable_blending: ") and reason in problem, problem
+
+
+def _steady(problem: str) -> str:
+    """`problem` without the host's free memory, which changes from one moment to the next."""
+    return re.sub(r"[\d.]+ GB (of memory available now|per rank)", r"N GB \1", problem)

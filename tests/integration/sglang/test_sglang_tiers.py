@@ -13,6 +13,7 @@ B and C hit on their first request because every tier is timed at start-up, what
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -96,6 +97,19 @@ def test_page4_unrelated_prompt_misses(server_a: SGLangServer) -> None:
     check_unrelated_miss(server_a, seed=23)
 
 
+def _settled(redis: RedisProcess, quiet_s: float = 1.0, limit_s: float = 60.0) -> None:
+    """Returns once Redis has held the same number of keys for `quiet_s` seconds: the other
+    server's write-through of the previous turn has landed (a CI run saw B look before A's
+    write did, on a busy host). A bound on waiting, not a timing the test asserts."""
+    client = redis.client()
+    deadline = time.monotonic() + limit_s
+    size, since = client.dbsize(), time.monotonic()
+    while time.monotonic() - since < quiet_s and time.monotonic() < deadline:
+        time.sleep(0.1)
+        if (now := client.dbsize()) != size:
+            size, since = now, time.monotonic()
+
+
 def test_second_instance_hits_through_shared_redis_then_redis_goes_down(
         servers_ab: tuple[SGLangServer, SGLangServer], redis: RedisProcess,
         served_by_a: dict[int, list[int]]) -> None:
@@ -112,7 +126,8 @@ def test_second_instance_hits_through_shared_redis_then_redis_goes_down(
     assert got["output_ids"] == served_by_a[SHARED_SEED]
     # Turns alternate: B (no CPU tier) loads A's chunks from Redis at admission, and A's tails
     # where they beat recomputing their few tokens; A prefetches B's into its CPU tier.
-    check_conversation([server_a, server_b], seed=24, planned=[server_b])
+    check_conversation([server_a, server_b], seed=24, planned=[server_b],
+                       landed=lambda: _settled(redis))
 
     redis.stop()
     ids = prompt(31, PROMPT_LEN)
