@@ -6,7 +6,6 @@ eviction still takes leaves only (never a hole in a prefix)."""
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,11 +16,10 @@ from kvtier.backends.cpu_tier import CPUTier
 from kvtier.backends.segments import Segments
 from kvtier.config import Config
 from kvtier.errors import ConfigError
-from kvtier.keys import ChunkKey
-from kvtier.memory import KVLayout, MemoryAllocator
-from tests.helpers import make_keys, make_obj
+from kvtier.memory import MemoryAllocator
+from tests.backends.cpu_ops import LAYOUT, OP, apply_ops, put, unpinned_leaves
+from tests.helpers import make_keys
 
-LAYOUT = KVLayout.mha(1, 1, 16, torch.float16)  # 16 tokens: 1 KiB, one 4 KiB arena unit
 CHUNK_BYTES = LAYOUT.nbytes(16)
 
 
@@ -32,13 +30,6 @@ def _tier(policy: str, chunks: int = 16) -> tuple[CPUBackend, MemoryAllocator]:
     assert isinstance(cpu, CPUBackend)
     assert isinstance(cpu, ARCBackend) == (policy == "arc")
     return cpu, alloc
-
-
-def _put(cpu: CPUBackend, alloc: MemoryAllocator, keys: list[ChunkKey]) -> None:
-    objs = [make_obj(alloc, LAYOUT, k.num_tokens, 0) for k in keys]
-    cpu.batch_put(keys, objs)
-    for obj in objs:
-        obj.release()
 
 
 def _evict(cpu: CPUBackend, chunks: int) -> list[str]:
@@ -53,11 +44,11 @@ def _evict(cpu: CPUBackend, chunks: int) -> list[str]:
 def test_a_prefix_that_came_back_outlives_one_off_prompts_under_arc(policy: str) -> None:
     cpu, alloc = _tier(policy)
     p, q, r = (make_keys(4 * 16, layout=LAYOUT, seed=s) for s in (1, 2, 3))
-    _put(cpu, alloc, p)
+    put(cpu, alloc, p)
     assert _evict(cpu, 4) == [k.key for k in reversed(p)]  # leaf first: a chain from its end
-    _put(cpu, alloc, p)  # it came back: under arc it joins the main segment
-    _put(cpu, alloc, q)  # two first-seen prompts, stored after it
-    _put(cpu, alloc, r)
+    put(cpu, alloc, p)  # it came back: under arc it joins the main segment
+    put(cpu, alloc, q)  # two first-seen prompts, stored after it
+    put(cpu, alloc, r)
     gone = _evict(cpu, 2)  # the window (8 chunks) stays over its target (1.6 + 4) meanwhile
     want = p if policy == "lru" else q  # lru takes the least recent; arc the window's
     assert gone == [k.key for k in reversed(want[2:])]
@@ -67,44 +58,17 @@ def test_a_prefix_that_came_back_outlives_one_off_prompts_under_arc(policy: str)
     cpu.close()
 
 
-PROMPTS = [make_keys(16 * 4, layout=LAYOUT, seed=s) for s in range(6)]
-PROMPTS_FLAT = [k for keys in PROMPTS for k in keys]
-op = st.tuples(st.sampled_from(["put", "get", "pin", "unpin", "evict", "remove"]),
-               st.integers(0, len(PROMPTS) - 1), st.integers(1, 4))
-
-
 @settings(max_examples=60, deadline=None)
-@given(st.lists(op, max_size=40))
+@given(st.lists(OP, max_size=40))
 def test_arc_evicts_unpinned_leaves_only(ops) -> None:  # noqa: ANN001
     cpu, alloc = _tier("arc", 64)
-    pins: dict[int, int] = {}
-    for kind, p, n in ops:
-        keys = PROMPTS[p][:n]
-        if kind == "put":
-            _put(cpu, alloc, keys)
-        elif kind == "get":
-            for o in cpu.batch_get(keys):
-                o.release()
-        elif kind == "pin":
-            pins[p] = cpu.pin(PROMPTS[p])
-        elif kind == "unpin" and p in pins:
-            cpu.unpin(PROMPTS[p][:pins.pop(p)])
-        elif kind == "remove":
-            cpu.remove(keys[-1:])
-        elif kind == "evict":
-            cached = set(cpu._entries)  # noqa: SLF001 - the invariant's subject
-            gone: set[str] = set()
-            for key, obj in cpu.pop_lru(n * CHUNK_BYTES):
-                kids = {k.key for k in PROMPTS_FLAT if k.prev == key.key and k.key in cached}
-                assert kids <= gone, "a chunk went while its child was cached"
-                assert key.key not in cpu._pins, "a pinned chunk was evicted"  # noqa: SLF001
-                gone.add(key.key)
-                obj.release()
-        entries, children, pinned = cpu._entries, cpu._children, cpu._pins  # noqa: SLF001
-        want = {n for n in entries if not children.get(n) and n not in pinned}
-        leaves = cpu._leaves  # noqa: SLF001
+
+    def candidates_exact(tier: CPUBackend) -> None:
+        leaves = tier._leaves  # noqa: SLF001
         window, main = set(leaves.window), set(leaves.main_leaves)
-        assert window | main == want and not window & main
+        assert window | main == unpinned_leaves(tier) and not window & main
+
+    apply_ops(cpu, alloc, ops, candidates_exact)
     cpu.close()
 
 
