@@ -8,6 +8,7 @@ import struct
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 import xxhash
 
 from harness.redis import RedisProcess
@@ -18,8 +19,8 @@ from kvtier.backends.record import FIXED_SIZE, header_len
 from kvtier.backends.redis import RedisBackend
 from kvtier.config import Config
 from kvtier.keys import ChunkKey, redis_names
-from kvtier.memory import KVLayout, MemoryAllocator
-from tests.helpers import SMALL_MHA
+from kvtier.memory import KVLayout, MemoryAllocator, lease
+from tests.helpers import SMALL_MHA, put_random, same_bytes
 
 NEW = b"this month's secret, 32 bytes..."
 OLD = b"last month's secret, 32 bytes..."
@@ -98,3 +99,20 @@ def refresh_checksums(buf: bytearray) -> bytearray:
     hsum = xxhash.xxh3_64_intdigest(bytes(buf[: FIXED_SIZE - 8]) + bytes(buf[FIXED_SIZE:hlen]))
     buf[FIXED_SIZE - 8 : FIXED_SIZE] = struct.pack("<Q", hsum)
     return buf
+
+
+def put_random_records(tier: StorageBackend, keys: list[ChunkKey],
+                       seed: int = 0) -> list[torch.Tensor]:
+    """Stores random payloads under `keys` in `tier`; returns them."""
+    ctx = tier.ctx  # type: ignore[attr-defined]
+    return put_random(tier.batch_put, ctx.allocator, ctx.layout, keys, seed)
+
+
+def loads(tier: StorageBackend, keys: list[ChunkKey], want: list[torch.Tensor]) -> bool:
+    """Whether `tier` loads every one of `keys`, byte-exact against `want` (False: no hit)."""
+    with lease(tier.batch_get(keys)) as got:
+        if not got:
+            return False
+        assert len(got) == len(keys)
+        assert all(same_bytes(o.tensor, w) for o, w in zip(got, want))
+        return True

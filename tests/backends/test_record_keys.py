@@ -18,7 +18,7 @@ from kvtier.backends.redis import backend as redis_backend
 from kvtier.backends.redis.io import CipherBuffers
 from kvtier.backends.sealing import RecordKeys
 from kvtier.keys import ChunkKey
-from kvtier.memory import KVLayout, lease
+from kvtier.memory import KVLayout
 from tests.backends.keyed import (
     NEW,
     OLD,
@@ -26,11 +26,13 @@ from tests.backends.keyed import (
     Store,
     Tiers,
     close_all,
+    loads,
+    put_random_records,
     refresh_checksums,
     tier_factory,
 )
 from tests.backends.redis.redis_helpers import MID
-from tests.helpers import make_keys, put_random, same_bytes
+from tests.helpers import make_keys
 
 ID = {s: RecordKeys([s]).current.key_id for s in (NEW, OLD, OTHER)}
 
@@ -59,21 +61,6 @@ def store(request: pytest.FixtureRequest,
     return open_store(request.param)
 
 
-def _put(tier: StorageBackend, keys: list[ChunkKey], seed: int = 0) -> list[torch.Tensor]:
-    ctx = tier.ctx  # type: ignore[attr-defined]
-    return put_random(tier.batch_put, ctx.allocator, ctx.layout, keys, seed)
-
-
-def _loads(tier: StorageBackend, keys: list[ChunkKey], want: list[torch.Tensor]) -> bool:
-    """Whether `tier` loads every one of `keys`, byte-exact against `want` (False: no hit)."""
-    with lease(tier.batch_get(keys)) as got:
-        if not got:
-            return False
-        assert len(got) == len(keys)
-        assert all(same_bytes(o.tensor, w) for o, w in zip(got, want))
-        return True
-
-
 def _key_id(raw: Store, key: ChunkKey) -> bytes:
     data = raw.read(key)
     head = record.parse_header(data, key, KVLayout.mha(2, 2, 8, torch.bfloat16))
@@ -96,8 +83,8 @@ def test_encrypted_round_trip_is_byte_exact(open_store: Callable[[str], tuple[Ti
              if kind == "redis" else {})
     tier = make(NEW, layout=MID, **extra)
     keys = make_keys(2 * tokens, chunk_size=tokens, layout=MID)
-    want = _put(tier, keys)
-    assert _loads(tier, keys, want)
+    want = put_random_records(tier, keys)
+    assert loads(tier, keys, want)
     stored = raw.read(keys[0])
     assert len(stored) == record.expected_header_len(keys[0]) + MID.nbytes(tokens)
     plain = want[0].contiguous().view(torch.uint8).numpy().tobytes()
@@ -111,19 +98,19 @@ def test_another_key_or_none_is_a_counted_miss_and_the_record_stays(
     make, raw = store
     owner, stranger, keyless = make(NEW), make(OTHER), make()
     keys = make_keys(48)
-    want = _put(owner, keys)
+    want = put_random_records(owner, keys)
     before = [raw.read(k) for k in keys]
     for reader in (stranger, keyless):
         assert reader.batch_get(keys) == []
         assert reader.stats()["forged"] == 1 and reader.stats()["corrupt"] == 0
     assert [raw.read(k) for k in keys] == before  # nothing deleted, nothing rewritten
-    assert _loads(owner, keys, want)  # the next reader with the right key loads it
+    assert loads(owner, keys, want)  # the next reader with the right key loads it
     # And the other way round: a plain record (a writer without the key) is not loaded by a
     # reader holding keys, nor deleted by it.
-    plain = _put(keyless, keys, seed=5)
+    plain = put_random_records(keyless, keys, seed=5)
     assert owner.batch_get(keys) == []
     assert owner.stats()["forged"] == 1 and owner.stats()["corrupt"] == 0
-    assert _loads(keyless, keys, plain)
+    assert loads(keyless, keys, plain)
 
 
 def test_rotation_reads_the_previous_key_and_writes_the_current(
@@ -131,13 +118,13 @@ def test_rotation_reads_the_previous_key_and_writes_the_current(
     make, raw = store
     before, rotated, after = make(OLD), make(NEW, OLD), make(NEW)
     keys = make_keys(32)
-    want = _put(before, keys)
+    want = put_random_records(before, keys)
     assert _key_id(raw, keys[0]) == ID[OLD]
-    assert _loads(rotated, keys, want)  # a record of the previous key
+    assert loads(rotated, keys, want)  # a record of the previous key
     new_keys = make_keys(32, seed=1)
-    want_new = _put(rotated, new_keys)
+    want_new = put_random_records(rotated, new_keys)
     assert _key_id(raw, new_keys[0]) == ID[NEW]  # written under the current key
-    assert _loads(after, new_keys, want_new) and _loads(before, keys, want)
+    assert loads(after, new_keys, want_new) and loads(before, keys, want)
     assert after.batch_get(keys) == []  # the previous key retired: its records are misses
     assert before.batch_get(new_keys) == []
     for tier in (after, before):
@@ -146,13 +133,13 @@ def test_rotation_reads_the_previous_key_and_writes_the_current(
 
 
 @pytest.mark.parametrize("where", ["ciphertext", "tag", "segment_bytes"])
-def test_a_tampered_record_never_loads(store: tuple[Tiers, Store], where: str) -> None:
+def test_a_tampered_record_neverloads(store: tuple[Tiers, Store], where: str) -> None:
     """Checksums recomputed (a neighbour): the GCM tag refuses it, a `forged` miss left in
     place. Checksums left as they are (an accident): `corrupt`, deleted."""
     make, raw = store
     tier = make(NEW)
     keys = make_keys(16)
-    _put(tier, keys)
+    put_random_records(tier, keys)
     good = bytearray(raw.read(keys[0]))
     hlen = record.header_len(good)
     if where == "ciphertext":
@@ -181,7 +168,7 @@ def test_a_keyless_split_read_of_an_encrypted_record_is_not_reread(
     writer = make(NEW, layout=MID, remote_segment_mb=0.25)
     reader = make(layout=MID, remote_segment_mb=0.25)
     keys = make_keys(32, layout=MID)
-    _put(writer, keys)
+    put_random_records(writer, keys)
     assert reader.batch_get(keys) == []
     stats = reader.stats()
     assert stats["forged"] == 1 and stats["rereads"] == 0 and stats["corrupt"] == 0
@@ -204,9 +191,9 @@ def test_encrypted_puts_go_in_bounded_groups_from_reused_buffers(
     make, _ = open_store("redis")
     tier = make(NEW, layout=MID, remote_segment_mb=0.25)
     keys = make_keys(16 * 5 + 8, layout=MID)  # five chunks and a tail
-    want = _put(tier, keys)
+    want = put_random_records(tier, keys)
     assert sent == [1, 1, 1, 1, 1, 1]  # a round trip per group: here, per record
-    assert tier.stats()["puts"] == len(keys) and _loads(tier, keys, want)
+    assert tier.stats()["puts"] == len(keys) and loads(tier, keys, want)
     pool = tier._buffers  # type: ignore[attr-defined]
     (kept,) = pool._free  # one chunk's worth kept for the next put
     assert len(kept) == MID.nbytes(16)

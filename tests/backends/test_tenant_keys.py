@@ -32,8 +32,18 @@ from kvtier.backends.record import (
 )
 from kvtier.keys import ChunkKey, KeyBuilder
 from kvtier.memory import MemoryAllocator, lease
-from tests.backends.keyed import NEW, OLD, Store, Tiers, close_all, refresh_checksums, tier_factory
-from tests.helpers import SMALL_MHA, make_obj, put_random, same_bytes
+from tests.backends.keyed import (
+    NEW,
+    OLD,
+    Store,
+    Tiers,
+    close_all,
+    loads,
+    put_random_records,
+    refresh_checksums,
+    tier_factory,
+)
+from tests.helpers import SMALL_MHA, make_obj
 
 _ALLOC = MemoryAllocator(1 << 20)
 
@@ -139,19 +149,6 @@ def store(request: pytest.FixtureRequest, tmp_path: Path, redis_server: RedisPro
     close_all(opened)
 
 
-def _put(tier: StorageBackend, keys: list[ChunkKey], seed: int = 0) -> list[torch.Tensor]:
-    ctx = tier.ctx  # type: ignore[attr-defined]
-    return put_random(tier.batch_put, ctx.allocator, ctx.layout, keys, seed)
-
-
-def _loads(tier: StorageBackend, keys: list[ChunkKey], want: list[torch.Tensor]) -> bool:
-    with lease(tier.batch_get(keys)) as got:
-        if not got:
-            return False
-        assert len(got) == len(keys)
-        return all(same_bytes(o.tensor, w) for o, w in zip(got, want))
-
-
 def _renamed(data: bytes, to: ChunkKey) -> bytes:
     """Record `data` moved under `to`'s name as a neighbour who can write the store would:
     the key string and token digest in its header replaced, both checksums recomputed."""
@@ -168,7 +165,7 @@ def test_a_record_moved_under_another_tenants_name_is_a_forged_miss_and_stays(
     make, raw = store
     tier = make(NEW)
     a, b = tenant_keys("tenant-a"), tenant_keys("tenant-b")  # one prompt, two tenants
-    want = _put(tier, a)
+    want = put_random_records(tier, a)
     assert raw.read(b[0]) == b""
     moved = _renamed(raw.read(a[0]), b[0])
     if raw.client is None:  # a new file: its fan-out directory may not exist yet
@@ -179,19 +176,19 @@ def test_a_record_moved_under_another_tenants_name_is_a_forged_miss_and_stays(
     stats = reader.stats()
     assert stats["forged"] == 1 and stats["corrupt"] == 0
     assert raw.read(b[0]) == moved  # left in place, as every forged record
-    assert _loads(reader, a, want)  # and A's own record loads for A
+    assert loads(reader, a, want)  # and A's own record loads for A
 
 
 def test_tenants_records_round_trip_and_rotate_on_the_tiers(store: tuple[Tiers, Store]) -> None:
     make, raw = store
     before, rotated, after = make(OLD), make(NEW, OLD), make(NEW)
     a, plain = tenant_keys("tenant-a", seed=1), tenant_keys("", seed=1)
-    want_a, want_plain = _put(before, a), _put(before, plain, seed=2)
-    assert _loads(rotated, a, want_a) and _loads(rotated, plain, want_plain)
+    want_a, want_plain = put_random_records(before, a), put_random_records(before, plain, seed=2)
+    assert loads(rotated, a, want_a) and loads(rotated, plain, want_plain)
     assert after.batch_get(a) == [] and after.stats()["forged"] == 1  # the old key retired
     a2 = tenant_keys("tenant-a", seed=3)
-    want_a2 = _put(rotated, a2)  # written under the current key, for tenant A
-    assert _loads(after, a2, want_a2)
+    want_a2 = put_random_records(rotated, a2)  # written under the current key, for tenant A
+    assert loads(after, a2, want_a2)
     assert raw.read(a[0]) and raw.read(a2[0])
 
 
