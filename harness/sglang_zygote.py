@@ -256,6 +256,17 @@ class Zygote:
                 self.proc.wait(10)
 
 
+def _title_settable() -> None:
+    """Let the children name themselves: setproctitle finds the argv it overwrites through the
+    first environment string, the first time it is called, and a child that replaced its
+    environment (`_become_server`) leaves it nothing to find: SGLang's scheduler kept the
+    zygote's command line, and SGLang's stop, which waits only for processes named
+    `sglang::scheduler`, SIGKILLed it before its drain. Called here once, before any fork."""
+    import setproctitle
+
+    setproctitle.setproctitle("kvtier-test-zygote " + " ".join(sys.argv[1:3]))
+
+
 # Read when the launcher's modules are imported: a server whose value differs starts the
 # usual way.
 IMPORT_TIME_ENV = ("PYTHONPATH", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "THP_MEM_ALLOC_ENABLE",
@@ -268,4 +279,5 @@ if __name__ == "__main__":
     sys.path[0] = os.getcwd()  # as `python -m` has it
     for name in sys.argv[2:]:
         importlib.import_module(name)
+    _title_settable()
     _serve(sys.argv[1], sys.argv[2])

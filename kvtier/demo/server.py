@@ -220,8 +220,9 @@ class SGLangServer:
 
     def stop(self, timeout: float = 5.0) -> int | None:
         """Stop the server's process group (SIGTERM, then SIGKILL after `timeout` s); returns
-        the exit code. kvtier needs no graceful exit: SGLang SIGKILLs its workers anyway, and
-        `/flush_cache` is what makes stored KV durable."""
+        the exit code. SIGTERM takes SGLang's graceful stop, in which kvtier writes what it
+        still had queued for its lower tiers (4 s at most): give `timeout` room for it where
+        those writes matter."""
         if self.proc is None:
             return None
         if self.proc.poll() is None:

@@ -84,9 +84,7 @@ def register() -> None:
     for target, hook, kind in hooks:
         HookRegistry.register(target, hook, kind)
     cpu_attention.install_if_asked()
-    if shutdown.in_server():  # a child of a launcher with kvtier: scheduler, detokenizer
-        shutdown.leave_sigint_to_launcher()
-        shutdown.exit_unfinalized_at_exit()
+    shutdown.set_up_server_child()
 
 
 def _add_cli_args(original: Callable[..., Opaque], parser: argparse.ArgumentParser) -> Opaque:

@@ -33,7 +33,6 @@ import atexit
 import contextlib
 import logging
 import os
-import shutil
 import signal
 import sys
 import threading
@@ -43,6 +42,8 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from kvtier.integration.sglang import stop_wait
+
 if TYPE_CHECKING:
     from kvtier.engine import WriteLoss
     from kvtier.integration.sglang.adapter import SGLangKVTier
@@ -50,7 +51,8 @@ if TYPE_CHECKING:
 __all__ = ["GRACE_S", "DRAIN_S", "LAUNCHER_ENV", "Drained", "drain", "drain_and_log",
            "drain_then_kill", "install_scheduler_handlers", "around_launch_server",
            "in_server", "is_launcher", "set_exit_code", "prepare_launcher",
-           "leave_sigint_to_launcher", "exit_unfinalized_at_exit", "note_batch"]
+           "leave_sigint_to_launcher", "exit_unfinalized_at_exit", "note_batch",
+           "set_up_server_child"]
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +170,15 @@ def leave_sigint_to_launcher() -> None:
     signal.signal(signal.SIGINT, on_sigint)
 
 
+def set_up_server_child() -> None:
+    """In a child of a launcher with kvtier (scheduler, detokenizer; nothing elsewhere): the
+    first SIGINT is the launcher's, and the exit skips finalization. The plugin calls it as
+    the child loads it; a child forked rather than spawned (tests) calls it after the fork."""
+    if in_server():
+        leave_sigint_to_launcher()
+        exit_unfinalized_at_exit()
+
+
 def install_scheduler_handlers(kv: SGLangKVTier) -> bool:
     """SIGTERM drains `kv` and exits; SIGINT is left to the launcher once (see the module
     docstring). False when not on the main thread (Python allows handlers only there)."""
@@ -265,87 +276,9 @@ def _drain_and_exit(kv: SGLangKVTier) -> None:
 
 def drain_then_kill(children: list[Any], stop_dir: Path) -> None:
     """SIGTERM every scheduler with kvtier among `children` (psutil processes; those with a
-    file in `stop_dir`), wait until each has reported its drain done (its file gone),
-    `DRAIN_S` + a margin at most, then SIGTERM the other children; a KeyboardInterrupt (a
-    second Ctrl-C) cuts the wait. What is still alive is left to the caller's SIGKILL.
-
-    The others wait because a scheduler dies with its parent: at `--dp-size` > 1 the
-    schedulers are children of SGLang's data-parallel controller, which dies on SIGTERM, and
-    its children are SIGKILLed with it (a test saw both schedulers killed mid-drain).
-
-    Anything else in `stop_dir` (a name that is not a plain decimal pid, a directory) is
-    ignored (`_marker_pids`): it must not cost the schedulers their drain."""
-    strays: set[str] = set()
-    draining = _marker_pids(stop_dir, strays)
-    schedulers = [proc for proc in children if proc.pid in draining]
-    _terminate(schedulers)
-    try:
-        _wait_for_drains(stop_dir, schedulers, strays)
-    finally:
-        _terminate([proc for proc in children if proc.pid not in draining])
-
-
-def _marker_pids(stop_dir: Path, strays: set[str]) -> set[int]:
-    """The pids whose scheduler files are in `stop_dir`: regular files named by a plain
-    decimal pid (`str(pid)`). Anything else (`123abc`, `0123`, a directory) is not one of
-    ours: ignored, logged at debug once per name (`strays` holds those logged). Never raises
-    (a missing directory: none)."""
-    try:
-        entries = list(stop_dir.iterdir())
-    except OSError:
-        return set()
-    pids: set[int] = set()
-    for entry in entries:
-        name = entry.name
-        if name.isascii() and name.isdigit() and str(int(name)) == name and entry.is_file():
-            pids.add(int(name))
-        elif name not in strays:
-            strays.add(name)
-            logger.debug("kvtier: %r in the stop directory %s is not a scheduler's file (a "
-                         "file named by its pid); ignored", name, stop_dir)
-    return pids
-
-
-def _terminate(procs: list[Any]) -> None:
-    for proc in procs:
-        with contextlib.suppress(Exception):  # gone already
-            proc.terminate()
-
-
-def _wait_for_drains(stop_dir: Path, schedulers: list[Any], strays: set[str]) -> None:
-    """Until every scheduler's file is gone, or its process is (a second Ctrl-C stops a
-    scheduler at once, before any report), `DRAIN_S` + a margin at most."""
-    start = time.monotonic()
-    deadline = start + DRAIN_S + _EXIT_MARGIN_S
-    alive = {proc.pid: proc for proc in schedulers}
-
-    def reporting() -> list[int]:
-        return [pid for pid in _marker_pids(stop_dir, strays)
-                if pid in alive and _running(alive[pid])]
-
-    try:
-        while (left := reporting()) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        gone = len(_marker_pids(stop_dir, strays) & alive.keys()) - len(left)
-    except KeyboardInterrupt:
-        logger.warning("kvtier: stop forced: queued writes of the schedulers are dropped")
-        return
-    finally:
-        shutil.rmtree(stop_dir, ignore_errors=True)
-    if gone:
-        logger.warning("kvtier: %d schedulers stopped before their drain (a second Ctrl-C, or "
-                       "a crash); their queued writes are dropped", gone)
-    if left:
-        logger.warning("kvtier: %d schedulers still draining %.1f s after SIGTERM; SGLang "
-                       "kills them (their queued writes are dropped)", len(left),
-                       time.monotonic() - start)
-
-
-def _running(proc: Any) -> bool:
-    try:
-        return bool(proc.is_running()) and proc.status() != "zombie"
-    except Exception:  # gone
-        return False
+    file in `stop_dir`), wait until each has reported its drain done, `DRAIN_S` + a margin at
+    most, then SIGTERM the other children (`stop_wait.drain_then_kill`)."""
+    stop_wait.drain_then_kill(children, stop_dir, DRAIN_S + _EXIT_MARGIN_S)
 
 
 def around_launch_server(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

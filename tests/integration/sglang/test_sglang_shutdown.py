@@ -52,15 +52,15 @@ def _stream_until_cut(server: SGLangServer, started: threading.Event,
 
 
 def _server(tiny_llama: Path, tmp_path: Path, *more: str, log: str = "server.log",
-            policy: str = "adaptive", stopped: bool = True) -> SGLangServer:
+            policy: str = "adaptive", spawned: bool = False) -> SGLangServer:
+    # Forked children, as every test server's (the test plugin gives a forked child what a
+    # spawned one does as it loads kvtier: the first Ctrl-C is left to the launcher), but for
+    # the first test's: `spawned` children are SGLang's own, what users run.
     config = write_config(tmp_path / f"{log}.yaml", local_disk=str(tmp_path / "disk"),
                           max_local_disk_size=0.5, prefetch_policy=policy)
-    # A server a test `stopped` has spawned children, as SGLang makes them: forked ones would
-    # inherit the launcher's signal handlers, and the stop is what these tests are about. A
-    # server that only reads what a stopped one left is a test server like any other.
     server = SGLangServer(tiny_llama, tmp_path / log, args=[
         "--enable-kvtier", "--kvtier-config-file", str(config), *more],
-        fork_children=not stopped)
+        fork_children=not spawned)
     return server.start()
 
 
@@ -83,13 +83,13 @@ DRAINED = re.compile(r"kvtier: stopping: (\d+) queued writes drained in [\d.]+ s
 
 
 def _ctrl_c_after(tiny_llama: Path, tmp_path: Path, prompts: int, *more: str,
-                  events: list[str] | None = None
+                  events: list[str] | None = None, spawned: bool = False
                   ) -> tuple[SGLangServer, str, list[tuple[str, str]]]:
     """A server that answered `prompts` prompts (their disk writes queue behind the stream's
     batches), stopped by one Ctrl-C while a response streams (its events in `events`): the
     server, its log, and each scheduler's (drained, dropped). Checks the stop's bound and that
     nothing crashed."""
-    server = _server(tiny_llama, tmp_path, *more)
+    server = _server(tiny_llama, tmp_path, *more, spawned=spawned)
     try:
         for seed in range(prompts):
             server.generate(prompt(seed, PROMPT), max_new_tokens=1)
@@ -109,7 +109,7 @@ def _ctrl_c_after(tiny_llama: Path, tmp_path: Path, prompts: int, *more: str,
 def test_ctrl_c_while_streaming_stops_in_seconds_and_drains_queued_writes(
         tiny_llama: Path, tmp_path: Path) -> None:
     events: list[str] = []
-    server, log, drained = _ctrl_c_after(tiny_llama, tmp_path, 3, events=events)
+    server, log, drained = _ctrl_c_after(tiny_llama, tmp_path, 3, events=events, spawned=True)
     assert len(drained) == 1 and drained[0][1] == "0", log[-3000:]
     assert "kvtier: SIGINT: no new requests; in-flight requests get" in log
     # The stream the grace did not let finish ends with an error naming the stop, then
@@ -137,7 +137,7 @@ def test_the_prompt_a_stopped_stream_prefilled_is_stored_for_the_next_server(
     assert "error" in json.loads(events[-2]), events[-3:]
     assert len(drained) == 1 and drained[0][1] == "0", log[-3000:]
     # The next server reads the disk alone for it (the stopped server's CPU tier is gone).
-    nxt = _server(tiny_llama, tmp_path, log="next.log", policy="wait_complete", stopped=False)
+    nxt = _server(tiny_llama, tmp_path, log="next.log", policy="wait_complete")
     try:
         got = nxt.generate(STREAMED, max_new_tokens=1)
     finally:
@@ -190,6 +190,7 @@ def test_sigterm_takes_sglang_s_graceful_path_and_drains_too(
     assert drained and int(drained[2]) == 0, log[-3000:]
     assert "no write lost before the stop" in log, log[-3000:]  # a healthy disk lost none
     assert "still draining" not in log, log[-3000:]  # the scheduler reported its drain done
+    assert "stopped before their drain" not in log, log[-3000:]  # and was not killed first
     assert len(list((tmp_path / "disk").rglob("*.kvt"))) >= 3 * (PROMPT // CHUNK)
     assert "nanobind: leaked" not in log and "Traceback" not in log, log[-3000:]
 

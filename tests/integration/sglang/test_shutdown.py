@@ -22,7 +22,7 @@ from harness.redis import RedisProcess
 from kvtier.config import Config
 from kvtier.connectors import SGLangMHAConnector
 from kvtier.engine import CacheEngine
-from kvtier.integration.sglang import shutdown
+from kvtier.integration.sglang import shutdown, stop_wait
 from kvtier.integration.sglang.adapter import SGLangKVTier
 from tests.helpers import SMALL_MHA
 
@@ -117,7 +117,7 @@ def test_stray_names_in_the_stop_directory_cost_no_drain(
         while not (stop_dir / str(child.pid)).exists() and time.monotonic() < deadline:
             time.sleep(0.01)
         start = time.monotonic()
-        with caplog.at_level(logging.DEBUG, logger=shutdown.__name__):
+        with caplog.at_level(logging.DEBUG, logger=stop_wait.__name__):
             shutdown.drain_then_kill([psutil.Process(child.pid)], stop_dir)
         took = time.monotonic() - start
         assert child.wait(BOUND_S) == 0  # SIGTERMed, drained, reported
