@@ -66,9 +66,13 @@ def _store(kv: SGLangKVTier, prompt: int) -> None:
 
 def test_the_stop_counts_the_writes_a_paused_redis_lost(
         kv: SGLangKVTier, redis: RedisProcess, caplog: pytest.LogCaptureFixture) -> None:
+    before = kv.engine.write_backlog().written
     _store(kv, 0)
     healthy = shutdown.drain(kv, BOUND_S)
-    assert (healthy.written, healthy.dropped, healthy.lost_total) == (4, 0, 0), healthy
+    # The writer may have written some or all of the 4 before the drain began (a busy CI host
+    # saw all 4 written first): the drain counts what it wrote, the backlog everything.
+    assert kv.engine.write_backlog().written - before == 4, healthy
+    assert healthy.written <= 4 and (healthy.dropped, healthy.lost_total) == (0, 0), healthy
     assert redis.pid is not None
     os.kill(redis.pid, signal.SIGSTOP)  # paused: every call on it times out
     for prompt in (1, 2, 3):
