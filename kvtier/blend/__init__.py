@@ -15,6 +15,10 @@ and re-rotation), `forward` (a Llama-family forward over plain weight tensors, i
 blended), `weights` (those tensors from a Hugging Face directory), `verify` (segment records
 compared with the segment computed alone again). Nothing here imports SGLang; it is served by
 `kvtier.integration.sglang.blending` (docs/blending.md).
+
+Not yet as the layers would have it: `store` and `verify` reach the storage manager and the
+tiers themselves (a third door beside the engine's two), where the engine wing should hold a
+segment's storage and this package only compute.
 """
 
 from __future__ import annotations

@@ -8,7 +8,9 @@ that tier is configured (redis-py loads only for a Redis URL); the architecture 
 every one of them, so the import graph it checks includes them.
 
 Adding a tier is one folder under `kvtier/backends/` and one row here (`register` adds one at
-run time, for tests and plugins).
+run time, for tests and plugins). Not yet the only place a tier's name matters: the CLI,
+preflight and attach still run checks of their own for the disk tier, and a few modules
+branch on one tier's name (the tier set, the Prometheus export, the CLI).
 """
 
 from __future__ import annotations
