@@ -29,3 +29,22 @@ def test_the_readme_stays_a_page() -> None:
     """A product page, not a manual: details live in docs/ and benchmarks/ (issue 52)."""
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= 200, f"README.md has {len(lines)} lines; move details into docs/"
+
+
+def test_the_cpu_launch_line_serves_the_demos_dtype() -> None:
+    """The README's CPU line and `make demo` serve the same dtype, so their numbers compare
+    (without `--dtype`, SGLang serves a float32 model in float16)."""
+    from benchmarks.serving.bench_readme_cpu import readme_cpu_launch
+    from kvtier.demo.server import CPU_FLAGS
+
+    def dtype(flags: list[str]) -> str | None:
+        return flags[flags.index("--dtype") + 1] if "--dtype" in flags else None
+
+    demo = dtype(list(CPU_FLAGS))
+    assert demo == "float32"
+    assert dtype(readme_cpu_launch()) == demo
+    torch_lines = [ln for ln in (ROOT / "README.md").read_text().splitlines()
+                   if ln.startswith("pip install torch==") and "/whl/cpu" in ln]
+    assert len(torch_lines) == 1, "the README shows no CPU torch command to copy"
+    tested = re.search(r"^TORCH := (\S+)$", (ROOT / "Makefile").read_text(), re.M)
+    assert tested and torch_lines[0].split()[2] == tested[1]  # the torch `make setup` installs
