@@ -12,11 +12,11 @@ import torch
 
 from kvtier.config import Config
 from kvtier.connectors import KVConnector, SGLangMHAConnector, SGLangMLAConnector
+from kvtier.connectors.streams import Fence
 from kvtier.engine import CacheEngine
 from kvtier.kernels.host_copy import reference_gather_host, reference_scatter_host
-from kvtier.kernels.streams import Fence
 from kvtier.memory import ALIGN, MemoryObj
-from tests.kernels.test_streams import FakeEvent
+from tests.connectors.test_streams import FakeEvent
 
 CHUNK, SLOTS = 16, 256
 

@@ -28,7 +28,7 @@ from kvtier.storage.sessions import session_tag
 
 if TYPE_CHECKING:
     from kvtier.blend.store import SegmentStore
-    from kvtier.kernels.streams import DeviceCopies
+    from kvtier.connectors.streams import DeviceCopies
 
 # `Prefetch`: the handle `start_prefetch` returns, named here so callers need only this module.
 __all__ = ["CacheEngine", "Prefetch", "TokenIds"]
@@ -53,7 +53,7 @@ class CacheEngine:
         page_size: the engine's KV page size in tokens: tails (`save_tails`) are whole pages.
 
     On a CUDA pool the chunks stay in the pinned host arena and every copy runs on kvtier's own
-    CUDA streams (`kernels.streams`): `store` waits for its copy on the calling thread (call
+    CUDA streams (`connectors.streams`): `store` waits for its copy on the calling thread (call
     it off the serving thread), `retrieve` never waits: the caller's current stream waits for
     the loaded bytes before the work enqueued next.
 
@@ -103,7 +103,7 @@ class CacheEngine:
         self.tiers = TierControl(self.storage)  # lower tiers attached and detached at run time
         self._device: DeviceCopies | None = None
         if connector.device.type == "cuda":
-            from kvtier.kernels.streams import DeviceCopies
+            from kvtier.connectors.streams import DeviceCopies
 
             self._device = DeviceCopies(connector, self.storage.counters)
         self._saver = PrefixSaver(self.storage, layout, connector, self._device, self._writes_down)

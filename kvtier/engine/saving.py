@@ -22,7 +22,7 @@ from kvtier.memory import KVLayout, MemoryObj, lease
 from kvtier.storage import StorageManager
 
 if TYPE_CHECKING:
-    from kvtier.kernels.streams import DeviceCopies
+    from kvtier.connectors.streams import DeviceCopies
 
 __all__ = ["PrefixSaver"]
 

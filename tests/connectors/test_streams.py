@@ -10,8 +10,8 @@ import torch
 
 from kvtier.config import Config
 from kvtier.connectors import SGLangMHAConnector
+from kvtier.connectors.streams import DeviceCopies, Fence
 from kvtier.engine import CacheEngine
-from kvtier.kernels.streams import DeviceCopies, Fence
 from kvtier.memory import KVLayout, MemoryAllocator
 from kvtier.metrics import Counters
 
