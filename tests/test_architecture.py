@@ -91,6 +91,17 @@ def test_config_imports_no_tier_no_keys_no_storage(module):
     assert not bad, f"{module} imports {bad}"
 
 
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("kvtier.kernels")))
+def test_kernels_import_nothing_of_the_data_path(module):
+    # The bottom of the house: the copies know tensors and their own checks, and nothing that
+    # calls them (the CUDA streams, which copy through a connector's staging, sit beside the
+    # connectors: kvtier.connectors.streams).
+    above = ("kvtier.connectors", "kvtier.memory", "kvtier.storage", "kvtier.backends",
+             "kvtier.engine", "kvtier.integration", "kvtier.blend", "kvtier.keys", "kvtier.cli")
+    bad = sorted(m for m in GRAPH[module] if m.startswith(above))
+    assert not bad, f"{module} imports {bad}"
+
+
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("kvtier.integration")))
 def test_integration_goes_through_the_engine(module):
     # Through the engine wing's doors (CacheEngine, its `tiers`, PageStore), never past them.
