@@ -1,6 +1,7 @@
 """The serving-path cost of the CPU tier's policies (`eviction_policy`, `admission_policy`): a
-store and a lookup through the `StorageManager`, each policy beside `lru` + `always` (kvtier's
-behaviour before policies) in the same run.
+store and a lookup through the `StorageManager`, each policy beside `lru` + `always` without a
+tenant share (kvtier's behaviour before policies and shares) in the same run; `+share0.5` rows
+keep `tenant_max_fraction: 0.5`'s books (`--tenants noisy`: and evict by it).
 
 Small chunks (one layer, one KV head, head_dim 1, float32, 512 tokens: 2 KiB), so the policy's
 bookkeeping is as large a share of a call as it can be (real chunks are megabytes: the copy
@@ -21,7 +22,7 @@ A `second_hit` store of a first-seen prompt into a full arena is refused: it cop
 so its store column measures the refusal, not a store.
 
     python -m benchmarks.micro.bench_policies [--rounds 7] [--calls 400] [--chunks 8] \\
-        [--model --arena-chunks 256]
+        [--model --arena-chunks 256] [--tenants noisy]
 """
 
 from __future__ import annotations
@@ -50,7 +51,14 @@ CHUNK_BYTES = 4096  # one arena unit
 # (1.4 MiB), each store copying its chunks' bytes in from a pool as the engine's gather does.
 MODEL_TOKENS = 64
 MODEL_LAYOUT = KVLayout.mha(30, 3, 64, torch.bfloat16)
-POLICIES = (("lru", "always"), ("arc", "always"), ("lru", "second_hit"), ("arc", "second_hit"))
+# (eviction_policy, admission_policy, tenant_max_fraction): `lru+always` without a share (1:
+# no tenant bookkeeping) is kvtier before policies and shares; `+share0.5` rows track tenants.
+POLICIES = (("lru", "always", 1.0), ("lru", "always", 0.5), ("arc", "always", 1.0),
+            ("arc", "always", 0.5), ("lru", "second_hit", 0.5), ("arc", "second_hit", 0.5))
+BASE = "lru+always"
+# `--tenants noisy`: three prompts of four are one tenant's, the fourth another's, so the
+# noisy one is over a 0.5 share and evicts its own chunks, walking past the quiet one's.
+TENANTS = ("one", "noisy")
 _SEEDS = itertools.count()
 
 
@@ -77,10 +85,18 @@ def _shape(model: bool) -> Shape:
     return Shape(MODEL_LAYOUT, MODEL_TOKENS, pool)
 
 
-def _prompt(builder: KeyBuilder, chunks: int) -> list[ChunkKey]:
+def _name(policy: tuple[str, str, float]) -> str:
+    return "+".join(policy[:2]) + ("" if policy[2] == 1 else f"+share{policy[2]:g}")
+
+
+def _prompt(builder: KeyBuilder, chunks: int, tenants: str = "one") -> list[ChunkKey]:
     seed = next(_SEEDS)
     tokens = builder.chunk_size
-    return builder.keys(torch.arange(chunks * tokens) + seed * chunks * tokens)
+    keys = builder.keys(torch.arange(chunks * tokens) + seed * chunks * tokens)
+    if tenants == "one":
+        return keys
+    salt = "quiet" if seed % 4 == 0 else "noisy"
+    return [k._replace(salt=salt) for k in keys]
 
 
 def _store(manager: StorageManager, keys: list[ChunkKey],
@@ -99,18 +115,20 @@ def _store(manager: StorageManager, keys: list[ChunkKey],
         manager.put(todo[:len(objs)], objs)
 
 
-def _manager(policy: tuple[str, str], arena_chunks: int, shape: Shape) -> StorageManager:
+def _manager(policy: tuple[str, str, float], arena_chunks: int, shape: Shape,
+             ) -> StorageManager:
     size = arena_chunks * shape.arena_unit
     config = Config(chunk_size=shape.tokens, max_local_cpu_size=size / 1e9,
-                    eviction_policy=policy[0], admission_policy=policy[1])
+                    eviction_policy=policy[0], admission_policy=policy[1],
+                    tenant_max_fraction=policy[2])
     return StorageManager(config, shape.layout, MemoryAllocator(size, pin=False))
 
 
-def _filled(policy: tuple[str, str], arena_chunks: int, chunks: int, shape: Shape,
-            builder: KeyBuilder) -> tuple[StorageManager, list[list[ChunkKey]]]:
+def _filled(policy: tuple[str, str, float], arena_chunks: int, chunks: int, shape: Shape,
+            builder: KeyBuilder, tenants: str) -> tuple[StorageManager, list[list[ChunkKey]]]:
     """A manager whose arena is full of prompts, and the newest quarter of them (to look up)."""
     manager = _manager(policy, arena_chunks, shape)
-    held = [_prompt(builder, chunks) for _ in range(arena_chunks // chunks)]
+    held = [_prompt(builder, chunks, tenants) for _ in range(arena_chunks // chunks)]
     for keys in held:
         _store(manager, keys, shape.pool)
     return manager, held[-max(1, len(held) // 4):]
@@ -131,23 +149,23 @@ def _block(manager: StorageManager, looked: list[list[ChunkKey]], fresh: list[li
 
 
 def run(rounds: int, calls: int, chunks: int, arena_chunks: int,
-        model: bool = False) -> dict[str, Any]:
+        model: bool = False, tenants: str = "one") -> dict[str, Any]:
     shape = _shape(model)
     builder = shape.builder()
-    names = ["+".join(p) for p in POLICIES]
+    names = [_name(p) for p in POLICIES]
     samples: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     for r in range(rounds):
-        made = {n: _filled(p, arena_chunks, chunks, shape, builder)
+        made = {n: _filled(p, arena_chunks, chunks, shape, builder, tenants)
                 for n, p in zip(names, POLICIES)}
         try:
             for n in names[r % len(names):] + names[:r % len(names)]:  # the order rotates
                 manager, looked = made[n]
-                fresh = [_prompt(builder, chunks) for _ in range(calls)]
+                fresh = [_prompt(builder, chunks, tenants) for _ in range(calls)]
                 samples[n].append(_block(manager, looked, fresh, shape.pool))
         finally:
             for manager, _ in made.values():
                 manager.close()
-    base = samples["lru+always"]
+    base = samples[BASE]
     rows = []
     for name, got in samples.items():
         row: dict[str, Any] = {"policy": name}
@@ -161,7 +179,7 @@ def run(rounds: int, calls: int, chunks: int, arena_chunks: int,
                 s[op] / b[op] for s, b in zip(got, base)), 3)
         rows.append(row)
     return {"rounds": rounds, "calls": calls, "chunks": chunks, "arena_chunks": arena_chunks,
-            "chunk_bytes": shape.layout.nbytes(shape.tokens), "copies": model,
+            "chunk_bytes": shape.layout.nbytes(shape.tokens), "copies": model, "tenants": tenants,
             "clock": "thread_time", "rows": rows}
 
 
@@ -173,9 +191,12 @@ def main() -> None:
     parser.add_argument("--arena-chunks", type=int, default=2048)
     parser.add_argument("--model", action="store_true",
                         help="SmolLM2-135M chunks of 64 tokens (1.4 MiB), copied in by a store")
+    parser.add_argument("--tenants", choices=TENANTS, default="one",
+                        help="one tenant, or a noisy one storing 3 prompts of 4 and a quiet one")
     parser.add_argument("--json", default=str(RESULTS / "bench_policies.json"))
     args = parser.parse_args()
-    result = run(args.rounds, args.calls, args.chunks, args.arena_chunks, args.model)
+    result = run(args.rounds, args.calls, args.chunks, args.arena_chunks, args.model,
+                 args.tenants)
     print("| policy | store (us) | store / lru | median ratio | lookup (us) | lookup / lru "
           "| median ratio |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")

@@ -5,6 +5,12 @@ Eviction takes suffixes first, so a lookup after memory pressure still finds a u
 rather than holes: a batch is touched from its last chunk to its first (within a prefix the
 deeper chunks are older), and only leaves are evicted: a chunk whose child is cached stays until
 the child is gone, however the chunks were put (one call or many).
+
+Tenants (a chunk's `salt`, SGLang's `cache_salt`; unsalted chunks are one tenant) share the tier
+under `tenant_max_fraction`: while more than one tenant holds chunks, an eviction takes the
+policy's first leaf of a tenant holding more than that share of the tier, and only when no such
+leaf can go the policy's first leaf of anyone. A tenant alone keeps the whole tier, and the
+tier stays full: the share decides whose chunks go, never leaves room unused.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from typing import Any
 from kvtier.backends.base import BackendContext, HotTier
 from kvtier.config.names import CPU
 from kvtier.keys import ChunkKey
-from kvtier.memory import MemoryObj
+from kvtier.memory import ALIGN, MemoryObj
 
 __all__ = ["CPUBackend"]
 
@@ -41,7 +47,16 @@ class CPUBackend(HotTier):
         self._pins: Counter[str] = Counter()  # key -> number of holders pinning it
         self._pinned_bytes = 0
         self._bytes = 0
-        self._counts = ctx.counters.scope(self.name, "hits", "misses", "puts", "evictions")
+        self._counts = ctx.counters.scope(self.name, "hits", "misses", "puts", "evictions",
+                                          "share_evictions")
+        # Tenants' arena bytes (whole allocation units, as the arena counts them), and the
+        # tenants over their share (`_share`); a share of 1 tracks nothing.
+        fraction = ctx.config.tenant_max_fraction
+        # Staging (another role) holds loads in flight only: plain LRU.
+        shared = fraction < 1 and self.name == CPU
+        self._share = int(fraction * ctx.allocator.size) if shared else None
+        self._tenant_bytes: dict[str, int] = {}
+        self._over: set[str] = set()
         self._closed = False
 
     def batch_contains(self, keys: Sequence[ChunkKey]) -> int:
@@ -86,6 +101,8 @@ class CPUBackend(HotTier):
                     old[1].release()
                 self._entries[k.key] = (k, obj.retain())
                 self._bytes += obj.nbytes
+                if self._share is not None:
+                    self._tenant_held(k.salt, -(-obj.nbytes // ALIGN) * ALIGN)
                 if k.key in self._pins:
                     self._pinned_bytes += obj.nbytes
                 self._sync_leaf(k.key)
@@ -134,7 +151,12 @@ class CPUBackend(HotTier):
             while freed < nbytes:
                 # Leaves only (no holes, nothing pinned), least recent first, skipping chunks
                 # in use right now; evicting a leaf makes its parent the next one.
-                victim = next((n for n in self._leaves if self._entries[n][1].refs == 1), None)
+                victim = self._over_share_leaf()
+                if victim is None:
+                    victim = next((n for n in self._leaves if self._entries[n][1].refs == 1),
+                                  None)
+                else:
+                    self._counts.inc("share_evictions")
                 if victim is None:
                     break
                 entry = self._drop_locked(victim, evicted=True)
@@ -154,6 +176,29 @@ class CPUBackend(HotTier):
                     n += 1
             return n
 
+    def _over_share_leaf(self) -> str | None:
+        """The policy's first evictable leaf of a tenant over its share, while another tenant
+        holds chunks too; None if there is none (then the policy's first leaf of anyone goes).
+        Walks past the leaves of tenants within their share only: nothing while none is over."""
+        if not self._over or len(self._tenant_bytes) < 2:
+            return None
+        over, entries = self._over, self._entries
+        return next((n for n in self._leaves
+                     if entries[n][0].salt in over and entries[n][1].refs == 1), None)
+
+    def _tenant_held(self, salt: str, nbytes: int) -> None:
+        """Tenant `salt` holds `nbytes` more (or fewer, when negative); keeps `_over` exact."""
+        assert self._share is not None
+        held = self._tenant_bytes.get(salt, 0) + nbytes
+        if held:
+            self._tenant_bytes[salt] = held
+        else:
+            del self._tenant_bytes[salt]
+        if held > self._share:
+            self._over.add(salt)
+        else:
+            self._over.discard(salt)
+
     def _on_put(self, keys: Sequence[ChunkKey]) -> None:
         """A policy's hook: `keys` (a prefix's next chunks) were just stored, each a new
         entry (a leaf where no child of it is cached)."""
@@ -169,6 +214,8 @@ class CPUBackend(HotTier):
             self._on_drop(name, evicted)
             self._leaves.pop(name, None)
             self._bytes -= entry[1].nbytes
+            if self._share is not None:
+                self._tenant_held(entry[0].salt, -(-entry[1].nbytes // ALIGN) * -ALIGN)
             if name in self._pins:  # removed while pinned: its pins now hold nothing
                 self._pinned_bytes -= entry[1].nbytes
             prev = entry[0].prev
@@ -203,5 +250,7 @@ class CPUBackend(HotTier):
             self._children.clear()
             self._leaves.clear()
             self._bytes = 0
+            self._tenant_bytes.clear()
+            self._over.clear()
         for _, obj in entries.values():
             obj.release()

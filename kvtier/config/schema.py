@@ -90,6 +90,9 @@ class Config:
     # (kvtier.backends.cpu, kvtier.storage.admission; measured in docs/policies.md).
     eviction_policy: str = ARC
     admission_policy: str = ALWAYS
+    # The largest share of the CPU tier one tenant (a request's cache_salt) holds while
+    # another holds chunks too: past it, its own chunks are evicted first (docs/policies.md).
+    tenant_max_fraction: float = 0.5
     # A request waits for the part of its disk/Redis load that arrives sooner than it could
     # be recomputed (measured speeds; the running requests go on meanwhile).
     prefetch_policy: str = ADAPTIVE
@@ -251,6 +254,10 @@ def _validate_numbers(cfg: Config) -> None:
                     f"must lie in [0, {MAX_SESSION_PINNED_FRACTION}] (the rest of the CPU tier "
                     f"stays evictable for stores and prefetches), got "
                     f"{cfg.max_session_pinned_fraction}")
+    if not 0.0 < cfg.tenant_max_fraction <= 1.0:
+        raise _fail(src, "tenant_max_fraction",
+                    f"must lie in (0, 1] (a share of the tier; 1: no share), got "
+                    f"{cfg.tenant_max_fraction}")
     if not 0.0 <= cfg.verify_fraction <= 1.0:
         raise _fail(src, "verify_fraction",
                     f"must lie in [0, 1] (a share of the requests), got {cfg.verify_fraction}")

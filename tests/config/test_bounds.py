@@ -60,6 +60,8 @@ def _disk_file(tmp_path: Path, line: str) -> tuple[Path, Path]:
      "at most 600000"),
     ("blocking_timeout_secs: 3601", "blocking_timeout_secs", "3601", "at most 3600"),
     ("remote_timeout_secs: 601", "remote_timeout_secs", "601", "at most 600"),
+    ("tenant_max_fraction: 1.5", "tenant_max_fraction", "1.5", "(0, 1]"),
+    ("tenant_max_fraction: 0", "tenant_max_fraction", "0.0", "(0, 1]"),
 ])
 def test_values_past_their_ceiling_name_key_value_and_bound(
     tmp_path: Path, line: str, key: str, shown: str, bound: str,
@@ -77,6 +79,7 @@ def test_values_past_their_ceiling_name_key_value_and_bound(
     ("write_queue_chunks", 65536), ("prefetch_timeout_base_ms", 60_000.0),
     ("prefetch_timeout_per_token_ms", 10.0), ("prefetch_wait_complete_max_ms", 600_000.0),
     ("blocking_timeout_secs", 3600.0), ("remote_timeout_secs", 600.0),
+    ("tenant_max_fraction", 1.0), ("tenant_max_fraction", 0.01),
 ])
 def test_values_at_their_bound_load(key: str, value: float) -> None:
     assert getattr(Config(**{key: value}), key) == value  # type: ignore[arg-type]
