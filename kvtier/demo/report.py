@@ -9,8 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.config.names import CPU, DISK, REDIS
+from kvtier.demo.quiet import BUSY_CORES, busy
 
-__all__ = ["summarize", "format_row", "format_summary", "write_results", "HEADER"]
+__all__ = ["summarize", "format_row", "format_summary", "write_results", "HEADER",
+           "format_host_start", "format_host"]
 
 HEADER = (f"{'phase':<16} {'conv':>4} {'turn':>4} {'prompt':>7} {'without':>9} {'with':>9} "
           f"{'ratio':>6}  {'hit tokens (tier)':<20} {'prev turn':>9} identical")
@@ -69,10 +71,53 @@ def format_summary(results: dict[str, Any]) -> str:
     lines.append(f"hit tokens per tier: {tiers}")
     lines.append("outputs identical to the baseline: "
                  + ("yes, every request" if s["all_identical"] else "NO (see rows)"))
+    lines += format_host(results["host"]) if "host" in results else []
     if sample := results.get("sample"):
         lines.append(f"conversation {sample['conversation']}, last turn: "
                      f"{sample['question'].splitlines()[-2:]!r} -> {sample['answer']!r}")
     return "\n".join(lines)
+
+
+def _cores(value: float | None) -> str:
+    return "?" if value is None else f"{value:.2f}"
+
+
+def _busy_note(used: dict[str, Any], cores: int, when: str) -> list[str]:
+    if not busy(used):
+        return []
+    steal = used.get("steal_cores") or 0.0
+    took = f"other processes {_cores(used['other_cores'])}" + (
+        f" (and the hypervisor {steal:.2f})" if steal else "")
+    return [f"note: {took} of {cores} cores {when} (>= {BUSY_CORES}): every TTFT is slower "
+            f"and the ratios noisier than on a quiet host; for a quiet run, stop other jobs "
+            f"(`top` shows them) or run the demo on a host of its own"]
+
+
+def format_host_start(cores: int, start: dict[str, Any]) -> list[str]:
+    """The lines printed before the servers start: the host's load, that the servers share
+    its cores and how the demo keeps them apart, and a note if others are busy."""
+    load = " ".join(map(str, start["load_average"] or ())) or "?"
+    return [f"host: {cores} cores, load average {load}, other processes using "
+            f"{_cores(start['other_cores'])} cores (over {start['window_s']:.1f} s)",
+            "the baseline and kvtier servers share these cores: they measure one request at a "
+            "time, and each baseline request waits for the kvtier server's background writes "
+            "(disk, Redis) to finish first",
+            *_busy_note(start, cores, "before the servers started")]
+
+
+def format_host(host: dict[str, Any]) -> list[str]:
+    """The summary's lines on the host during the measured requests."""
+    m, w, cores = host["measured"], host["write_waits"], host["cores"]
+    load = m["load_average_first"][0] if m["load_average_first"] else "?"
+    lines = [f"host during the measured requests ({m['window_s']:.0f} s): other processes "
+             f"{_cores(m['other_cores'])} cores, the demo's own {_cores(m['own_cores'])}, of "
+             f"{cores}; load average {load} at the first, {m['load_average_peak']} at most",
+             f"waits for the kvtier server's writes before the baseline's requests: "
+             f"{w['waits']}, {w['total_s']:.1f} s in all (longest {w['max_s']:.1f} s), "
+             f"{w['timed_out']} ran out of time"
+             + (f", {w['no_gauge']} without its metrics (the flush alone waited)"
+                if w["no_gauge"] else "")]
+    return lines + _busy_note(m, cores, "during the measured requests")
 
 
 def write_results(results: dict[str, Any], out_dir: Path) -> list[str]:

@@ -14,6 +14,9 @@ tier. Which tier is known by construction: the kvtier server's CPU tier holds al
 arena is sized for the workload), a restarted server's CPU tier is empty and its disk is first,
 and the second instance has no disk. kvtier's own log ("kvtier: loaded N tokens") confirms each
 load. The workload runs turn by turn; each turn's answer (from the baseline) extends the prompt.
+The two servers share the host's cores: each baseline request first waits for the kvtier
+server's background writes, and the host's load is read before the servers start and over the
+measured requests (kvtier/demo/quiet.py).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import random
 import re
 import sys
 import tempfile
+import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -32,7 +36,9 @@ from typing import Any, NamedTuple
 
 from kvtier.config.names import CPU, DISK, REDIS
 from kvtier.demo.models import LlamaSpec, cached_llama, make_llama
-from kvtier.demo.server import SGLangServer, cpu_shims_dir, gpu_available
+from kvtier.demo.quiet import HostMeter, WriteWaits, load_average
+from kvtier.demo.report import format_host_start
+from kvtier.demo.server import SGLangServer, cpu_shims_dir, free_port, gpu_available
 from kvtier.demo.workload import FIRST_ID, Conversation, Prompts, TextPrompts, Workload
 
 __all__ = ["DemoOptions", "run_demo", "FULL_MODEL", "SMALL_MODEL", "demo_config", "model_shape",
@@ -46,6 +52,7 @@ FULL_MODEL = LlamaSpec(hidden=512, layers=8, heads=8, kv_heads=2, intermediate=1
 SMALL_MODEL = LlamaSpec(hidden=384, layers=4, heads=6, kv_heads=2, intermediate=1024,
                         max_positions=4096, dtype="bfloat16")
 CHUNK_SIZE = 256
+MIN_START_WINDOW_S = 1.0  # the shortest window the host's load before the servers is read over
 _LOADED = re.compile(r"kvtier: loaded (\d+) tokens")
 
 
@@ -64,13 +71,14 @@ class DemoOptions:
 
 
 def demo_config(disk_dir: Path | None, redis_url: str | None, salt: str,
-                arena_gb: float) -> str:
+                arena_gb: float, metrics_port: int | None = None) -> str:
     """The kvtier YAML the demo's servers run with (embedded; written to a temp file).
 
     The default `prefetch_policy: adaptive` makes a request wait for the part of its load from
     disk or Redis that arrives sooner than it could be recomputed, so its TTFT includes that
     load. The salt keeps this run's keys apart from anything an earlier run left in a shared
-    Redis.
+    Redis. `metrics_port`: kvtier's metrics endpoint, whose write-queue gauge the demo waits
+    on before the baseline measures (quiet.WriteWaits).
     """
     lines = [f"chunk_size: {CHUNK_SIZE}", "local_cpu: true",
              f"max_local_cpu_size: {arena_gb:.3f}", f"hash_salt: {salt}"]
@@ -78,6 +86,8 @@ def demo_config(disk_dir: Path | None, redis_url: str | None, salt: str,
         lines += [f"local_disk: {json.dumps(str(disk_dir))}", "max_local_disk_size: 4.0"]
     if redis_url:
         lines += [f"remote_url: {json.dumps(redis_url)}", "remote_serde: naive"]
+    if metrics_port is not None:
+        lines.append(f"metrics_port: {metrics_port}")
     return "\n".join(lines) + "\n"
 
 
@@ -115,6 +125,12 @@ class _Run:
         self.servers: list[SGLangServer] = []  # every server started, stopped at the end
         self.tokenizer = _tokenizer(model) if opts.model is None else None
         self.prompts: Prompts = wl if self.tokenizer is None else TextPrompts(wl, self.tokenizer)
+        # CPU time over the measured requests only (HostMeter windows), and the waits that keep
+        # the kvtier server's background writes out of the baseline's measurements.
+        self.meter = HostMeter(groups=lambda: [s.proc.pid for s in self.servers if s.proc])
+        self.load_first: tuple[float, float, float] | None = None  # at the first measurement
+        self.writes = WriteWaits()
+        self.metrics_port = free_port()
 
     def server(self, name: str, config: str | None) -> SGLangServer:
         args = ["--max-total-tokens", str(self.max_tokens),
@@ -130,9 +146,27 @@ class _Run:
         self.servers.append(server)
         return server
 
-    def kvtier_config(self, disk: bool) -> str:
+    def kvtier_config(self, disk: bool, metrics: bool = False) -> str:
         return demo_config(self.work / "disk" if disk else None, self.opts.redis_url,
-                           self.salt, self.arena_gb)
+                           self.salt, self.arena_gb, self.metrics_port if metrics else None)
+
+    def measure(self, server: SGLangServer, prompt: list[int], max_new: int) -> Any:
+        server.flush_cache()  # nothing may come from the device cache
+        self.load_first = self.load_first or load_average()
+        self.meter.open()
+        try:
+            return server.stream_generate(prompt, max_new)
+        finally:
+            self.meter.close()
+
+    def host(self, start: dict[str, Any]) -> dict[str, Any]:
+        """The results' `host` section: the host before the servers started, during the
+        measured requests, and the waits for the kvtier server's writes."""
+        return {"cores": self.meter.cores, "start": start,
+                "measured": {"load_average_first": self.load_first,
+                             "load_average_peak": self.meter.load_peak,
+                             "load_average_end": load_average(), **self.meter.cores_used()},
+                "write_waits": self.writes.summary()}
 
 
 def _start(servers: Sequence[SGLangServer], warmup: tuple[int, int],
@@ -157,9 +191,15 @@ def _start(servers: Sequence[SGLangServer], warmup: tuple[int, int],
             s.generate([rng.randrange(FIRST_ID, vocab) for _ in range(tokens)], 4)
 
 
-def _measure(server: SGLangServer, prompt: list[int], max_new: int) -> Any:
-    server.flush_cache()  # nothing may come from the device cache
-    return server.stream_generate(prompt, max_new)
+def _host_start(meter: HostMeter, started: float, say: Callable[[str], None]) -> dict[str, Any]:
+    """The host before any server starts: CPU over the demo's first second at least (its model
+    preparation included; the demo's own process does not count as another)."""
+    time.sleep(max(0.0, MIN_START_WINDOW_S - (time.monotonic() - started)))
+    meter.close()
+    start = {"load_average": load_average(), **meter.cores_used()}
+    for line in format_host_start(meter.cores, start):
+        say(line)
+    return start
 
 
 def _row(phase: str, tier: str, conv: int, turn: int, prompt: list[int], base_ttft: float,
@@ -183,9 +223,11 @@ def _multi_turn(run: _Run, base: SGLangServer, kv: SGLangServer,
     for turn in range(1, wl.turns + 1):
         for conv in convs:
             prompt = conv.next_prompt(run.prompts, turn)
-            without = _measure(base, prompt, wl.answer_tokens)
+            # The kvtier server writes disk and Redis while it is idle: not while this measures.
+            run.writes.wait(kv, run.metrics_port)
+            without = run.measure(base, prompt, wl.answer_tokens)
             log.loaded_since()
-            with_kv = _measure(kv, prompt, wl.answer_tokens)
+            with_kv = run.measure(kv, prompt, wl.answer_tokens)
             key = (conv.index, turn)
             run.baseline_outputs[key], run.baseline_ttft[key] = without.output_ids, without.ttft_s
             row = _row("multi-turn", CPU, conv.index, turn, prompt, without.ttft_s, with_kv,
@@ -209,7 +251,7 @@ def _replay(run: _Run, server: SGLangServer, phase: str, tier: str,
     log.loaded_since()
     rows = []
     for conv, prompt in run.last_prompts:
-        got = _measure(server, prompt, wl.answer_tokens)
+        got = run.measure(server, prompt, wl.answer_tokens)
         key = (conv, wl.turns)
         row = _row(phase, tier, conv, wl.turns, prompt, run.baseline_ttft[key], got,
                    log.loaded_since(), run.baseline_outputs[key])
@@ -229,6 +271,8 @@ def run_demo(opts: DemoOptions, note: Callable[[str], None] | None = None,
 
     say = note or (lambda msg: print(msg, file=sys.stderr))
     show = emit or (lambda row: None)
+    started, before = time.monotonic(), HostMeter()
+    before.open()
     with tempfile.TemporaryDirectory(prefix="kvtier-demo-") as tmp:
         work = Path(tmp)
         model, built = _model(opts, work)
@@ -236,8 +280,10 @@ def run_demo(opts: DemoOptions, note: Callable[[str], None] | None = None,
         run = _Run(opts, work, model)
         wl = opts.workload
         steps = wl.turns * wl.conversations + wl.conversations * (2 if opts.redis_url else 1)
-        base, kv = run.server("baseline", None), run.server("kvtier", run.kvtier_config(True))
+        base = run.server("baseline", None)
+        kv = run.server("kvtier", run.kvtier_config(True, metrics=True))
         phases: dict[str, list[dict[str, Any]]] = {}
+        start = _host_start(before, started, say)
         try:
             _start([base, kv], run.warmup, say, opts.out_dir / "logs")
             with tqdm(total=steps, desc="kvtier demo", unit="req", disable=not opts.progress,
@@ -258,7 +304,7 @@ def run_demo(opts: DemoOptions, note: Callable[[str], None] | None = None,
             for server in run.servers:
                 server.stop()
             _keep_logs(work, opts.out_dir / "logs")
-        return _results(opts, run, model, phases)
+        return _results(opts, run, model, phases, start)
 
 
 class ModelShape(NamedTuple):
@@ -312,7 +358,7 @@ def _keep_logs(work: Path, out_dir: Path) -> None:
 
 
 def _results(opts: DemoOptions, run: _Run, model: Path,
-             phases: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+             phases: dict[str, list[dict[str, Any]]], start: dict[str, Any]) -> dict[str, Any]:
     from kvtier.demo.report import summarize
 
     rows = [row for phase in phases.values() for row in phase]
@@ -324,6 +370,7 @@ def _results(opts: DemoOptions, run: _Run, model: Path,
         "servers": {"threads": opts.threads or os.cpu_count(), "gpu": gpu_available(),
                     "max_total_tokens": run.max_tokens},
         "kvtier_config": run.kvtier_config(True),
+        "host": run.host(start),
         "rows": rows,
         "summary": summarize(rows, opts.workload.system_prompt_tokens),
     }

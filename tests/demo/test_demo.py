@@ -2,10 +2,10 @@
 
 Runs the command as a user would (a subprocess) and checks the JSON it writes: later turns hit
 kvtier's tiers (CPU while the server runs, disk after its restart, Redis from a second instance
-on the redis-server the demo starts itself), and every output equals the recomputing
-baseline's. The TTFTs the demo reports are its output, not asserted here: a busy CI host can
-stall any one request (a CPU-tier hit once took as long as the baseline's recompute while
-another job ran).
+on the redis-server the demo starts itself), every output equals the recomputing
+baseline's, and the host's load is printed and saved. The TTFTs the demo reports are its
+output, not asserted here: a busy CI host can stall any one request (a CPU-tier hit once took
+as long as the baseline's recompute while another job ran).
 """
 
 from __future__ import annotations
@@ -58,3 +58,20 @@ def test_demo_small(tmp_path: Path) -> None:
     assert all(r["ttft_with_s"] > 0 and r["ttft_without_s"] > 0 for r in rows)
     assert set(results["summary"]["hit_tokens_per_tier"]) == {"cpu", "disk", "redis"}
     assert "demo.json" in proc.stdout
+
+    # The host's load, before the servers start and over the measured requests (issue 74):
+    # printed, and in the JSON; that the servers share the cores, and how they are kept apart.
+    assert f"host: {os.cpu_count()} cores, load average " in proc.stderr
+    assert "share these cores" in proc.stderr
+    assert "host during the measured requests (" in proc.stdout
+    host = results["host"]
+    assert host["cores"] == os.cpu_count()
+    for window in (host["start"], host["measured"]):
+        assert window["window_s"] > 0
+        assert all(window[k] >= 0 for k in ("other_cores", "own_cores", "steal_cores"))
+    assert host["start"]["window_s"] >= 1.0 and len(host["start"]["load_average"]) == 3
+    assert host["measured"]["load_average_peak"] is not None
+    # One wait for the kvtier server's writes before each baseline request, each read from
+    # its metrics endpoint.
+    waits = host["write_waits"]
+    assert waits["waits"] == len(turns) and waits["no_gauge"] == 0
