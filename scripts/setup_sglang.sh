@@ -116,7 +116,9 @@ if [[ -n "$PINNED" ]]; then
     grep -viE '^torch(vision)?==' "$PINNED" >>"$CONSTRAINTS" || true
     grep -iE "^torchvision==$TORCHVISION_SERIES\." "$PINNED" >>"$CONSTRAINTS" || true
 fi
-PIP=("$PY" -m pip install -q --disable-pip-version-check --no-warn-conflicts
+# pip_quiet.py: pip's report of the requirements left unmet on purpose (the --no-deps installs
+# below) is left out; any other conflict is shown and fails the set-up, as a failed install does.
+PIP=("$PY" "$ROOT/scripts/pip_quiet.py" "$PY" -m pip install -q --disable-pip-version-check
      -c "$CONSTRAINTS")
 if [[ "$LATEST" == 1 ]]; then
     PIP+=(--upgrade --upgrade-strategy eager)

@@ -89,8 +89,8 @@ def test_the_pins_agree_with_the_versions_the_setup_names() -> None:
 
 def test_every_install_in_the_makefile_passes_the_constraints_file() -> None:
     assert re.search(r"^CONSTRAINTS \?= constraints\.txt$", MAKEFILE, re.M)
-    assert re.search(r"^PIP_INSTALL := \$\(BIN\)/pip install -q -c \$\(CONSTRAINTS\)$",
-                     MAKEFILE, re.M)
+    assert re.search(r"^PIP_INSTALL := \$\(BIN\)/python scripts/pip_quiet.py \$\(BIN\)/pip "
+                     r"install -q -c \$\(CONSTRAINTS\)$", MAKEFILE, re.M)
     recipes = re.findall(r"^\t(.*)$", MAKEFILE, re.M)
     latest = MAKEFILE.split("\ntest-latest:", 1)[1].split("\n\n", 1)[0]
     for line in recipes:
@@ -113,8 +113,8 @@ def test_every_install_in_the_sglang_setup_passes_the_constraints_file() -> None
     # one pip command line, with the temporary constraints file: the installed torch plus
     # PINNED's pins (none with --latest)
     assert SETUP_SGLANG.count("-m pip install") == 1
-    assert re.search(r'^PIP=\("\$PY" -m pip install [^)]*-c "\$CONSTRAINTS"\)$', SETUP_SGLANG,
-                     re.M | re.S)
+    assert re.search(r'^PIP=\("\$PY" "\$ROOT/scripts/pip_quiet.py" "\$PY" -m pip install '
+                     r'[^)]*-c "\$CONSTRAINTS"\)$', SETUP_SGLANG, re.M | re.S)
     assert 'echo "torch==$TORCH_VERSION" >"$CONSTRAINTS"' in SETUP_SGLANG
     assert 'grep -viE \'^torch(vision)?==\' "$PINNED" >>"$CONSTRAINTS"' in SETUP_SGLANG
     installs = [ln for ln in SETUP_SGLANG.splitlines() if "pip" in ln and "install" in ln
