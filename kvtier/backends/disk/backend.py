@@ -77,7 +77,7 @@ class DiskBackend(StorageBackend):
         self._keys = ctx.record_key
         self._lock = threading.Lock()  # one index change and its file change are one step
         self._index = DiskIndex(self.capacity, lambda name: identify(self._dirs, name),
-                                lambda key: rf.file_name(key.key))
+                                lambda key: rf.file_name(key.key), ctx.config.tenant_max_fraction)
         self._counts = ctx.counters.scope(self.name, *_COUNTERS)
         self._warn = RateLimitedLog(logger)
         self._closed = False

@@ -6,7 +6,13 @@ an index change and its file change one step.
 A directory may be shared by servers of other models or tenants. Each record's owner (its key's
 namespace and model) is learned as the record is written or read, or from its header by a
 background scan; the cap counts, and eviction takes, only records of the owners this tier
-writes for (`claim`). A record whose owner is not known yet is never evicted."""
+writes for (`claim`). A record whose owner is not known yet is never evicted.
+
+An owner string may end in `TENANT_SEP` and a tenant's tag (`owners.owner_of`: a salted
+record). With a share (`tenant_max_fraction` < 1), while two or more tenants hold records this
+tier counts, a write over the cap evicts the least recently used records of tenants holding
+more than that share of the cap first, then the least recently used of anyone, as the CPU tier
+does (docs/policies.md)."""
 
 from __future__ import annotations
 
@@ -15,7 +21,9 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-__all__ = ["DiskIndex", "IDENTIFY_PER_WRITE"]
+__all__ = ["DiskIndex", "IDENTIFY_PER_WRITE", "TENANT_SEP"]
+
+TENANT_SEP = "\0"  # between an owner and its tenant's tag: in neither a key component nor a tag
 
 IDENTIFY_PER_WRITE = 64  # record headers a write may read to find its own oldest records
 NOTED_USES = 1024  # uses noted between two index changes, at most (past it the oldest go):
@@ -31,12 +39,17 @@ class DiskIndex:
         capacity: the cap in bytes (`max_local_disk_size`).
         identify: a record's owner, read from its file (the caller's I/O).
         name_of: a noted key's record name (`note` takes keys: the backend's `ChunkKey`s).
+        share: the largest share of the cap one tenant holds while others want room
+            (`tenant_max_fraction`; 1: none).
     """
 
     def __init__(self, capacity: int,
                  identify: Callable[[str], str | None] = lambda name: None,
-                 name_of: Callable[[Any], str] = str):
+                 name_of: Callable[[Any], str] = str, share: float = 1.0):
         self.capacity = capacity
+        self._share = int(share * capacity) if share < 1 else None
+        self._tenants: dict[str, str] = {}  # name -> tenant tag ("" unsalted), owner known
+        self.tenant_bytes: dict[str, int] = {}  # tenant -> bytes of its records of `mine`
         self._identify = identify
         self._name_of = name_of
         self._noted: deque[Sequence[Any]] = deque(maxlen=NOTED_USES)  # keys, by `note`
@@ -90,25 +103,46 @@ class DiskIndex:
         size = self._sizes.pop(name, None)
         if size is not None:
             self.bytes -= size
+            tenant = self._tenants.pop(name, "")
             if self._owners.pop(name, None) in self.mine:
                 self.own_bytes -= size
+                self._tenant_held(tenant, -size)
 
     def set_owner(self, name: str, owner: str) -> None:
-        """Record `name` (indexed) belongs to `owner`."""
-        if name not in self._sizes or self._owners.get(name) == owner:
-            return
+        """Record `name` (indexed) belongs to `owner` (and to the tenant it names, if any)."""
+        owner, _, tenant = owner.partition(TENANT_SEP)
         old = self._owners.get(name)
-        self._owners[name] = owner
+        if name not in self._sizes or (old == owner and self._tenants.get(name) == tenant):
+            return
         size = self._sizes[name]
+        if old in self.mine:
+            self._tenant_held(self._tenants[name], -size)
+        if owner in self.mine:
+            self._tenant_held(tenant, size)
+        self._owners[name] = owner
+        self._tenants[name] = tenant
         self.own_bytes += size * ((owner in self.mine) - (old in self.mine))
 
     def claim(self, owner: str) -> None:
-        """This tier writes for `owner`: its records count against the cap and may be
-        evicted (a walk of the index, once per owner)."""
+        """This tier writes for `owner` (any tenant of it): its records count against the cap
+        and may be evicted (a walk of the index, once per owner)."""
+        owner = owner.partition(TENANT_SEP)[0]
         if owner in self.mine:
             return
         self.mine.add(owner)
-        self.own_bytes += sum(self._sizes[n] for n, o in self._owners.items() if o == owner)
+        for name, of in self._owners.items():
+            if of == owner:
+                self.own_bytes += self._sizes[name]
+                self._tenant_held(self._tenants[name], self._sizes[name])
+
+    def _tenant_held(self, tenant: str, nbytes: int) -> None:
+        if self._share is None:
+            return
+        held = self.tenant_bytes.get(tenant, 0) + nbytes
+        if held:
+            self.tenant_bytes[tenant] = held
+        else:
+            del self.tenant_bytes[tenant]
 
     @property
     def unknown(self) -> int:
@@ -189,15 +223,38 @@ class DiskIndex:
         over = self.own_bytes + self.reserved + need - self.capacity
         fit = min(over, need)  # what must go for this write to fit
         over = min(over, max(1, shrink) * need)
-        chosen = []
+        chosen = self._over_share(over) if over > 0 else []
+        taken = set(chosen)
+        over -= sum(self._sizes[n] for n in chosen)
+        fit -= sum(self._sizes[n] for n in chosen)
         for name, size in self._sizes.items():
             if over <= 0:
                 break
-            if self._evictable(name):
+            if name not in taken and self._evictable(name):
                 chosen.append(name)
                 over -= size
                 fit -= size
         return None if fit > 0 else chosen
+
+    def _over_share(self, nbytes: int) -> list[str]:
+        """The least recently used evictable records of tenants over their share, while
+        another tenant holds records too, up to `nbytes` and only while each stays over it."""
+        share = self._share
+        if share is None or len(self.tenant_bytes) < 2:
+            return []
+        held = {t: b for t, b in self.tenant_bytes.items() if b > share}
+        chosen: list[str] = []
+        for name, size in self._sizes.items():
+            if nbytes <= 0 or not held:
+                break
+            tenant = self._tenants.get(name)
+            if tenant in held and self._evictable(name):
+                chosen.append(name)
+                nbytes -= size
+                held[tenant] -= size
+                if held[tenant] <= share:
+                    del held[tenant]
+        return chosen
 
     def oldest(self, nbytes: int) -> list[str]:
         """The least recently used records of `mine`, none being read, that hold at least
@@ -218,4 +275,10 @@ class DiskIndex:
         assert self.bytes == sum(self._sizes.values()), "byte count drifted"
         assert self.own_bytes == sum(self._sizes[n] for n, o in self._owners.items()
                                      if o in self.mine), "own byte count drifted"
+        if self._share is not None:
+            by_tenant: Counter[str] = Counter()
+            for name, owner in self._owners.items():
+                if owner in self.mine:
+                    by_tenant[self._tenants[name]] += self._sizes[name]
+            assert self.tenant_bytes == dict(by_tenant), "tenant byte counts drifted"
         assert self.reserved >= 0, "negative reservation"

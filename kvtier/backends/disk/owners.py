@@ -12,10 +12,11 @@ import time
 from collections.abc import Callable
 
 from kvtier.backends.disk import files as rf
+from kvtier.backends.disk.index import TENANT_SEP
 from kvtier.backends.record import FIXED_SIZE, header_len, read_key
 from kvtier.background import name_os_thread
 from kvtier.errors import CorruptEntry
-from kvtier.keys import KeySpace
+from kvtier.keys import KeySpace, tag_of_key
 
 __all__ = ["owner_of", "learn_in_background", "read_record_key", "identify"]
 
@@ -40,9 +41,14 @@ def read_record_key(dirs: rf.RecordDirs, name: str) -> str | None:
 
 
 def owner_of(key: str) -> str | None:
-    """`namespace/model` of a kvtier key string; None for anything else."""
+    """`namespace/model` of a kvtier key string, then `TENANT_SEP` and its tenant's tag for
+    a salted key (the index's share per tenant); None for anything else."""
     parsed = KeySpace.parse(key)
-    return None if parsed is None else f"{parsed[0].namespace}/{parsed[0].model}"
+    if parsed is None:
+        return None
+    tag = tag_of_key(key)
+    owner = f"{parsed[0].namespace}/{parsed[0].model}"
+    return owner if tag is None else f"{owner}{TENANT_SEP}{tag}"
 
 
 def identify(dirs: rf.RecordDirs, name: str) -> str | None:

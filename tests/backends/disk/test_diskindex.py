@@ -119,3 +119,36 @@ def test_oldest_picks_least_recent_unpinned_records_holding_at_least_the_bytes()
     index.pin("a")
     assert index.oldest(30) == ["b"]
     assert index.oldest(1000) == ["b", "c"]  # everything that may go
+
+
+def _tenants_index(share: float) -> DiskIndex:
+    """A cap of 100 holding quiet tenant "q"'s 20 bytes (oldest), then noisy "n"'s 80."""
+    index = DiskIndex(100, share=share)
+    records = [("q1", 10, "q"), ("q2", 10, "q")] + [(f"n{i}", 10, "n") for i in range(8)]
+    for name, size, tenant in records:
+        index.put(name, size, f"ns/m\0{tenant}")
+    index.claim("ns/m\0n")
+    return index
+
+
+def test_a_tenant_over_its_share_loses_its_own_records_first() -> None:
+    index = _tenants_index(0.5)
+    assert index.tenant_bytes == {"q": 20, "n": 80}
+    assert index.victims(20) == ["n0", "n1"]  # "n" holds 80 of a cap of 100, over its 50
+    for name in ("n0", "n1"):
+        index.forget(name)
+    index.put("n8", 10, "ns/m\0n")
+    index.put("q3", 10, "ns/m\0q")
+    index.check()
+    # "n" holds 70, 20 over its share: no more than that comes from it, then plain LRU.
+    assert index.victims(30) == ["n2", "n3", "q1"]
+
+
+def test_without_a_share_or_with_one_tenant_eviction_is_plain_lru() -> None:
+    assert _tenants_index(1.0).victims(20) == ["q1", "q2"]
+    alone = DiskIndex(100, share=0.5)
+    for i in range(10):
+        alone.put(f"n{i}", 10, "ns/m\0n")
+    alone.claim("ns/m")
+    assert alone.victims(20) == ["n0", "n1"]
+    alone.check()
