@@ -4,7 +4,11 @@ chunks; a tenant alone is evicted exactly as without a share."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvtier.backends.base import BackendContext
 from kvtier.backends.cpu import CPUBackend
@@ -89,4 +93,35 @@ def test_a_tenant_within_its_share_is_evicted_under_the_policy(policy: str) -> N
     # a now holds 8 chunks (its share exactly), b 8: the policy's first leaf goes, b's oldest.
     gone = _store(cpu, alloc, _prompt(3, 1, "c"))
     assert gone == [old_b[-1].key]
+    cpu.close()
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["put", "get", "pin", "remove", "evict"]),
+                              st.integers(0, 5), st.integers(1, 4)), max_size=40))
+def test_the_tenants_bytes_stay_exact(policy: str, ops: list[tuple[str, int, int]]) -> None:
+    """Under random puts, hits, pins, removals and evictions of three tenants' prompts, each
+    tenant's count is what it holds, and the tenants over their share are exactly those."""
+    cpu, alloc = _tier(policy, 0.25)
+    prompts = [_prompt(200 + p, 4, "abc"[p % 3]) for p in range(6)]
+    for kind, p, n in ops:
+        keys = prompts[p][:n]
+        if kind == "put":
+            _store(cpu, alloc, keys)
+        elif kind == "get":
+            for obj in cpu.batch_get(keys):
+                obj.release()
+        elif kind == "pin":  # one prompt's chunks at most: the others keep room to evict
+            cpu.pin(prompts[0][:n])
+        elif kind == "remove":
+            cpu.remove(keys[-1:])
+        else:
+            for _, obj in cpu.pop_lru(n * LAYOUT.nbytes(16)):
+                obj.release()
+        held: Counter[str] = Counter()
+        for key, _ in cpu._entries.values():  # noqa: SLF001 - the count's subject
+            held[key.salt] += 4096
+        assert cpu._tenant_bytes == dict(held)  # noqa: SLF001
+        assert cpu._over == {t for t, b in held.items() if b > CHUNKS * 4096 // 4}  # noqa: SLF001
     cpu.close()
