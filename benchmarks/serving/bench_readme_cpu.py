@@ -27,11 +27,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import work_dir, write_results
+from benchmarks.common import SGLANG, real_model, work_dir, write_results
 from benchmarks.serving.adaptive_report import p99
 from kvtier.demo.quality import documents
 from kvtier.demo.server import SGLangServer
-from kvtier.demo.smollm2 import cached_smollm2
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -57,7 +56,7 @@ def bare_server(model: Path, log: Path, args: Sequence[str]) -> SGLangServer:
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
-    model, _ = cached_smollm2()
+    model = real_model("bench_readme_cpu", SGLANG)
     tokenizer = AutoTokenizer.from_pretrained(str(model))
     config = work / "kvtier.yaml"
     config.write_text(f"chunk_size: 256\nmax_local_cpu_size: 2\nlocal_disk: {work / 'disk'}\n"

@@ -38,13 +38,12 @@ from typing import Any
 
 import yaml
 
-from benchmarks.common import work_dir, write_results
+from benchmarks.common import SGLANG, real_model, work_dir, write_results
 from benchmarks.serving.adaptive_report import p99
 from kvtier.cli.tiers import request
 from kvtier.config.schema import VERIFY_SCOPES
 from kvtier.demo.quality import ask, documents
 from kvtier.demo.server import CPU_FLAGS, SGLangServer, cpu_shims_dir
-from kvtier.demo.smollm2 import cached_smollm2
 
 ADMIN = "bench-verify-admin"
 VERIFIED = re.compile(r"kvtier: verified (\d+) chunks .*?: (\d+) mismatched "
@@ -57,7 +56,7 @@ def _server(work: Path, args: argparse.Namespace) -> SGLangServer:
         "chunk_size": args.chunk_size, "max_local_cpu_size": 1.0,
         "local_disk": str(work / "disk"), "max_local_disk_size": 2.0,
         "prefetch_policy": "wait_complete"}))
-    model = cached_smollm2()[0]
+    model = real_model("bench_verify", SGLANG)
     return SGLangServer(model, work / "server.log", args=[
         "--enable-kvtier", "--kvtier-config-file", str(config), "--page-size", "16",
         "--max-total-tokens", str(args.max_total_tokens), "--admin-api-key", ADMIN],
