@@ -45,6 +45,8 @@ class TierSpec:
             where it is); a tier with none cannot be attached at run time.
         inventory: "module:Class" of its `RecordInventory` (`kvtier ls/stats/purge`), or ""
             for a tier that lives in a server's memory.
+        medium: its storage medium in SGLang's KV events (`CPU_PINNED`, `DISK`, `EXTERNAL`),
+            or "" for none (its changes are not published).
     """
 
     name: str
@@ -56,6 +58,7 @@ class TierSpec:
     extra: str = ""
     overridable: frozenset[str] = frozenset()
     inventory: str = ""
+    medium: str = ""
 
     def enabled(self, config: object) -> bool:
         """Whether `config` (a `Config`: the schema builds on this table) turns this tier on."""
@@ -72,14 +75,14 @@ class TierSpec:
 
 # Fastest first: the order puts and gets walk.
 TABLE: list[TierSpec] = [
-    TierSpec(CPU, "kvtier.backends.cpu_tier:CPUTier", "local_cpu"),
+    TierSpec(CPU, "kvtier.backends.cpu_tier:CPUTier", "local_cpu", medium="CPU_PINNED"),
     TierSpec(DISK, "kvtier.backends.disk:DiskBackend", "local_disk",
              overridable=frozenset({"max_local_disk_size"}),
-             inventory="kvtier.backends.disk.inventory:DiskInventory"),
+             inventory="kvtier.backends.disk.inventory:DiskInventory", medium="DISK"),
     TierSpec(REDIS, "kvtier.backends.redis:RedisBackend", "remote_url", schemes=REDIS_SCHEMES,
              url_parser="kvtier.backends.redis.url:parse_remote_url", packages=("redis",),
              extra="redis", overridable=frozenset({"remote_timeout_secs", "remote_ttl_secs"}),
-             inventory="kvtier.backends.redis.inventory:RedisInventory"),
+             inventory="kvtier.backends.redis.inventory:RedisInventory", medium="EXTERNAL"),
 ]
 
 

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.config import Config
 from kvtier.storage import StorageManager
+from kvtier.storage.watch import Watcher
 
 if TYPE_CHECKING:
     from kvtier.storage.guard import GuardedTier
@@ -46,6 +47,12 @@ class TierControl:
     def publish(self, tier: GuardedTier, writer: TierWriter) -> None:
         """Serve from a tier `build` returned."""
         self._storage.publish_tier(tier, writer)
+
+    def watch(self, watcher: Watcher) -> None:
+        """Call `watcher(tier, chunks, held)` whenever a tier gains chunks (a store, a
+        promotion, a lower tier's write) or the CPU tier evicts some; on the thread that made
+        the change, so it must only queue (`kvtier.storage.watch`)."""
+        self._storage.watch.add(watcher)
 
     def discard(self, tier: GuardedTier, writer: TierWriter) -> None:
         """Close a tier `build` returned without ever serving from it."""

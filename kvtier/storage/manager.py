@@ -30,6 +30,7 @@ from kvtier.storage.prefetch.loads import PrefetchLoads, longest_held
 from kvtier.storage.prefetch.planner import LoadPlanner
 from kvtier.storage.sessions import SessionPins
 from kvtier.storage.tierset import TierSet, discard
+from kvtier.storage.watch import TierWatch
 from kvtier.storage.write_policy import make_write_policy
 from kvtier.storage.writer import TierWriter
 
@@ -66,8 +67,9 @@ class StorageManager:
         self.policy = make_write_policy(config.writes, hot)
         self.admission = make_admission(config.admission_policy, self.allocator.size,
                                         layout.nbytes(config.chunk_size))
-        self._set = TierSet(ctx, self._warn,
-                            reachable=self._in_hot if self.policy.holds_back else _never)
+        self.watch = TierWatch()  # what each tier gains and loses, for whoever watches
+        self._set = TierSet(ctx, self._warn, self._in_hot if self.policy.holds_back
+                            else lambda key: False, self.watch)
         try:
             self._set.open(config.tiers)
         except BaseException:
@@ -123,6 +125,7 @@ class StorageManager:
             if self.hot.keeps_puts:
                 self.hot.batch_put(keys, objs)
                 self.origins.stored(keys)
+                self.watch.stored(self.hot.name, keys)
             if write_down:
                 self.policy.on_put(keys, objs, self._writers)
             self.counters.inc("chunks_put", len(keys))
@@ -183,6 +186,7 @@ class StorageManager:
                             if tier is not self.hot:
                                 self.hot.batch_put([keys[n]], [obj])  # promote
                                 self.origins.promoted(keys[n], tier.name)
+                                self.watch.stored(self.hot.name, keys[n:n + 1])
                             self.policy.on_hit(keys[n], obj, self._writers)
                             self.counters.inc(f"{tier.name}.hit_chunks")
                             got += 1
@@ -386,15 +390,11 @@ class StorageManager:
             freed += obj.nbytes
             self.policy.on_evict(key, obj, self._writers)
             obj.release()
-        if popped:
-            self.admission.evicted([key for key, _ in popped])
+        if evicted := [key for key, _ in popped]:
+            self.admission.evicted(evicted)
+            self.watch.removed(self.hot.name, evicted)
             self.counters.inc("cpu_evictions", len(popped))
         return freed
 
     def _in_hot(self, key: str) -> bool:
         return self.hot.batch_contains([stub_key(key)]) == 1
-
-
-def _never(key: str) -> bool:
-    return False
-

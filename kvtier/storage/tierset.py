@@ -21,6 +21,7 @@ from kvtier.config.names import CPU
 from kvtier.config.tiers import tier_names
 from kvtier.metrics import RateLimitedLog
 from kvtier.storage.guard import MIN_SAMPLE_BYTES, GuardedTier
+from kvtier.storage.watch import TierWatch
 from kvtier.storage.writer import TierWriter
 
 __all__ = ["TierSet", "retire", "discard", "probe_tiers", "PROBE_BOUND_S"]
@@ -41,15 +42,17 @@ class TierSet:
         ctx: how tiers are built (the manager's config, layout, arena and counters).
         warn: the manager's rate-limited log.
         reachable: whether a chunk key is still in the hot tier (for write-back writers).
+        watch: told what each tier's writer wrote.
     """
 
     def __init__(self, ctx: BackendContext, warn: RateLimitedLog,
-                 reachable: Callable[[str], bool]) -> None:
+                 reachable: Callable[[str], bool], watch: TierWatch | None = None) -> None:
         self.tiers: list[GuardedTier] = []
         self.writers: list[TierWriter] = []
         self._ctx = ctx
         self._warn = warn
         self._reachable = reachable
+        self._watch = watch or TierWatch()
         self._lock = threading.Lock()
         self._closed = False
 
@@ -105,7 +108,7 @@ class TierSet:
             probe_tiers([tier], self._probe_bytes())
         ctx.counters.declare(f"{tier.name}.hit_chunks")
         writer = TierWriter(tier, ctx.config.write_queue_chunks, ctx.counters, self._warn,
-                            reachable=self._reachable)
+                            reachable=self._reachable, watch=self._watch)
         return tier, writer
 
     def _probe_bytes(self) -> int:

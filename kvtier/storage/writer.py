@@ -38,6 +38,7 @@ from kvtier.keys import ChunkKey, stub_key
 from kvtier.memory import MemoryObj
 from kvtier.metrics import Counters, RateLimitedLog
 from kvtier.storage.backlog import CANCELLED, DROPPED, FAILED, LOSS_REASONS, LOST, ORPHANED
+from kvtier.storage.watch import TierWatch
 
 __all__ = ["TierWriter"]
 
@@ -67,8 +68,10 @@ class TierWriter:
         reachable: Callable[[str], bool] = lambda key: False,
         engine: EngineActivity = ENGINE,
         busy_share: float = BUSY_SHARE,
+        watch: TierWatch | None = None,
     ):
         self.backend = backend
+        self._watch = watch or TierWatch()
         self._engine = engine
         self._busy_share = busy_share
         self._last_write = (0.0, 0.0)  # (its duration, its end): see `_yield_to_engine`
@@ -249,6 +252,7 @@ class TierWriter:
                 settled += written
                 for key in keys[:written]:
                     self._remember(key.key)
+                self._watch.stored(name, keys[:written])
                 if written < len(keys):
                     self._warn.warning(f"short-{name}", "kvtier: %s took %d of %d writes; the "
                                        "rest are lost (see the tier's warnings)", name,

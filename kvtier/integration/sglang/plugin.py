@@ -44,6 +44,7 @@ from kvtier.integration.sglang.sglang_views import (
     TreeCacheBuildContextView,
 )
 from kvtier.integration.sglang.shutdown import note_batch
+from kvtier.integration.sglang.tier_events import TierEvents
 
 if TYPE_CHECKING:
     import torch
@@ -361,6 +362,10 @@ def build_radix_cache(ctx: TreeCacheBuildContextView) -> KVTierRadixCache:
         engine.close()
         raise
     cache.attach_kvtier(kvtier)
+    if params.enable_kv_cache_events:  # --kv-events-config: kvtier's tiers publish too
+        cache.publish_tier_events(TierEvents(
+            page_size, kvtier.counters, dynamo_format=params.dynamo_kv_event_format,
+            lora_names=params.kv_event_lora_names))
     from kvtier.integration.sglang import shutdown
 
     if shutdown.in_server():

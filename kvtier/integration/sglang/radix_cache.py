@@ -66,6 +66,7 @@ from kvtier.integration.sglang.sglang_views import (
     ReqView,
     TreeCoreView,
 )
+from kvtier.integration.sglang.tier_events import TierEvents
 
 __all__ = ["KVTierRadixCache"]
 
@@ -78,6 +79,7 @@ class KVTierRadixCache(StoragePrefetchHooks, BlendHooks, UnifiedRadixCache):
     kvtier: SGLangKVTier | None = None
     blender: SGLangBlender | None = None
     _blended: BlendedSlots | None = None  # reset() runs in UnifiedRadixCache.__init__
+    _tier_events: TierEvents | None = None
     # What kvtier reads of the tree it extends (set by UnifiedRadixCache.__init__; annotations
     # only: nothing is assigned here).
     disable: bool
@@ -93,6 +95,18 @@ class KVTierRadixCache(StoragePrefetchHooks, BlendHooks, UnifiedRadixCache):
         # request id -> (end of what init_load_back loaded, tokens of it a blend computed),
         # until the request's prefill runs
         self._loaded: dict[str, tuple[int, int]] = {}
+
+    def publish_tier_events(self, events: TierEvents) -> None:
+        """Publish kvtier's tier changes beside the device's KV events (`--kv-events-config`;
+        once, after `attach_kvtier`)."""
+        assert self.kvtier is not None
+        self._tier_events = events
+        self.kvtier.engine.tiers.watch(events)
+
+    def take_events(self) -> list[Opaque]:
+        """The device's KV events, then kvtier's tiers' (`tier_events.py`)."""
+        events: list[Opaque] = super().take_events()
+        return events + self._tier_events.take() if self._tier_events is not None else events
 
     def attach_blender(self, blender: SGLangBlender, num_slots: int,
                        device: torch.device) -> None:

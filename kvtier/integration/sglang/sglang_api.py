@@ -94,7 +94,8 @@ SURFACE: dict[str, tuple[str, ...]] = {
         "params", "server_args", "tp_size", "tp_rank", "is_hybrid_swa", "is_hybrid_ssm",
         "is_dsa", "enable_hierarchical_cache", "disable_radix_cache"),
     "sglang.srt.mem_cache.cache_init_params.CacheInitParams": (
-        "page_size", "token_to_kv_pool_allocator", "pp_size"),
+        "page_size", "token_to_kv_pool_allocator", "pp_size", "enable_kv_cache_events",
+        "dynamo_kv_event_format", "kv_event_lora_names"),
     "sglang.srt.entrypoints": ("http_server",),
     "sglang.srt.entrypoints.http_server": ("app", "_global_state", "launch_server"),
     "sglang.srt.entrypoints.http_server._GlobalState": ("tokenizer_manager",),
@@ -122,13 +123,22 @@ SURFACE: dict[str, tuple[str, ...]] = {
         "prefetch_from_storage", "check_prefetch_progress", "pop_prefetch_loaded_span",
         "release_aborted_request", "check_hicache_events",
         "clear_storage_backend", "checkpoint", "release_session", "evict", "evict_for_alloc",
-        "reset", "shutdown", "release_host_resources", "on_release",
+        "reset", "shutdown", "release_host_resources", "on_release", "take_events",
         # (and has_pending_cache_operations: CALLED_BY_SGLANG)
         # inherited and used
         "disable", "tree_core", "token_to_kv_pool_allocator", "path_device_indices", "insert",
         "lock", "unlock", "protected_size", "_all_reduce_attn_groups",
     ),
     "sglang.srt.mem_cache.unified_cache.unified_tree_core.UnifiedTreeCore": ("is_eagle",),
+    # -- tier events (tier_events.py): SGLang's recorder hashes kvtier's chunks --
+    "sglang.srt.mem_cache.events": ("KVCacheEventRecorder",),
+    "sglang.srt.mem_cache.events.KVCacheEventRecorder": (  # its constructor's arguments
+        "enabled", "page_size", "dynamo_format", "lora_names"),
+    "sglang.srt.disaggregation.kv_events": ("BlockStored", "BlockRemoved"),
+    "sglang.srt.disaggregation.kv_events.BlockStored": (
+        "block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+        "cache_salt"),
+    "sglang.srt.disaggregation.kv_events.BlockRemoved": ("block_hashes", "medium"),
     "sglang.srt.mem_cache.allocator.base.BaseTokenToKVPoolAllocator": (
         "alloc", "free", "evict_to_free_tokens", "get_kvcache"),
     _BPC: ("EvictParams", "InsertParams", "MatchPrefixParams", "MatchResult"),
@@ -137,7 +147,7 @@ SURFACE: dict[str, tuple[str, ...]] = {
     f"{_BPC}.InitLoadBackParams": ("req", "host_hit_length"),
     f"{_BPC}.MatchResult": ("device_prefix_len", "last_device_node", "host_hit_length",
                             "_replace"),
-    "sglang.srt.mem_cache.radix_cache": ("RadixKey",),
+    "sglang.srt.mem_cache.radix_cache": ("RadixKey", "TreeNode"),
     "sglang.srt.mem_cache.radix_cache.RadixKey": ("extra_key", "is_bigram", "cache_salt",
                                                   "raw_token_ids", "__len__", "__getitem__"),
     _SB: ("FINISH_ABORT",),
@@ -183,6 +193,8 @@ CALLED_BY_SGLANG: dict[str, str] = {
 NOT_SGLANG: dict[str, str] = {
     "attach_kvtier": "kvtier's own method on its tree (plugin.build_radix_cache calls it)",
     "attach_blender": "kvtier's own method on its tree (plugin._enable_blending calls it)",
+    "publish_tier_events": "kvtier's own method on its tree (plugin.build_radix_cache calls "
+                           "it with --kv-events-config)",
     "sliding_window": "the model's Hugging Face config (blending refuses sliding windows)",
     "use_sliding_window": "the model's Hugging Face config (Qwen2: whether the window applies)",
     "weight": "PyTorch's name for a layer's parameter (SGLang's linear layers register theirs "

@@ -167,6 +167,10 @@ class LaunchArgsView(Protocol):
 class CacheInitParamsView(Protocol):
     page_size: int
     token_to_kv_pool_allocator: KVAllocatorView
+    # --kv-events-config: what the tree's event recorder is made with (tier_events.py)
+    enable_kv_cache_events: bool
+    dynamo_kv_event_format: bool
+    kv_event_lora_names: Opaque
 
 
 @view_of("sglang.srt.mem_cache.registry.TreeCacheBuildContext")
