@@ -103,10 +103,12 @@ class HostMeter:
         self.cores = os.cpu_count() or 1
         self.window_s = self.other_s = self.own_s = self.steal_s = 0.0
         self.known = (self.proc / "stat").is_file()
-        self.load_peak: float | None = None  # the highest 1-minute load average at a close()
+        self.load_peak: float | None = None  # the highest 1-minute load average at a sample
         self._open: CpuSample | None = None
 
     def sample(self) -> CpuSample | None:
+        if (load := load_average()) is not None:
+            self.load_peak = max(self.load_peak or 0.0, load[0])
         host = _host_cpu_s(self.proc, self.tick) if self.known else None
         if host is None:
             return None
@@ -119,8 +121,6 @@ class HostMeter:
     def close(self) -> None:
         start, self._open = self._open, None
         end = self.sample()
-        if (load := load_average()) is not None:
-            self.load_peak = max(self.load_peak or 0.0, load[0])
         if start is None or end is None:
             return
         own = max(0.0, end.own_s - start.own_s)
