@@ -92,13 +92,11 @@ class StorageManager:
     @property
     def tiers(self) -> list[StorageBackend]:
         """The attached tiers, fastest first (a snapshot: attach/detach publish new lists)."""
-        lower: list[StorageBackend] = list(self._set.tiers)
-        return [self.hot, *lower]
+        return [self.hot, *self._set.tiers]
 
     @property
     def lower_tiers(self) -> list[GuardedTier]:
-        """The attached lower tiers behind their guards (each with its measured `speed`),
-        fastest first; a snapshot."""
+        """The attached lower tiers behind their guards (with measured `speed`s); a snapshot."""
         return list(self._set.tiers)
 
     @property
@@ -271,8 +269,7 @@ class StorageManager:
         of those no live prefetch still wants. A CPU tier keeps them (it is a cache)."""
         if self.hot.keeps_puts:
             return
-        done = [k for k in keys if not self._loads.wanting(k)]
-        if done:
+        if done := [k for k in keys if not self._loads.wanting(k)]:
             self.hot.remove(done)
 
     def prefetch_wants(self, key: ChunkKey) -> int:
@@ -308,7 +305,10 @@ class StorageManager:
 
     def remove(self, keys: Sequence[ChunkKey]) -> int:
         """Delete `keys` from every tier; returns the most any one tier deleted."""
-        return max((t.remove(keys) for t in self.tiers), default=0)
+        deleted = {tier.name: tier.remove(keys) for tier in self.tiers}
+        for name in deleted:
+            self.watch.removed(name, keys)
+        return max(deleted.values(), default=0)
 
     def stats(self) -> dict[str, float]:
         """Manager counters plus every tier's stats as `tier.name` entries (once closing, the

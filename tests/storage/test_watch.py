@@ -92,3 +92,14 @@ def test_nobody_watching_is_the_default(manager: StorageManager) -> None:
     put_random(manager.put, manager.allocator, SMALL_MHA, keys)
     assert manager.flush() and manager.contains(keys) == 2
     assert manager.watch._watchers == ()
+
+
+def test_a_removal_is_told_for_every_tier(manager: StorageManager) -> None:
+    seen = Seen()
+    manager.watch.add(seen)
+    keys = make_keys(64, seed=5)
+    put_random(manager.put, manager.allocator, SMALL_MHA, keys)
+    assert manager.flush()
+    manager.remove(keys[2:])  # what verification's purge and a tenant's purge do
+    assert seen.held["cpu"] == seen.held["disk"] == {k.key for k in keys[:2]}
+    assert seen.held["disk"] == _held(manager, "disk", keys)
