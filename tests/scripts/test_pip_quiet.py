@@ -73,3 +73,18 @@ def test_a_conflict_line_outside_the_report_is_not_taken_for_one() -> None:
            "sglang 0.5.23 requires build, which is not installed.\n"
     proc = run_filter(fake_pip(text))
     assert proc.returncode == 0 and proc.stderr == text
+
+
+def test_setuptools_editable_install_notice_is_left_out() -> None:
+    """pip 26 shows the build backend's warnings even with -q; setuptools warns on every
+    editable install. The stand-in warns as setuptools does, then as a backend would about
+    something else (that one passes through)."""
+    code = ("import warnings\n"
+            "class InformationOnly(UserWarning): pass\n"
+            "warnings.warn('Editable installation.\\n!!\\n  Please be careful with folders', "
+            "InformationOnly)\n"
+            "warnings.warn('Installing from a newer wheel format', UserWarning)\n")
+    proc = run_filter([sys.executable, "-c", code])
+    assert proc.returncode == 0, proc.stderr
+    assert "Editable installation" not in proc.stderr and "careful" not in proc.stderr
+    assert "UserWarning: Installing from a newer wheel format" in proc.stderr
