@@ -44,7 +44,6 @@ from kvtier.integration.sglang.sglang_views import (
     TreeCacheBuildContextView,
 )
 from kvtier.integration.sglang.shutdown import note_batch
-from kvtier.integration.sglang.tier_events import TierEvents
 
 if TYPE_CHECKING:
     import torch
@@ -363,6 +362,8 @@ def build_radix_cache(ctx: TreeCacheBuildContextView) -> KVTierRadixCache:
         raise
     cache.attach_kvtier(kvtier)
     if params.enable_kv_cache_events:  # --kv-events-config: kvtier's tiers publish too
+        from kvtier.integration.sglang.tier_events import TierEvents
+
         cache.publish_tier_events(TierEvents(
             page_size, kvtier.counters, dynamo_format=params.dynamo_kv_event_format,
             lora_names=params.kv_event_lora_names))

@@ -26,13 +26,15 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from kvtier.config.tiers import TABLE
-from kvtier.keys import ChunkKey
-from kvtier.metrics import Counters
+
+if TYPE_CHECKING:
+    from kvtier.keys import ChunkKey
+    from kvtier.metrics import Counters
 
 __all__ = ["TierEvents", "MAX_EVENTS", "MAX_CHUNKS"]
 
