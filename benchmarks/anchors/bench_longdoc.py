@@ -76,7 +76,7 @@ from benchmarks.anchors.servers import (
     redis_for,
 )
 from benchmarks.anchors.stats import Identity, Summary, compare_outputs, summarize, summarize_blocks
-from benchmarks.common import RESULTS, work_dir, write_results
+from benchmarks.common import RESULTS, SGLANG, require, work_dir, write_results
 from kvtier.demo.server import SGLangServer
 
 __all__ = ["ORDERS", "Documents", "query_order", "Options", "parse_args", "main"]
@@ -343,6 +343,7 @@ def report(opts: Options, arms: Arms,
 
 def main(argv: list[str] | None = None) -> None:
     opts = parse_args(argv)
+    require("bench_longdoc", SGLANG)
     docs = opts.docs
     pool = pool_tokens(docs.working_set(), docs.longest(), opts.max_in_flight,
                        opts.pool_ratio)

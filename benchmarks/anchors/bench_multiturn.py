@@ -68,7 +68,7 @@ from benchmarks.anchors.servers import (
     redis_for,
 )
 from benchmarks.anchors.stats import Identity, compare_outputs, summarize
-from benchmarks.common import RESULTS, work_dir, write_results
+from benchmarks.common import RESULTS, SGLANG, require, work_dir, write_results
 
 __all__ = ["Conversations", "History", "Options", "parse_args", "main"]
 
@@ -286,6 +286,7 @@ def report(opts: Options, results: dict[str, ArmResult],
 
 def main(argv: list[str] | None = None) -> None:
     opts = parse_args(argv)
+    require("bench_multiturn", SGLANG)
     plan = opts.plan
     pool = pool_tokens(plan.working_set(), plan.longest(), opts.driver.max_in_flight,
                        opts.pool_ratio)

@@ -60,7 +60,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.common import work_dir, write_results
+from benchmarks.common import SGLANG, require, work_dir, write_results
 from benchmarks.serving.adaptive_report import CaseRun, Options, Request, kv_bytes_per_token, report
 from harness.delay_proxy import DelayProxy
 from harness.redis import RedisProcess
@@ -375,6 +375,7 @@ def parse_args(argv: list[str] | None = None) -> Options:
 
 def main(argv: list[str] | None = None) -> None:
     opts = parse_args(argv)
+    require("bench_adaptive", SGLANG)
     with work_dir("adaptive", opts.work_dir) as work:
         bench = Bench(opts, work)
         throttle = bench.run()

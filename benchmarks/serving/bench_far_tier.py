@@ -31,7 +31,7 @@ from pathlib import Path
 
 import yaml
 
-from benchmarks.common import work_dir, write_results
+from benchmarks.common import SGLANG, require, work_dir, write_results
 from harness import sglang_server
 from harness.delay_proxy import DelayProxy
 from harness.redis import RedisProcess
@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="a kvtier checkout to run as a third server (e.g. the code before)")
     p.add_argument("--work-dir", type=Path, default=None)
     args = p.parse_args(argv)
+    require("bench_far_tier", SGLANG)
     if args.prompts < 1:
         p.error(f"--prompts must be >= 1, got {args.prompts}")
     with work_dir("far-tier", args.work_dir) as work:

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 import yaml
 
-from benchmarks.common import work_dir, write_results
+from benchmarks.common import SGLANG, require, work_dir, write_results
 from benchmarks.serving.adaptive_report import kv_bytes_per_token, p99
 from benchmarks.serving.bench_adaptive import _prompt, scrape_metrics
 from harness.redis import RedisProcess
@@ -335,6 +335,7 @@ def parse_args(argv: list[str] | None = None) -> Options:
 
 def main(argv: list[str] | None = None) -> None:
     opts = parse_args(argv)
+    require("bench_hit", SGLANG)
     with work_dir("hit", opts.work_dir) as work:
         bench = Bench(opts, work)
         bench.run()

@@ -77,7 +77,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from benchmarks.common import work_dir, write_results
+from benchmarks.common import SGLANG, require, work_dir, write_results
 from benchmarks.serving.report import report
 from benchmarks.serving.runs import Bench
 from benchmarks.serving.shared import PHASES, Options
@@ -140,6 +140,7 @@ def parse_args(argv: list[str] | None = None) -> Options:
 
 def main(argv: list[str] | None = None) -> None:
     opts = parse_args(argv)
+    require("bench_serving", SGLANG)
     # A fresh directory even inside --work-dir, so every kernel cache starts empty.
     with work_dir("serving", opts.work_dir) as work:
         bench = Bench(opts, work)

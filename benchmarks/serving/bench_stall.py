@@ -33,6 +33,7 @@ from typing import Any
 
 import yaml
 
+from benchmarks.common import SGLANG, require
 from harness.delay_proxy import DelayProxy
 from harness.redis import RedisProcess
 from harness.sglang_server import SGLangServer
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fresh-kernel", action="store_true",
                         help="an empty KVTIER_CACHE_DIR per server: each compiles the kernel")
     args = parser.parse_args(argv)
+    require("bench_stall", SGLANG)
     with tempfile.TemporaryDirectory(prefix="kvtier-stall-") as tmp:
         out = run(args.delay_ms, args.prompt_tokens, Path(tmp), args.chunk_size,
                   args.fresh_kernel)

