@@ -81,7 +81,7 @@ def demo_config(disk_dir: Path | None, redis_url: str | None, salt: str,
     on before the baseline measures (quiet.WriteWaits).
     """
     lines = [f"chunk_size: {CHUNK_SIZE}", "local_cpu: true",
-             f"max_local_cpu_size: {arena_gb:.3f}", f"hash_salt: {salt}"]
+             f"max_local_cpu_size: {arena_gb:.3f}", f"hash_salt: {json.dumps(salt)}"]
     if disk_dir is not None:
         lines += [f"local_disk: {json.dumps(str(disk_dir))}", "max_local_disk_size: 4.0"]
     if redis_url:

@@ -81,3 +81,16 @@ def test_real_text_prompts_have_the_workloads_exact_sizes_and_ask_a_question() -
     assert tokenizer.decode(first).endswith(" hold?\nAnswer:")
     a = Conversation(1)
     assert a.next_prompt(prompts, 1) == system + first
+
+
+@pytest.mark.parametrize("salt", ["123456789012", "0123", "deadbeef0001"])
+def test_the_demo_config_keeps_any_salt_a_string(tmp_path: Path, salt: str) -> None:
+    """The run's salt is 12 hex digits: all digits (about 1 run in 280) read as an int, and
+    the servers refused the config (a fresh-clone CI run: 'hash_salt: must be a string')."""
+    from kvtier.config import load_config
+    from kvtier.demo.runner import demo_config
+
+    path = tmp_path / "kvtier.yaml"
+    path.write_text(demo_config(tmp_path / "disk", "redis://127.0.0.1:1", salt, 0.1, 9400))
+    config = load_config(path, env={})
+    assert config.hash_salt == salt and config.metrics_port == 9400

@@ -191,7 +191,8 @@ def test_a_reordered_rag_prompt_with_a_preamble_reuses_every_document(
     server.flush_cache()  # no device prefix: every token past it comes from the blend
     reordered = _generate(server, _prompt([2, 0, 1]))
     line = _last_blend(server)
-    assert line["segments"] == 3 and _metric(server, "blend_segments_hit") == 3, line
+    # the counter reaches the exporter at its next sync (a fresh-clone CI run read 0 before it)
+    assert line["segments"] == 3 and _metric(server, "blend_segments_hit", at_least=3) == 3, line
     assert line["device"] == 0, line
     assert line["loaded"] > 3 * 200 and line["computed"] < line["loaded"] / 4, line
     kept = line["loaded"] - line["recomputed"] - line["segments"]  # first tokens: computed
