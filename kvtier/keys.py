@@ -291,6 +291,16 @@ class KeyBuilder:
             return self._root
         return hashlib.sha256(self._root + b"\0cache_salt\0" + salt.encode()).digest()
 
+    def starts_prefix(self, key: ChunkKey) -> bool:
+        """Whether `key` begins a prompt's chain under its salt (its first chunk, or a tail
+        with nothing before it), and not a segment's (`root(segment=True)`) nor any other
+        chain's: its digest is the hash of its tokens after the root."""
+        if key.prev is not None:
+            return False
+        d = hashlib.sha256(self.root(key.salt))
+        d.update(key.tokens)
+        return key.key == self.prefix_of(key.salt) + d.hexdigest()
+
     def chain(self, token_ids: torch.Tensor | Sequence[int] | np.ndarray,
               salt: str = "", segment: bool = False) -> KeyChain:
         """The keys a lookup walks: `token_ids`' full chunks, with their tails (`tails` on).

@@ -183,3 +183,18 @@ def test_tensors_the_kernel_helper_does_not_take_go_the_numpy_way() -> None:
         np.arange(4, dtype="<u4").tobytes()
     strided = torch.arange(8)[::2]  # the helper takes it (it makes it contiguous)
     assert bytes(encode_tokens(strided)) == np.arange(0, 8, 2, dtype="<u4").tobytes()
+
+
+def test_only_a_prompts_first_chunk_starts_a_prefix() -> None:
+    """`starts_prefix` tells a prompt's first chunk (or a tail with nothing before it) from a
+    blending segment's, another salt's and a later chunk (tier events announce only the
+    first kind: kvtier/integration/sglang/tier_events.py)."""
+    builder = KeyBuilder(model="m", fingerprint="f", chunk_size=16, page_size=4, tails=True)
+    tokens = list(range(40))
+    for salt in ("", "tenant"):
+        chain = builder.chain(tokens, salt)
+        assert builder.starts_prefix(chain[0]) and not builder.starts_prefix(chain[1])
+        assert builder.starts_prefix(builder.chain(tokens[:8], salt).tails(0)[0])
+        assert not builder.starts_prefix(builder.chain(tokens, salt, segment=True)[0])
+    other = builder.chain(tokens, "another")[0]
+    assert not builder.starts_prefix(other._replace(salt=""))

@@ -365,7 +365,8 @@ def build_radix_cache(ctx: TreeCacheBuildContextView) -> KVTierRadixCache:
         from kvtier.integration.sglang.tier_events import TierEvents
 
         cache.publish_tier_events(TierEvents(
-            page_size, kvtier.counters, dynamo_format=params.dynamo_kv_event_format,
+            page_size, kvtier.counters, starts_prefix=engine.keys.starts_prefix,
+            dynamo_format=params.dynamo_kv_event_format,
             lora_names=params.kv_event_lora_names))
     from kvtier.integration.sglang import shutdown
 

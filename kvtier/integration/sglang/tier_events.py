@@ -12,8 +12,10 @@ The events name SGLang's own block hashes, at SGLang's page size and `cache_salt
 namespacing, computed by SGLang's own recorder (`KVCacheEventRecorder`) over the chunk's
 tokens: a consumer joins a tier's events with the device's without knowing kvtier's keys. A
 chunk's pages chain to the previous chunk's last page, so a chunk is announced only when the
-previous one was (prefix order: a store names its chunks first to last); the last
-`MAX_CHUNKS` announced chunks' hashes are kept for their removal.
+previous one was (prefix order: a store names its chunks first to last), and a chain is
+announced only from a prompt's first chunk: a blending segment's chunks (cached as if the
+segment were a whole prompt, found only by a blend) are not prefixes a request can hit, so
+none of them is. The last `MAX_CHUNKS` announced chunks' hashes are kept for their removal.
 
 Costs: nothing without `--kv-events-config` (no watcher is added). With it, the hashes of a
 chunk are computed once, on the thread that stored it (never the scheduler's), and events wait
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -60,9 +62,12 @@ class TierEvents:
         page_size, dynamo_format, lora_names: what the tree's own recorder was made with
             (SGLang's `CacheInitParams`): the events' page size, hash format and LoRA names.
         counters: where the events, the drops and the chunks not announced are counted.
+        starts_prefix: whether a chunk with no predecessor begins a prompt's chain
+            (`KeyBuilder.starts_prefix` of the engine's keys), not a segment's.
     """
 
-    def __init__(self, page_size: int, counters: Counters, *, dynamo_format: bool = False,
+    def __init__(self, page_size: int, counters: Counters, *,
+                 starts_prefix: Callable[[ChunkKey], bool], dynamo_format: bool = False,
                  lora_names: Any = None, max_events: int = MAX_EVENTS,
                  max_chunks: int = MAX_CHUNKS) -> None:
         from sglang.srt.mem_cache.events import KVCacheEventRecorder
@@ -72,6 +77,7 @@ class TierEvents:
         self._hasher = KVCacheEventRecorder(enabled=True, page_size=page_size,
                                             dynamo_format=dynamo_format, lora_names=lora_names)
         self._counters = counters
+        self._starts_prefix = starts_prefix
         counters.declare(*(f"sglang.{name}" for name in COUNTERS))
         self._max_events, self._max_chunks = max_events, max_chunks
         self._lock = threading.Lock()
@@ -132,7 +138,7 @@ class TierEvents:
         tokens = np.frombuffer(key.tokens, dtype="<u4")
         whole = len(tokens) // self.page_size * self.page_size  # the device holds whole pages
         prev = self._chunks.get(key.prev) if key.prev is not None else None
-        if whole == 0 or (key.prev is not None and prev is None):
+        if whole == 0 or (prev is None if key.prev is not None else not self._starts_prefix(key)):
             self._counters.inc("sglang.tier_events_unchained")
             return None
         salt = key.salt or None

@@ -26,9 +26,11 @@ def sglang_events() -> Any:
     return events, radix_cache
 
 
-def _keys(tokens: np.ndarray, salt: str = "") -> list[ChunkKey]:
-    builder = KeyBuilder(model="m", fingerprint="f", chunk_size=CHUNK)
-    return list(builder.chain(tokens, salt))
+BUILDER = KeyBuilder(model="m", fingerprint="f", chunk_size=CHUNK)
+
+
+def _keys(tokens: np.ndarray, salt: str = "", segment: bool = False) -> list[ChunkKey]:
+    return list(BUILDER.chain(tokens, salt, segment=segment))
 
 
 def _device_events(sglang: Any, tokens: np.ndarray, page: int, salt: str) -> list[Any]:
@@ -46,7 +48,7 @@ def _device_events(sglang: Any, tokens: np.ndarray, page: int, salt: str) -> lis
 
 def _tier_events(sglang: Any, page: int, **kw: int) -> tuple[TierEvents, Counters]:
     counters = Counters()
-    return TierEvents(page, counters, **kw), counters
+    return TierEvents(page, counters, starts_prefix=BUILDER.starts_prefix, **kw), counters
 
 
 def _hashes(events: list[Any]) -> list[int]:
@@ -113,3 +115,18 @@ def test_tiers_without_a_medium_publish_nothing(sglang_events: Any) -> None:
     tiers, _ = _tier_events(sglang_events, 16)
     tiers("plugin-tier", _keys(np.arange(CHUNK)), True)
     assert tiers.take() == []
+
+
+@pytest.mark.parametrize("salt", ["", "tenant-a"])
+def test_a_blending_segment_is_no_prefix_and_is_not_announced(sglang_events: Any,
+                                                             salt: str) -> None:
+    """A segment's chunks are cached as if the segment were a whole prompt, under a root of
+    their own: no request's prefix lookup finds them, so a router must not be told they are
+    there."""
+    tiers, counters = _tier_events(sglang_events, 16)
+    tokens = np.arange(2 * CHUNK) + 5
+    tiers("cpu", _keys(tokens, salt, segment=True), True)
+    assert tiers.take() == []
+    assert counters.snapshot()["sglang.tier_events_unchained"] == 2
+    tiers("cpu", _keys(tokens, salt), True)  # the same tokens as a prompt's prefix
+    assert len(_hashes(tiers.take())) == 2 * CHUNK // 16
