@@ -144,6 +144,18 @@ class CPUBackend(HotTier):
     def pinned_bytes(self) -> int:
         return self._pinned_bytes
 
+    def tenant_bytes(self) -> dict[str, int]:
+        """A copy of the arena bytes each tenant (its salt, "" unsalted) holds; empty while
+        the share is off (`tenant_max_fraction: 1` counts nothing) and for staging."""
+        with self._lock:
+            return dict(self._tenant_bytes)
+
+    def keys_of(self, salt: str) -> list[ChunkKey]:
+        """The keys of every chunk tenant `salt` holds here, a snapshot (one walk of the
+        entries under the lock: for an operator's purge, not the serving path)."""
+        with self._lock:
+            return [k for k, _ in self._entries.values() if k.salt == salt]
+
     def pop_lru(self, nbytes: int) -> list[tuple[ChunkKey, MemoryObj]]:
         out: list[tuple[ChunkKey, MemoryObj]] = []
         freed = 0
