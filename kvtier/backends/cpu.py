@@ -87,6 +87,8 @@ class CPUBackend(HotTier):
                 self._entries.move_to_end(k.key)
                 if k.key in self._leaves:
                     self._leaves.move_to_end(k.key)
+            if out:
+                self._on_hit(keys[: len(out)])
             return out
 
     def batch_put(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]) -> int:
@@ -214,6 +216,10 @@ class CPUBackend(HotTier):
     def _on_put(self, keys: Sequence[ChunkKey]) -> None:
         """A policy's hook: `keys` (a prefix's next chunks) were just stored, each a new
         entry (a leaf where no child of it is cached)."""
+
+    def _on_hit(self, keys: Sequence[ChunkKey]) -> None:
+        """A policy's hook: `keys` (a prefix's leading chunks, all held) were just served, after
+        the leaves among them were moved to the queue's recent end."""
 
     def _on_drop(self, name: str, evicted: bool) -> None:
         """A policy's hook: `name` left the tier (`evicted`: for room, else removed)."""
