@@ -27,6 +27,14 @@ holding keys loads only records encrypted under one of them, a reader without ke
 encrypted record (either is a `ForgedEntry`: a counted miss that no reader deletes). Every
 other failure is a `CorruptEntry` whose message names the field.
 
+Codec: the flags byte's high 4 bits name the payload's codec (`kvtier.backends.codec`: 0
+naive, 1 fp8); the low 4 bits are the seal bits below. `payload_len` is the codec's, while
+dtype and shape stay the pool's (what the record decodes to). kvtier versions before codecs
+read a non-zero codec as unknown flag bits: `OtherVersion`, a counted miss left in place, never
+a load of bytes they cannot decode; a version that does not know a codec's id says which id.
+The codec bits are part of the header checksum and of GCM's associated data, and the payload
+checksum and encryption cover the encoded (compressed) bytes.
+
 Flags: `ENCRYPTED` records also set `AUTHENTICATED`, the bit with which kvtier versions before
 encryption marked an HMAC-SHA256 in the seal field: such a version, with or without a key,
 rejects an encrypted record as forged (kept) instead of loading ciphertext, so the format kept
@@ -44,6 +52,7 @@ from typing import NamedTuple
 
 import xxhash
 
+from kvtier.backends.codec import NAIVE, Codec, Encoded, codec_by_id
 from kvtier.backends.sealing import (
     FIELD,
     MIN_KEY_BYTES,
@@ -79,6 +88,7 @@ AUTHENTICATED = 1  # flags bit: the seal field is not zeros (see the module docs
 ENCRYPTED = 2  # flags bit: AES-256-GCM ciphertext; the seal field: key id, nonce, tag
 _SEALED = AUTHENTICATED | ENCRYPTED
 _FLAGS = {0, AUTHENTICATED, _SEALED}
+_CODEC_SHIFT = 4  # the flags byte's high bits: the payload's codec id
 # Plausibility bounds: they keep a corrupt length field from making a reader allocate or read
 # absurd amounts before the checksum has been verified.
 MAX_KEY_LEN = 4096
@@ -102,6 +112,7 @@ class RecordHeader(NamedTuple):
     seal: bytes  # the seal field when flags has ENCRYPTED or AUTHENTICATED, else b""
     aad: bytes  # the header bytes GCM authenticates (see `_aad`)
     salt: str = ""  # the tenant it is read for (the requested key's): picks the record key
+    codec: Codec = NAIVE  # what the payload holds (`decode` it unless naive)
 
 
 def payload_checksum(view: memoryview | bytes) -> int:
@@ -126,7 +137,10 @@ def _aad(prefix: bytes, body: bytes) -> bytes:
     return prefix[:_SUM_AT] + bytes(8) + body
 
 
-def _prefix(key: ChunkKey, obj: MemoryObj, segment_bytes: int, flags: int,
+Stored = MemoryObj | Encoded  # what a record holds: the arena's bytes or a codec's payload
+
+
+def _prefix(key: ChunkKey, obj: Stored, segment_bytes: int, flags: int,
             checksum: int) -> tuple[bytes, bytes]:
     """The fixed prefix (without the header checksum) and the key string + token digest of a
     record holding `obj` under `key`, after checking that they can form one."""
@@ -144,15 +158,18 @@ def _prefix(key: ChunkKey, obj: MemoryObj, segment_bytes: int, flags: int,
         raise ValueError(f"obj: tensor must be 4-D, got shape {shape}")
     hlen = expected_header_len(key)
     dtype = dtype_name(obj.tensor.dtype).encode()
+    if isinstance(obj, Encoded):
+        flags |= obj.codec.id << _CODEC_SHIFT
     prefix = _FIXED.pack(MAGIC, VERSION, hlen, int(obj.fmt), dtype, *shape, obj.nbytes,
                          segment_bytes, key.num_tokens, len(key_bytes), flags, checksum,
                          0)[:_CHECKED]
     return prefix, key_bytes + token_digest(key)
 
 
-def seal_for(key: ChunkKey, obj: MemoryObj, *, segment_bytes: int = 0,
+def seal_for(key: ChunkKey, obj: Stored, *, segment_bytes: int = 0,
              keys: RecordKeys | None = None) -> Seal:
-    """A `Seal` for the record of `obj` under `key` (encrypting under `keys.current` when
+    """A `Seal` for the record of `obj` (an arena object, or a codec's `Encoded` payload of
+    one) under `key` (encrypting under `keys.current` when
     `keys` is given, with the key of `key.salt`'s tenant), for I/O code to feed the payload
     through piece by piece before `encode_header(..., seal=)`.
 
@@ -163,7 +180,7 @@ def seal_for(key: ChunkKey, obj: MemoryObj, *, segment_bytes: int = 0,
     return Seal(keys, _aad(prefix, body), key.salt)
 
 
-def encode_header(key: ChunkKey, obj: MemoryObj, *, segment_bytes: int = 0,
+def encode_header(key: ChunkKey, obj: Stored, *, segment_bytes: int = 0,
                   seal: Seal | None = None) -> bytes:
     """The header of a record holding `obj` under `key`.
 
@@ -190,7 +207,7 @@ def encode_header(key: ChunkKey, obj: MemoryObj, *, segment_bytes: int = 0,
     return prefix + struct.pack("<Q", hsum) + body + field
 
 
-def seal_record(key: ChunkKey, obj: MemoryObj, seal: Seal, out: memoryview | None = None, *,
+def seal_record(key: ChunkKey, obj: Stored, seal: Seal, out: memoryview | None = None, *,
                 segment_bytes: int = 0) -> tuple[bytes, memoryview]:
     """Feed `obj`'s payload through `seal` (from `seal_for` with the same arguments) and return
     the record's header and stored payload: the arena's own bytes for a plain record, `out`
@@ -289,14 +306,24 @@ def parse_header(buf: bytes | memoryview, key: ChunkKey, layout: KVLayout) -> Re
     shape = (s0, s1, s2, s3)
     if shape != layout.shape(n):
         raise CorruptEntry(f"shape: {shape} != {layout.shape(n)}")
-    if payload_len != layout.nbytes(n):
-        raise CorruptEntry(f"payload_len: {payload_len} != {layout.nbytes(n)}")
+    codec, flags = _codec(flags >> _CODEC_SHIFT), flags & ((1 << _CODEC_SHIFT) - 1)
+    if payload_len != codec.payload_nbytes(layout, n):
+        raise CorruptEntry(f"payload_len: {payload_len} != {codec.payload_nbytes(layout, n)} "
+                           f"({codec.name})")
     if flags not in _FLAGS:
         raise OtherVersion(f"flags: {flags:#x} has bits this version does not know")
     seal = head[digest_end:digest_end + MAC] if flags else b""
     return RecordHeader(hlen, MemoryFormat(fmt), dtype, shape, payload_len, segment_bytes,
                         checksum, key.key, flags, seal, _aad(head, head[FIXED_SIZE:digest_end]),
-                        key.salt)
+                        key.salt, codec)
+
+
+def _codec(codec_id: int) -> Codec:
+    codec = codec_by_id(codec_id)
+    if codec is None:
+        raise OtherVersion(f"codec: id {codec_id} is unknown to this kvtier version (another "
+                           "kvtier's codec); not loaded")
+    return codec
 
 
 def open_payload(header: RecordHeader, keys: RecordKeys | None) -> Unseal:

@@ -37,7 +37,8 @@ from kvtier.errors import ConfigError
 __all__ = ["BlendSection", "Config", "PrefetchSection", "WriteSection", "validate", "REMOTE_SERDES",
            "TRANSFER_ARENA_GB", "PATH_KEYS"]
 
-REMOTE_SERDES = ("naive",)
+# The codecs of the lower tiers' records (kvtier.backends.codec.CODECS; docs/codecs.md).
+REMOTE_SERDES = ("naive", "fp8")
 VERIFY_SCOPES = ("full", "tail")
 CHUNK_MULTIPLE = 16
 MAX_CHUNK = 1 << 20  # tokens; a chunk is one arena object, and a prompt is far shorter

@@ -49,7 +49,7 @@ def test_check_config_prints_the_three_key_groups(tmp_path: Path,
     assert data["kvtier_keys"] == {"chunk_size": "64"}
     translated = data["lmcache_translated"]
     assert set(translated) == {"remote_url", "remote_serde", "extra_config"}
-    assert "uncompressed" in translated["remote_serde"]
+    assert "fp8" in translated["remote_serde"]  # cachegen's closest codec
     ignored = data["lmcache_not_implemented"]
     assert "layer-by-layer" in ignored["use_layerwise"]
     assert ignored["extra_config.resp_num_threads"] == "not used by kvtier"

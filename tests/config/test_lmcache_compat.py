@@ -339,9 +339,10 @@ def _pool(seed: int) -> tuple[SGLangMHAConnector, list[torch.Tensor]]:
     return SGLangMHAConnector(k, v), k + v
 
 
-def _round_trip(cfg: Config) -> tuple[CacheEngine, list[torch.Tensor]]:
-    """Store 512 tokens from one pool, load them into another through a second engine;
-    returns the reader and the source pool's layers."""
+def _round_trip(cfg: Config, exact: bool = True) -> tuple[CacheEngine, list[torch.Tensor]]:
+    """Store 512 tokens from one pool, load them into another through a second engine (the
+    same bytes, or with `exact` false within fp8's 6% relative L2 error per layer); returns
+    the reader and the source pool's layers."""
     (src, src_layers), (dst, dst_layers) = _pool(1), _pool(2)
     tokens = list(range(1000, 1512))
     slots = torch.arange(512)
@@ -351,7 +352,11 @@ def _round_trip(cfg: Config) -> tuple[CacheEngine, list[torch.Tensor]]:
     reader = CacheEngine(cfg, model_name="m", layout=dst.layout, connector=dst)
     assert reader.retrieve(tokens, slots) == 512
     for a, b in zip(src_layers, dst_layers, strict=True):
-        assert same_bytes(a[:512], b[:512])
+        if exact:
+            assert same_bytes(a[:512], b[:512])
+        else:
+            err = (a[:512].float() - b[:512].float()).norm() / a[:512].float().norm()
+            assert 0 < err < 0.06
     return reader, src_layers
 
 
@@ -379,16 +384,18 @@ def test_resp_url_and_extra_config_credentials_reach_redis(
     assert redis_auth_server.client().dbsize() == 2
 
 
-def test_cachegen_serde_stores_raw_records(redis_server: RedisProcess, tmp_path: Path) -> None:
+def test_cachegen_serde_stores_fp8_records(redis_server: RedisProcess, tmp_path: Path) -> None:
     redis_server.client().flushall()
     cfg = load_config(_with_port("redis_cachegen.yaml", tmp_path, redis_server.port), env={})
-    assert cfg.remote_serde == "naive"
-    reader, src_layers = _round_trip(cfg)
+    assert cfg.remote_serde == "fp8"
+    reader, src_layers = _round_trip(cfg, exact=False)
     reader.close()
     client = redis_server.client()
     values = [client.get(k) for k in client.keys("*")]
     raw_k0 = src_layers[0][:256].numpy().tobytes()  # chunk 0, layer 0 K, uncompressed
-    assert any(raw_k0 in v for v in values)
+    assert len(values) == 2 and not any(raw_k0 in v for v in values)
+    naive = 2 * 2 * 256 * 16 * 2  # K and V, 2 layers, 256 tokens, 16 values, fp16
+    assert all(len(v) < 0.6 * naive for v in values)
 
 
 def test_no_cpu_config_uses_disk_through_a_transfer_arena(tmp_path: Path) -> None:

@@ -8,8 +8,7 @@ The disk tier (`disk.py`) owns the policy (index, size cap, LRU); this module ow
   the caller `os.replace`s it. Whether a temp file is garbage is told by its lock, never by
   its name (`inflight`: the pid means nothing in another PID namespace).
 - It is read with the header first, validated in full, then the payload straight into arena
-  memory (if encrypted, through a one-piece scratch buffer it is decrypted from) and verified
-  before the object is handed out.
+  memory (encrypted: through a piece of scratch; compressed: a scratch, `codec`), verified.
 - Privacy: the tree holds every user's prompts. Directories kvtier creates are 0700, records
   0600; a root is refused if it is another user's, writable by others, or reached through a
   symlink (`prepare_root`), and an `ab/cd` directory is used only once checked the same way
@@ -28,6 +27,7 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
+from kvtier.backends.codec import NAIVE, Codec, scratch
 from kvtier.backends.disk import inflight
 from kvtier.backends.disk.paths import SUFFIX, is_temp_name, record_stem, root_problem
 from kvtier.backends.record import (
@@ -229,9 +229,10 @@ def _pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
 
 
 def write_temp(dirs: RecordDirs, name: str, tmp: str, key: ChunkKey, obj: MemoryObj,
-               stamp_ns: int, keys: RecordKeys | None = None) -> int:
+               stamp_ns: int, keys: RecordKeys | None = None, codec: Codec = NAIVE) -> int:
     """Write the record `name` of `obj` under `key` to the new file `tmp` (0600, in the
-    record's directory), with mtime `stamp_ns`; encrypted under `keys.current` with `keys`.
+    record's directory), with mtime `stamp_ns`; encrypted under `keys.current` with `keys`,
+    encoded by `codec` (on the calling writer thread).
 
     Returns the temp file's descriptor, still locked as in flight (`inflight.create_locked`):
     the caller renames or removes `tmp`, then closes it, so no clean-up takes it meanwhile.
@@ -244,7 +245,8 @@ def write_temp(dirs: RecordDirs, name: str, tmp: str, key: ChunkKey, obj: Memory
         OSError: the write failed (`UnsafeDirectory`: the directory is not private, nothing
             was created); no temp file is left behind.
     """
-    seal = seal_for(key, obj, keys=keys)  # before any file: a ValueError leaves nothing
+    stored_obj = codec.encode(obj)  # then the seal, before any file: a ValueError leaves none
+    seal = seal_for(key, stored_obj, keys=keys)
     dirs.require(name)
     try:
         fd = inflight.create_locked(tmp, FILE_MODE)
@@ -252,14 +254,14 @@ def write_temp(dirs: RecordDirs, name: str, tmp: str, key: ChunkKey, obj: Memory
         dirs.require(name, recheck=True)
         fd = inflight.create_locked(tmp, FILE_MODE)
     try:
-        view = obj.byte_view()
+        view = stored_obj.byte_view()
         offset = expected_header_len(key)
         out = memoryview(bytearray(min(PIECE, len(view)))) if seal.encrypted else None
         for start in range(0, len(view), PIECE):
             piece = view[start : start + PIECE]
             stored = seal.update(piece, None if out is None else out[: len(piece)])
             _pwrite_all(fd, stored, offset + start)
-        _pwrite_all(fd, encode_header(key, obj, seal=seal), 0)
+        _pwrite_all(fd, encode_header(key, stored_obj, seal=seal), 0)
         os.utime(fd, ns=(stamp_ns, stamp_ns))
     except BaseException:
         with contextlib.suppress(OSError):  # in a checked directory: no redirect to fear
@@ -312,8 +314,9 @@ def read_record(fd: int, size: int, key: ChunkKey, layout: KVLayout,
                 allocate: Callable[[int], MemoryObj | None],
                 keys: RecordKeys | None = None) -> MemoryObj | None:
     """Read and verify the record in `fd` (`size` bytes) into a new arena object (decrypted
-    into it if encrypted; `keys`: the reader's record keys). Returns the object (the caller owns
-    its one reference), or None when the arena is full.
+    into it if encrypted; `keys`: the reader's record keys; not naive: verified in a scratch
+    buffer, then decoded into it). Returns the object (the caller owns its one reference), or
+    None when the arena is full.
 
     Raises:
         CorruptEntry: any field, length or checksum mismatch; no object is left allocated.
@@ -330,7 +333,7 @@ def read_record(fd: int, size: int, key: ChunkKey, layout: KVLayout,
     if obj is None:
         return None
     try:
-        view = obj.byte_view()
+        view = obj.byte_view() if header.codec is NAIVE else scratch(header.payload_len)
         pos, step = 0, SEALED_PIECE if unseal.encrypted else PIECE
         while pos < len(view):  # piece by piece, each verified while still in the cache
             piece = view[pos : pos + step]
@@ -341,6 +344,8 @@ def read_record(fd: int, size: int, key: ChunkKey, layout: KVLayout,
             unseal.update(stored[:n], piece[:n])
             pos += n
         verify_payload(header, view, unseal=unseal)
+        if header.codec is not NAIVE:
+            header.codec.decode(view, obj)
     except BaseException:
         obj.release()
         raise

@@ -13,6 +13,7 @@ from redis.exceptions import AuthenticationError, RedisClusterException, RedisEr
 
 from kvtier.backends import record
 from kvtier.backends.base import BackendContext, ProbeSample, StorageBackend
+from kvtier.backends.codec import codec_named
 from kvtier.backends.redis import io as rio
 from kvtier.backends.redis.health import Health
 from kvtier.backends.redis.probe import probe_primaries
@@ -60,6 +61,7 @@ class RedisBackend(StorageBackend):
         self._ttl = cfg.remote_ttl_secs
         self._timeout = cfg.remote_timeout_secs
         self._seg = max(1, int(cfg.remote_segment_mb * (1 << 20)))
+        self._codec = codec_named(cfg.remote_serde)
         self._router: Router | None = None
         self._health = Health(f"redis tier {self._target.url}", self._probe, _TIER_ERRORS,
                               ctx.counters.scope(self.name, *_STATS))
@@ -292,12 +294,14 @@ class RedisBackend(StorageBackend):
         if router is None or not keys:
             return 0
         plan = self._plan(keys)
-        segs = [self._seg if len(rk) > 1 else 0 for rk, _ in plan]
         stored = written = 0
         try:
+            recs = [self._codec.encode(obj) for obj in objs]  # on the writer's thread
+            segs = [rio.segment_bytes(len(rec.byte_view()), len(rk), self._seg)
+                    for rec, (rk, _) in zip(recs, plan)]
             # Every seal (and so every check) first: a ValueError leaves nothing half-sent.
-            seals = [record.seal_for(k, obj, segment_bytes=seg, keys=self._keys)
-                     for k, obj, seg in zip(keys, objs, segs)]
+            seals = [record.seal_for(k, rec, segment_bytes=seg, keys=self._keys)
+                     for k, rec, seg in zip(keys, recs, segs)]
             for client, idxs in self._by_node(router, [rk for rk, _ in plan]):
                 for group in self._put_groups(idxs, plan):
                     # Encrypted records are sent from ciphertext buffers, a group at a time.
@@ -307,10 +311,11 @@ class RedisBackend(StorageBackend):
                         counts = []
                         for j, i in enumerate(group):
                             head, payload = record.seal_record(
-                                keys[i], objs[i], seals[i], bufs[j] if bufs else None,
+                                keys[i], recs[i], seals[i],
+                                bufs[j][:recs[i].nbytes] if bufs else None,
                                 segment_bytes=segs[i])
                             counts.append(rio.write_record(out, plan[i][0], head, payload,
-                                                           self._seg, self._ttl))
+                                                           segs[i] or self._seg, self._ttl))
                         answers = rio.exchange(client, out.finish(), counts)
                     finally:
                         self._buffers.give(bufs)
@@ -318,7 +323,7 @@ class RedisBackend(StorageBackend):
                         last = replies[-1]
                         if last == b"OK" or (len(replies) > 1 and isinstance(last, list)):
                             stored += 1
-                            written += plan[i][1]
+                            written += recs[i].nbytes
                             continue
                         self._health.count("write_errors")
                         err = next((r for r in replies if isinstance(r, rio.ReplyError)), None)

@@ -41,6 +41,7 @@ import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from kvtier.backends import record
+from kvtier.backends.codec import NAIVE, scratch
 from kvtier.backends.redis.resp import CommandWriter, ReplyError, ReplyReader
 from kvtier.errors import CorruptEntry
 from kvtier.keys import ChunkKey, redis_names
@@ -112,6 +113,21 @@ def segments(payload_len: int, seg_bytes: int) -> list[tuple[int, int]]:
     return [(s, min(s + seg_bytes, payload_len)) for s in range(0, payload_len, seg_bytes)]
 
 
+def segment_bytes(payload_len: int, nseg: int, seg_bytes: int) -> int:
+    """The segment size of a record of `payload_len` bytes kept in `nseg` keys (0: one key).
+
+    Readers plan a chunk's keys from its uncompressed size (they cannot know a record's codec
+    before reading it), so a compressed payload keeps the naive record's key count, cut into
+    `nseg` even segments; `seg_bytes` when that makes `nseg` pieces (a naive record, as ever).
+    A payload too small to cut so keeps `seg_bytes`: readers then count a segment mismatch."""
+    if nseg <= 1:
+        return 0
+    if payload_len > (nseg - 1) * seg_bytes:
+        return seg_bytes
+    even = -(-payload_len // nseg)
+    return even if -(-payload_len // even) == nseg else seg_bytes
+
+
 def write_record(out: CommandWriter, rkeys: list[str], head: bytes, payload: memoryview,
                  seg_bytes: int, ttl: int | None) -> int:
     """Append the command(s) storing one record; returns how many replies they produce."""
@@ -167,7 +183,9 @@ def read_record(stream: GetStream, key: ChunkKey, layout: KVLayout, nseg: int,
     if obj is None:
         raise ArenaFull(key.key)
     try:
-        view = obj.byte_view()
+        # Another codec's payload is verified in a scratch buffer, then decoded into `obj`.
+        naive = head.codec is NAIVE
+        view = obj.byte_view() if naive else scratch(head.payload_len)
         for i, (start, end) in enumerate(pieces):
             if i and (stream.next() if split else reader).header(b"$") != end - start:
                 raise CorruptEntry(f"segment {i} is missing or has the wrong length")
@@ -178,6 +196,8 @@ def read_record(stream: GetStream, key: ChunkKey, layout: KVLayout, nseg: int,
                 unseal.update(stored, piece)
             reader.end_bulk()
         record.verify_payload(head, view, unseal=unseal)
+        if not naive:
+            head.codec.decode(view, obj)
     except BaseException:
         obj.release()
         raise

@@ -133,9 +133,17 @@ def unsupported_storage(data: Mapping[str, Any]) -> tuple[str, str] | None:
             return key, entry.note
     return None
 
-# What LMCache's remote_serde values become: kvtier stores records uncompressed.
-_SERDE_AS_RAW = {None: "null", "cachegen": "cachegen", "torch": "torch", "safetensor":
-                 "safetensor", "kivi": "kivi"}
+# What LMCache's remote_serde values become: (the name LMCache gives, kvtier's codec, why).
+# CacheGen (a lossy, ~4x smaller codec) is closest to fp8 (lossy, 2x smaller for 16-bit pools,
+# gated on quality: docs/codecs.md); the others store raw tensors, as `naive` does.
+_SERDE_AS = {
+    None: ("null", "naive", "kvtier stores records uncompressed ('naive')"),
+    "cachegen": ("cachegen", "fp8", "kvtier stores fp8 records, its closest codec ('fp8': "
+                 "one byte a value with per-channel/per-token scales; see docs/codecs.md)"),
+    "torch": ("torch", "naive", "kvtier stores records uncompressed ('naive')"),
+    "safetensor": ("safetensor", "naive", "kvtier stores records uncompressed ('naive')"),
+    "kivi": ("kivi", "naive", "kvtier stores records uncompressed ('naive')"),
+}
 _CREDENTIAL_KEYS = ("username", "password")
 # A key whose name holds one of these words (any case) is taken for a secret: when in doubt a
 # value is hidden, never shown. LMCache has no such top-level key today, but extra_config
@@ -183,7 +191,7 @@ def translate_values(values: Mapping[str, Any], extra: Mapping[str, Any] | None,
                      source: str) -> Translated:
     """Rewrite LMCache value forms in the raw (not yet type-checked) `values`.
 
-    - `remote_serde` null / cachegen / torch -> "naive" (kvtier stores raw records);
+    - `remote_serde` null / torch -> "naive" (raw records), cachegen -> "fp8" (its closest);
     - `remote_url` resp:// -> redis:// (LMCache's RESP client speaks to a Redis server);
     - `extra_config` username/password -> the credentials of `remote_url`.
 
@@ -192,10 +200,10 @@ def translate_values(values: Mapping[str, Any], extra: Mapping[str, Any] | None,
     """
     out = dict(values)
     notes: list[tuple[str, str]] = []
-    if "remote_serde" in out and _serde_key(out["remote_serde"]) in _SERDE_AS_RAW:
-        given = _SERDE_AS_RAW[_serde_key(out["remote_serde"])]
-        out["remote_serde"] = "naive"
-        notes.append(("remote_serde", f"{given}: kvtier stores records uncompressed ('naive')"))
+    if "remote_serde" in out and _serde_key(out["remote_serde"]) in _SERDE_AS:
+        given, codec, why = _SERDE_AS[_serde_key(out["remote_serde"])]
+        out["remote_serde"] = codec
+        notes.append(("remote_serde", f"{given}: {why}"))
     url = out.get("remote_url")
     if isinstance(url, str) and url.startswith("resp://"):
         out["remote_url"] = "redis://" + url[len("resp://"):]

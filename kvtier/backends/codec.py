@@ -1,0 +1,212 @@
+"""Codecs for the lower tiers (disk, Redis): how a chunk's KV is stored in a record's payload.
+
+`remote_serde` picks the codec a tier *writes*; every reader loads a record of any codec it
+knows, whatever its own (a record names its codec in its header: `record.py`). The CPU tier
+always holds the pool's dtype: a codec changes what a record stores, never what a hit scatters
+into the pool (a decoded chunk has the pool's dtype and shape).
+
+- `naive` (id 0): the arena's bytes as they are; exact, and read straight into the arena.
+- `fp8` (id 1): float8 e4m3 (`torch.float8_e4m3fn`, max 448) with float32 scales, one byte a
+  value. KV_2LTD (`[2, layers, tokens, hidden]`): K per channel (a scale per layer and hidden
+  channel: key outliers live in fixed channels, KIVI's finding), V per token (a scale per
+  layer and token: value rows are mixed by attention weights, so a row's own range matters).
+  KV_MLA (`[1, layers, tokens, kv_dim]`): the latent is the key of every head, so it is scaled
+  like K, per channel (the RoPE part's channels differ in range from the latent's by orders of
+  magnitude; one scale per token would flush the small ones). Payload: the fp8 values in the
+  tensor's order, then the per-channel scales `[layers, hidden]`, then (KV_2LTD) the per-token
+  scales `[layers, tokens]`. A pool already one byte a value (fp8 / uint8 pools) is stored
+  `naive` by every codec: there is nothing to gain.
+
+A record is encoded on the tier's writer thread and decoded on the load path, after the whole
+payload was verified (checksum, or GCM tag) in a scratch buffer: nothing unverified reaches
+the arena.
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+
+import torch
+
+from kvtier.memory import KVLayout, MemoryFormat, MemoryObj
+
+__all__ = ["CODECS", "Codec", "Encoded", "FP8", "NAIVE", "codec_by_id", "codec_named",
+           "scratch"]
+
+_E4M3 = torch.float8_e4m3fn
+_FP8_MAX = 448.0
+_TINY = 1e-12  # an all-zero channel or token: scale 1, stored as zeros
+
+
+class Codec(ABC):
+    """One way to store a chunk in a record. Stateless and thread-safe."""
+
+    name: str
+    id: int  # in the record header (4 bits): never reused for another codec
+
+    def applies(self, layout: KVLayout) -> bool:
+        """Whether records of `layout` are encoded (else they are stored `naive`)."""
+        return True
+
+    @abstractmethod
+    def payload_nbytes(self, layout: KVLayout, num_tokens: int) -> int:
+        """The exact payload length of a record of `num_tokens` tokens of `layout`."""
+
+    @abstractmethod
+    def encode(self, obj: MemoryObj) -> Encoded | MemoryObj:
+        """What a record of `obj` stores: `obj` itself (naive) or an `Encoded` copy.
+        Never modifies `obj`."""
+
+    @abstractmethod
+    def decode(self, payload: memoryview, obj: MemoryObj) -> None:
+        """Write the chunk held in `payload` (verified, `payload_nbytes` long) into `obj`.
+
+        Raises:
+            ValueError: naming `payload` when its length does not fit `obj`.
+        """
+
+
+class Encoded:
+    """A chunk as a record stores it: looks like the `MemoryObj` it came from (fmt, tokens,
+    tensor for the shape and dtype) but its bytes are the codec's payload."""
+
+    __slots__ = ("source", "codec", "data")
+
+    def __init__(self, source: MemoryObj, codec: Codec, data: memoryview) -> None:
+        self.source, self.codec, self.data = source, codec, data
+
+    @property
+    def fmt(self) -> MemoryFormat:
+        return self.source.fmt
+
+    @property
+    def num_tokens(self) -> int:
+        return self.source.num_tokens
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        return self.source.tensor
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+    def byte_view(self) -> memoryview:
+        return self.data
+
+
+class _Naive(Codec):
+    name, id = "naive", 0
+
+    def payload_nbytes(self, layout: KVLayout, num_tokens: int) -> int:
+        return layout.nbytes(num_tokens)
+
+    def encode(self, obj: MemoryObj) -> MemoryObj:
+        return obj
+
+    def decode(self, payload: memoryview, obj: MemoryObj) -> None:
+        if len(payload) != obj.nbytes:
+            raise ValueError(f"payload: {len(payload)} bytes for an object of {obj.nbytes}")
+        obj.byte_view()[:] = payload
+
+
+class _FP8(Codec):
+    name, id = "fp8", 1
+
+    def applies(self, layout: KVLayout) -> bool:
+        return layout.dtype.itemsize > 1
+
+    @staticmethod
+    def _parts(shape: tuple[int, ...]) -> tuple[int, int, int]:
+        """Bytes of the values, of the per-channel scales and of the per-token scales."""
+        planes, layers, tokens, hidden = shape
+        values = planes * layers * tokens * hidden
+        per_token = 4 * layers * tokens if planes == 2 else 0
+        return values, 4 * layers * hidden, per_token
+
+    def payload_nbytes(self, layout: KVLayout, num_tokens: int) -> int:
+        if not self.applies(layout):
+            return layout.nbytes(num_tokens)
+        return sum(self._parts(layout.shape(num_tokens)))
+
+    def encode(self, obj: MemoryObj) -> Encoded | MemoryObj:
+        x = obj.tensor
+        if x.dtype.itemsize == 1:
+            return obj
+        values, per_channel, per_token = self._parts(tuple(x.shape))
+        data = memoryview(bytearray(values + per_channel + per_token))
+        q, s_chan, s_tok = self._views(data, tuple(x.shape))
+        # K (or MLA's latent): a scale per (layer, channel), over the chunk's tokens
+        k = x[0].to(torch.float32, copy=True)  # never a view of the arena
+        s_chan.copy_(k.abs().amax(dim=1).clamp_min(_TINY) / _FP8_MAX)
+        q[0].copy_(k.div_(s_chan[:, None, :]))
+        if s_tok is not None:  # V: a scale per (layer, token), over its hidden values
+            v = x[1].to(torch.float32, copy=True)
+            s_tok.copy_(v.abs().amax(dim=2).clamp_min(_TINY) / _FP8_MAX)
+            q[1].copy_(v.div_(s_tok[:, :, None]))
+        return Encoded(obj, self, data)
+
+    def decode(self, payload: memoryview, obj: MemoryObj) -> None:
+        shape = tuple(obj.tensor.shape)
+        if obj.tensor.dtype.itemsize == 1:
+            _NAIVE.decode(payload, obj)
+            return
+        if len(payload) != sum(self._parts(shape)):
+            raise ValueError(f"payload: {len(payload)} bytes do not hold an fp8 chunk of "
+                             f"shape {shape}")
+        q, s_chan, s_tok = self._views(payload, shape)
+        out = obj.tensor
+        torch.mul(q[0].float(), s_chan[:, None, :], out=out[0])
+        if s_tok is not None:
+            torch.mul(q[1].float(), s_tok[:, :, None], out=out[1])
+
+    def _views(self, data: memoryview, shape: tuple[int, ...],
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The fp8 values and the two scale tensors, as views of `data` (no copy)."""
+        values, per_channel, per_token = self._parts(shape)
+        raw = torch.frombuffer(data, dtype=torch.uint8)
+        _, layers, tokens, hidden = shape
+        q = raw[:values].view(_E4M3).view(shape)
+        s_chan = raw[values:values + per_channel].view(torch.float32).view(layers, hidden)
+        s_tok = (raw[values + per_channel:].view(torch.float32).view(layers, tokens)
+                 if per_token else None)
+        return q, s_chan, s_tok
+
+
+_NAIVE = _Naive()
+NAIVE: Codec = _NAIVE
+FP8: Codec = _FP8()
+CODECS: dict[str, Codec] = {c.name: c for c in (NAIVE, FP8)}
+_BY_ID = {c.id: c for c in CODECS.values()}
+
+
+def codec_named(name: str) -> Codec:
+    """The codec `remote_serde: name` selects.
+
+    Raises:
+        ValueError: naming `remote_serde` and the known codecs.
+    """
+    try:
+        return CODECS[name]
+    except KeyError:
+        raise ValueError(f"remote_serde: unknown codec {name!r}; known: "
+                         f"{', '.join(CODECS)}") from None
+
+
+def codec_by_id(codec_id: int) -> Codec | None:
+    """The codec a record header names, or None when this kvtier version does not know it."""
+    return _BY_ID.get(codec_id)
+
+
+_local = threading.local()
+
+
+def scratch(nbytes: int) -> memoryview:
+    """A writable buffer of `nbytes` bytes for the calling thread (contents undefined), reused
+    by its next call: where a compressed payload is read and verified before `decode`."""
+    buf: bytearray | None = getattr(_local, "buf", None)
+    if buf is None or len(buf) < nbytes:
+        buf = bytearray(nbytes)
+        _local.buf = buf
+    return memoryview(buf)[:nbytes]
