@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from kvtier.keys import ChunkKey, KeySpace, model_name_of
 from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj
@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # annotations only: the tiers' contract does not import the c
     from kvtier.config import Config
 
 __all__ = ["BackendContext", "StorageBackend", "HotTier", "ProbeSample", "PROBE_PREFIX",
-           "StoredRecord", "RecordInventory"]
+           "StoredRecord", "RecordInventory", "EvictionWatch", "check_batch"]
 
 # Scratch records of `StorageBackend.probe` carry this in their names (Redis: inside the tier's
 # key prefix, which a tenant's ACL allows): never a record's name, so no listing, lookup or
@@ -138,6 +138,11 @@ class StorageBackend(ABC):
         miss; a no-op after close. Key strings only, as `batch_contains`.
         """
 
+    def watch_evictions(self, watch: EvictionWatch) -> None:  # noqa: B027 - a no-op by default
+        """Tell `watch` (while it is `watching`) the key strings of the chunks this tier drops
+        on its own (its cap, a full device), on the evicting thread. A no-op for a tier that
+        never does or cannot tell (Redis evicts and expires keys unseen by kvtier)."""
+
     def probe(self, nbytes: int) -> list[ProbeSample]:
         """Time this tier whatever it holds: write a scratch record of `nbytes` under a name
         carrying `PROBE_PREFIX`, where the tier may write (never a record, never listed or
@@ -155,6 +160,29 @@ class StorageBackend(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release resources; idempotent. Calls after close are misses/no-ops."""
+
+
+class EvictionWatch(Protocol):
+    """What `StorageBackend.watch_evictions` tells (`kvtier.storage.watch.TierWatch`)."""
+
+    @property
+    def watching(self) -> bool: ...
+
+    def removed(self, tier: str, keys: Sequence[str]) -> None: ...
+
+
+def check_batch(keys: Sequence[ChunkKey], objs: Sequence[MemoryObj], layout: KVLayout) -> None:
+    """`ValueError` naming the first of `keys`/`objs` that do not pair up under `layout` (a
+    `batch_put`'s arguments, checked before anything is written)."""
+    if len(keys) != len(objs):
+        raise ValueError(f"keys and objs differ in length: {len(keys)} != {len(objs)}")
+    for i, (key, obj) in enumerate(zip(keys, objs, strict=True)):
+        if obj.fmt != layout.fmt or obj.num_tokens != key.num_tokens \
+                or obj.nbytes != layout.nbytes(key.num_tokens):
+            raise ValueError(f"objs[{i}]: {obj!r} does not match the layout of keys[{i}]")
+        if len(key.tokens) != 4 * key.num_tokens:
+            raise ValueError(f"keys[{i}]: {len(key.tokens)} token bytes for "
+                             f"{key.num_tokens} tokens")
 
 
 class HotTier(StorageBackend):

@@ -49,9 +49,10 @@ class TierControl:
         self._storage.publish_tier(tier, writer)
 
     def watch(self, watcher: Watcher) -> None:
-        """Call `watcher(tier, chunks, held)` whenever a tier gains chunks (a store, a
-        promotion, a lower tier's write) or the CPU tier evicts some; on the thread that made
-        the change, so it must only queue (`kvtier.storage.watch`)."""
+        """Tell `watcher` whenever a tier gains chunks (a store, a promotion, a lower tier's
+        write) or loses some (an eviction, a purge): `stored(tier, keys)`,
+        `removed(tier, key strings)`, on the thread that made the change, so it must only
+        queue (`kvtier.storage.watch`)."""
         self._storage.watch.add(watcher)
 
     def discard(self, tier: GuardedTier, writer: TierWriter) -> None:

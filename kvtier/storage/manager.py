@@ -307,7 +307,7 @@ class StorageManager:
         """Delete `keys` from every tier; returns the most any one tier deleted."""
         deleted = {tier.name: tier.remove(keys) for tier in self.tiers}
         for name in deleted:
-            self.watch.removed(name, keys)
+            self.watch.removed(name, [key.key for key in keys])
         return max(deleted.values(), default=0)
 
     def stats(self) -> dict[str, float]:
@@ -392,7 +392,7 @@ class StorageManager:
             obj.release()
         if evicted := [key for key, _ in popped]:
             self.admission.evicted(evicted)
-            self.watch.removed(self.hot.name, evicted)
+            self.watch.removed(self.hot.name, [key.key for key in evicted])
             self.counters.inc("cpu_evictions", len(popped))
         return freed
 

@@ -103,7 +103,9 @@ class TierSet:
         ctx = self._ctx
         if config is not None:
             ctx = BackendContext(config, ctx.layout, ctx.allocator, ctx.counters)
-        tier = GuardedTier(create_backend(name, ctx), ctx.counters, self._warn)
+        backend = create_backend(name, ctx)
+        backend.watch_evictions(self._watch)
+        tier = GuardedTier(backend, ctx.counters, self._warn)
         if probe:  # timed before it is published: its first request plans on measured speeds
             probe_tiers([tier], self._probe_bytes())
         ctx.counters.declare(f"{tier.name}.hit_chunks")

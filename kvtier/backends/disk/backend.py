@@ -33,8 +33,10 @@ from collections.abc import Generator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+from kvtier.backends import base
 from kvtier.backends.base import BackendContext, ProbeSample, StorageBackend
 from kvtier.backends.disk import files as rf
+from kvtier.backends.disk.evictions import EvictionNotes
 from kvtier.backends.disk.index import DiskIndex
 from kvtier.backends.disk.owners import identify, learn_in_background, owner_of
 from kvtier.backends.disk.probe import probe_disk
@@ -79,6 +81,7 @@ class DiskBackend(StorageBackend):
         self._index = DiskIndex(self.capacity, lambda name: identify(self._dirs, name),
                                 lambda key: rf.file_name(key.key), ctx.config.tenant_max_fraction)
         self._counts = ctx.counters.scope(self.name, *_COUNTERS)
+        self._notes = EvictionNotes(self.name)  # keys of what it writes, while watched
         self._warn = RateLimitedLog(logger)
         self._closed = False
         self._read_pool: ThreadPoolExecutor | None = None  # made on the first read
@@ -131,11 +134,15 @@ class DiskBackend(StorageBackend):
         self._evict_locked(victims)
         return True
 
-    def _evict_locked(self, names: list[str]) -> int:  # forget, delete, count; how many
+    def watch_evictions(self, watch: base.EvictionWatch) -> None:
+        self._notes.watch = watch
+
+    def _evict_locked(self, names: list[str]) -> int:  # forget, delete, count, tell; how many
         for name in names:
             self._index.forget(name)
             self._delete(name)
         self._counts.inc("evictions", len(names))
+        self._notes.evicted(names)
         return len(names)
 
     def _delete(self, name: str) -> bool:
@@ -301,16 +308,7 @@ class DiskBackend(StorageBackend):
         self._warn.warning("corrupt", "kvtier disk: deleted corrupt record %s: %s", path, exc)
 
     def batch_put(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]) -> int:
-        if len(keys) != len(objs):
-            raise ValueError(f"keys and objs differ in length: {len(keys)} != {len(objs)}")
-        layout = self.ctx.layout
-        for i, (key, obj) in enumerate(zip(keys, objs, strict=True)):
-            if obj.fmt != layout.fmt or obj.num_tokens != key.num_tokens \
-                    or obj.nbytes != layout.nbytes(key.num_tokens):
-                raise ValueError(f"objs[{i}]: {obj!r} does not match the layout of keys[{i}]")
-            if len(key.tokens) != 4 * key.num_tokens:
-                raise ValueError(f"keys[{i}]: {len(key.tokens)} token bytes for "
-                                 f"{key.num_tokens} tokens")
+        base.check_batch(keys, objs, self.ctx.layout)
         stored = 0
         # A chunk after a failed one would be unreachable: the batch stops at the first failure.
         for key, obj, stamp in zip(keys, objs, self._stamps(len(keys)), strict=True):
@@ -351,6 +349,7 @@ class DiskBackend(StorageBackend):
                     os.replace(tmp, path)
                     committed = True
                     self._index.put(name, size, owner)
+                    self._notes.wrote(name, key.key)
                     self._counts.inc("puts")
                     self._counts.inc("put_bytes", size)
         except OSError as exc:
@@ -378,6 +377,7 @@ class DiskBackend(StorageBackend):
                 for name in names:
                     self._index.forget(name)
                     removed += self._delete(name)
+                self._notes.forget(names)  # its caller tells the watchers
         return removed
 
     def stats(self) -> dict[str, float]:

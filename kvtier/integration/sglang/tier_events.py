@@ -54,6 +54,11 @@ class _Blocks(NamedTuple):
     last_event: str | None
 
 
+def _medium(tier: str) -> str:
+    """The tier's medium in the tier table (`TierSpec.medium`; the staging tier has none)."""
+    return next((spec.medium for spec in TABLE if spec.name == tier), "")
+
+
 class TierEvents:
     """A tier watcher (`CacheEngine.tiers.watch`) that turns tier changes into SGLang KV
     events, for `take` on the scheduler thread. Thread-safe.
@@ -84,17 +89,15 @@ class TierEvents:
         self._queue: list[Any] = []
         self._chunks: OrderedDict[str, _Blocks] = OrderedDict()
 
-    def __call__(self, tier: str, keys: Sequence[ChunkKey], held: bool) -> None:
-        # the tier's medium in the tier table (`TierSpec.medium`; the staging tier has none)
-        medium = next((spec.medium for spec in TABLE if spec.name == tier), "")
-        if not medium:
-            return
-        with self._lock:
-            if held:
-                events = [e for key in keys for e in self._stored(key, medium)]
-            else:
-                events = self._removed(keys, medium)
-            self._enqueue(events)
+    def stored(self, tier: str, keys: Sequence[ChunkKey]) -> None:
+        if medium := _medium(tier):
+            with self._lock:
+                self._enqueue([e for key in keys for e in self._stored(key, medium)])
+
+    def removed(self, tier: str, keys: Sequence[str]) -> None:
+        if medium := _medium(tier):
+            with self._lock:
+                self._enqueue(self._removed(keys, medium))
 
     def take(self) -> list[Any]:
         """The events queued since the last call (scheduler thread, each publishing step)."""
@@ -124,10 +127,10 @@ class TierEvents:
         self._chunks.move_to_end(key.key)
         return [self._event(key, blocks, medium)]
 
-    def _removed(self, keys: Sequence[ChunkKey], medium: str) -> list[Any]:
+    def _removed(self, keys: Sequence[str], medium: str) -> list[Any]:
         from sglang.srt.disaggregation.kv_events import BlockRemoved
 
-        hashes = [h for key in keys if (b := self._chunks.get(key.key)) for h in b.hashes]
+        hashes = [h for key in keys if (b := self._chunks.get(key)) for h in b.hashes]
         return [BlockRemoved(block_hashes=hashes, medium=medium)] if hashes else []
 
     def _hash(self, key: ChunkKey, medium: str) -> tuple[_Blocks, list[Any]] | None:

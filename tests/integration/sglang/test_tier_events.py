@@ -63,8 +63,8 @@ def test_a_stored_prompt_names_the_device_s_block_hashes(sglang_events: Any, pag
     device = _device_events(sglang_events, tokens, page, salt)
     tiers, counters = _tier_events(sglang_events, page)
     keys = _keys(tokens, salt)
-    tiers("cpu", keys, True)
-    tiers("disk", keys[:2], True)
+    tiers.stored("cpu", keys)
+    tiers.stored("disk", keys[:2])
     cpu, disk = tiers.take(), tiers.take()
     assert disk == []  # one take returns everything queued
     stored = [e for e in cpu if e.medium == "CPU_PINNED"]
@@ -84,9 +84,9 @@ def test_an_eviction_names_the_evicted_chunks_blocks(sglang_events: Any) -> None
     tokens = np.arange(3 * CHUNK) + 7
     tiers, _ = _tier_events(sglang_events, 16)
     keys = _keys(tokens)
-    tiers("cpu", keys, True)
+    tiers.stored("cpu", keys)
     stored = _hashes(tiers.take())
-    tiers("cpu", keys[1:], False)
+    tiers.removed("cpu", [k.key for k in keys[1:]])
     (removed,) = tiers.take()
     assert removed.medium == "CPU_PINNED" and removed.block_hashes == stored[2:]
 
@@ -95,25 +95,25 @@ def test_a_chunk_whose_prefix_was_never_announced_is_counted_not_guessed(
         sglang_events: Any) -> None:
     tiers, counters = _tier_events(sglang_events, 16)
     keys = _keys(np.arange(2 * CHUNK))
-    tiers("redis", keys[1:], True)  # its first chunk never seen: no parent hash to chain to
+    tiers.stored("redis", keys[1:])  # its first chunk never seen: no parent hash to chain to
     assert tiers.take() == []
     assert counters.snapshot()["sglang.tier_events_unchained"] == 1
-    tiers("redis", keys, True)
+    tiers.stored("redis", keys)
     assert [e.medium for e in tiers.take()] == ["EXTERNAL", "EXTERNAL"]
 
 
 def test_the_queue_is_bounded_and_counts_what_it_drops(sglang_events: Any) -> None:
     tiers, counters = _tier_events(sglang_events, 16, max_events=3)
-    tiers("cpu", _keys(np.arange(5 * CHUNK)), True)
+    tiers.stored("cpu", _keys(np.arange(5 * CHUNK)))
     assert len(tiers.take()) == 3
     assert counters.snapshot()["sglang.tier_events_dropped"] == 2
-    tiers("cpu", _keys(np.arange(CHUNK) + 9), True)  # room again after a take
+    tiers.stored("cpu", _keys(np.arange(CHUNK) + 9))  # room again after a take
     assert len(tiers.take()) == 1
 
 
 def test_tiers_without_a_medium_publish_nothing(sglang_events: Any) -> None:
     tiers, _ = _tier_events(sglang_events, 16)
-    tiers("plugin-tier", _keys(np.arange(CHUNK)), True)
+    tiers.stored("plugin-tier", _keys(np.arange(CHUNK)))
     assert tiers.take() == []
 
 
@@ -125,8 +125,8 @@ def test_a_blending_segment_is_no_prefix_and_is_not_announced(sglang_events: Any
     there."""
     tiers, counters = _tier_events(sglang_events, 16)
     tokens = np.arange(2 * CHUNK) + 5
-    tiers("cpu", _keys(tokens, salt, segment=True), True)
+    tiers.stored("cpu", _keys(tokens, salt, segment=True))
     assert tiers.take() == []
     assert counters.snapshot()["sglang.tier_events_unchained"] == 2
-    tiers("cpu", _keys(tokens, salt), True)  # the same tokens as a prompt's prefix
+    tiers.stored("cpu", _keys(tokens, salt))  # the same tokens as a prompt's prefix
     assert len(_hashes(tiers.take())) == 2 * CHUNK // 16
