@@ -46,8 +46,10 @@ bench: setup
 demo: setup sglang-env
 	$(BIN)/kvtier demo $(DEMO_ARGS)
 
-# N SGLang servers behind sglang-router on one Redis Cluster (3 masters + 3 replicas), with and
-# without kvtier, and a master failover (docs/fleet.md; ~15 min on 2 cores).
+# N SGLang servers behind SMG (the Shepherd Model Gateway; its cache_aware policy reads the
+# servers' KV events, kvtier's tiers included, over gRPC) on one Redis Cluster (3 masters + 3
+# replicas), with and without kvtier, and a master failover (docs/fleet.md; ~15 min on 2 cores).
+# The fleet extra: smg, smg-grpc-servicer, and sglang-router for `FLEET_ARGS=--router sglang-router`.
 fleet: sglang-env redis-server
 	$(PIP_INSTALL) -e '.[fleet]'
 	$(BIN)/python -m benchmarks.fleet.bench_fleet $(FLEET_ARGS)
