@@ -1,6 +1,7 @@
 """`kvtier stats | ls | purge`: what the disk and Redis tiers of a config hold; `kvtier stats
 --metrics URL`: what a running server measured (its tier and prefill speeds, its load-or-
-recompute decisions), read from its Prometheus endpoint."""
+recompute decisions), read from its Prometheus endpoint; `kvtier purge --tenant SALT --server
+URL`: running servers forget one tenant too (`kvtier.cli.forget`)."""
 
 from __future__ import annotations
 
@@ -148,21 +149,36 @@ def _purge(args: argparse.Namespace) -> int:
 
     config = load_config(args.file)
     tag = _tenant_tag(config, args.tenant)
+    servers = args.server or []
+    if servers:
+        _check_servers(servers, tag, args.insecure)
     what = f"model {args.model}" if args.model else "every model"
     if tag is not None:
         what += f" of tenant tag t-{tag}"
     if not args.yes:
+        lower = [t for t in config.tiers if t in lower_tier_names()]  # cpu may be off
+        where = ", ".join(lower + [f"the CPU tiers of {s}" for s in map(redact_url, servers)])
         if not sys.stdin.isatty():
-            lower = [t for t in config.tiers if t in lower_tier_names()]  # cpu may be off
-            print(f"kvtier: purge would delete {what} from {', '.join(lower) or '-'};"
+            print(f"kvtier: purge would delete {what} from {where or '-'};"
                   " not a terminal: pass --yes to confirm", file=sys.stderr)
             return 2
         listings = inventory.survey(config, args.model, tag)
         total = sum(g.chunks for x in listings for g in x.groups)
-        answer = input(f"delete {total} chunks of {what} from the disk/Redis tiers? [y/N] ")
+        also = f" and the tenant's chunks on {len(servers)} servers" if servers else ""
+        answer = input(f"delete {total} chunks of {what} from the disk/Redis tiers{also}? "
+                       "[y/N] ")
         if answer.strip().lower() not in ("y", "yes"):
             print("nothing deleted")
             return 1
+    # The servers first: what they forget under the same keys leaves their own disk index,
+    # and the config's purge then takes what no server's CPU tier held.
+    served = True
+    if servers:
+        from kvtier.cli.forget import forget_on_servers
+        from kvtier.cli.tiers import admin_key
+
+        assert args.tenant is not None and tag is not None
+        served = forget_on_servers(servers, args.tenant, tag, admin_key(args))
     listings = inventory.purge(config, args.model, tag)
     for x in listings:
         if x.error is not None:
@@ -171,8 +187,19 @@ def _purge(args: argparse.Namespace) -> int:
             print(f"deleted {g.chunks} chunks ({g.nbytes / 1e9:.3f} GB) of {g.model} / "
                   f"{g.layout}{'' if tag is None else f' (tenant t-{tag})'} from {g.tier}")
     if not any(x.groups for x in listings):
-        print("nothing to delete")
-    return 1 if any(x.error is not None for x in listings) else 0
+        print("nothing to delete" + (" in the config's disk/Redis tiers" if servers else ""))
+    return 1 if any(x.error is not None for x in listings) or not served else 0
+
+
+def _check_servers(servers: list[str], tag: str | None, insecure: bool) -> None:
+    """`--server` URLs are checked before anything is deleted; they need `--tenant` (a
+    server's CPU tier is emptied of one tenant, never wholesale: `/flush_cache` does that)."""
+    if tag is None:
+        raise ConfigError("--server: give --tenant SALT too: a server forgets one tenant's "
+                          "chunks (SGLang's /flush_cache empties its caches)")
+    from kvtier.cli.forget import check_servers
+
+    check_servers(servers, insecure)
 
 
 def add_parsers(sub: Any) -> None:
@@ -195,5 +222,15 @@ def add_parsers(sub: Any) -> None:
     p.add_argument("--tenant", metavar="SALT",
                    help="only this tenant's records (a request's cache_salt), found by the "
                         "tenant tag in their key names; no other tenant's record is touched")
+    p.add_argument("--server", action="append", metavar="URL",
+                   help="with --tenant: a running SGLang server with kvtier that forgets the "
+                        "tenant's chunks too (every TP rank's CPU tier, and the same keys in "
+                        "its disk and Redis tiers), reporting counts per rank and tier; "
+                        "repeat for a fleet. Needs its admin key (SGLANG_ADMIN_API_KEY or "
+                        "--admin-key)")
+    p.add_argument("--admin-key", help="the servers' --admin-api-key (better: "
+                   "SGLANG_ADMIN_API_KEY, which the process list does not show)")
+    p.add_argument("--insecure", action="store_true",
+                   help="allow plain http:// to a --server that is not loopback")
     p.add_argument("--yes", action="store_true", help="do not ask")
     p.set_defaults(func=_purge)

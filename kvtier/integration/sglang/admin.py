@@ -5,6 +5,8 @@
                          {"op": "detach", "tier": "redis", "drain": true}
                          {"op": "verify", "fraction": 0.01, "scope": "tail"}
                                         (shadow verification's share and scope; either key)
+                         {"op": "purge", "tenant": "SALT"}
+                                        (forget one tenant: `kvtier.engine.tenants`)
 
 An attach answers 202 with an id at once and runs in the background (`attach.py`): every rank
 builds the tier on a thread of its own, then the tier is published on every rank, or on none
@@ -39,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.config.schema import VERIFY_SCOPES
 from kvtier.config.tiers import lower_tier_names
+from kvtier.engine.tenants import forget_tenant, tag_of_tenant
 from kvtier.errors import ConfigError
 from kvtier.integration.sglang.attach import MAX_TIMEOUT_S, attach_config
 from kvtier.integration.sglang.sglang_api import tokenizer_manager
@@ -47,6 +50,8 @@ from kvtier.integration.sglang.sglang_views import (
     StorageReqInputView,
     StorageReqOutputView,
 )
+from kvtier.integration.sglang.tp_answers import gather_ranks
+from kvtier.keys import TAG_PREFIX
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -70,7 +75,8 @@ def apply(kvtier: SGLangKVTier, request: dict[str, Any]) -> dict[str, Any]:
     tier build); returns the rank's JSON answer.
 
     Ops: `list`; `attach` (start building, `commit` when built: see `attach.py`); `commit`,
-    `abort` (the second phase); `detach`.
+    `abort` (the second phase); `detach`; `verify`; `purge` (one tenant: its answer adds
+    `purged`, the tenant's tag and the chunks each tier deleted).
 
     Raises:
         ValueError / ConfigError: a bad operation, tier name or config key (the answer to the
@@ -93,10 +99,12 @@ def apply(kvtier: SGLangKVTier, request: dict[str, Any]) -> dict[str, Any]:
         engine.tiers.detach(name, drain=bool(request.get("drain", True)), wait=False)
     elif op == "verify":
         _set_verification(engine, request)
+    elif op == "purge":
+        purged = _purge(engine, request)
     elif op != "list":
-        raise ValueError(f"op: must be list, attach, detach or verify, got {op!r}")
+        raise ValueError(f"op: must be list, attach, detach, verify or purge, got {op!r}")
     stats = engine.stats()
-    return {"tiers": engine.tiers.names,
+    answer = {"tiers": engine.tiers.names,
             "attaching": kvtier.attachments.states(),
             "sessions_pinned": stats.get("sessions_pinned", 0),
             "session_pinned_bytes": stats.get("session_pinned_bytes", 0),
@@ -105,6 +113,18 @@ def apply(kvtier: SGLangKVTier, request: dict[str, Any]) -> dict[str, Any]:
             "verified": {tier: {"checked": stats.get(f"{tier}.verify_checked", 0),
                                 "mismatched": stats.get(f"{tier}.verify_mismatch", 0)}
                          for tier in engine.tiers.names}}
+    return answer if op != "purge" else {**answer, "purged": purged}
+
+
+def _purge(engine: CacheEngine, request: dict[str, Any]) -> dict[str, Any]:
+    """The `purge` op: tenant `tenant` (a salt) forgotten by this rank's engine; the answer
+    names it by its keyed tag, never by the salt (`kvtier.engine.tenants`)."""
+    salt = request.get("tenant")
+    if not isinstance(salt, str):
+        raise ValueError("tenant: a purge op needs the tenant's salt (a request's "
+                         "cache_salt) as a string")
+    counts = forget_tenant(engine, salt)
+    return {"tenant": TAG_PREFIX + tag_of_tenant(engine, salt), "chunks": counts}
 
 
 def _set_verification(engine: CacheEngine, request: dict[str, Any]) -> None:
@@ -133,11 +153,19 @@ def _tier_name(request: dict[str, Any]) -> str:
     return str(name)
 
 
-def _answer(kvtier: SGLangKVTier, request: dict[str, Any]) -> tuple[bool, str]:
+def _answer(kvtier: SGLangKVTier, request: dict[str, Any], *,
+            every: bool = False) -> tuple[bool, str]:
+    """(succeeded, JSON answer); `every`: any exception is an answer (the op's ranks meet in
+    a gather next, which a rank raising past it would leave waiting forever)."""
     try:
         return True, json.dumps(apply(kvtier, request))
     except (ValueError, ConfigError, TypeError) as exc:
         return False, json.dumps({"error": str(exc)})
+    except Exception as exc:
+        if not every:
+            raise
+        logger.warning("kvtier: admin op %s failed: %r", request.get("op"), exc)
+        return False, json.dumps({"error": f"{type(exc).__name__}: {exc}"})
 
 
 def wrap_attach(original: Callable[..., StorageReqOutputView], scheduler: SchedulerView,
@@ -156,7 +184,10 @@ def wrap_attach(original: Callable[..., StorageReqOutputView], scheduler: Schedu
             {"error": f"hicache_storage_backend_extra_config_json: not JSON: {exc}"}))
     request = extra if backend == "kvtier" else {"op": "attach", "tier": backend,
                                                  "config": extra, "commit": True}
-    ok, message = _answer(kvtier, request)
+    if request.get("op") == "purge":  # every TP rank's counts, in TP rank 0's reply
+        ok, message = gather_ranks(scheduler, *_answer(kvtier, request, every=True), "purged")
+    else:
+        ok, message = _answer(kvtier, request)
     return AttachHiCacheStorageReqOutput(success=ok, message=message)
 
 

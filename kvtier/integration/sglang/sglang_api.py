@@ -74,6 +74,7 @@ SURFACE: dict[str, tuple[str, ...]] = {
         "served_model_name", "model_path", "revision", "quantization", "dtype",
         "json_model_override_args", "kv_cache_dtype",  # the model identity (identity.py)
         "max_total_tokens",  # the CPU engine's memory at launch (preflight.py)
+        "enable_dp_attention",  # an admin op's answers gathered or not (tp_answers.py)
     ),
     "sglang.srt.plugins.hook_registry": ("HookRegistry", "HookType"),
     "sglang.srt.plugins.hook_registry.HookRegistry": ("register",),
@@ -83,6 +84,7 @@ SURFACE: dict[str, tuple[str, ...]] = {
         "attach_hicache_storage_wrapped", "detach_hicache_storage_wrapped",  # hook targets
         "tree_cache", "server_args", "waiting_queue", "enable_lmcache",
         "tokenizer",  # the separator's token ids (blending)
+        "tp_size", "tp_cpu_group",  # an admin op's answers gathered (tp_answers.py)
     ),
     f"{_SB}.ScheduleBatch": ("forward_mode", "extend_num_tokens", "launch_ts", "seq_lens_cpu"),
     "sglang.srt.model_executor.forward_batch_info.ForwardMode": ("is_extend",),

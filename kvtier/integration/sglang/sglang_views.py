@@ -135,6 +135,10 @@ class SchedulerView(Protocol):
 
     tree_cache: object  # kvtier's tree carries `.kvtier`; other trees do not
     enable_lmcache: bool  # gates the storage-prefetch hooks (`enable_storage_prefetch`)
+    # An admin op's answers gathered over the TP group (`tp_answers.py`)
+    tp_size: int
+    tp_cpu_group: Opaque
+    server_args: ServerArgsView
 
 
 @view_of("sglang.srt.model_executor.forward_batch_info.ForwardMode")
@@ -153,6 +157,7 @@ class ServerArgsView(Protocol):
     """SGLang's server args: the model identity reads the rest by name (`identity.py`)."""
 
     model_path: str
+    enable_dp_attention: bool  # control requests may then skip the TP group's broadcast
 
 
 @view_of("sglang.srt.server_args.ServerArgs")
