@@ -15,6 +15,16 @@ are never asked. kvtier's own endpoint (`metrics_port`) serves this process's va
 processes' values in multiprocess mode, on loopback only (`METRICS_ADDR`): the series name
 models, tenants' namespaces and traffic, and the endpoint has no authentication. To scrape from
 elsewhere, put a sidecar or a port-forward in front of it (docs/metrics.md).
+
+Tenants (a request's `cache_salt`) are many and unbounded, so no series is labelled with one:
+the CPU tier's bytes per tenant (the counts `tenant_max_fraction` keeps) are summed into
+`TENANT_BUCKETS` buckets by the first hex digit of each tenant's keyed tag
+(`kvtier.keys.tenant_tag`, the one its records' key names carry), plus `none` for unsalted
+chunks: `kvtier_tenant_bytes{tier, tenant_bucket}`, 17 series per tier whatever the traffic,
+every bucket always set (an emptied one reads 0: prometheus-client cannot remove a series in
+SGLang's multiprocess mode, so a label set that followed the tenants would only grow). Beside
+them, `kvtier_tenants{tier}` and `kvtier_tenant_max_bytes{tier}`: how many tenants hold chunks
+and the most one holds. Neither the salt nor the tag is a label value.
 """
 
 from __future__ import annotations
@@ -43,6 +53,9 @@ GAUGES = frozenset({
 })
 _BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
 SYNC_INTERVAL_S = 1.0
+# Tenant buckets: the first hex digit of a tenant's keyed tag (uniform: an HMAC), and `none`.
+TENANT_BUCKETS = (*"0123456789abcdef", "none")
+_KEPT_TAGS = 65536  # salt -> bucket, per source; cleared past this (an HMAC each to refill)
 # The one address kvtier's endpoint binds (issue 36, item 7: it bound every interface).
 METRICS_ADDR = "127.0.0.1"
 
@@ -68,6 +81,18 @@ class _Exporter:
             "kvtier_hit_seconds", "Duration of the pieces of serving a kvtier hit: lookup "
             "(match), gate (waiting for the prefetch), copy (into the KV pool), insert (into "
             "the radix tree)", ["piece"], buckets=_BUCKETS)
+        self.tenant_bytes = pc.Gauge(
+            "kvtier_tenant_bytes", "Bytes of the tier's chunks held by the tenants in each "
+            "bucket (first hex digit of the tenant's keyed tag; none: unsalted)",
+            ["tier", "tenant_bucket"], multiprocess_mode="livesum")
+        self.tenants = pc.Gauge("kvtier_tenants", "Tenants holding chunks in the tier",
+                                ["tier"], multiprocess_mode="livesum")
+        self.tenant_max = pc.Gauge("kvtier_tenant_max_bytes", "Bytes held by the tenant that "
+                                   "holds the most of the tier", ["tier"],
+                                   multiprocess_mode="livesum")
+        # source -> salt -> bucket
+        self._buckets: weakref.WeakKeyDictionary[Any, dict[str, str]] = \
+            weakref.WeakKeyDictionary()
         self._served: set[int] = set()
         # (histogram, label values) -> its child: `labels()` validates and locks on every call,
         # a cost every tier call on a serving thread would pay again.
@@ -98,6 +123,31 @@ class _Exporter:
                     logger.debug("kvtier metrics: stats() failed: %r", exc)
                     continue
                 self._update(id(source), stats)
+                try:
+                    self._update_tenants(source)
+                except Exception as exc:  # a key file gone since: the last values stay
+                    logger.debug("kvtier metrics: tenant bytes failed: %r", exc)
+
+    def _update_tenants(self, source: Any) -> None:
+        """The tenant gauges of `source`'s CPU tier, when it counts bytes per tenant (a
+        storage manager whose CPU tier keeps a share: `tenant_max_fraction` < 1)."""
+        counts = _tenant_counts(source)
+        if not counts:
+            return
+        tier, held = counts
+        buckets = self._buckets.setdefault(source, {})
+        if len(buckets) > _KEPT_TAGS:
+            buckets.clear()
+        sums = dict.fromkeys(TENANT_BUCKETS, 0)
+        for salt, nbytes in held.items():
+            bucket = buckets.get(salt)
+            if bucket is None:
+                bucket = buckets[salt] = _bucket_of(source, salt)
+            sums[bucket] += nbytes
+        for bucket, nbytes in sums.items():
+            self.time(self.tenant_bytes, tier, bucket).set(nbytes)
+        self.time(self.tenants, tier).set(len(held))
+        self.time(self.tenant_max, tier).set(max(held.values(), default=0))
 
     def _update(self, source: int, stats: Mapping[str, float]) -> None:
         for key, value in stats.items():
@@ -156,6 +206,41 @@ class _Exporter:
         while True:
             time.sleep(SYNC_INTERVAL_S)
             self.sync()
+
+
+def _tenant_counts(source: Any) -> tuple[str, dict[str, int]] | None:
+    """(tier name, bytes per salt) of a storage manager's CPU tier (behind its guard); None
+    for any other source, and while the tier counts no tenants (the share is off)."""
+    hot = getattr(source, "hot", None)
+    read = getattr(getattr(hot, "inner", hot), "tenant_bytes", None)
+    if read is None:
+        return None
+    held = read()
+    return (str(getattr(hot, "name", "")), held) if held else None
+
+
+def _bucket_of(source: Any, salt: str) -> str:
+    """A salt's bucket: `none` unsalted, else the first hex digit of its keyed tag under the
+    source's key names (its config's `hash_salt` and `record_key_file`)."""
+    if not salt:
+        return "none"
+    from kvtier.keys import tenant_tag
+
+    return tenant_tag(_names_secret(source), salt)[0]
+
+
+_SECRETS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+def _names_secret(source: Any) -> str:
+    """The source's key-name secret (`sealing.name_salt`: reads the key file once)."""
+    secret = _SECRETS.get(source)
+    if secret is None:
+        from kvtier.backends.sealing import name_salt
+
+        config = source.config
+        secret = _SECRETS[source] = name_salt(config.hash_salt, config.record_key_file)
+    return secret
 
 
 class _SyncThenCollect:
