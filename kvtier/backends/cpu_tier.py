@@ -6,12 +6,14 @@ from __future__ import annotations
 from kvtier.backends.base import BackendContext
 from kvtier.backends.cpu import CPUBackend
 from kvtier.backends.cpu_arc import ARCBackend
-from kvtier.config.names import ARC, EVICTION_POLICIES, LRU
+from kvtier.backends.cpu_lfuda import LFUDABackend
+from kvtier.config.names import ARC, EVICTION_POLICIES, LFUDA, LRU
 from kvtier.errors import ConfigError
 
 __all__ = ["CPUTier", "EVICTION"]
 
-EVICTION: dict[str, type[CPUBackend]] = {LRU: CPUBackend, ARC: ARCBackend}
+EVICTION: dict[str, type[CPUBackend]] = {LRU: CPUBackend, ARC: ARCBackend,
+                                          LFUDA: LFUDABackend}
 assert set(EVICTION) == set(EVICTION_POLICIES), "kvtier.config.names lists other policies"
 
 

@@ -10,8 +10,8 @@ import re
 __all__ = ["CPU", "DISK", "REDIS",
            "WRITE_THROUGH", "WRITE_THROUGH_SELECTIVE", "WRITE_BACK", "WRITE_POLICIES",
            "ADAPTIVE", "BEST_EFFORT", "WAIT_COMPLETE", "TIMEOUT", "PREFETCH_POLICIES",
-           "LRU", "ARC", "EVICTION_POLICIES", "ALWAYS", "SECOND_HIT", "ADMISSION_POLICIES",
-           "NAMESPACE_PATTERN"]
+           "LRU", "ARC", "LFUDA", "EVICTION_POLICIES", "ALWAYS", "SECOND_HIT",
+           "ADMISSION_POLICIES", "NAMESPACE_PATTERN"]
 
 # The built-in tiers' names (the tiers themselves, in order: `kvtier.config.tiers`).
 CPU, DISK, REDIS = "cpu", "disk", "redis"
@@ -31,10 +31,12 @@ PREFETCH_POLICIES = (ADAPTIVE, BEST_EFFORT, WAIT_COMPLETE, TIMEOUT)
 
 # Eviction policies of the CPU tier (`kvtier.backends.cpu`): `lru` (leaves, least recently used
 # first), `arc` (first-seen prefixes in a window, the others in a main segment, the split
-# adapted to which comes back: `kvtier.backends.segments`).
+# adapted to which comes back: `kvtier.backends.segments`), `lfuda` (leaves by uses plus the
+# tier's age: `kvtier.backends.cpu_lfuda`).
 LRU = "lru"
 ARC = "arc"
-EVICTION_POLICIES = (LRU, ARC)
+LFUDA = "lfuda"
+EVICTION_POLICIES = (LRU, ARC, LFUDA)
 
 # Admission policies (`kvtier.storage.admission`): `always` stores every chunk offered;
 # `second_hit` refuses, when storing would evict, a prefix whose first new chunk was never seen.

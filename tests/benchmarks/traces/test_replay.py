@@ -124,3 +124,30 @@ def test_each_policy_is_replayed_at_each_capacity_and_second_hit_refuses_one_off
         assert gated["hit_rate"] > lru["hit_rate"]
     with pytest.raises(ValueError, match="unknown policy 'mru'"):
         run(SLICES[0], [10_000], "lru,mru", limit=5)
+
+
+def test_lfuda_keeps_a_reused_prefix_through_one_off_bursts_that_lru_lets_go() -> None:
+    # A 4-block prefix asked for twice, then every third request, two one-off 6-block prompts
+    # between: 12 new blocks between its uses, in a cache of 10 blocks.
+    hot = Request(4 * BLOCK, (1, 2, 3, 4))
+    requests = [hot]
+    for i in range(30):
+        requests.append(hot)
+        requests += [Request(6 * BLOCK, tuple(range(100 + 12 * i + 6 * j, 106 + 12 * i + 6 * j)))
+                     for j in (0, 1)]
+    rows = {p: replay(requests, 10 * BLOCK, p) for p in ("lru", "lfuda")}
+    assert rows["lru"]["hit_tokens"] == 4 * BLOCK  # the second use only: then always evicted
+    assert rows["lfuda"]["hit_tokens"] == 30 * 4 * BLOCK  # every use but the first
+    assert rows["lfuda"]["tiers"]["cpu"]["evicted_chunks"] > 0
+
+
+@pytest.mark.parametrize("trace", SLICES, ids=lambda p: p.name.split("_")[0])
+def test_lfuda_stays_within_the_bounds_on_the_slices(trace: Path) -> None:
+    # 300 requests are too few for counts to tell: lfuda is LRU's equal here at the two small
+    # capacities and 0.85-0.99x of it at the larger (the full traces: docs/policies.md).
+    result = run(trace, CAPACITIES, "lru,lfuda")
+    rows = {(r["capacity_tokens"], r["policy"]): r for r in result["runs"]}
+    for cap in CAPACITIES:
+        lru, lfuda = rows[cap, "lru"], rows[cap, "lfuda"]
+        assert lfuda["tiers"]["cpu"]["evicted_chunks"] > 0  # the policy had to choose
+        assert 0.8 * lru["hit_rate"] < lfuda["hit_rate"] <= lfuda["belady_hit_rate"]
