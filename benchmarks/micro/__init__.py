@@ -9,4 +9,5 @@ the same run.
     bench_admission.py  the admission copy from the CPU tier into the KV pool, batched vs per chunk
     bench_policies.py   the CPU tier's store and lookup under each eviction/admission policy vs lru
     bench_sealing.py    record sealing (AES-GCM) per tenant key vs the record key alone
+    bench_codec.py      the lower tiers' codecs (remote_serde): fp8 vs naive, codec vs memcpy
 """

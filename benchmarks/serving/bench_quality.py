@@ -15,10 +15,14 @@ With `--verify`, each kvtier server then switches shadow verification on (`verif
 with the records of its tiers (`cpu+verify`: the first server's CPU tier, disk and Redis;
 `disk+verify`: the restarted server's, records written before the restart; `redis+verify`: the
 second instance's, no CPU tier); those rows add the chunks verified and the mismatches.
-Prints a table, writes benchmarks/results/bench_quality.json.
+With `--serde fp8` the kvtier servers store disk and Redis records with that codec
+(`remote_serde`; the CPU tier stays exact), and each row adds the codec gate (docs/codecs.md):
+identical greedy answers at least `GATE_IDENTICAL` of the prompts (48 of 50) and every
+first-token top-20 KL at most `GATE_KL`; the `disk` and `redis` rows are the codec's.
+Prints a table, writes benchmarks/results/bench_quality.json (`bench_quality-fp8.json`, ...).
 
     .venv/bin/python -m benchmarks.serving.bench_quality [--prompts 50] [--facts 24]
-        [--tp 1] [--page-size 16] [--chunk-size 64] [--verify]
+        [--tp 1] [--page-size 16] [--chunk-size 64] [--verify] [--serde naive|fp8]
 
 Needs the SGLang CPU environment (`make sglang-env`) and `redis-server` on PATH.
 """
@@ -51,6 +55,8 @@ from kvtier.demo.server import CPU_FLAGS, SGLangServer, cpu_shims_dir
 from kvtier.integration.sglang.cpu import BIND_ENV, thread_binds
 
 PATHS = ("miss", "cpu", "disk", "redis")
+GATE_IDENTICAL = 0.96  # of the prompts' greedy answers identical to the reference (48 of 50)
+GATE_KL = 0.01  # the largest first-token top-20 KL a codec may add
 ADMIN = "bench-quality-admin"
 VERIFIED = re.compile(r"kvtier: verified (\d+) chunks .*?: (\d+) mismatched \(largest relative "
                       r"error ([0-9.eE+-]+)\)")
@@ -105,7 +111,9 @@ def _row(path: str, agreements: list[Agreement], answers: list[Answer],
            "max_kl": max(a.kl for a in agreements),
            "hit_tokens": sum(a.cached_tokens for a in answers),
            "prompt_tokens": sum(a.prompt_tokens for a in answers),
-           "pass": all(a.ok for a in agreements)}
+           "pass": all(a.ok for a in agreements),
+           "identical_count": sum(a.identical for a in agreements)}
+    row["gate"] = (row["identical"] >= GATE_IDENTICAL and row["max_kl"] <= GATE_KL)
     row["p99_vs_miss"] = (row["p99_dlogprob"] / spread_p99) if spread_p99 else None
     return row
 
@@ -115,7 +123,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     prompts = documents(args.prompts, facts=args.facts, seed=1)
     shape = ["--tp", str(args.tp), "--page-size", str(args.page_size)]
     env = {BIND_ENV: thread_binds(args.tp)} if args.tp > 1 else {}
-    tiers = {"chunk_size": args.chunk_size, "max_local_cpu_size": 1.0}
+    tiers = {"chunk_size": args.chunk_size, "max_local_cpu_size": 1.0,
+             "remote_serde": args.serde}
     redis = RedisProcess(work / "redis")
     redis.start()
     disk = str(work / "disk")
@@ -152,6 +161,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         rows.append({**_row(path, agreements, answers[path], spread), **checks.get(path, {})})
         spread = spread if spread is not None else rows[0]["p99_dlogprob"]
     return {"model": model.name, "tp": args.tp, "page_size": args.page_size,
+            "serde": args.serde, "gate": {"identical": GATE_IDENTICAL, "kl": GATE_KL},
             "chunk_size": args.chunk_size, "facts": args.facts,
             "bounds": {"logprob": LOGPROB_TOLERANCE, "kl": KL_LIMIT}, "rows": rows,
             "sample": {"prompt_tail": prompts[0][-120:], "answer": answers["cpu"][0].text}}
@@ -159,17 +169,19 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 def print_table(result: dict[str, Any]) -> None:
     print(f"\nquality on {result['model']}, TP {result['tp']}, page {result['page_size']}, "
-          f"chunk {result['chunk_size']} (bounds: |dlogprob| <= {LOGPROB_TOLERANCE}, "
-          f"KL <= {KL_LIMIT})")
+          f"chunk {result['chunk_size']}, remote_serde {result['serde']} (bounds: |dlogprob| <= "
+          f"{LOGPROB_TOLERANCE}, KL <= {KL_LIMIT}; codec gate: identical >= {GATE_IDENTICAL}, "
+          f"first-token KL <= {GATE_KL})")
     print(f"{'path':12} {'prompts':>7} {'hit tok':>8} {'identical':>9} {'max |dlp|':>10} "
-          f"{'p99 |dlp|':>10} {'x miss':>7} {'mean KL':>9} {'max KL':>9} pass")
+          f"{'p99 |dlp|':>10} {'x miss':>7} {'mean KL':>9} {'max KL':>9} pass gate")
     for r in result["rows"]:
         ratio = f"{r['p99_vs_miss']:.2f}" if r["p99_vs_miss"] is not None else "-"
         verified = (f"  verified {r['chunks']} chunks: {r['mismatches']} mismatched, largest "
                     f"error {r['max_error']:.3g}" if "chunks" in r else "")
         print(f"{r['path']:12} {r['prompts']:>7} {r['hit_tokens']:>8} {r['identical']:>9.2f} "
               f"{r['max_dlogprob']:>10.2e} {r['p99_dlogprob']:>10.2e} {ratio:>7} "
-              f"{r['mean_kl']:>9.2e} {r['max_kl']:>9.2e} {r['pass']}{verified}")
+              f"{r['mean_kl']:>9.2e} {r['max_kl']:>9.2e} {r['pass']!s:5} {r['gate']}"
+              f"{verified}")
     print(f"sample answer: {result['sample']['answer']!r}")
 
 
@@ -182,12 +194,15 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=int, default=64)
     parser.add_argument("--verify", action="store_true", help="then serve every prompt again "
                         "with shadow verification on, on each kvtier server")
+    parser.add_argument("--serde", choices=("naive", "fp8"), default="naive",
+                        help="remote_serde of the kvtier servers' disk and Redis records")
     parser.add_argument("--work-dir", type=Path, default=None)
     args = parser.parse_args()
     with work_dir("quality", args.work_dir) as work:
         result = run(args, work)
     print_table(result)
-    write_results("bench_quality", result)
+    write_results("bench_quality" + ("" if args.serde == "naive" else f"-{args.serde}"),
+                  result)
 
 
 if __name__ == "__main__":

@@ -72,6 +72,8 @@ class Config:
     max_local_disk_size: float = 0.0
     remote_url: str | None = None
     remote_serde: str = "naive"
+    # Start with a remote_serde whose quality gate failed for the model (docs/codecs.md).
+    remote_serde_override: bool = False
     save_unfull_chunk: bool = False
     blocking_timeout_secs: float = 10.0
     # kvtier's own keys
@@ -134,6 +136,8 @@ class Config:
     blend_recompute_ratios: tuple[float, ...] = (0.15,)
     blend_check_layers: tuple[int, ...] = (1,)
     blend_min_tokens: int = 256  # a segment shorter than this is computed, never loaded
+    # a blend runs only while measured to take at most this share of the full prefill's time
+    blend_max_prefill_ratio: float = 1.0
     log_level: str | None = None
     metrics_port: int | None = None  # serve Prometheus metrics on this port
 
@@ -158,7 +162,7 @@ class Config:
     def blend(self) -> BlendSection:
         return BlendSection(self.enable_blending, self.blend_special_str,
                             self.blend_check_layers, self.blend_recompute_ratios,
-                            self.blend_min_tokens)
+                            self.blend_min_tokens, self.blend_max_prefill_ratio)
 
     @property
     def writes(self) -> WriteSection:
@@ -215,6 +219,9 @@ def _validate_blend(cfg: Config) -> None:
                     f"{cfg.blend_min_tokens}")
     if not cfg.blend_special_str:
         raise _fail(src, "blend_special_str", "must not be empty (it marks where segments end)")
+    if not 0.0 < cfg.blend_max_prefill_ratio < math.inf:
+        raise _fail(src, "blend_max_prefill_ratio", f"must be a positive number, got "
+                    f"{cfg.blend_max_prefill_ratio}")
 
 
 def _validate_numbers(cfg: Config) -> None:

@@ -8,10 +8,18 @@ import pytest
 import torch
 import xxhash
 
-from kvtier.backends import record
-from kvtier.backends.codec import CODECS, FP8, NAIVE, Encoded, codec_by_id, codec_named
+from kvtier.backends import codec, record
+from kvtier.backends.codec import (
+    CODECS,
+    FP8,
+    NAIVE,
+    Encoded,
+    check_gate,
+    codec_by_id,
+    codec_named,
+)
 from kvtier.config.schema import REMOTE_SERDES
-from kvtier.errors import CorruptEntry
+from kvtier.errors import ConfigError, CorruptEntry
 from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj
 from tests.helpers import make_keys, same_bytes
 
@@ -146,3 +154,18 @@ def test_an_unknown_codec_is_another_version_naming_it() -> None:
     with pytest.raises(record.OtherVersion, match="codec: id 7"):
         record.parse_header(bytes(head), key, MHA16)
     obj.release()
+
+
+def test_a_refused_codec_stops_its_model_unless_overridden(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(codec.REFUSED, ("fp8", "tiny-model"), "12 of 50 identical")
+    monkeypatch.setitem(codec.PASSED, ("fp8", "smollm2-135m"), "50 of 50 identical")
+    with pytest.raises(ConfigError, match="remote_serde.*fp8.*Tiny-Model-1B.*12 of 50.*"
+                                          "remote_serde_override"):
+        check_gate("fp8", "org/Tiny-Model-1B", override=False)
+    said = check_gate("fp8", "org/Tiny-Model-1B", override=True)
+    assert said is not None and "anyway" in said
+    assert check_gate("fp8", "HuggingFaceTB/SmolLM2-135M-Instruct", override=False) is None
+    assert check_gate("naive", "org/Tiny-Model-1B", override=False) is None
+    unknown = check_gate("fp8", "other/model", override=False)
+    assert unknown is not None and "never gated" in unknown
