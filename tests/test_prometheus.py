@@ -136,7 +136,7 @@ def test_estimates_are_exported_and_shown_by_kvtier_stats(
     ids = torch.arange(2000, 2064)
     assert eng.store(ids, torch.arange(1, 65)) == 64 and eng.storage.flush()
     eng.storage.hot.remove(eng.chunk_keys(ids))
-    eng.observe_prefill(4096, 2.0, 4096)  # 2048 tokens/s
+    eng.prefill.observe(4096, 2.0, 4096)  # 2048 tokens/s
     assert eng.start_prefetch(ids).wait_done(30)
     _, samples = scrape(port)
     assert samples[("kvtier_est_prefill_tokens_per_second", ())] == pytest.approx(2048)

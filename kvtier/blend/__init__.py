@@ -13,7 +13,8 @@ Modules: `segments` (where segments are, what they are keyed by), `store` (a seg
 the tiers), `assemble` (a prompt's known KV from its cached segments), `rope` (rotary tables
 and re-rotation), `forward` (a Llama-family forward over plain weight tensors, in full or
 blended), `weights` (those tensors from a Hugging Face directory), `verify` (segment records
-compared with the segment computed alone again). Nothing here imports SGLang; it is served by
+compared with the segment computed alone again), `planner` (blend or compute: a blend only
+while it is measured to beat the full prefill). Nothing here imports SGLang; it is served by
 `kvtier.integration.sglang.blending` (docs/blending.md).
 
 Not yet as the layers would have it: `store` and `verify` reach the storage manager and the

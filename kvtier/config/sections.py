@@ -29,10 +29,12 @@ class WriteSection:
 @dataclass(frozen=True)
 class BlendSection:
     """What blending reads (`Config.blend`): on or off, the separator text, the check layers
-    and the share of cached tokens recomputed at each, the shortest segment worth loading."""
+    and the share of cached tokens recomputed at each, the shortest segment worth loading,
+    and how fast a blend must be against the full prefill to be chosen."""
 
     enabled: bool
     separator: str
     check_layers: tuple[int, ...]
     ratios: tuple[float, ...]
     min_tokens: int
+    max_prefill_ratio: float = 1.0

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import closing
 from typing import TYPE_CHECKING
 
@@ -13,6 +13,7 @@ import torch
 from kvtier.backends.sealing import name_salt
 from kvtier.config import Config
 from kvtier.connectors.base import KVConnector
+from kvtier.engine.prefill import EnginePrefill
 from kvtier.engine.rows import limit_of, pool_rows
 from kvtier.engine.saving import PrefixSaver
 from kvtier.engine.tiers import TierControl
@@ -23,7 +24,6 @@ from kvtier.memory import KVLayout, MemoryFormat, MemoryObj, lease
 from kvtier.storage import StorageManager
 from kvtier.storage.backlog import WriteBacklog
 from kvtier.storage.prefetch.handle import Prefetch
-from kvtier.storage.prefetch.prefill_prior import ModelShape, prefill_prior
 from kvtier.storage.sessions import session_tag
 
 if TYPE_CHECKING:
@@ -101,6 +101,8 @@ class CacheEngine:
                                       "store_no_memory")
         self._owns_storage = storage is None
         self.tiers = TierControl(self.storage)  # lower tiers attached and detached at run time
+        # the engine's prefill speed: fed by its prefills, weighed against loads and blends
+        self.prefill = EnginePrefill(self.storage.prefill, connector.device, layout.dtype)
         self._device: DeviceCopies | None = None
         if connector.device.type == "cuda":
             from kvtier.connectors.streams import DeviceCopies
@@ -304,9 +306,7 @@ class CacheEngine:
     def prefetch(self, token_ids: TokenIds) -> Prefetch:
         """Move lower-tier chunks of `token_ids` into CPU memory, waiting as `prefetch_policy`
         says (`best_effort`: not at all)."""
-        if self._closed:
-            return self.storage.prefetch([])
-        return self.storage.prefetch(self.key_chain(token_ids))
+        return self.storage.prefetch([] if self._closed else self.key_chain(token_ids))
 
     def release_session(self, session_id: str) -> bool:
         """Unpin the chunks `store(..., session_id=)` pinned (logged with the session's tag,
@@ -317,20 +317,6 @@ class CacheEngine:
             logger.info("kvtier: session %s closed; its prefix is no longer pinned",
                         session_tag(session_id))
         return released
-
-    def observe_prefill(self, tokens: int, seconds: float, prompt_len: int) -> None:
-        """The serving engine computed `tokens` new tokens of prompts up to `prompt_len` long
-        in `seconds`: the recompute speed the adaptive prefetch policy weighs loads against."""
-        self.storage.observe_prefill(tokens, seconds, prompt_len)
-
-    def plan_prefill_from(self, model_config: Mapping[str, object]) -> None:
-        """Until a prefill is measured, plan on the speed `prefill_prior` derives from the model
-        `model_config` (its config.json) describes, on the pool's device (if it can read it)."""
-        shape = ModelShape.from_config(model_config)
-        prior = None if shape is None else prefill_prior(shape, self.connector.device,
-                                                         self.layout.dtype)
-        if prior is not None:
-            self.storage.prefill.set_prior(prior)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until the lower-tier writes queued so far have landed, `timeout` seconds at

@@ -22,6 +22,9 @@ def test_blend_keys_load_lists_and_name_the_bad_key(tmp_path: Path) -> None:
                              "0.1]\nblend_check_layers: [1, 4]\nblend_min_tokens: 64\n"), env={})
     assert cfg.blend.enabled and cfg.blend.ratios == (0.3, 0.1)
     assert cfg.blend.check_layers == (1, 4) and cfg.blend.min_tokens == 64
+    assert cfg.blend.max_prefill_ratio == 1.0  # the default: a blend must not lose
+    assert load_config(_write(tmp_path, "blend_max_prefill_ratio: 0.5\n"),
+                       env={}).blend.max_prefill_ratio == 0.5
     assert load_config(_write(tmp_path, "blend_recompute_ratios: 0.2\n"), env={}).blend.ratios \
         == (0.2,)  # one value is a list of one
     env = {"LMCACHE_BLEND_CHECK_LAYERS": "[2]", "LMCACHE_BLEND_RECOMPUTE_RATIOS": "[0.5]"}
@@ -35,6 +38,8 @@ def test_blend_keys_load_lists_and_name_the_bad_key(tmp_path: Path) -> None:
                       ("blend_check_layers: [1, 2]", "blend_check_layers"),
                       ("blend_check_layers: [true]", "blend_check_layers"),
                       ("blend_min_tokens: 0", "blend_min_tokens"),
+                      ("blend_max_prefill_ratio: 0", "blend_max_prefill_ratio"),
+                      ("blend_max_prefill_ratio: .inf", "blend_max_prefill_ratio"),
                       ("enable_blending: true\nblend_special_str: ''", "blend_special_str")):
         with pytest.raises(ConfigError, match=f": {key}: "):
             load_config(_write(tmp_path, text + "\n"), env={})

@@ -333,7 +333,7 @@ def test_a_second_server_finds_the_tail_in_a_lower_tier(shared_config: Config) -
     assert b.lookup(longer) == 68
     # The default (adaptive) plan reads a tail only if it beats recomputing it: a slow
     # engine makes that true whatever the tier's measured speed on a busy machine.
-    b.observe_prefill(4096, 4096.0, 4096)
+    b.prefill.observe(4096, 4096.0, 4096)
     prefetch = b.start_prefetch(longer)
     assert prefetch.result(10) == 4  # the whole chunks, then the tail
     assert b.lookup(longer, hot_only=True) == 68
@@ -361,7 +361,7 @@ def test_adaptive_prefetch_reads_a_tail_only_when_it_beats_recomputing_it(
     a.close()
     b = _engine(_mha(False), cfg)  # an empty CPU tier: the tail is on disk only
     tokens_per_s = 1e12 if recompute_is_free else 1.0
-    b.observe_prefill(4096, 4096 / tokens_per_s, 4096)
+    b.prefill.observe(4096, 4096 / tokens_per_s, 4096)
     longer = torch.cat([prompt, _tokens(20, 15)])
     assert b.start_prefetch(longer).result(10) == 0  # no whole chunk anywhere
     assert b.stats().get("tails_prefetched", 0) == (0 if recompute_is_free else 1)

@@ -270,7 +270,7 @@ class SGLangKVTier:
     def observe_prefill(self, tokens: int, seconds: float, prompt_len: int) -> None:
         """SGLang computed `tokens` new tokens of prompts up to `prompt_len` long in `seconds`
         (one extend batch, scheduler thread): the recompute speed loads are weighed against."""
-        self.engine.observe_prefill(tokens, seconds, prompt_len)
+        self.engine.prefill.observe(tokens, seconds, prompt_len)
 
     def pending_prefetches(self) -> int:
         return len(self._prefetches)

@@ -1,7 +1,8 @@
 """What kvtier's radix tree does for blending (`enable_blending`), apart from its prefix path.
 
 - Match: when the CPU tier holds more of a request's segments than of its prefix, the host
-  hit promised is the blend's (`_blend_hit`); a request that must read no blended KV (opted
+  hit promised is the blend's (`_blend_hit`), unless the blend is measured to lose to the
+  full prefill (`SGLangBlender.worth`); a request that must read no blended KV (opted
   out, or verified) matches only up to the first blended slot (`_exact_match`).
 - Admission: the blend is computed into the new slots (`_blend_into`), and SGLang is told how
   many of the promised tokens came from the cache (`_report_blend`): SGLang counts a host hit
@@ -86,7 +87,8 @@ class BlendHooks(UnifiedRadixCache):
         if blender is None or kv is None or kv.verifying(req.rid) or not wants_blend(req):
             return None
         hits = blender.look(req.rid, full_ids(req, key), device_len, salt_of(key.cache_salt))
-        if hits.cached <= hit or hits.end <= device_len + hit:
+        if hits.cached <= hit or hits.end <= device_len + hit \
+                or not blender.worth(req.rid, hits, device_len, kv.engine.prefill.recompute_s):
             return None
         return hits
 

@@ -36,6 +36,7 @@ import torch
 
 from kvtier.blend.assemble import Assembled, assemble
 from kvtier.blend.forward import BlendPlan, LlamaWeights, blend
+from kvtier.blend.planner import BlendPlanner, Choice
 from kvtier.blend.segments import Segment
 from kvtier.blend.store import SegmentStore
 from kvtier.config.schema import BlendSection
@@ -54,7 +55,7 @@ logger = logging.getLogger(__name__)
 
 BLEND_COUNTERS = ("blend_requests", "blend_segments_hit", "blend_tokens_loaded",
                   "blend_tokens_recomputed", *WORKER_COUNTERS, "blend_segments_capped",
-                  "blend_failures")
+                  "blend_failures", "blend_fallbacks_slower", "blend_probes")
 MAX_REQUESTS = 4096  # requests whose segments are remembered from match to finish
 REQUEST_SWITCH = "kvtier_blend"  # sampling_params.custom_params key: false opts a request out
 
@@ -137,6 +138,8 @@ class SGLangBlender:
         self.worker = SegmentWorker(weights, store, self.separator, section.min_tokens,
                                     self.chains.max_segments, counters)
         self._hits: dict[str, SegmentHits] = {}  # request id -> its segments at its match
+        self.planner = BlendPlanner(section.max_prefill_ratio)
+        self._choices: dict[str, Choice] = {}  # request id -> blend or compute, made once
         self._prefetches: dict[str, list[Prefetch]] = {}  # request id -> its segment loads
         self._hinted = False  # the preamble hint (`_hint_preamble`) was logged
 
@@ -173,6 +176,28 @@ class SGLangBlender:
             self._hits.clear()  # requests that never came back
         self._hits[rid] = hits
         return hits
+
+    def worth(self, rid: str, hits: SegmentHits, device_len: int,
+              prefill_s: Callable[[int, int], float]) -> bool:
+        """Whether request `rid` should blend `hits` rather than have SGLang compute tokens
+        `[device_len, hits.end)` (`prefill_s(tokens, prompt_len)`: the engine's measured
+        estimate): decided at its first match and kept (SGLang may match it again); a
+        fallback is counted once, and logged."""
+        choice = self._choices.get(rid)
+        if choice is None:
+            tokens = hits.end - device_len
+            choice = self.planner.choose(tokens, prefill_s(tokens, hits.end))
+            if len(self._choices) >= MAX_REQUESTS:
+                self._choices.clear()  # requests that never came back
+            self._choices[rid] = choice
+            if choice.reason == "probe":
+                self.counters.inc("sglang.blend_probes")
+            if not choice.blend:
+                self.counters.inc("sglang.blend_fallbacks_slower")
+                logger.info("kvtier: %s computed, not blended: a blend of %d tokens would take "
+                            "%.2fs, the full prefill %.2fs (blend_max_prefill_ratio %g)", rid,
+                            tokens, choice.blend_s, choice.prefill_s, self.planner.max_ratio)
+        return choice.blend
 
     def _hint_preamble(self, rid: str, first: Segment, hits: SegmentHits,
                        device_len: int) -> None:
@@ -225,6 +250,7 @@ class SGLangBlender:
         standalone prefill and, when verification sampled it (`verified`), the records of its
         segments for a comparison with them computed alone (`SegmentWorker`)."""
         hits = self._hits.pop(rid, None)
+        self._choices.pop(rid, None)
         self.chains.forget(rid)
         if aborted:
             return
@@ -238,8 +264,10 @@ class SGLangBlender:
         self.chains.forget(rid)
         if rid is None:
             self._hits.clear()
+            self._choices.clear()
         else:
             self._hits.pop(rid, None)
+            self._choices.pop(rid, None)
 
     @torch.inference_mode()
     def fill(self, rid: str, tokens: np.ndarray, hits: SegmentHits, device_len: int,
@@ -280,6 +308,7 @@ class SGLangBlender:
         if dev.type == "cuda":  # SGLang's forward reads the slots on a stream of its own
             torch.cuda.current_stream(dev).synchronize()
         loaded, recomputed, kept = self._account(known, out.computed, device_len)
+        self.planner.observe(end - device_len, time.perf_counter() - start)
         logger.info("kvtier: blended %s: %d tokens from %d segments at new positions, %d of them "
                     "recomputed from layer %d, %d computed (device prefix %d); cached_tokens "
                     "%d (the device prefix and the %d kept from the cache); read %.2fs, "

@@ -347,7 +347,7 @@ def build_radix_cache(ctx: TreeCacheBuildContextView) -> KVTierRadixCache:
                          connector=connector, world_size=int(ctx.tp_size),
                          rank=int(ctx.tp_rank), page_size=page_size)
     try:
-        engine.plan_prefill_from(model_config(server_args))
+        engine.prefill.plan_from(model_config(server_args))
         cache: KVTierRadixCache = create_unified_radix_cache(ctx, cache_class=KVTierRadixCache)
 
         def reduce_min(t: torch.Tensor) -> None:

@@ -181,10 +181,14 @@ def test_a_reordered_rag_prompt_with_a_preamble_reuses_every_document(
     merged into the first document's segment), and `cached_tokens` counted the 730 tokens the
     blend computed as cached. With the preamble ended by the separator (docs/blending.md),
     every document is reused, and `cached_tokens` is the device prefix plus the tokens whose
-    cached KV the blend kept: neither the tokens it computed nor those it recomputed."""
+    cached KV the blend kept: neither the tokens it computed nor those it recomputed.
+
+    Issue 75: once a blend is measured, a request whose blend would lose to the full prefill
+    (here any blend: `blend_max_prefill_ratio` is tiny) is computed instead, counted once and
+    logged; the first blend runs unmeasured."""
     config = write_config(tmp_path / "blend.yaml", enable_blending=True, chunk_size=64,
                           blend_min_tokens=64, blend_recompute_ratios=[0.15],
-                          max_local_cpu_size=0.2)
+                          max_local_cpu_size=0.2, blend_max_prefill_ratio=1e-9)
     server = start_server(real_model, config, "--max-total-tokens", "8192", "--enable-metrics")
     _generate(server, _prompt([0, 1, 2]))
     assert _metric(server, "blend_segments_stored", at_least=3) == 3
@@ -204,6 +208,11 @@ def test_a_reordered_rag_prompt_with_a_preamble_reuses_every_document(
     # Without the separator after it, the preamble and the first document are one segment,
     # which a reorder misses: the log says how to separate it.
     joined = SYSTEM + DOCS[1] + SEPARATOR + DOCS[2] + SEPARATOR + ASK
-    _generate(server, joined)
+    computed = _generate(server, joined)
     assert server.log().count("end it with the separator too") == 1, server.log()[-3000:]
+    # Its second document is held, but a blend now loses (the ratio): computed, not blended.
+    assert _blends(server) == 1 and _metric(server, "blend_fallbacks_slower", at_least=1) == 1
+    assert server.log().count("computed, not blended: a blend of") == 1
+    assert computed["output_ids"] == _generate(server, joined, opt_out=True,
+                                               salt="joined")["output_ids"]
     assert "Traceback" not in server.log()

@@ -91,7 +91,7 @@ def test_a_fresh_engine_admits_at_once_when_its_tier_never_answers(silent_redis)
     tokens = torch.arange(64, dtype=torch.int64)
     before = [t.clone() for t in k + v]
     with CacheEngine(cfg, model_name="m", layout=conn.layout, connector=conn) as engine:
-        engine.observe_prefill(4096, 4096 / 100.0, 4096)  # recompute is slow: loads would pay
+        engine.prefill.observe(4096, 4096 / 100.0, 4096)  # recompute is slow: loads would pay
         prefetch = engine.start_prefetch(tokens)
         assert prefetch.ready()  # no wait for a plan nor a guessed load: admitted at once
         prefetch.cancel()

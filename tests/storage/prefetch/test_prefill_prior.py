@@ -79,9 +79,9 @@ def test_an_engine_plans_on_its_models_prior() -> None:
     cfg = Config(chunk_size=16, max_local_cpu_size=0.01)
     with CacheEngine(cfg, model_name="m", layout=conn.layout, connector=conn) as engine:
         prefill = engine.storage.prefill
-        engine.plan_prefill_from({"architectures": ["LlamaForCausalLM"]})  # unreadable: as is
+        engine.prefill.plan_from({"architectures": ["LlamaForCausalLM"]})  # unreadable: as is
         assert prefill.prior == PRIOR_PREFILL_TOKENS_PER_S
-        engine.plan_prefill_from(LLAMA3_8B)
+        engine.prefill.plan_from(LLAMA3_8B)
         assert prefill.prior < PRIOR_PREFILL_TOKENS_PER_S
 
 
