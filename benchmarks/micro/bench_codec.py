@@ -9,12 +9,15 @@ tenth of the K channels 21x louder, one V token in twenty 6x louder):
   largest relative L2 error of a (K or V, layer) slice on these values;
 - each tier's writer and load wall time per chunk (`batch_put` / `batch_get` of one chunk:
   what a writer thread and a load do, the encode and decode included), fp8 / naive: the disk
-  tier (page cache warm, as right after the write) and the Redis tier (a private
-  redis-server on a free loopback port, stopped by pid). Codecs alternate chunk by chunk
-  and which goes first alternates, so both see the same machine state; medians and p99s.
+  tier (page cache warm, as right after the write), the Redis tier (a private redis-server
+  on a free loopback port, stopped by pid) and `redis-link`: the same server through a
+  loopback proxy (harness/delay_proxy.py) that caps both directions at `--link-mbps` (default
+  1000: a 1 Gb/s link) with 0.2 ms more per reply. Codecs alternate chunk by chunk and which
+  goes first alternates, so both see the same machine state; medians and p99s.
 
-    .venv/bin/python benchmarks/micro/bench_codec.py [--rounds 9] [--chunks 4] [--tokens 256]
-        [--layouts smollm2,llama3-8b,llama3-8b-fp32,mla] [--tiers disk,redis] [--threads N]
+    .venv/bin/python -m benchmarks.micro.bench_codec [--rounds 9] [--chunks 4] [--tokens 256]
+        [--layouts smollm2,llama3-8b,llama3-8b-fp32,mla] [--tiers disk,redis,redis-link]
+        [--link-mbps 1000] [--threads N]
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 
 from benchmarks.common import write_results
 from benchmarks.micro.bench_redis import Server
+from harness.delay_proxy import DelayProxy
 from kvtier.backends import BackendContext, StorageBackend, create_backend
 from kvtier.backends.codec import CODECS, FP8, NAIVE
 from kvtier.backends.record import expected_header_len
@@ -36,6 +40,7 @@ from kvtier.config import Config
 from kvtier.keys import ChunkKey, KeyBuilder
 from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj
 
+TIERS = ("disk", "redis", "redis-link")
 LAYOUTS = {
     "smollm2": KVLayout.mha(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16),
     "llama3-8b": KVLayout.mha(num_layers=32, num_kv_heads=8, head_dim=128,
@@ -105,7 +110,7 @@ def codec_speed(layout: KVLayout, tokens: int, rounds: int) -> dict[str, float]:
 def _tier(kind: str, serde: str, layout: KVLayout, alloc: MemoryAllocator, where: str,
           tokens: int) -> StorageBackend:
     extra = {"local_disk": where, "max_local_disk_size": 4.0} if kind == "disk" else \
-        {"remote_url": where}
+        {"remote_url": where, "remote_timeout_secs": 30.0}
     config = Config(chunk_size=tokens, max_local_cpu_size=alloc.size / 1e9, remote_serde=serde,
                     **extra)  # type: ignore[arg-type]
     return create_backend(kind, BackendContext(config=config, layout=layout, allocator=alloc))
@@ -120,8 +125,9 @@ def tier_times(kind: str, layout: KVLayout, tokens: int, chunks: int, rounds: in
                where: str) -> dict[str, float]:
     """Per-chunk writer (`batch_put`) and load (`batch_get`) seconds of both codecs."""
     alloc = MemoryAllocator(4 * layout.nbytes(tokens) + (8 << 20))
-    tiers = {c: _tier(kind, c, layout, alloc, f"{where}/{c}" if kind == "disk" else where,
-                      tokens) for c in (NAIVE.name, FP8.name)}
+    tiers = {c: _tier("disk" if kind == "disk" else "redis", c, layout, alloc,
+                      f"{where}/{c}" if kind == "disk" else where, tokens)
+             for c in (NAIVE.name, FP8.name)}
     src = alloc.allocate(layout, tokens)
     assert src is not None
     kv_like(src, 2)
@@ -161,20 +167,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--layouts", default=",".join(LAYOUTS))
-    parser.add_argument("--tiers", default="disk,redis")
+    parser.add_argument("--tiers", default="disk,redis,redis-link")
+    parser.add_argument("--link-mbps", type=float, default=1000.0)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--name", default="codec", help="results file name (no .json)")
     args = parser.parse_args(argv)
     layouts = [n.strip() for n in args.layouts.split(",") if n.strip()]
     tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
     if bad := [n for n in layouts if n not in LAYOUTS] + [t for t in tiers
-                                                         if t not in ("disk", "redis")]:
+                                                         if t not in TIERS]:
         parser.error(f"unknown layouts/tiers {bad}; layouts: {list(LAYOUTS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
     results: dict[str, object] = {"torch_threads": torch.get_num_threads(), "layouts": {}}
+    results["link_mbps"] = args.link_mbps
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-codec-") as tmp:
-        server = Server(tmp) if "redis" in tiers else None
+        server = Server(tmp) if {"redis", "redis-link"} & set(tiers) else None
+        rate = args.link_mbps * 1e6 / 8
+        proxy = DelayProxy(server.port, 0.0002, rate, upload_bytes_per_s=rate) \
+            if server is not None and "redis-link" in tiers else None
         try:
             for name in layouts:
                 layout = LAYOUTS[name]
@@ -183,13 +194,16 @@ def main(argv: list[str] | None = None) -> None:
                     "bytes_per_token": bytes_per_token(layout, args.tokens),
                     "codec": codec_speed(layout, args.tokens, args.rounds)}
                 for tier in tiers:
-                    where = f"{tmp}/disk-{name}" if tier == "disk" else \
-                        f"redis://127.0.0.1:{server.port}"  # type: ignore[union-attr]
+                    where = {"disk": f"{tmp}/disk-{name}",
+                             "redis": f"redis://127.0.0.1:{server and server.port}",
+                             "redis-link": proxy.url if proxy else ""}[tier]
                     res[tier] = tier_times(tier, layout, args.tokens, args.chunks, args.rounds,
                                            where)
                 results["layouts"][name] = res  # type: ignore[index]
                 _print(name, res, tiers)
         finally:
+            if proxy is not None:
+                proxy.close()
             if server is not None:
                 server.stop()
     write_results(args.name, results)
@@ -206,7 +220,7 @@ def _print(name: str, res: dict[str, object], tiers: list[str]) -> None:
     for tier in tiers:
         t = res[tier]
         assert isinstance(t, dict)
-        print(f"  {tier:5} per chunk ms, median (p99): put naive {t['naive_put_ms_median']:.2f} "
+        print(f"  {tier:10} per chunk ms, median (p99): put naive {t['naive_put_ms_median']:.2f} "
               f"({t['naive_put_ms_p99']:.2f}) fp8 {t['fp8_put_ms_median']:.2f} "
               f"({t['fp8_put_ms_p99']:.2f}) = {t['put_fp8_vs_naive']:.2f}x;  get naive "
               f"{t['naive_get_ms_median']:.2f} ({t['naive_get_ms_p99']:.2f}) fp8 "

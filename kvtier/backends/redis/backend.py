@@ -142,8 +142,15 @@ class RedisBackend(StorageBackend):
         router = self._usable()
         if router is None or nbytes <= 0:
             return []
+        # A load moves the codec's bytes: time a scratch value of that size, reported as the
+        # decoded bytes it stands for (what loads are planned and observed in), so a slow tier
+        # storing fp8 is planned to pay off sooner.
+        layout, chunk = self.ctx.layout, self.ctx.config.chunk_size
+        wire = -(-nbytes * self._codec.payload_nbytes(layout, chunk) // layout.nbytes(chunk))
         try:
-            return probe_primaries(router, nbytes, self.ctx.config.key_namespace)
+            samples = probe_primaries(router, wire, self.ctx.config.key_namespace)
+            return [s._replace(read_bytes=nbytes) if s.read_bytes == wire else s
+                    for s in samples]
         except rio.ReplyError as exc:  # e.g. OOM, READONLY or NOPERM: unmeasured, not down
             self._health.warn("probe", "probe: server replied %.300s", exc)
         except _TIER_ERRORS as exc:

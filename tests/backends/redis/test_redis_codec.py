@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from harness.redis import RedisProcess
+from kvtier.backends.codec import FP8
 from kvtier.backends.redis import RedisBackend
 from kvtier.backends.redis.io import redis_keys
 from kvtier.keys import ChunkKey
@@ -117,3 +118,20 @@ def test_sealed_fp8_round_trips_and_a_tampered_record_is_a_counted_miss(
     # the checksum over the stored (encrypted, compressed) bytes fails: a counted miss
     assert _load(tier, keys) == []
     assert tier.stats()["corrupt"] == corrupt + 1 and client.get(name) is None  # deleted
+
+
+def test_a_probe_moves_the_codecs_bytes_and_reports_the_decoded_ones(
+    redis_server: RedisProcess, make_backend: Callable[..., RedisBackend],
+) -> None:
+    client = redis_server.client()
+    nbytes = BF16.nbytes(TOKENS)
+    sent = {}
+    for serde in ("naive", "fp8"):
+        tier = make_backend(redis_server.url, layout=BF16, remote_serde=serde)  # chunks of 16
+        before = int(client.info("stats")["total_net_output_bytes"])
+        (sample,) = tier.probe(nbytes)
+        sent[serde] = int(client.info("stats")["total_net_output_bytes"]) - before
+        assert sample.read_bytes == nbytes  # what the planner plans in: decoded bytes
+    ratio = FP8.payload_nbytes(BF16, 16) / BF16.nbytes(16)  # 0.57: the scales of 16 tokens
+    assert nbytes <= sent["naive"] < 1.05 * nbytes
+    assert ratio * nbytes <= sent["fp8"] < (ratio + 0.05) * nbytes
