@@ -19,6 +19,8 @@ With `--serde fp8` the kvtier servers store disk and Redis records with that cod
 (`remote_serde`; the CPU tier stays exact), and each row adds the codec gate (docs/codecs.md):
 identical greedy answers at least `GATE_IDENTICAL` of the prompts (48 of 50) and every
 first-token top-20 KL at most `GATE_KL`; the `disk` and `redis` rows are the codec's.
+`KL16` is the top-20 KL averaged over the first 16 output tokens (the positions both answers
+reached by the same tokens), then over the prompts.
 Prints a table, writes benchmarks/results/bench_quality.json (`bench_quality-fp8.json`, ...).
 
     .venv/bin/python -m benchmarks.serving.bench_quality [--prompts 50] [--facts 24]
@@ -109,6 +111,7 @@ def _row(path: str, agreements: list[Agreement], answers: list[Answer],
            "median_dlogprob": statistics.median(deltas),
            "mean_kl": statistics.fmean(a.kl for a in agreements),
            "max_kl": max(a.kl for a in agreements),
+           "mean_kl16": statistics.fmean(a.mean_kl for a in agreements),
            "hit_tokens": sum(a.cached_tokens for a in answers),
            "prompt_tokens": sum(a.prompt_tokens for a in answers),
            "pass": all(a.ok for a in agreements),
@@ -173,14 +176,15 @@ def print_table(result: dict[str, Any]) -> None:
           f"{LOGPROB_TOLERANCE}, KL <= {KL_LIMIT}; codec gate: identical >= {GATE_IDENTICAL}, "
           f"first-token KL <= {GATE_KL})")
     print(f"{'path':12} {'prompts':>7} {'hit tok':>8} {'identical':>9} {'max |dlp|':>10} "
-          f"{'p99 |dlp|':>10} {'x miss':>7} {'mean KL':>9} {'max KL':>9} pass gate")
+          f"{'p99 |dlp|':>10} {'x miss':>7} {'mean KL':>9} {'max KL':>9} {'KL16':>9} pass gate")
     for r in result["rows"]:
         ratio = f"{r['p99_vs_miss']:.2f}" if r["p99_vs_miss"] is not None else "-"
         verified = (f"  verified {r['chunks']} chunks: {r['mismatches']} mismatched, largest "
                     f"error {r['max_error']:.3g}" if "chunks" in r else "")
         print(f"{r['path']:12} {r['prompts']:>7} {r['hit_tokens']:>8} {r['identical']:>9.2f} "
               f"{r['max_dlogprob']:>10.2e} {r['p99_dlogprob']:>10.2e} {ratio:>7} "
-              f"{r['mean_kl']:>9.2e} {r['max_kl']:>9.2e} {r['pass']!s:5} {r['gate']}"
+              f"{r['mean_kl']:>9.2e} {r['max_kl']:>9.2e} {r['mean_kl16']:>9.2e} "
+              f"{r['pass']!s:5} {r['gate']}"
               f"{verified}")
     print(f"sample answer: {result['sample']['answer']!r}")
 

@@ -4,7 +4,9 @@ server without kvtier computes from scratch (the quality tests and `bench_qualit
 An `Answer` is one greedy generation with SGLang's log-probabilities (`return_logprob`): the
 output tokens, each one's log-probability, and the first token's top-20 distribution.
 `compare` gives an `Agreement`: the same tokens, the largest log-probability difference over
-the first `LOGPROB_TOKENS`, and the KL divergence of the first token's top-20 distributions.
+the first `LOGPROB_TOKENS`, the KL divergence of the first token's top-20 distributions, and
+the mean of that KL over the first `LOGPROB_TOKENS` positions both answers reached by the same
+tokens (the quality gate of a lossy record codec, docs/codecs.md).
 
 The bounds: greedy outputs identical; |delta logprob| <= `LOGPROB_TOLERANCE`; KL <= `KL_LIMIT`
 (the bound SGLang's own HiCache tests use). In float32 on CPU two honest computations of the
@@ -47,15 +49,17 @@ class Answer:
     first_top: dict[int, float]
     prompt_tokens: int
     cached_tokens: int
+    tops: tuple[dict[int, float], ...] = ()  # every output token's top-`TOP_K`
 
     @classmethod
     def from_response(cls, response: dict[str, Any]) -> Answer:
         meta = response["meta_info"]
         tokens = meta["output_token_logprobs"]  # [logprob, token id, text] per output token
-        top = meta["output_top_logprobs"][0] if meta["output_top_logprobs"] else []
+        tops = tuple({int(t[1]): float(t[0]) for t in top or []}
+                     for top in meta["output_top_logprobs"] or [])
         return cls(response["text"], tuple(int(t[1]) for t in tokens),
-                   tuple(float(t[0]) for t in tokens), {int(t[1]): float(t[0]) for t in top},
-                   int(meta["prompt_tokens"]), int(meta.get("cached_tokens", 0)))
+                   tuple(float(t[0]) for t in tokens), tops[0] if tops else {},
+                   int(meta["prompt_tokens"]), int(meta.get("cached_tokens", 0)), tops)
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,7 @@ class Agreement:
     max_delta: float  # largest |delta logprob| over the first LOGPROB_TOKENS output tokens
     kl: float  # KL(reference || got) of the first token, over the top-K ids both list
     shared_top: int  # how many of the reference's top-K ids `got` lists too
+    mean_kl: float = 0.0  # `kl` averaged over the first LOGPROB_TOKENS positions reached alike
 
     @property
     def ok(self) -> bool:
@@ -80,8 +85,14 @@ def compare(reference: Answer, got: Answer) -> Agreement:
     deltas = [abs(a - b) for a, b in zip(reference.logprobs[:n], got.logprobs[:n],
                                          strict=True)]
     shared = [i for i in reference.first_top if i in got.first_top]
+    same = 0  # positions whose preceding tokens agree: their distributions are comparable
+    while same < min(n, len(reference.tops), len(got.tops)) and (
+            same == 0 or reference.ids[same - 1] == got.ids[same - 1]):
+        same += 1
+    kls = [top_kl(reference.tops[i], got.tops[i]) for i in range(same)]
     return Agreement(reference.ids == got.ids, max(deltas, default=0.0),
-                     top_kl(reference.first_top, got.first_top), len(shared))
+                     top_kl(reference.first_top, got.first_top), len(shared),
+                     sum(kls) / len(kls) if kls else 0.0)
 
 
 def top_kl(reference: dict[int, float], got: dict[int, float]) -> float:

@@ -330,7 +330,7 @@ class RedisBackend(StorageBackend):
                         last = replies[-1]
                         if last == b"OK" or (len(replies) > 1 and isinstance(last, list)):
                             stored += 1
-                            written += recs[i].nbytes
+                            written += plan[i][1]  # in the pool's dtype, as bytes_read
                             continue
                         self._health.count("write_errors")
                         err = next((r for r in replies if isinstance(r, rio.ReplyError)), None)
