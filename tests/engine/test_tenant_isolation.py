@@ -121,3 +121,31 @@ def test_blended_segments_stay_within_their_tenant(tmp_path: Path) -> None:
         assert storage.lower_tiers[0].batch_contains(list(chain_b)) == 3
     finally:
         storage.close()
+
+
+def test_a_tenants_probe_reads_make_room_from_its_own_chunks(tmp_path: Path) -> None:
+    """A tier's estimate probe reads a request's chunks into the arena (`probe_reads`); with
+    the CPU tier full, that room is made by eviction, which takes the chunks of the tenant over
+    its share: tenant A's probes cost A, never B's prompt."""
+    import threading
+
+    from kvtier.storage.prefetch.planner import probe_reads
+
+    pool = _Pool()
+    slots = torch.arange(4 * CHUNK)
+    quiet = _tokens(1)
+    noisy = [_tokens(100 + i) for i in range(3 * TIER_CHUNKS // 4)]
+    with _engine(tmp_path, pool) as eng:
+        assert eng.store(quiet, slots, salt=B) == 4 * CHUNK
+        for tokens in noisy:  # 3x the CPU tier, each written down
+            assert eng.store(tokens, slots, salt=A) == 4 * CHUNK
+            assert eng.flush(30)
+        disk = eng.storage.lower_tiers[0]
+        before = eng.stats()["cpu.evictions"]
+        for tokens in noisy[:8]:  # chunks the CPU tier no longer holds, read from disk
+            probe_reads(disk, list(eng.key_chain(tokens, A)))
+            for thread in threading.enumerate():
+                if thread.name == "kvtier-probe-disk":
+                    thread.join(30)
+        assert eng.stats()["cpu.evictions"] > before  # the reads took room
+        assert eng.lookup(quiet, hot_only=True, salt=B) == 4 * CHUNK
