@@ -54,7 +54,8 @@ MODEL_LAYOUT = KVLayout.mha(30, 3, 64, torch.bfloat16)
 # (eviction_policy, admission_policy, tenant_max_fraction): `lru+always` without a share (1:
 # no tenant bookkeeping) is kvtier before policies and shares; `+share0.5` rows track tenants.
 POLICIES = (("lru", "always", 1.0), ("lru", "always", 0.5), ("arc", "always", 1.0),
-            ("arc", "always", 0.5), ("lru", "second_hit", 0.5), ("arc", "second_hit", 0.5))
+            ("arc", "always", 0.5), ("lru", "second_hit", 0.5), ("arc", "second_hit", 0.5),
+            ("lfuda", "always", 1.0), ("lfuda", "adaptive", 1.0), ("lfuda", "adaptive", 0.5))
 BASE = "lru+always"
 # `--tenants noisy`: three prompts of four are one tenant's, the fourth another's, so the
 # noisy one is over a 0.5 share and evicts its own chunks, walking past the quiet one's.

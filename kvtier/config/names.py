@@ -39,10 +39,11 @@ LFUDA = "lfuda"
 EVICTION_POLICIES = (LRU, ARC, LFUDA)
 
 # Admission policies (`kvtier.storage.admission`): `always` stores every chunk offered;
-# `second_hit` refuses, when storing would evict, a prefix whose first new chunk was never seen.
+# `second_hit` refuses, when storing would evict, a prefix whose first new chunk was never seen;
+# `adaptive` (ADAPTIVE's string) is `second_hit` only while the tier evicts what comes back.
 ALWAYS = "always"
 SECOND_HIT = "second_hit"
-ADMISSION_POLICIES = (ALWAYS, SECOND_HIT)
+ADMISSION_POLICIES = (ALWAYS, SECOND_HIT, ADAPTIVE)
 
 # `key_namespace`: it appears in every key string, so tenants stay apart in ACL patterns.
 NAMESPACE_PATTERN = re.compile(r"[A-Za-z0-9._-]{1,64}")

@@ -9,6 +9,14 @@ one-off prompt does not push out what comes back. A prefix seen before (a conver
 turn, a document asked about again) is stored whole, new chunks included. While the arena has
 room every chunk is stored, so a cache that is not full behaves as `always`.
 
+`adaptive` is `second_hit` switched on and off by what the tier's evictions cost: it watches
+how many offered prefixes start with a chunk the tier evicted lately. A tier too small for the
+traffic's reuse distances (it evicts what comes back) refuses first-seen prefixes, so what it
+holds stays long enough to be hit; a tier large enough stores everything, so a refused first
+turn never costs a conversation's second. Mooncake's traces (docs/policies.md): the share of
+prefixes that return after an eviction is 0.27-0.33 at 1M and 3M tokens and 0.02-0.17 at
+0.1M and 10M, hence refusing above 0.25 and storing again below 0.15.
+
 Admission is a prefix decision: it returns how many leading chunks to store, never a hole.
 """
 
@@ -19,15 +27,21 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from kvtier.config.names import ADMISSION_POLICIES, ALWAYS, SECOND_HIT
+from kvtier.config.names import ADAPTIVE, ADMISSION_POLICIES, ALWAYS, SECOND_HIT
 from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey
 
-__all__ = ["Admission", "AdmitAll", "SecondHit", "make_admission", "GHOST_PER_CHUNK",
-           "MAX_GHOST"]
+__all__ = ["Admission", "AdmitAll", "AdaptiveSecondHit", "SecondHit", "make_admission",
+           "GHOST_PER_CHUNK", "MAX_GHOST", "REFUSE_ABOVE", "STORE_BELOW"]
 
 GHOST_PER_CHUNK = 4  # keys remembered per chunk the arena holds: reuse comes back that late
 MAX_GHOST = 1 << 18  # at most this many keys (about 30 MB of strings and links)
+# `adaptive`: the share of offered prefixes whose first chunk the tier evicted lately (an
+# average over the last quarter-tier of offers) above which first-seen prefixes are refused,
+# and below which they are stored again (apart, so the switch does not flap).
+REFUSE_ABOVE = 0.25
+STORE_BELOW = 0.15
+ADAPTIVE_GHOST_PER_CHUNK = 8  # evicted keys remembered: a return is seen up to 8 tiers later
 
 
 class Admission(ABC):
@@ -101,13 +115,72 @@ class SecondHit(Admission):
         return {"admission_refused_chunks": self.refused, "admission_ghost_keys": len(self._seen)}
 
 
+class AdaptiveSecondHit(Admission):
+    """`second_hit` while the tier evicts what comes back (see the module docstring).
+
+    Args:
+        chunks: chunks the arena holds; the average's window is a quarter of it (at least
+            64 offers), the lists of keys eight times it (at most `MAX_GHOST` each).
+    """
+
+    name = ADAPTIVE
+
+    def __init__(self, chunks: int):
+        self._capacity = min(MAX_GHOST, ADAPTIVE_GHOST_PER_CHUNK * max(1, chunks))
+        self._seen: OrderedDict[str, None] = OrderedDict()  # offered lately
+        self._gone: OrderedDict[str, None] = OrderedDict()  # evicted lately
+        self._weight = 1.0 / max(64, chunks // 4)
+        self._returns = 0.0  # the average share of offers that start with an evicted chunk
+        self.refusing = False
+        self._lock = threading.Lock()
+        self.refused = 0  # chunks
+
+    def admit(self, keys: Sequence[ChunkKey], fits: Callable[[], bool]) -> int:
+        if not keys:
+            return 0
+        with self._lock:
+            first = keys[0].key
+            returned = self._gone.pop(first, 0) is None
+            self._returns += self._weight * (returned - self._returns)
+            if self.refusing and self._returns < STORE_BELOW:
+                self.refusing = False
+            elif not self.refusing and self._returns > REFUSE_ABOVE:
+                self.refusing = True
+            refusing, known = self.refusing, returned or first in self._seen
+            _remember(self._seen, keys, self._capacity)
+        if not refusing or known or fits():
+            return len(keys)
+        with self._lock:
+            self.refused += len(keys)
+            return 0
+
+    def evicted(self, keys: Sequence[ChunkKey]) -> None:
+        with self._lock:
+            _remember(self._gone, keys, self._capacity)
+
+    def stats(self) -> dict[str, float]:
+        return {"admission_refused_chunks": self.refused,
+                "admission_ghost_keys": len(self._seen) + len(self._gone),
+                "admission_refusing": int(self.refusing)}
+
+
+def _remember(ghost: OrderedDict[str, None], keys: Sequence[ChunkKey], capacity: int) -> None:
+    for k in keys:
+        ghost[k.key] = None
+        ghost.move_to_end(k.key)
+    while len(ghost) > capacity:
+        ghost.popitem(last=False)
+
+
 def make_admission(name: str, arena_bytes: int, chunk_bytes: int) -> Admission:
     """The admission policy called `name` for an arena of `arena_bytes` holding chunks of
     `chunk_bytes`; `ConfigError` listing the valid names if unknown."""
     if name == ALWAYS:
         return AdmitAll()
+    chunks = max(1, arena_bytes // max(1, chunk_bytes))
     if name == SECOND_HIT:
-        chunks = max(1, arena_bytes // max(1, chunk_bytes))
         return SecondHit(min(MAX_GHOST, GHOST_PER_CHUNK * chunks))
+    if name == ADAPTIVE:
+        return AdaptiveSecondHit(chunks)
     raise ConfigError(f"admission_policy: must be one of {list(ADMISSION_POLICIES)}, "
                       f"got {name!r}")
