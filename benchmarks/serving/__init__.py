@@ -15,6 +15,8 @@
     bench_readme_cpu.py the README's CPU launch line as written, on SmolLM2-135M (entry point)
     bench_quality.py    whether a hit changes what a real model says (entry point)
     bench_stall.py      a running stream's gaps while a hit loads from a slow tier (entry point)
+    bench_tenants.py    quiet tenants' hit rate alone vs beside a tenant at 10x their rate,
+                        per tenant_max_fraction (entry point)
     bench_verify.py     shadow verification's cost per share, and honest records' spread
                         (entry point)
     bench_blend.py      reuse at any position: blend vs full prefill vs naive reuse, TTFT and

@@ -23,7 +23,7 @@ REAL_MODEL_BENCHES = {
 SGLANG_BENCHES = ["benchmarks.anchors.bench_longdoc", "benchmarks.anchors.bench_multiturn",
                   "benchmarks.serving.bench_adaptive", "benchmarks.serving.bench_far_tier",
                   "benchmarks.serving.bench_hit", "benchmarks.serving.bench_serving",
-                  "benchmarks.serving.bench_stall"]
+                  "benchmarks.serving.bench_stall", "benchmarks.serving.bench_tenants"]
 
 # Each benchmark runs as `python -m` would run it, in one interpreter, with the modules named
 # first unimportable (a None entry in sys.modules is what an absent package looks like).
