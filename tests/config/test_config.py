@@ -187,7 +187,11 @@ def test_remote_serde_cachegen_becomes_fp8_with_one_warning(
 
 
 def test_remote_serde_fp8_is_a_kvtier_value(tmp_path: Path) -> None:
-    assert load_config(_write(tmp_path, "remote_serde: fp8\n"), env={}).remote_serde == "fp8"
+    cfg = load_config(_write(tmp_path, "remote_serde: fp8\nremote_serde_override: true\n"),
+                      env={})
+    assert (cfg.remote_serde, cfg.remote_serde_override) == ("fp8", True)
+    assert load_config(_write(tmp_path, "chunk_size: 64\n"), env={}).remote_serde_override \
+        is False
 
 
 def test_resp_is_redis_and_extra_config_gives_credentials(tmp_path: Path) -> None:
