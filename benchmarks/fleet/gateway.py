@@ -28,20 +28,32 @@ from typing import Any
 
 from kvtier.demo.server import SGLangServer, free_port
 
-__all__ = ["ROUTERS", "Gateway", "grpc_worker_args", "wait_grpc_ready", "worker_url"]
+__all__ = ["ROUTERS", "Gateway", "grpc_worker_args", "make_grpc_worker", "wait_grpc_ready",
+           "worker_url"]
 
 ROUTERS = ("smg", "sglang-router")
 READY_LINE = "The server is fired up and ready to roll"
 START_TIMEOUT_S = 300.0
 
 
-def grpc_worker_args(events_port: int | None = None) -> list[str]:
-    """The flags that make an SGLang server an event-publishing gRPC worker for SMG: the
-    smg-grpc-servicer front end, and SGLang's ZMQ KV-event publisher on a loopback port
-    (`events_port`, else a free one) for the servicer to relay."""
-    port = events_port if events_port is not None else free_port()
-    config = {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{port}", "topic": "kv-events"}
-    return ["--smg-grpc-mode", "--kv-events-config", json.dumps(config)]
+def grpc_worker_args(port: int, events_port: int | None = None) -> list[str]:
+    """The flags that make the SGLang server on `port` an event-publishing gRPC worker for SMG:
+    the smg-grpc-servicer front end, and SGLang's ZMQ KV-event publisher on a loopback port
+    (`events_port`, else a free one) for the servicer to relay. The servicer listens on
+    `--port`; SGLang checks `--grpc-port`, which it would otherwise derive as `--port` + 10000
+    (past 65535 for a port above 55535, and then the launch fails): it is named the same."""
+    events = events_port if events_port is not None else free_port()
+    config = {"publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{events}", "topic": "kv-events"}
+    return ["--smg-grpc-mode", "--grpc-port", str(port), "--kv-events-config",
+            json.dumps(config)]
+
+
+def make_grpc_worker(server: SGLangServer) -> SGLangServer:
+    """`server` (not launched yet) with `grpc_worker_args` for its port added to its flags."""
+    if server.proc is not None:
+        raise ValueError("server: already launched; make it a gRPC worker before launch()")
+    server.args += grpc_worker_args(server.port)
+    return server
 
 
 def worker_url(server: SGLangServer, grpc: bool) -> str:
@@ -140,7 +152,7 @@ class Gateway:
             "input_ids": list(input_ids),
             "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens,
                                 "ignore_eos": True}}
-        if self.model is not None:
+        if self.model is not None and self.router == "smg":  # SMG routes by the model named
             body["model"] = str(self.model)
         out = self.post("/generate", body)
         return dict(out[0] if isinstance(out, list) else out)  # SMG answers a batch of one

@@ -32,7 +32,7 @@ HEADER = ("| run | policy | servers | failed | cached fraction | vs single | mea
 
 def report(opts: Options, runs: list[FleetRun]) -> dict[str, Any]:
     single = next((r.cached_fraction for r in runs if r.name == "single"), None)
-    print(f"\nFleet benchmark: {opts.servers} servers, sglang-router, Redis Cluster 3+3; "
+    print(f"\nFleet benchmark: {opts.servers} servers, {opts.router}, Redis Cluster 3+3; "
           f"{opts.num_groups}x{opts.prompts_per_group} prompts, system prompt "
           f"{opts.system_prompt_len}, concurrency {opts.max_concurrency}, "
           f"--max-total-tokens {opts.max_total_tokens}")
@@ -68,7 +68,7 @@ def plot(runs: list[FleetRun], path: Path) -> bool:
     ax.bar([r.name for r in shown], [r.cached_fraction for r in shown],
            color=["#888" if not r.kvtier else "#2a7" for r in shown])
     ax.set_ylabel("cached-token fraction")
-    ax.set_title("sglang-router fleet on one Redis Cluster")
+    ax.set_title("A fleet behind one gateway on one Redis Cluster")
     ax.tick_params(axis="x", rotation=20)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

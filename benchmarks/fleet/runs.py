@@ -1,21 +1,23 @@
-"""The fleet benchmark's runs: the Redis Cluster, N servers behind sglang-router, the client,
-and the master failover with its probes (`bench_fleet.py` says what each run is).
+"""The fleet benchmark's runs: the Redis Cluster, N servers behind the gateway (SMG over gRPC
+workers, or the legacy sglang-router over HTTP ones), the client, and the master failover with
+its probes (`bench_fleet.py` says what each run is).
 """
 
 from __future__ import annotations
 
+import json
 import random
 import re
 import signal
 import subprocess
-import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
+from typing import Any, Protocol
 
 import yaml
 
+from benchmarks.fleet.gateway import Gateway, make_grpc_worker, wait_grpc_ready, worker_url
 from benchmarks.fleet.report import row
 from benchmarks.fleet.shared import Failover, FleetRun, Options
 from benchmarks.serving.client import CLIENT_TIMEOUT_S, client_env, parse_result
@@ -43,48 +45,12 @@ _COUNTER = re.compile(r"kvtier_(\w+)_total\s+(\S+)$")
 
 # ---- processes ----
 
-class Router:
-    """`python -m sglang_router.launch_router` over `workers`, stopped by its pid."""
+class Target(Protocol):
+    """Where probes go: a server, or the gateway in front of gRPC workers."""
 
-    def __init__(self, workers: list[str], policy: str, log: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-               "--port", str(self.port), "--worker-urls", *workers, "--policy", policy,
-               "--disable-retries", "--prometheus-host", "127.0.0.1",
-               "--prometheus-port", str(free_port())]
-        self._log = open(log, "ab")
-        self._log.write(f"$ {' '.join(cmd)}\n".encode())
-        self._log.flush()
-        try:
-            self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-        except OSError:
-            self._log.close()
-            raise
-        deadline = time.monotonic() + 120
-        while not self._healthy():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"sglang-router did not come up; see {log}")
-            time.sleep(0.2)
+    def generate(self, input_ids: list[int], max_new_tokens: int = 8) -> dict[str, Any]: ...
 
-    def _healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=2) as resp:
-                return bool(resp.status == 200)
-        except OSError:
-            return False
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+    def flush_cache(self) -> None: ...
 
 
 def tier_counters(ports: list[int]) -> dict[str, float]:
@@ -133,9 +99,10 @@ class Fleet:
         for master in self.cluster.masters().values():
             master.client().flushall()
 
-    def servers(self, name: str, n: int, kvtier: bool, total_tokens: int,
+    def servers(self, name: str, n: int, kvtier: bool, total_tokens: int, grpc: bool,
                 ) -> tuple[list[SGLangServer], list[int]]:
-        """`n` servers started side by side, and their kvtier metrics ports."""
+        """`n` servers started side by side (SMG's gRPC workers with `grpc`), and their kvtier
+        metrics ports."""
         servers, ports = [], []
         for i in range(n):
             args = ["--max-total-tokens", str(total_tokens), "--context-length",
@@ -153,11 +120,13 @@ class Fleet:
                 env={"OMP_NUM_THREADS": str(self.opts.threads),
                      "KVTIER_CACHE_DIR": str(self.work / "kernel")},
                 pythonpath=shims, cpu_flags=CPU_FLAGS))
+            if grpc:
+                make_grpc_worker(servers[-1])
         for server in servers:
             server.launch()
         try:
             for server in servers:
-                server.wait_ready()
+                wait_grpc_ready(server) if grpc else server.wait_ready()
         except BaseException:
             for server in servers:
                 server.stop()
@@ -172,6 +141,8 @@ class Fleet:
         out = self.work / f"{name}.jsonl"
         out.unlink(missing_ok=True)
         cmd = serving_command(serving, url_port, self.model, out, o.system_prompt_len, False)
+        if o.router == "smg":  # SMG routes by the model a request names
+            cmd += ["--extra-request-body", json.dumps({"model": str(self.model)})]
         log = open(self.work / f"{name}.client.log", "ab")
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                 env=client_env(self.work / "client-home"))
@@ -200,15 +171,26 @@ class Fleet:
         if kvtier:
             self.flush_cluster()
         tag = name.replace("/", "-")  # names files
-        servers, ports = self.servers(tag, n, kvtier, total_tokens or self.opts.max_total_tokens)
-        router = Router([s.url for s in servers], policy, self.work / f"{tag}.router.log") \
-            if policy != "direct" else None
+        grpc = policy != "direct" and self.opts.router == "smg"
+        servers, ports = self.servers(tag, n, kvtier, total_tokens or self.opts.max_total_tokens,
+                                      grpc)
+        try:
+            router = Gateway(self.opts.router, [worker_url(s, grpc) for s in servers], policy,
+                             self.work / f"{tag}.router.log", model=self.model) \
+                if policy != "direct" else None
+        except BaseException:
+            for server in servers:
+                server.stop()
+            raise
         port = router.port if router is not None else servers[0].port
+        # gRPC workers answer no HTTP: the probes go through the gateway, which picks the server
+        first: Target = router if grpc and router is not None else servers[0]
+        others: list[Target] = [first] if grpc else list(servers[1:] or servers)
         try:
             probes: list[list[int]] = []
             kill_after = 0.0
             if failover:  # fill the cache first, so the run below loads what it stored
-                probes = self.store_probes(servers[0])
+                probes = self.store_probes(first)
                 fill = self.finish_client(f"{tag}-fill", *self.client(f"{tag}-fill", port),
                                           kvtier)
                 # Mid-run: the run below hits what the fill stored, so it is the faster one.
@@ -216,7 +198,7 @@ class Fleet:
             proc, out = self.client(tag, port)
             if failover:  # the client takes seconds to start: count from its first request
                 _wait_for_line(self.work / f"{tag}.client.log", MAIN_RUN, proc)
-            report = self.fail_over(servers, probes, kill_after) if failover else None
+            report = self.fail_over(others, probes, kill_after) if failover else None
             result = self.finish_client(tag, proc, out, kvtier)
             counters = tier_counters(ports) if kvtier else {}
         finally:
@@ -233,7 +215,7 @@ class Fleet:
 
     # ---- failover ----
 
-    def store_probes(self, server: SGLangServer) -> list[list[int]]:
+    def store_probes(self, server: Target) -> list[list[int]]:
         rng = random.Random(7)
         probes = [[rng.randrange(4, 430) for _ in range(self.opts.probe_len)]
                   for _ in range(self.opts.probes)]
@@ -242,8 +224,9 @@ class Fleet:
         server.flush_cache()  # hands the stores back; the Redis writes follow
         return probes
 
-    def fail_over(self, servers: list[SGLangServer], probes: list[list[int]],
+    def fail_over(self, targets: list[Target], probes: list[list[int]],
                   kill_after_s: float) -> Failover:
+        """Kill the master holding the most records, after `kill_after_s`; probe `targets`."""
         assert self.cluster is not None
         cluster = self.cluster
         time.sleep(kill_after_s)
@@ -266,7 +249,7 @@ class Fleet:
 
         watcher = threading.Thread(target=watch, daemon=True)
         watcher.start()
-        self.probe(servers[1:] or servers, probes, killed, report, promoted)
+        self.probe(targets, probes, killed, report, promoted)
         watcher.join()
         if promoted.is_set():
             fresh = [m for port, m in cluster.masters().items() if port not in before]
@@ -274,7 +257,7 @@ class Fleet:
             report.lost_records = len(keys) - held
         return report
 
-    def probe(self, servers: list[SGLangServer], probes: list[list[int]], killed: float,
+    def probe(self, servers: list[Target], probes: list[list[int]], killed: float,
               report: Failover, promoted: threading.Event) -> None:
         streak: list[float] = []
         for i, ids in enumerate(probes):

@@ -15,6 +15,7 @@ POLICIES = ("round_robin", "cache_aware")
 
 @dataclass
 class Options:
+    router: str = "smg"  # or "sglang-router", the legacy one (benchmarks/fleet/gateway.py)
     servers: int = 3
     num_groups: int = 8
     prompts_per_group: int = 4

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.fleet.gateway import Gateway, grpc_worker_args, wait_grpc_ready, worker_url
+from benchmarks.fleet.gateway import Gateway, make_grpc_worker, wait_grpc_ready, worker_url
 from harness.redis import RedisProcess
 from harness.sglang_server import SGLangServer
 from tests.integration.sglang.conftest import CHUNK, prompt, write_config
@@ -29,23 +29,31 @@ FULL_HIT = (PROMPT - 1) // PAGE * PAGE  # all but the last prompt token, in whol
 
 
 @pytest.fixture(scope="module")
-def fleet(start_server: Callable[..., SGLangServer], tiny_llama: Path,
-          redis_factory: Callable[..., RedisProcess],
+def fleet(tiny_llama: Path, redis_factory: Callable[..., RedisProcess],
           tmp_path_factory: pytest.TempPathFactory,
           ) -> Iterator[tuple[Gateway, list[SGLangServer], RedisProcess]]:
     redis = redis_factory()
     work = tmp_path_factory.mktemp("fleet-smg")
     config = write_config(work / "kvtier.yaml", remote_url=redis.url)
-    servers = [start_server(tiny_llama, config, "--page-size", str(PAGE), *grpc_worker_args(),
-                            ready=False) for _ in range(2)]
-    for server in servers:  # started side by side
-        wait_grpc_ready(server)
-    gateway = Gateway("smg", [worker_url(s, grpc=True) for s in servers], "cache_aware",
-                      work / "smg.log", model=tiny_llama)
+    # Built here, not by start_server: a gRPC worker's flags name its own port.
+    servers = [make_grpc_worker(SGLangServer(
+        tiny_llama, work / f"server-{i}.log", args=["--enable-kvtier", "--kvtier-config-file",
+                                                    str(config), "--page-size", str(PAGE)]))
+        for i in range(2)]
+    gateway: Gateway | None = None
     try:
+        for server in servers:  # started side by side
+            server.launch()
+        for server in servers:
+            wait_grpc_ready(server)
+        gateway = Gateway("smg", [worker_url(s, grpc=True) for s in servers], "cache_aware",
+                          work / "smg.log", model=tiny_llama)
         yield gateway, servers, redis
     finally:
-        gateway.stop()
+        if gateway is not None:
+            gateway.stop()
+        for server in servers:
+            server.kill()
 
 
 def _served_by(servers: list[SGLangServer], request_id: str) -> list[int]:
