@@ -127,7 +127,10 @@ class AdaptiveSecondHit(Admission):
 
     def __init__(self, chunks: int):
         self._capacity = min(MAX_GHOST, ADAPTIVE_GHOST_PER_CHUNK * max(1, chunks))
-        self._seen: OrderedDict[str, None] = OrderedDict()  # offered lately
+        # Offered lately: what a refusal calls known. Unlike `second_hit`, a key evicted but no
+        # longer among the offered is first seen (storing those measured 1.205x against 1.333x
+        # LRU on the synthetic trace at 0.1M tokens, 1.076x against 1.112x at 1M).
+        self._seen: OrderedDict[str, None] = OrderedDict()
         self._gone: OrderedDict[str, None] = OrderedDict()  # evicted lately
         self._weight = 1.0 / max(64, chunks // 4)
         self._returns = 0.0  # the average share of offers that start with an evicted chunk
@@ -146,7 +149,7 @@ class AdaptiveSecondHit(Admission):
                 self.refusing = False
             elif not self.refusing and self._returns > REFUSE_ABOVE:
                 self.refusing = True
-            refusing, known = self.refusing, returned or first in self._seen
+            refusing, known = self.refusing, first in self._seen
             _remember(self._seen, keys, self._capacity)
         if not refusing or known or fits():
             return len(keys)

@@ -25,7 +25,8 @@ def test_the_switch_follows_the_share_of_offers_that_return_after_an_eviction() 
     policy = AdaptiveSecondHit(chunks=256)  # an average over the last 64 offers
     fresh = iter(make_keys(CHUNK, seed=s) for s in range(10_000))
     evicted = [make_keys(CHUNK, seed=-s - 1) for s in range(200)]
-    for keys in evicted:
+    for keys in evicted:  # stored while the arena had room, then evicted
+        assert policy.admit(keys, lambda: True) == 1
         policy.evicted(keys)
     # First-seen prompts that never come back: stored, full arena or not.
     assert all(policy.admit(next(fresh), lambda: False) == 1 for _ in range(100))
@@ -40,7 +41,7 @@ def test_the_switch_follows_the_share_of_offers_that_return_after_an_eviction() 
     offered = next(fresh)
     assert policy.admit(offered, lambda: False) == 0  # first seen, and it would evict
     assert policy.admit(offered, lambda: False) == 1  # seen: stored
-    assert policy.admit(evicted[n], lambda: False) == 1  # an evicted prefix is known
+    assert policy.admit(evicted[n], lambda: False) == 1  # offered before: known
     assert policy.stats()["admission_refused_chunks"] == 1
     # No more returns: the share decays below 0.15 and everything is stored again.
     refused = 0
