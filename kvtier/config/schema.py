@@ -20,9 +20,8 @@ from kvtier.config.lmcache import compat
 from kvtier.config.names import (
     ADAPTIVE,
     ADMISSION_POLICIES,
-    ALWAYS,
-    ARC,
     EVICTION_POLICIES,
+    LFUDA,
     NAMESPACE_PATTERN,
     PREFETCH_POLICIES,
     WRITE_POLICIES,
@@ -91,8 +90,8 @@ class Config:
     selective_write_threshold: int = 2
     # Which chunks a full CPU tier lets go of first, and which it declines to store at all
     # (kvtier.backends.cpu, kvtier.storage.admission; measured in docs/policies.md).
-    eviction_policy: str = ARC
-    admission_policy: str = ALWAYS
+    eviction_policy: str = LFUDA
+    admission_policy: str = ADAPTIVE
     # The largest share of the CPU tier one tenant (a request's cache_salt) holds while
     # another holds chunks too: past it, its own chunks are evicted first (docs/policies.md).
     tenant_max_fraction: float = 0.5

@@ -86,6 +86,6 @@ def test_the_window_target_adapts_to_where_returning_prefixes_were_evicted_from(
 
 
 def test_the_eviction_policy_is_a_config_choice() -> None:
-    assert Config().eviction_policy == "arc"
+    assert Config().eviction_policy == "lfuda"
     with pytest.raises(ConfigError, match="eviction_policy"):
         Config(eviction_policy="mru")
