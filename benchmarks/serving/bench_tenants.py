@@ -61,10 +61,12 @@ class Options:
     quiet_prompts: int = 2  # prompts each quiet tenant owns
     prompt_len: int = 256
     chunk_size: int = 64
-    # The CPU tier, in prompts: the quiet tenants own 6 by default, and the share protects
-    # what fits beside the noisy tenant's share (8 of 16 at the default 0.5), the warm-up
-    # prompt included; at 12 their 6 and its 6 fill the tier and LRU decides again.
-    tier_prompts: int = 16
+    # The CPU tier, in prompts' tokens. The share protects what fits beside the noisy
+    # tenant's share: the quiet tenants' 6 prompts and the warm-up prompt hold 7 prompts'
+    # worth (7 MiB measured), beside the 10 of 20 the noisy tenant keeps at the default 0.5.
+    # At 12 they do not fit beside its 6: a tenant at its share is not over it, so room for
+    # its next prompt comes from the policy's first leaf of anyone (0.611x, benchmarks/LOG.md).
+    tier_prompts: int = 20
     threads: int = 0
     work_dir: Path | None = None
 
