@@ -2,7 +2,9 @@
 --server URL` asks every TP rank to drop tenant A's chunks from its CPU tier and, under the
 same keys, from its disk tier, and prints the counts per rank and tier by A's keyed tag; then A's
 prompts miss everywhere while tenant B's (the same prompt among them) and unsalted prompts still
-hit, and A's salt appears in no log line. The admin key is required, as for every change."""
+hit, and A's salt appears in no log line. The admin key is required, as for every change.
+The per-tenant gauges on SGLang's own `/metrics` (multiprocess mode) are 17 buckets, no more,
+and name no salt and no tag."""
 
 from __future__ import annotations
 
@@ -63,7 +65,7 @@ def served(start_server: Callable[..., SGLangServer], tiny_mla: Path,
     config = write_config(root / "kvtier.yaml", local_disk=str(root / "disk"),
                           max_local_disk_size=0.2, hash_salt="forget-test-names-salt")
     server = start_server(tiny_mla, config, "--page-size", "4", "--tp", "2",
-                          "--admin-api-key", ADMIN)
+                          "--admin-api-key", ADMIN, "--enable-metrics")
     return server, config
 
 
@@ -115,3 +117,38 @@ def _tag_of(capsys: pytest.CaptureFixture[str], config: Path, salt: str) -> str:
     found = re.search(r"tenant tag t-([0-9a-f]{16})", capsys.readouterr().err)
     assert found is not None
     return found[1]
+
+
+def _tenant_buckets(server: SGLangServer) -> dict[str, float]:
+    """`kvtier_tenant_bytes{tier="cpu"}` per bucket on SGLang's `/metrics`, summed over ranks."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    assert SALT_A not in text and SALT_B not in text
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "kvtier_tenant_bytes" and s.labels.get("tier") == "cpu":
+                bucket = s.labels["tenant_bucket"]
+                out[bucket] = out.get(bucket, 0.0) + s.value
+    return out
+
+
+def test_tenant_gauges_on_sglangs_metrics_are_bounded_buckets(
+        served: tuple[SGLangServer, Path]) -> None:
+    server, _ = served
+    for i in range(20):  # 20 more tenants, one prompt each, and an unsalted one
+        assert _ask(server, prompt(200 + i, 32), f"many-tenants-{i}")["output_ids"]
+    assert _ask(server, prompt(199, 32), None)["output_ids"]
+    server.flush_cache()
+    deadline, buckets = time.monotonic() + 30, {}  # synced once a second: a bound on a hang
+    while time.monotonic() < deadline:
+        buckets = _tenant_buckets(server)
+        if sum(buckets.values()) > 0:
+            break
+        time.sleep(0.5)
+    assert set(buckets) == {*"0123456789abcdef", "none"}, buckets
+    assert sum(buckets.values()) > 0 and buckets["none"] > 0  # the unsalted prompt
