@@ -159,13 +159,15 @@ def test_an_unknown_codec_is_another_version_naming_it() -> None:
 def test_a_refused_codec_stops_its_model_unless_overridden(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(codec.REFUSED, ("fp8", "tiny-model"), "12 of 50 identical")
-    monkeypatch.setitem(codec.PASSED, ("fp8", "smollm2-135m"), "50 of 50 identical")
+    monkeypatch.setitem(codec.PASSED, ("fp8", "good-model"), "50 of 50 identical")
     with pytest.raises(ConfigError, match="remote_serde.*fp8.*Tiny-Model-1B.*12 of 50.*"
                                           "remote_serde_override"):
         check_gate("fp8", "org/Tiny-Model-1B", override=False)
     said = check_gate("fp8", "org/Tiny-Model-1B", override=True)
     assert said is not None and "anyway" in said
-    assert check_gate("fp8", "HuggingFaceTB/SmolLM2-135M-Instruct", override=False) is None
+    assert check_gate("fp8", "org/Good-Model-7B", override=False) is None
+    with pytest.raises(ConfigError, match="SmolLM2.*31 of 50"):  # the measured verdict
+        check_gate("fp8", "HuggingFaceTB/SmolLM2-135M-Instruct", override=False)
     assert check_gate("naive", "org/Tiny-Model-1B", override=False) is None
     unknown = check_gate("fp8", "other/model", override=False)
     assert unknown is not None and "never gated" in unknown
