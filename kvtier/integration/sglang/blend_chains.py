@@ -25,12 +25,24 @@ from kvtier.blend.store import SegmentStore
 from kvtier.keys import KeyChain
 from kvtier.metrics import Counters
 
-__all__ = ["MAX_SEGMENTS", "PromptSegments", "SegmentChains"]
+__all__ = ["MAX_SEGMENTS", "PromptSegments", "SegmentChains", "SegmentHits"]
 
 logger = logging.getLogger(__name__)
 
 MAX_SEGMENTS = 64  # segments blended per prompt; later ones are computed (counted, logged once)
 MAX_REQUESTS = 4096  # requests remembered at once; more means requests that never finished
+
+
+class SegmentHits(NamedTuple):
+    """A prompt's segments past its device prefix, up to `end` (the tokens a blend computes):
+    those the CPU tier holds (`held`, `cached` tokens of them, `chains` their key chains) and
+    those it lacks."""
+
+    end: int
+    held: tuple[Segment, ...]
+    missed: tuple[Segment, ...]
+    cached: int
+    chains: tuple[KeyChain, ...] = ()
 
 
 class PromptSegments(NamedTuple):

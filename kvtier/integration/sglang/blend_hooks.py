@@ -26,8 +26,14 @@ from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from kvtier.integration.sglang.adapter import SGLangKVTier
-from kvtier.integration.sglang.blending import BlendedSlots, SegmentHits, SGLangBlender, wants_blend
-from kvtier.integration.sglang.requests import aborted, full_ids, salt_of, token_array
+from kvtier.integration.sglang.blending import BlendedSlots, SegmentHits, SGLangBlender
+from kvtier.integration.sglang.requests import (
+    aborted,
+    full_ids,
+    salt_of,
+    token_array,
+    wants_blend,
+)
 from kvtier.integration.sglang.sglang_views import (
     MatchPrefixParamsView,
     MatchResultView,
@@ -65,6 +71,8 @@ class BlendHooks(UnifiedRadixCache):
         request is kept out of the tree: SGLang's insert would swap its computed KV for the
         tree's blended copy."""
         kv, blender, blended = self.kvtier, self.blender, self._blended
+        if blender is not None and not wants_blend(req):
+            blender.decline(req.rid)  # SGLang matches a request before its prefetch hook
         if blended is None or blender is None or kv is None or result.device_prefix_len == 0 \
                 or (wants_blend(req) and not kv.engine.verifies(req.rid)):
             return None
@@ -88,7 +96,7 @@ class BlendHooks(UnifiedRadixCache):
             return None
         hits = blender.look(req.rid, full_ids(req, key), device_len, salt_of(key.cache_salt))
         if hits.cached <= hit or hits.end <= device_len + hit \
-                or not blender.worth(req.rid, hits, device_len, kv.engine.prefill.recompute_s):
+                or not blender.worth(req.rid, hits, device_len):
             return None
         return hits
 

@@ -2,12 +2,15 @@
 
 At a request's match (`KVTierRadixCache.match_prefix`) the blender finds its segments (runs
 ended by `blend_special_str`) past the device prefix and asks the CPU tier which it holds
-(metadata only). When they hold more tokens than a prefix load would give, the match promises
-them as a host hit; at admission (`init_load_back`) the blender computes the prompt, all but
-its last token, over that KV (`kvtier.blend`: segments re-rotated to where they stand, the
-device prefix read from the pool, a share of the cached tokens recomputed from the check
-layers on) with the served model's own weights, and writes it into the slots the tree inserts.
-SGLang then computes the last token and decodes as usual.
+(metadata only). When they hold more tokens than a prefix load would give, and a blend is
+measured to beat the full prefill (`kvtier.blend.planner`), the match promises them as a host
+hit. The blend itself, the prompt but its last token computed over that KV (`kvtier.blend`:
+segments re-rotated to where they stand, a share of the cached tokens recomputed from the
+check layers on) with the served model's own weights, runs while the request waits in the
+queue, off the scheduler thread (`blend_jobs`); at admission (`init_load_back`) the result is
+copied into the slots the tree inserts. A request that reaches admission without one (no
+prefetch hook ran) is blended there, the device prefix read from the pool. SGLang then
+computes the last token and decodes as usual.
 
 Blended KV is an approximation, so it never becomes a prefix record: its slots are marked
 (`BlendedSlots`) and a store stops at the first marked slot. It stays in SGLang's device tree
@@ -24,32 +27,30 @@ decoders with linear RoPE, packed or quantized weights, a KV pool of another dty
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
+import math
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import NamedTuple
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
 
-from kvtier.blend.assemble import Assembled, assemble
-from kvtier.blend.forward import BlendPlan, LlamaWeights, blend
+from kvtier.blend.forward import BlendPlan, LlamaWeights
 from kvtier.blend.planner import BlendPlanner, Choice
 from kvtier.blend.segments import Segment
 from kvtier.blend.store import SegmentStore
 from kvtier.config.schema import BlendSection
 from kvtier.engine import Prefetch
 from kvtier.errors import ConfigError
-from kvtier.integration.sglang.blend_chains import SegmentChains
+from kvtier.integration.sglang.blend_chains import SegmentChains, SegmentHits
+from kvtier.integration.sglang.blend_jobs import POLL_WAIT_S, BlendJobs, Computed, compute
 from kvtier.integration.sglang.blend_model import separator_ids, served_weights
 from kvtier.integration.sglang.blend_worker import WORKER_COUNTERS, SegmentWorker
-from kvtier.integration.sglang.sglang_views import Opaque, ReqView
+from kvtier.integration.sglang.sglang_views import Opaque
 from kvtier.keys import KeyChain
 from kvtier.metrics import Counters
 
-__all__ = ["BLEND_COUNTERS", "BlendedSlots", "SGLangBlender", "SegmentHits", "wants_blend"]
+__all__ = ["BLEND_COUNTERS", "BlendedSlots", "SGLangBlender", "SegmentHits"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,27 +58,6 @@ BLEND_COUNTERS = ("blend_requests", "blend_segments_hit", "blend_tokens_loaded",
                   "blend_tokens_recomputed", *WORKER_COUNTERS, "blend_segments_capped",
                   "blend_failures", "blend_fallbacks_slower", "blend_probes")
 MAX_REQUESTS = 4096  # requests whose segments are remembered from match to finish
-REQUEST_SWITCH = "kvtier_blend"  # sampling_params.custom_params key: false opts a request out
-
-
-def wants_blend(req: ReqView) -> bool:
-    """Whether `req` may blend: blending is on unless its `custom_params` say
-    `{"kvtier_blend": false}`."""
-    params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
-    return not (isinstance(params, dict) and params.get(REQUEST_SWITCH) is False)
-
-
-class SegmentHits(NamedTuple):
-    """A prompt's segments past its device prefix, up to `end` (the tokens a blend computes):
-    those the CPU tier holds (`held`, `cached` tokens of them, `chains` their key chains) and
-    those it lacks."""
-
-    end: int
-    held: tuple[Segment, ...]
-    missed: tuple[Segment, ...]
-    cached: int
-    chains: tuple[KeyChain, ...] = ()
-
 
 class BlendedSlots:
     """Which pool slots hold blended KV. A mark is set when a blend writes a slot and cleared
@@ -116,12 +96,15 @@ class SGLangBlender:
         pool: the KV pool's per-layer K and V buffers (`[slots, kv_heads, head_dim]`).
         page_size: SGLang's page size (a blend ends on a page boundary).
         counters: where `BLEND_COUNTERS` are counted (the adapter's).
+        prefill_s: `(tokens, prompt_len) -> seconds` SGLang is expected to take to prefill
+            them (`CacheEngine.prefill.recompute_s`); None: a blend is always worth it.
     """
 
     def __init__(self, weights: LlamaWeights, store: SegmentStore, section: BlendSection,
                  separator: Sequence[int], pool: tuple[Sequence[torch.Tensor],
                                                        Sequence[torch.Tensor]],
-                 page_size: int, counters: Counters):
+                 page_size: int, counters: Counters,
+                 prefill_s: Callable[[int, int], float] | None = None):
         last = max(section.check_layers)
         if last >= weights.num_layers:
             raise ConfigError(f"blend_check_layers: {list(section.check_layers)} reaches past "
@@ -139,17 +122,24 @@ class SGLangBlender:
                                     self.chains.max_segments, counters)
         self._hits: dict[str, SegmentHits] = {}  # request id -> its segments at its match
         self.planner = BlendPlanner(section.max_prefill_ratio)
+        self._prefill_s = prefill_s
         self._choices: dict[str, Choice] = {}  # request id -> blend or compute, made once
+        self.jobs = BlendJobs(self._compute, counters)  # blends off the scheduler thread
+        self._waiting: dict[str, tuple[np.ndarray, str]] = {}  # request id -> its job's input
+        self._declined: dict[str, None] = {}  # requests that may not blend (`decline`)
         self._prefetches: dict[str, list[Prefetch]] = {}  # request id -> its segment loads
         self._hinted = False  # the preamble hint (`_hint_preamble`) was logged
 
     # ---- admission (scheduler thread) ----
 
-    def look(self, rid: str, tokens: np.ndarray, device_len: int, salt: str) -> SegmentHits:
+    def look(self, rid: str, tokens: np.ndarray, device_len: int, salt: str,
+             prompt_len: int | None = None) -> SegmentHits:
         """`tokens`' segments past `device_len` and what the CPU tier holds of them
-        (remembered for request `rid`'s `finished`). The segments and their keys are found
-        once per request (`chains`); the CPU tier is asked at every call."""
-        n = len(tokens) - 1  # SGLang computes the last prompt token itself
+        (remembered for request `rid`'s `finished`), for a prompt of `prompt_len` tokens
+        (default: `tokens` are all of it). The segments and their keys are found once per
+        request (`chains`); the CPU tier is asked at every call."""
+        # SGLang computes the last prompt token itself
+        n = (len(tokens) if prompt_len is None else prompt_len) - 1
         end = n - n % self.page_size
         held: list[Segment] = []
         chains: list[KeyChain] = []
@@ -177,16 +167,17 @@ class SGLangBlender:
         self._hits[rid] = hits
         return hits
 
-    def worth(self, rid: str, hits: SegmentHits, device_len: int,
-              prefill_s: Callable[[int, int], float]) -> bool:
+    def worth(self, rid: str, hits: SegmentHits, device_len: int) -> bool:
         """Whether request `rid` should blend `hits` rather than have SGLang compute tokens
-        `[device_len, hits.end)` (`prefill_s(tokens, prompt_len)`: the engine's measured
-        estimate): decided at its first match and kept (SGLang may match it again); a
-        fallback is counted once, and logged."""
+        `[device_len, hits.end)`: decided once (at its blend job's start, or its first match)
+        and kept, as SGLang matches a waiting request again; a fallback is counted once, and
+        logged."""
         choice = self._choices.get(rid)
         if choice is None:
             tokens = hits.end - device_len
-            choice = self.planner.choose(tokens, prefill_s(tokens, hits.end))
+            prefill_s = math.inf if self._prefill_s is None else \
+                self._prefill_s(tokens, hits.end)
+            choice = self.planner.choose(tokens, prefill_s)
             if len(self._choices) >= MAX_REQUESTS:
                 self._choices.clear()  # requests that never came back
             self._choices[rid] = choice
@@ -217,41 +208,65 @@ class SGLangBlender:
                        "\"Turning it on\")", rid, first.num_tokens, len(hits.held),
                        self.section.separator)
 
+    def decline(self, rid: str) -> None:
+        """Request `rid` may not blend (opted out), as its match found: its prefetch loads
+        no segment and starts no blend (SGLang's prefetch hook sees no request's options)."""
+        if len(self._declined) >= MAX_REQUESTS:
+            self._declined.clear()  # requests that never came back
+        self._declined[rid] = None
+        self._waiting.pop(rid, None)
+        self.jobs.drop(rid)
+
     def prefetch(self, rid: str, tokens: np.ndarray, salt: str) -> None:
         """Request `rid` joined the waiting queue: start loading its segments that only disk
-        or Redis hold into the CPU tier, where its match looks for them."""
+        or Redis hold into the CPU tier, where its match looks for them, and once they are
+        in, its blend (`prefetch_ready`)."""
+        if rid in self._declined:
+            return
         loads = [load for chain in self.chains.of(rid, tokens, salt).chains
                  if (load := self.store.start_prefetch(chain))]
+        if len(self._waiting) >= MAX_REQUESTS:
+            self._waiting.clear()  # requests that never came back
+        self._waiting[rid] = (tokens, salt)  # its blend starts once its loads are in
         if loads:
             if len(self._prefetches) >= MAX_REQUESTS:
                 self._prefetches.clear()  # requests that never came back
             self._prefetches[rid] = loads
 
     def prefetch_ready(self, rid: str) -> bool:
-        """Whether request `rid`'s segment loads let it be admitted (per `prefetch_policy`);
-        once they do, they stop (what arrived stays in the CPU tier)."""
+        """Whether request `rid` may be admitted: its segment loads are done (per
+        `prefetch_policy`; they stop then, what arrived stays in the CPU tier), and its blend,
+        started then if it is worth it, has been computed (`blend_jobs`)."""
         loads = self._prefetches.get(rid)
-        if loads is None:
-            return True
-        if not all(load.ready() for load in loads):
-            return False
-        for load in self._prefetches.pop(rid):
-            load.cancel()
-        return True
+        if loads is not None:
+            if not all(load.ready() for load in loads):
+                return False
+            for load in self._prefetches.pop(rid):
+                load.cancel()
+        waiting = self._waiting.pop(rid, None)
+        if waiting is not None:
+            tokens, salt = waiting
+            # The device prefix is known at admission; the prefetch hook saw the prompt less
+            # its last token (SGLang's longest prefix), the match sees all of it.
+            hits = self.look(rid, tokens, 0, salt, prompt_len=len(tokens) + 1)
+            if hits.held and self.worth(rid, hits, 0):
+                self.jobs.start(rid, tokens, hits, salt)
+        return not self.jobs.running(rid, POLL_WAIT_S)
 
     def cancel_prefetch(self, rid: str) -> None:
-        """Request `rid` went away before admission: stop its segment loads."""
+        """Request `rid` went away before admission: stop its segment loads and its blend."""
         for load in self._prefetches.pop(rid, []):
             load.cancel(drop=True)
+        self._waiting.pop(rid, None)
+        self.jobs.drop(rid)
 
     def finished(self, rid: str, tokens: np.ndarray, salt: str, aborted: bool,
                  verified: bool = False) -> None:
         """Request `rid` (prompt `tokens`) finished: queue the segments it missed for a
         standalone prefill and, when verification sampled it (`verified`), the records of its
         segments for a comparison with them computed alone (`SegmentWorker`)."""
-        hits = self._hits.pop(rid, None)
-        self._choices.pop(rid, None)
-        self.chains.forget(rid)
+        hits = self._hits.get(rid)
+        self.forget(rid)
         if aborted:
             return
         if hits is not None and hits.missed:
@@ -262,86 +277,89 @@ class SGLangBlender:
     def forget(self, rid: str | None = None) -> None:
         """Drop what was remembered of request `rid` (of every request when None)."""
         self.chains.forget(rid)
+        for remembered in (self._hits, self._choices, self._declined):
+            if rid is None:
+                remembered.clear()
+            else:
+                remembered.pop(rid, None)
         if rid is None:
-            self._hits.clear()
-            self._choices.clear()
+            self.jobs.clear()
         else:
-            self._hits.pop(rid, None)
-            self._choices.pop(rid, None)
+            self.jobs.drop(rid)
 
     @torch.inference_mode()
     def fill(self, rid: str, tokens: np.ndarray, hits: SegmentHits, device_len: int,
              prefix_slots: torch.Tensor, slots: torch.Tensor, salt: str) -> int | None:
-        """Compute tokens `[device_len, hits.end)` blended and write them into `slots`.
+        """Write tokens `[device_len, hits.end)` blended into `slots`: the request's blend
+        computed off this thread (`blend_jobs`) if there is one, else computed here.
 
         Returns:
             How many of them kept their cached KV past the check layers (loaded and not
             recomputed: what SGLang may count as `cached_tokens`; every other one was
             computed), or None (nothing written) when no held segment could be read any more.
         """
-        start = time.perf_counter()
-        w, end = self.w, hits.end
-        dev = w.embed.device
-        ids = torch.from_numpy(np.ascontiguousarray(tokens[:end])).to(dev)
-        known = assemble(self.store, w.rope, tokens[:end].tolist(), hits.held,
-                         num_layers=w.num_layers, num_kv_heads=w.num_kv_heads,
-                         head_dim=w.head_dim, dtype=w.embed.dtype, device=dev, salt=salt,
-                         chains=hits.chains or None)
-        if not known.segments_hit:
+        done, where = self.jobs.take(rid, hits.end), "off the scheduler thread"
+        if done is None:
+            prefix = (device_len, prefix_slots) if device_len else None
+            done, where = self._compute(tokens, hits, salt, prefix), "on the scheduler thread"
+        if done is None:
             self.counters.inc("sglang.blend_failures")
             return None
-        cached = known.cached.clone()
-        if device_len:
-            rows = prefix_slots.to(dev, torch.int64)
-            for layer in range(w.num_layers):
-                known.kv[0, layer, :device_len] = self.pool_k[layer][rows].view(device_len, -1)
-                known.kv[1, layer, :device_len] = self._v[layer][rows].view(device_len, -1)
-            cached[:device_len] = True
-        loaded_at = time.perf_counter()
-        with _compute_threads(dev) as threads:
-            out = blend(w, ids, known.kv, cached, self.plan, must=known.must, logits=False)
-        dst = slots.to(dev, torch.int64)
+        w, end = self.w, hits.end
+        dst = slots.to(self.pool_k[0].device, torch.int64)
         shape = (end - device_len, w.num_kv_heads, w.head_dim)
         for layer in range(w.num_layers):
-            self.pool_k[layer][dst] = out.kv[0, layer, device_len:].reshape(shape)
-            self._v[layer][dst] = out.kv[1, layer, device_len:].reshape(shape)
-        if dev.type == "cuda":  # SGLang's forward reads the slots on a stream of its own
-            torch.cuda.current_stream(dev).synchronize()
-        loaded, recomputed, kept = self._account(known, out.computed, device_len)
-        self.planner.observe(end - device_len, time.perf_counter() - start)
+            self.pool_k[layer][dst] = done.kv[0, layer, device_len:end].reshape(shape)
+            self._v[layer][dst] = done.kv[1, layer, device_len:end].reshape(shape)
+        if dst.device.type == "cuda":  # SGLang's forward reads the slots on a stream of its own
+            torch.cuda.current_stream(dst.device).synchronize()
+        loaded, recomputed, kept = self._account(done, device_len)
         logger.info("kvtier: blended %s: %d tokens from %d segments at new positions, %d of them "
                     "recomputed from layer %d, %d computed (device prefix %d); cached_tokens "
                     "%d (the device prefix and the %d kept from the cache); read %.2fs, "
-                    "computed %.2fs (%d threads)", rid, loaded, known.segments_hit,
+                    "computed %.2fs (%d threads, %s)", rid, loaded, done.segments_hit,
                     recomputed, self.plan.check_layers[0], end - device_len - loaded,
-                    device_len, device_len + kept, kept, loaded_at - start,
-                    time.perf_counter() - loaded_at, threads)
+                    device_len, device_len + kept, kept, done.read_s, done.compute_s,
+                    done.threads, where)
         return kept
 
-    def _account(self, known: Assembled, computed: torch.Tensor,
-                 device_len: int) -> tuple[int, int, int]:
+    def _compute(self, tokens: np.ndarray, hits: SegmentHits, salt: str,
+                 prefix: tuple[int, torch.Tensor] | None = None) -> Computed | None:
+        """`blend_jobs.compute` over this blender's model, segments and pool, timed for the
+        planner. Thread-safe: a blend job runs it."""
+        start = time.perf_counter()
+        done = compute(self.w, self.store, self.plan, (self.pool_k, self._v), tokens, hits,
+                       salt, prefix)
+        if done is not None:
+            self.planner.observe(hits.end - (prefix[0] if prefix else 0),
+                                 time.perf_counter() - start)
+        return done
+
+    def _account(self, done: Computed, device_len: int) -> tuple[int, int, int]:
         """Count a blend (`BLEND_COUNTERS`). Returns the tokens past `device_len` it loaded,
         those of them recomputed (the share), and those that kept their cached KV (loaded,
         and not computed in the last layer: neither the share nor a segment's first token)."""
-        new = torch.zeros_like(known.cached)
+        new = torch.zeros_like(done.cached)
         new[device_len:] = True  # what the pool held stays; count what the blend wrote
-        loaded = int((known.cached & new).sum())
-        recomputed = int((known.cached & new & ~known.must)[computed].sum())
+        loaded = int((done.cached & new).sum())
+        recomputed = int((done.cached & new & ~done.must)[done.computed].sum())
         last = torch.zeros_like(new)
-        last[computed] = True
-        kept = int((known.cached & new & ~last).sum())
+        last[done.computed] = True
+        kept = int((done.cached & new & ~last).sum())
         self.counters.inc("sglang.blend_requests")
-        self.counters.inc("sglang.blend_segments_hit", known.segments_hit)
+        self.counters.inc("sglang.blend_segments_hit", done.segments_hit)
         self.counters.inc("sglang.blend_tokens_loaded", loaded)
         self.counters.inc("sglang.blend_tokens_recomputed", recomputed)
         return loaded, recomputed, kept
 
     def close(self) -> None:
+        self.jobs.close()
         self.worker.close()
 
     @classmethod
     def from_scheduler(cls, scheduler: Opaque, store: SegmentStore, section: BlendSection,
-                       page_size: int, counters: Counters) -> SGLangBlender:
+                       page_size: int, counters: Counters,
+                       prefill_s: Callable[[int, int], float] | None = None) -> SGLangBlender:
         """The blender over `scheduler`'s served model; `ConfigError` naming why this server
         cannot blend."""
         args = scheduler.server_args
@@ -361,21 +379,4 @@ class SGLangBlender:
             raise ConfigError("enable_blending: the server has no tokenizer to find "
                               "blend_special_str with (--skip-tokenizer-init)")
         separator = separator_ids(scheduler.tokenizer, section.separator)
-        return cls(weights, store, section, separator, (k, v), page_size, counters)
-
-
-@contextlib.contextmanager
-def _compute_threads(device: torch.device) -> Iterator[int]:
-    """On a CPU, every core this process may use for the blend's forward: SGLang's scheduler
-    thread runs with one (its forward passes run on another thread), which made a blend take
-    three times as long as the same forward offline."""
-    before = torch.get_num_threads()
-    if device.type != "cpu":
-        yield before
-        return
-    threads = max(before, len(os.sched_getaffinity(0)))
-    torch.set_num_threads(threads)
-    try:
-        yield threads
-    finally:
-        torch.set_num_threads(before)
+        return cls(weights, store, section, separator, (k, v), page_size, counters, prefill_s)

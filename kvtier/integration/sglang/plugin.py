@@ -235,7 +235,7 @@ def _enable_blending(scheduler: SchedulerView, kvtier: SGLangKVTier) -> None:
         raise ConfigError(f"enable_blending: {exc} (MLA models have no keys to re-rotate); "
                           "drop enable_blending for this model") from None
     blender = SGLangBlender.from_scheduler(scheduler, store, config.blend, kvtier.page_size,
-                                           kvtier.counters)
+                                           kvtier.counters, kvtier.engine.prefill.recompute_s)
     cache = cast("KVTierRadixCache", scheduler.tree_cache)
     pool = blender.pool_k[0]
     cache.attach_blender(blender, pool.shape[0], pool.device)

@@ -15,7 +15,7 @@ import numpy as np
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from kvtier.integration.sglang.adapter import SGLangKVTier
-from kvtier.integration.sglang.blending import SGLangBlender, wants_blend
+from kvtier.integration.sglang.blending import SGLangBlender
 from kvtier.integration.sglang.requests import multimodal, salt_of, token_array
 from kvtier.integration.sglang.sglang_views import Opaque, ReqView, TreeCoreView
 
@@ -57,8 +57,9 @@ class StoragePrefetchHooks(UnifiedRadixCache):
             tokens = np.concatenate([token_array(matched_prefix_tokens or []),
                                      token_array(new_input_tokens)])
             kv.start_prefetch(request.rid, tokens, salt_of(cache_salt))
-            if self.blender is not None and wants_blend(request) \
-                    and not kv.engine.verifies(request.rid):
+            # `request` is SGLang's handle (no options): an opted-out request was declined
+            # at its match, which SGLang runs before this hook
+            if self.blender is not None and not kv.engine.verifies(request.rid):
                 self.blender.prefetch(request.rid, tokens, salt_of(cache_salt))
 
     def check_prefetch_progress(self, request: ReqView) -> bool:

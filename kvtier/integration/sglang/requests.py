@@ -1,5 +1,5 @@
 """What kvtier reads of an SGLang request: its token ids (copies, never views), its salt,
-whether it carries multimodal inputs, whether it was aborted."""
+whether it carries multimodal inputs, whether it was aborted, whether it may blend."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import numpy as np
 
 from kvtier.integration.sglang.sglang_views import RadixKeyView, ReqView
 
-__all__ = ["aborted", "full_ids", "multimodal", "salt_of", "token_array"]
+__all__ = ["aborted", "full_ids", "multimodal", "salt_of", "token_array", "wants_blend"]
+
+REQUEST_SWITCH = "kvtier_blend"  # sampling_params.custom_params key: false opts a request out
 
 
 def token_array(ids: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -49,3 +51,10 @@ def aborted(req: ReqView) -> bool:
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
     return isinstance(req.finished_reason, FINISH_ABORT)
+
+
+def wants_blend(req: ReqView) -> bool:
+    """Whether `req` may blend: blending is on unless its `custom_params` say
+    `{"kvtier_blend": false}`."""
+    params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+    return not (isinstance(params, dict) and params.get(REQUEST_SWITCH) is False)

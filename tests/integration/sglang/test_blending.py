@@ -19,7 +19,8 @@ from kvtier.demo import texts
 from kvtier.errors import ConfigError
 from kvtier.integration.sglang.adapter import build_connector
 from kvtier.integration.sglang.blend_model import separator_ids
-from kvtier.integration.sglang.blending import BlendedSlots, wants_blend
+from kvtier.integration.sglang.blending import BlendedSlots
+from kvtier.integration.sglang.requests import wants_blend
 from tests.integration.sglang.test_sglang_pools import make_allocator, make_pool
 
 pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("sglang_parallel_context")]

@@ -198,6 +198,9 @@ def test_a_reordered_rag_prompt_with_a_preamble_reuses_every_document(
     # the counter reaches the exporter at its next sync (a fresh-clone CI run read 0 before it)
     assert line["segments"] == 3 and _metric(server, "blend_segments_hit", at_least=3) == 3, line
     assert line["device"] == 0, line
+    # computed while the request waited, off the scheduler thread (issue 75)
+    assert re.findall(r"kvtier: blended \S+: .*\)$", server.log(), re.M)[-1].endswith(
+        "off the scheduler thread)")
     assert line["loaded"] > 3 * 200 and line["computed"] < line["loaded"] / 4, line
     kept = line["loaded"] - line["recomputed"] - line["segments"]  # first tokens: computed
     assert 0 < kept < line["loaded"]
