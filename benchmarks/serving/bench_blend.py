@@ -222,7 +222,8 @@ def _table(s: dict[str, Any]) -> None:
     print(f"{'blend':8s} {s['ttft_ratio']:>15.3f}, {s['ttft_ratio_p99']:.3f} "
           f"{s['kl_blend']:>11.4f} {s['agree_blend']:>7.2f} {s['correct_blend']:>8.2f}")
     if s["engine"] == "sglang":
-        print(f"{s['blended']} of {len(s['rows'])} queries blended; no naive arm on a server")
+        print(f"{s['blended']} of {len(s['rows'])} queries blended ({s['fallbacks']} computed: "
+              "the blend would have lost); no naive arm on a server")
         return
     print(f"{'naive':8s} {s['ttft_ratio_naive']:>24.3f} {s['kl_naive']:>11.4f} "
           f"{s['agree_naive']:>7.2f} {s['correct_naive']:>8.2f}")

@@ -103,6 +103,11 @@ def _warm(server: SGLangServer, docs: list[list[int]], sep: list[int], system: l
         time.sleep(1.0)
 
 
+def _fallbacks(server: SGLangServer) -> int:
+    """Requests the server computed because a blend would have lost (blending's planner)."""
+    return server.log().count("computed, not blended: a blend of")
+
+
 def run_sglang(args: argparse.Namespace, model: Path, docs: list[list[int]],
                queries: list[list[int]], sep: list[int], system: list[int], ask: list[int],
                work: Path, separator: str) -> dict[str, Any]:
@@ -114,6 +119,7 @@ def run_sglang(args: argparse.Namespace, model: Path, docs: list[list[int]],
         _warm(server, docs, sep, system, ask)
         for q, ids in enumerate(queries):
             row: dict[str, Any] = {"tokens": len(ids)}
+            blends, fallbacks = len(BLENDED.findall(server.log())), _fallbacks(server)
             for arm in ("full", "blend"):
                 server.flush_cache()
                 salt = f"full-{q}" if arm == "full" else None
@@ -122,7 +128,7 @@ def run_sglang(args: argparse.Namespace, model: Path, docs: list[list[int]],
                                    salt=salt)
                 row[arm] = Answer.from_response(out)
                 row[f"{arm}_tops"] = out["meta_info"]["output_top_logprobs"]
-            found = BLENDED.findall(server.log())
+            found = BLENDED.findall(server.log())[blends:]  # this query's blend, if it ran
             agreement = compare(row["full"], row["blend"])
             rows.append({"tokens": row["tokens"], "full_s": row["full_s"],
                          "blend_s": row["blend_s"],
@@ -132,11 +138,13 @@ def run_sglang(args: argparse.Namespace, model: Path, docs: list[list[int]],
                          "identical_blend": agreement.identical,
                          "full_answer": row["full"].text, "blend_answer": row["blend"].text,
                          "blend_loaded": int(found[-1][0]) if found else 0,
-                         "blend_recomputed": int(found[-1][2]) if found else 0})
+                         "blend_recomputed": int(found[-1][2]) if found else 0,
+                         "fallback": _fallbacks(server) > fallbacks})
             r = rows[-1]
             print(f"query {q}: {r['tokens']} tokens, full {r['full_s']:.2f}s, blend "
                   f"{r['blend_s']:.2f}s ({r['blend_loaded']} loaded, {r['blend_recomputed']} "
-                  f"recomputed) kl {r['kl_blend']:.4f} identical {r['identical_blend']}",
+                  f"recomputed{', fell back' if r['fallback'] else ''}) kl "
+                  f"{r['kl_blend']:.4f} identical {r['identical_blend']}",
                   flush=True)
     finally:
         server.stop()
@@ -145,5 +153,6 @@ def run_sglang(args: argparse.Namespace, model: Path, docs: list[list[int]],
         "engine": "sglang", "model": "SmolLM2-135M-Instruct float32", "args": vars(args),
         "ttft_ratio": statistics.median(ratio), "ttft_ratio_p99": p99(ratio),
         "kl_blend": statistics.fmean(r["kl_blend"] for r in rows),
-        "blended": sum(r["blend_loaded"] > 0 for r in rows), "rows": rows,
+        "blended": sum(r["blend_loaded"] > 0 for r in rows),
+        "fallbacks": sum(r["fallback"] for r in rows), "rows": rows,
     }
