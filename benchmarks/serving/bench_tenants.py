@@ -42,6 +42,7 @@ import yaml
 from benchmarks.common import SGLANG, require, work_dir, write_results
 from benchmarks.serving.adaptive_report import kv_bytes_per_token, p99
 from benchmarks.serving.bench_adaptive import _prompt, scrape_metrics
+from kvtier.config import Config
 from kvtier.demo.models import cached_llama
 from kvtier.demo.runner import SMALL_MODEL
 from kvtier.demo.server import CPU_FLAGS, SGLangServer, cpu_shims_dir, free_port, gpu_available
@@ -67,6 +68,10 @@ class Options:
     # At 12 they do not fit beside its 6: a tenant at its share is not over it, so room for
     # its next prompt comes from the policy's first leaf of anyone (0.611x, benchmarks/LOG.md).
     tier_prompts: int = 20
+    # Written into every case's config, so all four run the same policies even if kvtier's
+    # defaults change between two server starts ("": the defaults when the benchmark starts).
+    eviction_policy: str = ""
+    admission_policy: str = ""
     threads: int = 0
     work_dir: Path | None = None
 
@@ -96,13 +101,16 @@ class Bench:
         self.spec = SMALL_MODEL
         self.model, _ = cached_llama(self.spec)
         self.results = Results()
+        defaults = Config()
+        self.policies = {"eviction_policy": opts.eviction_policy or defaults.eviction_policy,
+                         "admission_policy": opts.admission_policy or defaults.admission_policy}
 
     def config(self, name: str, fraction: float, metrics_port: int) -> Path:
         kv = kv_bytes_per_token(self.spec)
         arena = self.opts.tier_prompts * self.opts.prompt_len * kv / 1e9
         cfg = {"chunk_size": self.opts.chunk_size, "max_local_cpu_size": round(arena, 6),
                "tenant_max_fraction": fraction, "metrics_port": metrics_port,
-               "prefetch_policy": "wait_complete"}
+               "prefetch_policy": "wait_complete", **self.policies}
         path = self.work / f"{name}.yaml"
         path.write_text(yaml.safe_dump(cfg))
         return path
@@ -207,7 +215,9 @@ def report(opts: Options, bench: Bench) -> dict[str, Any]:
     rows = summarize(bench.results)
     print(f"\nQuiet tenants' kvtier hits ({len(QUIET)} tenants x {opts.quiet_prompts} prompts "
           f"of {opts.prompt_len} tokens, {opts.rounds} rounds; the noisy tenant {opts.noise} "
-          f"new prompts after each quiet request; CPU tier of {opts.tier_prompts} prompts)")
+          f"new prompts after each quiet request; CPU tier of {opts.tier_prompts} prompts; "
+          f"{bench.policies['eviction_policy']} eviction, {bench.policies['admission_policy']} "
+          "admission)")
     print("| case | tenant_max_fraction | quiet requests | mean hit | median hit | p99 hit "
           "| min hit | / alone | median TTFT ms | p99 TTFT ms | evictions | share evictions |\n"
           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -223,7 +233,8 @@ def report(opts: Options, bench: Bench) -> dict[str, Any]:
           f"{'-' if held is None else 'held' if held else 'NOT HELD'}")
     return {"options": {k: (str(v) if isinstance(v, Path) else v)
                         for k, v in vars(opts).items()},
-            "model": dataclasses.asdict(bench.spec), "summary": rows, "must_hold": held,
+            "model": dataclasses.asdict(bench.spec), "policies": bench.policies,
+            "summary": rows, "must_hold": held,
             "requests": [dataclasses.asdict(r) for r in bench.results.requests],
             "metrics": bench.results.metrics}
 
@@ -243,6 +254,10 @@ def parse_args(argv: list[str] | None = None) -> Options:
     p.add_argument("--chunk-size", type=int, default=d.chunk_size)
     p.add_argument("--tier-prompts", type=int, default=d.tier_prompts,
                    help="the CPU tier's size, in prompts")
+    p.add_argument("--eviction-policy", default=d.eviction_policy,
+                   help="every case's eviction_policy (default: kvtier's default)")
+    p.add_argument("--admission-policy", default=d.admission_policy,
+                   help="every case's admission_policy (default: kvtier's default)")
     p.add_argument("--threads", type=int, default=d.threads)
     p.add_argument("--work-dir", type=Path, default=None,
                    help="keep configs and logs here (default: a temp dir, removed)")
