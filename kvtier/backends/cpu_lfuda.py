@@ -55,7 +55,9 @@ class FrequencyLeaves:
         self._ghost: OrderedDict[str, int] = OrderedDict()  # evicted chunk -> uses
         self._ghost_cap = max(0, ghost_cap)
         self._heap: list[tuple[float, int, str]] = []  # stale entries skipped, compacted
-        self._live: dict[str, tuple[float, int]] = {}  # leaf -> its heap entry's (prio, seq)
+        # Leaf -> its live heap entry, the same object: an entry is live iff `is` it (a cheaper
+        # test than comparing tuples, on every eviction).
+        self._live: dict[str, tuple[float, int, str]] = {}
         self._seq = 0
 
     def __contains__(self, name: object) -> bool:
@@ -66,14 +68,14 @@ class FrequencyLeaves:
 
     def __iter__(self) -> Iterator[str]:
         heap, live = self._heap, self._live
-        while heap and live.get(heap[0][2]) != heap[0][:2]:
+        while heap and live.get(heap[0][2]) is not heap[0]:
             heapq.heappop(heap)
         if not heap:
             return
         yield heap[0][2]
         # The caller went on (the first leaf was in use, or a tenant share walk): the rest in
         # order, sorted once; rare, so the heap's top stays the common path's only cost.
-        rest = sorted(e for e in heap if live.get(e[2]) == e[:2])
+        rest = sorted(e for e in heap if live.get(e[2]) is e)
         for entry in rest[1:]:
             yield entry[2]
 
@@ -99,6 +101,13 @@ class FrequencyLeaves:
             self._counts[name] = count
             self._prio[name] = self.age + count
         return count
+
+    def stored(self, keys: Sequence[ChunkKey]) -> None:
+        """`keys` were stored: each counted (`counted`), in one call."""
+        counts = self._counts
+        for k in keys:
+            if k.key not in counts:
+                self.counted(k.key)
 
     def served(self, keys: Sequence[ChunkKey]) -> None:
         """A request was served `keys` (held): one use each, leaves requeued deepest first."""
@@ -136,12 +145,12 @@ class FrequencyLeaves:
 
     def _push(self, name: str, prio: float) -> None:
         self._seq += 1
-        entry = (prio, self._seq)
+        entry = (prio, self._seq, name)
         self._live[name] = entry
-        heapq.heappush(self._heap, (*entry, name))
+        heapq.heappush(self._heap, entry)
         if len(self._heap) > 2 * len(self._live) + 1024:  # stale entries: drop them now and then
             live = self._live
-            self._heap = [e for e in self._heap if live.get(e[2]) == e[:2]]
+            self._heap = [e for e in self._heap if live.get(e[2]) is e]
             heapq.heapify(self._heap)
 
 
@@ -157,9 +166,7 @@ class LFUDABackend(CPUBackend):
 
     def _on_put(self, keys: Sequence[ChunkKey]) -> None:
         # Leaves were counted as they were queued; the chunks stored under a child are now.
-        freq = self._freq
-        for k in keys:
-            freq.counted(k.key)
+        self._freq.stored(keys)
 
     def _on_hit(self, keys: Sequence[ChunkKey]) -> None:
         self._freq.served(keys)
