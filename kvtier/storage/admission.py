@@ -13,9 +13,10 @@ room every chunk is stored, so a cache that is not full behaves as `always`.
 how many offered prefixes start with a chunk the tier evicted lately. A tier too small for the
 traffic's reuse distances (it evicts what comes back) refuses first-seen prefixes, so what it
 holds stays long enough to be hit; a tier large enough stores everything, so a refused first
-turn never costs a conversation's second. Mooncake's traces (docs/policies.md): the share of
-prefixes that return after an eviction is 0.27-0.33 at 1M and 3M tokens and 0.02-0.17 at
-0.1M and 10M, hence refusing above 0.25 and storing again below 0.15.
+turn never costs a conversation's second. Mooncake's traces (docs/policies.md; a model of the
+tier under lfuda, every prefix stored): the share of stored prefixes that return after an
+eviction is 0.27-0.33 at 1M and 3M tokens and 0.02-0.17 at 0.1M and 10M, hence refusing
+above 0.25 and storing again below 0.15.
 
 Admission is a prefix decision: it returns how many leading chunks to store, never a hole.
 """
