@@ -23,5 +23,6 @@
                         quality on a real model (entry point; kvtier's own forward or SGLang)
     blend_sglang.py     bench_blend's `--engine sglang`: one server with enable_blending
     blend_plain.py      bench_blend's `--plain`: prompts without segments, blending on vs off
+    blend_stall.py      bench_blend's `--stall`: a running stream's gaps beside a blended admission
     blend_workload.py   bench_blend's documents (a depot each) and questions (who manages one)
 """

@@ -33,6 +33,8 @@ median), `kl_blend`, `kl_naive` (means over queries), `agree_blend`, `identical_
 
 Needs the SGLang CPU environment (`make sglang-env`: the model package, and SGLang for `--engine
 sglang`); without it, one error line says so. The model is converted on the first run (40 s).
+`--engine sglang --stall`: each query beside a running stream (blend_stall.py): the stream's
+worst gap over its median, full against blend.
 """
 
 from __future__ import annotations
@@ -149,6 +151,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 joiner = tok.encode("\n", add_special_tokens=False)
                 return run_plain(args, model_dir, plain_prompts(queries, sep, joiner), work,
                                  SEPARATOR)
+            if args.stall:
+                from benchmarks.serving.blend_stall import run_stall
+
+                return run_stall(args, model_dir, docs, queries, sep, system, ask, work,
+                                 SEPARATOR)
             return _answers(run_sglang(args, model_dir, docs, queries, sep, system, ask, work,
                                        SEPARATOR), asked, None)
     w = load_llama(model_dir)
@@ -215,6 +222,16 @@ def _table(s: dict[str, Any]) -> None:
         from benchmarks.serving.blend_plain import table
 
         return table(s)
+    if s.get("stall"):
+        print(f"\nstream beside the query: worst gap / median gap (median, p99 over "
+              f"{len(s['rows'])} queries)")
+        for arm in ("full", "blend"):
+            print(f"{arm:8s} {s[f'worst_over_median_{arm}']:>8.1f}x "
+                  f"{s[f'worst_over_median_{arm}_p99']:>8.1f}x")
+        print(f"query TTFT blend/full: median {s['ttft_ratio']:.3f}, p99 "
+              f"{s['ttft_ratio_p99']:.3f}; {s['fallbacks']} requests computed (the blend would "
+              "have lost)")
+        return
     print(f"\nengine {s['engine']}")
     print(f"{'':8s} {'TTFT/full (median, p99)':>24s} {'KL vs full':>11s} {'agree':>7s} "
           f"{'correct':>8s}")
@@ -256,6 +273,11 @@ def main() -> None:
                     help="with --plain: both servers without blending (the spread of equals)")
     ap.add_argument("--on-first", action="store_true",
                     help="with --plain: start the blending server first")
+    ap.add_argument("--stall", action="store_true",
+                    help="with --engine sglang: each query sent beside a running stream; the "
+                         "stream's worst gap against its median (blend_stall.py)")
+    ap.add_argument("--stream-tokens", type=int, default=600,
+                    help="with --stall: the stream's length (it must outlast a query)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--work-dir", type=Path, default=None,
                     help="keep the sglang engine's config and server log here")
