@@ -9,15 +9,15 @@ with, in this order, each on fresh servers and a flushed Redis:
 
     round_robin      SMG round_robin over gRPC workers: the baseline
     cache_aware/tree SMG cache_aware over HTTP workers: its approximate tree, no KV events
+    cache_aware/device  SMG cache_aware over gRPC workers publishing SGLang's device events
+                     only (`tier_events: false`): routing without kvtier's tiers
     cache_aware/events  SMG cache_aware over gRPC workers publishing KV events: the device's
                      and kvtier's tiers (CPU_PINNED, EXTERNAL), relayed by smg-grpc-servicer
 
 Reported per run: mean and p99 TTFT (streamed, as the client sees it) and the share of prompt
 tokens each source served (the device cache; kvtier's CPU tier and Redis, from the servers'
 `hit_chunks` counters, scaled to the tokens kvtier loaded; the rest computed), each also as a
-ratio to round_robin's in the same run. A device-events-only arm (SMG reading SGLang's events
-without kvtier's) is not run: kvtier has no switch that keeps SGLang's publisher and leaves its
-own tier events out.
+ratio to round_robin's in the same run.
 
     .venv/bin/python -m benchmarks.fleet.bench_tier_routing            # ~10 min on 2 cores
 
@@ -48,8 +48,11 @@ from harness.redis import RedisProcess
 from kvtier.demo.models import LlamaSpec, make_llama
 from kvtier.demo.server import CPU_FLAGS, SGLangServer, cpu_shims_dir, free_port
 
-ARMS = (("round_robin", "round_robin", True), ("cache_aware/tree", "cache_aware", False),
-        ("cache_aware/events", "cache_aware", True))  # (name, policy, gRPC workers)
+# (name, SMG policy, gRPC workers, kvtier's tier events)
+ARMS = (("round_robin", "round_robin", True, True),
+        ("cache_aware/tree", "cache_aware", False, True),
+        ("cache_aware/device", "cache_aware", True, False),
+        ("cache_aware/events", "cache_aware", True, True))
 
 
 @dataclasses.dataclass
@@ -129,14 +132,14 @@ def drive(url: str, model: Path, opts: Options) -> list[dict[str, Any]]:
 
 
 def start_servers(opts: Options, work: Path, model: Path, redis: RedisProcess, tag: str,
-                  grpc: bool) -> tuple[list[SGLangServer], list[int]]:
+                  grpc: bool, tier_events: bool = True) -> tuple[list[SGLangServer], list[int]]:
     servers, ports = [], []
     for i in range(opts.servers):
         ports.append(free_port())
         config = work / f"{tag}-{i}.yaml"
         config.write_text(yaml.safe_dump({
             "chunk_size": opts.chunk_size, "max_local_cpu_size": opts.max_local_cpu_size,
-            "remote_url": redis.url, "metrics_port": ports[-1]}))
+            "remote_url": redis.url, "metrics_port": ports[-1], "tier_events": tier_events}))
         server = SGLangServer(model, work / f"{tag}-{i}.log", args=[
             "--max-total-tokens", str(opts.max_total_tokens), "--page-size", "16",
             "--enable-kvtier", "--kvtier-config-file", str(config)],
@@ -167,13 +170,13 @@ def summarize(records: list[dict[str, Any]], counters: dict[str, float]) -> dict
 
 
 def run_arm(opts: Options, work: Path, model: Path, redis: RedisProcess,
-            arm: tuple[str, str, bool]) -> dict[str, Any]:
-    name, policy, grpc = arm
+            arm: tuple[str, str, bool, bool]) -> dict[str, Any]:
+    name, policy, grpc, tier_events = arm
     print(f"{name}: {opts.servers} servers, SMG {policy}, "
           f"{'gRPC workers with KV events' if grpc else 'HTTP workers'}", flush=True)
     redis.client().flushall()
     tag = name.replace("/", "-")
-    servers, ports = start_servers(opts, work, model, redis, tag, grpc)
+    servers, ports = start_servers(opts, work, model, redis, tag, grpc, tier_events)
     try:
         gateway = Gateway("smg", [worker_url(s, grpc) for s in servers], policy,
                           work / f"{tag}.smg.log", model=model)
@@ -181,7 +184,7 @@ def run_arm(opts: Options, work: Path, model: Path, redis: RedisProcess,
             records = drive(gateway.url, model, opts)
         finally:
             gateway.stop()
-        return {"name": name, "policy": policy, "grpc": grpc,
+        return {"name": name, "policy": policy, "grpc": grpc, "tier_events": tier_events,
                 **summarize(records, tier_counters(ports))}
     finally:
         for server in servers:

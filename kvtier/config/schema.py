@@ -139,6 +139,8 @@ class Config:
     blend_max_prefill_ratio: float = 1.0
     log_level: str | None = None
     metrics_port: int | None = None  # serve Prometheus metrics on this port
+    # With SGLang's --kv-events-config, kvtier's tiers publish what they gain and lose too.
+    tier_events: bool = True
 
     def __post_init__(self) -> None:
         # "~/kv" must not make a directory "~"; "kv/" is where the server starts, now

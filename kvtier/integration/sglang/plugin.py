@@ -361,7 +361,7 @@ def build_radix_cache(ctx: TreeCacheBuildContextView) -> KVTierRadixCache:
         engine.close()
         raise
     cache.attach_kvtier(kvtier)
-    if params.enable_kv_cache_events:  # --kv-events-config: kvtier's tiers publish too
+    if params.enable_kv_cache_events and config.tier_events:  # kvtier's tiers publish too
         from kvtier.integration.sglang.tier_events import TierEvents
 
         cache.publish_tier_events(TierEvents(

@@ -67,20 +67,24 @@ class Subscriber:
         self._socket.close(0)
 
 
-@pytest.fixture(scope="module")
-def served(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory,
-           ) -> Iterator[tuple[SGLangServer, Subscriber]]:
-    tmp = tmp_path_factory.mktemp("tier-events")
+def _serve(model: Path, tmp: Path, **config: Any) -> tuple[SGLangServer, Subscriber]:
     endpoint = f"tcp://127.0.0.1:{free_port()}"
-    # a CPU tier of a few prompts, so that more prompts evict the first
-    config = write_config(tmp / "kvtier.yaml", max_local_cpu_size=0.002,
-                          local_disk=str(tmp / "disk"), max_local_disk_size=0.1)
-    server = SGLangServer(tiny_llama, tmp / "server.log", args=[
-        "--enable-kvtier", "--kvtier-config-file", str(config), "--page-size", str(PAGE),
+    path = write_config(tmp / "kvtier.yaml", local_disk=str(tmp / "disk"),
+                        max_local_disk_size=0.1, **config)
+    server = SGLangServer(model, tmp / "server.log", args=[
+        "--enable-kvtier", "--kvtier-config-file", str(path), "--page-size", str(PAGE),
         "--kv-events-config", json.dumps({"publisher": "zmq", "endpoint": endpoint,
                                           "bind": True, "topic": "kv"})])
     server.start()
-    subscriber = Subscriber(endpoint)
+    return server, Subscriber(endpoint)
+
+
+@pytest.fixture(scope="module")
+def served(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory,
+           ) -> Iterator[tuple[SGLangServer, Subscriber]]:
+    # a CPU tier of a few prompts, so that more prompts evict the first
+    server, subscriber = _serve(tiny_llama, tmp_path_factory.mktemp("tier-events"),
+                                max_local_cpu_size=0.002)
     try:
         yield server, subscriber
     finally:
@@ -111,3 +115,28 @@ def test_the_tiers_publish_the_device_s_block_hashes_and_their_evictions(
             break
     events.wait(lambda: events.hashes("BlockRemoved", "CPU_PINNED") & cpu, "CPU eviction")
     assert "Traceback" not in server.log(), server.log()[-3000:]
+
+
+def test_tier_events_false_leaves_sglang_s_device_events_alone(
+        tiny_llama: Path, tmp_path: Path) -> None:
+    """`tier_events: false`: the server publishes SGLang's device events as without kvtier,
+    and nothing of kvtier's tiers (a router that should not see them: issue 70's baseline)."""
+    server, events = _serve(tiny_llama, tmp_path, tier_events=False)
+    try:
+        time.sleep(0.5)  # a ZMQ subscriber misses what is published before it joined
+        server.generate(prompt(1, PROMPT), max_new_tokens=1)
+        server.flush_cache()  # waits for kvtier's stores: the CPU tier holds the prompt
+        events.wait(lambda: events.hashes("BlockStored", "GPU"), "device event")
+        disk = tmp_path / "disk"
+        deadline = time.monotonic() + WAIT_S  # a bound on a hang
+        while not any(p.is_file() for p in disk.rglob("*")):
+            assert time.monotonic() < deadline, "nothing written to disk"
+            time.sleep(0.1)
+        server.generate(prompt(2, 2 * PAGE), max_new_tokens=1)  # one more publishing step
+        events.wait(lambda: len(events.hashes("BlockStored", "GPU")) > (PROMPT - 1) // PAGE,
+                    "the second prompt's device events")
+        media = {e.medium for e in list(events.events) if hasattr(e, "medium")}
+        assert media == {"GPU"}, media
+    finally:
+        events.close()
+        server.kill()
