@@ -24,6 +24,7 @@ from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj
 from kvtier.metrics import Counters
 
 if TYPE_CHECKING:  # annotations only: the tiers' contract does not import the config loader
+    from kvtier.backends.codec import Codec
     from kvtier.backends.sealing import RecordKeys
     from kvtier.config import Config
 
@@ -65,6 +66,14 @@ class BackendContext:
         from kvtier.backends.sealing import load_record_keys
 
         return load_record_keys(self.config.record_key_file)
+
+    @cached_property
+    def codec(self) -> Codec:
+        """The codec the tier writes records in (`remote_serde`, kvtier/backends/codec.py);
+        it reads records of every codec it knows."""
+        from kvtier.backends.codec import codec_named
+
+        return codec_named(self.config.remote_serde)
 
 
 class StorageBackend(ABC):

@@ -55,6 +55,10 @@ class Codec(ABC):
         """The exact payload length of a record of `num_tokens` tokens of `layout`."""
 
     @abstractmethod
+    def stored_nbytes(self, obj: MemoryObj) -> int:
+        """The payload length of a record of `obj` (what `encode(obj)` holds)."""
+
+    @abstractmethod
     def encode(self, obj: MemoryObj) -> Encoded | MemoryObj:
         """What a record of `obj` stores: `obj` itself (naive) or an `Encoded` copy.
         Never modifies `obj`."""
@@ -103,6 +107,9 @@ class _Naive(Codec):
     def payload_nbytes(self, layout: KVLayout, num_tokens: int) -> int:
         return layout.nbytes(num_tokens)
 
+    def stored_nbytes(self, obj: MemoryObj) -> int:
+        return obj.nbytes
+
     def encode(self, obj: MemoryObj) -> MemoryObj:
         return obj
 
@@ -130,6 +137,11 @@ class _FP8(Codec):
         if not self.applies(layout):
             return layout.nbytes(num_tokens)
         return sum(self._parts(layout.shape(num_tokens)))
+
+    def stored_nbytes(self, obj: MemoryObj) -> int:
+        if obj.tensor.dtype.itemsize == 1:
+            return obj.nbytes
+        return sum(self._parts(tuple(obj.tensor.shape)))
 
     def encode(self, obj: MemoryObj) -> Encoded | MemoryObj:
         x = obj.tensor

@@ -49,6 +49,7 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def decoded(alloc: MemoryAllocator, obj: MemoryObj, layout: KVLayout) -> MemoryObj:
     enc = FP8.encode(obj)
     assert isinstance(enc, Encoded) and enc.nbytes == FP8.payload_nbytes(layout, obj.num_tokens)
+    assert FP8.stored_nbytes(obj) == enc.nbytes and NAIVE.stored_nbytes(obj) == obj.nbytes
     out = alloc.allocate(layout, obj.num_tokens)
     assert out is not None
     FP8.decode(memoryview(bytearray(enc.byte_view())), out)

@@ -321,7 +321,7 @@ class DiskBackend(StorageBackend):
     def _put_one(self, key: ChunkKey, obj: MemoryObj, stamp: int) -> bool:
         name = rf.file_name(key.key)
         path = rf.record_path(self.root, name)
-        size = expected_header_len(key) + obj.nbytes
+        size = expected_header_len(key) + self.ctx.codec.stored_nbytes(obj)  # as written
         owner = owner_of(key.key)
         with self._lock:
             if self._closed:
@@ -343,7 +343,7 @@ class DiskBackend(StorageBackend):
         fd, committed = -1, False
         try:
             # leaves nothing on failure; else holds the temp file's lock until it is renamed
-            fd = rf.write_temp(self._dirs, name, tmp, key, obj, stamp, self._keys)
+            fd = rf.write_temp(self._dirs, name, tmp, key, obj, stamp, self._keys, self.ctx.codec)
             with self._lock:
                 if not self._closed:
                     os.replace(tmp, path)

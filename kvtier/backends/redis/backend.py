@@ -13,7 +13,6 @@ from redis.exceptions import AuthenticationError, RedisClusterException, RedisEr
 
 from kvtier.backends import record
 from kvtier.backends.base import BackendContext, ProbeSample, StorageBackend
-from kvtier.backends.codec import codec_named
 from kvtier.backends.redis import io as rio
 from kvtier.backends.redis.health import Health
 from kvtier.backends.redis.probe import probe_primaries
@@ -61,7 +60,7 @@ class RedisBackend(StorageBackend):
         self._ttl = cfg.remote_ttl_secs
         self._timeout = cfg.remote_timeout_secs
         self._seg = max(1, int(cfg.remote_segment_mb * (1 << 20)))
-        self._codec = codec_named(cfg.remote_serde)
+        self._codec = ctx.codec
         self._router: Router | None = None
         self._health = Health(f"redis tier {self._target.url}", self._probe, _TIER_ERRORS,
                               ctx.counters.scope(self.name, *_STATS))
