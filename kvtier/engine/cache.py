@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kvtier.backends.codec import check_gate
 from kvtier.backends.sealing import name_salt
 from kvtier.config import Config
 from kvtier.connectors.base import KVConnector
@@ -19,7 +20,7 @@ from kvtier.engine.saving import PrefixSaver
 from kvtier.engine.tiers import TierControl
 from kvtier.engine.verify import Verification, purge, sampled, sampling_key, shadow_check, suspect
 from kvtier.kernels import ops
-from kvtier.keys import ChunkKey, KeyBuilder, KeyChain
+from kvtier.keys import ChunkKey, KeyBuilder, KeyChain, model_name_of
 from kvtier.memory import KVLayout, MemoryFormat, MemoryObj, lease
 from kvtier.storage import StorageManager
 from kvtier.storage.backlog import WriteBacklog
@@ -59,6 +60,8 @@ class CacheEngine:
 
     Raises:
         ValueError: the layout does not match the connector, or bad rank/world_size.
+        ConfigError: `remote_serde` failed its quality gate for `model_name` (and
+            `remote_serde_override` is off: kvtier.backends.codec.check_gate).
     """
 
     def __init__(
@@ -80,6 +83,10 @@ class CacheEngine:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
         if not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"rank must lie in [0, {world_size}), got {rank!r}")
+        # a codec that failed its quality gate for this model: ConfigError (docs/codecs.md)
+        model = model_name_of(model_name)  # the plugin's key component, percent-decoded
+        if said := check_gate(config.remote_serde, model, config.remote_serde_override):
+            logger.warning("kvtier: %s", said)
         if config.log_level:
             logging.getLogger("kvtier").setLevel(config.log_level.upper())
         ops.prepare()  # the copy kernel is compiled here, never on a serving thread
