@@ -199,7 +199,7 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=int, default=64)
     parser.add_argument("--verify", action="store_true", help="then serve every prompt again "
                         "with shadow verification on, on each kvtier server")
-    parser.add_argument("--serde", choices=("naive", "fp8"), default="naive",
+    parser.add_argument("--serde", choices=("naive", "fp8", "int8"), default="naive",
                         help="remote_serde of the kvtier servers' disk and Redis records")
     parser.add_argument("--work-dir", type=Path, default=None)
     args = parser.parse_args()

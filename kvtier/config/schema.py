@@ -37,7 +37,7 @@ __all__ = ["BlendSection", "Config", "PrefetchSection", "WriteSection", "validat
            "TRANSFER_ARENA_GB", "PATH_KEYS"]
 
 # The codecs of the lower tiers' records (kvtier.backends.codec.CODECS; docs/codecs.md).
-REMOTE_SERDES = ("naive", "fp8")
+REMOTE_SERDES = ("naive", "fp8", "int8")
 VERIFY_SCOPES = ("full", "tail")
 CHUNK_MULTIPLE = 16
 MAX_CHUNK = 1 << 20  # tokens; a chunk is one arena object, and a prompt is far shorter

@@ -12,7 +12,9 @@ from kvtier.backends import codec, record
 from kvtier.backends.codec import (
     CODECS,
     FP8,
+    INT8,
     NAIVE,
+    Codec,
     Encoded,
     check_gate,
     codec_by_id,
@@ -46,28 +48,36 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a - b).norm(dim=2) / a.norm(dim=2)
 
 
-def decoded(alloc: MemoryAllocator, obj: MemoryObj, layout: KVLayout) -> MemoryObj:
-    enc = FP8.encode(obj)
-    assert isinstance(enc, Encoded) and enc.nbytes == FP8.payload_nbytes(layout, obj.num_tokens)
-    assert FP8.stored_nbytes(obj) == enc.nbytes and NAIVE.stored_nbytes(obj) == obj.nbytes
+def decoded(alloc: MemoryAllocator, obj: MemoryObj, layout: KVLayout,
+            codec: Codec = FP8) -> MemoryObj:
+    enc = codec.encode(obj)
+    assert isinstance(enc, Encoded)
+    assert enc.nbytes == codec.payload_nbytes(layout, obj.num_tokens)
+    assert codec.stored_nbytes(obj) == enc.nbytes and NAIVE.stored_nbytes(obj) == obj.nbytes
     out = alloc.allocate(layout, obj.num_tokens)
     assert out is not None
-    FP8.decode(memoryview(bytearray(enc.byte_view())), out)
+    codec.decode(memoryview(bytearray(enc.byte_view())), out)
     return out
 
 
+@pytest.mark.parametrize("codec", [FP8, INT8], ids=["fp8", "int8"])
 @pytest.mark.parametrize(("dtype", "ratio"), [(torch.bfloat16, 0.55), (torch.float16, 0.55),
                                               (torch.float32, 0.3)])
-def test_fp8_is_small_and_within_6_percent_per_layer(dtype: torch.dtype, ratio: float) -> None:
+def test_one_byte_codecs_are_small_and_within_6_percent_per_layer(
+        codec: Codec, dtype: torch.dtype, ratio: float) -> None:
     layout = KVLayout.mha(num_layers=4, num_kv_heads=3, head_dim=64, dtype=dtype)
     alloc = MemoryAllocator(32 << 20)
     obj = kv_like(alloc, layout, 256)
     before = obj.tensor.clone()
-    out = decoded(alloc, obj, layout)
+    out = decoded(alloc, obj, layout, codec)
     assert same_bytes(obj.tensor, before)  # encoding never touches the arena object
-    assert FP8.payload_nbytes(layout, 256) <= ratio * layout.nbytes(256)
+    assert codec.payload_nbytes(layout, 256) <= ratio * layout.nbytes(256)
     err = rel_l2(obj.tensor, out.tensor)
     assert err.shape == (2, 4) and float(err.max()) < 0.06 and float(err.min()) > 0
+    if codec is INT8:  # uniform steps: closer than fp8 on these values
+        fp8 = decoded(alloc, obj, layout, FP8)
+        assert float(err.max()) < float(rel_l2(obj.tensor, fp8.tensor).min())
+        fp8.release()
     obj.release()
     out.release()
 
@@ -113,7 +123,8 @@ def test_naive_is_the_arena_bytes_and_decode_checks_length() -> None:
 
 def test_codec_table_matches_the_config_choices() -> None:
     assert tuple(CODECS) == REMOTE_SERDES
-    assert codec_by_id(1) is FP8 and codec_by_id(0) is NAIVE and codec_by_id(9) is None
+    assert codec_by_id(1) is FP8 and codec_by_id(0) is NAIVE and codec_by_id(2) is INT8
+    assert codec_by_id(9) is None
     with pytest.raises(ValueError, match="remote_serde.*zstd"):
         codec_named("zstd")
 

@@ -71,9 +71,11 @@ def test_readers_of_either_codec_load_records_of_both(
     redis_server.client().flushall()
     keys = make_keys(3 * 64, chunk_size=64, layout=BF16)
     fp8 = make_backend(redis_server.url, layout=BF16, remote_serde="fp8")
+    int8 = make_backend(redis_server.url, layout=BF16, remote_serde="int8")
     naive = make_backend(redis_server.url, layout=BF16)
-    want = _store(fp8, keys[:2]) + _store(naive, keys[2:])  # chunks 0-1 fp8, chunk 2 naive
-    for reader in (naive, fp8):
+    # chunk 0 fp8, chunk 1 int8, chunk 2 naive
+    want = _store(fp8, keys[:1]) + _store(int8, keys[1:2]) + _store(naive, keys[2:])
+    for reader in (naive, fp8, int8):
         got = _load(reader, keys)
         assert len(got) == 3 and same_bytes(got[2], want[2])
         assert all(float(rel_l2(a, b).max()) < 0.06 for a, b in zip(want, got, strict=True))
