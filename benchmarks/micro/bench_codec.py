@@ -1,4 +1,5 @@
-"""The lower tiers' codecs (`remote_serde`, issue 72): fp8 against naive, in the same run.
+"""The lower tiers' codecs (`remote_serde`, issue 72): fp8 (or `--codec int8`) against naive,
+in the same run.
 
 Three measurements per layout (a chunk of `--tokens` tokens of KV-like values: normal, a
 tenth of the K channels 21x louder, one V token in twenty 6x louder):
@@ -34,7 +35,7 @@ from benchmarks.common import write_results
 from benchmarks.micro.bench_redis import Server
 from harness.delay_proxy import DelayProxy
 from kvtier.backends import BackendContext, StorageBackend, create_backend
-from kvtier.backends.codec import CODECS, FP8, NAIVE
+from kvtier.backends.codec import CODECS, NAIVE, Codec
 from kvtier.backends.record import expected_header_len
 from kvtier.config import Config
 from kvtier.keys import ChunkKey, KeyBuilder
@@ -77,25 +78,26 @@ def bytes_per_token(layout: KVLayout, tokens: int) -> dict[str, float]:
     head = expected_header_len(key)
     out = {name: (c.payload_nbytes(layout, tokens) + head) / tokens for name, c in CODECS.items()}
     out["fp8_vs_naive"] = out["fp8"] / out["naive"]
+    out["int8_vs_naive"] = out["int8"] / out["naive"]
     return out
 
 
-def codec_speed(layout: KVLayout, tokens: int, rounds: int) -> dict[str, float]:
+def codec_speed(codec: Codec, layout: KVLayout, tokens: int, rounds: int) -> dict[str, float]:
     alloc = MemoryAllocator(3 * layout.nbytes(tokens) + (1 << 20))
     src, dst = alloc.allocate(layout, tokens), alloc.allocate(layout, tokens)
     assert src is not None and dst is not None
     kv_like(src, 1)
-    enc = FP8.encode(src)
+    enc = codec.encode(src)
     payload = memoryview(bytearray(enc.byte_view()))
     times: dict[str, list[float]] = {"memcpy": [], "encode": [], "decode": []}
-    fns = {"memcpy": lambda: dst.tensor.copy_(src.tensor), "encode": lambda: FP8.encode(src),
-           "decode": lambda: FP8.decode(payload, dst)}
+    fns = {"memcpy": lambda: dst.tensor.copy_(src.tensor), "encode": lambda: codec.encode(src),
+           "decode": lambda: codec.decode(payload, dst)}
     for r in range(rounds + 1):  # interleaved, one of each per round; round 0 warms up
         for name, fn in fns.items():
             took = _secs(fn)
             if r:
                 times[name].append(took)
-    FP8.decode(payload, dst)
+    codec.decode(payload, dst)
     a, b = src.tensor.float().flatten(2), dst.tensor.float().flatten(2)
     err = float(((a - b).norm(dim=2) / a.norm(dim=2)).max())
     nbytes = layout.nbytes(tokens)
@@ -121,13 +123,13 @@ def _p(samples: list[float], q: float) -> float:
     return ordered[max(0, -(-int(q * len(ordered)) // 100) - 1)]
 
 
-def tier_times(kind: str, layout: KVLayout, tokens: int, chunks: int, rounds: int,
+def tier_times(codec: Codec, kind: str, layout: KVLayout, tokens: int, chunks: int, rounds: int,
                where: str) -> dict[str, float]:
     """Per-chunk writer (`batch_put`) and load (`batch_get`) seconds of both codecs."""
     alloc = MemoryAllocator(4 * layout.nbytes(tokens) + (8 << 20))
     tiers = {c: _tier("disk" if kind == "disk" else "redis", c, layout, alloc,
                       f"{where}/{c}" if kind == "disk" else where, tokens)
-             for c in (NAIVE.name, FP8.name)}
+             for c in (NAIVE.name, codec.name)}
     src = alloc.allocate(layout, tokens)
     assert src is not None
     kv_like(src, 2)
@@ -157,7 +159,7 @@ def tier_times(kind: str, layout: KVLayout, tokens: int, chunks: int, rounds: in
     out = {f"{n}_ms_median": statistics.median(s) * 1e3 for n, s in secs.items()}
     out |= {f"{n}_ms_p99": _p(s, 99) * 1e3 for n, s in secs.items()}
     for op in ("put", "get"):
-        out[f"{op}_fp8_vs_naive"] = out[f"fp8_{op}_ms_median"] / out[f"naive_{op}_ms_median"]
+        out[f"{op}_vs_naive"] = out[f"{codec.name}_{op}_ms_median"] / out[f"naive_{op}_ms_median"]
     return out
 
 
@@ -170,6 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tiers", default="disk,redis,redis-link")
     parser.add_argument("--link-mbps", type=float, default=1000.0)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--codec", choices=[c for c in CODECS if c != NAIVE.name],
+                        default="fp8")
     parser.add_argument("--name", default="codec", help="results file name (no .json)")
     args = parser.parse_args(argv)
     layouts = [n.strip() for n in args.layouts.split(",") if n.strip()]
@@ -179,7 +183,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"unknown layouts/tiers {bad}; layouts: {list(LAYOUTS)}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    results: dict[str, object] = {"torch_threads": torch.get_num_threads(), "layouts": {}}
+    codec = CODECS[args.codec]
+    results: dict[str, object] = {"torch_threads": torch.get_num_threads(), "codec": codec.name,
+                                  "layouts": {}}
     results["link_mbps"] = args.link_mbps
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-codec-") as tmp:
         server = Server(tmp) if {"redis", "redis-link"} & set(tiers) else None
@@ -192,15 +198,15 @@ def main(argv: list[str] | None = None) -> None:
                 res: dict[str, object] = {
                     "chunk_bytes": layout.nbytes(args.tokens),
                     "bytes_per_token": bytes_per_token(layout, args.tokens),
-                    "codec": codec_speed(layout, args.tokens, args.rounds)}
+                    "codec": codec_speed(codec, layout, args.tokens, args.rounds)}
                 for tier in tiers:
                     where = {"disk": f"{tmp}/disk-{name}",
                              "redis": f"redis://127.0.0.1:{server and server.port}",
                              "redis-link": proxy.url if proxy else ""}[tier]
-                    res[tier] = tier_times(tier, layout, args.tokens, args.chunks, args.rounds,
-                                           where)
+                    res[tier] = tier_times(codec, tier, layout, args.tokens, args.chunks,
+                                           args.rounds, where)
                 results["layouts"][name] = res  # type: ignore[index]
-                _print(name, res, tiers)
+                _print(name, res, tiers, codec.name)
         finally:
             if proxy is not None:
                 proxy.close()
@@ -209,11 +215,11 @@ def main(argv: list[str] | None = None) -> None:
     write_results(args.name, results)
 
 
-def _print(name: str, res: dict[str, object], tiers: list[str]) -> None:
+def _print(name: str, res: dict[str, object], tiers: list[str], c: str) -> None:
     bpt, speed = res["bytes_per_token"], res["codec"]
     assert isinstance(bpt, dict) and isinstance(speed, dict)
-    print(f"{name} ({res['chunk_bytes']} B/chunk): bytes/token naive {bpt['naive']:.0f}, fp8 "
-          f"{bpt['fp8']:.0f} ({bpt['fp8_vs_naive']:.3f}x); memcpy {speed['memcpy_gb_s']:.2f} "
+    print(f"{name} ({res['chunk_bytes']} B/chunk): bytes/token naive {bpt['naive']:.0f}, {c} "
+          f"{bpt[c]:.0f} ({bpt[c + '_vs_naive']:.3f}x); memcpy {speed['memcpy_gb_s']:.2f} "
           f"GB/s, encode {speed['encode_gb_s']:.2f} ({speed['encode_vs_memcpy']:.3f}x), decode "
           f"{speed['decode_gb_s']:.2f} ({speed['decode_vs_memcpy']:.3f}x); max rel L2 "
           f"{speed['max_rel_l2']:.4f}")
@@ -221,11 +227,11 @@ def _print(name: str, res: dict[str, object], tiers: list[str]) -> None:
         t = res[tier]
         assert isinstance(t, dict)
         print(f"  {tier:10} per chunk ms, median (p99): put naive {t['naive_put_ms_median']:.2f} "
-              f"({t['naive_put_ms_p99']:.2f}) fp8 {t['fp8_put_ms_median']:.2f} "
-              f"({t['fp8_put_ms_p99']:.2f}) = {t['put_fp8_vs_naive']:.2f}x;  get naive "
-              f"{t['naive_get_ms_median']:.2f} ({t['naive_get_ms_p99']:.2f}) fp8 "
-              f"{t['fp8_get_ms_median']:.2f} ({t['fp8_get_ms_p99']:.2f}) = "
-              f"{t['get_fp8_vs_naive']:.2f}x")
+              f"({t['naive_put_ms_p99']:.2f}) {c} {t[c + '_put_ms_median']:.2f} "
+              f"({t[c + '_put_ms_p99']:.2f}) = {t['put_vs_naive']:.2f}x;  get naive "
+              f"{t['naive_get_ms_median']:.2f} ({t['naive_get_ms_p99']:.2f}) {c} "
+              f"{t[c + '_get_ms_median']:.2f} ({t[c + '_get_ms_p99']:.2f}) = "
+              f"{t['get_vs_naive']:.2f}x")
 
 
 if __name__ == "__main__":
