@@ -167,33 +167,6 @@ def test_lmcache_numbers_and_booleans_as_strings(tmp_path: Path) -> None:
     assert (cfg.save_unfull_chunk, cfg.blocking_timeout_secs) == (False, 30.0)
 
 
-@pytest.mark.parametrize("serde", ["null", "NULL", "torch"])
-def test_remote_serde_lmcache_values_become_naive(tmp_path: Path, serde: str,
-                                                  caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="kvtier.config"):
-        cfg = load_config(_write(tmp_path, f"remote_serde: {serde}\n"), env={})
-    assert cfg.remote_serde == "naive"
-    assert "remote_serde" in caplog.text and "uncompressed" in caplog.text
-
-
-@pytest.mark.parametrize("serde", ["cachegen", "CacheGen"])
-def test_remote_serde_cachegen_becomes_fp8_with_one_warning(
-        tmp_path: Path, serde: str, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="kvtier.config"):
-        cfg = load_config(_write(tmp_path, f"remote_serde: {serde}\n"), env={})
-    assert cfg.remote_serde == "fp8"
-    said = [r for r in caplog.records if "remote_serde" in r.getMessage()]
-    assert len(said) == 1 and "cachegen: kvtier stores fp8 records" in said[0].getMessage()
-
-
-def test_remote_serde_fp8_is_a_kvtier_value(tmp_path: Path) -> None:
-    cfg = load_config(_write(tmp_path, "remote_serde: fp8\nremote_serde_override: true\n"),
-                      env={})
-    assert (cfg.remote_serde, cfg.remote_serde_override) == ("fp8", True)
-    assert load_config(_write(tmp_path, "chunk_size: 64\n"), env={}).remote_serde_override \
-        is False
-
-
 def test_resp_is_redis_and_extra_config_gives_credentials(tmp_path: Path) -> None:
     path = _write(tmp_path, "remote_url: resp://h:6379\nextra_config:\n  username: u s\n"
                   "  password: 'p@ss:w/rd'\n  resp_num_threads: 8\n")
