@@ -28,10 +28,10 @@ encrypted record (either is a `ForgedEntry`: a counted miss that no reader delet
 other failure is a `CorruptEntry` whose message names the field.
 
 Codec: the flags byte's high 4 bits name the payload's codec (`kvtier.backends.codec`: 0
-naive, 1 fp8); the low 4 bits are the seal bits below. `payload_len` is the codec's, while
-dtype and shape stay the pool's (what the record decodes to). kvtier versions before codecs
-read a non-zero codec as unknown flag bits: `OtherVersion`, a counted miss left in place, never
-a load of bytes they cannot decode; a version that does not know a codec's id says which id.
+naive, 1 fp8, 2 int8); the low 4 bits are the seal bits below. `payload_len` is the codec's,
+while dtype and shape stay the pool's (what the record decodes to). kvtier versions before
+codecs read a non-zero codec as unknown flag bits: `OtherVersion`, a counted miss left in
+place, never a load of bytes they cannot decode; a version not knowing a codec id names it.
 The codec bits are part of the header checksum and of GCM's associated data, and the payload
 checksum and encryption cover the encoded (compressed) bytes.
 
