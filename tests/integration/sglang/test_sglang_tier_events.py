@@ -1,6 +1,6 @@
 """A real SGLang server with kvtier and `--kv-events-config`, and a ZMQ subscriber: a stored
-prompt's device events come with `CPU_PINNED` and `DISK` events naming the same block hashes,
-and the CPU tier's evictions come as `BlockRemoved(CPU_PINNED)`."""
+prompt's device events come with `CPU_PINNED`, `DISK` and `EXTERNAL` (Redis) events naming the
+same block hashes, and the CPU tier's evictions come as `BlockRemoved(CPU_PINNED)`."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from harness.redis import RedisProcess
 from harness.sglang_server import SGLangServer, free_port
 from tests.integration.sglang.conftest import CHUNK, prompt, write_config
 
@@ -81,10 +82,11 @@ def _serve(model: Path, tmp: Path, **config: Any) -> tuple[SGLangServer, Subscri
 
 @pytest.fixture(scope="module")
 def served(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory,
+           redis_factory: Callable[..., RedisProcess],
            ) -> Iterator[tuple[SGLangServer, Subscriber]]:
     # a CPU tier of a few prompts, so that more prompts evict the first
     server, subscriber = _serve(tiny_llama, tmp_path_factory.mktemp("tier-events"),
-                                max_local_cpu_size=0.002)
+                                max_local_cpu_size=0.002, remote_url=redis_factory().url)
     try:
         yield server, subscriber
     finally:
@@ -108,6 +110,9 @@ def test_the_tiers_publish_the_device_s_block_hashes_and_their_evictions(
     assert len(cpu) >= stored and cpu <= device, (len(cpu), stored, server.log()[-3000:])
     events.wait(lambda: len(events.hashes("BlockStored", "DISK")) >= stored, "all DISK events")
     assert events.hashes("BlockStored", "DISK") == cpu, (disk, cpu)
+    events.wait(lambda: len(events.hashes("BlockStored", "EXTERNAL")) >= stored,
+                "all EXTERNAL (Redis) events")
+    assert events.hashes("BlockStored", "EXTERNAL") == cpu
     # more prompts than the CPU tier holds: the first prompt's chunks leave it, and say so
     for seed in range(2, 40):
         server.generate(prompt(seed, PROMPT), max_new_tokens=1)
