@@ -119,11 +119,13 @@ def run_sglang(args: argparse.Namespace, model: Path, docs: list[list[int]],
         _warm(server, docs, sep, system, ask)
         for q, ids in enumerate(queries):
             row: dict[str, Any] = {"tokens": len(ids)}
-            blends, fallbacks = len(BLENDED.findall(server.log())), _fallbacks(server)
+            blends = len(BLENDED.findall(server.log()))
             for arm in ("full", "blend"):
                 server.flush_cache()
                 salt = f"full-{q}" if arm == "full" else None
+                fallbacks = _fallbacks(server)
                 _, row[f"{arm}_s"] = generate(server, ids, 1, full=arm == "full", salt=salt)
+                row["fallback"] = _fallbacks(server) > fallbacks  # the timed request's choice
                 out, _ = generate(server, ids, args.answer_tokens, full=arm == "full",
                                    salt=salt)
                 row[arm] = Answer.from_response(out)
@@ -139,7 +141,7 @@ def run_sglang(args: argparse.Namespace, model: Path, docs: list[list[int]],
                          "full_answer": row["full"].text, "blend_answer": row["blend"].text,
                          "blend_loaded": int(found[-1][0]) if found else 0,
                          "blend_recomputed": int(found[-1][2]) if found else 0,
-                         "fallback": _fallbacks(server) > fallbacks})
+                         "fallback": row["fallback"]})
             r = rows[-1]
             print(f"query {q}: {r['tokens']} tokens, full {r['full_s']:.2f}s, blend "
                   f"{r['blend_s']:.2f}s ({r['blend_loaded']} loaded, {r['blend_recomputed']} "

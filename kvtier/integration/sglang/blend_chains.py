@@ -34,15 +34,16 @@ MAX_REQUESTS = 4096  # requests remembered at once; more means requests that nev
 
 
 class SegmentHits(NamedTuple):
-    """A prompt's segments past its device prefix, up to `end` (the tokens a blend computes):
-    those the CPU tier holds (`held`, `cached` tokens of them, `chains` their key chains) and
-    those it lacks."""
+    """A prompt's segments past its device prefix (`device_len` tokens), up to `end` (the
+    tokens a blend computes): those the CPU tier holds (`held`, `cached` tokens of them,
+    `chains` their key chains) and those it lacks."""
 
     end: int
     held: tuple[Segment, ...]
     missed: tuple[Segment, ...]
     cached: int
     chains: tuple[KeyChain, ...] = ()
+    device_len: int = 0
 
 
 class PromptSegments(NamedTuple):

@@ -159,7 +159,7 @@ class SGLangBlender:
                 missed.append(seg)  # its tail was evicted: computed again, stored again
             # What the pool holds of it stays (exact); the rest is what the segment adds.
             cached += max(0, seg.start + got - max(seg.start, device_len))
-        hits = SegmentHits(end, tuple(held), tuple(missed), cached, tuple(chains))
+        hits = SegmentHits(end, tuple(held), tuple(missed), cached, tuple(chains), device_len)
         if held and not self._hinted and prompt.segments:
             self._hint_preamble(rid, prompt.segments[0], hits, device_len)
         if len(self._hits) >= MAX_REQUESTS:
@@ -246,10 +246,13 @@ class SGLangBlender:
         waiting = self._waiting.pop(rid, None)
         if waiting is not None:
             tokens, salt = waiting
-            # The device prefix is known at admission; the prefetch hook saw the prompt less
-            # its last token (SGLang's longest prefix), the match sees all of it.
-            hits = self.look(rid, tokens, 0, salt, prompt_len=len(tokens) + 1)
-            if hits.held and self.worth(rid, hits, 0):
+            # The device prefix as the request's last match found it (SGLang matches before
+            # this hook): a prompt the device holds blends nothing. The hook saw the prompt
+            # less its last token (SGLang's longest prefix).
+            seen = self._hits.get(rid)
+            device = 0 if seen is None else seen.device_len
+            hits = self.look(rid, tokens, device, salt, prompt_len=len(tokens) + 1)
+            if hits.held and self.worth(rid, hits, device):
                 self.jobs.start(rid, tokens, hits, salt)
         return not self.jobs.running(rid, POLL_WAIT_S)
 

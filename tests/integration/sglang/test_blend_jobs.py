@@ -152,3 +152,17 @@ def test_an_opted_out_request_starts_no_blend(blender: SGLangBlender) -> None:
     blender.decline("r")
     blender.prefetch("r", tokens[:-1], "")
     assert blender.prefetch_ready("r") and "r" not in blender.jobs
+
+
+def test_a_prompt_the_device_holds_starts_no_blend(blender: SGLangBlender) -> None:
+    """SGLang's match before the prefetch hook found the prompt on the device (a repeat): no
+    blend is computed for it, and it is not held in the queue."""
+    tokens = _prompt(6)
+    _hold_segments(blender, tokens)
+    blender.look("r", tokens, len(tokens) - 1, "")  # the match: the device holds it all
+    blender.prefetch("r", tokens[:-1], "")
+    assert blender.prefetch_ready("r") and "r" not in blender.jobs
+    blender.look("s", tokens, 6, "")  # another request: only its preamble on the device
+    blender.prefetch("s", tokens[:-1], "")
+    blender.prefetch_ready("s")
+    assert "s" in blender.jobs
