@@ -101,11 +101,13 @@ def test_a_large_put_over_a_slow_link_gets_the_time_its_upload_takes(
         redis_server: RedisProcess, make_backend: Callable[..., RedisBackend]) -> None:
     """Issue 51, item 2: the deadline started before the upload, so a large batch failed after
     Redis stored it and the tier was marked down. Now the bytes sent are charged at the floor
-    rate too. 16 MiB over a 64 MB/s link: 0.26 s of upload against a 0.1 s timeout (the old
-    deadline), within the new one (0.1 s + 16 MiB at 20 MB/s = 0.94 s)."""
+    rate too. 64 MiB over a 64 MB/s link: 1.05 s of upload against a 0.5 s timeout (the old
+    deadline), within the new one (0.5 s + 64 MiB at 20 MB/s = 3.9 s). The timeout is 0.5 s,
+    not less, because it also bounds each send: a busy CI host once starved the proxy's thread
+    for 0.1 s and a send timed out."""
     with DelayProxy(redis_server.port, 0.0, upload_bytes_per_s=64e6) as proxy:
-        backend = make_backend(proxy.url, layout=BIG, remote_timeout_secs=0.1)
-        keys = make_keys(16 * 8, layout=BIG, seed=32)  # 2 MiB a chunk
+        backend = make_backend(proxy.url, layout=BIG, remote_timeout_secs=0.5, arena_mb=80)
+        keys = make_keys(16 * 32, layout=BIG, seed=32)  # 2 MiB a chunk
         objs = [make_obj(backend.ctx.allocator, BIG, k.num_tokens, seed=i)
                 for i, k in enumerate(keys)]
         with lease(objs):
