@@ -364,6 +364,7 @@ class CacheEngine:
             self._device.close(self.config.blocking_timeout_secs)
         if self._owns_storage:
             self.storage.close()
+            self._saver.close()  # its writers drained: nothing holds the write-around buffer
 
     def __enter__(self) -> CacheEngine:
         return self

@@ -6,6 +6,9 @@ first chunk with a `-1` slot.
 On a CUDA pool every chunk of a store is filled by one copy on kvtier's store stream
 (`DeviceCopies.gather`), which checks the slots on the GPU: chunks up to the first one that met a
 `-1` slot are kept, and a slot out of range fails the whole store before anything is put.
+
+The chunks the admission policy refuses the CPU tier are filled into the write-around buffer
+and handed to the lower tiers only (`kvtier.engine.around`).
 """
 
 from __future__ import annotations
@@ -16,9 +19,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvtier.connectors.base import KVConnector
+from kvtier.engine.around import around_buffer
 from kvtier.kernels.host_copy import STATUS_BAD
 from kvtier.keys import ChunkKey
-from kvtier.memory import KVLayout, MemoryObj, lease
+from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj, lease
 from kvtier.storage import StorageManager
 
 if TYPE_CHECKING:
@@ -40,6 +44,12 @@ class PrefixSaver:
         self._layout = layout
         self._connector = connector
         self._device = device
+        self._around = around_buffer(storage, layout, write_down)
+
+    def close(self) -> None:
+        """Release the write-around buffer (once the storage manager drained its writers)."""
+        if self._around is not None:
+            self._around.close()
 
     def save(self, keys: Sequence[ChunkKey], slots: torch.Tensor,
              on_read: Callable[[], None] | None, extra: ChunkKey | None,
@@ -61,9 +71,10 @@ class PrefixSaver:
             if skipped.numel():
                 cut = start + int(skipped[0])
                 todo = [k for k in todo if k.end <= cut]
-        todo, extra = self._admit(todo, extra)
+        todo, extra, refused = self._admit(todo, extra)
         objs: list[MemoryObj] = []
-        with lease(objs):
+        around: list[MemoryObj] = []
+        with lease(objs), lease(around):
             inner = self._gather_one(extra, slots) if extra is not None else None
             if inner is not None:
                 objs.append(inner)  # released with the others
@@ -73,22 +84,25 @@ class PrefixSaver:
                 start, end = todo[0].start, todo[len(chunks) - 1].end
                 whole = start == 0 and end == slots.numel()  # a slice costs more than it looks
                 self._connector.gather_many(slots if whole else slots[start:end], chunks)
+            around += self._fill_around(refused, slots, None)
             if on_read is not None:
                 on_read()
             stored = todo[:len(chunks)]
             self._put(stored, chunks)
             if inner is not None and extra is not None:
                 self._put([extra], [inner])
+            self._write_around(refused, around)
         n = sum(k.num_tokens for k in stored)
         self._storage.counters.inc("tokens_stored", n)
         return n
 
     def fill(self, keys: Sequence[ChunkKey], slots: torch.Tensor,
-             ready: torch.cuda.Event | None) -> list[MemoryObj]:
-        """New arena objects holding consecutive chunks `keys` from the pool rows `slots`, put
-        nowhere (the caller owns them): up to the first that finds no memory, or (CUDA) met
-        a -1 slot. On a CUDA pool this waits for the copy."""
-        objs = self._allocate(keys)
+             ready: torch.cuda.Event | None, arena: MemoryAllocator | None = None,
+             ) -> list[MemoryObj]:
+        """New objects in `arena` (default the CPU tier's) holding consecutive chunks `keys`
+        from the pool rows `slots`, put nowhere (the caller owns them): up to the first that
+        finds no memory, or (CUDA) met a -1 slot. On a CUDA pool this waits for the copy."""
+        objs = self._allocate(keys, arena)
         if not objs:
             return objs
         rows = slots[keys[0].start:keys[len(objs) - 1].end]
@@ -113,20 +127,36 @@ class PrefixSaver:
         self._storage.put(keys, objs, write_down=self._write_down)
 
     def _admit(self, todo: list[ChunkKey] | Sequence[ChunkKey], extra: ChunkKey | None,
-               ) -> tuple[list[ChunkKey], ChunkKey | None]:
+               ) -> tuple[list[ChunkKey], ChunkKey | None, list[ChunkKey]]:
         """The leading chunks of `todo` the admission policy takes (`StorageManager.admit`),
-        and the inner tail unless a chunk before it was refused (it would hang off nothing)."""
+        the inner tail unless a chunk before it was refused (it would hang off nothing), and
+        the refused chunks the lower tiers get around the CPU tier (none without a buffer)."""
         todo = list(todo)
         n = self._storage.admit(todo) if todo else 0
-        return (todo, extra) if n == len(todo) else (todo[:n], None)
+        if n == len(todo):
+            return todo, extra, []
+        around = self._around is not None and bool(self._storage.lower_tiers)
+        return todo[:n], None, todo[n:] if around else []
 
-    def _allocate(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
-        """Arena objects for `keys`, up to the first that finds no memory (counted)."""
+    def _fill_around(self, keys: list[ChunkKey], slots: torch.Tensor,
+                     ready: torch.cuda.Event | None) -> list[MemoryObj]:
+        """The refused `keys` filled into the write-around buffer (as many as fit)."""
+        return self.fill(keys, slots, ready, self._around) if keys else []
+
+    def _write_around(self, keys: list[ChunkKey], objs: list[MemoryObj]) -> None:
+        if objs and self._storage.write_around(keys[:len(objs)], objs):
+            self._storage.counters.inc("written_around", len(objs))
+
+    def _allocate(self, keys: Sequence[ChunkKey], arena: MemoryAllocator | None = None,
+                  ) -> list[MemoryObj]:
+        """Objects in `arena` (default the CPU tier's) for `keys`, up to the first that finds
+        no memory (counted)."""
         objs: list[MemoryObj] = []
         for key in keys:
-            obj = self._storage.allocator.allocate(self._layout, key.num_tokens)
+            obj = (arena or self._storage.allocator).allocate(self._layout, key.num_tokens)
             if obj is None:
-                self._storage.counters.inc("store_no_memory")
+                self._storage.counters.inc("store_no_memory" if arena is None
+                                           else "write_around_no_memory")
                 break
             objs.append(obj)
         return objs
@@ -138,18 +168,20 @@ class PrefixSaver:
         kernel; chunks up to the first one that met a -1 slot are kept."""
         assert self._device is not None
         hot = self._storage.contains
-        todo, extra = self._admit(list(keys[hot(keys, hot_only=True):]), extra)
+        todo, extra, refused = self._admit(list(keys[hot(keys, hot_only=True):]), extra)
         inner = extra is not None and not hot([extra], hot_only=True)
         if inner and extra is not None:
             todo.insert(0, extra)
         objs: list[MemoryObj] = []
-        with lease(objs):
+        around: list[MemoryObj] = []
+        with lease(objs), lease(around):
             objs += self._allocate(todo)
             todo = todo[:len(objs)]
             runs = [slots[k.start:k.end] for k in todo[:1 if inner else 0]]
             if len(todo) > len(runs):  # the chunks after the inner tail are consecutive
                 runs.append(slots[todo[len(runs)].start:todo[-1].end])
             status = self._device.gather(runs, objs, ready) if objs else []
+            around += self._fill_around(refused, slots, ready)
             if on_read is not None:
                 on_read()
             if any(word & STATUS_BAD for word in status):
@@ -164,6 +196,7 @@ class PrefixSaver:
             n = whole.index(False) if False in whole else len(whole)
             self._put(todo[:n], objs[:n])
             self._put(*tail)  # after the chunk it hangs off: writers drop orphans
+            self._write_around(refused, around)
         stored = sum(k.num_tokens for k in todo[:n])
         self._storage.counters.inc("tokens_stored", stored)
         return stored

@@ -68,7 +68,8 @@ class StorageManager:
         self.admission = make_admission(config.admission_policy, self.allocator.size,
                                         layout.nbytes(config.chunk_size))
         self.watch = TierWatch()  # what each tier gains and loses, for whoever watches
-        self._set = TierSet(ctx, self._warn, self._in_hot if self.policy.holds_back
+        in_hot = lambda key: hot.batch_contains([stub_key(key)]) == 1  # noqa: E731
+        self._set = TierSet(ctx, self._warn, in_hot if self.policy.holds_back
                             else lambda key: False, self.watch)
         try:
             self._set.open(config.tiers)
@@ -127,6 +128,14 @@ class StorageManager:
             if write_down:
                 self.policy.on_put(keys, objs, self._writers)
             self.counters.inc("chunks_put", len(keys))
+
+    def write_around(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]) -> bool:
+        """Hand `objs` to the lower tiers' writers only, whatever the write policy: chunks the
+        CPU tier's admission refused (`kvtier.engine.around`). False if no tier took them."""
+        with self._gate.enter() as open_:
+            writers = self._writers if open_ else []
+            taken = [writer.submit(keys, objs) for writer in writers]  # every writer's turn
+            return any(taken)
 
     def admit(self, keys: Sequence[ChunkKey]) -> int:
         """How many leading `keys` (chunks the CPU tier lacks, in order) a store should add:
@@ -260,10 +269,6 @@ class StorageManager:
         """Unpin session `session_id`'s chunks; False if it held none."""
         return self.sessions.release(session_id)
 
-    def observe_prefill(self, tokens: int, seconds: float, prompt_len: int) -> None:
-        """A prefill's speed, for the adaptive policy (`PrefillSpeed.observe`)."""
-        self.prefill.observe(tokens, seconds, prompt_len)
-
     def unstage(self, keys: Sequence[ChunkKey]) -> None:
         """`keys` were delivered to their request: a staging tier (`local_cpu: false`) lets go
         of those no live prefetch still wants. A CPU tier keeps them (it is a cache)."""
@@ -273,8 +278,7 @@ class StorageManager:
             self.hot.remove(done)
 
     def prefetch_wants(self, key: ChunkKey) -> int:
-        """How many live prefetches (started, not yet cancelled or garbage) want `key`; an
-        aborted prefetch never drops a chunk another one wants."""
+        """How many live prefetches want `key` (an aborted one drops no chunk another wants)."""
         return self._loads.wanting(key)
 
     # -- tiers at run time: `TierSet` holds the contracts ------------------------------------
@@ -323,8 +327,7 @@ class StorageManager:
                 out.update(self.sessions.stats())
                 out.update(self.admission.stats())
         out["prefetch_queue"] = self._loads.pending()
-        out["arena_used_bytes"] = self.allocator.used_bytes
-        out["arena_bytes"] = self.allocator.size
+        out.update(arena_used_bytes=self.allocator.used_bytes, arena_bytes=self.allocator.size)
         return out
 
     def write_backlog(self) -> WriteBacklog:
@@ -395,6 +398,3 @@ class StorageManager:
             self.watch.removed(self.hot.name, [key.key for key in evicted])
             self.counters.inc("cpu_evictions", len(popped))
         return freed
-
-    def _in_hot(self, key: str) -> bool:
-        return self.hot.batch_contains([stub_key(key)]) == 1
