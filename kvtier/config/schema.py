@@ -20,7 +20,6 @@ from kvtier.config.lmcache import compat
 from kvtier.config.names import (
     ADAPTIVE,
     ADMISSION_POLICIES,
-    ALWAYS,
     EVICTION_POLICIES,
     LFUDA,
     NAMESPACE_PATTERN,
@@ -92,8 +91,8 @@ class Config:
     # Which chunks a full CPU tier lets go of first, and which it declines to store at all
     # (kvtier.backends.cpu, kvtier.storage.admission; measured in docs/policies.md).
     eviction_policy: str = LFUDA
-    # not adaptive: it also withholds first-seen prefixes from the shared tiers (docs/policies.md)
-    admission_policy: str = ALWAYS
+    # what it refuses still reaches disk and Redis (kvtier.engine.around)
+    admission_policy: str = ADAPTIVE
     # The largest share of the CPU tier one tenant (a request's cache_salt) holds while
     # another holds chunks too: past it, its own chunks are evicted first (docs/policies.md).
     tenant_max_fraction: float = 0.5

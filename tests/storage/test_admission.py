@@ -98,7 +98,7 @@ def test_second_hit_forgets_the_least_recently_offered_keys() -> None:
 
 
 def test_the_policies_come_from_the_config_and_a_bad_name_names_the_key() -> None:
-    assert Config().admission_policy == "always"
+    assert Config().admission_policy == "adaptive"
     assert isinstance(make_admission("always", 1 << 20, 4096), AdmitAll)
     assert isinstance(make_admission("second_hit", 1 << 20, 4096), SecondHit)
     with pytest.raises(ConfigError, match="admission_policy"):
