@@ -32,8 +32,10 @@ from kvtier.kernels.tokens import encode_tokens
 
 __all__ = ["ChunkKey", "KeyBuilder", "KeyChain", "KeySpace", "encode_tokens", "stub_key",
            "redis_names", "key_of_redis_name", "KEY_VERSION", "ALL_KEYS", "model_component",
-           "model_name_of", "NAMESPACE_PATTERN", "TAG_PREFIX", "tenant_tag", "tag_of_key"]
+           "model_name_of", "NAMESPACE_PATTERN", "TAG_PREFIX", "tenant_tag", "tag_of_key",
+           "TokenIds"]
 
+TokenIds = torch.Tensor | Sequence[int] | np.ndarray  # a prompt's token ids, as callers hold them
 KEY_VERSION = "kvtier/v2"
 ALL_KEYS = f"{KEY_VERSION}/*"  # a glob (Redis SCAN MATCH) over every kvtier key
 # Characters a model name keeps as they are; everything else (/, space, #, {, }, @, %, ...)

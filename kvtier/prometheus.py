@@ -49,7 +49,7 @@ GAUGES = frozenset({
     "arena_used_bytes", "arena_bytes", "prefetch_queue", "sessions_pinned",
     "session_pinned_bytes", "session_pinned_cap_bytes", "est_latency_seconds",
     "est_read_bytes_per_second", "est_prefill_tokens_per_second", "est_measured",
-    "est_prefill_measured",
+    "est_prefill_measured", "retained_prefixes",
 })
 _BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
 SYNC_INTERVAL_S = 1.0

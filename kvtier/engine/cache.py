@@ -7,20 +7,20 @@ from collections.abc import Callable, Sequence
 from contextlib import closing
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from kvtier.backends.codec import check_gate
 from kvtier.backends.sealing import name_salt
 from kvtier.config import Config
 from kvtier.connectors.base import KVConnector
+from kvtier.engine.hints import Hints, cut, retain_name
 from kvtier.engine.prefill import EnginePrefill
 from kvtier.engine.rows import limit_of, pool_rows
 from kvtier.engine.saving import PrefixSaver
 from kvtier.engine.tiers import TierControl
 from kvtier.engine.verify import Verification, purge, sampled, sampling_key, shadow_check, suspect
 from kvtier.kernels import ops
-from kvtier.keys import ChunkKey, KeyBuilder, KeyChain, model_name_of
+from kvtier.keys import ChunkKey, KeyBuilder, KeyChain, TokenIds, model_name_of
 from kvtier.memory import KVLayout, MemoryFormat, MemoryObj, lease
 from kvtier.storage import StorageManager
 from kvtier.storage.backlog import WriteBacklog
@@ -35,8 +35,6 @@ if TYPE_CHECKING:
 __all__ = ["CacheEngine", "Prefetch", "TokenIds"]
 
 logger = logging.getLogger(__name__)
-
-TokenIds = torch.Tensor | Sequence[int] | np.ndarray
 
 
 class CacheEngine:
@@ -128,7 +126,8 @@ class CacheEngine:
     def store(self, token_ids: TokenIds, slot_mapping: torch.Tensor, *,
               session_id: str | None = None, on_read: Callable[[], None] | None = None,
               salt: str = "", also_prefix: int | None = None,
-              ready: torch.cuda.Event | None = None, known: int = 0) -> int:
+              ready: torch.cuda.Event | None = None, known: int = 0,
+              hints: Hints | None = None) -> int:
         """Save the KV of `token_ids` (in pool rows `slot_mapping`) chunk by chunk; returns the
         tokens newly stored. Chunks the CPU tier holds are skipped (lower tiers' writers skip
         what they hold); storing stops at the first `-1` slot or chunk that finds no memory.
@@ -142,7 +141,9 @@ class CacheEngine:
         the KV (None: what the caller's current stream holds now). `known`: the leading tokens
         found in the tiers at admission; without a CPU tier to skip them by (`local_cpu:
         false`), their whole chunks are not stored again (writers keep a chunk's predecessors).
+        `hints`: what is retained, and never stored (`kvtier.engine.hints`).
         """
+        token_ids, slot_mapping, also_prefix = cut(hints, token_ids, slot_mapping, also_prefix)
         keys, slots, lowest = self._prepare(token_ids, slot_mapping,
                                             self.keys.keys(token_ids, salt) if salt else None)
         if not self._stores or self._closed or not keys:
@@ -158,6 +159,8 @@ class CacheEngine:
                                   unwritten=lowest is None or lowest < 0)
         if session_id is not None:
             self.storage.pin_session(session_id, keys)
+        if hints is not None and hints.retain_s is not None:
+            self.storage.sessions.retain(retain_name(keys), keys, hints.retain_s)
         return stored
 
     def verify(self, token_ids: TokenIds, slot_mapping: torch.Tensor, *, start: int = 0,

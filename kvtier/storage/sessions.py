@@ -12,6 +12,10 @@ the session is released or has been idle for `session_ttl_secs`, within two boun
   itself never more than `MAX_PINNED_FRACTION` of it. When sessions, each within its quota,
   fill the cap, the least recently used sessions are unpinned first.
 
+A prefix can also be *retained* (a lifecycle hint, `kvtier.engine.hints`): pinned under a
+name for a fixed time from its store, not an idle time, within the same quota; when pins pass
+the cap, sessions are unpinned first, then retained prefixes, the soonest to expire first.
+
 So pins never take more than the cap: at least 1 - `max_session_pinned_fraction` (at least a
 fifth) of the CPU tier stays evictable for stores and prefetches, and what is unpinned becomes
 ordinary LRU data. A store larger than that headroom (plus memory other work holds) can still
@@ -27,11 +31,12 @@ session is charged the full size of every chunk it pins, shared with other sessi
 from __future__ import annotations
 
 import hashlib
+import heapq
 import logging
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvtier.backends.base import HotTier
@@ -93,10 +98,12 @@ class SessionPins:
         self._ttl = ttl_s
         self._counters = counters
         counters.declare("session_releases", "session_unpins_ttl", "session_unpins_cap",
-                         "session_unpins_quota")
+                         "session_unpins_quota", "retain_expiries")
         self._clock = clock
         self._lock = threading.Lock()
         self._sessions: OrderedDict[str, _Pinned] = OrderedDict()  # least recently used first
+        self._retained: dict[str, _Pinned] = {}  # name -> pins; `used` is when they expire
+        self._deadlines: list[tuple[float, str]] = []  # heap; stale entries skipped when popped
         self._holders: Counter[str] = Counter()  # chunk key -> sessions pinning it
         self._sizes: dict[str, int] = {}  # chunk key -> its bytes, while a session pins it
 
@@ -135,6 +142,25 @@ class SessionPins:
             self._enforce_cap_locked(session_id)
             return len(self._sessions[session_id].keys)
 
+    def retain(self, name: str, keys: Sequence[ChunkKey], ttl_s: float) -> int:
+        """Pin the leading `keys` under `name` for `ttl_s` seconds from now, replacing what
+        `name` pinned before (its clock restarts); returns how many chunks are pinned. The
+        same quota as a session's; see the module docstring for the cap."""
+        with self._lock:
+            self._expire_locked()
+            held, nbytes, _ = self._pin_within_locked(keys, self._quota)
+            old = self._retained.pop(name, None)
+            if old is not None:
+                self._unpin_locked(old.keys)
+            until = self._clock() + ttl_s
+            self._retained[name] = _Pinned(held, nbytes, until)
+            heapq.heappush(self._deadlines, (until, name))
+            if len(self._deadlines) > 2 * len(self._retained) + 1024:  # drop the stale ones
+                self._deadlines = [(e.used, n) for n, e in self._retained.items()]
+                heapq.heapify(self._deadlines)
+            self._enforce_cap_locked(name, self._retained)
+            return len(self._retained[name].keys)
+
     def touch(self, session_id: str) -> None:
         """The session was used: restart its idle clock."""
         with self._lock:
@@ -163,14 +189,16 @@ class SessionPins:
         with self._lock:
             self._expire_locked()
             return {"sessions_pinned": len(self._sessions),
+                    "retained_prefixes": len(self._retained),
                     "session_pinned_bytes": self._cpu.pinned_bytes,
                     "session_pinned_cap_bytes": self._cap}
 
     def close(self) -> None:
         with self._lock:
-            for entry in self._sessions.values():
+            for entry in [*self._sessions.values(), *self._retained.values()]:
                 self._unpin_locked(entry.keys)
             self._sessions.clear()
+            self._retained.clear()
 
     def _pin_within_locked(self, keys: Sequence[ChunkKey],
                            budget: int) -> tuple[list[ChunkKey], int, bool]:
@@ -209,7 +237,15 @@ class SessionPins:
                 self._sizes.pop(key.key, None)
 
     def _expire_locked(self) -> None:
-        deadline = self._clock() - self._ttl
+        now = self._clock()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            until, name = heapq.heappop(self._deadlines)
+            entry = self._retained.get(name)
+            if entry is not None and entry.used == until:  # not retained again since
+                del self._retained[name]
+                self._unpin_locked(entry.keys)
+                self._counters.inc("retain_expiries")
+        deadline = now - self._ttl
         while self._sessions:
             sid, entry = next(iter(self._sessions.items()))
             if entry.used > deadline:
@@ -220,19 +256,33 @@ class SessionPins:
             logger.debug("kvtier: session %s idle for %.0fs: unpinned", session_tag(sid),
                          self._ttl)
 
-    def _enforce_cap_locked(self, current: str) -> None:
-        """Unpin whole sessions, least recently used first, while all pins pass the cap; the
-        current one last, and then only its deepest chunks (a safety net: within its quota it
+    def _enforce_cap_locked(self, current: str, own: dict[str, _Pinned] | None = None) -> None:
+        """Unpin whole sessions, least recently used first, then retained prefixes, the soonest
+        to expire first, while all pins pass the cap; `current` (of table `own`, the sessions
+        by default) last, and then only its deepest chunks (a safety net: within its quota it
         fits under the cap alone)."""
-        for sid in [s for s in self._sessions if s != current]:
+        own = self._sessions if own is None else own
+        if self._cpu.pinned_bytes <= self._cap:
+            return
+        for table, name in self._cap_victims(current, own):
             if self._cpu.pinned_bytes <= self._cap:
                 return
-            self._unpin_locked(self._sessions.pop(sid).keys)
+            self._unpin_locked(table.pop(name).keys)
             self._counters.inc("session_unpins_cap")
-            logger.debug("kvtier: session pins reached max_session_pinned_fraction of the CPU "
-                         "tier: unpinned the least recently used session %s", session_tag(sid))
-        entry = self._sessions[current]
+            logger.debug("kvtier: pins reached max_session_pinned_fraction of the CPU tier: "
+                         "unpinned %s", f"session {session_tag(name)}" if table is self._sessions
+                         else "a retained prefix")
+        entry = own[current]
         while entry.keys and self._cpu.pinned_bytes > self._cap:
             last = entry.keys.pop()
             entry.nbytes -= self._sizes.get(last.key, 0)
             self._unpin_locked([last])
+
+    def _cap_victims(self, current: str, own: dict[str, _Pinned],
+                     ) -> Iterator[tuple[dict[str, _Pinned], str]]:
+        """What the cap unpins, in order (lazily: the retained are sorted only if reached)."""
+        yield from ((self._sessions, s) for s in list(self._sessions)
+                    if not (own is self._sessions and s == current))
+        yield from ((self._retained, n) for _, n in sorted(
+            (e.used, n) for n, e in self._retained.items()
+            if not (own is self._retained and n == current)))

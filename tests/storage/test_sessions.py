@@ -188,3 +188,41 @@ def test_idle_sessions_are_unpinned_after_the_ttl() -> None:
     assert pins.stats()["sessions_pinned"] == 0
     assert counters.snapshot()["session_unpins_ttl"] == 1
     assert cpu.pinned_bytes == 0 and len(cpu.pop_lru(1 << 20)) == 4
+
+
+def test_a_retained_prefix_expires_at_its_own_time_and_retaining_again_restarts_it() -> None:
+    now = [0.0]
+    cpu, _, keys = _cpu_with(64)
+    counters = Counters()
+    pins = SessionPins(cpu, cap_bytes=1 << 20, ttl_s=600.0, counters=counters,
+                       clock=lambda: now[0])
+    assert pins.retain("short", keys[:2], 10.0) == 2
+    assert pins.retain("long", keys, 30.0) == 4
+    now[0] = 10.0
+    assert pins.stats()["retained_prefixes"] == 1  # "short" is over, "long" is not
+    assert counters.snapshot()["retain_expiries"] == 1
+    now[0] = 25.0
+    assert pins.retain("long", keys, 30.0) == 4  # renewed at 25: until 55
+    now[0] = 54.0
+    assert pins.stats()["retained_prefixes"] == 1
+    now[0] = 55.0
+    assert pins.stats()["retained_prefixes"] == 0
+    assert counters.snapshot()["retain_expiries"] == 2
+    assert cpu.pinned_bytes == 0 and len(cpu.pop_lru(1 << 20)) == 4
+
+
+def test_over_the_cap_sessions_go_before_retained_prefixes() -> None:
+    cpu, arena, keys = _cpu_with(64)
+    counters = Counters()
+    # Room for 4 chunks in all, 4 per pin (quota share 1).
+    pins = SessionPins(cpu, cap_bytes=4 * SMALL_MHA.nbytes(CHUNK), ttl_s=600.0, counters=counters,
+                       session_share=1.0)
+    assert pins.retain("r", keys[:2], 60.0) == 2
+    assert pins.pin("s", keys[2:4]) == 2
+    other = make_keys(2 * CHUNK, seed=77)
+    with lease([make_obj(arena, SMALL_MHA, CHUNK, i) for i in range(2)]) as objs:
+        cpu.batch_put(other, objs)
+    assert pins.retain("r2", other, 60.0) == 2  # over the cap: the session goes first
+    stats = pins.stats()
+    assert stats["sessions_pinned"] == 0 and stats["retained_prefixes"] == 2
+    assert counters.snapshot()["session_unpins_cap"] == 1
