@@ -27,7 +27,8 @@ def _aot_extension() -> dict[str, object]:
     except ImportError:
         sys.exit("kvtier: KVTIER_BUILD_EXT=1 needs torch installed; use "
                  "`pip install --no-build-isolation`")
-    sources = ["kvtier/kernels/csrc/kv_ops.cpp", "kvtier/kernels/csrc/kv_module.cpp"]
+    sources = ["kvtier/kernels/csrc/kv_ops.cpp", "kvtier/kernels/csrc/kv_codec.cpp",
+               "kvtier/kernels/csrc/kv_module.cpp"]
     flags = ["-O3", "-g0", "-fopenmp"]
     if torch.version.cuda is not None and CUDA_HOME is not None:
         ext = CUDAExtension("kvtier._C", [*sources, "kvtier/kernels/csrc/kv_ops_cuda.cu"],

@@ -19,7 +19,9 @@ into the pool (a decoded chunk has the pool's dtype and shape).
 
 A record is encoded on the tier's writer thread and decoded on the load path, after the whole
 payload was verified (checksum, or GCM tag) in a scratch buffer: nothing unverified reaches
-the arena.
+the arena. Both run in the C++ kernel when it is built (`kvtier.kernels.ops.codec_encode` /
+`codec_decode`: single-threaded, without the GIL, decoding straight into the arena), else in
+torch (`encode_torch` / `decode_torch`, the reference the kernel matches bit for bit).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from abc import ABC, abstractmethod
 import torch
 
 from kvtier.errors import ConfigError
+from kvtier.kernels import ops
 from kvtier.memory import KVLayout, MemoryFormat, MemoryObj
 
 __all__ = ["CODECS", "Codec", "Encoded", "FP8", "INT8", "NAIVE", "PASSED", "REFUSED", "check_gate",
@@ -147,8 +150,16 @@ class _FP8(Codec):
         x = obj.tensor
         if x.dtype.itemsize == 1:
             return obj
-        values, per_channel, per_token = self._parts(tuple(x.shape))
-        data = memoryview(bytearray(values + per_channel + per_token))
+        data = memoryview(bytearray(sum(self._parts(tuple(x.shape)))))
+        # The C++ kernel when built (bit-identical, one pass per part, no float32 copies, the
+        # GIL released: writer threads encode side by side), else torch.
+        if not (_kernel_takes(x) and ops.codec_encode(x, _bytes(data), self.name)):
+            self.encode_torch(x, data)
+        return Encoded(obj, self, data)
+
+    def encode_torch(self, x: torch.Tensor, data: memoryview) -> None:
+        """The torch encoder of `x` (the chunk) into `data` (its payload length): the
+        reference the C++ kernel matches bit for bit, and its fallback."""
         q, s_chan, s_tok = self._views(data, tuple(x.shape))
         # K (or MLA's latent): a scale per (layer, channel), over the chunk's tokens
         k = x[0].to(torch.float32, copy=True)  # never a view of the arena
@@ -158,7 +169,6 @@ class _FP8(Codec):
             v = x[1].to(torch.float32, copy=True)
             s_tok.copy_(v.abs().amax(dim=2).clamp_min(_TINY) / self._MAX)
             self._store(v.div_(s_tok[:, :, None]), q[1])
-        return Encoded(obj, self, data)
 
     _MAX = _FP8_MAX  # the largest value stored
 
@@ -178,8 +188,13 @@ class _FP8(Codec):
         if len(payload) != sum(self._parts(shape)):
             raise ValueError(f"payload: {len(payload)} bytes do not hold an {self.name} chunk "
                              f"of shape {shape}")
-        q, s_chan, s_tok = self._views(payload, shape)
         out = obj.tensor
+        if not (_kernel_takes(out) and ops.codec_decode(_bytes(payload), out, self.name)):
+            self.decode_torch(payload, out)
+
+    def decode_torch(self, payload: memoryview, out: torch.Tensor) -> None:
+        """The torch decoder of `payload` (checked) into `out`: the kernel's reference."""
+        q, s_chan, s_tok = self._views(payload, tuple(out.shape))
         wide, unit = self._load(q[0])
         torch.mul(wide, s_chan[:, None, :] * unit, out=out[0])
         if s_tok is not None:
@@ -204,6 +219,19 @@ class _FP8(Codec):
 # `_widen` is exact; the 2**8 goes into the scale. Measured 8x faster than torch's own
 # fp8 -> float conversion on this host's CPU (1.0 vs 8.6 ms for 1.5 M values, one thread).
 _F16_UNIT = 256.0
+
+
+def _kernel_takes(chunk: torch.Tensor) -> bool:
+    """Whether the C++ codec kernel takes `chunk` (else torch codes it)."""
+    return chunk.is_contiguous() and chunk.dtype in _KERNEL_DTYPES and chunk.device.type == "cpu"
+
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _bytes(data: memoryview) -> torch.Tensor:
+    """`data` as a 1-D uint8 tensor sharing its memory."""
+    return torch.frombuffer(data, dtype=torch.uint8)
 
 
 def _widen(q: torch.Tensor) -> torch.Tensor:

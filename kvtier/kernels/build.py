@@ -83,7 +83,8 @@ def _with_cuda() -> bool:
 
 
 def _sources(cuda: bool) -> list[Path]:
-    return [SOURCE_DIR / "kv_ops.cpp", SOURCE_DIR / "kv_module.cpp",
+    return [SOURCE_DIR / "kv_ops.cpp", SOURCE_DIR / "kv_codec.cpp",
+            SOURCE_DIR / "kv_module.cpp",
             *([SOURCE_DIR / "kv_ops_cuda.cu"] if cuda else [])]
 
 

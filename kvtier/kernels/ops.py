@@ -11,6 +11,9 @@ kernels are tested against. `KVTIER_KERNEL=torch` forces the reference, `KVTIER_
 requires the compiled kernels (an error if they cannot be built), `auto` (the default) picks
 the fastest available.
 
+`codec_encode` / `codec_decode` run the disk and Redis tiers' record codecs (fp8, int8:
+`kvtier.backends.codec`, whose torch path stays their reference) in the same extension.
+
 The kernels copy rows of bytes, so every dtype works (fp8 included). Every argument is checked
 before anything is written: in C++ by the compiled kernels (they return an error, raised here by
 `check_result`), here for the reference.
@@ -34,7 +37,7 @@ from kvtier.kernels.checks import SKIP_SLOT, CheckedLayers
 
 __all__ = ["gather", "scatter", "gather_chunks", "scatter_chunks", "prepare", "kernel_name",
            "kernel_status", "reference_gather", "reference_scatter", "CheckedLayers",
-           "slot_bounds", "token_bytes", "check_result"]
+           "slot_bounds", "token_bytes", "check_result", "codec_encode", "codec_decode"]
 
 logger = logging.getLogger(__name__)
 
@@ -171,6 +174,41 @@ def token_bytes(tokens: torch.Tensor) -> bytes | None:
     else or without the kernel (then convert with numpy)."""
     ext = _ext if _ext is not None else _loaded_ext()
     return None if ext is None else ext.token_bytes(tokens)
+
+
+def codec_encode(chunk: torch.Tensor, payload: torch.Tensor, codec: str, *,
+                 simd: bool = True) -> bool:
+    """Encode `chunk` (contiguous CPU `[planes, layers, tokens, hidden]`, bf16/fp16/fp32) into
+    `payload` (1-D uint8, the codec's payload length) as `kvtier.backends.codec` does for
+    `codec` ("fp8" or "int8"), bit for bit, in one C++ pass per part on the calling thread,
+    without the GIL. Returns False, writing nothing, when the compiled kernel is not used (see
+    `prepare`; the caller encodes with torch). `simd=False` keeps the kernel off its AVX2 rows
+    (for the tests: both must give the same bytes).
+
+    Raises:
+        ValueError: naming the bad argument; nothing has been written.
+    """
+    ext = _kernel(torch.device("cpu"))
+    if ext is None or not hasattr(ext, "codec_encode"):
+        return False
+    check_result(ext.codec_encode(chunk, payload, codec, simd))
+    return True
+
+
+def codec_decode(payload: torch.Tensor, out: torch.Tensor, codec: str, *,
+                 simd: bool = True) -> bool:
+    """Decode `payload` (as `codec_encode` writes it) straight into `out` (contiguous CPU
+    `[planes, layers, tokens, hidden]`), bit-identical to the torch decode. Returns False,
+    writing nothing, when the compiled kernel is not used.
+
+    Raises:
+        ValueError: naming the bad argument; nothing has been written.
+    """
+    ext = _kernel(torch.device("cpu"))
+    if ext is None or not hasattr(ext, "codec_decode"):
+        return False
+    check_result(ext.codec_decode(payload, out, codec, simd))
+    return True
 
 
 def prepare() -> str:

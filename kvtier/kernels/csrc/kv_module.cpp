@@ -10,6 +10,7 @@
 #include <string>
 #include <utility>
 
+#include "kv_codec.h"
 #include "kv_ops.h"
 
 namespace kvtier {
@@ -107,6 +108,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("token_bytes", &kvtier::token_bytes,
         "a 1-D CPU integer tensor as little-endian uint32 bytes (ValueError outside [0, 2**32)), "
         "else None", py::arg("tokens"));
+  // The record codecs (kv_codec.h), single-threaded, without the GIL once checked.
+  m.def("codec_encode", kvtier::reporting(&kvtier::codec_encode),
+        "chunk [planes, layers, tokens, hidden] -> its fp8/int8 record payload (codec.py)",
+        py::arg("chunk"), py::arg("payload"), py::arg("codec"), py::arg("simd") = true);
+  m.def("codec_decode", kvtier::reporting(&kvtier::codec_decode),
+        "an fp8/int8 record payload -> out [planes, layers, tokens, hidden] (codec.py)",
+        py::arg("payload"), py::arg("out"), py::arg("codec"), py::arg("simd") = true);
   m.def("gather_host", kvtier::reporting(&kvtier::gather_host),
         "outs[c][l, t] = layers[l][slots[first_c + t]] for CUDA layers and pinned host chunks, "
         "enqueued on the current stream; slots checked on the GPU into status",

@@ -1,0 +1,280 @@
+"""The C++ record codecs (kvtier/kernels/csrc/kv_codec.cpp) against codec.py's torch path, bit
+for bit: encode, decode, both round trips, the edge values of e4m3 and int8 rounding, the
+fallback to torch, and the kernel's argument checks.
+
+The compiled kernels are prepared (built on first use) before each test, as tests/kernels loads
+them: a machine that cannot build them fails these tests (the kernel calls return False)
+instead of skipping.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtier.backends.codec import FP8, INT8, Codec, Encoded
+from kvtier.kernels import ops
+from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj
+
+REPO = Path(__file__).resolve().parents[2]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+CODECS = [FP8, INT8]
+# hidden 36 and 44: whole AVX2 blocks of 8 and a tail of 4 (a record's scales must start
+# 4-byte aligned for the torch path, so values come in multiples of 4)
+LAYOUTS = {"mha": lambda d: KVLayout.mha(num_layers=3, num_kv_heads=3, head_dim=12, dtype=d),
+           "mla": lambda d: KVLayout.mla(num_layers=2, kv_dim=44, dtype=d)}
+
+
+@pytest.fixture(autouse=True)
+def _auto_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVTIER_KERNEL", raising=False)
+    ops.prepare()
+
+
+@pytest.fixture
+def alloc() -> MemoryAllocator:
+    return MemoryAllocator(1 << 24)
+
+
+def chunk(alloc: MemoryAllocator, layout: KVLayout, tokens: int, seed: int) -> MemoryObj:
+    """KV-like values over many magnitudes: outlier channels, an all-zero channel, a channel
+    of values far below the others (flushed by its scale), loud V tokens."""
+    obj = alloc.allocate(layout, tokens)
+    assert obj is not None
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(obj.tensor.shape, generator=gen)
+    x *= torch.logspace(-3, 2, x.shape[-1])[torch.randperm(x.shape[-1], generator=gen)]
+    x[..., 1] = 0.0
+    x[..., 2] *= 1e-30
+    if layout.planes == 2:
+        x[1] *= 1 + 5 * (torch.rand(tokens, 1, generator=gen) > 0.9)
+    obj.tensor.copy_(x)
+    return obj
+
+
+def torch_payload(codec: Codec, x: torch.Tensor) -> bytes:
+    data = memoryview(bytearray(_nbytes(codec, x)))
+    codec.encode_torch(x, data)  # type: ignore[attr-defined]
+    return bytes(data)
+
+
+def _nbytes(codec: Codec, x: torch.Tensor) -> int:
+    planes, layers, tokens, hidden = x.shape
+    return planes * layers * tokens * hidden + 4 * layers * hidden + \
+        (4 * layers * tokens if planes == 2 else 0)
+
+
+def kernel_payload(codec: Codec, x: torch.Tensor, simd: bool = True) -> bytes:
+    out = torch.full((_nbytes(codec, x),), 0xAB, dtype=torch.uint8)
+    assert ops.codec_encode(x, out, codec.name, simd=simd)
+    return out.numpy().tobytes()
+
+
+def torch_decoded(codec: Codec, payload: bytes, like: torch.Tensor) -> torch.Tensor:
+    out = torch.full_like(like, 7.0)
+    codec.decode_torch(memoryview(bytearray(payload)), out)  # type: ignore[attr-defined]
+    return out
+
+
+def kernel_decoded(codec: Codec, payload: bytes, like: torch.Tensor,
+                   simd: bool = True) -> torch.Tensor:
+    out = torch.full_like(like, 7.0)
+    raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    assert ops.codec_decode(raw, out, codec.name, simd=simd)
+    return out
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("simd", [True, False], ids=["avx2", "plain"])
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kernel_encodes_and_decodes_bit_for_bit_as_torch(
+        alloc: MemoryAllocator, dtype: torch.dtype, layout: str, codec: Codec,
+        simd: bool) -> None:
+    lay = LAYOUTS[layout](dtype)
+    for seed, tokens in ((0, 37), (1, 256)):
+        x = chunk(alloc, lay, tokens, seed).tensor
+        ref = torch_payload(codec, x)
+        assert kernel_payload(codec, x, simd) == ref
+        assert torch.equal(bits(kernel_decoded(codec, ref, x, simd)),
+                           bits(torch_decoded(codec, ref, x)))
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_round_trips_across_the_two_paths_agree(
+        alloc: MemoryAllocator, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
+        codec: Codec) -> None:
+    """Through the codec's own encode/decode: a record the kernel wrote reads back the same
+    through torch, and one torch wrote the same through the kernel."""
+    lay = LAYOUTS["mha"](dtype)
+    obj = chunk(alloc, lay, 64, 3)
+    kernel_rec = codec.encode(obj)
+    monkeypatch.setenv("KVTIER_KERNEL", "torch")
+    torch_rec = codec.encode(obj)
+    assert isinstance(kernel_rec, Encoded) and isinstance(torch_rec, Encoded)
+    assert bytes(kernel_rec.byte_view()) == bytes(torch_rec.byte_view())
+    outs = {}
+    for writer, rec in (("kernel", kernel_rec), ("torch", torch_rec)):
+        for reader in ("kernel", "torch"):
+            if reader == "torch":
+                monkeypatch.setenv("KVTIER_KERNEL", "torch")
+            else:
+                monkeypatch.delenv("KVTIER_KERNEL", raising=False)
+            out = alloc.allocate(lay, 64)
+            assert out is not None
+            codec.decode(memoryview(bytearray(rec.byte_view())), out)
+            outs[writer, reader] = bits(out.tensor).clone()
+            out.release()
+        monkeypatch.delenv("KVTIER_KERNEL", raising=False)
+    first = outs["kernel", "kernel"]
+    assert all(torch.equal(first, o) for o in outs.values())
+    assert not torch.equal(first, bits(obj.tensor))  # lossy: a real round trip, not a copy
+
+
+def _with_unit_scales(values: torch.Tensor, top: float) -> torch.Tensor:
+    """A float32 MLA chunk [1, 1, tokens, 16] holding `values` (padded with zeros), each channel
+    led by `top` (the codec's largest stored value): every scale is exactly 1, so each value
+    is quantized as it is."""
+    width = 16
+    pad = (-values.numel()) % width
+    body = torch.cat([values.float(), torch.zeros(pad)]).view(-1, width)
+    return torch.cat([torch.full((1, width), top), body]).view(1, 1, -1, width).contiguous()
+
+
+def _e4m3_edges() -> torch.Tensor:
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[torch.isfinite(grid)].unique()  # every e4m3 value, both signs, zeros
+    mids = (grid[1:] + grid[:-1]) / 2  # ties (exact in float32), subnormal ones included
+    up, down = torch.nextafter(mids, torch.tensor(1e9)), torch.nextafter(mids, torch.tensor(-1e9))
+    tiny = torch.tensor([0.0, -0.0, 1e-45, -1e-45, 1e-38, 2.0 ** -10, 2.0 ** -6 - 2.0 ** -12,
+                         2.0 ** -6, 447.99, 448.0, -448.0, 432.0, 440.0])
+    # every float32 bit pattern from 0 up to 448, one in 251
+    sweep = torch.arange(0, 0x43E00001, 251, dtype=torch.int64).to(torch.int32).view(
+        torch.float32)
+    return torch.cat([grid, mids, up, down, tiny, sweep, -sweep])
+
+
+@pytest.mark.parametrize("simd", [True, False], ids=["avx2", "plain"])
+def test_fp8_rounds_edge_values_as_torch(simd: bool) -> None:
+    values = _e4m3_edges()
+    x = _with_unit_scales(values, 448.0)
+    payload = kernel_payload(FP8, x, simd)
+    assert payload == torch_payload(FP8, x)
+    q = torch.frombuffer(bytearray(payload), dtype=torch.uint8)[:x.numel()]
+    expect = x.flatten().to(torch.float8_e4m3fn).view(torch.uint8)  # scales are 1
+    assert torch.equal(q, expect)
+    back = kernel_decoded(FP8, payload, x, simd)
+    assert torch.equal(bits(back), bits(torch_decoded(FP8, payload, x)))
+
+
+@pytest.mark.parametrize("simd", [True, False], ids=["avx2", "plain"])
+def test_int8_rounds_ties_to_even_and_clamps_as_torch(simd: bool) -> None:
+    halves = torch.arange(-254, 255, dtype=torch.float32) / 2  # every .5 tie in [-127, 127]
+    near = torch.cat([torch.nextafter(halves, torch.tensor(1e9)),
+                      torch.nextafter(halves, torch.tensor(-1e9))])
+    near = near[near.abs() <= 127]  # beyond, a channel's scale would no longer be 1
+    values = torch.cat([halves, near, torch.tensor([0.0, -0.0, 1e-45, 126.5, -126.5, 127.0]),
+                        torch.empty(100_000).uniform_(-127, 127)])
+    x = _with_unit_scales(values, 127.0)
+    payload = kernel_payload(INT8, x, simd)
+    assert payload == torch_payload(INT8, x)
+    q = torch.frombuffer(bytearray(payload), dtype=torch.int8)[:x.numel()]
+    assert torch.equal(q, x.flatten().round().clamp(-127, 127).to(torch.int8))
+    assert torch.equal(bits(kernel_decoded(INT8, payload, x, simd)),
+                       bits(torch_decoded(INT8, payload, x)))
+
+
+def test_decode_reads_every_byte_as_torch_does() -> None:
+    """Any payload, not only an encoder's: all 256 byte values (fp8's NaN patterns 0x7F/0xFF
+    included) under scales of every magnitude."""
+    gen = torch.Generator().manual_seed(5)
+    like = torch.empty(2, 2, 64, 256, dtype=torch.bfloat16)
+    values = torch.arange(256, dtype=torch.uint8).repeat(2 * 2 * 64)
+    scales = torch.exp2(torch.randint(-60, 60, (2 * 256 + 2 * 64,), generator=gen).float()) * \
+        torch.rand(2 * 256 + 2 * 64, generator=gen)
+    payload = values.numpy().tobytes() + scales.numpy().tobytes()
+    for codec in CODECS:
+        for dtype in DTYPES:
+            x = like.to(dtype)
+            for simd in (True, False):
+                assert torch.equal(bits(kernel_decoded(codec, payload, x, simd)),
+                                   bits(torch_decoded(codec, payload, x))), (codec.name, dtype)
+
+
+def test_without_the_kernel_the_codecs_use_torch(alloc: MemoryAllocator,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    obj = chunk(alloc, LAYOUTS["mha"](torch.bfloat16), 32, 4)
+    expect = kernel_payload(FP8, obj.tensor)
+    monkeypatch.setenv("KVTIER_KERNEL", "torch")
+    assert not ops.codec_encode(obj.tensor, torch.empty(len(expect), dtype=torch.uint8), "fp8")
+    rec = FP8.encode(obj)
+    assert isinstance(rec, Encoded) and bytes(rec.byte_view()) == expect
+
+
+FALLBACK = textwrap.dedent("""
+    import hashlib, torch
+    from kvtier.backends.codec import FP8
+    from kvtier.kernels import build, ops
+    from kvtier.memory import KVLayout, MemoryAllocator
+    from tests.backends.test_codec_kernel import chunk, LAYOUTS
+    alloc = MemoryAllocator(1 << 24)
+    obj = chunk(alloc, LAYOUTS["mha"](torch.bfloat16), 32, 4)
+    rec = FP8.encode(obj)
+    out = alloc.allocate(LAYOUTS["mha"](torch.bfloat16), 32)
+    FP8.decode(memoryview(bytearray(rec.byte_view())), out)
+    print(hashlib.sha256(bytes(rec.byte_view())).hexdigest(),
+          hashlib.sha256(out.tensor.view(torch.uint8).numpy().tobytes()).hexdigest(),
+          ops.kernel_name(), len(build.builds()))
+""")
+
+
+def test_a_process_without_a_built_kernel_codes_with_torch(alloc: MemoryAllocator,
+                                                           tmp_path: Path) -> None:
+    """No kernel built for this environment (an empty cache): records still encode and
+    decode, with torch, to the same bytes, and nothing compiles on the way."""
+    env = {**os.environ, "KVTIER_CACHE_DIR": str(tmp_path / "empty")}
+    env.pop("KVTIER_KERNEL", None)
+    run = subprocess.run([sys.executable, "-c", FALLBACK], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    obj = chunk(alloc, LAYOUTS["mha"](torch.bfloat16), 32, 4)
+    payload = kernel_payload(FP8, obj.tensor)
+    decoded = kernel_decoded(FP8, payload, obj.tensor)
+    assert run.stdout.split() == [hashlib.sha256(payload).hexdigest(),
+                                  hashlib.sha256(bits(decoded).numpy().tobytes()).hexdigest(),
+                                  "torch", "0"]
+
+
+def test_bad_arguments_raise_value_error_naming_them_and_write_nothing() -> None:
+    x = torch.randn(2, 2, 4, 8)
+    good = _nbytes(FP8, x)
+    payload = torch.full((good,), 0xAB, dtype=torch.uint8)
+    cases = [
+        (lambda: ops.codec_encode(x, payload[:-1], "fp8"), "payload"),
+        (lambda: ops.codec_encode(x, payload.view(-1, 4), "fp8"), "payload"),
+        (lambda: ops.codec_encode(x.to(torch.float64), payload, "fp8"), "chunk"),
+        (lambda: ops.codec_encode(x[0], payload, "fp8"), "chunk"),
+        (lambda: ops.codec_encode(x.transpose(2, 3), payload, "fp8"), "chunk"),
+        (lambda: ops.codec_encode(torch.randn(3, 2, 4, 8), payload, "fp8"), "chunk"),
+        (lambda: ops.codec_encode(x, payload, "fp4"), "codec"),
+        (lambda: ops.codec_decode(payload, x.transpose(2, 3), "int8"), "out"),
+        (lambda: ops.codec_decode(payload[1:], x, "int8"), "payload"),
+        (lambda: ops.codec_decode(payload, x, "nf4"), "codec"),
+    ]
+    before = x.clone()
+    for call, name in cases:
+        with pytest.raises(ValueError, match=f"^{name}"):
+            call()
+    assert bool((payload == 0xAB).all()) and torch.equal(x, before)
