@@ -22,7 +22,7 @@ from typing import Any
 from harness.sglang_zygote import Zygote
 from kvtier.demo import server as _server
 from kvtier.demo.server import cpu_shims_dir, free_port
-from kvtier.integration.sglang.cpu import SHIM_DIR
+from kvtier.integration.sglang.launch.cpu import SHIM_DIR
 
 __all__ = ["SGLangServer", "free_port", "PYTHONPATH_DIRS", "SHIMS_DIR", "CPU_FLAGS", "running",
            "LAUNCHES"]

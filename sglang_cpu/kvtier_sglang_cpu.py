@@ -2,7 +2,7 @@
 
 - Both arms of a comparison compute alike: the baseline server (no kvtier) gets the same
   extend over a cached prefix that kvtier's plugin installs for a `--device cpu` server
-  (`kvtier.integration.sglang.cpu_attention`, config key `cpu_prefix_attention`), so a ratio
+  (`kvtier.integration.sglang.launch.cpu_attention`, config key `cpu_prefix_attention`), so a ratio
   measures what the cache saves, not the attention fix. Installing it twice is a no-op.
 - With `KVTIER_BENCH_FORWARD_LOG=PATH` (benchmarks only) it also appends one line per model
   forward to PATH: its end (wall clock), extend or decode, its tokens, its wall seconds and the
@@ -25,7 +25,7 @@ from typing import Any, TextIO
 def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from kvtier.integration.sglang import cpu_attention
+    from kvtier.integration.sglang.launch import cpu_attention
 
     cpu_attention.install()
     if os.environ.get(_FORWARD_LOG):

@@ -144,3 +144,22 @@ def test_the_tiers_are_listed_in_one_place():
         if len(named) > 1:
             listing[module] = sorted(named)
     assert not listing, f"list tiers through kvtier.config.tiers: {listing}"
+
+
+def test_the_sglang_integration_is_a_few_concerns():
+    """integration/sglang/ holds one sub-package per concern (launch, rank, blending, admin,
+    stop, boundary, hicache) and few modules beside them: at most 12 entries in all."""
+    top = PACKAGE / "integration" / "sglang"
+    entries = sorted(p.name for p in top.iterdir()
+                     if p.suffix == ".py" or (p / "__init__.py").exists())
+    assert len(entries) <= 12, f"group them by concern: {entries}"
+
+
+def test_the_architecture_doc_pictures_every_package():
+    """docs/architecture.md's picture of the code names every sub-package of kvtier/ and of
+    kvtier/integration/sglang/ (as `name/`): a new folder is drawn when it is made."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    folders = [p for top in (PACKAGE, PACKAGE / "integration" / "sglang")
+               for p in top.iterdir() if (p / "__init__.py").exists()]
+    missing = sorted(str(p.relative_to(ROOT)) for p in folders if f"{p.name}/" not in text)
+    assert not missing, f"draw them in docs/architecture.md: {missing}"

@@ -62,7 +62,7 @@ def test_a_wheel_of_the_checkout_installs_and_uses_the_cpp_kernel(tmp_path: Path
                    check=True)
     [wheel] = (tmp_path / "dist").glob("kvtier-*.whl")
     with zipfile.ZipFile(wheel) as whl:  # the CPU engine's sgl_kernel stand-in ships in it
-        assert "kvtier/integration/sglang/cpu_shims/sgl_kernel/__init__.py" in whl.namelist()
+        assert "kvtier/integration/sglang/launch/cpu_shims/sgl_kernel/__init__.py" in whl.namelist()
     # Installed as the README writes it, from inside the checkout.
     [line] = [ln for ln in (REPO / "README.md").read_text().splitlines()
               if ln.startswith("pip install '.[")]

@@ -188,7 +188,7 @@ def test_tensors_the_kernel_helper_does_not_take_go_the_numpy_way() -> None:
 def test_only_a_prompts_first_chunk_starts_a_prefix() -> None:
     """`starts_prefix` tells a prompt's first chunk (or a tail with nothing before it) from a
     blending segment's, another salt's and a later chunk (tier events announce only the
-    first kind: kvtier/integration/sglang/tier_events.py)."""
+    first kind: kvtier/integration/sglang/rank/tier_events.py)."""
     builder = KeyBuilder(model="m", fingerprint="f", chunk_size=16, page_size=4, tails=True)
     tokens = list(range(40))
     for salt in ("", "tenant"):

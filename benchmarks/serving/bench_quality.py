@@ -54,7 +54,7 @@ from kvtier.demo.quality import (
     documents,
 )
 from kvtier.demo.server import CPU_FLAGS, SGLangServer, cpu_shims_dir
-from kvtier.integration.sglang.cpu import BIND_ENV, thread_binds
+from kvtier.integration.sglang.launch.cpu import BIND_ENV, thread_binds
 
 PATHS = ("miss", "cpu", "disk", "redis")
 GATE_IDENTICAL = 0.96  # of the prompts' greedy answers identical to the reference (48 of 50)

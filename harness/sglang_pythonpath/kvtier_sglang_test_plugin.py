@@ -36,7 +36,7 @@ def _fork_children() -> None:
     multiprocessing.set_start_method = set_start_method  # type: ignore[assignment]
     # What a spawned child does as it loads kvtier's plugin (a forked one loads nothing): the
     # first Ctrl-C left to the launcher, the exit unfinalized.
-    from kvtier.integration.sglang.shutdown import set_up_server_child
+    from kvtier.integration.sglang.stop.shutdown import set_up_server_child
 
     os.register_at_fork(after_in_child=set_up_server_child)
     if multiprocessing.get_start_method(allow_none=True) == "spawn":  # set before plugins load

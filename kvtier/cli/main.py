@@ -49,7 +49,7 @@ def _check_config(args: argparse.Namespace) -> int:
     if args.tp_size < 1:
         print(f"kvtier: error: --tp-size must be >= 1, got {args.tp_size}", file=sys.stderr)
         return 2
-    from kvtier.integration.sglang.preflight import preflight
+    from kvtier.integration.sglang.launch.preflight import preflight
 
     loaded = load_config_report(args.file)
     found = preflight(loaded.config, args)
@@ -106,7 +106,7 @@ def _version(dist: str) -> str:
 def _sglang_internals() -> str:
     """Whether the installed SGLang still has every internal kvtier reaches for."""
     try:
-        from kvtier.integration.sglang import sglang_canary
+        from kvtier.integration.sglang.boundary import sglang_canary
 
         failed = sglang_canary.check_all()
     except Exception as exc:  # an SGLang that does not even import is worth one line here

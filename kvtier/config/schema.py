@@ -110,7 +110,7 @@ class Config:
     # Move a CPU KV pool onto transparent huge pages at launch (kvtier.connectors.hugepages).
     huge_pages: bool = True
     # On SGLang's CPU engine, an extend over a cached prefix computes the new tokens' attention
-    # only (kvtier.integration.sglang.cpu_attention): what makes a hit save time there.
+    # only (kvtier.integration.sglang.launch.cpu_attention): what makes a hit save time there.
     cpu_prefix_attention: bool = True
     # Share KV in disk/Redis for a model whose weights kvtier cannot read for a full digest
     # (a hub id not downloaded here): keyed by name and revision only.

@@ -5,8 +5,8 @@ scheduler and detokenizer processes it spawned. Its output goes to a log file (k
 it loads there), printed when the server fails to start.
 
 On a machine without a GPU SGLang runs its CPU engine, which imports `sgl_kernel` (no CPU build
-on PyPI): kvtier's stand-in (`kvtier.integration.sglang.cpu.SHIM_DIR`) is put on every server's
-PYTHONPATH, servers without kvtier included, unless a real `sgl_kernel` is installed; the
+on PyPI): kvtier's stand-in (`kvtier.integration.sglang.launch.cpu.SHIM_DIR`) is put on every
+server's PYTHONPATH, servers without kvtier included, unless a real `sgl_kernel` is installed; the
 repository's `sglang_cpu/` directory (a plugin that makes prefix hits save attention work on
 CPU) goes beside it where the caller asks (`KVTIER_SGLANG_CPU_SHIMS` names it explicitly).
 """
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtier.integration.sglang.cpu import SHIM_DIR, shims_needed
+from kvtier.integration.sglang.launch.cpu import SHIM_DIR, shims_needed
 
 __all__ = ["SGLangServer", "StreamResult", "free_port", "cpu_shims_dir", "server_env",
            "CPU_FLAGS", "gpu_available"]

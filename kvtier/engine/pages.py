@@ -1,5 +1,5 @@
 """`PageStore`: pages of a serving engine's host pool stored by key, for SGLang's HiCache L3
-(`integration/sglang/hicache_storage.py`)."""
+(`integration/sglang/hicache/storage.py`)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ A tenant is a request's salt (SGLang's `cache_salt`), which every `ChunkKey` of 
 carries. The CPU tier (or the staging tier of `local_cpu: false`) lives in the serving process,
 so only the engine can forget what it holds there; `kvtier purge --tenant` reaches the disk and
 Redis records from a config, and with `--server` asks each server for this through its admin
-route (`kvtier.integration.sglang.admin`).
+route (`kvtier.integration.sglang.admin.routes`).
 
 What goes: every chunk the tenant holds in the CPU tier, from every tier the engine holds (the
 same keys in the disk and Redis tiers too, so the engine's own disk index learns of it and the

@@ -1,6 +1,6 @@
 """Who holds what: the chunks a tier gains and loses, told to whoever watches.
 
-SGLang's KV events are the first watcher (`kvtier.integration.sglang.tier_events`): a router
+SGLang's KV events are the first watcher (`kvtier.integration.sglang.rank.tier_events`): a router
 that knows which server's tiers hold a prefix can send its next request there. With nobody
 watching, a change costs one truth test.
 

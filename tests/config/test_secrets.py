@@ -26,7 +26,7 @@ from kvtier.config.lmcache.compat import secret_key
 from kvtier.config.lmcache.migrate import explain
 from kvtier.connectors import SGLangMHAConnector
 from kvtier.engine import CacheEngine
-from kvtier.integration.sglang.adapter import SGLangKVTier
+from kvtier.integration.sglang.rank.adapter import SGLangKVTier
 from kvtier.memory import MemoryAllocator, lease
 from kvtier.metrics import Counters
 from kvtier.storage.sessions import SessionPins, session_tag

@@ -12,7 +12,7 @@ import torch
 from kvtier.config import Config
 from kvtier.connectors import SGLangMHAConnector, SGLangMLAConnector
 from kvtier.engine import CacheEngine
-from kvtier.integration.sglang.adapter import SGLangKVTier
+from kvtier.integration.sglang.rank.adapter import SGLangKVTier
 from tests.gpu import cuda
 
 pytestmark = cuda

@@ -18,8 +18,8 @@ from harness.redis import RedisProcess
 from kvtier.config import Config
 from kvtier.connectors import SGLangMHAConnector
 from kvtier.engine import CacheEngine
-from kvtier.integration.sglang.adapter import SGLangKVTier
-from kvtier.integration.sglang.admin import apply
+from kvtier.integration.sglang.admin.routes import apply
+from kvtier.integration.sglang.rank.adapter import SGLangKVTier
 from tests.helpers import SMALL_MHA
 
 CHUNK, TOKENS, HELD = 16, 64, 48  # the tiers hold the first 3 of the prompt's 4 chunks

@@ -18,7 +18,7 @@ from kvtier.config import Config
 from kvtier.connectors import SGLangMHAConnector
 from kvtier.engine import CacheEngine
 from kvtier.errors import ConfigError
-from kvtier.integration.sglang.attach import MAX_TIMEOUT_S, Attachments, attach_config
+from kvtier.integration.sglang.admin.attach import MAX_TIMEOUT_S, Attachments, attach_config
 from tests.helpers import SMALL_MHA
 
 

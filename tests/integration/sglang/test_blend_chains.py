@@ -18,8 +18,8 @@ from kvtier.blend.store import SegmentStore
 from kvtier.config import Config
 from kvtier.connectors import SGLangMHAConnector
 from kvtier.engine import CacheEngine
-from kvtier.integration.sglang.blend_chains import MAX_SEGMENTS
-from kvtier.integration.sglang.blending import BLEND_COUNTERS, SGLangBlender
+from kvtier.integration.sglang.blending.blend_chains import MAX_SEGMENTS
+from kvtier.integration.sglang.blending.blender import BLEND_COUNTERS, SGLangBlender
 from kvtier.memory import KVLayout
 from kvtier.metrics import Counters
 from tests.blend.conftest import tiny_llama

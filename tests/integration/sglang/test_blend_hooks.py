@@ -16,7 +16,7 @@ pytestmark = pytest.mark.sglang
 def hooks() -> Any:
     """`BlendHooks`, imported here: the module imports SGLang, and the suite collects without
     it (tests/test_collection.py)."""
-    from kvtier.integration.sglang.blend_hooks import BlendHooks
+    from kvtier.integration.sglang.blending.blend_hooks import BlendHooks
 
     return BlendHooks
 

@@ -17,7 +17,7 @@ from kvtier.blend.segments import Segment, find_segments
 from kvtier.config import Config
 from kvtier.connectors import SGLangMHAConnector
 from kvtier.engine import CacheEngine
-from kvtier.integration.sglang.blending import BLEND_COUNTERS, SGLangBlender
+from kvtier.integration.sglang.blending.blender import BLEND_COUNTERS, SGLangBlender
 from kvtier.memory import KVLayout
 from kvtier.metrics import Counters
 from tests.blend.conftest import tiny_llama

@@ -21,7 +21,7 @@ from kvtier.config import Config
 from kvtier.connectors import SGLangMHAConnector
 from kvtier.engine import CacheEngine
 from kvtier.engine.verify import Verdict
-from kvtier.integration.sglang.blending import BLEND_COUNTERS, SGLangBlender
+from kvtier.integration.sglang.blending.blender import BLEND_COUNTERS, SGLangBlender
 from kvtier.keys import KeyChain
 from kvtier.memory import KVLayout
 from kvtier.metrics import Counters

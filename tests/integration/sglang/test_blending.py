@@ -17,10 +17,10 @@ from kvtier.blend.segments import find_segments
 from kvtier.config import Config
 from kvtier.demo import texts
 from kvtier.errors import ConfigError
-from kvtier.integration.sglang.adapter import build_connector
-from kvtier.integration.sglang.blend_model import separator_ids
-from kvtier.integration.sglang.blending import BlendedSlots
-from kvtier.integration.sglang.requests import wants_blend
+from kvtier.integration.sglang.blending.blend_model import separator_ids
+from kvtier.integration.sglang.blending.blender import BlendedSlots
+from kvtier.integration.sglang.rank.adapter import build_connector
+from kvtier.integration.sglang.rank.requests import wants_blend
 from tests.integration.sglang.test_sglang_pools import make_allocator, make_pool
 
 pytestmark = [pytest.mark.sglang, pytest.mark.usefixtures("sglang_parallel_context")]

@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from kvtier.integration.sglang.budget import SchedulerBudget
+from kvtier.integration.sglang.rank.budget import SchedulerBudget
 from kvtier.metrics import Counters
 
-LOGGER = "kvtier.integration.sglang.budget"
+LOGGER = "kvtier.integration.sglang.rank.budget"
 
 
 def _slow(budget: SchedulerBudget, name: str, streams_waited: bool | None = None) -> None:

@@ -1,4 +1,4 @@
-"""`kvtier.integration.sglang.cpu_attention` against its oracle, SGLang's own
+"""`kvtier.integration.sglang.launch.cpu_attention` against its oracle, SGLang's own
 `TorchNativeAttnBackend._run_sdpa_forward_extend`: the same output for every row, with and
 without a cached prefix, with GQA, and the cases it leaves to SGLang (in-process, no server;
 what a server logs and saves: tests/integration/sglang/test_sglang_quality.py)."""
@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-from kvtier.integration.sglang import cpu_attention
-from kvtier.integration.sglang.cpu import prepare_cpu_engine
+from kvtier.integration.sglang.launch import cpu_attention
+from kvtier.integration.sglang.launch.cpu import prepare_cpu_engine
 
 pytestmark = pytest.mark.sglang  # imports SGLang in-process
 

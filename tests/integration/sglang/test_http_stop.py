@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from kvtier.integration.sglang import http_stop
+from kvtier.integration.sglang.stop import http_stop
 
 
 class _Request:

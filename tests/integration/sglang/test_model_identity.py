@@ -14,8 +14,8 @@ import pytest
 
 from kvtier.config import Config
 from kvtier.errors import ConfigError
-from kvtier.integration.sglang.identity import model_fingerprint, weights_digest
-from kvtier.integration.sglang.plugin import _check_launch
+from kvtier.integration.sglang.launch.identity import model_fingerprint, weights_digest
+from kvtier.integration.sglang.launch.plugin import _check_launch
 
 
 def _checkpoint(path: Path, seed: int) -> None:

@@ -17,7 +17,7 @@ import torch
 from kvtier.config import Config
 from kvtier.connectors import SGLangMHAConnector
 from kvtier.engine import CacheEngine
-from kvtier.integration.sglang.adapter import SGLangKVTier
+from kvtier.integration.sglang.rank.adapter import SGLangKVTier
 from kvtier.keys import ChunkKey
 from tests.helpers import SMALL_MHA
 

@@ -15,8 +15,8 @@ import yaml
 from kvtier.cli import main
 from kvtier.config import Config, load_config
 from kvtier.errors import ConfigError
-from kvtier.integration.sglang.plugin import _check_launch
-from kvtier.integration.sglang.preflight import engine_host_bytes, preflight
+from kvtier.integration.sglang.launch.plugin import _check_launch
+from kvtier.integration.sglang.launch.preflight import engine_host_bytes, preflight
 
 README = Path(__file__).resolve().parents[3] / "README.md"
 
@@ -115,7 +115,7 @@ def test_parsing_launch_arguments_in_process_changes_nothing_about_exiting() -> 
     keeps its own exit status and environment."""
     import atexit
 
-    from kvtier.integration.sglang import shutdown
+    from kvtier.integration.sglang.stop import shutdown
 
     before = atexit._ncallbacks()  # noqa: SLF001 - how many exit handlers are registered
     shutdown.prepare_launcher()

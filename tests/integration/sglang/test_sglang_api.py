@@ -1,12 +1,12 @@
 """The SGLang canary: every SGLang internal kvtier relies on is still where kvtier reaches for
-it in the installed SGLang (kvtier.integration.sglang.sglang_canary). An upgrade that moves one
-fails here, naming it and what kvtier uses it for."""
+it in the installed SGLang (kvtier.integration.sglang.boundary.sglang_canary). An upgrade
+that moves one fails here, naming it and what kvtier uses it for."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvtier.integration.sglang import sglang_api, sglang_canary
+from kvtier.integration.sglang.boundary import sglang_api, sglang_canary
 
 pytestmark = pytest.mark.sglang
 

@@ -25,11 +25,11 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtier.integration.sglang import sglang_api
+from kvtier.integration.sglang.boundary import sglang_api
 
 ROOT = Path(__file__).resolve().parents[3]
 INTEGRATION = ROOT / "kvtier" / "integration"
-VIEWS_FILE = INTEGRATION / "sglang" / "sglang_views.py"
+VIEWS_FILE = INTEGRATION / "sglang" / "boundary" / "sglang_views.py"
 
 # Functions whose `getattr`/`hasattr` calls read no SGLang object at run time (not scanned):
 # (file name, function).

@@ -1,5 +1,5 @@
-"""`kvtier.integration.sglang.cpu` without SGLang: what the plugin sets for `--device cpu`, and
-that a real `sgl_kernel` is never shadowed by the stand-in (the launch itself:
+"""`kvtier.integration.sglang.launch.cpu` without SGLang: what the plugin sets for
+`--device cpu`, and that a real `sgl_kernel` is never shadowed by the stand-in (the launch itself:
 tests/integration/sglang/test_sglang_quickstart.py)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.integration.sglang.cpu import (
+from kvtier.integration.sglang.launch.cpu import (
     BIND_ENV,
     SHIM_DIR,
     prepare_cpu_engine,

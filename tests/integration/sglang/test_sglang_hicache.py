@@ -27,7 +27,7 @@ PAGE = 4
 def storage_class() -> type:
     """kvtier's HiCache backend (a subclass of SGLang's: imported when a test runs, so the
     module is collected without SGLang)."""
-    from kvtier.integration.sglang.hicache_storage import KVTierHiCacheStorage
+    from kvtier.integration.sglang.hicache.storage import KVTierHiCacheStorage
 
     return KVTierHiCacheStorage
 
@@ -117,7 +117,7 @@ def make_backend(tmp_path: Path, published: Any) -> Iterator[Callable[..., Any]]
             attn_cp_size=1, is_mla_model=is_mla, enable_storage_metrics=False,
             is_page_first_layout=pool.layout == "page_first", model_name="org/tiny-model",
             extra_config={"backend_name": "kvtier",
-                          "module_path": "kvtier.integration.sglang.hicache_storage",
+                          "module_path": "kvtier.integration.sglang.hicache.storage",
                           "class_name": "KVTierHiCacheStorage", "interface_v1": 1,
                           "kvtier_config_file": str(cfg), **(extra or {})})
         backend = StorageBackendFactory.create_backend("dynamic", storage_config, pool)
@@ -295,7 +295,7 @@ def test_mla_pages_are_written_by_rank_zero_only(make_backend: Callable[..., Any
 
 def test_pages_are_keyed_by_the_radix_cache_backends_model_identity(
         make_backend: Callable[..., Any], published: Any) -> None:
-    from kvtier.integration.sglang.identity import (
+    from kvtier.integration.sglang.launch.identity import (
         model_fingerprint,
         model_identity,
         model_key_name,

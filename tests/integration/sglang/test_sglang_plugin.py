@@ -116,7 +116,7 @@ def test_a_scheduler_with_queued_requests_keeps_the_writers_waiting(
     from types import SimpleNamespace
 
     from kvtier.background import QUIET_S, EngineActivity
-    from kvtier.integration.sglang import plugin
+    from kvtier.integration.sglang.launch import plugin
 
     engine = EngineActivity()
     engine.enabled = True

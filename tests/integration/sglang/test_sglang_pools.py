@@ -19,13 +19,13 @@ import torch
 from kvtier import CacheEngine
 from kvtier.config import Config
 from kvtier.errors import ConfigError
-from kvtier.integration.sglang.adapter import (
+from kvtier.integration.sglang.launch.identity import model_key_name
+from kvtier.integration.sglang.rank.adapter import (
     FIRST_CHECK_WAIT_S,
     SGLangKVTier,
     build_connector,
     check_page_size,
 )
-from kvtier.integration.sglang.identity import model_key_name
 from kvtier.storage.prefetch.handle import Prefetch
 from tests.gpu import cuda
 from tests.helpers import make_keys
@@ -204,7 +204,7 @@ def test_model_names_become_one_key_component() -> None:
 def test_the_model_fingerprint_follows_what_changes_the_kv(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
-    from kvtier.integration.sglang.identity import model_fingerprint
+    from kvtier.integration.sglang.launch.identity import model_fingerprint
 
     (tmp_path / "config.json").write_text('{"hidden_size": 64}')
     args = SimpleNamespace(model_path=str(tmp_path), revision=None, quantization=None,
@@ -261,7 +261,7 @@ def _radix_cache(pool: Any, kv: SGLangKVTier) -> Any:
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
     from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
-    from kvtier.integration.sglang.radix_cache import KVTierRadixCache
+    from kvtier.integration.sglang.rank.radix_cache import KVTierRadixCache
 
     cache = KVTierRadixCache(CacheInitParams(
         disable=False, page_size=1, token_to_kv_pool_allocator=make_allocator(pool, 1),
@@ -353,14 +353,14 @@ def test_a_flush_of_an_idle_tree_stalls_no_stream(engine_for: Any,
             cache.insert(InsertParams(key=key, value=slots))
 
         insert()
-        with caplog.at_level("DEBUG", logger="kvtier.integration.sglang.budget"):
+        with caplog.at_level("DEBUG", logger="kvtier.integration.sglang.rank.budget"):
             cache.reset()
         assert "reset took" in caplog.text and "no request was in flight" in caplog.text
         assert not [r for r in caplog.records if r.levelname == "WARNING"]
         caplog.clear()
         insert()
         cache.inc_lock_ref(cache.match_prefix(MatchPrefixParams(key=key)).last_device_node)
-        with caplog.at_level("DEBUG", logger="kvtier.integration.sglang.budget"):
+        with caplog.at_level("DEBUG", logger="kvtier.integration.sglang.rank.budget"):
             cache.reset()  # as if a request were running on the tree
         assert [r for r in caplog.records if r.levelname == "WARNING"
                 and "every running stream waited" in r.getMessage()]

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from harness.sglang_server import SGLangServer
-from kvtier.integration.sglang.shutdown import DRAIN_S, GRACE_S
+from kvtier.integration.sglang.stop.shutdown import DRAIN_S, GRACE_S
 from tests.integration.sglang.conftest import CHUNK, prompt, write_config
 
 pytestmark = pytest.mark.sglang
@@ -202,8 +202,8 @@ def test_the_launcher_reports_an_interrupt_as_130_whatever_uvicorn_re_raises(
     re-raising the SIGINT it stopped on, and the launcher exited 0."""
     import uvicorn
 
-    from kvtier.integration.sglang import shutdown
-    from kvtier.integration.sglang.http_stop import bound_http_grace
+    from kvtier.integration.sglang.stop import shutdown
+    from kvtier.integration.sglang.stop.http_stop import bound_http_grace
 
     class Server(uvicorn.Server):  # patched here only, never uvicorn's own class
         pass

@@ -22,8 +22,8 @@ from harness.redis import RedisProcess
 from kvtier.config import Config
 from kvtier.connectors import SGLangMHAConnector
 from kvtier.engine import CacheEngine
-from kvtier.integration.sglang import shutdown, stop_wait
-from kvtier.integration.sglang.adapter import SGLangKVTier
+from kvtier.integration.sglang.rank.adapter import SGLangKVTier
+from kvtier.integration.sglang.stop import shutdown, stop_wait
 from tests.helpers import SMALL_MHA
 
 CHUNK, TOKENS = 16, 64

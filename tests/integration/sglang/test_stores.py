@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from kvtier.background import copy_threads
-from kvtier.integration.sglang.stores import StoreJob, StoreWorker
+from kvtier.integration.sglang.rank.stores import StoreJob, StoreWorker
 from kvtier.metrics import Counters
 
 COUNTERS = ("sglang.stores_skipped_busy", "sglang.store_errors")

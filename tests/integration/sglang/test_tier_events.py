@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvtier.integration.sglang.tier_events import TierEvents
+from kvtier.integration.sglang.rank.tier_events import TierEvents
 from kvtier.keys import ChunkKey, KeyBuilder
 from kvtier.metrics import Counters
 

@@ -15,7 +15,7 @@ from harness.redis import free_port
 from kvtier.config import Config
 from kvtier.connectors import SGLangMHAConnector
 from kvtier.engine import CacheEngine
-from kvtier.integration.sglang.adapter import SGLangKVTier
+from kvtier.integration.sglang.rank.adapter import SGLangKVTier
 from tests.helpers import SMALL_MHA
 
 TOKENS = 64

@@ -25,25 +25,25 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-from kvtier.integration.sglang.adapter import SGLangKVTier
-from kvtier.integration.sglang.blending import BlendedSlots, SegmentHits, SGLangBlender
-from kvtier.integration.sglang.requests import (
+from kvtier.integration.sglang.blending.blender import BlendedSlots, SegmentHits, SGLangBlender
+from kvtier.integration.sglang.boundary.sglang_views import (
+    MatchPrefixParamsView,
+    MatchResultView,
+    RadixKeyView,
+    ReqView,
+)
+from kvtier.integration.sglang.rank.adapter import SGLangKVTier
+from kvtier.integration.sglang.rank.requests import (
     aborted,
     full_ids,
     salt_of,
     token_array,
     wants_blend,
 )
-from kvtier.integration.sglang.sglang_views import (
-    MatchPrefixParamsView,
-    MatchResultView,
-    RadixKeyView,
-    ReqView,
-)
 
 __all__ = ["BlendHooks"]
 
-logger = logging.getLogger("kvtier.integration.sglang.radix_cache")  # one logger: one tree
+logger = logging.getLogger("kvtier.integration.sglang.rank.radix_cache")  # one logger: one tree
 
 
 class BlendHooks(UnifiedRadixCache):

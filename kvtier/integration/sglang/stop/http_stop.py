@@ -24,12 +24,12 @@ from collections.abc import AsyncIterator, Callable
 from types import FrameType
 from typing import Any
 
-from kvtier.integration.sglang import shutdown
+from kvtier.integration.sglang.stop import shutdown
 
 __all__ = ["CUT_BEFORE_S", "ServerStopping", "bound_http_grace", "cut_requests_at_stop",
            "install"]
 
-logger = logging.getLogger("kvtier.integration.sglang.shutdown")  # one logger: one stop
+logger = logging.getLogger("kvtier.integration.sglang.stop.shutdown")  # one logger: one stop
 
 # Before the grace runs out: SGLang's streaming response runs a background task 2 s after its
 # last event (`create_abort_task`), and the response ends only after it.

@@ -42,11 +42,11 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from kvtier.integration.sglang import stop_wait
+from kvtier.integration.sglang.stop import stop_wait
 
 if TYPE_CHECKING:
     from kvtier.engine import WriteLoss
-    from kvtier.integration.sglang.adapter import SGLangKVTier
+    from kvtier.integration.sglang.rank.adapter import SGLangKVTier
 
 __all__ = ["GRACE_S", "DRAIN_S", "LAUNCHER_ENV", "Drained", "drain", "drain_and_log",
            "drain_then_kill", "install_scheduler_handlers", "around_launch_server",
@@ -311,7 +311,7 @@ def _let_children_drain() -> None:
     try:
         import psutil
 
-        from kvtier.integration.sglang.sglang_api import tokenizer_manager
+        from kvtier.integration.sglang.boundary.sglang_api import tokenizer_manager
 
         try:
             watchdog = getattr(tokenizer_manager(), "_subprocess_watchdog", None)

@@ -51,12 +51,9 @@ from sglang.srt.mem_cache.radix_cache import RadixKey
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from kvtier import prometheus
-from kvtier.integration.sglang.adapter import SGLangKVTier
-from kvtier.integration.sglang.blend_hooks import BlendHooks
-from kvtier.integration.sglang.blending import BlendedSlots, SegmentHits, SGLangBlender
-from kvtier.integration.sglang.prefetch_hooks import StoragePrefetchHooks
-from kvtier.integration.sglang.requests import full_ids, multimodal, salt_of, token_array
-from kvtier.integration.sglang.sglang_views import (
+from kvtier.integration.sglang.blending.blend_hooks import BlendHooks
+from kvtier.integration.sglang.blending.blender import BlendedSlots, SegmentHits, SGLangBlender
+from kvtier.integration.sglang.boundary.sglang_views import (
     InitLoadBackParamsView,
     KVAllocatorView,
     MatchPrefixParamsView,
@@ -66,7 +63,10 @@ from kvtier.integration.sglang.sglang_views import (
     ReqView,
     TreeCoreView,
 )
-from kvtier.integration.sglang.tier_events import TierEvents
+from kvtier.integration.sglang.rank.adapter import SGLangKVTier
+from kvtier.integration.sglang.rank.prefetch_hooks import StoragePrefetchHooks
+from kvtier.integration.sglang.rank.requests import full_ids, multimodal, salt_of, token_array
+from kvtier.integration.sglang.rank.tier_events import TierEvents
 
 __all__ = ["KVTierRadixCache"]
 
@@ -373,7 +373,7 @@ class KVTierRadixCache(StoragePrefetchHooks, BlendHooks, UnifiedRadixCache):
         """SGLang's graceful stop (SIGTERM to the launcher): the scheduler left its loop; kvtier
         writes what it has queued (bounded) and logs what it drained and dropped."""
         if self.kvtier is not None:
-            from kvtier.integration.sglang.shutdown import drain_and_log
+            from kvtier.integration.sglang.stop.shutdown import drain_and_log
 
             drain_and_log(self.kvtier)
         super().release_host_resources()

@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from kvtier.integration.sglang.sglang_api import SCHEDULER, SERVER_ARGS, SURFACE
+from kvtier.integration.sglang.boundary.sglang_api import SCHEDULER, SERVER_ARGS, SURFACE
 
 __all__ = ["ReachIn", "REACH_INS", "check_all"]
 

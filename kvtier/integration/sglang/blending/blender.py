@@ -42,11 +42,11 @@ from kvtier.blend.store import SegmentStore
 from kvtier.config.schema import BlendSection
 from kvtier.engine import Prefetch
 from kvtier.errors import ConfigError
-from kvtier.integration.sglang.blend_chains import SegmentChains, SegmentHits
-from kvtier.integration.sglang.blend_jobs import POLL_WAIT_S, BlendJobs, Computed, compute
-from kvtier.integration.sglang.blend_model import separator_ids, served_weights
-from kvtier.integration.sglang.blend_worker import WORKER_COUNTERS, SegmentWorker
-from kvtier.integration.sglang.sglang_views import Opaque
+from kvtier.integration.sglang.blending.blend_chains import SegmentChains, SegmentHits
+from kvtier.integration.sglang.blending.blend_jobs import POLL_WAIT_S, BlendJobs, Computed, compute
+from kvtier.integration.sglang.blending.blend_model import separator_ids, served_weights
+from kvtier.integration.sglang.blending.blend_worker import WORKER_COUNTERS, SegmentWorker
+from kvtier.integration.sglang.boundary.sglang_views import Opaque
 from kvtier.keys import KeyChain
 from kvtier.metrics import Counters
 

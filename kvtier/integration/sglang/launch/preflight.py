@@ -80,8 +80,8 @@ def blend_problem(config: Config, args: Any, ranks: int) -> str | None:
     served model's tensors are checked again once loaded, `blend_model.served_weights`)."""
     if not config.enable_blending:
         return None
-    from kvtier.integration.sglang.blend_model import BLENDABLE
-    from kvtier.integration.sglang.identity import model_config
+    from kvtier.integration.sglang.blending.blend_model import BLENDABLE
+    from kvtier.integration.sglang.launch.identity import model_config
 
     if ranks > 1:
         return ("enable_blending: blending runs at --tp 1 and --dp 1 only (each rank would "
@@ -109,7 +109,7 @@ def _unverified_weights_problem(config: Config, args: Any, lower: list[str],
     if not lower or config.allow_unverified_weights or load_format == "dummy" \
             or not getattr(args, "model_path", None):
         return None
-    from kvtier.integration.sglang.identity import weights_unverified
+    from kvtier.integration.sglang.launch.identity import weights_unverified
 
     why = weights_unverified(args)
     if why is None:

@@ -7,11 +7,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from kvtier.errors import ConfigError
-from kvtier.integration.sglang.weights import weights_digest
+from kvtier.integration.sglang.launch.weights import weights_digest
 from kvtier.keys import model_component
 
 if TYPE_CHECKING:
-    from kvtier.integration.sglang.sglang_views import ServerArgsView
+    from kvtier.integration.sglang.boundary.sglang_views import ServerArgsView
 
 __all__ = ["model_key_name", "model_fingerprint", "model_identity", "served_model_name",
            "weights_digest", "weights_dir", "weights_unverified", "model_config"]
@@ -100,7 +100,7 @@ def weights_dir(server_args: ServerArgsView) -> str | None:
 def weights_unverified(server_args: ServerArgsView) -> str | None:
     """Why the model's weights cannot be read for a full digest (and so cannot be told apart
     from other weights served under the same name), or None when they can."""
-    from kvtier.integration.sglang.weights import weight_files
+    from kvtier.integration.sglang.launch.weights import weight_files
 
     local = weights_dir(server_args)
     if local is None:

@@ -43,21 +43,21 @@ from kvtier.config.schema import VERIFY_SCOPES
 from kvtier.config.tiers import lower_tier_names
 from kvtier.engine.tenants import forget_tenant, tag_of_tenant
 from kvtier.errors import ConfigError
-from kvtier.integration.sglang.attach import MAX_TIMEOUT_S, attach_config
-from kvtier.integration.sglang.sglang_api import tokenizer_manager
-from kvtier.integration.sglang.sglang_views import (
+from kvtier.integration.sglang.admin.attach import MAX_TIMEOUT_S, attach_config
+from kvtier.integration.sglang.admin.tp_answers import gather_ranks
+from kvtier.integration.sglang.boundary.sglang_api import tokenizer_manager
+from kvtier.integration.sglang.boundary.sglang_views import (
     SchedulerView,
     StorageReqInputView,
     StorageReqOutputView,
 )
-from kvtier.integration.sglang.tp_answers import gather_ranks
 from kvtier.keys import TAG_PREFIX
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from kvtier.engine import CacheEngine
-    from kvtier.integration.sglang.adapter import SGLangKVTier
+    from kvtier.integration.sglang.rank.adapter import SGLangKVTier
 
 __all__ = ["apply", "add_routes", "wrap_attach", "wrap_detach"]
 

@@ -14,14 +14,14 @@ from collections.abc import Sequence
 import numpy as np
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-from kvtier.integration.sglang.adapter import SGLangKVTier
-from kvtier.integration.sglang.blending import SGLangBlender
-from kvtier.integration.sglang.requests import multimodal, salt_of, token_array
-from kvtier.integration.sglang.sglang_views import Opaque, ReqView, TreeCoreView
+from kvtier.integration.sglang.blending.blender import SGLangBlender
+from kvtier.integration.sglang.boundary.sglang_views import Opaque, ReqView, TreeCoreView
+from kvtier.integration.sglang.rank.adapter import SGLangKVTier
+from kvtier.integration.sglang.rank.requests import multimodal, salt_of, token_array
 
 __all__ = ["StoragePrefetchHooks"]
 
-logger = logging.getLogger("kvtier.integration.sglang.radix_cache")  # one logger: one tree
+logger = logging.getLogger("kvtier.integration.sglang.rank.radix_cache")  # one logger: one tree
 
 
 class StoragePrefetchHooks(UnifiedRadixCache):

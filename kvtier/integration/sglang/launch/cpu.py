@@ -23,7 +23,7 @@ import sys
 from collections.abc import MutableMapping, Sequence
 from pathlib import Path
 
-from kvtier.integration.sglang.cpu_attention import HOOK_ENV
+from kvtier.integration.sglang.launch.cpu_attention import HOOK_ENV
 
 __all__ = ["SHIM_DIR", "CPU_ENGINE_ENV", "THP_ENV", "BIND_ENV", "prepare_cpu_engine",
            "shims_needed", "thread_binds"]

@@ -4,7 +4,7 @@ SGLang's CPU engine imports a handful of names from `sgl_kernel` at start-up; on
 AMX only `copy_all_layer_kv_cache_cpu` is ever called. That one is implemented here in PyTorch;
 every other name resolves to a function that raises `NotImplementedError`, so a code path that
 does need a real kernel fails loudly instead of computing garbage. Shipped in kvtier's package
-but not importable as `sgl_kernel` until `kvtier.integration.sglang.cpu` puts this directory on
+but not importable as `sgl_kernel` until `kvtier.integration.sglang.launch.cpu` puts this directory on
 the PYTHONPATH of a CPU server (a GPU machine has the real package).
 """
 

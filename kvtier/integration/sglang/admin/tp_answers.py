@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvtier.integration.sglang.sglang_views import SchedulerView
+from kvtier.integration.sglang.boundary.sglang_views import SchedulerView
 
 __all__ = ["gather_ranks"]
 

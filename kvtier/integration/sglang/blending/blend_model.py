@@ -10,7 +10,7 @@ import torch
 from kvtier.blend.forward import LayerWeights, LlamaWeights
 from kvtier.blend.rope import RotaryTable
 from kvtier.errors import ConfigError
-from kvtier.integration.sglang.sglang_views import Opaque
+from kvtier.integration.sglang.boundary.sglang_views import Opaque
 
 __all__ = ["BLENDABLE", "served_weights", "separator_ids"]
 

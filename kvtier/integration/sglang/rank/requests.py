@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvtier.integration.sglang.sglang_views import RadixKeyView, ReqView
+from kvtier.integration.sglang.boundary.sglang_views import RadixKeyView, ReqView
 
 __all__ = ["aborted", "full_ids", "multimodal", "salt_of", "token_array", "wants_blend"]
 

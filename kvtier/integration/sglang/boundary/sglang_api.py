@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from kvtier.integration.sglang.sglang_views import (
+from kvtier.integration.sglang.boundary.sglang_views import (
     VIEWS,
     AttnGroupsView,
     GlobalStateView,

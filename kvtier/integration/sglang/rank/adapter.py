@@ -32,12 +32,12 @@ from kvtier.connectors import KVConnector, SGLangMHAConnector, SGLangMLAConnecto
 from kvtier.engine import CacheEngine, Prefetch
 from kvtier.engine.verify import agreed_sampling_key
 from kvtier.errors import ConfigError
-from kvtier.integration.sglang.attach import Attachments
-from kvtier.integration.sglang.blending import BLEND_COUNTERS
-from kvtier.integration.sglang.budget import SchedulerBudget
-from kvtier.integration.sglang.preflight import page_size_problem
-from kvtier.integration.sglang.sglang_views import MHAPoolView, MLAPoolView, Opaque
-from kvtier.integration.sglang.stores import StoreJob, StoreWorker
+from kvtier.integration.sglang.admin.attach import Attachments
+from kvtier.integration.sglang.blending.blender import BLEND_COUNTERS
+from kvtier.integration.sglang.boundary.sglang_views import MHAPoolView, MLAPoolView, Opaque
+from kvtier.integration.sglang.launch.preflight import page_size_problem
+from kvtier.integration.sglang.rank.budget import SchedulerBudget
+from kvtier.integration.sglang.rank.stores import StoreJob, StoreWorker
 from kvtier.keys import ChunkKey, KeyChain
 from kvtier.metrics import Counters
 

@@ -1,0 +1,1 @@
+"""kvtier as an L3 for SGLang's hierarchical cache (HiCache): `storage.KVTierHiCacheStorage`."""
