@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 MAX_TIMEOUT_S = 10.0  # an attach that cannot connect in this long reports failure
 
 
-def attach_config(config: Config, tier: str, overrides: Any) -> Config:
+def attach_config(config: Config, tier: str, overrides: object) -> Config:
     """The config an HTTP attach of `tier` builds from: the server's own, with `overrides`.
 
     Raises:

@@ -37,7 +37,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from kvtier.config.schema import VERIFY_SCOPES
 from kvtier.config.tiers import lower_tier_names
@@ -69,8 +69,22 @@ ATTACH_DEADLINE_S = 3 * MAX_TIMEOUT_S + 30.0
 POLL_S = 0.1
 KEEP_OPERATIONS = 16
 
+# A JSON object as HTTP and the ranks' channel carry it (a request, a rank's answer): its values
+# are whatever JSON decodes to, each checked where it is read.
+JsonObject = dict[str, Any]
 
-def apply(kvtier: SGLangKVTier, request: dict[str, Any]) -> dict[str, Any]:
+
+class AttachOp(TypedDict):
+    """One attach as `GET /kvtier/tiers` reports it."""
+
+    id: str
+    op: str
+    tier: str
+    state: str  # building, then attached or failed
+    errors: list[str]
+
+
+def apply(kvtier: SGLangKVTier, request: JsonObject) -> JsonObject:
     """Run one admin operation on this rank's kvtier (scheduler thread; never waits for a
     tier build); returns the rank's JSON answer.
 
@@ -116,7 +130,7 @@ def apply(kvtier: SGLangKVTier, request: dict[str, Any]) -> dict[str, Any]:
     return answer if op != "purge" else {**answer, "purged": purged}
 
 
-def _purge(engine: CacheEngine, request: dict[str, Any]) -> dict[str, Any]:
+def _purge(engine: CacheEngine, request: JsonObject) -> JsonObject:
     """The `purge` op: tenant `tenant` (a salt) forgotten by this rank's engine; the answer
     names it by its keyed tag, never by the salt (`kvtier.engine.tenants`)."""
     salt = request.get("tenant")
@@ -127,7 +141,7 @@ def _purge(engine: CacheEngine, request: dict[str, Any]) -> dict[str, Any]:
     return {"tenant": TAG_PREFIX + tag_of_tenant(engine, salt), "chunks": counts}
 
 
-def _set_verification(engine: CacheEngine, request: dict[str, Any]) -> None:
+def _set_verification(engine: CacheEngine, request: JsonObject) -> None:
     """The `verify` op: a new `fraction`, `scope` or both, each checked before either is set."""
     if "fraction" not in request and "scope" not in request:
         raise ValueError("fraction: a verify op needs a fraction, a scope or both")
@@ -139,21 +153,21 @@ def _set_verification(engine: CacheEngine, request: dict[str, Any]) -> None:
     logger.info("kvtier: verify_fraction %g, verify_scope %s (set over HTTP)", fraction, scope)
 
 
-def _fraction(request: dict[str, Any]) -> float:
+def _fraction(request: JsonObject) -> float:
     value = request.get("fraction")
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
         raise ValueError(f"fraction: must be a number in [0, 1], got {value!r}")
     return float(value)
 
 
-def _tier_name(request: dict[str, Any]) -> str:
+def _tier_name(request: JsonObject) -> str:
     name = request.get("tier")
     if name not in lower_tier_names():
         raise ValueError(f"tier: must be one of {lower_tier_names()}, got {name!r}")
     return str(name)
 
 
-def _answer(kvtier: SGLangKVTier, request: dict[str, Any], *,
+def _answer(kvtier: SGLangKVTier, request: JsonObject, *,
             every: bool = False) -> tuple[bool, str]:
     """(succeeded, JSON answer); `every`: any exception is an answer (the op's ranks meet in
     a gather next, which a rank raising past it would leave waiting forever)."""
@@ -211,26 +225,26 @@ class _Operations:
     """The launcher's record of recent attaches (what `GET /kvtier/tiers` reports)."""
 
     def __init__(self) -> None:
-        self._ops: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self._ops: OrderedDict[str, AttachOp] = OrderedDict()
 
-    def new(self, tier: str) -> dict[str, Any]:
-        op: dict[str, Any] = {"id": uuid.uuid4().hex[:12], "op": "attach", "tier": tier,
+    def new(self, tier: str) -> AttachOp:
+        op: AttachOp = {"id": uuid.uuid4().hex[:12], "op": "attach", "tier": tier,
                               "state": "building", "errors": []}
         self._ops[op["id"]] = op
         while len(self._ops) > KEEP_OPERATIONS:
             self._ops.popitem(last=False)
         return op
 
-    def recent(self) -> list[dict[str, Any]]:
+    def recent(self) -> list[AttachOp]:
         return list(self._ops.values())
 
 
 _OPERATIONS = _Operations()
 _TASKS: set[asyncio.Task[None]] = set()  # the loop keeps only weak references to tasks
-Send = Callable[[dict[str, Any]], Awaitable[tuple[bool, list[dict[str, Any]]]]]
+Send = Callable[[JsonObject], Awaitable[tuple[bool, list[JsonObject]]]]
 
 
-async def _finish_attach(send: Send, op: dict[str, Any]) -> None:
+async def _finish_attach(send: Send, op: AttachOp) -> None:
     """Wait for every rank to build `op`'s tier, then commit it on all of them, or abort it on
     all of them if one failed or the deadline passed."""
     try:
@@ -240,7 +254,7 @@ async def _finish_attach(send: Send, op: dict[str, Any]) -> None:
         logger.warning("kvtier: attach of tier %s failed: %r", op["tier"], exc)
 
 
-async def _settle_attach(send: Send, op: dict[str, Any]) -> None:
+async def _settle_attach(send: Send, op: AttachOp) -> None:
     tier = op["tier"]
     deadline = time.monotonic() + ATTACH_DEADLINE_S
     while True:
@@ -275,7 +289,7 @@ def add_routes(app: FastAPI) -> None:
     from sglang.srt.managers.io_struct import AttachHiCacheStorageReqInput
     from sglang.srt.utils.auth import AuthLevel, auth_level
 
-    async def send(request: dict[str, Any]) -> tuple[bool, list[dict[str, Any]]]:
+    async def send(request: JsonObject) -> tuple[bool, list[JsonObject]]:
         """`request` to every rank's scheduler; (all succeeded, each rank's answer)."""
         manager = tokenizer_manager()
         manager.auto_create_handle_loop()
@@ -287,7 +301,7 @@ def add_routes(app: FastAPI) -> None:
                                              request)))
         return all(r.success for r in results), [json.loads(r.message) for r in results]
 
-    async def run(request: dict[str, Any]) -> JSONResponse:
+    async def run(request: JsonObject) -> JSONResponse:
         if request.get("op") in ("commit", "abort"):
             return JSONResponse({"success": False, "error": "op: commit and abort are "
                                  "kvtier's own second phase of an attach"}, status_code=400)

@@ -158,10 +158,11 @@ class ServerArgsView(Protocol):
 
     model_path: str
     enable_dp_attention: bool  # control requests may then skip the TP group's broadcast
+    max_total_tokens: int | None  # the CPU engine's KV pool at launch (preflight.py)
 
 
 @view_of("sglang.srt.server_args.ServerArgs")
-class LaunchArgsView(Protocol):
+class LaunchArgsView(ServerArgsView, Protocol):
     """The launcher's parsed flags (an argparse namespace of ServerArgs fields) that
     `--enable-kvtier` rewrites; the others are read by name."""
 

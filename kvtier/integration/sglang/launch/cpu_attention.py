@@ -23,7 +23,10 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["HOOK_ENV", "TARGET", "install", "install_if_asked", "installed", "extend_over_prefix"]
 
@@ -59,12 +62,14 @@ def install_if_asked() -> None:
 
 
 def extend_over_prefix(
-    original: Callable[..., Any], self: Any, query: Any, output: Any, k_cache: Any,
-    v_cache: Any, req_to_token: Any, req_pool_indices: Any, seq_lens: Any,
-    extend_prefix_lens: Any, extend_seq_lens: Any, encoder_lens: Any = None,
-    scaling: Any = None, enable_gqa: bool = False, causal: bool = False,
-    is_cross_attn: bool = False, sliding_window_size: Any = None,
-) -> Any:
+    original: Callable[..., torch.Tensor], self: object, query: torch.Tensor,
+    output: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+    extend_prefix_lens: torch.Tensor, extend_seq_lens: torch.Tensor,
+    encoder_lens: torch.Tensor | None = None, scaling: float | None = None,
+    enable_gqa: bool = False, causal: bool = False, is_cross_attn: bool = False,
+    sliding_window_size: int | None = None,
+) -> torch.Tensor:
     """AROUND `TorchNativeAttnBackend._run_sdpa_forward_extend`: the same output, computed
     with the extension's queries only where a request has a cached prefix."""
     windowed = sliding_window_size is not None and sliding_window_size > -1
@@ -78,9 +83,10 @@ def extend_over_prefix(
                    seq_lens, extend_prefix_lens, extend_seq_lens, scaling, enable_gqa)
 
 
-def _extend(query: Any, output: Any, k_cache: Any, v_cache: Any, req_to_token: Any,
-            req_pool_indices: Any, seq_lens: Any, prefix_lens: Any, extend_lens: Any,
-            scaling: Any, enable_gqa: bool) -> Any:
+def _extend(query: torch.Tensor, output: torch.Tensor, k_cache: torch.Tensor,
+            v_cache: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
+            seq_lens: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
+            scaling: float | None, enable_gqa: bool) -> torch.Tensor:
     import torch
     from torch.nn.functional import scaled_dot_product_attention
 

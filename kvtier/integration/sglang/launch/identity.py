@@ -4,7 +4,7 @@ config.json, revision, load format, quantization, dtypes, overrides)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvtier.errors import ConfigError
 from kvtier.integration.sglang.launch.weights import weights_digest
@@ -69,7 +69,7 @@ def model_fingerprint(server_args: ServerArgsView) -> str:
 
     path = str(getattr(server_args, "model_path", "") or "")
     config_json = os.path.join(path, "config.json")
-    parts: dict[str, Any] = {
+    parts: dict[str, str] = {
         name: str(getattr(server_args, name, None))
         for name in ("revision", "quantization", "dtype", "json_model_override_args",
                      "kv_cache_dtype", "load_format")}

@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from kvtier.config import Config
 from kvtier.config.host import MEMORY_HEADROOM_BYTES, available_memory_bytes, host_problems
 from kvtier.config.tiers import lower_tier_names
 from kvtier.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvtier.integration.sglang.boundary.sglang_views import ServerArgsView
 
 __all__ = ["Preflight", "preflight", "engine_host_bytes", "page_size_problem"]
 
@@ -38,7 +42,7 @@ class Preflight(NamedTuple):
     notes: list[str]
 
 
-def preflight(config: Config, args: Any, *,
+def preflight(config: Config, args: ServerArgsView, *,
               available: int | None = None) -> Preflight:
     """Every launch check of `config` with SGLang arguments `args` on this host (`available`:
     bytes of memory available now, default `available_memory_bytes()`)."""
@@ -75,7 +79,7 @@ def preflight(config: Config, args: Any, *,
     return Preflight(problems, notes)
 
 
-def blend_problem(config: Config, args: Any, ranks: int) -> str | None:
+def blend_problem(config: Config, args: ServerArgsView, ranks: int) -> str | None:
     """What stops `enable_blending` on this launch, read from the flags and config.json (the
     served model's tensors are checked again once loaded, `blend_model.served_weights`)."""
     if not config.enable_blending:
@@ -102,7 +106,7 @@ def blend_problem(config: Config, args: Any, ranks: int) -> str | None:
     return None
 
 
-def _unverified_weights_problem(config: Config, args: Any, lower: list[str],
+def _unverified_weights_problem(config: Config, args: ServerArgsView, lower: list[str],
                                 load_format: str) -> str | None:
     """Shared tiers keep KV under the model's name and a digest of its weights: weights kvtier
     cannot read would let a server of other weights under the same name load this KV."""
@@ -144,14 +148,14 @@ def page_size_problem(config: Config, page_size: int) -> str | None:
             f"({page_size}); set chunk_size to a multiple of {page_size}")
 
 
-def _collect(problems: list[str], check: Any, *args: Any) -> None:
+def _collect(problems: list[str], check: Callable[..., object], *args: object) -> None:
     try:
         check(*args)
     except ConfigError as exc:
         problems.append(str(exc))
 
 
-def _memory_now(config: Config, args: Any, ranks: int, available: int | None,
+def _memory_now(config: Config, args: ServerArgsView, ranks: int, available: int | None,
                 notes: list[str]) -> str | None:
     """Why the arenas do not fit the memory available now beside what SGLang's CPU engine
     takes first (its pool and weights; nothing on a GPU server), or None."""
@@ -183,7 +187,7 @@ def _memory_now(config: Config, args: Any, ranks: int, available: int | None,
             f"at most {room / 1e9:.2f} GB per rank")
 
 
-def engine_host_bytes(args: Any) -> int | None:
+def engine_host_bytes(args: ServerArgsView) -> int | None:
     """About how many bytes of host memory SGLang's CPU engine takes before kvtier's arena:
     its KV pool (`--max-total-tokens` tokens of every layer's K and V, per DP rank) and the
     weights (the checkpoint files' sizes, per DP rank). None without a readable config.json
@@ -202,13 +206,15 @@ def engine_host_bytes(args: Any) -> int | None:
         per_token = layers * (int(model["kv_lora_rank"]) + int(model.get("qk_rope_head_dim", 0)))
     else:
         per_token = 2 * layers * kv_heads * head_dim
+    if args.max_total_tokens is None:  # the caller checks it: SGLang sizes the pool itself
+        raise ValueError("max_total_tokens: needed to size the CPU engine's KV pool")
     pool = int(args.max_total_tokens) * per_token * _kv_dtype_bytes(args, model)
     weights = sum(e.stat().st_size for e in os.scandir(path)
                   if e.is_file() and e.name.endswith(_WEIGHT_SUFFIXES))
     return (pool + weights) * int(getattr(args, "dp_size", None) or 1)
 
 
-def _kv_dtype_bytes(args: Any, model: dict[str, Any]) -> int:
+def _kv_dtype_bytes(args: object, model: dict[str, object]) -> int:
     for name in (getattr(args, "kv_cache_dtype", None), getattr(args, "dtype", None),
                  model.get("torch_dtype"), model.get("dtype")):
         if isinstance(name, str) and name not in ("auto", ""):

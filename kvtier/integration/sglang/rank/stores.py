@@ -20,13 +20,16 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from kvtier.background import copy_alone
 from kvtier.metrics import Counters, RateLimitedLog
+
+if TYPE_CHECKING:
+    from kvtier.integration.sglang.boundary.sglang_views import Opaque
 
 __all__ = ["StoreJob", "StoreWorker", "MAX_PENDING_STORES", "STORE_DEADLINE_S"]
 
@@ -45,8 +48,9 @@ class StoreJob:
 
     token_ids: np.ndarray
     slots: torch.Tensor
-    handle: Any  # what SGLang's tree returned for the lock (passed back to it unread)
-    ready: Any = None  # on GPUs, the CUDA event recorded after the forward that wrote the KV
+    handle: Opaque  # what SGLang's tree returned for the lock (passed back to it unread)
+    # on GPUs, the CUDA event recorded after the forward that wrote the KV
+    ready: torch.cuda.Event | None = None
     session_id: str | None = None  # pin the prefix for this SGLang session
     salt: str = ""  # the request's cache_salt
     prompt_len: int | None = None  # the prompt alone, whose tail is stored too
@@ -103,7 +107,7 @@ class StoreWorker:
         self._warn = RateLimitedLog(logger)
         self.deadline_s = deadline_s
         self._max_pending = max_pending
-        self._jobs: queue.Queue[Any] = queue.Queue()
+        self._jobs: queue.Queue[StoreJob | object] = queue.Queue()  # or _STOP
         # Submitted and not yet handed back, oldest first (scheduler thread only).
         self._outstanding: dict[int, StoreJob] = {}
         self._thread = threading.Thread(target=self._run, name="kvtier-sglang-store",
@@ -175,7 +179,7 @@ class StoreWorker:
         while True:
             job = self._jobs.get()
             try:
-                if job is _STOP:
+                if not isinstance(job, StoreJob):  # _STOP
                     return
                 self._run_one(job)
             finally:

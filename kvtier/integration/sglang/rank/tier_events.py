@@ -28,13 +28,14 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
 from kvtier.config.tiers import TABLE
 
 if TYPE_CHECKING:
+    from kvtier.integration.sglang.boundary.sglang_views import Opaque
     from kvtier.keys import ChunkKey
     from kvtier.metrics import Counters
 
@@ -73,7 +74,7 @@ class TierEvents:
 
     def __init__(self, page_size: int, counters: Counters, *,
                  starts_prefix: Callable[[ChunkKey], bool], dynamo_format: bool = False,
-                 lora_names: Any = None, max_events: int = MAX_EVENTS,
+                 lora_names: Opaque = None, max_events: int = MAX_EVENTS,
                  max_chunks: int = MAX_CHUNKS) -> None:
         from sglang.srt.mem_cache.events import KVCacheEventRecorder
 
@@ -86,7 +87,7 @@ class TierEvents:
         counters.declare(*(f"sglang.{name}" for name in COUNTERS))
         self._max_events, self._max_chunks = max_events, max_chunks
         self._lock = threading.Lock()
-        self._queue: list[Any] = []
+        self._queue: list[object] = []
         self._chunks: OrderedDict[str, _Blocks] = OrderedDict()
 
     def stored(self, tier: str, keys: Sequence[ChunkKey]) -> None:
@@ -99,13 +100,13 @@ class TierEvents:
             with self._lock:
                 self._enqueue(self._removed(keys, medium))
 
-    def take(self) -> list[Any]:
+    def take(self) -> list[object]:
         """The events queued since the last call (scheduler thread, each publishing step)."""
         with self._lock:
             events, self._queue = self._queue, []
         return events
 
-    def _enqueue(self, events: list[Any]) -> None:
+    def _enqueue(self, events: list[object]) -> None:
         room = self._max_events - len(self._queue)
         if len(events) > room:
             self._counters.inc("sglang.tier_events_dropped", len(events) - max(room, 0))
@@ -113,7 +114,7 @@ class TierEvents:
         self._queue.extend(events)
         self._counters.inc("sglang.tier_events", len(events))
 
-    def _stored(self, key: ChunkKey, medium: str) -> list[Any]:
+    def _stored(self, key: ChunkKey, medium: str) -> list[object]:
         blocks = self._chunks.get(key.key)
         if blocks is None:
             made = self._hash(key, medium)
@@ -127,13 +128,13 @@ class TierEvents:
         self._chunks.move_to_end(key.key)
         return [self._event(key, blocks, medium)]
 
-    def _removed(self, keys: Sequence[str], medium: str) -> list[Any]:
+    def _removed(self, keys: Sequence[str], medium: str) -> list[object]:
         from sglang.srt.disaggregation.kv_events import BlockRemoved
 
         hashes = [h for key in keys if (b := self._chunks.get(key)) for h in b.hashes]
         return [BlockRemoved(block_hashes=hashes, medium=medium)] if hashes else []
 
-    def _hash(self, key: ChunkKey, medium: str) -> tuple[_Blocks, list[Any]] | None:
+    def _hash(self, key: ChunkKey, medium: str) -> tuple[_Blocks, list[object]] | None:
         """The chunk's events by SGLang's recorder: the chunk as a tree node below a node
         standing for its prefix (which carries the previous chunk's last hashes)."""
         from sglang.srt.mem_cache.radix_cache import RadixKey, TreeNode
@@ -161,7 +162,7 @@ class TierEvents:
         last_event = node.event_hash_value[-1] if node.event_hash_value else None
         return _Blocks(hashes, node.hash_value[-1], last_event), events
 
-    def _event(self, key: ChunkKey, blocks: _Blocks, medium: str) -> Any:
+    def _event(self, key: ChunkKey, blocks: _Blocks, medium: str) -> object:
         """A chunk announced before, now in another tier (or again): its event from the
         hashes kept, with the previous chunk's last hash as its parent."""
         from sglang.srt.disaggregation.kv_events import BlockStored

@@ -59,7 +59,7 @@ class _Stop:
 
     def __init__(self) -> None:
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.running: dict[asyncio.Task[Any], _Running] = {}
+        self.running: dict[asyncio.Task[object], _Running] = {}
         self.message = ""
 
     def begin(self, sig: int, grace_s: float) -> None:
@@ -138,7 +138,7 @@ def cut_requests_at_stop(manager_class: Any) -> None:
     manager_class.generate_request = generate_request
 
 
-def _rids(obj: Any) -> list[str]:
+def _rids(obj: object) -> list[str]:
     """The request ids of a generate request (one, or a batch's), once SGLang assigned them."""
     rid = getattr(obj, "rid", None)
     if rid is None:

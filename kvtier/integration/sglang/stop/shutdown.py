@@ -40,13 +40,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 from kvtier.integration.sglang.stop import stop_wait
 
 if TYPE_CHECKING:
     from kvtier.engine import WriteLoss
     from kvtier.integration.sglang.rank.adapter import SGLangKVTier
+    from kvtier.integration.sglang.stop.stop_wait import ChildProcess
 
 __all__ = ["GRACE_S", "DRAIN_S", "LAUNCHER_ENV", "Drained", "drain", "drain_and_log",
            "drain_then_kill", "install_scheduler_handlers", "around_launch_server",
@@ -55,6 +56,7 @@ __all__ = ["GRACE_S", "DRAIN_S", "LAUNCHER_ENV", "Drained", "drain", "drain_and_
            "set_up_server_child"]
 
 logger = logging.getLogger(__name__)
+R = TypeVar("R")
 
 GRACE_S = 3.0  # in-flight requests, after the first signal, before uvicorn aborts them
 DRAIN_S = 4.0  # kvtier's queued stores and writes, before the process exits anyway
@@ -274,14 +276,14 @@ def _drain_and_exit(kv: SGLangKVTier) -> None:
         os._exit(0)
 
 
-def drain_then_kill(children: list[Any], stop_dir: Path) -> None:
+def drain_then_kill(children: list[ChildProcess], stop_dir: Path) -> None:
     """SIGTERM every scheduler with kvtier among `children` (psutil processes; those with a
     file in `stop_dir`), wait until each has reported its drain done, `DRAIN_S` + a margin at
     most, then SIGTERM the other children (`stop_wait.drain_then_kill`)."""
     stop_wait.drain_then_kill(children, stop_dir, DRAIN_S + _EXIT_MARGIN_S)
 
 
-def around_launch_server(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def around_launch_server(original: Callable[..., R], *args: object, **kwargs: object) -> R:
     """SGLang's HTTP `launch_server` (AROUND hook), in a launcher with kvtier: however it
     ends (a signal, an error), before the launcher SIGKILLs its children, stop SGLang's
     subprocess watchdog (a scheduler exiting after its drain is not a crash) and let every

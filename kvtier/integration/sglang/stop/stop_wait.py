@@ -13,14 +13,27 @@ import logging
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 __all__ = ["drain_then_kill"]
 
 logger = logging.getLogger(__name__)
 
 
-def drain_then_kill(children: list[Any], stop_dir: Path, bound_s: float) -> None:
+class ChildProcess(Protocol):
+    """What a stop reads of a child process of the launcher (a `psutil.Process`)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def terminate(self) -> None: ...
+
+    def is_running(self) -> bool: ...
+
+    def status(self) -> str: ...
+
+
+def drain_then_kill(children: list[ChildProcess], stop_dir: Path, bound_s: float) -> None:
     """SIGTERM every scheduler with kvtier among `children` (psutil processes; those with a
     file in `stop_dir`), wait until each has reported its drain done (its file gone),
     `bound_s` at most, then SIGTERM the other children; a KeyboardInterrupt (a
@@ -63,13 +76,13 @@ def _marker_pids(stop_dir: Path, strays: set[str]) -> set[int]:
     return pids
 
 
-def _terminate(procs: list[Any]) -> None:
+def _terminate(procs: list[ChildProcess]) -> None:
     for proc in procs:
         with contextlib.suppress(Exception):  # gone already
             proc.terminate()
 
 
-def _wait_for_drains(stop_dir: Path, schedulers: list[Any], strays: set[str],
+def _wait_for_drains(stop_dir: Path, schedulers: list[ChildProcess], strays: set[str],
                      bound_s: float) -> None:
     """Until every scheduler's file is gone, or its process is (a second Ctrl-C stops a
     scheduler at once, before any report), `bound_s` at most."""
@@ -99,7 +112,7 @@ def _wait_for_drains(stop_dir: Path, schedulers: list[Any], strays: set[str],
                        time.monotonic() - start)
 
 
-def _running(proc: Any) -> bool:
+def _running(proc: ChildProcess) -> bool:
     try:
         return bool(proc.is_running()) and proc.status() != "zombie"
     except Exception:  # gone

@@ -4,7 +4,7 @@ SGLang's CPU engine imports a handful of names from `sgl_kernel` at start-up; on
 AMX only `copy_all_layer_kv_cache_cpu` is ever called. That one is implemented here in PyTorch;
 every other name resolves to a function that raises `NotImplementedError`, so a code path that
 does need a real kernel fails loudly instead of computing garbage. Shipped in kvtier's package
-but not importable as `sgl_kernel` until `kvtier.integration.sglang.launch.cpu` puts this directory on
+but not importable as `sgl_kernel` until `kvtier.integration.sglang.cpu` puts this directory on
 the PYTHONPATH of a CPU server (a GPU machine has the real package).
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Callable
-from typing import Any
+from typing import NoReturn
 
 import torch
 
@@ -38,15 +38,15 @@ def copy_all_layer_kv_cache_cpu(
         view[tgt] = view[src]
 
 
-def _missing(name: str) -> Callable[..., Any]:
-    def kernel(*args: Any, **kwargs: Any) -> Any:
+def _missing(name: str) -> Callable[..., NoReturn]:
+    def kernel(*args: object, **kwargs: object) -> NoReturn:
         raise NotImplementedError(f"sgl_kernel.{name} is not available in the CPU stand-in")
 
     kernel.__name__ = name
     return kernel
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> Callable[..., NoReturn]:
     if name.startswith("__"):
         raise AttributeError(name)
     return _missing(name)
