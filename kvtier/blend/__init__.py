@@ -15,11 +15,12 @@ and re-rotation), `forward` (a Llama-family forward over plain weight tensors, i
 blended), `weights` (those tensors from a Hugging Face directory), `verify` (segment records
 compared with the segment computed alone again), `planner` (blend or compute: a blend only
 while it is measured to beat the full prefill). Nothing here imports SGLang; it is served by
-`kvtier.integration.sglang.blending` (docs/blending.md).
+`kvtier.integration.sglang.blending.blender` (docs/blending.md).
 
-Not yet as the layers would have it: `store` and `verify` reach the storage manager and the
-tiers themselves (a third door beside the engine's two), where the engine wing should hold a
-segment's storage and this package only compute.
+Not yet as the layers would have it: the engine hands out a `SegmentStore` over its own storage
+manager (`CacheEngine.segments`), and `store` and `verify` then work on that manager, `verify`
+reading each tier's records below its API; the engine wing should hold a segment's storage and
+this package only compute.
 """
 
 from __future__ import annotations

@@ -4,13 +4,13 @@ A row says what the config, the storage manager, the CLI and the HTTP admin need
 a tier: which config key turns it on (and, for a URL, which schemes it serves), the backend
 class that implements it, the third-party packages it needs and which keys a run-time attach
 may change. Classes and parsers are named as "module:attribute" strings, imported only when
-that tier is configured (redis-py loads only for a Redis URL); the architecture test resolves
-every one of them, so the import graph it checks includes them.
+that tier is configured (redis-py loads only for a Redis URL); tests/config/test_tiers.py
+resolves every one of them (the architecture test's import graph does not see them).
 
 Adding a tier is one folder under `kvtier/backends/` and one row here (`register` adds one at
-run time, for tests and plugins). Not yet the only place a tier's name matters: the CLI,
-preflight and attach still run checks of their own for the disk tier, and a few modules
-branch on one tier's name (the tier set, the Prometheus export, the CLI).
+run time, for tests and plugins). Not yet the only place a tier's name matters: the CLI, the
+launch's preflight and the HTTP attach still run checks of their own for the disk tier, and the
+tier set branches on the CPU tier's name.
 """
 
 from __future__ import annotations
