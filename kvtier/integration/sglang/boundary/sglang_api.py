@@ -3,17 +3,17 @@
 kvtier is written against SGLang 0.5.23. Each `ReachIn` of sglang_canary.py names one internal
 (a private attribute, a hook target, a method signature, a field) with what kvtier needs it
 for, and a check that it is still there in the installed SGLang. `check_all()` runs them all:
-the test suite's canary (tests/integration/sglang/test_sglang_api.py) and `kvtier info` call
-it, so an SGLang upgrade that moves any of them fails loudly, naming it, instead of
-misbehaving at run time.
+the test suite's canary (tests/integration/sglang/boundary/test_sglang_api.py) and
+`kvtier info` call it, so an SGLang upgrade that moves any of them fails loudly, naming it,
+instead of misbehaving at run time.
 
 The typed boundary (issue 37): each SGLang object kvtier reads is typed by a `Protocol` view
 (sglang_views.py: `ReqView`, `SchedulerView`, ...; `VIEWS` names the SGLang classes each
 views), so mypy refuses a read no view declares. `SURFACE` lists every SGLang module, class,
 attribute, method, field and keyword argument the integration code touches: the ast scan of
-tests/integration/sglang/test_sglang_boundary.py fails on a touch it lacks (or a stale entry), and
-the canary checks each listed name exists. `Any` stays only for objects SGLang hands over and
-kvtier passes back unread (`Opaque`).
+tests/integration/sglang/boundary/test_sglang_boundary.py fails on a touch it lacks (or a
+stale entry), and the canary checks each listed name exists. `Any` stays only for objects
+SGLang hands over and kvtier passes back unread (`Opaque`).
 
 The helpers at the bottom are the reach-ins kvtier's code makes outside the radix-cache
 subclass (which reaches its own base class's methods directly; they are listed here too).
@@ -63,8 +63,8 @@ _IO = "sglang.srt.managers.io_struct"
 # owner (an SGLang module or class, dotted) -> the names kvtier uses on it: imports, attributes
 # and methods (read through a view above, by `getattr`/`hasattr`, or inherited by kvtier's
 # subclasses), methods kvtier's subclasses override, dataclass fields and keyword arguments it
-# passes. tests/integration/sglang/test_sglang_boundary.py keeps this equal to what the code
-# touches; the canary (`check_all`) checks each name exists in the installed SGLang.
+# passes. tests/integration/sglang/boundary/test_sglang_boundary.py keeps this equal to what
+# the code touches; the canary (`check_all`) checks each name exists in the installed SGLang.
 SURFACE: dict[str, tuple[str, ...]] = {
     # -- the plugin: flags, hooks, the radix-cache registry, HTTP routes --
     "sglang.srt.server_args.ServerArgs": (

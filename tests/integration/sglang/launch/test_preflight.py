@@ -18,7 +18,7 @@ from kvtier.errors import ConfigError
 from kvtier.integration.sglang.launch.plugin import _check_launch
 from kvtier.integration.sglang.launch.preflight import engine_host_bytes, preflight
 
-README = Path(__file__).resolve().parents[3] / "README.md"
+README = Path(__file__).resolve().parents[4] / "README.md"
 
 
 def _model(tmp_path: Path, weights_bytes: int = 3000, **config: object) -> Path:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from kvtier.integration.sglang.boundary import sglang_api
 
-ROOT = Path(__file__).resolve().parents[3]
+ROOT = Path(__file__).resolve().parents[4]
 INTEGRATION = ROOT / "kvtier" / "integration"
 VIEWS_FILE = INTEGRATION / "sglang" / "boundary" / "sglang_views.py"
 

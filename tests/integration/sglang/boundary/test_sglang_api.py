@@ -46,7 +46,7 @@ def test_kvtier_subclasses_shadow_nothing_of_sglang() -> None:
     """kvtier's own members of its subclasses of SGLang classes (helpers, state) are not
     SGLang's: an SGLang upgrade adding `_load` to its tree would otherwise be overridden
     silently. Overrides are listed in SURFACE (and checked to exist above)."""
-    from tests.integration.sglang.test_sglang_boundary import scan_integration
+    from tests.integration.sglang.boundary.test_sglang_boundary import scan_integration
 
     subclasses = scan_integration().subclasses
     # the HiCache backend, the tree, and its bases for prefetch hooks and the blender's release
