@@ -6,8 +6,10 @@ tenth of the K channels 21x louder, one V token in twenty 6x louder):
 
 - bytes per token a record stores (payload + header) with each codec, and fp8 / naive;
 - encode and decode GB/s (of the pool-dtype chunk) as a ratio to a memcpy of the same chunk
-  (torch `copy_` between two arena objects) timed in the same rounds, medians; and fp8's
-  largest relative L2 error of a (K or V, layer) slice on these values;
+  (torch `copy_` between two arena objects) timed in the same rounds, medians: the codec as
+  it runs (the C++ kernel once `ops.prepare()` built it, else torch) and its torch path
+  (`encode_torch` / `decode_torch`); and the largest relative L2 error of a (K or V, layer)
+  slice on these values;
 - each tier's writer and load wall time per chunk (`batch_put` / `batch_get` of one chunk:
   what a writer thread and a load do, the encode and decode included), fp8 / naive: the disk
   tier (page cache warm, as right after the write), the Redis tier (a private redis-server
@@ -35,9 +37,10 @@ from benchmarks.common import write_results
 from benchmarks.micro.bench_redis import Server
 from harness.delay_proxy import DelayProxy
 from kvtier.backends import BackendContext, StorageBackend, create_backend
-from kvtier.backends.codec import CODECS, NAIVE, Codec
+from kvtier.backends.codec import CODECS, NAIVE, Codec, ScaledCodec
 from kvtier.backends.record import expected_header_len
 from kvtier.config import Config
+from kvtier.kernels import ops
 from kvtier.keys import ChunkKey, KeyBuilder
 from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj
 
@@ -89,9 +92,14 @@ def codec_speed(codec: Codec, layout: KVLayout, tokens: int, rounds: int) -> dic
     kv_like(src, 1)
     enc = codec.encode(src)
     payload = memoryview(bytearray(enc.byte_view()))
-    times: dict[str, list[float]] = {"memcpy": [], "encode": [], "decode": []}
+    scratch = memoryview(bytearray(len(payload)))
+    assert isinstance(codec, ScaledCodec)
+    encode_torch, decode_torch = codec.encode_torch, codec.decode_torch
     fns = {"memcpy": lambda: dst.tensor.copy_(src.tensor), "encode": lambda: codec.encode(src),
-           "decode": lambda: codec.decode(payload, dst)}
+           "decode": lambda: codec.decode(payload, dst),
+           "torch_encode": lambda: encode_torch(src.tensor, scratch),
+           "torch_decode": lambda: decode_torch(payload, dst.tensor)}
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for r in range(rounds + 1):  # interleaved, one of each per round; round 0 warms up
         for name, fn in fns.items():
             took = _secs(fn)
@@ -104,9 +112,9 @@ def codec_speed(codec: Codec, layout: KVLayout, tokens: int, rounds: int) -> dic
     gbps = {name: nbytes / statistics.median(t) / 1e9 for name, t in times.items()}
     src.release()
     dst.release()
-    return {"memcpy_gb_s": gbps["memcpy"], "encode_gb_s": gbps["encode"],
-            "decode_gb_s": gbps["decode"], "encode_vs_memcpy": gbps["encode"] / gbps["memcpy"],
-            "decode_vs_memcpy": gbps["decode"] / gbps["memcpy"], "max_rel_l2": err}
+    out = {f"{name}_gb_s": v for name, v in gbps.items()}
+    out |= {f"{name}_vs_memcpy": v / gbps["memcpy"] for name, v in gbps.items() if name != "memcpy"}
+    return out | {"max_rel_l2": err}
 
 
 def _tier(kind: str, serde: str, layout: KVLayout, alloc: MemoryAllocator, where: str,
@@ -184,8 +192,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     codec = CODECS[args.codec]
+    kernel = ops.prepare()  # "cpp": the codec runs in the C++ kernel; "torch": in torch
+    print(f"codec {codec.name} in {'the C++ kernel' if kernel != 'torch' else 'torch'}; torch "
+          f"threads {torch.get_num_threads()}")
     results: dict[str, object] = {"torch_threads": torch.get_num_threads(), "codec": codec.name,
-                                  "layouts": {}}
+                                  "kernel": kernel, "layouts": {}}
     results["link_mbps"] = args.link_mbps
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-codec-") as tmp:
         server = Server(tmp) if {"redis", "redis-link"} & set(tiers) else None
@@ -221,8 +232,10 @@ def _print(name: str, res: dict[str, object], tiers: list[str], c: str) -> None:
     print(f"{name} ({res['chunk_bytes']} B/chunk): bytes/token naive {bpt['naive']:.0f}, {c} "
           f"{bpt[c]:.0f} ({bpt[c + '_vs_naive']:.3f}x); memcpy {speed['memcpy_gb_s']:.2f} "
           f"GB/s, encode {speed['encode_gb_s']:.2f} ({speed['encode_vs_memcpy']:.3f}x), decode "
-          f"{speed['decode_gb_s']:.2f} ({speed['decode_vs_memcpy']:.3f}x); max rel L2 "
-          f"{speed['max_rel_l2']:.4f}")
+          f"{speed['decode_gb_s']:.2f} ({speed['decode_vs_memcpy']:.3f}x) [torch path: encode "
+          f"{speed['torch_encode_gb_s']:.2f} ({speed['torch_encode_vs_memcpy']:.3f}x), decode "
+          f"{speed['torch_decode_gb_s']:.2f} ({speed['torch_decode_vs_memcpy']:.3f}x)]; max rel "
+          f"L2 {speed['max_rel_l2']:.4f}")
     for tier in tiers:
         t = res[tier]
         assert isinstance(t, dict)

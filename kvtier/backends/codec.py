@@ -35,8 +35,8 @@ from kvtier.errors import ConfigError
 from kvtier.kernels import ops
 from kvtier.memory import KVLayout, MemoryFormat, MemoryObj
 
-__all__ = ["CODECS", "Codec", "Encoded", "FP8", "INT8", "NAIVE", "PASSED", "REFUSED", "check_gate",
-           "codec_by_id", "codec_named", "scratch"]
+__all__ = ["CODECS", "Codec", "Encoded", "FP8", "INT8", "NAIVE", "PASSED", "REFUSED", "ScaledCodec",
+           "check_gate", "codec_by_id", "codec_named", "scratch"]
 
 _E4M3 = torch.float8_e4m3fn
 _FP8_MAX = 448.0
@@ -257,6 +257,7 @@ class _Int8(_FP8):
         return q.view(torch.int8).to(torch.float16), 1.0  # exact: |q| <= 127
 
 
+ScaledCodec = _FP8  # fp8's and int8's class: their torch paths (`encode_torch`, `decode_torch`)
 _NAIVE = _Naive()
 NAIVE: Codec = _NAIVE
 FP8: Codec = _FP8()

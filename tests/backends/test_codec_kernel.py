@@ -19,13 +19,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtier.backends.codec import FP8, INT8, Codec, Encoded
+from kvtier.backends.codec import FP8, INT8, Encoded, ScaledCodec
 from kvtier.kernels import ops
 from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj
 
 REPO = Path(__file__).resolve().parents[2]
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 CODECS = [FP8, INT8]
+assert isinstance(FP8, ScaledCodec) and isinstance(INT8, ScaledCodec)
 # hidden 36 and 44: whole AVX2 blocks of 8 and a tail of 4 (a record's scales must start
 # 4-byte aligned for the torch path, so values come in multiples of 4)
 LAYOUTS = {"mha": lambda d: KVLayout.mha(num_layers=3, num_kv_heads=3, head_dim=12, dtype=d),
@@ -59,31 +60,31 @@ def chunk(alloc: MemoryAllocator, layout: KVLayout, tokens: int, seed: int) -> M
     return obj
 
 
-def torch_payload(codec: Codec, x: torch.Tensor) -> bytes:
+def torch_payload(codec: ScaledCodec, x: torch.Tensor) -> bytes:
     data = memoryview(bytearray(_nbytes(codec, x)))
-    codec.encode_torch(x, data)  # type: ignore[attr-defined]
+    codec.encode_torch(x, data)
     return bytes(data)
 
 
-def _nbytes(codec: Codec, x: torch.Tensor) -> int:
+def _nbytes(codec: ScaledCodec, x: torch.Tensor) -> int:
     planes, layers, tokens, hidden = x.shape
     return planes * layers * tokens * hidden + 4 * layers * hidden + \
         (4 * layers * tokens if planes == 2 else 0)
 
 
-def kernel_payload(codec: Codec, x: torch.Tensor, simd: bool = True) -> bytes:
+def kernel_payload(codec: ScaledCodec, x: torch.Tensor, simd: bool = True) -> bytes:
     out = torch.full((_nbytes(codec, x),), 0xAB, dtype=torch.uint8)
     assert ops.codec_encode(x, out, codec.name, simd=simd)
     return out.numpy().tobytes()
 
 
-def torch_decoded(codec: Codec, payload: bytes, like: torch.Tensor) -> torch.Tensor:
+def torch_decoded(codec: ScaledCodec, payload: bytes, like: torch.Tensor) -> torch.Tensor:
     out = torch.full_like(like, 7.0)
-    codec.decode_torch(memoryview(bytearray(payload)), out)  # type: ignore[attr-defined]
+    codec.decode_torch(memoryview(bytearray(payload)), out)
     return out
 
 
-def kernel_decoded(codec: Codec, payload: bytes, like: torch.Tensor,
+def kernel_decoded(codec: ScaledCodec, payload: bytes, like: torch.Tensor,
                    simd: bool = True) -> torch.Tensor:
     out = torch.full_like(like, 7.0)
     raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
@@ -100,7 +101,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_kernel_encodes_and_decodes_bit_for_bit_as_torch(
-        alloc: MemoryAllocator, dtype: torch.dtype, layout: str, codec: Codec,
+        alloc: MemoryAllocator, dtype: torch.dtype, layout: str, codec: ScaledCodec,
         simd: bool) -> None:
     lay = LAYOUTS[layout](dtype)
     for seed, tokens in ((0, 37), (1, 256)):
@@ -115,7 +116,7 @@ def test_kernel_encodes_and_decodes_bit_for_bit_as_torch(
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_round_trips_across_the_two_paths_agree(
         alloc: MemoryAllocator, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
-        codec: Codec) -> None:
+        codec: ScaledCodec) -> None:
     """Through the codec's own encode/decode: a record the kernel wrote reads back the same
     through torch, and one torch wrote the same through the kernel."""
     lay = LAYOUTS["mha"](dtype)
