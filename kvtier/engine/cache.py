@@ -166,8 +166,8 @@ class CacheEngine:
     def verify(self, token_ids: TokenIds, slot_mapping: torch.Tensor, *, start: int = 0,
                loaded: bool = False, session_id: str | None = None,
                on_read: Callable[[], None] | None = None, salt: str = "",
-               also_prefix: int | None = None,
-               ready: torch.cuda.Event | None = None) -> Verification:
+               also_prefix: int | None = None, ready: torch.cuda.Event | None = None,
+               hints: Hints | None = None) -> Verification:
         """`store`, after comparing the KV in `slot_mapping` with every tier's records of the full
         chunks from the one holding token `start` on (what the request computed): a chunk over
         `verify.TOLERANCE` is counted, logged and removed from its tier with the chunks after it;
@@ -182,7 +182,7 @@ class CacheEngine:
                 on_read()
             return Verification(0, verdicts, purge(self.storage, keys))
         stored = self.store(token_ids, slot_mapping, session_id=session_id, on_read=on_read,
-                            salt=salt, also_prefix=also_prefix, ready=ready)
+                            salt=salt, also_prefix=also_prefix, ready=ready, hints=hints)
         return Verification(stored, verdicts)
 
     def verifies(self, request_id: str, scope: str | None = None) -> bool:

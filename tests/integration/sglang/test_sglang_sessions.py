@@ -2,6 +2,8 @@
 
 A: a small CPU tier (pins capped at half of it). A session's prompt stays pinned while other
    traffic evicts everything else, so its next turn is a hit; closing the session unpins it.
+   A request's lifecycle hints (`custom_params`): a prompt retained for 600 s survives the
+   same traffic; an ephemeral span is never stored.
 B: declares a Redis. Detached over HTTP (`kvtier tiers`) while a stream runs, it serves no
    hits; attached again, it serves what another server stored. Attaches HTTP may not make are
    refused, and an attach to a Redis that stopped answering fails off the scheduler thread.
@@ -41,6 +43,13 @@ def _session_generate(server: SGLangServer, sid: str, ids: list[int],
         "sampling_params": {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}})
 
 
+def _hinted_generate(server: SGLangServer, ids: list[int], hints: dict) -> dict:
+    return server.post("/generate", {
+        "input_ids": ids, "sampling_params": {
+            "temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True,
+            "custom_params": hints}})
+
+
 def test_session_prefix_survives_eviction_until_the_session_closes(
         start_server: Callable[..., SGLangServer], tiny_llama: Path, tmp_path: Path) -> None:
     server = start_server(tiny_llama, write_config(tmp_path / "a.yaml",
@@ -52,12 +61,22 @@ def test_session_prefix_survives_eviction_until_the_session_closes(
     first = _session_generate(server, sid, turn)
     other = prompt(51, TURN)
     server.generate(other)
+    retained = prompt(53, TURN)
+    _hinted_generate(server, retained, {"kvtier_retain_s": 600})
+    # The tokens from 7 past the third chunk on are ephemeral: at most those 3 chunks and a
+    # tail of 7 tokens (`save_tails`) are stored, not the other 7.
+    ephemeral = prompt(54, TURN)
+    _hinted_generate(server, ephemeral, {"kvtier_ephemeral_from": 3 * CHUNK + 7})
+    server.flush_cache()
+    cached = server.generate(ephemeral)["meta_info"]["cached_tokens"]
+    assert 3 * CHUNK <= cached <= 3 * CHUNK + 7
     for seed in range(60, 75):  # 15 prompts x 10 chunks: far more than the arena holds
         server.generate(prompt(seed, TURN))
     server.flush_cache()
 
-    # Not pinned: evicted. Pinned: the whole first turn loads.
+    # Not pinned: evicted. Pinned, by its session or by a hint: the whole prompt loads.
     assert server.generate(other)["meta_info"]["cached_tokens"] == 0
+    assert server.generate(retained)["meta_info"]["cached_tokens"] >= TURN // CHUNK * CHUNK
     follow_up = prompt(52, 20)
     second = _session_generate(server, sid, follow_up, rid=first["meta_info"]["id"])
     assert second["meta_info"]["cached_tokens"] >= TURN // CHUNK * CHUNK

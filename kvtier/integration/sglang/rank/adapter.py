@@ -30,6 +30,7 @@ from kvtier import prometheus
 from kvtier.config import Config
 from kvtier.connectors import KVConnector, SGLangMHAConnector, SGLangMLAConnector
 from kvtier.engine import CacheEngine, Prefetch
+from kvtier.engine.hints import Hints
 from kvtier.engine.verify import agreed_sampling_key
 from kvtier.errors import ConfigError
 from kvtier.integration.sglang.admin.attach import Attachments
@@ -47,9 +48,8 @@ logger = logging.getLogger(__name__)
 
 MAX_CACHED_KEYS = 4096  # requests whose chunk keys are kept between match and load
 # The scheduler asks whether a new request may be admitted in the same step its prefetch
-# started; a miss (nothing on disk or in Redis) resolves in about a millisecond, so waiting
-# this long once saves the request a whole scheduler step (a forward pass) behind a gate it
-# never needed. A load that takes longer is waited for per `prefetch_policy`, step by step.
+# started; a miss (nothing on disk or in Redis) resolves in about a millisecond, so waiting this
+# long once saves a scheduler step (a forward pass); longer loads wait per `prefetch_policy`.
 FIRST_CHECK_WAIT_S = 0.005
 
 def check_page_size(config: Config, page_size: int) -> None:
@@ -290,10 +290,11 @@ class SGLangKVTier:
 
     def submit_store(self, token_ids: np.ndarray, slots: torch.Tensor, handle: Opaque,
                      session_id: str | None = None, salt: str = "",
-                     prompt_len: int | None = None, rid: str | None = None) -> bool:
+                     prompt_len: int | None = None, rid: str | None = None,
+                     hints: Hints | None = None) -> bool:
         """Queue a background store of `token_ids` from pool `slots` (scheduler thread);
         `prompt_len`: the request's prompt (the tail a repeat of it looks up is stored too);
-        `rid`: the request, verified first if it was `shadowed`.
+        `rid`: the request, verified first if it was `shadowed`; `hints`: its lifecycle hints.
 
         Returns False (and stores nothing) when the queue is full or stores are off on this
         rank; the caller then releases `handle` itself. When True, `handle` comes back from
@@ -310,7 +311,7 @@ class SGLangKVTier:
         return self.stores.submit(StoreJob(
             token_ids, slots, handle, ready, session_id, salt=salt, prompt_len=prompt_len,
             verify_from=None if shadow is None else shadow[0],
-            verify_loaded=shadow is not None and shadow[1], known=known))
+            verify_loaded=shadow is not None and shadow[1], known=known, hints=hints))
 
     def poll_done(self) -> list[StoreJob]:
         """Stores whose slots are free, whose handles the caller may now release (scheduler
@@ -328,13 +329,12 @@ class SGLangKVTier:
         sid = job.session_id if job.session_id not in self._closed_sessions else None
         # A repeat of the prompt loads all but its last token (a whole chunk it ends needs no tail)
         also = job.prompt_len - 1 if job.prompt_len and job.prompt_len % self.chunk_size else None
-        # On a GPU the copy waits for `job.ready` on kvtier's stream, not on this thread, and
-        # the slots are released once it has run there.
+        # On a GPU the copy waits for `job.ready` on kvtier's stream, which releases the slots.
         if job.verify_from is not None:
             return self._verify(job, sid, also)
         stored = self.engine.store(job.token_ids, job.slots, session_id=sid,
                                    on_read=job.release_slots, salt=job.salt, also_prefix=also,
-                                   ready=job.ready, known=job.known)
+                                   ready=job.ready, known=job.known, hints=job.hints)
         self.counters.inc("sglang.stores")
         self.counters.inc("sglang.tokens_stored", stored)
         logger.debug("kvtier: stored %d new tokens of a %d-token prefix", stored,
@@ -347,7 +347,7 @@ class SGLangKVTier:
         result = self.engine.verify(job.token_ids, job.slots, start=job.verify_from,
                                     loaded=job.verify_loaded, session_id=sid,
                                     on_read=job.release_slots, salt=job.salt,
-                                    also_prefix=also, ready=job.ready)
+                                    also_prefix=also, ready=job.ready, hints=job.hints)
         chunks = len({v.chunk for v in result.verdicts})
         self.counters.inc("sglang.verified_requests")
         # What verification cost: the tokens a tier held, which a hit would have loaded.

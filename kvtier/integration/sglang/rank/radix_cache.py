@@ -65,7 +65,13 @@ from kvtier.integration.sglang.boundary.sglang_views import (
 )
 from kvtier.integration.sglang.rank.adapter import SGLangKVTier
 from kvtier.integration.sglang.rank.prefetch_hooks import StoragePrefetchHooks
-from kvtier.integration.sglang.rank.requests import full_ids, multimodal, salt_of, token_array
+from kvtier.integration.sglang.rank.requests import (
+    full_ids,
+    hints_of,
+    multimodal,
+    salt_of,
+    token_array,
+)
 from kvtier.integration.sglang.rank.tier_events import TierEvents
 
 __all__ = ["KVTierRadixCache"]
@@ -328,7 +334,8 @@ class KVTierRadixCache(StoragePrefetchHooks, BlendHooks, UnifiedRadixCache):
         session = getattr(req, "session", None)  # SGLang's session API: pin between turns
         sid = getattr(session, "session_id", None)
         if not kv.submit_store(tokens, slots[:keyed].to(torch.int64), lock, sid,
-                               salt_of(req.cache_salt), len(req.origin_input_ids), req.rid):
+                               salt_of(req.cache_salt), len(req.origin_input_ids), req.rid,
+                               hints_of(req)):
             self.unlock(lock)
 
     def _release_finished_stores(self) -> None:

@@ -1,17 +1,28 @@
 """What kvtier reads of an SGLang request: its token ids (copies, never views), its salt,
-whether it carries multimodal inputs, whether it was aborted, whether it may blend."""
+whether it carries multimodal inputs, whether it was aborted, whether it may blend, and its
+lifecycle hints (`sampling_params.custom_params`, `kvtier.engine.hints`)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
+from kvtier.engine.hints import Hints
 from kvtier.integration.sglang.boundary.sglang_views import RadixKeyView, ReqView
+from kvtier.metrics import RateLimitedLog
 
-__all__ = ["aborted", "full_ids", "multimodal", "salt_of", "token_array", "wants_blend"]
+__all__ = ["aborted", "full_ids", "hints_of", "multimodal", "salt_of", "token_array",
+           "wants_blend"]
 
-REQUEST_SWITCH = "kvtier_blend"  # sampling_params.custom_params key: false opts a request out
+# sampling_params.custom_params keys
+REQUEST_SWITCH = "kvtier_blend"  # false opts a request out of blending
+RETAIN = "kvtier_retain_s"  # keep the request's prefix in the CPU tier this many seconds
+EPHEMERAL = "kvtier_ephemeral_from"  # never store the tokens from this position on
+
+_warn = RateLimitedLog(logging.getLogger(__name__))
 
 
 def token_array(ids: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -53,8 +64,27 @@ def aborted(req: ReqView) -> bool:
     return isinstance(req.finished_reason, FINISH_ABORT)
 
 
+def _custom_params(req: ReqView) -> dict[str, Any]:
+    params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+    return params if isinstance(params, dict) else {}
+
+
 def wants_blend(req: ReqView) -> bool:
     """Whether `req` may blend: blending is on unless its `custom_params` say
     `{"kvtier_blend": false}`."""
-    params = getattr(getattr(req, "sampling_params", None), "custom_params", None)
-    return not (isinstance(params, dict) and params.get(REQUEST_SWITCH) is False)
+    return _custom_params(req).get(REQUEST_SWITCH) is not False
+
+
+def hints_of(req: ReqView) -> Hints | None:
+    """The lifecycle hints `req`'s `custom_params` carry (`{"kvtier_retain_s": 30}`,
+    `{"kvtier_ephemeral_from": 512}`), or None. A bad one is ignored with a warning naming
+    it: a client's typo costs the hint, never the request."""
+    params = _custom_params(req)
+    if RETAIN not in params and EPHEMERAL not in params:
+        return None
+    try:
+        return Hints(params.get(RETAIN), params.get(EPHEMERAL)).check()
+    except ValueError as exc:
+        _warn.warning("bad-hint", "kvtier: ignored a request's custom_params %s / %s: %s",
+                      RETAIN, EPHEMERAL, exc)
+        return None

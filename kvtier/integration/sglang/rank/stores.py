@@ -29,6 +29,7 @@ from kvtier.background import copy_alone
 from kvtier.metrics import Counters, RateLimitedLog
 
 if TYPE_CHECKING:
+    from kvtier.engine.hints import Hints
     from kvtier.integration.sglang.boundary.sglang_views import Opaque
 
 __all__ = ["StoreJob", "StoreWorker", "MAX_PENDING_STORES", "STORE_DEADLINE_S"]
@@ -57,6 +58,7 @@ class StoreJob:
     verify_from: int | None = None  # shadow verification: compare from this token on, then store
     verify_loaded: bool = False  # the tokens before `verify_from` were loaded from the tiers
     known: int = 0  # leading tokens the request found in the tiers (`CacheEngine.store`)
+    hints: Hints | None = None  # the request's lifecycle hints (`kvtier.engine.hints`)
     deadline: float = 0.0  # monotonic; a job still queued then is cancelled
     state: str = QUEUED
     stored: int = 0
