@@ -114,6 +114,13 @@ def test_integration_goes_through_the_engine(module):
     assert not reach, f"{module} uses `.storage` on lines {reach}"
 
 
+@pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("kvtier.blend")))
+def test_blend_computes_and_stores_through_the_engine(module):
+    # Blending's storage (segments' KV, their verification) is the engine wing's door.
+    bad = sorted(m for m in GRAPH[module] if m.startswith(("kvtier.storage", "kvtier.backends")))
+    assert not bad, f"{module} imports {bad}"
+
+
 def test_the_package_root_holds_the_data_path_only():
     root = {p.stem for p in PACKAGE.glob("*.py")}
     folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}

@@ -4,7 +4,7 @@ A retrieval workload on SmolLM2-135M-Instruct (float32, CPU; blend_workload.py):
 `--pool` documents (a depot's records, about `--doc-tokens` tokens each); every query is a
 system line and `--docs` documents drawn from the pool in a shuffled order, each ended by the
 separator, then a question whose answer one of them holds (who manages a depot). Each document
-is stored once on its own (a standalone prefill, through a real CPU tier: kvtier.blend.store),
+is stored once on its own (a standalone prefill, through a real CPU tier: kvtier.engine.segments),
 as a first request would store it.
 
 Per query, three ways to the first answer token:
@@ -55,9 +55,9 @@ from benchmarks.serving.adaptive_report import p99
 from kvtier.blend.assemble import Assembled, assemble
 from kvtier.blend.forward import NAIVE, BlendPlan, LlamaWeights, blend, prefill
 from kvtier.blend.segments import find_segments
-from kvtier.blend.store import SegmentStore
 from kvtier.blend.weights import load_llama
 from kvtier.config import Config
+from kvtier.engine.segments import SegmentStore
 from kvtier.keys import KeyBuilder
 from kvtier.memory import KVLayout
 from kvtier.storage import StorageManager

@@ -9,18 +9,17 @@ positions (`rope`), then a forward pass computes every token in the first layers
 check layer the share of cached tokens whose KV deviates most from a fresh computation, and
 computes only those (and every token that was not cached) in the later layers (`forward`).
 
-Modules: `segments` (where segments are, what they are keyed by), `store` (a segment's KV in
-the tiers), `assemble` (a prompt's known KV from its cached segments), `rope` (rotary tables
-and re-rotation), `forward` (a Llama-family forward over plain weight tensors, in full or
-blended), `weights` (those tensors from a Hugging Face directory), `verify` (segment records
-compared with the segment computed alone again), `planner` (blend or compute: a blend only
-while it is measured to beat the full prefill). Nothing here imports SGLang; it is served by
-`kvtier.integration.sglang.blending.blender` (docs/blending.md).
+Modules: `segments` (where segments are), `assemble` (a prompt's known KV from its cached
+segments), `rope` (rotary tables and re-rotation), `forward` (a Llama-family forward over plain
+weight tensors, in full or blended), `weights` (those tensors from a Hugging Face directory),
+`planner` (blend or compute: a blend only while it is measured to beat the full prefill).
+Nothing here imports SGLang; it is served by `kvtier.integration.sglang.blending.blender`
+(docs/blending.md).
 
-Not yet as the layers would have it: the engine hands out a `SegmentStore` over its own storage
-manager (`CacheEngine.segments`), and `store` and `verify` then work on that manager, `verify`
-reading each tier's records below its API; the engine wing should hold a segment's storage and
-this package only compute.
+This package computes; storage is the engine wing's: a segment's KV goes into and comes out of
+the tiers through `CacheEngine.segments` (`kvtier.engine.segments.SegmentStore`, with the
+segments' keys), and its records are checked against a fresh computation there
+(`kvtier.engine.segment_checks`). Nothing here imports `kvtier.storage`.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import torch
 
 from kvtier.blend.rope import RotaryTable
 from kvtier.blend.segments import Segment
-from kvtier.blend.store import SegmentStore
+from kvtier.engine.segments import SegmentStore
 from kvtier.keys import KeyChain
 
 __all__ = ["Assembled", "assemble"]

@@ -12,25 +12,14 @@ request's salt do, and no segment key is ever a prefix key.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from kvtier.keys import KeyBuilder, KeyChain
+from kvtier.engine.segments import Segment, segment_chain
 
+# Segment and segment_chain live with the segment store in the engine wing (re-exported here).
 __all__ = ["Segment", "find_segments", "segment_chain"]
-
-
-class Segment(NamedTuple):
-    """Tokens `[start, end)` of a prompt: one segment, separators excluded."""
-
-    start: int
-    end: int
-
-    @property
-    def num_tokens(self) -> int:
-        return self.end - self.start
 
 
 def _occurrences(tokens: Sequence[int] | np.ndarray, pattern: Sequence[int]) -> list[int]:
@@ -70,12 +59,3 @@ def find_segments(tokens: Sequence[int] | torch.Tensor | np.ndarray, separator: 
             out.append(Segment(start, at))
         start = at + len(separator)
     return out
-
-
-def segment_chain(builder: KeyBuilder, tokens: Sequence[int] | torch.Tensor | np.ndarray,
-                  segment: Segment, salt: str = "") -> KeyChain:
-    """The keys `segment` of `tokens` is cached under: its full chunks and, with tails on, the
-    page-aligned tails after them. The same for the same tokens wherever they stand."""
-    ids = tokens[segment.start:segment.end]
-    return builder.chain(ids if isinstance(ids, (torch.Tensor, np.ndarray)) else list(ids),
-                         salt, segment=True)

@@ -2,7 +2,7 @@
 
 Two doors: `CacheEngine` (`cache`: store and load KV by token prefix, from and into a
 connector's pool), with its lower tiers at run time as `CacheEngine.tiers` (`TierControl`) and
-blending's segments as `CacheEngine.segments` (a `kvtier.blend.store.SegmentStore` the engine
+blending's segments as `CacheEngine.segments` (a `kvtier.engine.segments.SegmentStore` the engine
 builds over its storage manager); and `PageStore` (`pages`: pages of a host pool stored by key,
 SGLang's HiCache L3 API). Both sit on the storage manager, which `CacheEngine.storage` still
 exposes; the integrations never read it (tests/test_architecture.py).

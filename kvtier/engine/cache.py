@@ -28,8 +28,8 @@ from kvtier.storage.prefetch.handle import Prefetch
 from kvtier.storage.sessions import session_tag
 
 if TYPE_CHECKING:
-    from kvtier.blend.store import SegmentStore
     from kvtier.connectors.streams import DeviceCopies
+    from kvtier.engine.segments import SegmentStore
 
 # `Prefetch`: the handle `start_prefetch` returns, named here so callers need only this module.
 __all__ = ["CacheEngine", "Prefetch", "TokenIds"]
@@ -351,7 +351,7 @@ class CacheEngine:
     def segments(self) -> SegmentStore:
         """The store of segments' standalone KV (reuse at any position, `kvtier.blend`) in
         this engine's tiers and keys; `ValueError` for MLA."""
-        from kvtier.blend.store import SegmentStore
+        from kvtier.engine.segments import SegmentStore
 
         return SegmentStore(self.storage, self.keys, self.layout, write_down=self._writes_down)
 

@@ -11,8 +11,8 @@ import torch
 from kvtier.blend.assemble import assemble
 from kvtier.blend.forward import BlendPlan, LlamaWeights, blend, prefill
 from kvtier.blend.segments import Segment, find_segments
-from kvtier.blend.store import SegmentStore
 from kvtier.config import Config
+from kvtier.engine.segments import SegmentStore
 from kvtier.keys import KeyBuilder
 from kvtier.memory import KVLayout
 from kvtier.storage import StorageManager

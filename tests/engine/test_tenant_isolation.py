@@ -92,7 +92,7 @@ def test_blended_segments_stay_within_their_tenant(tmp_path: Path) -> None:
     segment verification, finding A's records differ from a fresh computation, removes them
     from every tier, and B's records of the same document stay in every tier."""
     from kvtier.blend.segments import find_segments
-    from kvtier.blend.store import SegmentStore
+    from kvtier.engine.segments import SegmentStore
     from kvtier.keys import KeyBuilder
     from kvtier.memory import KVLayout
     from kvtier.storage import StorageManager

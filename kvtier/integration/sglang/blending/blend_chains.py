@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kvtier.blend.segments import Segment, find_segments
-from kvtier.blend.store import SegmentStore
+from kvtier.engine.segments import SegmentStore
 from kvtier.keys import KeyChain
 from kvtier.metrics import Counters
 

@@ -31,7 +31,7 @@ import torch
 
 from kvtier.blend.assemble import assemble
 from kvtier.blend.forward import BlendPlan, LlamaWeights, blend
-from kvtier.blend.store import SegmentStore
+from kvtier.engine.segments import SegmentStore
 from kvtier.integration.sglang.blending.blend_chains import SegmentHits
 from kvtier.metrics import Counters, RateLimitedLog
 

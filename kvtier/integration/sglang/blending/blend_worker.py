@@ -4,9 +4,10 @@ A segment a request missed is computed alone (position 0) once the request has f
 stored in every tier, for the next prompt that holds it (`warm`). A request that verification
 sampled (`verify_fraction`) has its segments' records checked (`verify`): each segment some tier
 holds is computed alone again with the served model's weights and compared with every tier's
-records of it (`kvtier.blend.verify`); a record that differs leaves the tier that holds it, and
-the fresh KV is stored in its place. Both read disk and Redis and compute a prefill: never on
-SGLang's scheduler thread. On a CPU engine they wait for quiet moments between batches.
+records of it (`kvtier.engine.segment_checks`); a record that differs leaves the tier that
+holds it, and the fresh KV is stored in its place. Both read disk and Redis and compute a
+prefill: never on SGLang's scheduler thread. On a CPU engine they wait for quiet moments
+between batches.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from kvtier.background import ENGINE, HOLD_S, lower_priority, name_os_thread
 from kvtier.blend.forward import LlamaWeights, prefill
 from kvtier.blend.segments import Segment, find_segments
-from kvtier.blend.store import SegmentStore
+from kvtier.engine.segments import SegmentStore
 from kvtier.keys import KeyChain
 from kvtier.metrics import Counters
 

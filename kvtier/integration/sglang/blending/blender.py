@@ -38,9 +38,9 @@ import torch
 from kvtier.blend.forward import BlendPlan, LlamaWeights
 from kvtier.blend.planner import BlendPlanner, Choice
 from kvtier.blend.segments import Segment
-from kvtier.blend.store import SegmentStore
 from kvtier.config.schema import BlendSection
 from kvtier.engine import Prefetch
+from kvtier.engine.segments import SegmentStore
 from kvtier.errors import ConfigError
 from kvtier.integration.sglang.blending.blend_chains import SegmentChains, SegmentHits
 from kvtier.integration.sglang.blending.blend_jobs import POLL_WAIT_S, BlendJobs, Computed, compute

@@ -14,10 +14,10 @@ import torch
 from kvtier.blend.assemble import assemble
 from kvtier.blend.forward import blend, prefill
 from kvtier.blend.segments import Segment, find_segments
-from kvtier.blend.store import SegmentStore
 from kvtier.config import Config
 from kvtier.connectors import SGLangMHAConnector
 from kvtier.engine import CacheEngine
+from kvtier.engine.segments import SegmentStore
 from kvtier.integration.sglang.blending.blend_chains import MAX_SEGMENTS
 from kvtier.integration.sglang.blending.blender import BLEND_COUNTERS, SGLangBlender
 from kvtier.memory import KVLayout

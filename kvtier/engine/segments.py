@@ -1,5 +1,6 @@
 """Segments' standalone KV in the tiers: the same chunks, records, tiers and encryption as a
-prefix's, under segment keys (`segments.segment_chain`).
+prefix's, under segment keys (`segment_chain`). The engine wing's door for blending
+(`CacheEngine.segments`): `kvtier.blend` computes, this module stores and reads.
 
 A segment is stored as its full chunks and, with `save_tails`, the longest page-aligned tail
 after them; it is read back the same way, leading chunks first, so a segment whose later chunks
@@ -9,19 +10,39 @@ were evicted still gives its first tokens (the rest are computed like uncached t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from kvtier.blend.segments import Segment, segment_chain
-from kvtier.blend.verify import check_segment
+from kvtier.engine.segment_checks import check_segment
 from kvtier.engine.verify import Verdict
 from kvtier.keys import ChunkKey, KeyBuilder, KeyChain
 from kvtier.memory import KVLayout, MemoryFormat, MemoryObj, lease
 from kvtier.storage import StorageManager
 from kvtier.storage.prefetch.handle import Prefetch
 
-__all__ = ["SegmentStore"]
+__all__ = ["Segment", "SegmentStore", "segment_chain"]
+
+
+class Segment(NamedTuple):
+    """Tokens `[start, end)` of a prompt: one segment, separators excluded."""
+
+    start: int
+    end: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+def segment_chain(builder: KeyBuilder, tokens: Sequence[int] | torch.Tensor | np.ndarray,
+                  segment: Segment, salt: str = "") -> KeyChain:
+    """The keys `segment` of `tokens` is cached under: its full chunks and, with tails on, the
+    page-aligned tails after them. The same for the same tokens wherever they stand."""
+    ids = tokens[segment.start:segment.end]
+    return builder.chain(ids if isinstance(ids, (torch.Tensor, np.ndarray)) else list(ids),
+                         salt, segment=True)
 
 
 class SegmentStore:

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from kvtier.blend.segments import Segment, find_segments
-from kvtier.blend.store import SegmentStore
 from kvtier.config import Config
+from kvtier.engine.segments import SegmentStore
 from kvtier.keys import KeyBuilder
 from kvtier.memory import KVLayout
 from kvtier.storage import StorageManager

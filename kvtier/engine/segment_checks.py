@@ -2,7 +2,7 @@
 segment's standalone KV computed again now.
 
 A segment record holds the KV of the segment's tokens computed alone, as a whole prompt at
-position 0 (`store`), and a blend reads it wherever the segment stands. A checksum cannot tell
+position 0 (`SegmentStore.save`), and a blend reads it wherever the segment stands. A checksum cannot tell
 a forged record (a plain Redis anyone on its network writes to) or a wrong one from the KV the
 model computes for those tokens, so a sampled request's segments are computed alone again and
 every tier's records of them compared with that fresh KV: like with like, position 0 on both

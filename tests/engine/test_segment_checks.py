@@ -12,8 +12,8 @@ import torch
 
 from kvtier.backends.base import StorageBackend
 from kvtier.blend.segments import Segment
-from kvtier.blend.store import SegmentStore
 from kvtier.config import Config
+from kvtier.engine.segments import SegmentStore
 from kvtier.keys import ChunkKey, KeyBuilder, KeyChain
 from kvtier.memory import KVLayout, lease
 from kvtier.storage import StorageManager
