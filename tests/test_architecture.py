@@ -124,9 +124,8 @@ def test_blend_computes_and_stores_through_the_engine(module):
 def test_the_package_root_holds_the_data_path_only():
     root = {p.stem for p in PACKAGE.glob("*.py")}
     folders = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
-    assert root == {"__init__", "background", "errors", "keys", "memory", "metrics",
-                    "prometheus"}
-    assert {"backends", "cli", "config", "connectors", "engine", "integration",
+    assert root == {"__init__", "background", "errors", "memory", "metrics", "prometheus"}
+    assert {"backends", "cli", "config", "connectors", "engine", "integration", "keys",
             "storage"} <= folders
 
 

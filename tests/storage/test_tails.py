@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from harness.redis import RedisProcess
-from kvtier import keys as keys_module
 from kvtier.config import Config
 from kvtier.connectors import SGLangMHAConnector, SGLangMLAConnector
 from kvtier.connectors.base import KVConnector
 from kvtier.engine import CacheEngine
 from kvtier.keys import KeyBuilder, encode_tokens
+from kvtier.keys import chunks as keys_module
 from kvtier.storage import StorageManager
 
 SLOTS = 1024
