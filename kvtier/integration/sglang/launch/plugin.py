@@ -69,8 +69,8 @@ def register() -> None:
 
     if BACKEND_NAME not in registered_radix_cache_backends():
         register_radix_cache_backend(BACKEND_NAME, build_radix_cache)
-    # Tier attach/detach at run time: kvtier/integration/sglang/admin/routes.py.
-    from kvtier.integration.sglang.admin import routes as admin
+    # Tier attach/detach at run time, each rank's side: kvtier/integration/sglang/admin/ops.py.
+    from kvtier.integration.sglang.admin import ops as admin
     from kvtier.integration.sglang.launch import cpu_attention
     from kvtier.integration.sglang.stop import shutdown
 

@@ -18,7 +18,7 @@ from harness.redis import RedisProcess
 from kvtier.config import Config
 from kvtier.connectors import SGLangMHAConnector
 from kvtier.engine import CacheEngine
-from kvtier.integration.sglang.admin.routes import apply
+from kvtier.integration.sglang.admin.ops import apply
 from kvtier.integration.sglang.rank.adapter import SGLangKVTier
 from tests.helpers import SMALL_MHA
 
