@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.config import tiers as tier_table
-from kvtier.config.lmcache import compat
 from kvtier.config.names import (
     ADAPTIVE,
     ADMISSION_POLICIES,
@@ -29,8 +28,8 @@ from kvtier.config.names import (
 )
 from kvtier.config.paths import PATH_KEYS, check_local_disk, disk_path, resolved_paths
 from kvtier.config.redaction import shown_value
+from kvtier.config.remote_check import check_remote_url
 from kvtier.config.sections import BlendSection, PrefetchSection, WriteSection
-from kvtier.config.urls import redact_url
 from kvtier.errors import ConfigError
 
 __all__ = ["BlendSection", "Config", "PrefetchSection", "WriteSection", "validate", "REMOTE_SERDES",
@@ -317,7 +316,7 @@ def _validate_tiers(cfg: Config) -> None:
             raise _fail(src, "max_local_disk_size",
                         f"must be > 0 when local_disk is set, got {cfg.max_local_disk_size}")
     if cfg.remote_url is not None:
-        _check_remote_url(cfg.remote_url)
+        check_remote_url(cfg.remote_url)
     if not cfg.local_cpu and not cfg.local_disk and not cfg.remote_url:
         raise _fail(src, "local_cpu", "no tier enabled: local_cpu is false and neither "
                     "local_disk nor remote_url is set, so kvtier would store nothing. Storage "
@@ -326,30 +325,3 @@ def _validate_tiers(cfg: Config) -> None:
                     "(gds_path, weka_path: use local_disk: file:///path/) or storage plugins; "
                     "keep local_cpu: true, or set local_disk or a shared remote_url: "
                     "redis://host:6379 (`kvtier migrate-config FILE` names the key)")
-
-
-def _check_remote_url(url: str) -> None:
-    """Scheme first (no imports), then the full parse of the tier serving it (its row's
-    `url_parser`), at config time."""
-    scheme, sep, _ = url.partition("://")
-    shown = redact_url(url)
-    supported = ", ".join(s + "://" for s in tier_table.remote_schemes())
-    if scheme in compat.UNSUPPORTED_SCHEMES:
-        raise _fail("config", "remote_url",
-                    f"{shown!r}: kvtier cannot serve {scheme}:// "
-                    f"({compat.UNSUPPORTED_SCHEMES[scheme]}); supported schemes: {supported}")
-    spec = tier_table.url_tier(url) if sep else None
-    if spec is None:
-        raise _fail("config", "remote_url", f"{shown!r}: scheme must be one of {supported}")
-    if not spec.url_parser:
-        return
-    try:
-        parser = tier_table.load_attr(spec.url_parser)
-    except ImportError as exc:
-        raise _fail("config", "remote_url", f"the {spec.name} tier needs the "
-                    f"{', '.join(map(repr, spec.packages))} package, which cannot be imported "
-                    f"({exc}): pip install 'kvtier[{spec.extra}]'") from None
-    try:
-        parser(url)
-    except ConfigError as exc:
-        raise ConfigError(f"config: {exc}") from None
