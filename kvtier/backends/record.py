@@ -41,20 +41,44 @@ rejects an encrypted record as forged (kept) instead of loading ciphertext, so t
 its version. Records with `AUTHENTICATED` alone (an HMAC, payload in clear) are no longer
 written; they are a `ForgedEntry` for every reader. No pickle: a record is plain bytes any
 version of kvtier can reject safely (version 1 records are rejected by their version).
+
+The layout's definitions (the struct, flags bits, bounds, `RecordHeader`, digests) are
+kvtier.backends.record_layout; this module writes and reads records with them.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import struct
-from typing import NamedTuple
 
 import xxhash
 
-from kvtier.backends.codec import NAIVE, Codec, Encoded, codec_by_id
+from kvtier.backends.codec import Codec, Encoded, codec_by_id
+from kvtier.backends.record_layout import (
+    _CHECKED,
+    _CODEC_SHIFT,
+    _FIXED,
+    _FLAGS,
+    _FORMATS,
+    _PIECE,
+    _SEALED,
+    AUTHENTICATED,
+    DIGEST,
+    ENCRYPTED,
+    FIXED_SIZE,
+    MAC,
+    MAGIC,
+    MAX_KEY_LEN,
+    MAX_TOKENS,
+    VERSION,
+    RecordHeader,
+    Stored,
+    _aad,
+    expected_header_len,
+    payload_checksum,
+    token_digest,
+)
 from kvtier.backends.sealing import (
-    FIELD,
     MIN_KEY_BYTES,
     ForgedEntry,
     KeyMismatch,
@@ -65,7 +89,7 @@ from kvtier.backends.sealing import (
 )
 from kvtier.errors import CorruptEntry
 from kvtier.keys import ChunkKey
-from kvtier.memory import DTYPES, KVLayout, MemoryFormat, MemoryObj, dtype_name
+from kvtier.memory import DTYPES, KVLayout, MemoryFormat, dtype_name
 
 __all__ = [
     "MAGIC", "VERSION", "FIXED_SIZE", "RecordHeader", "Seal", "Unseal", "ForgedEntry",
@@ -73,71 +97,9 @@ __all__ = [
     "KeyMismatch", "RecordKeys", "encode_header", "header_len", "open_payload", "parse_header",
     "payload_checksum", "seal_for", "seal_record", "verify_payload", "expected_header_len",
     "token_digest", "MIN_KEY_BYTES", "load_record_keys",
+    # the layout's other public names (kvtier.backends.record_layout)
+    "DIGEST", "MAC", "AUTHENTICATED", "ENCRYPTED", "MAX_KEY_LEN", "MAX_TOKENS", "Stored",
 ]
-
-
-MAGIC = b"KVTR"
-VERSION = 2  # unchanged by encryption: see the module docstring
-_FIXED = struct.Struct("<4sHIB8s4IQIIHBQQ")
-FIXED_SIZE: int = _FIXED.size
-_CHECKED = FIXED_SIZE - 8  # the header checksum is the fixed prefix's last 8 bytes
-_SUM_AT = _CHECKED - 8  # the payload checksum: known after the payload, so not in the AAD
-DIGEST = 32
-MAC = FIELD  # the seal field (named for the HMAC it held before encryption)
-AUTHENTICATED = 1  # flags bit: the seal field is not zeros (see the module docstring)
-ENCRYPTED = 2  # flags bit: AES-256-GCM ciphertext; the seal field: key id, nonce, tag
-_SEALED = AUTHENTICATED | ENCRYPTED
-_FLAGS = {0, AUTHENTICATED, _SEALED}
-_CODEC_SHIFT = 4  # the flags byte's high bits: the payload's codec id
-# Plausibility bounds: they keep a corrupt length field from making a reader allocate or read
-# absurd amounts before the checksum has been verified.
-MAX_KEY_LEN = 4096
-_PIECE = 1 << 20  # what `verify_payload` decrypts at a time
-MAX_TOKENS = 1 << 20
-_FORMATS = {int(f) for f in MemoryFormat}
-
-
-class RecordHeader(NamedTuple):
-    """A parsed, validated header."""
-
-    header_len: int
-    fmt: MemoryFormat
-    dtype: str  # stable dtype name (kvtier.memory.DTYPES)
-    shape: tuple[int, int, int, int]
-    payload_len: int
-    segment_bytes: int
-    checksum: int  # of the payload as stored
-    key: str
-    flags: int
-    seal: bytes  # the seal field when flags has ENCRYPTED or AUTHENTICATED, else b""
-    aad: bytes  # the header bytes GCM authenticates (see `_aad`)
-    salt: str = ""  # the tenant it is read for (the requested key's): picks the record key
-    codec: Codec = NAIVE  # what the payload holds (`decode` it unless naive)
-
-
-def payload_checksum(view: memoryview | bytes) -> int:
-    """The checksum of a payload (xxh3_64: fast enough never to cap disk or network speed)."""
-    return xxhash.xxh3_64_intdigest(view)
-
-
-def token_digest(key: ChunkKey) -> bytes:
-    """What a record stores to verify `key.tokens` (never the tokens themselves)."""
-    return hashlib.sha256(key.key.encode() + b"\0" + key.tokens).digest()
-
-
-def expected_header_len(key: ChunkKey) -> int:
-    """The exact header length of a record stored under `key`."""
-    return FIXED_SIZE + len(key.key.encode()) + DIGEST + MAC
-
-
-def _aad(prefix: bytes, body: bytes) -> bytes:
-    """GCM's associated data: the fixed prefix up to the header checksum with the payload
-    checksum zeroed (it is known only once the payload is sealed), then the key string and the
-    token digest (`body`). The key id is appended by the seal."""
-    return prefix[:_SUM_AT] + bytes(8) + body
-
-
-Stored = MemoryObj | Encoded  # what a record holds: the arena's bytes or a codec's payload
 
 
 def _prefix(key: ChunkKey, obj: Stored, segment_bytes: int, flags: int,
