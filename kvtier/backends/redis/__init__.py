@@ -13,7 +13,7 @@ counted as `corrupt`, and deleted; when it was read segment by segment (not atom
 the io module) it is first read again with one MGET (counted as `rereads`), and a record that passes
 then is a hit that ends the batch.
 
-Modules: backend (RedisBackend), url (`remote_url` parsing and the redis-py clients), io (the
+Modules: backend (RedisBackend), url (`remote_url` parsing), router (the redis-py clients), io (the
 zero-copy data path and how records are laid out in keys), resp (RESP2 framing) and health
 (up/down state and probing). `RedisBackend` is imported lazily, so that importing
 kvtier.backends.redis.url (config checks, `kvtier ls/purge`) loads no more than the URL parser.

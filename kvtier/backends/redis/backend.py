@@ -1,4 +1,4 @@
-"""RedisBackend: the tier's storage calls on url.Router, io and health.Health.
+"""RedisBackend: the tier's storage calls on router.Router, io and health.Health.
 
 Configuration, failure handling and counters are described in the package docstring.
 """
@@ -16,7 +16,8 @@ from kvtier.backends.base import BackendContext, ProbeSample, StorageBackend
 from kvtier.backends.redis import io as rio
 from kvtier.backends.redis.health import Health
 from kvtier.backends.redis.probe import probe_primaries
-from kvtier.backends.redis.url import Router, parse_remote_url
+from kvtier.backends.redis.router import Router
+from kvtier.backends.redis.url import parse_remote_url
 from kvtier.config.names import REDIS
 from kvtier.errors import ConfigError, CorruptEntry
 from kvtier.keys import ChunkKey

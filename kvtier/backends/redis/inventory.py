@@ -10,7 +10,8 @@ from typing import Any
 
 from kvtier.backends.base import RecordInventory, StoredRecord
 from kvtier.backends.redis.probe import probe_prefix
-from kvtier.backends.redis.url import Router, parse_remote_url
+from kvtier.backends.redis.router import Router
+from kvtier.backends.redis.url import parse_remote_url
 from kvtier.config import Config
 from kvtier.config.names import REDIS
 from kvtier.keys import ALL_KEYS, key_of_redis_name

@@ -21,7 +21,7 @@ import redis
 from kvtier.backends.base import PROBE_PREFIX, ProbeSample
 from kvtier.backends.redis.io import pooled_reader
 from kvtier.backends.redis.resp import CommandWriter, ReplyError
-from kvtier.backends.redis.url import Router
+from kvtier.backends.redis.router import Router
 from kvtier.keys import KEY_VERSION
 
 __all__ = ["probe_primaries", "probe_prefix", "PROBE_TTL_S"]

@@ -1,7 +1,7 @@
 """The private redis-py internals the Redis tier relies on, checked against real servers.
 
 pyproject.toml caps redis-py below 9 because of these. When a test here fails after a redis-py
-upgrade, adapt kvtier/backends/redis (io.raw_socket, url.Router) before widening the pin.
+upgrade, adapt kvtier/backends/redis (io.raw_socket, router.Router) before widening the pin.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def test_pooled_connection_exposes_its_socket(redis_server: RedisProcess) -> Non
 def test_cluster_slot_map_can_be_reread(redis_cluster: ClusterProcesses) -> None:
     assert callable(getattr(NodesManager, "initialize", None)), (
         f"{VERSION}: redis.cluster.NodesManager.initialize is gone; "
-        "kvtier.backends.redis.url.Router.refresh/ping call it")
+        "kvtier.backends.redis.router.Router.refresh/ping call it")
     node = redis_cluster.nodes[0]
     cluster = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", node.port)], protocol=2)
     try:

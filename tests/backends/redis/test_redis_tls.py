@@ -12,7 +12,8 @@ import pytest
 
 from harness.redis import RedisTLSCluster, RedisTLSSentinel
 from kvtier.backends.redis import RedisBackend
-from kvtier.backends.redis.url import Router, parse_remote_url
+from kvtier.backends.redis.router import Router
+from kvtier.backends.redis.url import parse_remote_url
 from kvtier.config import Config
 from kvtier.errors import ConfigError
 from kvtier.memory import lease
