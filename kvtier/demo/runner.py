@@ -21,74 +21,39 @@ measured requests (kvtier/demo/quiet.py).
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
 import sys
 import tempfile
 import time
-import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from kvtier.config.names import CPU, DISK, REDIS
-from kvtier.demo.models import LlamaSpec, cached_llama, make_llama
-from kvtier.demo.quiet import HostMeter, WriteWaits, load_average
+from kvtier.demo.demo_run import (
+    CHUNK_SIZE,
+    FULL_MODEL,
+    SMALL_MODEL,
+    DemoOptions,
+    DemoRun,
+    ModelShape,
+    demo_config,
+    model_shape,
+)
+from kvtier.demo.models import cached_llama, make_llama
+from kvtier.demo.quiet import HostMeter, load_average
 from kvtier.demo.report import format_host_start
-from kvtier.demo.server import SGLangServer, cpu_shims_dir, free_port, gpu_available
-from kvtier.demo.workload import FIRST_ID, Conversation, Prompts, TextPrompts, Workload
+from kvtier.demo.server import SGLangServer, gpu_available
+from kvtier.demo.workload import FIRST_ID, Conversation
 
 __all__ = ["DemoOptions", "run_demo", "FULL_MODEL", "SMALL_MODEL", "demo_config", "model_shape",
-           "ModelShape"]
+           "ModelShape", "CHUNK_SIZE"]
 
-# A generated model: 2K-token prefill ~1.0 s, 4K ~2.5 s on 2 cores; 27 M parameters, 54 MB on
-# disk (bfloat16).
-FULL_MODEL = LlamaSpec(hidden=512, layers=8, heads=8, kv_heads=2, intermediate=1536,
-                       max_positions=16384, dtype="bfloat16")
-# For tests: a 1.5K-token prefill still costs several times a load.
-SMALL_MODEL = LlamaSpec(hidden=384, layers=4, heads=6, kv_heads=2, intermediate=1024,
-                        max_positions=4096, dtype="bfloat16")
-CHUNK_SIZE = 256
 MIN_START_WINDOW_S = 1.0  # the shortest window the host's load before the servers is read over
 _LOADED = re.compile(r"kvtier: loaded (\d+) tokens")
-
-
-@dataclass(frozen=True)
-class DemoOptions:
-    """What `kvtier demo` runs; see `kvtier demo --help`."""
-
-    workload: Workload
-    model: LlamaSpec | None = None  # None: the real model (kvtier/demo/smollm2.py)
-    out_dir: Path = Path("demo-results")
-    redis_url: str | None = None
-    small: bool = False
-    keep_model: bool = False
-    threads: int = 0  # per server; 0: every core
-    progress: bool = True
-
-
-def demo_config(disk_dir: Path | None, redis_url: str | None, salt: str,
-                arena_gb: float, metrics_port: int | None = None) -> str:
-    """The kvtier YAML the demo's servers run with (embedded; written to a temp file).
-
-    The default `prefetch_policy: adaptive` makes a request wait for the part of its load from
-    disk or Redis that arrives sooner than it could be recomputed, so its TTFT includes that
-    load. The salt keeps this run's keys apart from anything an earlier run left in a shared
-    Redis. `metrics_port`: kvtier's metrics endpoint, whose write-queue gauge the demo waits
-    on before the baseline measures (quiet.WriteWaits).
-    """
-    lines = [f"chunk_size: {CHUNK_SIZE}", "local_cpu: true",
-             f"max_local_cpu_size: {arena_gb:.3f}", f"hash_salt: {json.dumps(salt)}"]
-    if disk_dir is not None:
-        lines += [f"local_disk: {json.dumps(str(disk_dir))}", "max_local_disk_size: 4.0"]
-    if redis_url:
-        lines += [f"remote_url: {json.dumps(redis_url)}", "remote_serde: naive"]
-    if metrics_port is not None:
-        lines.append(f"metrics_port: {metrics_port}")
-    return "\n".join(lines) + "\n"
 
 
 class _Log:
@@ -102,71 +67,6 @@ class _Log:
         text = self.server.log()
         new, self.offset = text[self.offset:], len(text)
         return sum(int(m) for m in _LOADED.findall(new))
-
-
-class _Run:
-    """One demo run's servers and results (internal to run_demo)."""
-
-    def __init__(self, opts: DemoOptions, work: Path, model: Path):
-        self.opts = opts
-        self.work = work
-        self.model = model
-        self.salt = uuid.uuid4().hex[:12]
-        wl = opts.workload
-        self.max_tokens = max(2048, wl.max_prompt_tokens() + 512)
-        shape = model_shape(model)
-        self.context = shape.context
-        stored = wl.conversations * wl.max_prompt_tokens() * shape.kv_bytes_per_token
-        self.arena_gb = max(0.25, 3 * stored / 1e9)
-        self.warmup = (min(wl.system_prompt_tokens, 2048), wl.vocab)  # (tokens, vocab)
-        self.baseline_outputs: dict[tuple[int, int], list[int]] = {}
-        self.baseline_ttft: dict[tuple[int, int], float] = {}
-        self.last_prompts: list[tuple[int, list[int]]] = []  # (conversation, last turn's prompt)
-        self.servers: list[SGLangServer] = []  # every server started, stopped at the end
-        self.tokenizer = _tokenizer(model) if opts.model is None else None
-        self.prompts: Prompts = wl if self.tokenizer is None else TextPrompts(wl, self.tokenizer)
-        # CPU time over the measured requests only (HostMeter windows), and the waits that keep
-        # the kvtier server's background writes out of the baseline's measurements.
-        self.meter = HostMeter(groups=lambda: [s.proc.pid for s in self.servers if s.proc])
-        self.load_first: tuple[float, float, float] | None = None  # at the first measurement
-        self.writes = WriteWaits()
-        self.metrics_port = free_port()
-
-    def server(self, name: str, config: str | None) -> SGLangServer:
-        args = ["--max-total-tokens", str(self.max_tokens),
-                "--context-length", str(self.context), "--sleep-on-idle"]
-        if config is not None:
-            path = self.work / f"{name}.yaml"
-            path.write_text(config)
-            args += ["--enable-kvtier", "--kvtier-config-file", str(path)]
-        threads = self.opts.threads or os.cpu_count() or 1
-        shims = [] if gpu_available() else [cpu_shims_dir()]
-        server = SGLangServer(self.model, self.work / f"{name}.log", args=args,
-                              env={"OMP_NUM_THREADS": str(threads)}, pythonpath=shims)
-        self.servers.append(server)
-        return server
-
-    def kvtier_config(self, disk: bool, metrics: bool = False) -> str:
-        return demo_config(self.work / "disk" if disk else None, self.opts.redis_url,
-                           self.salt, self.arena_gb, self.metrics_port if metrics else None)
-
-    def measure(self, server: SGLangServer, prompt: list[int], max_new: int) -> Any:
-        server.flush_cache()  # nothing may come from the device cache
-        self.load_first = self.load_first or load_average()
-        self.meter.open()
-        try:
-            return server.stream_generate(prompt, max_new)
-        finally:
-            self.meter.close()
-
-    def host(self, start: dict[str, Any]) -> dict[str, Any]:
-        """The results' `host` section: the host before the servers started, during the
-        measured requests, and the waits for the kvtier server's writes."""
-        return {"cores": self.meter.cores, "start": start,
-                "measured": {"load_average_first": self.load_first,
-                             "load_average_peak": self.meter.load_peak,
-                             "load_average_end": load_average(), **self.meter.cores_used()},
-                "write_waits": self.writes.summary()}
 
 
 def _start(servers: Sequence[SGLangServer], warmup: tuple[int, int],
@@ -214,7 +114,7 @@ def _row(phase: str, tier: str, conv: int, turn: int, prompt: list[int], base_tt
     }
 
 
-def _multi_turn(run: _Run, base: SGLangServer, kv: SGLangServer,
+def _multi_turn(run: DemoRun, base: SGLangServer, kv: SGLangServer,
                 emit: Callable[[dict[str, Any]], None], bar: Any) -> list[dict[str, Any]]:
     wl = run.opts.workload
     convs = [Conversation(i + 1) for i in range(wl.conversations)]
@@ -243,7 +143,7 @@ def _multi_turn(run: _Run, base: SGLangServer, kv: SGLangServer,
     return rows
 
 
-def _replay(run: _Run, server: SGLangServer, phase: str, tier: str,
+def _replay(run: DemoRun, server: SGLangServer, phase: str, tier: str,
             emit: Callable[[dict[str, Any]], None], bar: Any) -> list[dict[str, Any]]:
     """Each conversation's last prompt again, on a server that has not seen it."""
     wl = run.opts.workload
@@ -277,7 +177,7 @@ def run_demo(opts: DemoOptions, note: Callable[[str], None] | None = None,
         work = Path(tmp)
         model, built = _model(opts, work)
         say(f"model {model} ({'built' if built else 'cached'})")
-        run = _Run(opts, work, model)
+        run = DemoRun(opts, work, model)
         wl = opts.workload
         steps = wl.turns * wl.conversations + wl.conversations * (2 if opts.redis_url else 1)
         base = run.server("baseline", None)
@@ -307,27 +207,6 @@ def run_demo(opts: DemoOptions, note: Callable[[str], None] | None = None,
         return _results(opts, run, model, phases, start)
 
 
-class ModelShape(NamedTuple):
-    context: int  # tokens
-    kv_bytes_per_token: int  # in a float32 pool: K and V, every layer
-
-
-def model_shape(model: Path) -> ModelShape:
-    """What the demo sizes its servers by, from the model's `config.json`."""
-    cfg = json.loads((model / "config.json").read_text())
-    heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    kv_heads = cfg.get("num_key_value_heads") or heads
-    return ModelShape(int(cfg["max_position_embeddings"]),
-                      2 * cfg["num_hidden_layers"] * kv_heads * head_dim * 4)
-
-
-def _tokenizer(model: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(model))
-
-
 def _model(opts: DemoOptions, work: Path) -> tuple[Path, bool]:
     if opts.model is None:
         from kvtier.demo.smollm2 import cached_smollm2
@@ -338,7 +217,7 @@ def _model(opts: DemoOptions, work: Path) -> tuple[Path, bool]:
     return cached_llama(opts.model)
 
 
-def _sample(run: _Run) -> dict[str, Any] | None:
+def _sample(run: DemoRun) -> dict[str, Any] | None:
     """The first conversation's last turn as text: its question and the answer both arms
     gave (they are identical where `identical` says so)."""
     if run.tokenizer is None or not run.last_prompts:
@@ -357,7 +236,7 @@ def _keep_logs(work: Path, out_dir: Path) -> None:
         (out_dir / log.name).write_bytes(log.read_bytes())
 
 
-def _results(opts: DemoOptions, run: _Run, model: Path,
+def _results(opts: DemoOptions, run: DemoRun, model: Path,
              phases: dict[str, list[dict[str, Any]]], start: dict[str, Any]) -> dict[str, Any]:
     from kvtier.demo.report import summarize
 
