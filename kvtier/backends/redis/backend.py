@@ -13,6 +13,7 @@ from redis.exceptions import AuthenticationError, RedisClusterException, RedisEr
 
 from kvtier.backends import record
 from kvtier.backends.base import BackendContext, ProbeSample, StorageBackend
+from kvtier.backends.redis import batches
 from kvtier.backends.redis import io as rio
 from kvtier.backends.redis.health import Health
 from kvtier.backends.redis.probe import probe_primaries
@@ -38,9 +39,6 @@ _SEAL_GROUP = 64 << 20
 _STATS = ("hits", "misses", "puts", "write_errors", "corrupt", "forged", "segment_mismatches",
           "alloc_failures", "errors", "skipped_down", "down_events", "bytes_read",
           "bytes_written", "rereads", "other_version")
-
-_Plan = list[tuple[list[str], int]]  # per chunk: its Redis keys and its payload size
-
 
 class RedisBackend(StorageBackend):
     """Chunks as records in Redis. Thread-safe: each call takes pooled connections per node."""
@@ -112,23 +110,6 @@ class RedisBackend(StorageBackend):
             return None
         return router
 
-    def _plan(self, keys: Sequence[ChunkKey]) -> _Plan:
-        out = []
-        for k in keys:
-            nbytes = self.ctx.layout.nbytes(k.num_tokens)
-            # len(rio.segments(nbytes, seg)), without building them: tails come in hundreds
-            out.append((rio.redis_keys(k, max(1, -(-nbytes // self._seg))), nbytes))
-        return out
-
-    @staticmethod
-    def _by_node(router: Router, rkeys: list[list[str]]) -> list[tuple[redis.Redis, list[int]]]:
-        """Indices of `rkeys` grouped by the node that owns them, in order within a node."""
-        groups: dict[int, tuple[redis.Redis, list[int]]] = {}
-        for i, names in enumerate(rkeys):
-            client = router.node_for(names[0])
-            groups.setdefault(id(client), (client, []))[1].append(i)
-        return list(groups.values())
-
     def _reply_error(self, op: str, exc: rio.ReplyError) -> None:
         self._health.count("errors")
         if str(exc).startswith(("MOVED", "ASK")) and self._router is not None:
@@ -171,10 +152,10 @@ class RedisBackend(StorageBackend):
         router = self._usable()
         if router is None or not keys:
             return [False] * len(keys)
-        names = [rkeys for rkeys, _ in self._plan(keys)]
+        names = [rkeys for rkeys, _ in batches.plan(keys, self.ctx.layout, self._seg)]
         found = [False] * len(keys)
         try:
-            for client, idxs in self._by_node(router, names):  # one round trip per node
+            for client, idxs in batches.by_node(router, names):  # one round trip per node
                 out = rio.CommandWriter()
                 for i in idxs:
                     out.command("EXISTS", *names[i])
@@ -200,7 +181,7 @@ class RedisBackend(StorageBackend):
         layout, allocate = self.ctx.layout, self.ctx.allocate
         try:
             order = []
-            for rkeys, nbytes in self._plan(keys):
+            for rkeys, nbytes in batches.plan(keys, self.ctx.layout, self._seg):
                 client = router.node_for(rkeys[0])
                 stream = streams.setdefault(
                     id(client), rio.GetStream(client, _WINDOW[self._split], self._split))
@@ -300,7 +281,7 @@ class RedisBackend(StorageBackend):
         router = self._usable()
         if router is None or not keys:
             return 0
-        plan = self._plan(keys)
+        plan = batches.plan(keys, self.ctx.layout, self._seg)
         stored = written = 0
         try:
             recs = [self._codec.encode(obj) for obj in objs]  # on the writer's thread
@@ -309,8 +290,8 @@ class RedisBackend(StorageBackend):
             # Every seal (and so every check) first: a ValueError leaves nothing half-sent.
             seals = [record.seal_for(k, rec, segment_bytes=seg, keys=self._keys)
                      for k, rec, seg in zip(keys, recs, segs)]
-            for client, idxs in self._by_node(router, [rk for rk, _ in plan]):
-                for group in self._put_groups(idxs, plan):
+            for client, idxs in batches.by_node(router, [rk for rk, _ in plan]):
+                for group in batches.put_groups(idxs, plan, _SEAL_GROUP if self._keys else None):
                     # Encrypted records are sent from ciphertext buffers, a group at a time.
                     bufs = [self._buffers.take(plan[i][1]) for i in group] if self._keys else []
                     try:
@@ -341,27 +322,11 @@ class RedisBackend(StorageBackend):
         self._health.count("bytes_written", written)
         return stored
 
-    def _put_groups(self, idxs: list[int], plan: _Plan) -> list[list[int]]:
-        """`idxs` in one group per round trip: all of them for plain records (sent from the
-        arena), else groups of at most `_SEAL_GROUP` payload bytes (at least one record each),
-        so the ciphertext buffers of a long prefix never add up to its size."""
-        if not self._keys:
-            return [idxs]
-        groups: list[list[int]] = [[]]
-        held = 0
-        for i in idxs:
-            if groups[-1] and held + plan[i][1] > _SEAL_GROUP:
-                groups.append([])
-                held = 0
-            groups[-1].append(i)
-            held += plan[i][1]
-        return groups
-
     def remove(self, keys: Sequence[ChunkKey]) -> int:
         router = self._usable()
         if router is None or not keys:
             return 0
-        names = [rkeys for rkeys, _ in self._plan(keys)]
+        names = [rkeys for rkeys, _ in batches.plan(keys, self.ctx.layout, self._seg)]
         try:
             items = [(router.node_for(rkeys[0]), rkeys) for rkeys in names]
         except _TIER_ERRORS as exc:
