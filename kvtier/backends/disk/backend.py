@@ -1,7 +1,8 @@
 """The disk tier: one checksummed record file per chunk, persistent across restarts.
 
 Files, their format and their privacy are `files.py`'s business, the LRU index `index.py`'s,
-whose record is whose `owners.py`'s; this module keeps the cap, the lock and the counters.
+whose record is whose `owners.py`'s; reads are `reads.py`'s (`DiskReads`, a mixin of
+`DiskBackend`); this module keeps the cap, the lock, the counters and the writes.
 
 - Persistence: the index is rebuilt at start-up from directory entries (mtime = recency); a
   miss in the index is checked against the filesystem, so a process sharing the directory
@@ -28,9 +29,8 @@ import os
 import stat
 import threading
 import time
-from collections import deque
-from collections.abc import Generator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvtier.backends import base
@@ -40,29 +40,27 @@ from kvtier.backends.disk.evictions import EvictionNotes
 from kvtier.backends.disk.index import DiskIndex
 from kvtier.backends.disk.owners import identify, learn_in_background, owner_of
 from kvtier.backends.disk.probe import probe_disk
+from kvtier.backends.disk.reads import READ_AHEAD, DiskReads
 from kvtier.backends.disk.root import open_root
-from kvtier.backends.record import ForgedEntry, OtherVersion, expected_header_len
-from kvtier.background import name_os_thread
+from kvtier.backends.record import expected_header_len
 from kvtier.config.names import DISK
-from kvtier.errors import ConfigError, CorruptEntry
+from kvtier.errors import ConfigError
 from kvtier.keys import ChunkKey
 from kvtier.memory import MemoryObj
 from kvtier.metrics import RateLimitedLog
 
-__all__ = ["DiskBackend"]
+__all__ = ["DiskBackend", "READ_AHEAD"]
 
 logger = logging.getLogger(__name__)
 
 _COUNTERS = ("hits", "misses", "puts", "put_bytes", "evictions", "corrupt", "forged", "vanished",
              "adopted", "write_errors", "write_dropped", "read_errors", "alloc_failures",
              "stale_tmp_removed", "not_regular", "disk_full", "other_version")
-READ_AHEAD = 4  # chunk reads in flight per batch: keeps the device queue busy while a chunk
-# is checksummed or copied on, without holding much arena for a prefix that may miss early
 DISK_FULL_EVICT_WRITES = 4  # ENOSPC frees room for the next few writes, not half the cache
 SHRINK_WRITES = 4  # over its cap, a write evicts at most this many times its own size
 
 
-class DiskBackend(StorageBackend):
+class DiskBackend(DiskReads, StorageBackend):
     """Chunks as files under `config.local_disk`, at most `max_local_disk_size` GB in total."""
 
     name = DISK
@@ -194,118 +192,6 @@ class DiskBackend(StorageBackend):
             return False
         self._adopt_locked(name, st.st_size, key)
         return True
-
-    def batch_get(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
-        return list(self.iter_get(keys))
-
-    def iter_get(self, keys: Sequence[ChunkKey]) -> Generator[MemoryObj, None, None]:
-        """Reads up to `READ_AHEAD` records at once on a small thread pool and yields them in
-        order. Read-ahead starts after the first hit, so a prefix that misses at once costs
-        one read."""
-        pool = self._pool()
-        ahead: deque[Future[MemoryObj | None]] = deque(
-            pool.submit(self._get_one, key) for key in keys[:1])
-        hits = 0
-        try:
-            while ahead:
-                obj = ahead.popleft().result()
-                if obj is None:
-                    break
-                hits += 1
-                while len(ahead) < READ_AHEAD and hits + len(ahead) < len(keys):
-                    ahead.append(pool.submit(self._get_one, keys[hits + len(ahead)]))
-                yield obj
-        finally:
-            for future in ahead:  # read ahead of a miss, or of a caller that stopped early
-                if not future.cancel():
-                    late = future.result()
-                    if late is not None:
-                        late.release()
-            with self._lock:
-                self._counts.inc("hits", hits)
-                self._counts.inc("misses", int(hits < len(keys)))
-            self._touch(keys[:hits], persist=True)
-
-    def _pool(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._read_pool is None:
-                self._read_pool = ThreadPoolExecutor(READ_AHEAD, thread_name_prefix="kvtier-disk",
-                                                     initializer=name_os_thread)
-            return self._read_pool
-
-    def _get_one(self, key: ChunkKey) -> MemoryObj | None:
-        name = rf.file_name(key.key)
-        path = rf.record_path(self.root, name)
-        with self._lock:
-            if self._closed:
-                return None
-            self._index.pin(name)
-        try:
-            fd, st = rf.open_record(self._dirs, name)
-        except OSError as exc:
-            self._unpin(name, vanished=isinstance(exc, FileNotFoundError))
-            if isinstance(exc, rf.NotRegular):
-                self._not_regular(name, path, exc.what)
-            elif not isinstance(exc, FileNotFoundError):
-                self._read_error(path, exc)
-            return None
-        try:
-            obj = rf.read_record(fd, st.st_size, key, self.ctx.layout, self.ctx.allocate,
-                                 self._keys)
-            if obj is None:
-                self._counts.inc("alloc_failures")
-            else:
-                with self._lock:
-                    self._adopt_locked(name, st.st_size, key.key)
-            return obj
-        except CorruptEntry as exc:
-            self._discard(name, path, st, exc)
-            return None
-        except OSError as exc:
-            self._read_error(path, exc)
-            return None
-        finally:
-            os.close(fd)
-            self._unpin(name)
-
-    def _unpin(self, name: str, vanished: bool = False) -> None:
-        with self._lock:
-            self._index.unpin(name)
-            # Gone behind our back, unless a writer put it back since (else the cap misses it).
-            gone = vanished and not os.path.lexists(rf.record_path(self.root, name))
-            if gone and name in self._index:
-                self._index.forget(name)
-                self._counts.inc("vanished")
-
-    def _not_regular(self, name: str, path: Path, what: str) -> None:
-        """A FIFO, device, directory or symlink sits at a record path, or its directory is not
-        private: a miss; not ours to delete."""
-        with self._lock:
-            self._counts.inc("not_regular")
-            self._index.forget(name)
-        self._warn.warning("not_regular", "kvtier disk: %s is not a record file of ours (%s); "
-                           "treated as a miss", path, what)
-
-    def _read_error(self, path: Path, exc: OSError) -> None:
-        self._counts.inc("read_errors")
-        self._warn.warning("read", "kvtier disk: cannot read %s: %s", path, exc)
-
-    def _discard(self, name: str, path: Path, st: os.stat_result, exc: CorruptEntry) -> None:
-        """Delete a corrupt record, unless a writer has replaced it meanwhile; a forged one
-        (another record key's, or none) is a miss left in place (`record.ForgedEntry`)."""
-        if isinstance(exc, (ForgedEntry, OtherVersion)):
-            what = "forged" if isinstance(exc, ForgedEntry) else "other_version"
-            self._counts.inc(what)
-            self._warn.warning(what, "kvtier disk: %s: %s; a miss (left in place)", path, exc)
-            return
-        with self._lock:
-            self._counts.inc("corrupt")
-            self._index.forget(name)
-            with contextlib.suppress(OSError):
-                now = os.stat(path)
-                if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
-                    self._unlink(path)
-        self._warn.warning("corrupt", "kvtier disk: deleted corrupt record %s: %s", path, exc)
 
     def batch_put(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]) -> int:
         base.check_batch(keys, objs, self.ctx.layout)
