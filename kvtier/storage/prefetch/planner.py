@@ -1,8 +1,9 @@
 """Load or recompute: how much of a request's cached prefix a prefetch should load.
 
-`decide` is the whole policy, a pure function of the estimates: given where each hit chunk
-lives and how fast each tier and the engine are now, it picks the leading span whose loading
-saves the most time over recomputing it (none if loading loses everywhere). `LoadPlanner`
+`decide` (kvtier.storage.prefetch.decision) is the whole policy, a pure function of the
+estimates: given where each hit chunk lives and how fast each tier and the engine are now, it
+picks the leading span whose loading saves the most time over recomputing it (none if loading
+loses everywhere). `LoadPlanner`
 applies it to a live prefetch: it asks the lower tiers where the chunks are (one round trip
 each, or none where the tier's recent answers cover them, skipping a tier whose round trip
 alone costs more than recomputing the whole prompt), decides, caps one request's promotion to
@@ -21,7 +22,6 @@ promoting the chunks for later requests and timing the tier.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -30,8 +30,15 @@ from typing import NamedTuple
 from kvtier.keys import ChunkKey
 from kvtier.metrics import Counters, RateLimitedLog
 from kvtier.storage.guard import GuardedTier
+from kvtier.storage.prefetch.decision import (
+    DEADLINE_FLOOR_S,
+    DEADLINE_SLACK,
+    Decision,
+    Span,
+    decide,
+)
 from kvtier.storage.prefetch.estimates import PrefillSpeed, TierSpeed
-from kvtier.storage.prefetch.handle import PREFETCH_WINDOW, Prefetch
+from kvtier.storage.prefetch.handle import Prefetch
 
 __all__ = ["Span", "Decision", "decide", "Admission", "LoadPlanner", "REASONS",
            "DEADLINE_SLACK", "DEADLINE_FLOOR_S", "probe_reads"]
@@ -41,80 +48,10 @@ logger = logging.getLogger(__name__)
 # Why prompt tokens past a load were recomputed (`unmeasured`: the load ran in the background,
 # since a tier of it had no measured speed yet).
 REASONS = ("slower_than_recompute", "deadline", "miss", "promotion_cap", "unmeasured")
-# A load may run this much past its expected arrival before the request goes on without the
-# rest, and at least until half its saving is spent (a busy host's scheduling noise must not
-# cut off a load that saves far more than it costs); never past the point where recomputing
-# would have been done: see `Decision`.
-DEADLINE_SLACK = 1.5
-DEADLINE_GRACE_S = 0.005
-# ... and never before this: a load planned to arrive in a few milliseconds (a small prompt
-# from a local disk or Redis) must not become a recompute because a busy host ran its worker
-# a few tens of milliseconds late; the most this costs over recomputing is this long, and only
-# when a tier broke its own estimate.
-DEADLINE_FLOOR_S = 0.05
 PROBE_CHUNKS = 1  # a probe reads one chunk: a bandwidth sample, and little load on a slow tier
 # One request's load never promotes more than this share of the CPU tier: a prompt larger
 # than the CPU tier must not evict every other tenant's chunks on its way through.
 MAX_PROMOTE_FRACTION = 0.5
-
-
-class Span(NamedTuple):
-    """Consecutive hit chunks that one lower tier holds."""
-
-    tier: TierSpeed
-    chunks: int
-    chunk_bytes: int
-    chunk_tokens: int
-
-
-class Decision(NamedTuple):
-    """What to load: `chunks` leading chunks of the spans, expected to have arrived after
-    `expected_s`, saving `saved_s` of recompute. `deadline_s` is when the request stops
-    waiting for them: after `expected_s` with some slack, or half of `saved_s` if later, and
-    never after `saved_s` (a request that waited that long then recomputes: at most twice
-    the recompute, and only when the tier broke its own estimate), except that it is at least
-    `DEADLINE_FLOOR_S` (scheduling noise on a busy host). `guessed`: some tier of
-    the load has no measured speed yet, so `expected_s` is a guess: the request does not
-    wait for it (`LoadPlanner.plan` loads in the background)."""
-
-    chunks: int
-    tokens: int
-    expected_s: float
-    saved_s: float
-    guessed: bool = False
-
-    @property
-    def deadline_s(self) -> float:
-        slack = self.expected_s * DEADLINE_SLACK + DEADLINE_GRACE_S
-        return max(DEADLINE_FLOOR_S, min(self.saved_s, max(slack, self.saved_s * 0.5)))
-
-
-def decide(spans: Sequence[Span], prefill: PrefillSpeed, prompt_len: int) -> Decision:
-    """The leading span of `spans` (in prefix order) worth loading: the one whose recompute
-    time saved, minus its expected arrival, is largest and positive; nothing if none is.
-
-    Arrival counts each tier's round trip once per read window of `PREFETCH_WINDOW` chunks and
-    its bytes behind the bytes already queued on that tier."""
-    best = Decision(0, 0, 0.0, 0.0)
-    speed = prefill.tokens_per_s(prompt_len)
-    elapsed = 0.0  # arrival of everything in the spans before this one
-    tokens = chunks = 0
-    guessed = False
-    for span in spans:
-        latency, bandwidth = span.tier.latency_s, span.tier.read_bytes_per_s
-        guessed = guessed or not span.tier.known_for(span.chunks * span.chunk_bytes)
-        start = elapsed + span.tier.eta_s(0) - latency  # behind what is queued on the tier
-        for k in range(1, span.chunks + 1):
-            arrival = start + math.ceil(k / PREFETCH_WINDOW) * latency \
-                + k * span.chunk_bytes / bandwidth
-            saved = (tokens + k * span.chunk_tokens) / speed
-            if saved > arrival and saved - arrival >= best.saved_s - best.expected_s:
-                best = Decision(chunks + k, tokens + k * span.chunk_tokens, arrival, saved,
-                                guessed)
-            elapsed = arrival
-        tokens += span.chunks * span.chunk_tokens
-        chunks += span.chunks
-    return best
 
 
 class Admission(NamedTuple):
