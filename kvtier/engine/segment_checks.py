@@ -2,15 +2,14 @@
 segment's standalone KV computed again now.
 
 A segment record holds the KV of the segment's tokens computed alone, as a whole prompt at
-position 0 (`SegmentStore.save`), and a blend reads it wherever the segment stands. A checksum cannot tell
-a forged record (a plain Redis anyone on its network writes to) or a wrong one from the KV the
-model computes for those tokens, so a sampled request's segments are computed alone again and
-every tier's records of them compared with that fresh KV: like with like, position 0 on both
-sides, per layer by the relative L2 distance and tolerance of prefix verification
+position 0 (`SegmentStore.save`), and a blend reads it wherever the segment stands. A checksum
+cannot tell a forged record (a plain Redis anyone on its network writes to) or a wrong one from
+the KV the model computes for those tokens, so a sampled request's segments are computed alone
+again and every tier's records of them compared with that fresh KV: like with like, position 0
+on both sides, per layer by the relative L2 distance and tolerance of prefix verification
 (`kvtier.engine.verify.layer_errors`, `TOLERANCE`). A record over it is counted
 (`verify_mismatch` in the tier's scope, beside the prefix records'), logged, and removed from
-that tier with the segment's records after it, so no blend reads it again.
-"""
+that tier with the segment's records after it, so no blend reads it again. """
 
 from __future__ import annotations
 
