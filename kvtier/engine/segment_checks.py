@@ -9,7 +9,8 @@ again and every tier's records of them compared with that fresh KV: like with li
 on both sides, per layer by the relative L2 distance and tolerance of prefix verification
 (`kvtier.engine.verify.layer_errors`, `TOLERANCE`). A record over it is counted
 (`verify_mismatch` in the tier's scope, beside the prefix records'), logged, and removed from
-that tier with the segment's records after it, so no blend reads it again. """
+that tier with the segment's records after it, so no blend reads it again.
+"""
 
 from __future__ import annotations
 
