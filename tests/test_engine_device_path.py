@@ -78,7 +78,8 @@ def engines(request: pytest.FixtureRequest) -> Iterator[tuple[CacheEngine, Cache
     a = CacheEngine(cfg, model_name="m", layout=src.layout, connector=src)
     b = CacheEngine(cfg, model_name="m", layout=dst.layout, connector=dst, storage=a.storage)
     for engine, conn in ((a, src), (b, dst)):  # what a CUDA pool would get
-        engine._device = engine._saver._device = CopiesOnCPU(conn)  # type: ignore[assignment]
+        engine._device = engine._saver._device = engine._loader._device = \
+            CopiesOnCPU(conn)  # type: ignore[assignment]
     yield a, b
     b.close()
     a.close()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from contextlib import closing
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,14 +13,15 @@ from kvtier.backends.sealing import name_salt
 from kvtier.config import Config
 from kvtier.connectors.base import KVConnector
 from kvtier.engine.hints import Hints, cut, retain_name
+from kvtier.engine.loading import PrefixLoader
 from kvtier.engine.prefill import EnginePrefill
-from kvtier.engine.rows import limit_of, pool_rows
+from kvtier.engine.rows import limit_of
 from kvtier.engine.saving import PrefixSaver
 from kvtier.engine.tiers import TierControl
 from kvtier.engine.verify import Verification, purge, sampled, sampling_key, shadow_check, suspect
 from kvtier.kernels import ops
 from kvtier.keys import ChunkKey, KeyBuilder, KeyChain, TokenIds, model_name_of
-from kvtier.memory import KVLayout, MemoryFormat, MemoryObj, lease
+from kvtier.memory import KVLayout, MemoryFormat
 from kvtier.storage import StorageManager
 from kvtier.storage.backlog import WriteBacklog
 from kvtier.storage.prefetch.handle import Prefetch
@@ -114,6 +114,7 @@ class CacheEngine:
 
             self._device = DeviceCopies(connector, self.storage.counters)
         self._saver = PrefixSaver(self.storage, layout, connector, self._device, self._writes_down)
+        self._loader = PrefixLoader(self.storage, connector, self._device, config.chunk_size)
         if config.metrics_port is not None:
             from kvtier import prometheus
 
@@ -216,69 +217,11 @@ class CacheEngine:
             self.storage.touch_session(session_id)
         if self._closed or skip >= limit:
             return skip
-        load = self._retrieve_hot if hot_only else self._retrieve_streaming
-        if hot_only:  # what is there is known: one lease and one copy, tail included
-            n = self.storage.contains(wanted, hot_only=True)
-            wanted = wanted[:n] + self._tail(keys, wanted[n - 1].end if n else skip, limit,
-                                             hot_only=True)
-            asked = wanted
-            loaded = load(wanted, slots, skip, limit)
-        else:
-            asked = list(wanted)
-            # What the CPU tier holds first, in one copy (its leading hits: one lookup); then
-            # the rest as it arrives.
-            start = self._retrieve_hot(wanted, slots, skip, limit)
-            loaded = load([k for k in wanted if k.end > start], slots, start, limit)
-            tail = self._tail(keys, loaded, limit, hot_only=False)
-            loaded = load(tail, slots, loaded, limit)
-            asked += tail
+        loaded, asked = self._loader.load(keys, wanted, slots, skip, limit, hot_only=hot_only)
         loaded = min(loaded, limit)
         self.storage.unstage(asked)  # `local_cpu: false`: delivered, so no longer held
         self.storage.counters.inc("tokens_loaded", loaded - skip)
         self.storage.counters.inc("tokens_requested", limit - skip)
-        return loaded
-
-    def _tail(self, keys: Sequence[ChunkKey], end: int, limit: int, *,
-              hot_only: bool) -> list[ChunkKey]:
-        """[the longest stored tail after the first `end` tokens] (they end a full chunk, or
-        the chunk holding `end` missed), or [] without one or without a `KeyChain`."""
-        if not isinstance(keys, KeyChain) or end >= limit:
-            return []
-        i = end // self.keys.chunk_size
-        tail = self.storage.find_tail(keys.tails(i, limit), hot_only=hot_only)
-        return [] if tail is None or tail.end <= end else [tail]
-
-    def _retrieve_hot(self, wanted: Sequence[ChunkKey], slots: torch.Tensor, skip: int,
-                      limit: int) -> int:
-        """The CPU tier's leading hits, leased together and copied in one kernel call."""
-        if not wanted:
-            return skip
-        with self.storage.get(wanted, hot_only=True) as objs:
-            if not objs:
-                return skip
-            start, end = wanted[0].start, wanted[len(objs) - 1].end
-            self._scatter(objs, pool_rows(slots, start, end, skip, limit))
-        return end
-
-    def _scatter(self, objs: list[MemoryObj], rows: torch.Tensor) -> None:
-        if self._device is not None:
-            self._device.scatter(objs, rows)  # holds objs until the copy has run
-        elif len(objs) == 1:
-            self.connector.scatter(objs[0], rows)
-        else:
-            self.connector.scatter_many(objs, rows)
-
-    def _retrieve_streaming(self, wanted: Sequence[ChunkKey], slots: torch.Tensor,
-                            skip: int, limit: int) -> int:
-        """Chunks scattered as they arrive, while later ones are still being read."""
-        loaded = skip
-        if not wanted:
-            return loaded
-        with closing(self.storage.stream(wanted)) as chunks:
-            for key, obj in zip(wanted, chunks):
-                with lease([obj]):
-                    self._scatter([obj], pool_rows(slots, key.start, key.end, skip, limit))
-                loaded = key.end
         return loaded
 
     def lookup(self, token_ids: TokenIds, *, hot_only: bool = False,
@@ -294,7 +237,7 @@ class CacheEngine:
         usable = [k for k in keys if k.start < limit]
         n = self.storage.contains(usable, hot_only=hot_only)
         end = usable[n - 1].end if n else 0
-        tail = self._tail(keys, end, limit, hot_only=hot_only)
+        tail = self._loader.tail(keys, end, limit, hot_only=hot_only)
         return min(limit, tail[0].end if tail else end)
 
     def start_prefetch(self, token_ids: TokenIds, *, keys: Sequence[ChunkKey] | None = None,

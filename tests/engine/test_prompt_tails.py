@@ -110,7 +110,8 @@ def test_the_prompts_tail_reaches_the_lower_tier_after_its_chunk(
     src = _pool(12)
     a = _engine(src, cfg, 4)
     if device_path:  # what a CUDA pool gets (tests/test_engine_device_path.py)
-        a._device = a._saver._device = CopiesOnCPU(src)  # type: ignore[assignment]
+        a._device = a._saver._device = a._loader._device = \
+            CopiesOnCPU(src)  # type: ignore[assignment]
     n = 2 * CHUNK + 9
     seq = _tokens(n + 20, 13)
     slots = _slots(len(seq), 14)
