@@ -4,19 +4,21 @@ interface.
 Puts land in the hot (CPU) tier at once and reach the lower tiers in the background per the
 write policy; gets walk the tiers in order and promote lower-tier hits into the hot tier. Every
 tier sits behind a guard that turns its failures into counted misses (`kvtier.storage.guard`).
+The reads (leading hits leased or streamed, lookups) are `TierReads`' (`kvtier.storage.reads`),
+which the manager delegates to.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator, Iterator, Sequence
-from contextlib import closing, contextmanager
+from collections.abc import Generator, Sequence
+from contextlib import AbstractContextManager
 
 from kvtier import prometheus
 from kvtier.backends import BackendContext, StorageBackend
 from kvtier.config import Config
 from kvtier.keys import ChunkKey, stub_key
-from kvtier.memory import ALIGN, KVLayout, MemoryAllocator, MemoryObj, lease
+from kvtier.memory import ALIGN, KVLayout, MemoryAllocator, MemoryObj
 from kvtier.metrics import Counters, RateLimitedLog
 from kvtier.storage.admission import make_admission
 from kvtier.storage.backlog import WriteBacklog, write_backlog
@@ -26,8 +28,9 @@ from kvtier.storage.hot import new_arena, open_hot_tier
 from kvtier.storage.origins import Origins
 from kvtier.storage.prefetch.estimates import PrefillSpeed
 from kvtier.storage.prefetch.handle import Prefetch
-from kvtier.storage.prefetch.loads import PrefetchLoads, longest_held
+from kvtier.storage.prefetch.loads import PrefetchLoads
 from kvtier.storage.prefetch.planner import LoadPlanner
+from kvtier.storage.reads import TierReads
 from kvtier.storage.sessions import SessionPins
 from kvtier.storage.tierset import TierSet, discard
 from kvtier.storage.watch import TierWatch
@@ -76,13 +79,16 @@ class StorageManager:
         except BaseException:
             hot.close()
             raise
+        self._reads = TierReads(hot, lambda: self._set.tiers, self.policy,
+                                lambda: self._set.writers, self.counters, self.origins,
+                                self.watch, lambda: self._gate.closed)
         self.sessions = SessionPins(
             hot, int(config.max_session_pinned_fraction * self.allocator.size),
             config.session_ttl_secs, self.counters, arena_bytes=self.allocator.size)
         self.prefill = PrefillSpeed()  # fed by the serving engine's prefills
         self._planner = LoadPlanner(lambda: self._set.tiers, self.prefill, layout.nbytes,
                                     self.allocator.size, self.counters)
-        self._loads = PrefetchLoads(config.prefetch, hot, self._load_lower, self._planner,
+        self._loads = PrefetchLoads(config.prefetch, hot, self._reads.load_lower, self._planner,
                                     lambda: self._set.tiers, lambda: self._gate.closed,
                                     self.counters, lambda: self.allocator.used_bytes)
         self.allocator.set_evictor(self._evict)
@@ -145,34 +151,14 @@ class StorageManager:
             -(-self.layout.nbytes(k.num_tokens) // ALIGN) * ALIGN for k in keys)
             <= arena.size - arena.used_bytes)
 
-    @contextmanager
     def get(self, keys: Sequence[ChunkKey], *, hot_only: bool = False,
-            ) -> Iterator[list[MemoryObj]]:
+            ) -> AbstractContextManager[list[MemoryObj]]:
         """Lease the objects of the leading hits of `keys` for the duration of the block.
 
         Walks the tiers in order (only the CPU tier with `hot_only`), promotes lower-tier hits
-        into the CPU tier, and stops at the first chunk no tier has.
+        into the CPU tier, and stops at the first chunk no tier has (`TierReads.get`).
         """
-        objs: list[MemoryObj] = []
-        with lease(objs):  # what arrived is released, even if a read fails midway
-            if hot_only:  # in memory: one call, not a stream of reads
-                objs += self._hot_hits(keys)
-            else:
-                with closing(self.stream(keys)) as chunks:
-                    objs.extend(chunks)
-            yield objs
-
-    def _hot_hits(self, keys: Sequence[ChunkKey]) -> list[MemoryObj]:
-        """The CPU tier's objects for the leading hits of `keys` (the caller owns them)."""
-        if self._gate.closed:
-            return []
-        objs = self.hot.batch_get(keys)
-        for key, obj in zip(keys, objs):
-            self.policy.on_hit(key, obj, self._writers)
-        if objs:
-            self.counters.inc(f"{self.hot.name}.hit_chunks", len(objs))
-            self._used(keys[:len(objs)])
-        return objs
+        return self._reads.get(keys, hot_only=hot_only)
 
     def stream(self, keys: Sequence[ChunkKey], *, hot_only: bool = False,
                ) -> Generator[MemoryObj, None, None]:
@@ -180,55 +166,21 @@ class StorageManager:
         the caller's copy of one chunk overlaps the reads of the next ones.
 
         The caller owns one reference to each yielded object. Close the generator (or run it
-        to the end) to stop the reads in flight.
+        to the end) to stop the reads in flight (`TierReads.stream`).
         """
-        n = 0
-        tiers = [self.hot] if hot_only else self.tiers
-        try:
-            while n < len(keys) and not self._gate.closed:
-                got = 0
-                for tier in tiers:
-                    with closing(tier.iter_get(keys[n:])) as objs:
-                        for obj in objs:
-                            if tier is not self.hot:
-                                self.hot.batch_put([keys[n]], [obj])  # promote
-                                self.origins.promoted(keys[n], tier.name)
-                                self.watch.stored(self.hot.name, keys[n:n + 1])
-                            self.policy.on_hit(keys[n], obj, self._writers)
-                            self.counters.inc(f"{tier.name}.hit_chunks")
-                            got += 1
-                            n += 1
-                            yield obj
-                    if got:
-                        break
-                if not got:
-                    break
-        finally:
-            self._used(keys[:n])
+        return self._reads.stream(keys, hot_only=hot_only)
 
     def contains(self, keys: Sequence[ChunkKey], *, hot_only: bool = False) -> int:
         """How many leading `keys` some tier (only the CPU tier with `hot_only`) holds; no
         data moves."""
-        if hot_only:
-            return self.hot.batch_contains(keys)
-        n = 0
-        while n < len(keys) and not self._gate.closed:
-            for tier in self.tiers:
-                got = tier.batch_contains(keys[n:])
-                if got:
-                    n += got
-                    break
-            else:
-                break
-        return n
+        return self._reads.contains(keys, hot_only=hot_only)
 
     def find_tail(self, tails: Sequence[ChunkKey], *, hot_only: bool = False,
                   ) -> ChunkKey | None:
         """The longest of `tails` (one prefix's candidate tails, longest first) some tier
         (only the CPU tier with `hot_only`) holds; each tier is asked only for tails longer
         than what a faster tier has. No data moves."""
-        best, _ = longest_held(tails, [self.hot] if hot_only else self.tiers)
-        return tails[best] if best < len(tails) else None
+        return self._reads.find_tail(tails, hot_only=hot_only)
 
     def start_prefetch(self, keys: Sequence[ChunkKey]) -> Prefetch:
         """Start loading the lower-tier chunks of `keys` into the CPU tier in the background,
@@ -364,24 +316,6 @@ class StorageManager:
         logger.info("kvtier storage closed: %s", self.counters.snapshot())
 
     # -- internals ---------------------------------------------------------------------------
-
-    def _load_lower(self, keys: Sequence[ChunkKey]) -> int:
-        """Read leading `keys` from the lower tiers into the CPU tier; returns how many."""
-        n = 0
-        with closing(self.stream(keys)) as objs:
-            for obj in objs:
-                obj.release()  # the CPU tier keeps its own reference
-                n += 1
-        return n
-
-    def _used(self, keys: Sequence[ChunkKey]) -> None:
-        """Prefix `keys` was just served: each lower tier notes the use (`touch`, no I/O), so
-        none evicts what the tiers above serve and then refuses its extensions as orphans.
-        The whole prefix once per get: its first chunk is each tier's newest, so a prefix is
-        still evicted from its end whichever tier served which part."""
-        if keys:
-            for tier in self._set.tiers:
-                tier.touch(keys)
 
     def _evict(self, nbytes: int) -> int:
         """Arena callback: free at least `nbytes` by evicting from the hot tier if possible."""
