@@ -152,6 +152,34 @@ def test_the_tiers_are_listed_in_one_place():
     assert not listing, f"list tiers through kvtier.config.tiers: {listing}"
 
 
+# The modules outside kvtier/backends/ that may still name one tier, and why.
+ONE_TIER = {
+    "kvtier.storage.hot": "the CPU tier is the storage manager's hot tier by design",
+    "kvtier.storage.tierset": "the tier set keeps the hot (CPU) tier apart from the lower ones",
+    "kvtier.cli.bench": "`kvtier bench` measures a scratch Redis by name",
+}
+
+
+def test_one_tier_is_named_only_where_it_lives():
+    """A branch on one tier's name belongs in that tier's backend: what a tier checks or shows
+    goes through its row in kvtier.config.tiers (`check`, its inventory's `peek`). The demo's
+    arms are workloads, not tiers."""
+    names = {"CPU", "DISK", "REDIS"}
+    naming = {}
+    for module, path in MODULES.items():
+        if module.startswith(("kvtier.backends", "kvtier.demo")) or module in (
+                "kvtier.config.tiers", "kvtier.config.names", *ONE_TIER):
+            continue
+        tree = ast.parse(path.read_text())
+        named = {alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                 and node.module == "kvtier.config.names" for alias in node.names} | {
+            node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name) and node.value.id == "names"}
+        if named & names:
+            naming[module] = sorted(named & names)
+    assert not naming, f"move these branches into the tier's backend or row: {naming}"
+
+
 def test_the_sglang_integration_is_a_few_concerns():
     """integration/sglang/ holds one sub-package per concern (launch, rank, blending, admin,
     stop, boundary, hicache) and few modules beside them: at most 12 entries in all."""

@@ -269,6 +269,14 @@ class RecordInventory(ABC):
     def __init__(self, config: Config):
         self.config = config
 
+    @classmethod
+    def peek(cls, config: Config) -> dict[str, float] | None:
+        """What the tier holds (`entries`, `bytes`, `capacity_bytes`), read without changing
+        anything where opening the tier would (`kvtier info` on a serving host); `OSError`
+        saying why the tier could not be used. None: ask the opened tier instead (its
+        start-up changes nothing)."""
+        return None
+
     @abstractmethod
     def records(self, namespace: str) -> Iterator[StoredRecord]:
         """The records of `namespace` (and records whose namespace cannot be read, such as

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import os
 import platform
-from pathlib import Path
 
 from kvtier.config import load_config
-from kvtier.config.names import DISK
+from kvtier.config.tiers import load_attr, tier_spec
 from kvtier.errors import KVTierError
 
 __all__ = ["info"]
@@ -61,10 +59,9 @@ def info(args: argparse.Namespace) -> int:
     ctx = BackendContext(cfg, KVLayout.mha(1, 1, 16, torch.float16), alloc)
     for name in cfg.tiers:
         try:
-            if name == DISK:  # opening the disk tier would create the root and clean it
-                assert cfg.local_disk_path is not None
-                stats = _disk_stats(cfg.local_disk_path, cfg.max_local_disk_size)
-            else:
+            inventory = tier_spec(name).inventory  # a tier may say what it holds unopened
+            stats = load_attr(inventory).peek(cfg) if inventory else None
+            if stats is None:
                 tier = create_backend(name, ctx)
                 stats = tier.stats()
                 tier.close()
@@ -89,40 +86,3 @@ def _size(nbytes: float) -> str:
         if nbytes >= scale:
             return f"{nbytes / scale:.3g} {unit}"
     return f"{nbytes:g} B"
-
-
-def _disk_stats(path: Path, capacity_gb: float) -> dict[str, float]:
-    """What the disk tier's directory `path` holds, looked at without changing anything (the
-    tier's own start-up creates a missing root, writes a probe and removes stale temp files);
-    `OSError` saying why the tier could not use it."""
-    import stat as st
-
-    from kvtier.backends.disk import files as rf
-    from kvtier.backends.disk import paths
-
-    root = Path(os.path.abspath(path))
-    if not os.path.lexists(root):
-        raise OSError(f"{root} does not exist (the server creates it at its first start)")
-    current = Path(root.anchor)
-    for part in root.parts[1:]:  # the tier refuses a symlink anywhere on the path
-        current /= part
-        if st.S_ISLNK(os.lstat(current).st_mode):
-            raise OSError(f"{root} goes through the symlink {current}, which the disk tier "
-                          "refuses")
-    why = paths.root_problem(root) or rf.dir_problem(os.lstat(root))
-    if why is not None:
-        raise OSError(f"{root} {why}")
-    if not os.access(root, os.W_OK | os.X_OK):
-        raise OSError(f"{root} is not writable by this user")
-    entries = size = 0
-    for top in os.scandir(root):  # root/ab/cd/<stem>.kvt, as recordfile lays them out
-        if not top.is_dir(follow_symlinks=False):
-            continue
-        for sub in os.scandir(top.path):
-            if not sub.is_dir(follow_symlinks=False):
-                continue
-            for entry in os.scandir(sub.path):
-                if entry.name.endswith(rf.SUFFIX) and entry.is_file(follow_symlinks=False):
-                    entries += 1
-                    size += entry.stat(follow_symlinks=False).st_size
-    return {"entries": entries, "bytes": size, "capacity_bytes": capacity_gb * 1e9}

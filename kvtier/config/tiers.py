@@ -8,9 +8,9 @@ that tier is configured (redis-py loads only for a Redis URL); tests/config/test
 resolves every one of them (the architecture test's import graph does not see them).
 
 Adding a tier is one folder under `kvtier/backends/` and one row here (`register` adds one at
-run time, for tests and plugins). Not yet the only place a tier's name matters: the CLI, the
-launch's preflight and the HTTP attach still run checks of their own for the disk tier, and the
-tier set branches on the CPU tier's name.
+run time, for tests and plugins). A tier's own checks and read-only look go through its row
+(`check`, the inventory's `peek`); tests/test_architecture.py lists the few modules that may
+still name one tier (the CPU tier is the storage manager's hot tier by design).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from kvtier.config.names import CPU, DISK, REDIS
 from kvtier.errors import ConfigError
 
 __all__ = ["TierSpec", "TABLE", "register", "tier_spec", "tier_names", "lower_tier_names",
-           "url_tier", "remote_schemes", "load_attr", "REDIS_SCHEMES"]
+           "url_tier", "remote_schemes", "load_attr", "tier_problem", "REDIS_SCHEMES"]
 
 REDIS_SCHEMES = ("redis", "rediss", "unix", "redis-sentinel", "redis-cluster",
                  "resp")  # resp: LMCache's RESP client, read as redis://
@@ -47,6 +47,9 @@ class TierSpec:
             for a tier that lives in a server's memory.
         medium: its storage medium in SGLang's KV events (`CPU_PINNED`, `DISK`, `EXTERNAL`),
             or "" for none (its changes are not published).
+        check: "module:function" taking a config and returning why this host cannot give
+            the tier what it asks (`str`), or None; run before the tier is opened (an HTTP
+            attach), beyond the config's own validation. "" for none.
     """
 
     name: str
@@ -59,6 +62,7 @@ class TierSpec:
     overridable: frozenset[str] = frozenset()
     inventory: str = ""
     medium: str = ""
+    check: str = ""
 
     def enabled(self, config: object) -> bool:
         """Whether `config` (a `Config`: the schema builds on this table) turns this tier on."""
@@ -78,7 +82,8 @@ TABLE: list[TierSpec] = [
     TierSpec(CPU, "kvtier.backends.cpu_tier:CPUTier", "local_cpu", medium="CPU_PINNED"),
     TierSpec(DISK, "kvtier.backends.disk:DiskBackend", "local_disk",
              overridable=frozenset({"max_local_disk_size"}),
-             inventory="kvtier.backends.disk.inventory:DiskInventory", medium="DISK"),
+             inventory="kvtier.backends.disk.inventory:DiskInventory", medium="DISK",
+             check="kvtier.config.host:disk_problem"),
     TierSpec(REDIS, "kvtier.backends.redis:RedisBackend", "remote_url", schemes=REDIS_SCHEMES,
              url_parser="kvtier.backends.redis.url:parse_remote_url", packages=("redis",),
              extra="redis", overridable=frozenset({"remote_timeout_secs", "remote_ttl_secs"}),
@@ -122,6 +127,12 @@ def url_tier(url: str) -> TierSpec | None:
     """The tier serving `url`'s scheme, or None."""
     scheme = url.partition("://")[0]
     return next((spec for spec in TABLE if scheme in spec.schemes), None)
+
+
+def tier_problem(name: str, config: object) -> str | None:
+    """Why this host cannot give tier `name` what `config` asks (its row's `check`), or None."""
+    spec = tier_spec(name)
+    return load_attr(spec.check)(config) if spec.check else None
 
 
 def load_attr(target: str) -> Any:

@@ -139,5 +139,7 @@ def test_every_name_in_a_row_resolves(spec: TierSpec) -> None:
         assert issubclass(tier_table.load_attr(spec.inventory), RecordInventory)
     if spec.url_parser:
         assert callable(tier_table.load_attr(spec.url_parser))
+    if spec.check:
+        assert callable(tier_table.load_attr(spec.check))
     assert spec.key in Config.__dataclass_fields__
     assert spec.overridable <= set(Config.__dataclass_fields__)

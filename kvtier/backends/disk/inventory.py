@@ -1,4 +1,6 @@
-"""The disk tier's records listed and deleted from the config alone (`kvtier ls/purge`).
+"""The disk tier's records listed and deleted from the config alone (`kvtier ls/purge`), and
+what it holds counted without opening it (`kvtier info`: the tier's start-up would create a
+missing root, write a probe and remove stale temp files).
 
 Only what the tier itself would use is looked at, and deleted: a root that is not the
 filesystem root, a home or system directory, nor reached through a symlink (`ConfigError`
@@ -10,6 +12,7 @@ following a symlink (`paths`).
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -17,6 +20,7 @@ from kvtier.backends.base import RecordInventory, StoredRecord
 from kvtier.backends.disk import files as rf
 from kvtier.backends.disk import paths
 from kvtier.backends.disk.owners import read_record_key
+from kvtier.config import Config
 from kvtier.config.names import DISK
 from kvtier.errors import ConfigError
 
@@ -38,6 +42,24 @@ def disk_root(path: Path) -> Path:
 
 
 class DiskInventory(RecordInventory):
+    @classmethod
+    def peek(cls, config: Config) -> dict[str, float] | None:
+        assert config.local_disk_path is not None
+        root = _usable_root(Path(os.path.abspath(config.local_disk_path)))
+        entries = size = 0
+        for top in os.scandir(root):  # root/ab/cd/<stem>.kvt, as the record files lie
+            if not top.is_dir(follow_symlinks=False):
+                continue
+            for sub in os.scandir(top.path):
+                if not sub.is_dir(follow_symlinks=False):
+                    continue
+                for entry in os.scandir(sub.path):
+                    if entry.name.endswith(rf.SUFFIX) and entry.is_file(follow_symlinks=False):
+                        entries += 1
+                        size += entry.stat(follow_symlinks=False).st_size
+        return {"entries": entries, "bytes": size,
+                "capacity_bytes": config.max_local_disk_size * 1e9}
+
     def records(self, namespace: str) -> Iterator[StoredRecord]:
         # Every record file: a namespace is read from each header (the caller selects).
         assert self.config.local_disk_path is not None
@@ -62,3 +84,21 @@ class DiskInventory(RecordInventory):
             if paths.unlink_record(path.parents[2], path.name):
                 gone.append(record)  # else gone meanwhile, or no longer a record file of ours
         return gone
+
+
+def _usable_root(root: Path) -> Path:
+    """`root`, or `OSError` saying why the disk tier could not use it (looked at only)."""
+    if not os.path.lexists(root):
+        raise OSError(f"{root} does not exist (the server creates it at its first start)")
+    current = Path(root.anchor)
+    for part in root.parts[1:]:  # the tier refuses a symlink anywhere on the path
+        current /= part
+        if stat.S_ISLNK(os.lstat(current).st_mode):
+            raise OSError(f"{root} goes through the symlink {current}, which the disk tier "
+                          "refuses")
+    why = paths.root_problem(root) or rf.dir_problem(os.lstat(root))
+    if why is not None:
+        raise OSError(f"{root} {why}")
+    if not os.access(root, os.W_OK | os.X_OK):
+        raise OSError(f"{root} is not writable by this user")
+    return root

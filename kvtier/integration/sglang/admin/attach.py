@@ -20,8 +20,6 @@ import threading
 from typing import Any
 
 from kvtier.config import Config, tiers, with_overrides
-from kvtier.config.host import disk_problem
-from kvtier.config.names import DISK
 from kvtier.engine import CacheEngine
 
 __all__ = ["Attachments", "attach_config", "MAX_TIMEOUT_S"]
@@ -57,7 +55,7 @@ def attach_config(config: Config, tier: str, overrides: object) -> Config:
                          f"takes {sorted(spec.overridable)}; its {declared} comes from the "
                          f"server's config)")
     out = with_overrides(config, overrides, "attach config")
-    if tier == DISK and (problem := disk_problem(out)) is not None:  # as the launch checks
+    if (problem := tiers.tier_problem(tier, out)) is not None:  # as the launch checks
         raise ValueError(f"config: {problem}")
     if out.remote_timeout_secs > MAX_TIMEOUT_S:
         raise ValueError(f"config: remote_timeout_secs must be at most {MAX_TIMEOUT_S:g} for "
