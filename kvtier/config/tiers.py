@@ -48,8 +48,8 @@ class TierSpec:
         medium: its storage medium in SGLang's KV events (`CPU_PINNED`, `DISK`, `EXTERNAL`),
             or "" for none (its changes are not published).
         check: "module:function" taking a config and returning why this host cannot give
-            the tier what it asks (`str`), or None; run before the tier is opened (an HTTP
-            attach), beyond the config's own validation. "" for none.
+            the tier what it asks (`str`), or None; run before the tier is opened (a launch's
+            preflight, an HTTP attach), beyond the config's own validation. "" for none.
     """
 
     name: str
@@ -83,7 +83,7 @@ TABLE: list[TierSpec] = [
     TierSpec(DISK, "kvtier.backends.disk:DiskBackend", "local_disk",
              overridable=frozenset({"max_local_disk_size"}),
              inventory="kvtier.backends.disk.inventory:DiskInventory", medium="DISK",
-             check="kvtier.config.host:disk_problem"),
+             check="kvtier.backends.disk.checks:disk_tier_problem"),
     TierSpec(REDIS, "kvtier.backends.redis:RedisBackend", "remote_url", schemes=REDIS_SCHEMES,
              url_parser="kvtier.backends.redis.url:parse_remote_url", packages=("redis",),
              extra="redis", overridable=frozenset({"remote_timeout_secs", "remote_ttl_secs"}),

@@ -16,12 +16,11 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from kvtier.config import Config
 from kvtier.config.host import MEMORY_HEADROOM_BYTES, available_memory_bytes, host_problems
-from kvtier.config.tiers import lower_tier_names
+from kvtier.config.tiers import lower_tier_names, tier_problem
 from kvtier.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -57,10 +56,8 @@ def preflight(config: Config, args: ServerArgsView, *,
     problems += filter(None, [page_size_problem(config, page_size)])
     for tier in config.tiers:
         _collect(problems, check_dependencies, tier)
-    root_problem = _disk_root_problem(config)
-    problems += filter(None, [root_problem])
-    # a refused root (`/`, a system directory) is not walked for the size it holds
-    problems += host_problems(config, local_ranks=tp_size * dp_size, disk=root_problem is None)
+    problems += host_problems(config, local_ranks=tp_size * dp_size, disk=False)  # memory
+    problems += filter(None, (tier_problem(tier, config) for tier in config.tiers))  # disk
     _collect(problems, load_record_keys, config.record_key_file)
     load_format = str(getattr(args, "load_format", None) or "auto")
     lower = [tier for tier in config.tiers if tier in lower_tier_names()]
@@ -122,21 +119,6 @@ def _unverified_weights_problem(config: Config, args: ServerArgsView, lower: lis
             f"load by model name and weights digest, but {why}; point --model-path at the "
             f"weights, or set allow_unverified_weights: true to share KV by name and revision "
             f"only")
-
-
-def _disk_root_problem(config: Config) -> str | None:
-    """Why the disk tier would refuse its `local_disk` (the filesystem root, a system or home
-    directory, a symlink on the way), as it checks when it opens; None when it would not."""
-    from kvtier.backends.disk import paths
-
-    if config.local_disk_path is None:
-        return None
-    root = os.path.abspath(config.local_disk_path)
-    why = paths.root_problem(root)
-    link = paths.first_symlink(Path(root))
-    if why is None and link is not None:
-        why = f"goes through the symlink {link}"
-    return None if why is None else f"local_disk: {root} {why}; the disk tier refuses it"
 
 
 def page_size_problem(config: Config, page_size: int) -> str | None:
