@@ -236,7 +236,7 @@ def _names_secret(source: Any) -> str:
     """The source's key-name secret (`sealing.name_salt`: reads the key file once)."""
     secret = _SECRETS.get(source)
     if secret is None:
-        from kvtier.backends.sealing import name_salt
+        from kvtier.keys.record_keys import name_salt
 
         config = source.config
         secret = _SECRETS[source] = name_salt(config.hash_salt, config.record_key_file)

@@ -14,7 +14,7 @@ record is encrypted under its own key, HKDF-Expand of the master key with the re
 96-bit nonce and header: random nonces would otherwise cap one master key at 2^32 records
 (NIST SP 800-38D), which a fleet can write in weeks; now two records share a GCM key and nonce
 only when they are the same chunk's record and drew the same nonce. A salted chunk (a
-tenant's) derives its record key from its tenant's master key instead (tenant_keys.py).
+tenant's) derives its record key from its tenant's master key instead (kvtier.keys.tenant_keys).
 
 Sealing runs piece by piece, as I/O code walks the payload: a writer encrypts each piece into a
 buffer of its own (never the arena, whose object stays the plaintext the engine reads), a
@@ -26,7 +26,7 @@ arena right after reading it, so the payload crosses memory once, as a plain rec
 (kept: it may be another key's).
 
 The AEAD is `cryptography`'s (OpenSSL's AES-GCM); none of it is written here, on purpose.
-The keys and their file are kvtier.backends.record_keys (re-exported here); this module holds
+The keys and their file are kvtier.keys.record_keys (re-exported here); this module holds
 the sealing and opening of payloads and the errors a reader raises.
 """
 
@@ -38,14 +38,14 @@ import xxhash
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
-from kvtier.backends.record_keys import (
+from kvtier.errors import CorruptEntry
+from kvtier.keys.record_keys import (
     KEY_ID,
     MIN_KEY_BYTES,
     RecordKeys,
     load_record_keys,
     name_salt,
 )
-from kvtier.errors import CorruptEntry
 
 __all__ = ["ForgedEntry", "KeyMismatch", "RecordKeys", "Seal", "Unseal", "load_record_keys",
            "name_salt",
@@ -75,7 +75,7 @@ class Seal:
     (AES-256-GCM, `aad` and the key id authenticated with it).
 
     `update()` with the payload's pieces in order, then `field()` once for the header.
-    `salt`: the record's tenant, whose key encrypts it (kvtier.backends.tenant_keys).
+    `salt`: the record's tenant, whose key encrypts it (kvtier.keys.tenant_keys).
     """
 
     def __init__(self, keys: RecordKeys | None = None, aad: bytes = b"", salt: str = ""):

@@ -132,8 +132,8 @@ def _tenant_tag(config: Any, salt: str | None) -> str | None:
     no tenant)."""
     if salt is None:
         return None
-    from kvtier.backends.sealing import name_salt
     from kvtier.keys import tenant_tag
+    from kvtier.keys.record_keys import name_salt
 
     if not salt:
         raise ConfigError("--tenant: give the tenant's salt (a request's cache_salt); "

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvtier.backends.codec import check_gate
-from kvtier.backends.sealing import name_salt
 from kvtier.config import Config
 from kvtier.connectors.base import KVConnector
 from kvtier.engine.hints import Hints, cut, retain_name
@@ -21,6 +20,7 @@ from kvtier.engine.tiers import TierControl
 from kvtier.engine.verify import Verification, purge, sampled, sampling_key, shadow_check, suspect
 from kvtier.kernels import ops
 from kvtier.keys import ChunkKey, KeyBuilder, KeyChain, TokenIds, model_name_of
+from kvtier.keys.record_keys import name_salt
 from kvtier.memory import KVLayout, MemoryFormat
 from kvtier.storage import StorageManager
 from kvtier.storage.backlog import WriteBacklog

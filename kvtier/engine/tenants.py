@@ -24,8 +24,8 @@ import logging
 from typing import TYPE_CHECKING
 
 from kvtier.backends.cpu import CPUBackend
-from kvtier.backends.sealing import name_salt
 from kvtier.keys import TAG_PREFIX, tenant_tag
+from kvtier.keys.record_keys import name_salt
 
 if TYPE_CHECKING:
     from kvtier.engine.cache import CacheEngine

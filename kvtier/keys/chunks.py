@@ -41,7 +41,7 @@ class ChunkKey(NamedTuple):
     tokens: bytes | memoryview
     prev: str | None  # the previous chunk's key, None for the first chunk
     # The request's salt (SGLang's `cache_salt`, "" for none): the tenant whose record key
-    # seals the chunk on disk and in Redis (kvtier.backends.tenant_keys).
+    # seals the chunk on disk and in Redis (kvtier.keys.tenant_keys).
     salt: str = ""
 
     @property

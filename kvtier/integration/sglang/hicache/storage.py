@@ -37,7 +37,6 @@ from typing import cast
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage
 
-from kvtier.backends.sealing import name_salt
 from kvtier.config import load_config, with_overrides
 from kvtier.engine import PageStore
 from kvtier.errors import ConfigError
@@ -53,6 +52,7 @@ from kvtier.integration.sglang.boundary.sglang_views import (
 )
 from kvtier.integration.sglang.launch.identity import model_identity
 from kvtier.keys import ChunkKey, KeySpace
+from kvtier.keys.record_keys import name_salt
 from kvtier.memory import KVLayout
 
 __all__ = ["KVTierHiCacheStorage", "host_page_layout", "hicache_model"]

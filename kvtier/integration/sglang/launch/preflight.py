@@ -46,7 +46,7 @@ def preflight(config: Config, args: ServerArgsView, *,
     """Every launch check of `config` with SGLang arguments `args` on this host (`available`:
     bytes of memory available now, default `available_memory_bytes()`)."""
     from kvtier.backends import check_dependencies
-    from kvtier.backends.sealing import load_record_keys
+    from kvtier.keys.record_keys import load_record_keys
 
     problems: list[str] = []
     notes: list[str] = []

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF, HKDFExpand
 
-from kvtier.backends.tenant_keys import tenant_master
 from kvtier.errors import ConfigError
+from kvtier.keys.tenant_keys import tenant_master
 
 __all__ = ["RecordKeys", "load_record_keys", "name_salt", "MIN_KEY_BYTES",
            "MIN_KEY_ENTROPY_BITS", "KEY_ID"]
@@ -52,7 +52,7 @@ class _Key:
 
     def record_key(self, nonce: bytes, aad: bytes, salt: str = "") -> bytes:
         """The AES-256 key of the record with `nonce` and header `aad` (see
-        kvtier.backends.sealing's module doc), of tenant `salt` (kvtier.backends.tenant_keys)."""
+        kvtier.backends.sealing's module doc), of tenant `salt` (kvtier.keys.tenant_keys)."""
         info = _RECORD_INFO + nonce + aad
         return HKDFExpand(hashes.SHA256(), 32, info=info).derive(
             tenant_master(self._master, salt))
