@@ -30,7 +30,9 @@ CGROUP_ROOT = "/sys/fs/cgroup"
 # already holds back 5% for root, outside the free space counted here).
 DISK_RESERVE_FRACTION = 0.05
 DISK_RESERVE_BYTES = 10**9
-# Memory left free beside a new arena, for the process itself (its threads, allocator slack).
+# Memory left free beside a new arena, for the process itself (its threads, allocator slack,
+# and with an admission policy other than `always` the write-around buffer: 1/16 of the arena,
+# at most 256 MiB, kvtier.engine.around).
 MEMORY_HEADROOM_BYTES = 10**9
 MAX_DISK_WALK = 200_000  # entries; a larger directory is not summed (and the check skipped)
 
