@@ -19,12 +19,12 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtier.backends.base import StorageBackend
 from kvtier.engine.verify import TOLERANCE, Verdict, layer_errors
 from kvtier.keys import ChunkKey, KeyChain
 from kvtier.memory import lease
 from kvtier.metrics import RateLimitedLog
 from kvtier.storage import StorageManager
+from kvtier.storage.records import TierRecords
 
 __all__ = ["check_segment"]
 
@@ -50,7 +50,7 @@ def check_segment(storage: StorageManager, chain: KeyChain, fresh: torch.Tensor)
     """
     fresh = fresh.detach().to("cpu")
     verdicts: list[Verdict] = []
-    for tier in (storage.hot, *storage.lower_tiers):
+    for tier in storage.tier_records():
         verdicts += _Records(storage, tier, chain, fresh).check()
     return verdicts
 
@@ -58,7 +58,7 @@ def check_segment(storage: StorageManager, chain: KeyChain, fresh: torch.Tensor)
 class _Records:
     """One tier's records of one segment: the comparison, the counters, the removal."""
 
-    def __init__(self, storage: StorageManager, tier: StorageBackend, chain: KeyChain,
+    def __init__(self, storage: StorageManager, tier: TierRecords, chain: KeyChain,
                  fresh: torch.Tensor):
         self._tier = tier
         self._chain = chain
@@ -69,9 +69,9 @@ class _Records:
     def check(self) -> list[Verdict]:
         tier, chain = self._tier, self._chain
         verdicts: list[Verdict] = []
-        held = tier.batch_contains(chain)
+        held = tier.held(chain)
         if held:
-            with lease(tier.batch_get(chain[:held])) as records:
+            with lease(tier.read(chain[:held])) as records:
                 for i, record in enumerate(records):
                     verdicts.append(self._compare(i, chain[i], record.tensor))
                     if not verdicts[-1].matched:
@@ -81,7 +81,7 @@ class _Records:
         tails = chain.tails(len(chain))
         while tails and (at := tier.first_held(tails)) >= 0:
             tail, tails = tails[at], tails[at + 1:]
-            with lease(tier.batch_get([tail])) as records:
+            with lease(tier.read([tail])) as records:
                 if records:  # gone since, or corrupt (then a miss to a load as well)
                     verdicts.append(self._compare(len(chain), tail, records[0].tensor))
                     if not verdicts[-1].matched:

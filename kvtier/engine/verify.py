@@ -36,11 +36,11 @@ from typing import NamedTuple
 
 import torch
 
-from kvtier.backends.base import StorageBackend
 from kvtier.keys import ChunkKey, KeyChain
 from kvtier.memory import MemoryObj, lease
 from kvtier.metrics import RateLimitedLog
 from kvtier.storage import StorageManager
+from kvtier.storage.records import TierRecords
 
 __all__ = ["TOLERANCE", "Verdict", "Verification", "shadow_check", "sampled", "sampling_key",
            "agreed_sampling_key", "layer_errors", "disowned", "suspect", "purge"]
@@ -154,7 +154,7 @@ def shadow_check(storage: StorageManager, keys: Sequence[ChunkKey], start: int,
     # a chunk on most requests; skipping that chunk would leave it never verified).
     first = next((i for i, k in enumerate(keys) if k.end > start), len(keys))
     span = list(keys[first:])
-    held = [(tier, tier.batch_contains(span)) for tier in (storage.hot, *storage.lower_tiers)]
+    held = [(tier, tier.held(span)) for tier in storage.tier_records()]
     held = [(tier, n) for tier, n in held if n]
     if not held:
         return []
@@ -162,7 +162,7 @@ def shadow_check(storage: StorageManager, keys: Sequence[ChunkKey], start: int,
     verdicts: list[Verdict] = []
     with lease(fresh):
         for tier, n in held:
-            with lease(tier.batch_get(span[:min(n, len(fresh))])) as records:
+            with lease(tier.read(span[:min(n, len(fresh))])) as records:
                 verdicts += _Tier(storage, tier, keys, first).compare(fresh, records)
     return verdicts
 
@@ -170,13 +170,13 @@ def shadow_check(storage: StorageManager, keys: Sequence[ChunkKey], start: int,
 class _Tier:
     """One tier's side of a check: its counters, the comparison, the quarantine."""
 
-    def __init__(self, storage: StorageManager, tier: StorageBackend, keys: Sequence[ChunkKey],
+    def __init__(self, storage: StorageManager, tier: TierRecords, keys: Sequence[ChunkKey],
                  first: int):
         self._tier = tier
         self._keys = keys  # the request's chunks; compared from `first` on
         self._first = first
         self._counters = storage.counters.scope(tier.name, "verify_checked", "verify_mismatch")
-        self._source = _sources(storage) if tier is storage.hot else lambda _: tier.name
+        self._source = _sources(storage) if tier.hot else lambda _: tier.name
 
     def compare(self, fresh: Sequence[MemoryObj], held: Sequence[MemoryObj]) -> list[Verdict]:
         """A verdict per chunk `held` (in order), up to the first mismatch (the chunks after
@@ -252,7 +252,7 @@ def purge(storage: StorageManager, keys: KeyChain) -> int:
     with this server about what follows (a model changed under the same identity differs in
     every chunk)."""
     doomed = [*keys, *keys.tails(0)]
-    removed = sum(tier.remove(doomed) for tier in (storage.hot, *storage.lower_tiers))
+    removed = sum(tier.remove(doomed) for tier in storage.tier_records())
     _warn.warning("verify-purge",
                   "kvtier: verification (scope tail): a chunk computed over a loaded prefix "
                   "matches no tier's record of it, and a tier that supplied the prefix holds "

@@ -31,6 +31,7 @@ from kvtier.storage.prefetch.handle import Prefetch
 from kvtier.storage.prefetch.loads import PrefetchLoads
 from kvtier.storage.prefetch.planner import LoadPlanner
 from kvtier.storage.reads import TierReads
+from kvtier.storage.records import TierRecords
 from kvtier.storage.sessions import SessionPins
 from kvtier.storage.tierset import TierSet, discard
 from kvtier.storage.watch import TierWatch
@@ -258,6 +259,11 @@ class StorageManager:
         """Remove lower tier `name` while stores and loads run, then close it, its queued
         writes written (`drain`) or dropped. See `TierSet.detach` (and its `ValueError`)."""
         self._set.detach(name, drain=drain, timeout=timeout, wait=wait)
+
+    def tier_records(self) -> list[TierRecords]:
+        """Each attached tier's own records, fastest first, for shadow verification
+        (`kvtier.storage.records`): read without promotion, removed from one tier alone."""
+        return [TierRecords(tier, self.watch, tier is self.hot) for tier in self.tiers]
 
     def remove(self, keys: Sequence[ChunkKey]) -> int:
         """Delete `keys` from every tier; returns the most any one tier deleted."""

@@ -126,6 +126,24 @@ def test_a_writer_that_swapped_two_rows_is_caught_and_quarantined(
     assert not again.mismatches and len(again.verdicts) == 8
 
 
+def test_a_quarantine_is_announced_to_the_tier_watch(
+        mha: CacheEngine, tokens: torch.Tensor, slots: torch.Tensor) -> None:
+    """Routers learn from kvtier's tier events what each tier holds: a record verification
+    removed is announced as removed from that tier, as an eviction is."""
+    from tests.storage.test_watch import Seen
+
+    bad = slots.clone()
+    bad[[CHUNK + 3, CHUNK + 4]] = bad[[CHUNK + 4, CHUNK + 3]]
+    _stored(mha, tokens, bad)
+    seen = Seen()
+    mha.storage.watch.add(seen)
+    chunk1 = mha.chunk_keys(tokens)[1].key
+    result = mha.verify(tokens, slots)
+    assert {v.tier for v in result.mismatches} == {"cpu", "disk"}
+    removed = {(tier, key) for tier, keys, held in seen.calls if not held for key in keys}
+    assert {("cpu", chunk1), ("disk", chunk1)} <= removed
+
+
 def test_a_changed_model_is_named_by_its_first_differing_layer(
         mha: CacheEngine, tokens: torch.Tensor, slots: torch.Tensor) -> None:
     _stored(mha, tokens, slots)
