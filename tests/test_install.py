@@ -39,6 +39,23 @@ ROUND_TRIP = textwrap.dedent("""
     print("kernel", ops.kernel_name())
 """)
 
+# The record codecs' kernel (fp8, int8) in the installed extension, byte for byte the torch path.
+CODEC = textwrap.dedent("""
+    import torch
+    from kvtier.backends.codec import CODECS
+    from kvtier.kernels import ops
+
+    x = torch.randn(2, 4, 32, 64).to(torch.bfloat16)
+    n = 2 * 4 * 32 * 64 + 4 * 4 * 64 + 4 * 4 * 32  # values, K scales per channel, V per token
+    for name in ("fp8", "int8"):
+        ref = memoryview(bytearray(n))
+        CODECS[name].encode_torch(x, ref)
+        out = torch.zeros(n, dtype=torch.uint8)
+        assert ops.codec_encode(x, out, name), name  # False: the compiled kernel is not in use
+        assert out.numpy().tobytes() == bytes(ref), name
+    print("codec kernel ok")
+""")
+
 
 def _copy_checkout(dst: Path) -> Path:
     """The source tree without build products, caches or the venvs (`make test-latest`'s too)."""
@@ -78,6 +95,9 @@ def test_a_wheel_of_the_checkout_installs_and_uses_the_cpp_kernel(tmp_path: Path
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("kernel cpp")
     assert list((tmp_path / "cache" / "ext").glob("*/kvtier_C.so"))
+    out = subprocess.run([py, "-c", CODEC], env=env, cwd=tmp_path, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip() == "codec kernel ok", out.stderr[-3000:]
     # Without the redis extra, a Redis config is an error that names the extra.
     subprocess.run([py, "-m", "pip", "uninstall", "-q", "-y", "redis"], check=True)
     env["KVTIER_REMOTE_URL"] = "redis://127.0.0.1:1"
