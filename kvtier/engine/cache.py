@@ -156,12 +156,14 @@ class CacheEngine:
         if known > 0 and not self.storage.hot.keeps_puts:
             todo = [k for k in keys if k.end > known]
             extra = None if extra is not None and extra.end <= known else extra
-        stored = self._saver.save(todo, slots, on_read, extra, ready,
-                                  unwritten=lowest is None or lowest < 0)
+        retain = hints.retain_s if hints is not None else None
+        stored = self._saver.save(todo, slots, on_read, extra, ready,  # reuse declared: admitted
+                                  unwritten=lowest is None or lowest < 0,
+                                  declared=session_id is not None or retain is not None)
         if session_id is not None:
             self.storage.pin_session(session_id, keys)
-        if hints is not None and hints.retain_s is not None:
-            self.storage.sessions.retain(retain_name(keys), keys, hints.retain_s)
+        if retain is not None:
+            self.storage.sessions.retain(retain_name(keys), keys, retain)
         return stored
 
     def verify(self, token_ids: TokenIds, slot_mapping: torch.Tensor, *, start: int = 0,

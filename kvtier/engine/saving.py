@@ -53,17 +53,20 @@ class PrefixSaver:
 
     def save(self, keys: Sequence[ChunkKey], slots: torch.Tensor,
              on_read: Callable[[], None] | None, extra: ChunkKey | None,
-             ready: torch.cuda.Event | None, *, unwritten: bool = True) -> int:
+             ready: torch.cuda.Event | None, *, unwritten: bool = True,
+             declared: bool = False) -> int:
         """Put `keys` (from the first the CPU tier lacks) and the inner tail `extra`; calls
         `on_read` once the pool rows are read; returns the number of tokens newly stored.
-        `unwritten=False`: the caller knows no slot is -1 (no chunk is checked for one)."""
+        `unwritten=False`: the caller knows no slot is -1 (no chunk is checked for one).
+        `declared`: the caller declared the prefix's reuse (a session's turn, a retained
+        prefix): stored past the admission policy, which only guesses it."""
         if self._device is not None:
-            return self._save_on_gpu(keys, slots, on_read, extra, ready)
-        return self._save_on_cpu(keys, slots, on_read, extra, unwritten)
+            return self._save_on_gpu(keys, slots, on_read, extra, ready, declared)
+        return self._save_on_cpu(keys, slots, on_read, extra, unwritten, declared)
 
     def _save_on_cpu(self, keys: Sequence[ChunkKey], slots: torch.Tensor,
                      on_read: Callable[[], None] | None, extra: ChunkKey | None = None,
-                     unwritten: bool = True) -> int:
+                     unwritten: bool = True, declared: bool = False) -> int:
         todo = keys[self._storage.contains(keys, hot_only=True):]
         if unwritten and todo:  # stop before the first chunk with a -1 slot
             start = todo[0].start
@@ -71,7 +74,7 @@ class PrefixSaver:
             if skipped.numel():
                 cut = start + int(skipped[0])
                 todo = [k for k in todo if k.end <= cut]
-        todo, extra, refused = self._admit(todo, extra)
+        todo, extra, refused = self._admit(todo, extra, declared)
         objs: list[MemoryObj] = []
         around: list[MemoryObj] = []
         with lease(objs), lease(around):
@@ -127,12 +130,13 @@ class PrefixSaver:
         self._storage.put(keys, objs, write_down=self._write_down)
 
     def _admit(self, todo: list[ChunkKey] | Sequence[ChunkKey], extra: ChunkKey | None,
-               ) -> tuple[list[ChunkKey], ChunkKey | None, list[ChunkKey]]:
-        """The leading chunks of `todo` the admission policy takes (`StorageManager.admit`),
-        the inner tail unless a chunk before it was refused (it would hang off nothing), and
-        the refused chunks the lower tiers get around the CPU tier (none without a buffer)."""
+               declared: bool = False) -> tuple[list[ChunkKey], ChunkKey | None, list[ChunkKey]]:
+        """The leading chunks of `todo` the admission policy takes (`StorageManager.admit`;
+        all of them when `declared`), the inner tail unless a chunk before it was refused (it
+        would hang off nothing), and the refused chunks the lower tiers get around the CPU
+        tier (none without a buffer)."""
         todo = list(todo)
-        n = self._storage.admit(todo) if todo else 0
+        n = len(todo) if declared else self._storage.admit(todo) if todo else 0
         if n == len(todo):
             return todo, extra, []
         around = self._around is not None and bool(self._storage.lower_tiers)
@@ -153,7 +157,8 @@ class PrefixSaver:
         no memory (counted)."""
         objs: list[MemoryObj] = []
         for key in keys:
-            obj = (arena or self._storage.allocator).allocate(self._layout, key.num_tokens)
+            pool = self._storage.allocator if arena is None else arena
+            obj = pool.allocate(self._layout, key.num_tokens)
             if obj is None:
                 self._storage.counters.inc("store_no_memory" if arena is None
                                            else "write_around_no_memory")
@@ -163,12 +168,13 @@ class PrefixSaver:
 
     def _save_on_gpu(self, keys: Sequence[ChunkKey], slots: torch.Tensor,
                      on_read: Callable[[], None] | None, extra: ChunkKey | None,
-                     ready: torch.cuda.Event | None) -> int:
+                     ready: torch.cuda.Event | None, declared: bool = False) -> int:
         """`_save_on_cpu` for a CUDA pool: one copy for every chunk, slots checked by the
         kernel; chunks up to the first one that met a -1 slot are kept."""
         assert self._device is not None
         hot = self._storage.contains
-        todo, extra, refused = self._admit(list(keys[hot(keys, hot_only=True):]), extra)
+        todo, extra, refused = self._admit(list(keys[hot(keys, hot_only=True):]), extra,
+                                           declared)
         inner = extra is not None and not hot([extra], hot_only=True)
         if inner and extra is not None:
             todo.insert(0, extra)

@@ -87,3 +87,28 @@ def test_a_bad_hint_is_refused_before_anything_is_stored(hints: Hints, name: str
         with pytest.raises(ValueError, match=name):
             eng.store(prompt, torch.arange(SLOTS), hints=hints)
         assert eng.lookup(prompt) == 0
+
+
+@pytest.mark.parametrize("how", ["retain", "session"])
+def test_a_prefix_declared_to_come_back_is_stored_past_admission(how: str) -> None:
+    """Admission refuses first-seen prompts while the tier is full (it guesses reuse from the
+    past); a retained prefix or a session's turn declares its reuse, so it is stored and
+    pinned however full the tier is."""
+    slots = torch.arange(SLOTS)
+    gen = torch.Generator().manual_seed(0)
+    bufs = [torch.randn(SLOTS, HEADS, DIM, generator=gen) for _ in range(2 * LAYERS)]
+    connector = SGLangMHAConnector(bufs[:LAYERS], bufs[LAYERS:])
+    cfg = Config(chunk_size=CHUNK, max_local_cpu_size=TIER_CHUNKS * 4096 / 1e9,
+                 save_tails=False, admission_policy="second_hit")
+    with CacheEngine(cfg, model_name="m", layout=connector.layout, connector=connector) as eng:
+        for seed in range(100, 100 + TIER_CHUNKS // PROMPT_CHUNKS):  # the tier is full
+            assert eng.store(_tokens(seed), slots) == SLOTS
+        assert eng.store(_tokens(7), slots) == 0  # first seen, would evict: refused
+        agent = _tokens(1)
+        if how == "retain":
+            assert eng.store(agent, slots, hints=Hints(retain_s=30.0)) == SLOTS
+        else:
+            assert eng.store(agent, slots, session_id="s") == SLOTS
+        for seed in range(200, 200 + 3 * TIER_CHUNKS // PROMPT_CHUNKS):
+            eng.store(_tokens(seed), slots)  # refused or stored: never evicts the agent's
+        assert eng.lookup(agent, hot_only=True) == SLOTS
