@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvtier.connectors.base import KVConnector
+from kvtier.engine import chunk_io
 from kvtier.engine.rows import pool_rows
 from kvtier.keys import ChunkKey, KeyChain
 from kvtier.memory import MemoryObj, lease
@@ -77,12 +78,12 @@ class PrefixLoader:
         """The CPU tier's leading hits, leased together and copied in one kernel call."""
         if not wanted:
             return skip
-        with self._storage.get(wanted, hot_only=True) as objs:
-            if not objs:
-                return skip
-            start, end = wanted[0].start, wanted[len(objs) - 1].end
-            self.scatter(objs, pool_rows(slots, start, end, skip, limit))
-        return end
+
+        def copy(keys: Sequence[ChunkKey], objs: list[MemoryObj]) -> None:
+            self.scatter(objs, pool_rows(slots, keys[0].start, keys[-1].end, skip, limit))
+
+        got = chunk_io.read(self._storage, wanted, copy, hot_only=True)
+        return wanted[got - 1].end if got else skip
 
     def scatter(self, objs: list[MemoryObj], rows: torch.Tensor) -> None:
         if self._device is not None:

@@ -9,9 +9,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kvtier.config import Config
+from kvtier.engine import chunk_io
 from kvtier.engine.verify import sampled, sampling_key, shadow_check
 from kvtier.keys import ChunkKey
-from kvtier.memory import KVLayout, MemoryObj, lease
+from kvtier.memory import KVLayout, MemoryObj
 from kvtier.storage import StorageManager
 
 __all__ = ["PageStore"]
@@ -57,12 +58,11 @@ class PageStore:
              dests: Sequence[Callable[[torch.Tensor], object]]) -> int:
         """Copy the leading hits of `keys` into `dests[i](flat_page)`; returns how many. A
         staging tier (`local_cpu: false`) keeps nothing of them afterwards."""
-        with self._storage.get(keys) as objs:
+        def copy(_: Sequence[ChunkKey], objs: list[MemoryObj]) -> None:
             for obj, put in zip(objs, dests, strict=False):
                 put(obj.tensor.view(-1))
-            got = len(objs)
-        self._storage.unstage(keys[:got])
-        return got
+
+        return chunk_io.read(self._storage, keys, copy, unstage=True)
 
     def write(self, keys: Sequence[ChunkKey], pages: Sequence[torch.Tensor]) -> bool:
         """Store `pages[i]` under `keys[i]` (lower tiers in the background); False when the
@@ -74,21 +74,20 @@ class PageStore:
             return True
         if self.verify_fraction > 0:
             shadow_check(self._storage, keys, 0, lambda todo: self._fill(pages[:len(todo)]))
-        objs = self._fill(pages)
-        with lease(objs):
-            self._storage.put(keys[: len(objs)], objs)
-        return len(objs) == len(keys)
+        put = chunk_io.store(self._storage, self.layout, keys[:len(pages)],
+                             self._copier(pages), no_memory=None)
+        return len(put) == len(keys)
 
     def _fill(self, pages: Sequence[torch.Tensor]) -> list[MemoryObj]:
         """Arena objects holding copies of `pages`, up to the first that finds no memory."""
-        objs: list[MemoryObj] = []
-        for page in pages:
-            obj = self._storage.allocator.allocate(self.layout, self.page_size)
-            if obj is None:
-                break
-            objs.append(obj)
-            obj.tensor.view(-1).copy_(page.reshape(-1))
-        return objs
+        return chunk_io.fill(self._storage, self.layout, [self.page_size] * len(pages),
+                             self._copier(pages), no_memory=None)
+
+    @staticmethod
+    def _copier(pages: Sequence[torch.Tensor]) -> chunk_io.CopyOne:
+        def copy(i: int, obj: MemoryObj) -> None:
+            obj.tensor.view(-1).copy_(pages[i].reshape(-1))
+        return copy
 
     def arena_bytes_used(self) -> int:
         """Bytes of the arena in use (between calls: what the CPU or staging tier keeps)."""

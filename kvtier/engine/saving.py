@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvtier.connectors.base import KVConnector
+from kvtier.engine import chunk_io
 from kvtier.engine.around import around_buffer
 from kvtier.kernels.host_copy import STATUS_BAD
 from kvtier.keys import ChunkKey
@@ -127,7 +128,7 @@ class PrefixSaver:
         return objs[:n]
 
     def _put(self, keys: Sequence[ChunkKey], objs: Sequence[MemoryObj]) -> None:
-        self._storage.put(keys, objs, write_down=self._write_down)
+        chunk_io.put(self._storage, keys, objs, write_down=self._write_down)
 
     def _admit(self, todo: list[ChunkKey] | Sequence[ChunkKey], extra: ChunkKey | None,
                declared: bool = False) -> tuple[list[ChunkKey], ChunkKey | None, list[ChunkKey]]:
@@ -155,16 +156,9 @@ class PrefixSaver:
                   ) -> list[MemoryObj]:
         """Objects in `arena` (default the CPU tier's) for `keys`, up to the first that finds
         no memory (counted)."""
-        objs: list[MemoryObj] = []
-        for key in keys:
-            pool = self._storage.allocator if arena is None else arena
-            obj = pool.allocate(self._layout, key.num_tokens)
-            if obj is None:
-                self._storage.counters.inc("store_no_memory" if arena is None
-                                           else "write_around_no_memory")
-                break
-            objs.append(obj)
-        return objs
+        return chunk_io.allocate(self._storage, self._layout, [k.num_tokens for k in keys],
+                                 arena=arena, no_memory="store_no_memory" if arena is None
+                                 else "write_around_no_memory")
 
     def _save_on_gpu(self, keys: Sequence[ChunkKey], slots: torch.Tensor,
                      on_read: Callable[[], None] | None, extra: ChunkKey | None,
@@ -212,7 +206,7 @@ class PrefixSaver:
         rows = slots[key.start:key.end]
         if self._storage.contains([key], hot_only=True) or bool((rows < 0).any()):
             return None
-        obj = self._storage.allocator.allocate(self._layout, key.num_tokens)
-        if obj is not None:
-            self._connector.gather(rows, obj)
-        return obj
+        objs = chunk_io.allocate(self._storage, self._layout, [key.num_tokens], no_memory=None)
+        if objs:
+            self._connector.gather(rows, objs[0])
+        return objs[0] if objs else None

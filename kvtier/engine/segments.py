@@ -15,10 +15,11 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from kvtier.engine import chunk_io
 from kvtier.engine.segment_checks import check_segment
 from kvtier.engine.verify import Verdict
 from kvtier.keys import ChunkKey, KeyBuilder, KeyChain
-from kvtier.memory import KVLayout, MemoryFormat, MemoryObj, lease
+from kvtier.memory import KVLayout, MemoryFormat, MemoryObj
 from kvtier.storage import StorageManager
 from kvtier.storage.prefetch.handle import Prefetch
 
@@ -108,17 +109,12 @@ class SegmentStore:
         wanted = self._wanted(chain)
         held = self._storage.contains(wanted, hot_only=True)  # put once, like a prefix
         keys = wanted[held:]
-        objs: list[MemoryObj] = []
-        with lease(objs):
-            for key in keys:
-                obj = self._storage.allocator.allocate(self._layout, key.num_tokens)
-                if obj is None:
-                    self._storage.counters.inc("store_no_memory")
-                    break
-                obj.tensor.copy_(kv[:, :, key.start:key.end])
-                objs.append(obj)
-            put = keys[:len(objs)]  # leading chunks: a read stops where they stop
-            self._storage.put(put, objs, write_down=self._write_down)
+
+        def copy(i: int, obj: MemoryObj) -> None:
+            obj.tensor.copy_(kv[:, :, keys[i].start:keys[i].end])
+
+        put = chunk_io.store(self._storage, self._layout, keys, copy,
+                             write_down=self._write_down)
         return put[-1].end if put else (wanted[held - 1].end if held else 0)
 
     def verify(self, chain: KeyChain, kv: torch.Tensor) -> list[Verdict]:
@@ -130,16 +126,15 @@ class SegmentStore:
     def load(self, chain: KeyChain, out: torch.Tensor) -> int:
         """Read the segment's leading stored tokens into `out` (`[2, layers, n, kv_width]`,
         any device); returns how many arrived (0 on a miss)."""
-        loaded = 0
-        with self._storage.get(list(chain)) as objs:
-            for key, obj in zip(chain, objs):
+        def copy(keys: Sequence[ChunkKey], objs: list[MemoryObj]) -> None:
+            for key, obj in zip(keys, objs):
                 out[:, :, key.start:key.end].copy_(obj.tensor, non_blocking=False)
-                loaded = key.end
+
+        keys = list(chain)
+        got = chunk_io.read(self._storage, keys, copy)
+        loaded = keys[got - 1].end if got else 0
         if loaded == chain.num_tokens - chain.num_tokens % self._keys.chunk_size:
             tail = self._storage.find_tail(chain.tails(len(chain)))
-            if tail is not None:
-                with self._storage.get([tail]) as objs:
-                    if objs:
-                        out[:, :, tail.start:tail.end].copy_(objs[0].tensor)
-                        loaded = tail.end
+            if tail is not None and chunk_io.read(self._storage, [tail], copy):
+                loaded = tail.end
         return loaded
