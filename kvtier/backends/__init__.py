@@ -6,19 +6,13 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Callable
 
-from kvtier.backends.base import (
-    BackendContext,
-    HotTier,
-    ProbeSample,
-    RecordInventory,
-    StorageBackend,
-    StoredRecord,
-)
+from kvtier.backends.base import BackendContext, HotTier, ProbeSample, StorageBackend
+from kvtier.backends.inventory import InventorySummary, RecordInventory, StoredRecord
 from kvtier.config.tiers import load_attr, tier_spec
 from kvtier.errors import ConfigError
 
-__all__ = ["BackendContext", "HotTier", "ProbeSample", "RecordInventory", "StorageBackend",
-           "StoredRecord",
+__all__ = ["BackendContext", "HotTier", "InventorySummary", "ProbeSample", "RecordInventory",
+           "StorageBackend", "StoredRecord",
            "create_backend", "check_dependencies"]
 
 

@@ -14,12 +14,13 @@ it); only bad arguments raise.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-from kvtier.keys import ChunkKey, KeySpace, model_name_of
+from kvtier.backends.inventory import RecordInventory, StoredRecord
+from kvtier.keys import ChunkKey
 from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj
 from kvtier.metrics import Counters
 
@@ -224,68 +225,3 @@ class HotTier(StorageBackend):
     @abstractmethod
     def pinned_bytes(self) -> int:
         """Bytes of the chunks that hold at least one pin."""
-
-
-@dataclass(frozen=True)
-class StoredRecord:
-    """One stored chunk as an inventory sees it: its tier, key string, size in bytes and where
-    it lives (a path; a record's Redis names)."""
-
-    tier: str
-    key: str
-    nbytes: int
-    location: tuple[str, ...]
-
-    @property
-    def model(self) -> str:
-        """The model's name as it was served (decoded from its key component)."""
-        parsed = KeySpace.parse(self.key)
-        return model_name_of(parsed[0].model) if parsed else "?"
-
-    @property
-    def layout(self) -> str:
-        """The model's fingerprint and the KV layout."""
-        parsed = KeySpace.parse(self.key)
-        if not parsed:
-            return "?"
-        identity = parsed[0].model.rpartition("@")[2] if "@" in parsed[0].model else "-"
-        return f"{identity} {parsed[0].layout}"
-
-    @property
-    def namespace(self) -> str | None:
-        parsed = KeySpace.parse(self.key)
-        return parsed[0].namespace if parsed else None
-
-
-class RecordInventory(ABC):
-    """What a persistent tier holds, listed and deleted from its config alone, with no server
-    running (`kvtier ls`, `stats`, `purge`); a tier's table row names its inventory class.
-
-    Construction and calls raise when the tier cannot be reached (the caller reports that
-    tier as down and goes on with the others); `ConfigError` when the config names a place
-    the tier would refuse.
-    """
-
-    def __init__(self, config: Config):
-        self.config = config
-
-    @classmethod
-    def peek(cls, config: Config) -> dict[str, float] | None:
-        """What the tier holds (`entries`, `bytes`, `capacity_bytes`), read without changing
-        anything where opening the tier would (`kvtier info` on a serving host); `OSError`
-        saying why the tier could not be used. None: ask the opened tier instead (its
-        start-up changes nothing)."""
-        return None
-
-    @abstractmethod
-    def records(self, namespace: str) -> Iterator[StoredRecord]:
-        """The records of `namespace` (and records whose namespace cannot be read, such as
-        corrupt ones), never another namespace's."""
-
-    @abstractmethod
-    def delete(self, records: Sequence[StoredRecord]) -> list[StoredRecord]:
-        """Delete `records` (as listed by `records`); returns those deleted (one gone
-        meanwhile, or no longer a record of this tier, is left out)."""
-
-    def close(self) -> None:  # noqa: B027 - most inventories hold nothing to release
-        """Release connections; idempotent."""

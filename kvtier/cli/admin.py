@@ -24,21 +24,20 @@ def _stats(args: argparse.Namespace) -> int:
         return _live(args.metrics)
     from kvtier.cli import inventory  # imports torch (seconds): only for the commands using it
 
-    listings = inventory.survey(load_config(args.file))
-    if not listings:
+    summaries = inventory.summarize(load_config(args.file))
+    if not summaries:
         print("no disk or Redis tier in this config (the CPU tier lives in a serving process; "
               "see its metrics)")
         return 0
     print(f"{'tier':<8}{'chunks':>10}{'GB':>10}{'models':>8}")
-    for listing in listings:
-        if listing.error is not None:
-            print(f"{listing.tier:<8}{'-':>10}{'-':>10}{'-':>8}  DOWN: {listing.error}")
+    for summary in summaries:
+        held = summary.held
+        if held is None:
+            print(f"{summary.tier:<8}{'-':>10}{'-':>10}{'-':>8}  DOWN: {summary.error}")
             continue
-        chunks = sum(g.chunks for g in listing.groups)
-        nbytes = sum(g.nbytes for g in listing.groups)
-        models = len({g.model for g in listing.groups})
-        print(f"{listing.tier:<8}{chunks:>10}{nbytes / 1e9:>10.3f}{models:>8}")
-    return 0 if all(x.error is None for x in listings) else 1
+        print(f"{summary.tier:<8}{held.records:>10}{held.nbytes / 1e9:>10.3f}"
+              f"{len(held.models):>8}")
+    return 0 if all(x.error is None for x in summaries) else 1
 
 
 METRICS_TIMEOUT_S = 10.0
@@ -148,6 +147,9 @@ def _purge(args: argparse.Namespace) -> int:
     from kvtier.cli import inventory
 
     config = load_config(args.file)
+    if args.model is not None and not args.model:
+        raise ConfigError("--model: give the model's name as served (`kvtier ls` lists them); "
+                          "leave it out to purge every model")
     tag = _tenant_tag(config, args.tenant)
     servers = args.server or []
     if servers:

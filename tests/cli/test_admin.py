@@ -218,3 +218,15 @@ def test_purge_without_a_terminal_names_every_persistent_tier(
     monkeypatch.setattr("sys.stdin.isatty", lambda: False)
     assert main(["purge", str(path)]) == 2
     assert "purge would delete every model from disk;" in capsys.readouterr().err
+
+
+def test_purge_of_an_empty_model_name_is_refused_naming_the_option(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # `--model ""` named no model, yet the prompt said "every model": refused before anything.
+    cfg = tmp_path / "kvtier.yaml"
+    cfg.write_text(yaml.safe_dump({"chunk_size": CHUNK, "max_local_cpu_size": 0.01,
+                                   "local_disk": str(tmp_path / "disk"),
+                                   "max_local_disk_size": 0.1}))
+    assert main(["purge", str(cfg), "--model", "", "--yes"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvtier: error: --model: ") and len(err.strip().splitlines()) == 1

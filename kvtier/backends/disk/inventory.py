@@ -16,10 +16,10 @@ import stat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from kvtier.backends.base import RecordInventory, StoredRecord
 from kvtier.backends.disk import files as rf
 from kvtier.backends.disk import paths
 from kvtier.backends.disk.owners import read_record_key
+from kvtier.backends.inventory import RecordInventory, StoredRecord
 from kvtier.config import Config
 from kvtier.config.names import DISK
 from kvtier.errors import ConfigError

@@ -8,7 +8,7 @@ import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from kvtier.backends.base import RecordInventory, StoredRecord
+from kvtier.backends.inventory import RecordInventory, StoredRecord
 from kvtier.backends.redis.probe import probe_prefix
 from kvtier.backends.redis.router import Router
 from kvtier.backends.redis.url import parse_remote_url
