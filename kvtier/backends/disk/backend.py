@@ -1,6 +1,7 @@
 """The disk tier: one checksummed record file per chunk, persistent across restarts.
 
-Files, their format and their privacy are `files.py`'s business, the LRU index `index.py`'s,
+Files, their format and their privacy are `files.py`'s business, the index `index.py`'s (LRU,
+or `frequency.py`'s order under `eviction_policy: lfuda`),
 whose record is whose `owners.py`'s; reads are `reads.py`'s (`DiskReads`, a mixin of
 `DiskBackend`); this module keeps the cap, the lock, the counters and the writes.
 
@@ -77,7 +78,8 @@ class DiskBackend(DiskReads, StorageBackend):
         self._keys = ctx.record_key
         self._lock = threading.Lock()  # one index change and its file change are one step
         self._index = DiskIndex(self.capacity, lambda name: identify(self._dirs, name),
-                                lambda key: rf.file_name(key.key), ctx.config.tenant_max_fraction)
+                                lambda key: rf.file_name(key.key), ctx.config.tenant_max_fraction,
+                                ctx.config.eviction_policy)
         self._counts = ctx.counters.scope(self.name, *_COUNTERS)
         self._notes = EvictionNotes(self.name)  # keys of what it writes, while watched
         self._warn = RateLimitedLog(logger)
@@ -106,11 +108,12 @@ class DiskBackend(DiskReads, StorageBackend):
         with self._lock:
             return self._index.stamps(n)
 
-    def _touch(self, keys: Sequence[ChunkKey], persist: bool = False) -> None:
-        """Mark `keys` (a prefix, in order) used, the first as the newest; with `persist`, in
-        the files' mtimes too, so that the order survives a restart."""
+    def _touch(self, keys: Sequence[ChunkKey], persist: bool = False, use: bool = True) -> None:
+        """Mark `keys` (a prefix, in order) used, the first as the newest (without `use`, a
+        batch just stored: reordered, not counted again); with `persist`, in the files' mtimes
+        too, so that the order survives a restart."""
         with self._lock:
-            self._index.touch(rf.file_name(key.key) for key in keys)
+            self._index.touch((rf.file_name(key.key) for key in keys), use)
         if persist:
             for key, stamp in zip(keys, self._stamps(len(keys)), strict=True):
                 with contextlib.suppress(OSError):  # a file gone meanwhile does not matter
@@ -137,7 +140,7 @@ class DiskBackend(DiskReads, StorageBackend):
 
     def _evict_locked(self, names: list[str]) -> int:  # forget, delete, count, tell; how many
         for name in names:
-            self._index.forget(name)
+            self._index.forget(name, evicted=True)
             self._delete(name)
         self._counts.inc("evictions", len(names))
         self._notes.evicted(names)
@@ -201,7 +204,7 @@ class DiskBackend(DiskReads, StorageBackend):
             if not self._put_one(key, obj, stamp):
                 break
             stored += 1
-        self._touch(keys[:stored])
+        self._touch(keys[:stored], use=False)
         return stored
 
     def _put_one(self, key: ChunkKey, obj: MemoryObj, stamp: int) -> bool:
@@ -209,6 +212,8 @@ class DiskBackend(DiskReads, StorageBackend):
         path = rf.record_path(self.root, name)
         size = expected_header_len(key) + self.ctx.codec.stored_nbytes(obj)  # as written
         owner = owner_of(key.key)
+        # The chain, where the order keeps prefixes whole: a hash, so only then.
+        parent = rf.file_name(key.prev) if key.prev is not None and self._index.chained else None
         with self._lock:
             if self._closed:
                 return False
@@ -234,7 +239,7 @@ class DiskBackend(DiskReads, StorageBackend):
                 if not self._closed:
                     os.replace(tmp, path)
                     committed = True
-                    self._index.put(name, size, owner)
+                    self._index.put(name, size, owner, parent)
                     self._notes.wrote(name, key.key)
                     self._counts.inc("puts")
                     self._counts.inc("put_bytes", size)

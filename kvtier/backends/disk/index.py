@@ -12,7 +12,8 @@ An owner string may end in `TENANT_SEP` and a tenant's tag (`owners.owner_of`: a
 record). With a share (`tenant_max_fraction` < 1), while two or more tenants hold records this
 tier counts, a write over the cap evicts the least recently used records of tenants holding
 more than that share of the cap first, then the least recently used of anyone, as the CPU tier
-does (docs/policies.md)."""
+does (docs/policies.md). Under `eviction_policy: lfuda` the order is `DiskFrequency`'s (leaves
+by uses with dynamic aging) instead of LRU's; the share and every other rule are the same."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
+
+from kvtier.backends.disk.frequency import DiskFrequency
+from kvtier.config.names import LFUDA
 
 __all__ = ["DiskIndex", "IDENTIFY_PER_WRITE", "TENANT_SEP"]
 
@@ -31,7 +35,8 @@ NOTED_USES = 1024  # uses noted between two index changes, at most (past it the 
 
 
 class DiskIndex:
-    """Record names (file stems) to sizes in LRU order, least recent first, against a byte cap.
+    """Record names (file stems) to sizes in LRU order, least recent first, against a byte cap;
+    evicted in that order, or in `DiskFrequency`'s under `lfuda`.
 
     Not thread-safe: the caller serializes every call (the backend's lock), except `note`.
 
@@ -41,12 +46,14 @@ class DiskIndex:
         name_of: a noted key's record name (`note` takes keys: the backend's `ChunkKey`s).
         share: the largest share of the cap one tenant holds while others want room
             (`tenant_max_fraction`; 1: none).
+        policy: `eviction_policy`; `lfuda` evicts by `DiskFrequency`, any other by LRU.
     """
 
     def __init__(self, capacity: int,
                  identify: Callable[[str], str | None] = lambda name: None,
-                 name_of: Callable[[Any], str] = str, share: float = 1.0):
+                 name_of: Callable[[Any], str] = str, share: float = 1.0, policy: str = ""):
         self.capacity = capacity
+        self._freq = DiskFrequency() if policy == LFUDA else None
         self._share = int(share * capacity) if share < 1 else None
         self._tenants: dict[str, str] = {}  # name -> tenant tag ("" unsalted), owner known
         self.tenant_bytes: dict[str, int] = {}  # tenant -> bytes of its records of `mine`
@@ -79,13 +86,21 @@ class DiskIndex:
             self.put(name, size)
             self._clock = max(self._clock, mtime)
 
-    def put(self, name: str, size: int, owner: str | None = None) -> None:
+    @property
+    def chained(self) -> bool:
+        """Whether `put` uses a record's parent (its eviction order keeps prefixes whole)."""
+        return self._freq is not None
+
+    def put(self, name: str, size: int, owner: str | None = None,
+            parent: str | None = None) -> None:
         """Index record `name` of `size` bytes as the most recently used (replacing any), of
-        `owner` when known."""
+        `owner` when known, the chunk after record `parent` when known (see `chained`)."""
         self.apply_noted()  # uses noted before this put are older
         self.forget(name)
         self._sizes[name] = size
         self.bytes += size
+        if self._freq is not None:
+            self._freq.add(name, parent)
         if owner is not None:
             self.set_owner(name, owner)
 
@@ -99,9 +114,12 @@ class DiskIndex:
         self.put(name, size, owner)
         return True
 
-    def forget(self, name: str) -> None:
+    def forget(self, name: str, evicted: bool = False) -> None:
+        """Unindex record `name` (`evicted`: for room, which the eviction order learns from)."""
         size = self._sizes.pop(name, None)
         if size is not None:
+            if self._freq is not None:
+                self._freq.drop(name, evicted)
             self.bytes -= size
             tenant = self._tenants.pop(name, "")
             if self._owners.pop(name, None) in self.mine:
@@ -171,16 +189,19 @@ class DiskIndex:
     def _evictable(self, name: str) -> bool:
         return not self._readers[name] and self._owners.get(name) in self.mine
 
-    def touch(self, names: Iterable[str]) -> None:
+    def touch(self, names: Iterable[str], use: bool = True) -> None:
         """Mark `names` used, the first as the most recent (a prefix is used front to back, and
-        its first chunk is the last to evict)."""
+        its first chunk is the last to evict); without `use`, reordered only (a batch just
+        `put`, its store already counted as a use)."""
         self.apply_noted()  # uses noted before this one are older
-        self._move_to_end(names)
+        self._used(list(names), use)
 
-    def _move_to_end(self, names: Iterable[str]) -> None:
-        for name in reversed(list(names)):
+    def _used(self, names: list[str], use: bool = True) -> None:
+        for name in reversed(names):
             if name in self._sizes:
                 self._sizes.move_to_end(name)
+        if use and self._freq is not None:
+            self._freq.use(names)
 
     def note(self, keys: Sequence[Any]) -> None:
         """`touch` the records of `keys` (named by `name_of`) later: safe without the caller's
@@ -193,7 +214,7 @@ class DiskIndex:
         """Apply what `note` noted (only the lock's holder takes from the deque, and appends
         only lengthen it, so it is never found empty here after a check)."""
         while self._noted:
-            self._move_to_end(self._name_of(key) for key in self._noted.popleft())
+            self._used([self._name_of(key) for key in self._noted.popleft()])
 
     def stamps(self, n: int) -> list[int]:
         """`n` fresh, strictly decreasing mtimes (ns): a batch's first chunk is its newest."""
@@ -210,8 +231,13 @@ class DiskIndex:
         if not self._readers[name]:
             del self._readers[name]
 
+    def _order(self, taken: set[str]) -> Iterable[str]:
+        """Every record in eviction order (LRU's, or `DiskFrequency`'s leaves, a parent after
+        a child in `taken`); the caller skips those it may not evict."""
+        return self._sizes if self._freq is None else self._freq.walk(taken)
+
     def victims(self, need: int, shrink: int = 1) -> list[str] | None:
-        """The least recently used records of `mine`, none being read, whose eviction lets a
+        """The first records in eviction order of `mine`, none being read, whose eviction lets a
         write of `need` bytes fit under the cap (never more than `shrink` x `need` bytes of
         them: a tier over its cap shrinks by a bounded amount per write); None if it cannot
         fit. Picks only: the caller deletes them and `forget`s each."""
@@ -227,29 +253,34 @@ class DiskIndex:
         taken = set(chosen)
         over -= sum(self._sizes[n] for n in chosen)
         fit -= sum(self._sizes[n] for n in chosen)
-        for name, size in self._sizes.items():
+        for name in self._order(taken):
             if over <= 0:
                 break
             if name not in taken and self._evictable(name):
+                size = self._sizes[name]
                 chosen.append(name)
+                taken.add(name)
                 over -= size
                 fit -= size
         return None if fit > 0 else chosen
 
     def _over_share(self, nbytes: int) -> list[str]:
-        """The least recently used evictable records of tenants over their share, while
+        """The first evictable records in eviction order of tenants over their share, while
         another tenant holds records too, up to `nbytes` and only while each stays over it."""
         share = self._share
         if share is None or len(self.tenant_bytes) < 2:
             return []
         held = {t: b for t, b in self.tenant_bytes.items() if b > share}
         chosen: list[str] = []
-        for name, size in self._sizes.items():
+        taken: set[str] = set()
+        for name in self._order(taken):
             if nbytes <= 0 or not held:
                 break
             tenant = self._tenants.get(name)
             if tenant in held and self._evictable(name):
+                size = self._sizes[name]
                 chosen.append(name)
+                taken.add(name)
                 nbytes -= size
                 held[tenant] -= size
                 if held[tenant] <= share:
@@ -257,17 +288,19 @@ class DiskIndex:
         return chosen
 
     def oldest(self, nbytes: int) -> list[str]:
-        """The least recently used records of `mine`, none being read, that hold at least
+        """The first records in eviction order of `mine`, none being read, that hold at least
         `nbytes` (all of them when they hold less): what a full disk evicts. Picks only, as
         `victims`."""
         self.apply_noted()
-        chosen = []
-        for name, size in self._sizes.items():
+        chosen: list[str] = []
+        taken: set[str] = set()
+        for name in self._order(taken):
             if nbytes <= 0:
                 break
             if self._evictable(name):
                 chosen.append(name)
-                nbytes -= size
+                taken.add(name)
+                nbytes -= self._sizes[name]
         return chosen
 
     def check(self) -> None:
@@ -282,3 +315,5 @@ class DiskIndex:
                     by_tenant[self._tenants[name]] += self._sizes[name]
             assert self.tenant_bytes == dict(by_tenant), "tenant byte counts drifted"
         assert self.reserved >= 0, "negative reservation"
+        if self._freq is not None:
+            self._freq.check(set(self._sizes))
