@@ -25,7 +25,9 @@ from collections.abc import Sequence
 import torch
 
 from kvtier.errors import ConfigError
-from kvtier.kernels import checks, ops
+from kvtier.kernels import checks
+from kvtier.kernels.extension import check_result, kernel
+from kvtier.kernels.reference import copyable, reference_gather
 
 __all__ = ["gather_host", "scatter_host", "STATUS_SKIP", "STATUS_BAD", "copy_blocks",
            "reference_gather_host", "reference_scatter_host"]
@@ -66,8 +68,8 @@ def gather_host(layers: Sequence[torch.Tensor], slots: torch.Tensor,
         ValueError: naming the bad argument; nothing has been enqueued.
     """
     first = _check(layers, slots, outs, status, "outs")
-    if (ext := ops._kernel(first.device)) is not None:
-        return ops.check_result(ext.gather_host(list(layers), slots, list(outs), status,
+    if (ext := kernel(first.device)) is not None:
+        return check_result(ext.gather_host(list(layers), slots, list(outs), status,
                                                 copy_blocks()))
     reference_gather_host(layers, slots, outs, status)
 
@@ -83,8 +85,8 @@ def scatter_host(srcs: Sequence[torch.Tensor], slots: torch.Tensor,
         ValueError: naming the bad argument; nothing has been enqueued.
     """
     first = _check(layers, slots, srcs, status, "srcs")
-    if (ext := ops._kernel(first.device)) is not None:
-        return ops.check_result(ext.scatter_host(list(srcs), slots, list(layers), status,
+    if (ext := kernel(first.device)) is not None:
+        return check_result(ext.scatter_host(list(srcs), slots, list(layers), status,
                                                  copy_blocks()))
     reference_scatter_host(srcs, slots, layers, status)
 
@@ -101,7 +103,7 @@ def reference_gather_host(layers: Sequence[torch.Tensor], slots: torch.Tensor,
         start += out.shape[1]
         words.append(_status(rows, n, skip_counts=True))
         staged = torch.empty(out.shape, dtype=out.dtype, device=rows.device)
-        ops.reference_gather(layers, rows.clamp(0, n - 1), staged)
+        reference_gather(layers, rows.clamp(0, n - 1), staged)
         out.copy_(staged, non_blocking=True)  # rows of bad slots: dropped with their chunk
     status.copy_(torch.stack(words), non_blocking=True)
 
@@ -126,7 +128,7 @@ def reference_scatter_host(srcs: Sequence[torch.Tensor], slots: torch.Tensor,
         target = torch.where(keep, rows, rows.index_select(0, first)).clamp(0, n - 1)
         staged = src.to(rows.device, non_blocking=True)
         for layer, new in zip(layers, staged, strict=True):
-            dst, new = ops._copyable(layer), ops._copyable(new)
+            dst, new = copyable(layer), copyable(new)
             # Nothing kept: every write lands on row 0 with its own current bytes.
             fill = torch.where(kept_any, new.index_select(0, first), dst[:1])
             dst.index_copy_(0, target, torch.where(keep[:, None], new, fill))
@@ -135,10 +137,10 @@ def reference_scatter_host(srcs: Sequence[torch.Tensor], slots: torch.Tensor,
 
 def _status(rows: torch.Tensor, n: int, *, skip_counts: bool) -> torch.Tensor:
     """A chunk's status word as a 0-d int32 tensor on the rows' device (no sync)."""
-    bad = ((rows < ops.SKIP_SLOT) | (rows >= n)).any().to(torch.int32) * STATUS_BAD
+    bad = ((rows < checks.SKIP_SLOT) | (rows >= n)).any().to(torch.int32) * STATUS_BAD
     if not skip_counts:
         return bad
-    return bad | (rows == ops.SKIP_SLOT).any().to(torch.int32) * STATUS_SKIP
+    return bad | (rows == checks.SKIP_SLOT).any().to(torch.int32) * STATUS_SKIP
 
 
 def _check(layers: Sequence[torch.Tensor], slots: torch.Tensor,

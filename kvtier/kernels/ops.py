@@ -17,36 +17,28 @@ the fastest available.
 The kernels copy rows of bytes, so every dtype works (fp8 included). Every argument is checked
 before anything is written: in C++ by the compiled kernels (they return an error, raised here by
 `check_result`), here for the reference.
+
+Loading and choosing the compiled extension is `kvtier.kernels.extension`'s, the reference is
+`kvtier.kernels.reference`'s; both are re-exported here, so `ops` stays the one import.
 """
 
 from __future__ import annotations
 
-import logging
-import os
-import threading
-import time
 from collections.abc import Sequence
 from types import ModuleType
 
 import torch
 
 from kvtier.background import copy_threads
-from kvtier.errors import ConfigError
 from kvtier.kernels import checks
-from kvtier.kernels.checks import SKIP_SLOT, CheckedLayers
+from kvtier.kernels.checks import CheckedLayers
+from kvtier.kernels.extension import check_result, kernel_name, kernel_status, loaded, prepare
+from kvtier.kernels.extension import kernel as _kernel
+from kvtier.kernels.reference import reference_gather, reference_scatter
 
 __all__ = ["gather", "scatter", "gather_chunks", "scatter_chunks", "prepare", "kernel_name",
            "kernel_status", "reference_gather", "reference_scatter", "CheckedLayers",
            "slot_bounds", "token_bytes", "check_result", "codec_encode", "codec_decode"]
-
-logger = logging.getLogger(__name__)
-
-
-_ext: ModuleType | None = None
-_ext_error: str | None = None  # why the kernels could not be compiled or loaded
-_probed = False  # looked for an already built kernel (without compiling)
-_prepare_lock = threading.Lock()
-_logged: set[str] = set()
 
 
 def gather(layers: Sequence[torch.Tensor], slots: torch.Tensor, out: torch.Tensor) -> None:
@@ -150,21 +142,10 @@ def _check_chunks(layers: Sequence[torch.Tensor], slots: torch.Tensor,
     return ext
 
 
-_RAISED = {"ValueError": ValueError, "RuntimeError": RuntimeError}
-
-
-def check_result(outcome: tuple[str, str]) -> None:
-    """Raise what a compiled copy returned: its (exception name, message), ("", "") when it ran.
-    The kernels return errors instead of raising them (see `kv_module.cpp`, `reporting`)."""
-    kind, message = outcome
-    if kind:
-        raise _RAISED[kind](message)
-
-
 def slot_bounds(slots: torch.Tensor) -> tuple[int, int] | None:
     """(min, max) of a non-empty contiguous 1-D CPU int64 tensor, in one pass of the compiled
     kernel; None for anything else or without the kernel (then use `torch.aminmax`)."""
-    ext = _ext if _ext is not None else _loaded_ext()
+    ext = loaded()
     return None if ext is None else ext.slot_bounds(slots)
 
 
@@ -172,7 +153,7 @@ def token_bytes(tokens: torch.Tensor) -> bytes | None:
     """A 1-D CPU int64/int32 tensor of token ids as little-endian uint32 bytes, in one pass of
     the compiled kernel (`ValueError` naming `token_ids` outside [0, 2**32)); None for anything
     else or without the kernel (then convert with numpy)."""
-    ext = _ext if _ext is not None else _loaded_ext()
+    ext = loaded()
     return None if ext is None else ext.token_bytes(tokens)
 
 
@@ -209,154 +190,3 @@ def codec_decode(payload: torch.Tensor, out: torch.Tensor, codec: str, *,
         return False
     check_result(ext.codec_decode(payload, out, codec, simd))
     return True
-
-
-def prepare() -> str:
-    """Load the compiled kernels now, compiling them if this environment has none (seconds,
-    once per environment; logged with its duration). Call it before serving: the copies
-    themselves never compile. Idempotent and thread-safe; returns `kernel_name()`.
-
-    Raises:
-        ConfigError: `KVTIER_KERNEL=cpp` and the kernels cannot be built or loaded.
-    """
-    global _ext, _ext_error, _probed
-    choice = _choice()
-    if choice != "torch":
-        with _prepare_lock:
-            if _ext is None and _ext_error is None:
-                from kvtier.kernels import build
-
-                start = time.monotonic()
-                try:
-                    _ext = build.load(compile=True)
-                except Exception as exc:  # no compiler, no headers, ...: the reference works
-                    _ext_error = _summary(exc)
-                _probed = True
-                if _ext is not None:
-                    logger.info("kvtier: C++ copy kernel ready in %.3fs",
-                                time.monotonic() - start)
-    if choice == "cpp" and _ext is None:
-        raise ConfigError(f"KVTIER_KERNEL=cpp but the C++ kernel cannot be built or loaded: "
-                          f"{_ext_error}")
-    if _ext is None and choice != "torch":
-        _log_once(_fallback_reason())
-    return kernel_name()
-
-
-def kernel_name() -> str:
-    """The implementation `gather`/`scatter` use now for GPU pools if a GPU is present, else
-    for CPU pools: "cuda", "cpp" or "torch" (never compiles; see `prepare`)."""
-    return kernel_status()[0]
-
-
-def kernel_status() -> tuple[str, str | None]:
-    """`kernel_name()` and, for "torch", why the compiled kernel is not used (None otherwise).
-    Logs nothing: for a caller that shows the reason itself (`kvtier info`)."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    ext, reason = _select(device)
-    if ext is None:
-        return "torch", reason
-    return "cuda" if device.type == "cuda" else "cpp", None
-
-
-def reference_gather(
-    layers: Sequence[torch.Tensor], slots: torch.Tensor, out: torch.Tensor
-) -> None:
-    """The PyTorch reference of `gather` (no argument checks: call `gather` for those)."""
-    for layer, dst in zip(layers, out, strict=True):
-        torch.index_select(_copyable(layer), 0, slots, out=_copyable(dst))
-
-
-def reference_scatter(
-    src: torch.Tensor, slots: torch.Tensor, layers: Sequence[torch.Tensor]
-) -> None:
-    """The PyTorch reference of `scatter` (no argument checks: call `scatter` for those)."""
-    keep = slots != SKIP_SLOT
-    if not bool(keep.all()):
-        # Rare (a partially loaded chunk): pay for one compacted copy of src.
-        slots, src = slots[keep], src[:, keep]
-    for layer, rows in zip(layers, src, strict=True):
-        _copyable(layer).index_copy_(0, slots, _copyable(rows))
-
-
-def _copyable(t: torch.Tensor) -> torch.Tensor:
-    # Index ops have no kernels for some 1-byte dtypes (fp8); a copy does not care about the
-    # dtype, so view those as bytes. Wider dtypes stay as they are: their kernels are faster.
-    return t if t.element_size() > 1 else t.view(torch.uint8)
-
-
-def _choice() -> str:
-    choice = os.environ.get("KVTIER_KERNEL", "auto")
-    if choice not in ("auto", "cpp", "torch"):
-        raise ConfigError(f"environment KVTIER_KERNEL must be 'auto', 'cpp' or 'torch', got "
-                          f"{choice!r}")
-    return choice
-
-
-def _kernel(device: torch.device) -> ModuleType | None:
-    """The compiled extension if it should serve tensors on `device`, else None (reference,
-    its reason logged once)."""
-    ext, reason = _select(device)
-    if reason is not None:
-        _log_once(reason)
-    return ext
-
-
-def _select(device: torch.device) -> tuple[ModuleType | None, str | None]:
-    """The compiled extension for tensors on `device`, or None and why not."""
-    choice = _choice()
-    if choice == "torch":
-        return None, "KVTIER_KERNEL=torch: using the PyTorch reference for gather/scatter"
-    ext = _loaded_ext()
-    if ext is None:
-        if choice == "cpp":
-            raise ConfigError(f"KVTIER_KERNEL=cpp but the C++ kernel is not loaded: "
-                              f"{_ext_error or 'call kvtier.kernels.ops.prepare() first'}")
-        return None, _fallback_reason()
-    if device.type == "cuda" and not ext.WITH_CUDA:
-        return None, "the compiled kernels have no CUDA: using the PyTorch reference on GPU"
-    if device.type not in ("cpu", "cuda"):
-        return None, f"no kvtier kernel for {device.type} tensors; using the PyTorch reference"
-    return ext, None
-
-
-def _loaded_ext() -> ModuleType | None:
-    """The kernels if loaded, or already built and loadable now; never compiles (this runs on
-    serving threads, where a compile would stall every request for seconds)."""
-    global _ext, _ext_error, _probed
-    if _ext is None and not _probed:
-        from kvtier.kernels import build
-
-        # Never wait here for a `prepare()` compiling on another thread: use the reference
-        # until it is done.
-        if not _prepare_lock.acquire(blocking=False):
-            return None
-        try:
-            if not _probed:
-                try:
-                    _ext = build.load(compile=False)
-                except Exception as exc:  # a broken build: the reference still works
-                    _ext_error = _summary(exc)
-                _probed = True
-        finally:
-            _prepare_lock.release()
-    return _ext
-
-
-def _fallback_reason() -> str:
-    if _ext_error is not None:
-        return (f"the C++ copy kernel is not available ({_ext_error}); using the PyTorch "
-                f"reference (slower)")
-    return ("the C++ copy kernel is not built yet (copies never compile it); using the PyTorch "
-            "reference (slower) until kvtier.kernels.ops.prepare() runs")
-
-
-def _summary(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[-1][:300]}" if text else type(exc).__name__
-
-
-def _log_once(reason: str) -> None:
-    if reason not in _logged:
-        _logged.add(reason)
-        logger.warning("%s", reason)
