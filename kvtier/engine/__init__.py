@@ -19,8 +19,9 @@ from __future__ import annotations
 
 from kvtier.engine.cache import CacheEngine, Prefetch, TokenIds
 from kvtier.engine.pages import PageStore
+from kvtier.engine.prefix import Prefix
 from kvtier.engine.tiers import TierControl
 from kvtier.storage.backlog import WriteBacklog, WriteLoss
 
-__all__ = ["CacheEngine", "PageStore", "Prefetch", "TierControl", "TokenIds", "WriteBacklog",
-           "WriteLoss"]
+__all__ = ["CacheEngine", "PageStore", "Prefetch", "Prefix", "TierControl", "TokenIds",
+           "WriteBacklog", "WriteLoss"]

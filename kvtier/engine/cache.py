@@ -14,6 +14,7 @@ from kvtier.connectors.base import KVConnector
 from kvtier.engine.hints import Hints, cut, retain_name
 from kvtier.engine.loading import PrefixLoader
 from kvtier.engine.prefill import EnginePrefill
+from kvtier.engine.prefix import Prefix
 from kvtier.engine.rows import limit_of
 from kvtier.engine.saving import PrefixSaver
 from kvtier.engine.tiers import TierControl
@@ -31,8 +32,9 @@ if TYPE_CHECKING:
     from kvtier.connectors.streams import DeviceCopies
     from kvtier.engine.segments import SegmentStore
 
-# `Prefetch`: the handle `start_prefetch` returns, named here so callers need only this module.
-__all__ = ["CacheEngine", "Prefetch", "TokenIds"]
+# `Prefetch`: the handle `start_prefetch` returns, `Prefix` the one every call takes, named
+# here so callers need only this module.
+__all__ = ["CacheEngine", "Prefetch", "Prefix", "TokenIds"]
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +126,13 @@ class CacheEngine:
         self.sampling_key = sampling_key()  # secret: clients set request ids (verify.sampled)
         self._closed = False
 
-    def store(self, token_ids: TokenIds, slot_mapping: torch.Tensor, *,
+    def prefix(self, token_ids: TokenIds, salt: str = "") -> Prefix:
+        """The handle of `token_ids` under `salt` (a per-request salt, e.g. SGLang's
+        `cache_salt`: see `chunk_keys`) that `lookup`, `start_prefetch`, `retrieve`, `store`
+        and `verify` take in place of token ids: its keys are hashed once, at first use."""
+        return Prefix(token_ids, salt, self.keys)
+
+    def store(self, token_ids: TokenIds | Prefix, slot_mapping: torch.Tensor, *,
               session_id: str | None = None, on_read: Callable[[], None] | None = None,
               salt: str = "", also_prefix: int | None = None,
               ready: torch.cuda.Event | None = None, known: int = 0,
@@ -142,11 +150,15 @@ class CacheEngine:
         the KV (None: what the caller's current stream holds now). `known`: the leading tokens
         found in the tiers at admission; without a CPU tier to skip them by (`local_cpu:
         false`), their whole chunks are not stored again (writers keep a chunk's predecessors).
-        `hints`: what is retained, and never stored (`kvtier.engine.hints`).
+        `hints`: what is retained, and never stored (`kvtier.engine.hints`). `token_ids` may
+        be a `Prefix` (then without `salt`: it carries its own).
         """
-        token_ids, slot_mapping, also_prefix = cut(hints, token_ids, slot_mapping, also_prefix)
-        keys, slots, lowest = self._prepare(token_ids, slot_mapping,
-                                            self.keys.keys(token_ids, salt) if salt else None)
+        prefix = self._handle(token_ids, salt)
+        token_ids, slot_mapping, also_prefix = cut(hints, prefix.token_ids, slot_mapping,
+                                                   also_prefix)
+        prefix = prefix.cut(len(token_ids))
+        salt = prefix.salt
+        keys, slots, lowest = self._prepare(token_ids, slot_mapping, prefix.keys)
         if not self._stores or self._closed or not keys:
             if on_read is not None:
                 on_read()
@@ -166,7 +178,7 @@ class CacheEngine:
             self.storage.sessions.retain(retain_name(keys), keys, retain)
         return stored
 
-    def verify(self, token_ids: TokenIds, slot_mapping: torch.Tensor, *, start: int = 0,
+    def verify(self, token_ids: TokenIds | Prefix, slot_mapping: torch.Tensor, *, start: int = 0,
                loaded: bool = False, session_id: str | None = None,
                on_read: Callable[[], None] | None = None, salt: str = "",
                also_prefix: int | None = None, ready: torch.cuda.Event | None = None,
@@ -175,17 +187,19 @@ class CacheEngine:
         chunks from the one holding token `start` on (what the request computed): a chunk over
         `verify.TOLERANCE` is counted, logged and removed from its tier with the chunks after it;
         the store writes the fresh KV. `loaded` (scope tail): the tokens before `start` came from
-        the tiers; if that prefix is `verify.suspect`, all chunks leave every tier, none stored."""
-        _, slots, _ = self._prepare(token_ids, slot_mapping)
-        keys = self.key_chain(token_ids, salt)
+        the tiers; if that prefix is `verify.suspect`, all chunks leave every tier, none stored.
+        `token_ids` may be a `Prefix` (then without `salt`)."""
+        prefix = self._handle(token_ids, salt)
+        _, slots, _ = self._prepare(prefix.token_ids, slot_mapping, prefix.keys)
+        keys = prefix.chain
         verdicts = [] if self._closed else shadow_check(
             self.storage, keys, start, lambda todo: self._saver.fill(todo, slots, ready))
         if loaded and suspect(self.storage, keys, start, verdicts):
             if on_read is not None:  # nothing of the request is stored
                 on_read()
             return Verification(0, verdicts, purge(self.storage, keys))
-        stored = self.store(token_ids, slot_mapping, session_id=session_id, on_read=on_read,
-                            salt=salt, also_prefix=also_prefix, ready=ready, hints=hints)
+        stored = self.store(prefix, slot_mapping, session_id=session_id, on_read=on_read,
+                            also_prefix=also_prefix, ready=ready, hints=hints)
         return Verification(stored, verdicts)
 
     def verifies(self, request_id: str, scope: str | None = None) -> bool:
@@ -193,7 +207,7 @@ class CacheEngine:
         return (scope is None or scope == self.verify_scope) and \
             sampled(request_id, self.verify_fraction, self.sampling_key)
 
-    def retrieve(self, token_ids: TokenIds, slot_mapping: torch.Tensor, skip: int = 0, *,
+    def retrieve(self, token_ids: TokenIds | Prefix, slot_mapping: torch.Tensor, skip: int = 0, *,
                  hot_only: bool = False, session_id: str | None = None,
                  keys: Sequence[ChunkKey] | None = None, salt: str = "",
                  limit: int | None = None) -> int:
@@ -207,10 +221,11 @@ class CacheEngine:
         carries its salt, so `salt` is not given with it; a plain list of keys finds no
         tails). `limit`: load at most this many leading tokens; the
         tokens after it still name the chunks, so a chunk the limit cuts is loaded in part.
-        Returns the number of leading tokens now in the pool (at least `skip`).
+        Returns the number of leading tokens now in the pool (at least `skip`). `token_ids`
+        may be a `Prefix` (then without `keys` or `salt`: it carries its chain).
         """
-        keys, slots, _ = self._prepare(token_ids, slot_mapping,
-                                       self._chain(token_ids, keys, salt))
+        token_ids, chain = self._named(token_ids, keys, salt)
+        keys, slots, _ = self._prepare(token_ids, slot_mapping, chain)
         if not isinstance(skip, int) or not 0 <= skip <= slots.numel():
             raise ValueError(f"skip must be an int in [0, {slots.numel()}], got {skip!r}")
         limit = limit_of(limit, slots.numel())
@@ -226,13 +241,13 @@ class CacheEngine:
         self.storage.counters.inc("tokens_requested", limit - skip)
         return loaded
 
-    def lookup(self, token_ids: TokenIds, *, hot_only: bool = False,
+    def lookup(self, token_ids: TokenIds | Prefix, *, hot_only: bool = False,
                keys: Sequence[ChunkKey] | None = None, salt: str = "",
                limit: int | None = None) -> int:
         """How many leading tokens of `token_ids` (at most `limit`) some tier (only the CPU
         tier with `hot_only`) could load, to the end of the longest stored tail; no data
-        moves. `keys`, `salt`, `limit`: as in `retrieve`."""
-        keys = self._chain(token_ids, keys, salt)
+        moves. `token_ids` (or a `Prefix`), `keys`, `salt`, `limit`: as in `retrieve`."""
+        token_ids, keys = self._named(token_ids, keys, salt)
         if self._closed:
             return 0
         limit = limit_of(limit, len(token_ids))
@@ -242,26 +257,28 @@ class CacheEngine:
         tail = self._loader.tail(keys, end, limit, hot_only=hot_only)
         return min(limit, tail[0].end if tail else end)
 
-    def start_prefetch(self, token_ids: TokenIds, *, keys: Sequence[ChunkKey] | None = None,
+    def start_prefetch(self, token_ids: TokenIds | Prefix, *,
+                       keys: Sequence[ChunkKey] | None = None,
                        salt: str = "", limit: int | None = None) -> Prefetch:
         """Start moving the lower-tier chunks of `token_ids`, and the longest tail after them,
         into CPU memory in the background and return at once; poll the handle's `ready()`
         (per `prefetch_policy`) or wait on it, and `cancel()` it when the request goes away.
         When the CPU tier holds all of it, the handle is done at once, with no keys.
-        See `StorageManager.start_prefetch`. `keys`, `salt`, `limit`: as in `retrieve`."""
+        See `StorageManager.start_prefetch`. `token_ids` (or a `Prefix`), `keys`, `salt`,
+        `limit`: as in `retrieve`."""
         if self._closed:
             return self.storage.start_prefetch([])
-        keys = self._chain(token_ids, keys, salt)
+        token_ids, keys = self._named(token_ids, keys, salt)
         limit = limit_of(limit, len(token_ids))
         if self.lookup(token_ids, hot_only=True, keys=keys, limit=limit) >= limit:
             return self.storage.start_prefetch([])  # all in the CPU tier: nothing to load
         return self.storage.start_prefetch(keys.upto(limit) if isinstance(keys, KeyChain)
                                            else [k for k in keys if k.start < limit])
 
-    def prefetch(self, token_ids: TokenIds) -> Prefetch:
-        """Move lower-tier chunks of `token_ids` into CPU memory, waiting as `prefetch_policy`
-        says (`best_effort`: not at all)."""
-        return self.storage.prefetch([] if self._closed else self.key_chain(token_ids))
+    def prefetch(self, token_ids: TokenIds | Prefix) -> Prefetch:
+        """Move lower-tier chunks of `token_ids` (or a `Prefix`) into CPU memory, waiting as
+        `prefetch_policy` says (`best_effort`: not at all)."""
+        return self.storage.prefetch([] if self._closed else self._named(token_ids, None, "")[1])
 
     def release_session(self, session_id: str) -> bool:
         """Unpin the chunks `store(..., session_id=)` pinned (logged with the session's tag,
@@ -320,12 +337,25 @@ class CacheEngine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _chain(self, token_ids: TokenIds, keys: Sequence[ChunkKey] | None,
-               salt: str) -> Sequence[ChunkKey]:
-        """`keys` as given (a chain carries its salt), else `token_ids`' chain under `salt`."""
+    def _handle(self, token_ids: TokenIds | Prefix, salt: str) -> Prefix:
+        """`token_ids` as a `Prefix` (given, or made under `salt`)."""
+        if not isinstance(token_ids, Prefix):
+            return self.prefix(token_ids, salt)
+        if salt:
+            raise ValueError("salt: a Prefix carries its own; give it to prefix(), not here")
+        return token_ids
+
+    def _named(self, token_ids: TokenIds | Prefix, keys: Sequence[ChunkKey] | None,
+               salt: str) -> tuple[TokenIds, Sequence[ChunkKey]]:
+        """The tokens and the chain a load walks: a `Prefix`'s own, else `keys` as given (a
+        chain carries its salt), else `token_ids`' chain under `salt`."""
+        if isinstance(token_ids, Prefix):
+            if keys is not None:
+                raise ValueError("keys: a Prefix carries its own chain; give one or the other")
+            return self._handle(token_ids, salt).token_ids, token_ids.chain
         if keys is not None and salt:
             raise ValueError("salt: give it to key_chain(token_ids, salt), not beside keys=")
-        return self.key_chain(token_ids, salt) if keys is None else keys
+        return token_ids, self.key_chain(token_ids, salt) if keys is None else keys
 
     def _prepare(self, token_ids: TokenIds, slot_mapping: torch.Tensor,
                  keys: Sequence[ChunkKey] | None = None,

@@ -71,7 +71,7 @@ def test_without_a_cpu_tier_loads_run_off_the_scheduler_thread(tmp_path: Path) -
         scheduler = threading.current_thread().name
         assert kv.lookup("req", tokens.numpy()) == 0  # nothing staged yet: no tier asked
         kv.start_prefetch("req", tokens.numpy())
-        prefetch = kv._prefetches["req"]
+        prefetch = kv.requests.get("req").prefetch
         assert prefetch.wait_done(HANG_BOUND_S)
         assert kv.prefetch_ready("req")
         assert kv.lookup("req", tokens.numpy()) == TOKENS
@@ -120,7 +120,7 @@ def test_without_a_cpu_tier_a_hits_store_queues_only_what_it_did_not_find(
     counters = engine.storage.counters
     try:
         kv.start_prefetch("req", tokens.numpy())  # staged from the disk, as SGLang admits
-        assert kv._prefetches["req"].wait_done(HANG_BOUND_S) and kv.prefetch_ready("req")
+        assert kv.requests.get("req").prefetch.wait_done(HANG_BOUND_S) and kv.prefetch_ready("req")
         assert kv.retrieve("req", tokens.numpy(), slots, 0) == found
         job_slots = slots.clone()
         assert kv.submit_store(tokens.numpy(), job_slots, "handle", rid="req")

@@ -7,8 +7,10 @@ to load and store and hands over token ids and pool slots.
 Loads from disk or Redis never run on the scheduler thread: a request's prefetch moves them into
 the CPU tier in the background while SGLang keeps the request waiting (per `prefetch_policy`).
 What the CPU tier holds is reported to SGLang as a host hit, and copied into the pool only when
-SGLang admits the request (`init_load_back`), at memory speed, once. A request's chunk keys are
-hashed once (at its prefetch) and reused by every later match and by its load.
+SGLang admits the request (`init_load_back`), at memory speed, once. What kvtier knows of a
+request (its prefix and key chain, hashed once at its first match, its prefetch, its promise,
+its verification cut) is one `request_state.RequestState`, kept in `requests` until it finishes
+or goes away.
 
 Stores run on one background thread (`stores.StoreWorker`); the slots a store reads stay pinned
 by the caller's tree lock until the store has read them, never longer.
@@ -29,7 +31,7 @@ import torch
 from kvtier import prometheus
 from kvtier.config import Config
 from kvtier.connectors import KVConnector, SGLangMHAConnector, SGLangMLAConnector
-from kvtier.engine import CacheEngine, Prefetch
+from kvtier.engine import CacheEngine, Prefix
 from kvtier.engine.hints import Hints
 from kvtier.engine.verify import agreed_sampling_key
 from kvtier.errors import ConfigError
@@ -38,15 +40,14 @@ from kvtier.integration.sglang.blending.blender import BLEND_COUNTERS
 from kvtier.integration.sglang.boundary.sglang_views import MHAPoolView, MLAPoolView, Opaque
 from kvtier.integration.sglang.launch.preflight import page_size_problem
 from kvtier.integration.sglang.rank.budget import SchedulerBudget
+from kvtier.integration.sglang.rank.request_state import RequestTable, VerifyCut
 from kvtier.integration.sglang.rank.stores import StoreJob, StoreWorker
-from kvtier.keys import ChunkKey, KeyChain
 from kvtier.metrics import Counters
 
 __all__ = ["SGLangKVTier", "StoreJob", "build_connector", "check_page_size"]
 
 logger = logging.getLogger(__name__)
 
-MAX_CACHED_KEYS = 4096  # requests whose chunk keys are kept between match and load
 # The scheduler asks whether a new request may be admitted in the same step its prefetch
 # started; a miss (nothing on disk or in Redis) resolves in about a millisecond, so waiting this
 # long once saves a scheduler step (a forward pass); longer loads wait per `prefetch_policy`.
@@ -105,16 +106,8 @@ class SGLangKVTier:
             *BLEND_COUNTERS)))
         self.budget = SchedulerBudget(self.counters)
         self._closed_sessions: set[str] = set()  # a store finishing late must not re-pin
-        # request id -> its prefetch; registered on every rank alike (scheduler thread)
-        self._prefetches: dict[str, Prefetch] = {}
-        self._checked: set[str] = set()  # requests whose prefetch was asked about once
-        self._keys: dict[str, KeyChain] = {}  # request id -> its key chain
-        # Verified requests -> (the token their comparison starts at, whether the tokens
-        # before it were loaded from the tiers: `verify_scope: tail`).
-        self._shadowed: dict[str, tuple[int, bool]] = {}
-        # Request id -> the leading tokens its admission load found in the tiers (its store
-        # need not write them again where no CPU tier can tell).
-        self._found: dict[str, int] = {}
+        # every request kvtier was asked about, alike on every rank (scheduler thread)
+        self.requests = RequestTable()
         self._exported = _AdapterStats(self.counters)
         prometheus.register(self._exported)  # the engine's own stats are exported by storage
         self.stores = StoreWorker(self._store, self.counters)
@@ -128,21 +121,18 @@ class SGLangKVTier:
         end = self.engine.keys.num_keyed_tokens(num_tokens)
         return end - end % self.page_size
 
-    def chunk_keys(self, rid: str | None, token_ids: np.ndarray,
-                   salt: str = "") -> list[ChunkKey]:
-        """The key chain of `token_ids` (whole chunks, and the tails after them) with the
-        request's `salt` (its `cache_salt`), hashed once per request `rid`: a later call about
-        a prefix of the same tokens gets the same chain (callers pass a `limit`)."""
-        cached = self._keys.get(rid) if rid is not None else None
-        if cached is not None and cached.num_tokens >= len(token_ids) and (
-                cached.has_tails or cached.num_tokens == len(token_ids)):
-            return cached
-        keys = self.engine.key_chain(token_ids, salt)
-        if rid is not None:
-            if len(self._keys) >= MAX_CACHED_KEYS:
-                self._keys.clear()  # requests that never came back; cheap to rebuild
-            self._keys[rid] = keys
-        return keys
+    def prefix(self, rid: str | None, token_ids: np.ndarray, salt: str = "") -> Prefix:
+        """`token_ids` with the request's `salt` (its `cache_salt`) as the engine's `Prefix`,
+        its key chain hashed once per request `rid`: a later call about a prefix of the same
+        tokens shares it (callers pass a `limit`)."""
+        state = self.requests.open(rid) if rid is not None else None
+        cached = state.prefix if state is not None else None
+        if cached is not None and cached.salt == salt and cached.covers(token_ids):
+            return cached.reuse(token_ids)
+        prefix = self.engine.prefix(token_ids, salt)
+        if state is not None:
+            state.prefix = prefix
+        return prefix
 
     def shadowed(self, rid: str, device_len: int) -> bool:
         """Whether request `rid` is verified in full (`verify_fraction`, `verify_scope: full`;
@@ -150,7 +140,7 @@ class SGLangKVTier:
         computed past `device_len` with the tiers' records (`CacheEngine.verify`)."""
         if self._closed or not self.engine.verifies(rid, "full"):
             return False
-        self._shadow(rid, device_len, loaded=False)
+        self.requests.open(rid).verify = VerifyCut(device_len, False)
         return True
 
     def shadow_tail(self, rid: str, device_len: int, hit: int) -> int:
@@ -162,44 +152,39 @@ class SGLangKVTier:
             return hit
         full_end = hit - hit % self.chunk_size  # chunks are whole pages: so is the cut
         cut = max(full_end - self.chunk_size, device_len)
-        self._shadow(rid, cut, loaded=cut > device_len)
+        self.requests.open(rid).verify = VerifyCut(cut, cut > device_len)
         return cut
-
-    def _shadow(self, rid: str, start: int, *, loaded: bool) -> None:
-        if len(self._shadowed) >= MAX_CACHED_KEYS:
-            self._shadowed.clear()  # requests that never came back
-        self._shadowed[rid] = (start, loaded)
 
     def verifying(self, rid: str) -> bool:
         """Whether request `rid` is computed to verify the tiers (`shadowed`, `shadow_tail`)."""
-        return rid in self._shadowed
+        state = self.requests.get(rid)
+        return state is not None and state.verify is not None
 
-    def forget(self, rid: str) -> None:
-        """Request `rid` was loaded, finished or aborted: drop its cached keys."""
-        self._keys.pop(rid, None)
+    def loaded(self, rid: str) -> None:
+        """Request `rid`'s admission loaded what it will: its key chain is no longer needed
+        (its store hashes what it stores)."""
+        state = self.requests.get(rid)
+        if state is not None:
+            state.prefix = None
 
     def lookup(self, rid: str | None, token_ids: np.ndarray, salt: str = "", *,
                limit: int | None = None) -> int:
         """Leading tokens of `token_ids` (at most `limit`) every rank can load now, in whole
         pages (metadata only: what the CPU tier holds; lower tiers load in the background).
         Tokens past `limit` still name the chunks: a chunk the limit cuts loads in part."""
-        keys = self.chunk_keys(rid, token_ids, salt)
-        hit = self.engine.lookup(token_ids, hot_only=True, keys=keys, limit=limit)
+        hit = self.engine.lookup(self.prefix(rid, token_ids, salt), hot_only=True, limit=limit)
         return self.agree_min(hit - hit % self.page_size)
 
     def retrieve(self, rid: str | None, token_ids: np.ndarray, slots: torch.Tensor,
                  skip: int, salt: str = "", *, limit: int | None = None) -> int:
         """Scatter cached KV into `slots` past `skip` (at most `limit` tokens); returns the
         leading tokens now valid on every rank, in whole pages (at least `skip`)."""
-        keys = self.chunk_keys(rid, token_ids, salt)
-        got = self.engine.retrieve(token_ids, slots, skip=skip, hot_only=True,
-                                   keys=keys, limit=limit)
+        got = self.engine.retrieve(self.prefix(rid, token_ids, salt), slots, skip=skip,
+                                   hot_only=True, limit=limit)
         got = max(self.agree_min(got - got % self.page_size), skip)
         if got > skip:
             if rid is not None:
-                if len(self._found) >= MAX_CACHED_KEYS:
-                    self._found.clear()  # requests that never stored
-                self._found[rid] = got
+                self.requests.open(rid).found = got
             self.counters.inc("sglang.loads")
             self.counters.inc("sglang.tokens_loaded", got - skip)
         else:
@@ -210,18 +195,19 @@ class SGLangKVTier:
 
     def start_prefetch(self, rid: str, token_ids: np.ndarray, salt: str = "") -> None:
         """Start loading `token_ids`' lower-tier chunks into the CPU tier for request `rid`."""
-        if self._closed or rid in self._prefetches or self.engine.verifies(rid, "full"):
+        state = self.requests.get(rid)
+        if self._closed or (state is not None and state.prefetch is not None) \
+                or self.engine.verifies(rid, "full"):
             return  # it loads nothing: it is computed, then compared
         end = self.loadable_end(len(token_ids))
         if end == 0:
             return
         # The request's match (just before) hashed its whole prompt: the chunk that holds the
         # last prompt token is loaded too, for all but that token.
-        keys = self.chunk_keys(rid, token_ids, salt)
-        prefetch = self.engine.start_prefetch(token_ids, keys=keys, limit=end)
+        prefetch = self.engine.start_prefetch(self.prefix(rid, token_ids, salt), limit=end)
         # Registered on every rank, done or not: `prefetch_ready` agrees across ranks, so one
         # rank whose CPU tier held it all (a done handle, nothing to load) waits for the rest.
-        self._prefetches[rid] = prefetch
+        self.requests.open(rid).prefetch = prefetch
         self.counters.inc("sglang.prefetches" if prefetch.keys else "sglang.prefetches_skipped_hot")
 
     def prefetch_ready(self, rid: str) -> bool:
@@ -230,29 +216,28 @@ class SGLangKVTier:
         Once ready, the prefetch is stopped (what arrived stays in the CPU tier, where the
         admission's load finds it) and forgotten.
         """
-        prefetch = self._prefetches.get(rid)
-        if prefetch is None:
+        state = self.requests.get(rid)
+        prefetch = state.prefetch if state is not None else None
+        if state is None or prefetch is None:
             return True
-        if rid not in self._checked:
-            self._checked.add(rid)
+        if not state.checked:
+            state.checked = True
             prefetch.wait_ready(FIRST_CHECK_WAIT_S)
         # One rank's load may finish later: admit only when every rank is ready.
         if not self.agree_min(int(prefetch.ready())):
             self.counters.inc("sglang.prefetch_waits")
             return False
-        del self._prefetches[rid]
-        self._checked.discard(rid)
+        state.prefetch = None
+        state.checked = False
         prefetch.cancel()
         prometheus.observe_hit("gate", time.monotonic() - prefetch.started)
         return True
 
     def cancel_prefetch(self, rid: str) -> None:
-        """Request `rid` went away: stop its load and drop the chunks only it brought in."""
-        self.forget(rid)
-        self._checked.discard(rid)
-        self._shadowed.pop(rid, None)
-        self._found.pop(rid, None)
-        prefetch = self._prefetches.pop(rid, None)
+        """Request `rid` went away: forget it, stop its load and drop the chunks only it
+        brought in."""
+        state = self.requests.forget(rid)
+        prefetch = state.prefetch if state is not None else None
         if prefetch is None:
             return
         prefetch.cancel(drop=True)
@@ -273,7 +258,7 @@ class SGLangKVTier:
         self.engine.prefill.observe(tokens, seconds, prompt_len)
 
     def pending_prefetches(self) -> int:
-        return len(self._prefetches)
+        return self.requests.prefetching()
 
     def pending_stores(self) -> int:
         return self.stores.pending()
@@ -306,12 +291,14 @@ class SGLangKVTier:
         if slots.device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record()
-        shadow = self._shadowed.pop(rid, None) if rid is not None else None
-        known = self._found.pop(rid, 0) if rid is not None else 0
+        # the request is done: its store is the last thing kvtier does for it
+        state = self.requests.forget(rid) if rid is not None else None
+        shadow = state.verify if state is not None else None
+        known = state.found if state is not None else 0
         return self.stores.submit(StoreJob(
             token_ids, slots, handle, ready, session_id, salt=salt, prompt_len=prompt_len,
-            verify_from=None if shadow is None else shadow[0],
-            verify_loaded=shadow is not None and shadow[1], known=known, hints=hints))
+            verify_from=None if shadow is None else shadow.start,
+            verify_loaded=shadow is not None and shadow.loaded, known=known, hints=hints))
 
     def poll_done(self) -> list[StoreJob]:
         """Stores whose slots are free, whose handles the caller may now release (scheduler
@@ -380,9 +367,8 @@ class SGLangKVTier:
         if self._closed:
             return
         self._closed = True
-        for prefetch in self._prefetches.values():
+        for prefetch in self.requests.take_prefetches():
             prefetch.cancel()
-        self._prefetches.clear()
         self.attachments.close()
         self.stores.close(self.engine.config.blocking_timeout_secs)
         logger.info("kvtier: closing; %s", self.counters.snapshot())

@@ -65,6 +65,7 @@ from kvtier.integration.sglang.boundary.sglang_views import (
 )
 from kvtier.integration.sglang.rank.adapter import SGLangKVTier
 from kvtier.integration.sglang.rank.prefetch_hooks import StoragePrefetchHooks
+from kvtier.integration.sglang.rank.request_state import Loaded, Promise
 from kvtier.integration.sglang.rank.requests import (
     full_ids,
     hints_of,
@@ -94,13 +95,7 @@ class KVTierRadixCache(StoragePrefetchHooks, BlendHooks, UnifiedRadixCache):
 
     def attach_kvtier(self, kvtier: SGLangKVTier) -> None:
         """Connect the kvtier engine (once, right after construction)."""
-        self.kvtier = kvtier
-        # request id -> (key, device tokens, end, segments to blend or None for a prefix
-        # load) that match_prefix reported as a host hit
-        self._promised: dict[str, tuple[RadixKeyView, int, int, SegmentHits | None]] = {}
-        # request id -> (end of what init_load_back loaded, tokens of it a blend computed),
-        # until the request's prefill runs
-        self._loaded: dict[str, tuple[int, int]] = {}
+        self.kvtier = kvtier  # its `requests` hold each request's promise and load
 
     def publish_tier_events(self, events: TierEvents) -> None:
         """Publish kvtier's tier changes beside the device's KV events (`--kv-events-config`;
@@ -140,7 +135,8 @@ class KVTierRadixCache(StoragePrefetchHooks, BlendHooks, UnifiedRadixCache):
             hit = self._host_hit(req, params.key, result.device_prefix_len)
             hits = self._blend_hit(req, params.key, result.device_prefix_len, hit)
             if hits is not None:  # a blend gives more: promised instead of the prefix load
-                self._promised[req.rid] = (params.key, result.device_prefix_len, hits.end, hits)
+                kv.requests.open(req.rid).promise = Promise(
+                    params.key, result.device_prefix_len, hits.end, hits)
                 hit = hits.end - result.device_prefix_len
             if hit > 0:
                 call.work = f"CPU-tier hit of {hit} tokens"
@@ -158,7 +154,7 @@ class KVTierRadixCache(StoragePrefetchHooks, BlendHooks, UnifiedRadixCache):
         kv = self.kvtier
         assert kv is not None
         rid = req.rid
-        self._promised.pop(rid, None)
+        kv.requests.open(rid).promise = None
         end = kv.loadable_end(len(key))
         if end <= device_len or kv.shadowed(rid, device_len):  # verified: computed, compared
             return 0
@@ -171,7 +167,7 @@ class KVTierRadixCache(StoragePrefetchHooks, BlendHooks, UnifiedRadixCache):
         hit = kv.shadow_tail(rid, device_len, hit)  # verified by its last chunk: computed
         if hit <= device_len:
             return 0
-        self._promised[rid] = (key, device_len, hit, None)
+        kv.requests.open(rid).promise = Promise(key, device_len, hit, None)
         return hit - device_len
 
     def init_load_back(self, params: InitLoadBackParamsView) -> tuple[int, Opaque] | None:
@@ -183,9 +179,12 @@ class KVTierRadixCache(StoragePrefetchHooks, BlendHooks, UnifiedRadixCache):
         if kv is None or req is None:
             return 0, getattr(req, "last_node", None)
         with kv.budget.timed("init_load_back", req.rid) as call:
-            promise = self._promised.pop(req.rid, None)
-            if promise is None or promise[1] != req.prefix_len \
-                    or promise[2] - promise[1] != params.host_hit_length:
+            state = kv.requests.get(req.rid)
+            promise = None if state is None else state.promise
+            if state is not None:
+                state.promise = None
+            if state is None or promise is None or promise.device_len != req.prefix_len \
+                    or promise.end - promise.device_len != params.host_hit_length:
                 kv.counters.inc("sglang.loads_short")
                 return 0, req.last_node
             key, device_len, end, hits = promise
@@ -195,8 +194,8 @@ class KVTierRadixCache(StoragePrefetchHooks, BlendHooks, UnifiedRadixCache):
                 return 0, req.last_node
             node, kept = loaded
             computed = 0 if hits is None else self._report_blend(req, end - device_len, kept)
-            self._loaded[req.rid] = (end, computed)
-            kv.forget(req.rid)
+            state.loaded = Loaded(end, computed)
+            kv.loaded(req.rid)
             return end - device_len, node
 
     def _load(self, req: ReqView, key: RadixKeyView, device_len: int, end: int,
@@ -262,9 +261,11 @@ class KVTierRadixCache(StoragePrefetchHooks, BlendHooks, UnifiedRadixCache):
         """A request matched again after its load: count the load as discarded if the loaded
         tokens left the device before the request used them (and take back what a blend told
         SGLang: the request is admitted anew)."""
-        loaded = self._loaded.pop(req.rid, None)
-        if loaded is None:
+        state = self.kvtier.requests.get(req.rid) if self.kvtier is not None else None
+        loaded = None if state is None else state.loaded
+        if state is None or loaded is None:
             return
+        state.loaded = None
         end, computed = loaded
         if computed:
             self._unreport_blend(req, computed)
@@ -290,12 +291,10 @@ class KVTierRadixCache(StoragePrefetchHooks, BlendHooks, UnifiedRadixCache):
         if kv is None:
             return
         with kv.budget.timed("release_aborted_request", request.rid):
-            self._promised.pop(request.rid, None)
-            self._loaded.pop(request.rid, None)
             if self.blender is not None:
                 self.blender.forget(request.rid)
                 self.blender.cancel_prefetch(request.rid)
-            kv.cancel_prefetch(request.rid)
+            kv.cancel_prefetch(request.rid)  # forgets its promise and load too
         logger.info("kvtier: request %s aborted; the tree protects %d tokens", request.rid,
                     self.protected_size())
 
@@ -307,13 +306,15 @@ class KVTierRadixCache(StoragePrefetchHooks, BlendHooks, UnifiedRadixCache):
             return super().checkpoint(req, up_to=up_to, **kwargs)
         with kv.budget.timed("checkpoint", req.rid):
             self._release_finished_stores()
-            self._loaded.pop(req.rid, None)  # its prefill ran: the load was used
+            state = kv.requests.get(req.rid)
+            if state is not None:
+                state.loaded = None  # its prefill ran: the load was used
             super().checkpoint(req, up_to=up_to, **kwargs)
             if req.finished():
                 # An aborted request too (a client gone, a server's stop): what it prefilled
                 # is exact KV the tree now holds (SGLang inserts only the committed tokens).
-                kv.forget(req.rid)
                 self._submit_store(req)
+                kv.requests.forget(req.rid)  # the one place a finished request is forgotten
 
     def _submit_store(self, req: ReqView) -> None:
         kv = self.kvtier
@@ -368,8 +369,7 @@ class KVTierRadixCache(StoragePrefetchHooks, BlendHooks, UnifiedRadixCache):
                 for job in kv.settle():
                     self.unlock(job.handle)
                 kv.flush(kv.engine.config.blocking_timeout_secs)
-                self._promised.clear()
-                self._loaded.clear()
+                kv.requests.drop_loads()
         if self.blender is not None:
             self.blender.forget()
         if self._blended is not None:

@@ -1,0 +1,132 @@
+"""One request's kvtier state on one rank, from its first match to its store or abort.
+
+SGLang calls kvtier about a waiting request many times (a match at every scheduler step, a
+prefetch check, the admission, the checkpoint that stores it). What those calls learn about it
+lives in one `RequestState`, which a `RequestTable` creates at the first call and forgets in
+one place (`forget`: the request finished, or went away), with a bound for requests SGLang
+never tells kvtier about again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from kvtier.engine import Prefetch, Prefix
+from kvtier.integration.sglang.blending.blend_chains import SegmentHits
+from kvtier.integration.sglang.boundary.sglang_views import RadixKeyView
+
+__all__ = ["Loaded", "Promise", "RequestState", "RequestTable", "VerifyCut"]
+
+MAX_REQUESTS = 4096  # states kept for requests with no prefetch running (see `RequestTable`)
+
+
+class Promise(NamedTuple):
+    """The host hit a match reported, for the admission to load: tokens `[device_len, end)`
+    of `key`, from the CPU tier, or blended from `hits`."""
+
+    key: RadixKeyView
+    device_len: int
+    end: int
+    hits: SegmentHits | None
+
+
+class Loaded(NamedTuple):
+    """What the admission loaded (up to token `end`; `computed` of them a blend computed),
+    until the request's prefill runs."""
+
+    end: int
+    computed: int
+
+
+class VerifyCut(NamedTuple):
+    """A request computed to verify the tiers: its store compares from token `start` on;
+    `loaded`: the tokens before it came from the tiers (`verify_scope: tail`)."""
+
+    start: int
+    loaded: bool
+
+
+@dataclass(slots=True)
+class RequestState:
+    """What kvtier knows of one request on this rank.
+
+    `prefix`: its tokens, salt and key chain, hashed once at its first match and dropped once
+    loaded; `prefetch`: its background load into the CPU tier, until it may be admitted
+    (`checked`: asked about once); `verify`: set when it is computed to verify the tiers;
+    `promise`: the host hit its last match reported; `loaded`: what its admission loaded;
+    `found`: the leading tokens its admission found in the tiers (its store need not write
+    them again where no CPU tier can tell).
+    """
+
+    prefix: Prefix | None = None
+    prefetch: Prefetch | None = None
+    checked: bool = False
+    verify: VerifyCut | None = None
+    promise: Promise | None = None
+    loaded: Loaded | None = None
+    found: int = 0
+
+
+class RequestTable:
+    """Request id -> `RequestState`, on one rank (SGLang's scheduler thread only).
+
+    Bounded: past `limit` states, the oldest holding no prefetch are dropped (requests SGLang
+    never asked about again: their state is cheap to rebuild, and a dropped promise only
+    makes an admission compute what it would have loaded). A state holding a prefetch stays
+    until the prefetch is admitted or cancelled: it is bounded by SGLang's waiting queue.
+    """
+
+    def __init__(self, limit: int = MAX_REQUESTS):
+        if limit < 1:
+            raise ValueError(f"limit must be positive, got {limit}")
+        self._limit = limit
+        self._states: dict[str, RequestState] = {}
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._states
+
+    def get(self, rid: str | None) -> RequestState | None:
+        return None if rid is None else self._states.get(rid)
+
+    def open(self, rid: str) -> RequestState:
+        """Request `rid`'s state, created at the first call about it."""
+        state = self._states.get(rid)
+        if state is None:
+            if len(self._states) >= self._limit:
+                self._shed()
+            state = self._states[rid] = RequestState()
+        return state
+
+    def forget(self, rid: str) -> RequestState | None:
+        """Drop request `rid`'s state (it finished, or went away); returns it."""
+        return self._states.pop(rid, None)
+
+    def prefetching(self) -> int:
+        """Requests whose prefetch still decides their admission."""
+        return sum(s.prefetch is not None for s in self._states.values())
+
+    def take_prefetches(self) -> list[Prefetch]:
+        """Every running prefetch, each forgotten by its state (the rank closes)."""
+        out = []
+        for state in self._states.values():
+            if state.prefetch is not None:
+                out.append(state.prefetch)
+                state.prefetch = None
+                state.checked = False
+        return out
+
+    def drop_loads(self) -> None:
+        """Forget every promise and load (SGLang emptied its pool: `/flush_cache`)."""
+        for state in self._states.values():
+            state.promise = None
+            state.loaded = None
+
+    def _shed(self) -> None:
+        """Make room: drop the older half of the states that hold no prefetch."""
+        idle = [rid for rid, s in self._states.items() if s.prefetch is None]
+        for rid in idle[:max(1, len(idle) // 2)]:
+            del self._states[rid]
