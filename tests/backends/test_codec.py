@@ -9,6 +9,7 @@ import torch
 import xxhash
 
 from kvtier.backends import codec, record
+from kvtier.backends import codec as codec_mod
 from kvtier.backends.codec import (
     CODECS,
     FP8,
@@ -110,6 +111,29 @@ def test_fp8_zero_chunk_and_one_byte_pools() -> None:
     assert FP8.payload_nbytes(fp8_pool, 16) == fp8_pool.nbytes(16)
     for o in (obj, out, raw):
         o.release()
+
+
+@pytest.mark.parametrize("codec", [FP8, INT8], ids=["fp8", "int8"])
+def test_encode_into_a_reused_buffer_gives_the_same_record(codec: Codec) -> None:
+    """A writer encodes into its thread's reused buffer (codec.scratch "write", not the loads'
+    "read" one): the same bytes as a fresh encode, held in that buffer; a short one is refused
+    before anything is written."""
+    alloc = MemoryAllocator(8 << 20)
+    obj = kv_like(alloc, MHA16, 64, seed=7)
+    fresh = codec.encode(obj)
+    assert isinstance(fresh, Encoded)
+    into = codec_mod.scratch(codec.stored_nbytes(obj) + 100, "write")
+    into[:] = b"\xAA" * len(into)
+    enc = codec.encode(obj, into)
+    assert isinstance(enc, Encoded) and bytes(enc.byte_view()) == bytes(fresh.byte_view())
+    assert bytes(into[:enc.nbytes]) == bytes(fresh.byte_view())  # written in place
+    assert bytes(into[enc.nbytes:]) == b"\xAA" * 100  # and nothing past the payload
+    read = codec_mod.scratch(16)
+    read[:] = b"\x00" * 16
+    assert bytes(into[:16]) == bytes(fresh.byte_view()[:16])  # the loads' buffer is another
+    with pytest.raises(ValueError, match="into"):
+        codec.encode(obj, memoryview(bytearray(enc.nbytes - 1)))
+    obj.release()
 
 
 def test_naive_is_the_arena_bytes_and_decode_checks_length() -> None:

@@ -116,7 +116,9 @@ def write_temp(dirs: RecordDirs, name: str, tmp: str, key: ChunkKey, obj: Memory
         OSError: the write failed (`UnsafeDirectory`: the directory is not private, nothing
             was created); no temp file is left behind.
     """
-    stored_obj = codec.encode(obj)  # then the seal, before any file: a ValueError leaves none
+    # into this thread's buffer: written out below, before its next record reuses it
+    into = None if codec is NAIVE else scratch(codec.stored_nbytes(obj), "write")
+    stored_obj = codec.encode(obj, into)  # then the seal, before any file: a ValueError leaves none
     seal = seal_for(key, stored_obj, keys=keys)
     dirs.require(name)
     try:

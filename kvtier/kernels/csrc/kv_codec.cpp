@@ -48,56 +48,56 @@ struct Shape {
 };
 
 
+// Layer by layer: a layer's block (tokens x hidden values, in L2) is read twice, for its
+// scales and for its values, one call each.
 template <typename R, typename T, typename Q>
 KV_INLINE void encode_chunk(const Shape& s, const T* x, uint8_t* payload) {
-  const int64_t L = s.layers, T_ = s.tokens, H = s.hidden;
+  const int64_t L = s.layers, T_ = s.tokens, H = s.hidden, block = T_ * H;
   std::vector<float> chan(L * H, 0.0f);  // plane 0: a scale per (layer, channel)
-  std::vector<float> recips(H);
+  std::vector<float> recips(std::max(H, T_));
   for (int64_t l = 0; l < L; ++l) {
     float* scale = chan.data() + l * H;
-    for (int64_t t = 0; t < T_; ++t) R::amax_into(x + (l * T_ + t) * H, scale, H);
+    R::amax_columns(x + l * block, T_, H, scale);
     for (int64_t h = 0; h < H; ++h) {
       scale[h] = std::max(scale[h], kTiny) / Q::kMax;
       recips[h] = 1.0f / scale[h];
     }
-    for (int64_t t = 0; t < T_; ++t) {
-      const int64_t at = (l * T_ + t) * H;
-      R::template quantize<Q>(x + at, scale, recips.data(), 0.0f, 0.0f, payload + at, H);
-    }
+    R::template quantize<Q>(x + l * block, T_, H, scale, recips.data(), false,
+                            payload + l * block);
   }
   std::memcpy(payload + s.values(), chan.data(), 4 * L * H);  // unaligned in the payload
   if (s.planes != 2) return;
-  std::vector<float> tok(L * T_);  // plane 1: a scale per (layer, token)
-  const int64_t plane = L * T_ * H;
-  for (int64_t r = 0; r < L * T_; ++r) {
-    const T* row = x + plane + r * H;
-    tok[r] = std::max(R::amax(row, H), kTiny) / Q::kMax;
-    R::template quantize<Q>(row, nullptr, nullptr, tok[r], 1.0f / tok[r],
-                            payload + plane + r * H, H);
+  std::vector<float> tok(L * T_, 0.0f);  // plane 1: a scale per (layer, token)
+  const int64_t plane = L * block;
+  for (int64_t l = 0; l < L; ++l) {
+    float* scale = tok.data() + l * T_;
+    R::amax_rows(x + plane + l * block, T_, H, scale);
+    for (int64_t t = 0; t < T_; ++t) {
+      scale[t] = std::max(scale[t], kTiny) / Q::kMax;
+      recips[t] = 1.0f / scale[t];
+    }
+    R::template quantize<Q>(x + plane + l * block, T_, H, scale, recips.data(), true,
+                            payload + plane + l * block);
   }
   std::memcpy(payload + s.values() + 4 * L * H, tok.data(), 4 * L * T_);
 }
 
 template <typename R, typename T, typename Q>
 KV_INLINE void decode_chunk(const Shape& s, const uint8_t* payload, T* out) {
-  const int64_t L = s.layers, T_ = s.tokens, H = s.hidden;
+  const int64_t L = s.layers, T_ = s.tokens, H = s.hidden, block = T_ * H;
   std::vector<float> chan(L * H);
   std::memcpy(chan.data(), payload + s.values(), 4 * L * H);  // unaligned in the payload
   for (float& c : chan) c *= Q::kUnit;
   for (int64_t l = 0; l < L; ++l) {
-    for (int64_t t = 0; t < T_; ++t) {
-      const int64_t at = (l * T_ + t) * H;
-      R::template dequantize<Q>(payload + at, chan.data() + l * H, 0.0f, out + at, H);
-    }
+    R::template dequantize<Q>(payload + l * block, T_, H, chan.data() + l * H, false,
+                              out + l * block);
   }
   if (s.planes != 2) return;
   std::vector<float> tok(L * T_);
   std::memcpy(tok.data(), payload + s.values() + 4 * L * H, 4 * L * T_);
-  const int64_t plane = L * T_ * H;
-  for (int64_t r = 0; r < L * T_; ++r) {
-    R::template dequantize<Q>(payload + plane + r * H, nullptr, tok[r] * Q::kUnit,
-                              out + plane + r * H, H);
-  }
+  for (float& t : tok) t *= Q::kUnit;
+  const int64_t plane = L * block;
+  R::template dequantize<Q>(payload + plane, L * T_, H, tok.data(), true, out + plane);
 }
 
 // Each kernel runs with the plain C++ rows or (where the CPU has them, unless `simd` is false)

@@ -109,31 +109,53 @@ struct Int8 {
   }
 };
 
-// The row operations the kernels are made of, in plain C++ (compiled for any CPU; the compiler
-// vectorizes what it can; kv_codec_avx2.h has them in intrinsics).
+// The operations the kernels are made of, in plain C++ (compiled for any CPU; the compiler
+// vectorizes what it can; kv_codec_avx2.h has them in intrinsics). Each takes a block of
+// `rows` rows of `n` values (a layer's tokens), so that a kernel makes one call a layer.
 struct ScalarRows {
+  // amax[h] = max(amax[h], |x[t][h]|) over the rows: a scale per column (channel)
   template <typename T>
-  static KV_INLINE void amax_into(const T* x, float* amax, int64_t n) {
-    for (int64_t h = 0; h < n; ++h) amax[h] = std::max(amax[h], std::fabs(widen(x[h])));
+  static KV_INLINE void amax_columns(const T* x, int64_t rows, int64_t n, float* amax) {
+    for (int64_t t = 0; t < rows; ++t, x += n) {
+      for (int64_t h = 0; h < n; ++h) amax[h] = std::max(amax[h], std::fabs(widen(x[h])));
+    }
   }
+  // amax[t] = max(amax[t], |x[t][h]|) over the row: a scale per row (token)
   template <typename T>
-  static KV_INLINE float amax(const T* x, int64_t n) {
-    float m = 0.0f;
-    for (int64_t h = 0; h < n; ++h) m = std::max(m, std::fabs(widen(x[h])));
-    return m;
+  static KV_INLINE void amax_rows(const T* x, int64_t rows, int64_t n, float* amax) {
+    for (int64_t t = 0; t < rows; ++t, x += n) {
+      float m = amax[t];
+      for (int64_t h = 0; h < n; ++h) m = std::max(m, std::fabs(widen(x[h])));
+      amax[t] = m;
+    }
   }
   // x / scale (scales[h] each, or `scale` for all when scales is null) stored as bytes
-  // (`recips`/`recip`: the scales' reciprocals, for the AVX2 rows)
   template <typename Q, typename T>
-  static KV_INLINE void quantize(const T* x, const float* scales, const float* /*recips*/,
-                                 float scale, float /*recip*/, uint8_t* q, int64_t n) {
+  static KV_INLINE void quantize_row(const T* x, const float* scales, float scale, uint8_t* q,
+                                     int64_t n) {
     for (int64_t h = 0; h < n; ++h) q[h] = Q::quantize(widen(x[h]) / (scales ? scales[h] : scale));
+  }
+  // The block quantized under scales per column (scales[h]) or, `per_row`, per row
+  // (scales[t]); `recips` are the scales' reciprocals, for the AVX2 rows
+  template <typename Q, typename T>
+  static KV_INLINE void quantize(const T* x, int64_t rows, int64_t n, const float* scales,
+                                 const float* /*recips*/, bool per_row, uint8_t* q) {
+    for (int64_t t = 0; t < rows; ++t, x += n, q += n) {
+      quantize_row<Q>(x, per_row ? nullptr : scales, per_row ? scales[t] : 0.0f, q, n);
+    }
   }
   // level * scale (scales[h] each, or `scale` for all), the scales already times Q::kUnit
   template <typename Q, typename T>
-  static KV_INLINE void dequantize(const uint8_t* q, const float* scales, float scale, T* out,
-                                   int64_t n) {
+  static KV_INLINE void dequantize_row(const uint8_t* q, const float* scales, float scale,
+                                       T* out, int64_t n) {
     for (int64_t h = 0; h < n; ++h) narrow(Q::level(q[h]) * (scales ? scales[h] : scale), out + h);
+  }
+  template <typename Q, typename T>
+  static KV_INLINE void dequantize(const uint8_t* q, int64_t rows, int64_t n,
+                                   const float* scales, bool per_row, T* out) {
+    for (int64_t t = 0; t < rows; ++t, q += n, out += n) {
+      dequantize_row<Q>(q, per_row ? nullptr : scales, per_row ? scales[t] : 0.0f, out, n);
+    }
   }
 };
 
