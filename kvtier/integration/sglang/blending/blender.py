@@ -36,15 +36,15 @@ import numpy as np
 import torch
 
 from kvtier.blend.forward import BlendPlan, LlamaWeights
-from kvtier.blend.planner import BlendPlanner, Choice
+from kvtier.blend.planner import BlendPlanner
 from kvtier.blend.segments import Segment
 from kvtier.config.schema import BlendSection
-from kvtier.engine import Prefetch
 from kvtier.engine.segments import SegmentStore
 from kvtier.errors import ConfigError
 from kvtier.integration.sglang.blending.blend_chains import SegmentChains, SegmentHits
 from kvtier.integration.sglang.blending.blend_jobs import POLL_WAIT_S, BlendJobs, Computed, compute
 from kvtier.integration.sglang.blending.blend_model import separator_ids, served_weights
+from kvtier.integration.sglang.blending.blend_state import blend_requests
 from kvtier.integration.sglang.blending.blend_worker import WORKER_COUNTERS, SegmentWorker
 from kvtier.integration.sglang.boundary.sglang_views import Opaque
 from kvtier.keys import KeyChain
@@ -57,7 +57,6 @@ logger = logging.getLogger(__name__)
 BLEND_COUNTERS = ("blend_requests", "blend_segments_hit", "blend_tokens_loaded",
                   "blend_tokens_recomputed", *WORKER_COUNTERS, "blend_segments_capped",
                   "blend_failures", "blend_fallbacks_slower", "blend_probes")
-MAX_REQUESTS = 4096  # requests whose segments are remembered from match to finish
 
 class BlendedSlots:
     """Which pool slots hold blended KV. A mark is set when a blend writes a slot and cleared
@@ -120,14 +119,10 @@ class SGLangBlender:
         self.chains = SegmentChains(store, self.separator, section.min_tokens, counters)
         self.worker = SegmentWorker(weights, store, self.separator, section.min_tokens,
                                     self.chains.max_segments, counters)
-        self._hits: dict[str, SegmentHits] = {}  # request id -> its segments at its match
+        self.requests = blend_requests()  # request id -> its BlendRequest
         self.planner = BlendPlanner(section.max_prefill_ratio)
         self._prefill_s = prefill_s
-        self._choices: dict[str, Choice] = {}  # request id -> blend or compute, made once
         self.jobs = BlendJobs(self._compute, counters)  # blends off the scheduler thread
-        self._waiting: dict[str, tuple[np.ndarray, str]] = {}  # request id -> its job's input
-        self._declined: dict[str, None] = {}  # requests that may not blend (`decline`)
-        self._prefetches: dict[str, list[Prefetch]] = {}  # request id -> its segment loads
         self._hinted = False  # the preamble hint (`_hint_preamble`) was logged
 
     # ---- admission (scheduler thread) ----
@@ -162,9 +157,7 @@ class SGLangBlender:
         hits = SegmentHits(end, tuple(held), tuple(missed), cached, tuple(chains), device_len)
         if held and not self._hinted and prompt.segments:
             self._hint_preamble(rid, prompt.segments[0], hits, device_len)
-        if len(self._hits) >= MAX_REQUESTS:
-            self._hits.clear()  # requests that never came back
-        self._hits[rid] = hits
+        self.requests.open(rid).hits = hits
         return hits
 
     def worth(self, rid: str, hits: SegmentHits, device_len: int) -> bool:
@@ -172,15 +165,13 @@ class SGLangBlender:
         `[device_len, hits.end)`: decided once (at its blend job's start, or its first match)
         and kept, as SGLang matches a waiting request again; a fallback is counted once, and
         logged."""
-        choice = self._choices.get(rid)
+        request = self.requests.open(rid)
+        choice = request.choice
         if choice is None:
             tokens = hits.end - device_len
             prefill_s = math.inf if self._prefill_s is None else \
                 self._prefill_s(tokens, hits.end)
-            choice = self.planner.choose(tokens, prefill_s)
-            if len(self._choices) >= MAX_REQUESTS:
-                self._choices.clear()  # requests that never came back
-            self._choices[rid] = choice
+            choice = request.choice = self.planner.choose(tokens, prefill_s)
             if choice.reason == "probe":
                 self.counters.inc("sglang.blend_probes")
             if not choice.blend:
@@ -211,45 +202,43 @@ class SGLangBlender:
     def decline(self, rid: str) -> None:
         """Request `rid` may not blend (opted out), as its match found: its prefetch loads
         no segment and starts no blend (SGLang's prefetch hook sees no request's options)."""
-        if len(self._declined) >= MAX_REQUESTS:
-            self._declined.clear()  # requests that never came back
-        self._declined[rid] = None
-        self._waiting.pop(rid, None)
+        request = self.requests.open(rid)
+        request.declined = True
+        request.waiting = None
         self.jobs.drop(rid)
 
     def prefetch(self, rid: str, tokens: np.ndarray, salt: str) -> None:
         """Request `rid` joined the waiting queue: start loading its segments that only disk
         or Redis hold into the CPU tier, where its match looks for them, and once they are
         in, its blend (`prefetch_ready`)."""
-        if rid in self._declined:
+        request = self.requests.open(rid)
+        if request.declined:
             return
         loads = [load for chain in self.chains.of(rid, tokens, salt).chains
                  if (load := self.store.start_prefetch(chain))]
-        if len(self._waiting) >= MAX_REQUESTS:
-            self._waiting.clear()  # requests that never came back
-        self._waiting[rid] = (tokens, salt)  # its blend starts once its loads are in
+        request.waiting = (tokens, salt)  # its blend starts once its loads are in
         if loads:
-            if len(self._prefetches) >= MAX_REQUESTS:
-                self._prefetches.clear()  # requests that never came back
-            self._prefetches[rid] = loads
+            request.loads = loads
 
     def prefetch_ready(self, rid: str) -> bool:
         """Whether request `rid` may be admitted: its segment loads are done (per
         `prefetch_policy`; they stop then, what arrived stays in the CPU tier), and its blend,
         started then if it is worth it, has been computed (`blend_jobs`)."""
-        loads = self._prefetches.get(rid)
-        if loads is not None:
-            if not all(load.ready() for load in loads):
+        request = self.requests.get(rid)
+        if request is not None and request.loads is not None:
+            if not all(load.ready() for load in request.loads):
                 return False
-            for load in self._prefetches.pop(rid):
+            for load in request.loads:
                 load.cancel()
-        waiting = self._waiting.pop(rid, None)
-        if waiting is not None:
+            request.loads = None
+        waiting = None if request is None else request.waiting
+        if request is not None and waiting is not None:
+            request.waiting = None
             tokens, salt = waiting
             # The device prefix as the request's last match found it (SGLang matches before
             # this hook): a prompt the device holds blends nothing. The hook saw the prompt
             # less its last token (SGLang's longest prefix).
-            seen = self._hits.get(rid)
+            seen = request.hits
             device = 0 if seen is None else seen.device_len
             hits = self.look(rid, tokens, device, salt, prompt_len=len(tokens) + 1)
             if hits.held and self.worth(rid, hits, device):
@@ -258,9 +247,12 @@ class SGLangBlender:
 
     def cancel_prefetch(self, rid: str) -> None:
         """Request `rid` went away before admission: stop its segment loads and its blend."""
-        for load in self._prefetches.pop(rid, []):
-            load.cancel(drop=True)
-        self._waiting.pop(rid, None)
+        request = self.requests.get(rid)
+        if request is not None:
+            for load in request.loads or []:
+                load.cancel(drop=True)
+            request.loads = None
+            request.waiting = None
         self.jobs.drop(rid)
 
     def finished(self, rid: str, tokens: np.ndarray, salt: str, aborted: bool,
@@ -268,7 +260,8 @@ class SGLangBlender:
         """Request `rid` (prompt `tokens`) finished: queue the segments it missed for a
         standalone prefill and, when verification sampled it (`verified`), the records of its
         segments for a comparison with them computed alone (`SegmentWorker`)."""
-        hits = self._hits.get(rid)
+        request = self.requests.get(rid)
+        hits = None if request is None else request.hits
         self.forget(rid)
         if aborted:
             return
@@ -278,16 +271,15 @@ class SGLangBlender:
             self.worker.verify(tokens, salt)
 
     def forget(self, rid: str | None = None) -> None:
-        """Drop what was remembered of request `rid` (of every request when None)."""
+        """Drop what was remembered of request `rid` (call `cancel_prefetch` first if it may
+        still be loading), or, when None, every request's segments, choices and blends."""
         self.chains.forget(rid)
-        for remembered in (self._hits, self._choices, self._declined):
-            if rid is None:
-                remembered.clear()
-            else:
-                remembered.pop(rid, None)
-        if rid is None:
+        if rid is None:  # SGLang emptied its pool: what waits for admission still loads
+            for request in self.requests:
+                request.hits, request.choice, request.declined = None, None, False
             self.jobs.clear()
         else:
+            self.requests.forget(rid)
             self.jobs.drop(rid)
 
     @torch.inference_mode()

@@ -40,7 +40,7 @@ from kvtier.integration.sglang.blending.blender import BLEND_COUNTERS
 from kvtier.integration.sglang.boundary.sglang_views import MHAPoolView, MLAPoolView, Opaque
 from kvtier.integration.sglang.launch.preflight import page_size_problem
 from kvtier.integration.sglang.rank.budget import SchedulerBudget
-from kvtier.integration.sglang.rank.request_state import RequestTable, VerifyCut
+from kvtier.integration.sglang.rank.request_state import RankRequests, VerifyCut
 from kvtier.integration.sglang.rank.stores import StoreJob, StoreWorker
 from kvtier.metrics import Counters
 
@@ -107,7 +107,7 @@ class SGLangKVTier:
         self.budget = SchedulerBudget(self.counters)
         self._closed_sessions: set[str] = set()  # a store finishing late must not re-pin
         # every request kvtier was asked about, alike on every rank (scheduler thread)
-        self.requests = RequestTable()
+        self.requests = RankRequests()
         self._exported = _AdapterStats(self.counters)
         prometheus.register(self._exported)  # the engine's own stats are exported by storage
         self.stores = StoreWorker(self._store, self.counters)

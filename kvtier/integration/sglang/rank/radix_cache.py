@@ -292,8 +292,8 @@ class KVTierRadixCache(StoragePrefetchHooks, BlendHooks, UnifiedRadixCache):
             return
         with kv.budget.timed("release_aborted_request", request.rid):
             if self.blender is not None:
-                self.blender.forget(request.rid)
                 self.blender.cancel_prefetch(request.rid)
+                self.blender.forget(request.rid)
             kv.cancel_prefetch(request.rid)  # forgets its promise and load too
         logger.info("kvtier: request %s aborted; the tree protects %d tokens", request.rid,
                     self.protected_size())

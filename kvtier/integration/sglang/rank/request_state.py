@@ -4,21 +4,24 @@ SGLang calls kvtier about a waiting request many times (a match at every schedul
 prefetch check, the admission, the checkpoint that stores it). What those calls learn about it
 lives in one `RequestState`, which a `RequestTable` creates at the first call and forgets in
 one place (`forget`: the request finished, or went away), with a bound for requests SGLang
-never tells kvtier about again.
+never tells kvtier about again. The blender keeps its own per-request objects in a table of the
+same kind (`blending.blender`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Generic, NamedTuple, TypeVar
 
 from kvtier.engine import Prefetch, Prefix
 from kvtier.integration.sglang.blending.blend_chains import SegmentHits
 from kvtier.integration.sglang.boundary.sglang_views import RadixKeyView
 
-__all__ = ["Loaded", "Promise", "RequestState", "RequestTable", "VerifyCut"]
+__all__ = ["Loaded", "Promise", "RankRequests", "RequestState", "RequestTable", "VerifyCut"]
 
-MAX_REQUESTS = 4096  # states kept for requests with no prefetch running (see `RequestTable`)
+MAX_REQUESTS = 4096  # states kept for requests with no load running (see `RequestTable`)
+S = TypeVar("S")
 
 
 class Promise(NamedTuple):
@@ -68,20 +71,25 @@ class RequestState:
     found: int = 0
 
 
-class RequestTable:
-    """Request id -> `RequestState`, on one rank (SGLang's scheduler thread only).
+class RequestTable(Generic[S]):
+    """Request id -> its state (`make()` at the first call), on one rank (SGLang's scheduler
+    thread only).
 
-    Bounded: past `limit` states, the oldest holding no prefetch are dropped (requests SGLang
-    never asked about again: their state is cheap to rebuild, and a dropped promise only
-    makes an admission compute what it would have loaded). A state holding a prefetch stays
-    until the prefetch is admitted or cancelled: it is bounded by SGLang's waiting queue.
+    Bounded: past `limit` states, the oldest half of those not `held` are dropped (requests
+    SGLang never asked about again: their state is cheap to rebuild, and a dropped promise
+    only makes an admission compute what it would have loaded). A `held` state (a load is
+    running for it) stays until it is admitted or cancelled: SGLang's waiting queue bounds
+    those.
     """
 
-    def __init__(self, limit: int = MAX_REQUESTS):
+    def __init__(self, make: Callable[[], S], held: Callable[[S], bool],
+                 limit: int = MAX_REQUESTS):
         if limit < 1:
             raise ValueError(f"limit must be positive, got {limit}")
+        self._make = make
+        self._held = held
         self._limit = limit
-        self._states: dict[str, RequestState] = {}
+        self._states: dict[str, S] = {}
 
     def __len__(self) -> int:
         return len(self._states)
@@ -89,30 +97,49 @@ class RequestTable:
     def __contains__(self, rid: str) -> bool:
         return rid in self._states
 
-    def get(self, rid: str | None) -> RequestState | None:
+    def __iter__(self) -> Iterator[S]:
+        return iter(list(self._states.values()))
+
+    def get(self, rid: str | None) -> S | None:
         return None if rid is None else self._states.get(rid)
 
-    def open(self, rid: str) -> RequestState:
+    def open(self, rid: str) -> S:
         """Request `rid`'s state, created at the first call about it."""
         state = self._states.get(rid)
         if state is None:
             if len(self._states) >= self._limit:
                 self._shed()
-            state = self._states[rid] = RequestState()
+            state = self._states[rid] = self._make()
         return state
 
-    def forget(self, rid: str) -> RequestState | None:
+    def forget(self, rid: str) -> S | None:
         """Drop request `rid`'s state (it finished, or went away); returns it."""
         return self._states.pop(rid, None)
 
+    def clear(self) -> None:
+        self._states.clear()
+
+    def _shed(self) -> None:
+        """Make room: drop the older half of the states not held."""
+        idle = [rid for rid, s in self._states.items() if not self._held(s)]
+        for rid in idle[:max(1, len(idle) // 2)]:
+            del self._states[rid]
+
+
+class RankRequests(RequestTable[RequestState]):
+    """The adapter's and the radix cache's `RequestState`s; a running prefetch holds one."""
+
+    def __init__(self, limit: int = MAX_REQUESTS):
+        super().__init__(RequestState, lambda s: s.prefetch is not None, limit)
+
     def prefetching(self) -> int:
         """Requests whose prefetch still decides their admission."""
-        return sum(s.prefetch is not None for s in self._states.values())
+        return sum(s.prefetch is not None for s in self)
 
     def take_prefetches(self) -> list[Prefetch]:
         """Every running prefetch, each forgotten by its state (the rank closes)."""
         out = []
-        for state in self._states.values():
+        for state in self:
             if state.prefetch is not None:
                 out.append(state.prefetch)
                 state.prefetch = None
@@ -121,12 +148,6 @@ class RequestTable:
 
     def drop_loads(self) -> None:
         """Forget every promise and load (SGLang emptied its pool: `/flush_cache`)."""
-        for state in self._states.values():
+        for state in self:
             state.promise = None
             state.loaded = None
-
-    def _shed(self) -> None:
-        """Make room: drop the older half of the states that hold no prefetch."""
-        idle = [rid for rid, s in self._states.items() if s.prefetch is None]
-        for rid in idle[:max(1, len(idle) // 2)]:
-            del self._states[rid]

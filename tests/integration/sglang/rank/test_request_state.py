@@ -1,4 +1,4 @@
-"""One object per request per rank (issue 73, item 1): `RequestTable` keeps each request's
+"""One object per request per rank (issue 73, item 1): `RankRequests` keeps each request's
 state from its first call to the one place it is forgotten, within a bound that never drops a
 running prefetch."""
 
@@ -11,13 +11,13 @@ from kvtier.config import Config
 from kvtier.connectors import SGLangMHAConnector
 from kvtier.engine import CacheEngine
 from kvtier.integration.sglang.rank.adapter import SGLangKVTier
-from kvtier.integration.sglang.rank.request_state import Loaded, RequestTable, VerifyCut
+from kvtier.integration.sglang.rank.request_state import Loaded, RankRequests, VerifyCut
 from kvtier.storage.prefetch.handle import Prefetch
 from tests.helpers import SMALL_MHA
 
 
 def test_a_state_is_made_once_and_forgotten_whole() -> None:
-    table = RequestTable()
+    table = RankRequests()
     state = table.open("a")
     state.found, state.verify = 64, VerifyCut(16, True)
     assert table.open("a") is state and "a" in table
@@ -26,7 +26,7 @@ def test_a_state_is_made_once_and_forgotten_whole() -> None:
 
 
 def test_past_its_bound_the_table_sheds_idle_requests_never_a_running_prefetch() -> None:
-    table = RequestTable(limit=8)
+    table = RankRequests(limit=8)
     for i in range(4):
         table.open(f"p{i}").prefetch = Prefetch([])
     for i in range(100):
@@ -39,7 +39,7 @@ def test_past_its_bound_the_table_sheds_idle_requests_never_a_running_prefetch()
 
 
 def test_a_flush_drops_promises_and_loads_not_prefetches() -> None:
-    table = RequestTable()
+    table = RankRequests()
     state = table.open("a")
     state.loaded, state.prefetch = Loaded(32, 0), Prefetch([])
     table.drop_loads()
@@ -50,7 +50,7 @@ def test_a_flush_drops_promises_and_loads_not_prefetches() -> None:
 
 def test_a_bad_bound_is_refused() -> None:
     with pytest.raises(ValueError, match="limit"):
-        RequestTable(limit=0)
+        RankRequests(limit=0)
 
 
 def test_the_adapter_hashes_a_request_once_and_forgets_it_at_its_store_or_abort() -> None:
