@@ -32,12 +32,14 @@ class CPUBackend(HotTier):
     """Holds one reference to every stored object; `pop_lru` hands references back."""
 
     name = CPU
+    _parent_next = True  # a parent left a leaf goes next (False: the policy's queue places it)
 
     def __init__(self, ctx: BackendContext, *, name: str | None = None):
         if name is not None:  # another role (`staging`): its counters' prefix too
             self.name = name
         self._lock = threading.Lock()
-        self._entries: OrderedDict[str, tuple[ChunkKey, MemoryObj]] = OrderedDict()  # LRU first
+        # LRU first (a policy with its own order may leave it in store order: no decision reads it)
+        self._entries: OrderedDict[str, tuple[ChunkKey, MemoryObj]] = OrderedDict()
         self._children: dict[str, int] = {}  # key -> number of cached chunks whose prev it is
         # The entries eviction may take (no cached child, not pinned), in LRU order: an
         # eviction never walks past pinned chunks or parents (thousands of sessions' pins made
@@ -83,10 +85,6 @@ class CPUBackend(HotTier):
                     break
                 out.append(entry[1].retain())
             self._counts.inc("hits", len(out))
-            for k in reversed(keys[: len(out)]):
-                self._entries.move_to_end(k.key)
-                if k.key in self._leaves:
-                    self._leaves.move_to_end(k.key)
             if out:
                 self._on_hit(keys[: len(out)])
             return out
@@ -167,8 +165,7 @@ class CPUBackend(HotTier):
                 # in use right now; evicting a leaf makes its parent the next one.
                 victim = self._over_share_leaf()
                 if victim is None:
-                    victim = next((n for n in self._leaves if self._entries[n][1].refs == 1),
-                                  None)
+                    victim = self._first_leaf()
                 else:
                     self._counts.inc("share_evictions")
                 if victim is None:
@@ -190,6 +187,10 @@ class CPUBackend(HotTier):
                     n += 1
             return n
 
+    def _first_leaf(self) -> str | None:
+        """The policy's first leaf not in use right now (None if none): the next victim."""
+        return next((n for n in self._leaves if self._entries[n][1].refs == 1), None)
+
     def _over_share_leaf(self) -> str | None:
         """The policy's first evictable leaf of a tenant over its share, while another tenant
         holds chunks too; None if there is none (then the policy's first leaf of anyone goes).
@@ -210,7 +211,7 @@ class CPUBackend(HotTier):
             del self._tenant_bytes[salt]
         if held > self._share:
             self._over.add(salt)
-        else:
+        elif self._over:  # none over its share: the common case, no call
             self._over.discard(salt)
 
     def _on_put(self, keys: Sequence[ChunkKey]) -> None:
@@ -218,8 +219,14 @@ class CPUBackend(HotTier):
         entry (a leaf where no child of it is cached)."""
 
     def _on_hit(self, keys: Sequence[ChunkKey]) -> None:
-        """A policy's hook: `keys` (a prefix's leading chunks, all held) were just served, after
-        the leaves among them were moved to the queue's recent end."""
+        """A policy's hook: `keys` (a prefix's leading chunks, all held) were just served. Here
+        (LRU) they become the most recent, the first chunk newest (a prefix goes from its end);
+        one call per batch, so a policy that keeps its own order pays no per-chunk dispatch."""
+        entries, leaves = self._entries, self._leaves
+        for k in reversed(keys):
+            entries.move_to_end(k.key)
+            if k.key in leaves:
+                leaves.move_to_end(k.key)
 
     def _on_drop(self, name: str, evicted: bool) -> None:
         """A policy's hook: `name` left the tier (`evicted`: for room, else removed)."""
@@ -243,7 +250,8 @@ class CPUBackend(HotTier):
                     self._children[prev] = left
                 else:
                     del self._children[prev]
-                    if self._sync_leaf(prev):  # a prefix's next chunk to go: evicted next
+                    # A prefix's next chunk to go: evicted next, where the order is recency's.
+                    if self._sync_leaf(prev) and self._parent_next:
                         self._leaves.move_to_end(prev, last=False)
         return entry
 

@@ -60,6 +60,9 @@ class FrequencyLeaves:
         # test than comparing tuples, on every eviction).
         self._live: dict[str, tuple[float, int, str]] = {}
         self._seq = 0
+        # The tier calls `pop` per chunk stored and evicted: the dict's own method, no Python
+        # frame (a leaf's heap entry is stale once it is out of `_live`).
+        self.pop = self._live.pop  # type: ignore[method-assign,assignment]
 
     def __contains__(self, name: object) -> bool:
         return name in self._live
@@ -80,13 +83,21 @@ class FrequencyLeaves:
         for entry in rest[1:]:
             yield entry[2]
 
-    def pop(self, name: str, default: None = None) -> None:
+    def pop(self, name: str, default: None = None) -> None:  # replaced by `_live.pop`
         self._live.pop(name, None)  # its heap entry is stale from now on
 
     def setdefault(self, name: str, value: None = None) -> None:
         if name not in self._live:
-            self.counted(name)
-            self._push(name, self._prio[name])
+            prio = self._prio.get(name)
+            if prio is None:
+                self.counted(name)
+                prio = self._prio[name]
+            # `_push`, inlined: once per chunk evicted (its parent becomes a leaf).
+            self._seq += 1
+            entry = self._live[name] = (prio, self._seq, name)
+            heapq.heappush(self._heap, entry)
+            if len(self._heap) > 2 * len(self._live) + 1024:
+                self._compact()
 
     def move_to_end(self, name: str, last: bool = True) -> None:
         """Recency is the age's business: a served leaf is requeued by `served`, and a parent
@@ -105,10 +116,12 @@ class FrequencyLeaves:
 
     def stored(self, keys: Sequence[ChunkKey]) -> None:
         """`keys` were stored: each counted (`counted`), in one call."""
-        counts = self._counts
+        counts, prio, ghost, age = self._counts, self._prio, self._ghost, self.age
         for k in keys:
-            if k.key not in counts:
-                self.counted(k.key)
+            name = k.key
+            if name not in counts:
+                count = counts[name] = ghost.pop(name, 0) + 1 if ghost else 1
+                prio[name] = age + count
 
     def served(self, keys: Sequence[ChunkKey]) -> None:
         """A request was served `keys` (held): one use each, leaves requeued deepest first."""
@@ -127,12 +140,15 @@ class FrequencyLeaves:
         prio = self._prio.pop(name, 0.0)
         if not evicted:
             return
-        self.age = max(self.age, prio)
+        if prio > self.age:
+            self.age = prio
         if self._ghost_cap:
-            self._ghost[name] = count
-            self._ghost.move_to_end(name)
-            if len(self._ghost) > self._ghost_cap:
-                self._ghost.popitem(last=False)
+            ghost = self._ghost
+            # Never there: a held chunk's ghost entry went when it was counted. So the
+            # assignment appends it, as the newest, without a move.
+            ghost[name] = count
+            if len(ghost) > self._ghost_cap:
+                ghost.popitem(last=False)
 
     def clear(self) -> None:
         self._counts.clear()
@@ -149,14 +165,20 @@ class FrequencyLeaves:
         entry = (prio, self._seq, name)
         self._live[name] = entry
         heapq.heappush(self._heap, entry)
-        if len(self._heap) > 2 * len(self._live) + 1024:  # stale entries: drop them now and then
-            live = self._live
-            self._heap = [e for e in self._heap if live.get(e[2]) is e]
-            heapq.heapify(self._heap)
+        if len(self._heap) > 2 * len(self._live) + 1024:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop the heap's stale entries (now and then: they are skipped until then)."""
+        live = self._live
+        self._heap = [e for e in self._heap if live.get(e[2]) is e]
+        heapq.heapify(self._heap)
 
 
 class LFUDABackend(CPUBackend):
     """`CPUBackend` with `FrequencyLeaves` (see the module docstring)."""
+
+    _parent_next = False  # its priority places it (`FrequencyLeaves.move_to_end`)
 
     def __init__(self, ctx: BackendContext, *, name: str | None = None):
         super().__init__(ctx, name=name)
@@ -164,13 +186,30 @@ class LFUDABackend(CPUBackend):
         chunks = max(1, ctx.allocator.size // chunk)
         self._freq = FrequencyLeaves(min(MAX_GHOST, GHOST_PER_CHUNK * chunks))
         self._leaves = self._freq
+        # Called per chunk evicted or removed: the counts' own method, one Python frame fewer.
+        self._on_drop = self._freq.dropped  # type: ignore[method-assign]
 
     def _on_put(self, keys: Sequence[ChunkKey]) -> None:
         # Leaves were counted as they were queued; the chunks stored under a child are now.
         self._freq.stored(keys)
 
     def _on_hit(self, keys: Sequence[ChunkKey]) -> None:
+        # Served chunks are requeued by their counts; the entries' order (LRU's recency) is
+        # read by no decision here, so it is not kept.
         self._freq.served(keys)
 
-    def _on_drop(self, name: str, evicted: bool) -> None:
+    def _first_leaf(self) -> str | None:
+        # The heap's first live leaf, read here: once per chunk evicted, one frame.
+        heap, live = self._freq._heap, self._freq._live
+        while heap:
+            entry = heap[0]
+            if live.get(entry[2]) is entry:
+                if self._entries[entry[2]][1].refs == 1:
+                    return entry[2]
+                break
+            heapq.heappop(heap)
+        return super()._first_leaf()  # the first leaf is in use: walk on, in order
+
+    def _on_drop(self, name: str, evicted: bool) -> None:  # replaced by `dropped` in __init__
         self._freq.dropped(name, evicted)
+

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import threading
 from abc import ABC, abstractmethod
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 
 from kvtier.config.names import ADAPTIVE, ADMISSION_POLICIES, ALWAYS, SECOND_HIT
@@ -133,6 +133,10 @@ class AdaptiveSecondHit(Admission):
         # LRU on the synthetic trace at 0.1M tokens, 1.076x against 1.112x at 1M).
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._gone: OrderedDict[str, None] = OrderedDict()  # evicted lately
+        # Evictions come one allocation at a time: queued without the lock (a deque's extend is
+        # atomic) and moved into `_gone` by the next admit. The list's contents when read are
+        # those of applying each at once (the newest `_capacity` keys either way).
+        self._evicted: deque[ChunkKey] = deque()
         self._weight = 1.0 / max(64, chunks // 4)
         self._returns = 0.0  # the average share of offers that start with an evicted chunk
         self.refusing = False
@@ -143,6 +147,7 @@ class AdaptiveSecondHit(Admission):
         if not keys:
             return 0
         with self._lock:
+            self._apply_evicted()
             first = keys[0].key
             returned = self._gone.pop(first, 0) is None
             self._returns += self._weight * (returned - self._returns)
@@ -159,19 +164,38 @@ class AdaptiveSecondHit(Admission):
             return 0
 
     def evicted(self, keys: Sequence[ChunkKey]) -> None:
-        with self._lock:
-            _remember(self._gone, keys, self._capacity)
+        self._evicted.extend(keys)
+
+    def _apply_evicted(self) -> None:
+        """Move the queued evictions into `_gone` (under the lock: only its holder takes)."""
+        queued = self._evicted
+        if queued:
+            gone, move = self._gone, self._gone.move_to_end
+            while queued:
+                name = queued.popleft().key
+                if name in gone:
+                    move(name)
+                else:
+                    gone[name] = None
+            while len(gone) > self._capacity:
+                gone.popitem(last=False)
 
     def stats(self) -> dict[str, float]:
+        with self._lock:
+            self._apply_evicted()
         return {"admission_refused_chunks": self.refused,
                 "admission_ghost_keys": len(self._seen) + len(self._gone),
                 "admission_refusing": int(self.refusing)}
 
 
 def _remember(ghost: OrderedDict[str, None], keys: Sequence[ChunkKey], capacity: int) -> None:
+    move = ghost.move_to_end
     for k in keys:
-        ghost[k.key] = None
-        ghost.move_to_end(k.key)
+        name = k.key
+        if name in ghost:  # a move only where needed: most keys offered are new
+            move(name)
+        else:
+            ghost[name] = None
     while len(ghost) > capacity:
         ghost.popitem(last=False)
 
