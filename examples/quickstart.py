@@ -12,6 +12,7 @@ import torch
 
 from kvtier import CacheEngine, KVLayout, load_config
 from kvtier.connectors import SGLangMHAConnector
+from kvtier.storage import StorageManager
 
 LAYERS, HEADS, HEAD_DIM, SLOTS = 4, 2, 64, 4096
 
@@ -34,10 +35,13 @@ def main() -> None:
     slots_a = torch.randperm(SLOTS)[: prompt.numel()]
     slots_b = torch.randperm(SLOTS)[: prompt.numel()]
 
+    # One process plays both servers, so they share one set of tiers (two servers share
+    # them through disk or Redis instead).
+    tiers = StorageManager(config, layout)
     a = CacheEngine(config, model_name="demo", layout=layout,
-                    connector=SGLangMHAConnector(k, v))
+                    connector=SGLangMHAConnector(k, v), storage=tiers)
     b = CacheEngine(config, model_name="demo", layout=layout,
-                    connector=SGLangMHAConnector(k2, v2), storage=a.storage)
+                    connector=SGLangMHAConnector(k2, v2), storage=tiers)
     print("stored tokens:", a.store(prompt, slots_a))
     print("lookup:", b.lookup(prompt))
     loaded = b.retrieve(prompt, slots_b)
@@ -46,6 +50,8 @@ def main() -> None:
                for x, y in zip(k + v, k2 + v2))
     print("byte-exact:", same)
     a.close()
+    b.close()
+    tiers.close()
     if not same:
         sys.exit(1)
 

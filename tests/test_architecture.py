@@ -105,13 +105,26 @@ def test_kernels_import_nothing_of_the_data_path(module):
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("kvtier.integration")))
 def test_integration_goes_through_the_engine(module):
     # Through the engine wing's doors (CacheEngine, its `tiers`, PageStore), never past them.
+    # (nor through the engine's attribute: test_nothing_reads_the_engines_storage_manager)
     bad = sorted(m for m in GRAPH[module] if m.startswith("kvtier.storage"))
     assert not bad, f"{module} imports {bad}"
-    # ... nor reaches the storage manager through the engine's attribute
-    tree = ast.parse(MODULES[module].read_text())
-    reach = sorted(node.lineno for node in ast.walk(tree)
-                   if isinstance(node, ast.Attribute) and node.attr == "storage")
-    assert not reach, f"{module} uses `.storage` on lines {reach}"
+
+
+def test_nothing_reads_the_engines_storage_manager():
+    """The storage manager is the engine's own (issue 73): no module of kvtier reads
+    `.storage` (`CacheEngine.storage`, a deprecated shim: its definition is no read) and
+    `._storage` is read on `self` alone; callers use the engine's doors (`stats`, `flush`,
+    `tiers`) or build a StorageManager and pass it in."""
+    reads = {}
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        lines = sorted(node.lineno for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                       and isinstance(node.ctx, ast.Load) and (
+                           node.attr == "storage" and ast.unparse(node.value) != "kvtier"
+                           or node.attr == "_storage" and ast.unparse(node.value) != "self"))
+        if lines:
+            reads[module] = lines
+    assert not reads, f"use the engine's doors, not its storage manager: {reads}"
 
 
 @pytest.mark.parametrize("module", sorted(m for m in MODULES if m.startswith("kvtier.blend")))

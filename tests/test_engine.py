@@ -65,7 +65,7 @@ def _engines(src: KVConnector, dst: KVConnector,
     """Two engines over one storage manager (the first owns it), as two servers would be."""
     a = CacheEngine(cfg, model_name="m", layout=src.layout, connector=src)
     return a, CacheEngine(cfg, model_name="m", layout=dst.layout, connector=dst,
-                          storage=a.storage)
+                          storage=a._storage)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.uint8])
@@ -116,12 +116,12 @@ def test_mla_keys_ignore_rank_and_only_rank0_writes_to_shared_tiers(
     with CacheEngine(cfg, rank=1, **mla) as r1:
         # its own CPU tier holds it (a CPU-only rank 1 hits too), its disk gets nothing
         assert r1.store(tokens, slots) == 64 and r1.lookup(tokens) == 64
-        assert r1.storage.flush(30)
+        assert r1.flush(30)
         assert not list((tmp_path / "kv").rglob("*.kv*"))
         with CacheEngine(cfg, rank=0, **mla) as r0:  # its own process: storage of its own
             assert r0.lookup(tokens) == 0
             assert r0.store(tokens, slots) == 64
-            assert r0.storage.flush(30)
+            assert r0.flush(30)
         assert list((tmp_path / "kv").rglob("*.kv*"))
         fresh = CacheEngine(cfg, rank=1, **mla)
         try:  # a restarted rank 1 loads what rank 0 wrote down
@@ -137,7 +137,7 @@ def test_mha_ranks_are_keyed_apart(tokens: torch.Tensor) -> None:
     with CacheEngine(_config(), model_name="m", layout=conn.layout, connector=conn,
                      world_size=2, rank=0) as r0:
         r1 = CacheEngine(_config(), model_name="m", layout=conn.layout, connector=conn,
-                         world_size=2, rank=1, storage=r0.storage)
+                         world_size=2, rank=1, storage=r0._storage)
         assert r0.store(tokens, slots) == 64
         assert r1.lookup(tokens) == 0
 
@@ -170,7 +170,7 @@ def test_retrieve_stops_at_first_missing_chunk(tokens: torch.Tensor) -> None:
         eng.store(tokens[:32], slots[:32])
         assert eng.lookup(tokens) == 32
         assert eng.retrieve(tokens, slots) == 32
-        eng.storage.remove(eng.chunk_keys(tokens)[:1])
+        eng.tiers.remove(eng.chunk_keys(tokens)[:1])
         assert eng.lookup(tokens) == 0
         assert eng.retrieve(tokens, slots) == 0
 
@@ -265,9 +265,9 @@ def test_eviction_keeps_prefixes_usable() -> None:
         for p, hit in zip(prompts, hits):
             # What is left of each prompt is a prefix: exactly the chunks before `hit`.
             keys = eng.chunk_keys(p)
-            present = [eng.storage.hot.batch_contains([key]) for key in keys]
+            present = [eng._storage.hot.batch_contains([key]) for key in keys]
             assert present == [1] * (hit // CHUNK) + [0] * (len(keys) - hit // CHUNK)
-        eng.storage.allocator.check_integrity()
+        eng._storage.allocator.check_integrity()
 
 
 def test_eight_threads_overlapping_prompts() -> None:
@@ -282,7 +282,7 @@ def test_eight_threads_overlapping_prompts() -> None:
         k2, v2 = _zeros_like(k), _zeros_like(v)
         dst = SGLangMHAConnector(k2, v2)
         mine = CacheEngine(cfg, model_name="m", layout=dst.layout, connector=dst,
-                           storage=engine.storage)
+                           storage=engine._storage)
         gen = torch.Generator().manual_seed(100 + i)
         for _ in range(25):
             tail = torch.randint(0, 30_000, (32,), generator=gen)
@@ -297,7 +297,7 @@ def test_eight_threads_overlapping_prompts() -> None:
                 assert same_bytes(s[slots[:got]], d[slots[:got]])
 
     run_threads(work, [(i,) for i in range(8)])
-    alloc = engine.storage.allocator
+    alloc = engine._storage.allocator
     engine.close()
     alloc.check_integrity()
     assert alloc.used_bytes == 0
@@ -308,7 +308,7 @@ def test_connector_rejects_bad_slots_without_writing() -> None:
     conn = SGLangMHAConnector(k, v)
     before = [b.clone() for b in k + v]
     with CacheEngine(_config(), model_name="m", layout=conn.layout, connector=conn) as eng:
-        obj = eng.storage.allocator.allocate(conn.layout, 4)
+        obj = eng._storage.allocator.allocate(conn.layout, 4)
         assert obj is not None
         try:
             for bad in (torch.tensor([0, 1, 2, SLOTS]), torch.tensor([0, 1, -1, 2]),
@@ -359,11 +359,11 @@ def test_a_chunk_the_lower_tier_holds_is_not_written_again(tmp_path: Path,
     cfg = _config(local_disk=str(tmp_path / "disk"), max_local_disk_size=0.1)
     with CacheEngine(cfg, model_name="m", layout=conn.layout, connector=conn) as engine:
         slots = _slots("contiguous", len(tokens))
-        assert engine.store(tokens, slots) == 64 and engine.storage.flush()
+        assert engine.store(tokens, slots) == 64 and engine.flush()
         written = engine.stats()["disk.writes"]
-        engine.storage.hot.remove(engine.chunk_keys(tokens))  # the CPU tier forgot them
+        engine.tiers.remove(engine.chunk_keys(tokens), "cpu")  # the CPU tier forgot them
         assert engine.store(tokens, slots) == 64  # back in the CPU tier ...
-        assert engine.storage.flush()
+        assert engine.flush()
         stats = engine.stats()
         assert stats["disk.writes"] == written  # ... but not rewritten to disk
         assert stats["disk.write_present"] == 4

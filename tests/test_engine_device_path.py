@@ -76,7 +76,7 @@ def engines(request: pytest.FixtureRequest) -> Iterator[tuple[CacheEngine, Cache
     src, dst = make(1), make(2)
     cfg = Config(chunk_size=CHUNK, max_local_cpu_size=0.01, save_unfull_chunk=True)
     a = CacheEngine(cfg, model_name="m", layout=src.layout, connector=src)
-    b = CacheEngine(cfg, model_name="m", layout=dst.layout, connector=dst, storage=a.storage)
+    b = CacheEngine(cfg, model_name="m", layout=dst.layout, connector=dst, storage=a._storage)
     for engine, conn in ((a, src), (b, dst)):  # what a CUDA pool would get
         engine._device = engine._saver._device = engine._loader._device = \
             CopiesOnCPU(conn)  # type: ignore[assignment]
@@ -110,10 +110,10 @@ def test_a_load_holds_its_objects_until_the_copy_has_run(
     a.store(toks, torch.arange(n))
     b.retrieve(toks, torch.arange(n, 2 * n))
     b.retrieve(toks, torch.arange(n, 2 * n), hot_only=True)
-    objs = a.storage.hot.batch_get(a.chunk_keys(toks))
+    objs = a._storage.hot.batch_get(a.chunk_keys(toks))
     try:
         assert [o.refs for o in objs] == [4] * 4  # tier + two loads in flight + this lease
-        assert a.storage.hot.pop_lru(1 << 30) == []  # in use: never evicted under a copy
+        assert a._storage.hot.pop_lru(1 << 30) == []  # in use: never evicted under a copy
         b._device.fire()  # type: ignore[union-attr]
         assert [o.refs for o in objs] == [2] * 4
     finally:
@@ -127,11 +127,11 @@ def test_a_store_keeps_chunks_up_to_the_first_unwritten_slot(
     toks = torch.randint(0, 30000, (3 * CHUNK,))
     slots = torch.arange(3 * CHUNK)
     slots[CHUNK + 2] = -1
-    used = a.storage.allocator.used_bytes
+    used = a.stats()["arena_used_bytes"]
     assert a.store(toks, slots) == CHUNK
     assert a.lookup(toks) == CHUNK
     chunk = -(-a.layout.nbytes(CHUNK) // ALIGN) * ALIGN
-    assert a.storage.allocator.used_bytes == used + chunk  # the others were freed
+    assert a.stats()["arena_used_bytes"] == used + chunk  # the others were freed
 
 
 def test_a_store_with_out_of_range_slots_raises_after_releasing_the_slots(
@@ -147,7 +147,7 @@ def test_a_store_with_out_of_range_slots_raises_after_releasing_the_slots(
     with pytest.raises(ValueError, match="slot_mapping"):
         a.store(toks, slots, on_read=lambda: read.append(True))
     assert read == [True] and a.lookup(toks) == 0
-    assert a.storage.allocator.used_bytes == 0
+    assert a.stats()["arena_used_bytes"] == 0
 
 
 def test_the_inner_tail_is_stored_from_the_same_copy(

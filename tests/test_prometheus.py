@@ -81,8 +81,8 @@ def test_endpoint_speaks_prometheus_text_and_series_move(
     ctype, before = scrape(port)
     assert ctype.startswith("text/plain")
     ids = torch.arange(1000, 1064)
-    assert eng.store(ids, torch.arange(1, 65)) == 64 and eng.storage.flush()
-    eng.storage.hot.remove(eng.chunk_keys(ids))
+    assert eng.store(ids, torch.arange(1, 65)) == 64 and eng.flush()
+    eng.tiers.remove(eng.chunk_keys(ids), "cpu")
     assert eng.retrieve(ids, torch.arange(100, 164)) == 64
     _, after = scrape(port)
 
@@ -95,7 +95,7 @@ def test_endpoint_speaks_prometheus_text_and_series_move(
     assert moved("kvtier_hit_chunks_total", 4, tier="disk")
     assert moved("kvtier_tier_op_seconds_count", 1, tier="disk", op="put")
     assert moved("kvtier_tier_op_seconds_count", 1, tier="disk", op="get")
-    assert after[("kvtier_arena_bytes", ())] >= eng.storage.allocator.size
+    assert after[("kvtier_arena_bytes", ())] >= eng._storage.allocator.size
     assert ("kvtier_entries", (("tier", "disk"),)) in after
 
 
@@ -108,8 +108,8 @@ def test_every_dashboard_query_names_an_exported_metric(
     eng.tiers.attach("redis", dataclasses.replace(eng.config, remote_url=redis_server.url))
     ids = torch.arange(64)
     eng.store(ids, torch.arange(1, 65), session_id="s")
-    assert eng.storage.flush()
-    eng.storage.hot.remove(eng.chunk_keys(ids))
+    assert eng.flush()
+    eng.tiers.remove(eng.chunk_keys(ids), "cpu")
     eng.prefetch(ids)
     assert eng.retrieve(ids, torch.arange(100, 164)) == 64
     prometheus.sync()
@@ -134,8 +134,8 @@ def test_estimates_are_exported_and_shown_by_kvtier_stats(
 
     eng, port = engine
     ids = torch.arange(2000, 2064)
-    assert eng.store(ids, torch.arange(1, 65)) == 64 and eng.storage.flush()
-    eng.storage.hot.remove(eng.chunk_keys(ids))
+    assert eng.store(ids, torch.arange(1, 65)) == 64 and eng.flush()
+    eng.tiers.remove(eng.chunk_keys(ids), "cpu")
     eng.prefill.observe(4096, 2.0, 4096)  # 2048 tokens/s
     assert eng.start_prefetch(ids).wait_done(30)
     _, samples = scrape(port)

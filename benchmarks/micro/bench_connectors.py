@@ -146,7 +146,7 @@ def engine_cases(
     def retrieve() -> None:
         assert engine.retrieve(loaded, slots) == prompt
 
-    setups = {"store/engine": lambda: engine.storage.remove(engine.chunk_keys(stored))}
+    setups = {"store/engine": lambda: engine.tiers.remove(engine.chunk_keys(stored))}
     return {"store/engine": store, "retrieve/engine": retrieve}, setups, engine
 
 

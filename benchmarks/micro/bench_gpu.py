@@ -39,6 +39,7 @@ from kvtier.engine import CacheEngine
 from kvtier.kernels import ops
 from kvtier.kernels.host_copy import gather_host, scatter_host
 from kvtier.memory import MemoryAllocator
+from kvtier.storage import StorageManager
 
 CHUNK = 256
 
@@ -72,12 +73,12 @@ def run_case(kind: str, tokens: int, args: argparse.Namespace) -> dict[str, Any]
     src, dst = pools(kind, args.pool_slots)
     nbytes = src.layout.nbytes(tokens)
     cfg = Config(chunk_size=CHUNK, max_local_cpu_size=3 * nbytes / 1e9, save_tails=False)
-    a = CacheEngine(cfg, model_name="bench", layout=src.layout, connector=src)
-    b = CacheEngine(cfg, model_name="bench", layout=dst.layout, connector=dst,
-                    storage=a.storage)
+    storage = StorageManager(cfg, src.layout)  # a's and b's: b loads what a stored
+    a = CacheEngine(cfg, model_name="bench", layout=src.layout, connector=src, storage=storage)
+    b = CacheEngine(cfg, model_name="bench", layout=dst.layout, connector=dst, storage=storage)
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    objs = [a.storage.allocator.allocate(src.layout, CHUNK) for _ in range(tokens // CHUNK)]
+    objs = [storage.allocator.allocate(src.layout, CHUNK) for _ in range(tokens // CHUNK)]
     planes = src._planes([o for o in objs if o is not None], "objs")
     status = torch.zeros(len(planes), dtype=torch.int32, pin_memory=True)
     staging = Staging(torch.device("cuda", torch.cuda.current_device()))
@@ -102,12 +103,13 @@ def run_case(kind: str, tokens: int, args: argparse.Namespace) -> dict[str, Any]
             t = timed(fn)
             if i >= 2:
                 times[name].append(t)
-        a.storage.remove(a.chunk_keys(toks))
+        a.tiers.remove(a.chunk_keys(toks))
     for obj in objs:
         if obj is not None:
             obj.release()
     b.close()
     a.close()
+    storage.close()
     out = {name: summary(nbytes, t) for name, t in times.items()}
     for name, row in out.items():
         base = out["memcpy d2h" if name in ("memcpy d2h", "kernel gather", "staged gather",

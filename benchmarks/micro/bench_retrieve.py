@@ -36,6 +36,7 @@ from kvtier.config import Config
 from kvtier.connectors import SGLangMHAConnector
 from kvtier.engine import CacheEngine
 from kvtier.memory import lease
+from kvtier.storage import StorageManager
 
 TOKENS = 256
 RESULTS = Path(__file__).resolve().parents[1] / "results"
@@ -56,8 +57,9 @@ def _raw_read(files: list[Path], buf: memoryview) -> int:
     return total
 
 
-def _serial_retrieve(engine: CacheEngine, tokens: torch.Tensor, slots: torch.Tensor) -> int:
-    disk = next(t for t in engine.storage.tiers if t.name == "disk")
+def _serial_retrieve(engine: CacheEngine, storage: StorageManager, tokens: torch.Tensor,
+                     slots: torch.Tensor) -> int:
+    disk = next(t for t in storage.tiers if t.name == "disk")
     loaded = 0
     for key in engine.chunk_keys(tokens):
         objs = disk.batch_get([key])
@@ -77,25 +79,26 @@ def run(chunks: int, rounds: int, workdir: Path) -> dict[str, object]:
     v = [torch.randn(shape, generator=gen).to(LLAMA3_8B.dtype) for _ in range(32)]
     config = Config(chunk_size=TOKENS, max_local_cpu_size=LLAMA3_8B.nbytes(n) * 1.2 / 1e9,
                     local_disk=str(workdir / "disk"), max_local_disk_size=100.0)
+    storage = StorageManager(config, LLAMA3_8B)  # the engine's; the serial baseline reads it
     engine = CacheEngine(config, model_name="bench", layout=LLAMA3_8B,
-                         connector=SGLangMHAConnector(k, v))
+                         connector=SGLangMHAConnector(k, v), storage=storage)
     tokens = torch.randint(0, 128_000, (n,), generator=gen)
     slots = torch.arange(1, n + 1, dtype=torch.int64)
     try:
         assert engine.store(tokens, slots) == n
-        assert engine.storage.flush(600)
+        assert engine.flush(600)
         nbytes = LLAMA3_8B.nbytes(n)
         buf = memoryview(bytearray(1 << 20))
         secs: dict[str, list[float]] = {"pipelined": [], "serial": [], "raw": []}
         for _ in range(rounds):
             for name in secs:
-                engine.storage.hot.remove(engine.chunk_keys(tokens))
+                engine.tiers.remove(engine.chunk_keys(tokens), "cpu")
                 files = _drop_cache(workdir / "disk")
                 start = time.perf_counter()
                 if name == "raw":
                     assert _raw_read(files, buf) >= nbytes
                 elif name == "serial":
-                    assert _serial_retrieve(engine, tokens, slots) == n
+                    assert _serial_retrieve(engine, storage, tokens, slots) == n
                 else:
                     assert engine.retrieve(tokens, slots) == n
                 secs[name].append(time.perf_counter() - start)
@@ -104,6 +107,7 @@ def run(chunks: int, rounds: int, workdir: Path) -> dict[str, object]:
                  for name in ("pipelined", "serial")}
     finally:
         engine.close()
+        storage.close()
     return {"chunks": chunks, "chunk_mib": LLAMA3_8B.nbytes(TOKENS) / 2**20, "rounds": rounds,
             "gbps": gbps, "vs_raw_cold_read": ratio, "secs": secs}
 

@@ -40,7 +40,8 @@ from kvtier.engine import CacheEngine
 from kvtier.errors import KVTierError
 from kvtier.kernels import ops
 from kvtier.keys import ChunkKey, KeyBuilder
-from kvtier.memory import KVLayout, MemoryAllocator
+from kvtier.memory import ALIGN, KVLayout, MemoryAllocator
+from kvtier.storage import StorageManager
 
 __all__ = ["run_bench", "LLAMA3_8B"]
 
@@ -114,16 +115,20 @@ def run_bench(config: Config, *, prompts: int = 8, tokens: int = 2048,
              torch.randperm(slots_total, generator=gen)[:tokens]) for _ in range(prompts)]
     bar.update()
     try:
-        with _scratch(config, working, real_tiers) as (cfg, model, written):
+        # the writer's and the reader's tiers, closed (writers drained, bounded) before the
+        # scratch clean-up runs
+        with _scratch(config, working, real_tiers) as (cfg, model, written), \
+                contextlib.closing(StorageManager(cfg, LLAMA3_8B)) as storage:
             results["scratch"] = {"model": model, "tiers": list(cfg.tiers),
                                   "real_tiers": real_tiers,
                                   "arena_bytes": int(cfg.max_local_cpu_size * 1e9)}
-            engine = CacheEngine(cfg, model_name=model, layout=LLAMA3_8B, connector=src)
+            engine = CacheEngine(cfg, model_name=model, layout=LLAMA3_8B, connector=src,
+                                 storage=storage)
             try:
                 # Every key a store may write, known before the first store: clean-up needs no
                 # record of what finished.
                 written.register([k for toks, _ in work for k in engine.chunk_keys(toks)])
-                results.update(_connector_rates(engine, src, dst, work[0][1][:chunk]))
+                results.update(_connector_rates(src, dst, work[0][1][:chunk]))
                 bar.update()
                 t0 = time.perf_counter()
                 stored = 0
@@ -131,14 +136,14 @@ def run_bench(config: Config, *, prompts: int = 8, tokens: int = 2048,
                     stored += engine.store(toks, slots)
                     bar.update()
                 results["store_gbps"] = LLAMA3_8B.nbytes(stored) / (time.perf_counter() - t0) / 1e9
-                engine.storage.flush()
+                engine.flush()
                 reader = CacheEngine(cfg, model_name=model, layout=LLAMA3_8B, connector=dst,
-                                     storage=engine.storage)
+                                     storage=storage)
                 results["tiers"] = _tier_rates(engine, reader, work)
                 bar.update(prompts)
                 results["stats"] = engine.stats()
             finally:
-                engine.close()  # drains the writers (bounded) before the clean-up runs
+                engine.close()
     finally:
         bar.close()
     _print_table(results)
@@ -248,31 +253,33 @@ def _delete(config: Config, written: _Written) -> None:
             redis.close()
 
 
-def _connector_rates(engine: CacheEngine, src: SGLangMHAConnector, dst: SGLangMHAConnector,
+def _connector_rates(src: SGLangMHAConnector, dst: SGLangMHAConnector,
                      slots: torch.Tensor) -> dict[str, float]:
-    obj = engine.storage.allocator.allocate(LLAMA3_8B, slots.numel())
-    if obj is None:
-        raise ValueError("max_local_cpu_size is too small for one benchmark chunk")
+    # An arena of its own, one chunk, allocated as the CPU tier's is (pinned where CUDA is)
+    arena = MemoryAllocator(LLAMA3_8B.nbytes(slots.numel()) + ALIGN)
+    obj = arena.allocate(LLAMA3_8B, slots.numel())
+    assert obj is not None, "an arena sized for one chunk holds it"
     try:
         return {"gather_gbps": obj.nbytes / _best_of(lambda: src.gather(slots, obj)) / 1e9,
                 "scatter_gbps": obj.nbytes / _best_of(lambda: dst.scatter(obj, slots)) / 1e9}
     finally:
         obj.release()
+        arena.close()
 
 
 def _tier_rates(writer: CacheEngine, reader: CacheEngine,
                 work: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, dict[str, float]]:
     """Retrieve throughput from each tier in turn, emptying the tiers above it first."""
     out = {}
-    tiers = writer.storage.tiers
+    tiers = writer.tiers.names
     for i, tier in enumerate(tiers):
         for upper in tiers[:i]:
             for toks, _ in work:
-                upper.remove(writer.chunk_keys(toks))
+                writer.tiers.remove(writer.chunk_keys(toks), upper)
         t0 = time.perf_counter()
         loaded = sum(reader.retrieve(toks, slots) for toks, slots in work)
         seconds = time.perf_counter() - t0
-        out[tier.name] = {"retrieve_gbps": LLAMA3_8B.nbytes(loaded) / seconds / 1e9,
+        out[tier] = {"retrieve_gbps": LLAMA3_8B.nbytes(loaded) / seconds / 1e9,
                           "tokens_loaded": loaded}
     return out
 

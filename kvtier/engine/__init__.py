@@ -4,8 +4,9 @@ Two doors: `CacheEngine` (`cache`: store and load KV by token prefix, from and i
 connector's pool), with its lower tiers at run time as `CacheEngine.tiers` (`TierControl`) and
 blending's segments as `CacheEngine.segments` (a `kvtier.engine.segments.SegmentStore` the engine
 builds over its storage manager); and `PageStore` (`pages`: pages of a host pool stored by key,
-SGLang's HiCache L3 API). Both sit on the storage manager, which `CacheEngine.storage` still
-exposes; the integrations never read it (tests/test_architecture.py).
+SGLang's HiCache L3 API). Both sit on the storage manager, which is the engine's own
+(`CacheEngine.storage` is a deprecated shim for one release); nothing in kvtier reads it
+(tests/test_architecture.py).
 
 Behind the doors: `saving` (a store's chunks from the pool into the CPU tier), `rows` (which
 pool rows a load writes), `around` (write-around: chunks the CPU tier's admission refused still

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -49,8 +50,9 @@ class CacheEngine:
         connector: moves chunks between the serving engine's KV pool and memory objects.
         world_size, rank: tensor-parallel position; MHA keys carry the rank, MLA keys do not
             (MLA KV is replicated on every rank, so only rank 0 stores and every rank loads).
-        storage: share one StorageManager between engines (default: build one from config).
-            Its lower tiers change at run time through `tiers` (`TierControl`).
+        storage: share one StorageManager between engines (default: build one from config):
+            build it, pass it to each engine and close it after them (an engine closes only
+            the one it built). Its tiers change at run time through `tiers` (`TierControl`).
         page_size: the engine's KV page size in tokens: tails (`save_tails`) are whole pages.
 
     On a CUDA pool the chunks stay in the pinned host arena and every copy runs on kvtier's own
@@ -102,21 +104,22 @@ class CacheEngine:
             salt=name_salt(config.hash_salt, config.record_key_file),
             save_unfull_chunk=config.save_unfull_chunk, namespace=config.key_namespace,
             tails=config.save_tails, page_size=page_size)
-        self.storage = storage or StorageManager(config, layout)
-        self._stores = self._writes_down or self.storage.hot.keeps_puts
-        self.storage.counters.declare("tokens_stored", "tokens_loaded", "tokens_requested",
+        self._storage = storage or StorageManager(config, layout)
+        self._stores = self._writes_down or self._storage.hot.keeps_puts
+        self._storage.counters.declare("tokens_stored", "tokens_loaded", "tokens_requested",
                                       "store_no_memory")
         self._owns_storage = storage is None
-        self.tiers = TierControl(self.storage)  # lower tiers attached and detached at run time
+        self.tiers = TierControl(self._storage)  # the tiers at run time: attach, remove, ...
         # the engine's prefill speed: fed by its prefills, weighed against loads and blends
-        self.prefill = EnginePrefill(self.storage.prefill, connector.device, layout.dtype)
+        self.prefill = EnginePrefill(self._storage.prefill, connector.device, layout.dtype)
         self._device: DeviceCopies | None = None
         if connector.device.type == "cuda":
             from kvtier.connectors.streams import DeviceCopies
 
-            self._device = DeviceCopies(connector, self.storage.counters)
-        self._saver = PrefixSaver(self.storage, layout, connector, self._device, self._writes_down)
-        self._loader = PrefixLoader(self.storage, connector, self._device, config.chunk_size)
+            self._device = DeviceCopies(connector, self._storage.counters)
+        self._saver = PrefixSaver(self._storage, layout, connector, self._device,
+                                  self._writes_down)
+        self._loader = PrefixLoader(self._storage, connector, self._device, config.chunk_size)
         if config.metrics_port is not None:
             from kvtier import prometheus
 
@@ -165,7 +168,7 @@ class CacheEngine:
             return 0
         extra = self.keys.inner_tail(token_ids, keys, also_prefix, salt)
         todo = keys
-        if known > 0 and not self.storage.hot.keeps_puts:
+        if known > 0 and not self._storage.hot.keeps_puts:
             todo = [k for k in keys if k.end > known]
             extra = None if extra is not None and extra.end <= known else extra
         retain = hints.retain_s if hints is not None else None
@@ -173,9 +176,9 @@ class CacheEngine:
                                   unwritten=lowest is None or lowest < 0,
                                   declared=session_id is not None or retain is not None)
         if session_id is not None:
-            self.storage.pin_session(session_id, keys)
+            self._storage.pin_session(session_id, keys)
         if retain is not None:
-            self.storage.sessions.retain(retain_name(keys), keys, retain)
+            self._storage.sessions.retain(retain_name(keys), keys, retain)
         return stored
 
     def verify(self, token_ids: TokenIds | Prefix, slot_mapping: torch.Tensor, *, start: int = 0,
@@ -193,11 +196,11 @@ class CacheEngine:
         _, slots, _ = self._prepare(prefix.token_ids, slot_mapping, prefix.keys)
         keys = prefix.chain
         verdicts = [] if self._closed else shadow_check(
-            self.storage, keys, start, lambda todo: self._saver.fill(todo, slots, ready))
-        if loaded and suspect(self.storage, keys, start, verdicts):
+            self._storage, keys, start, lambda todo: self._saver.fill(todo, slots, ready))
+        if loaded and suspect(self._storage, keys, start, verdicts):
             if on_read is not None:  # nothing of the request is stored
                 on_read()
-            return Verification(0, verdicts, purge(self.storage, keys))
+            return Verification(0, verdicts, purge(self._storage, keys))
         stored = self.store(prefix, slot_mapping, session_id=session_id, on_read=on_read,
                             also_prefix=also_prefix, ready=ready, hints=hints)
         return Verification(stored, verdicts)
@@ -231,14 +234,14 @@ class CacheEngine:
         limit = limit_of(limit, slots.numel())
         wanted = [k for k in keys if k.end > skip and k.start < limit]
         if session_id is not None:
-            self.storage.touch_session(session_id)
+            self._storage.touch_session(session_id)
         if self._closed or skip >= limit:
             return skip
         loaded, asked = self._loader.load(keys, wanted, slots, skip, limit, hot_only=hot_only)
         loaded = min(loaded, limit)
-        self.storage.unstage(asked)  # `local_cpu: false`: delivered, so no longer held
-        self.storage.counters.inc("tokens_loaded", loaded - skip)
-        self.storage.counters.inc("tokens_requested", limit - skip)
+        self._storage.unstage(asked)  # `local_cpu: false`: delivered, so no longer held
+        self._storage.counters.inc("tokens_loaded", loaded - skip)
+        self._storage.counters.inc("tokens_requested", limit - skip)
         return loaded
 
     def lookup(self, token_ids: TokenIds | Prefix, *, hot_only: bool = False,
@@ -252,7 +255,7 @@ class CacheEngine:
             return 0
         limit = limit_of(limit, len(token_ids))
         usable = [k for k in keys if k.start < limit]
-        n = self.storage.contains(usable, hot_only=hot_only)
+        n = self._storage.contains(usable, hot_only=hot_only)
         end = usable[n - 1].end if n else 0
         tail = self._loader.tail(keys, end, limit, hot_only=hot_only)
         return min(limit, tail[0].end if tail else end)
@@ -267,24 +270,25 @@ class CacheEngine:
         See `StorageManager.start_prefetch`. `token_ids` (or a `Prefix`), `keys`, `salt`,
         `limit`: as in `retrieve`."""
         if self._closed:
-            return self.storage.start_prefetch([])
+            return self._storage.start_prefetch([])
         token_ids, keys = self._named(token_ids, keys, salt)
         limit = limit_of(limit, len(token_ids))
         if self.lookup(token_ids, hot_only=True, keys=keys, limit=limit) >= limit:
-            return self.storage.start_prefetch([])  # all in the CPU tier: nothing to load
-        return self.storage.start_prefetch(keys.upto(limit) if isinstance(keys, KeyChain)
+            return self._storage.start_prefetch([])  # all in the CPU tier: nothing to load
+        return self._storage.start_prefetch(keys.upto(limit) if isinstance(keys, KeyChain)
                                            else [k for k in keys if k.start < limit])
 
     def prefetch(self, token_ids: TokenIds | Prefix) -> Prefetch:
         """Move lower-tier chunks of `token_ids` (or a `Prefix`) into CPU memory, waiting as
         `prefetch_policy` says (`best_effort`: not at all)."""
-        return self.storage.prefetch([] if self._closed else self._named(token_ids, None, "")[1])
+        keys = [] if self._closed else self._named(token_ids, None, "")[1]
+        return self._storage.prefetch(keys)
 
     def release_session(self, session_id: str) -> bool:
         """Unpin the chunks `store(..., session_id=)` pinned (logged with the session's tag,
         never its id); False if the session held none. Sessions idle for `session_ttl_secs`
         are released by themselves."""
-        released = self.storage.release_session(session_id)
+        released = self._storage.release_session(session_id)
         if released:
             logger.info("kvtier: session %s closed; its prefix is no longer pinned",
                         session_tag(session_id))
@@ -293,11 +297,11 @@ class CacheEngine:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until the lower-tier writes queued so far have landed, `timeout` seconds at
         most (default `blocking_timeout_secs`); False if some are still queued."""
-        return self.storage.flush(timeout)
+        return self._storage.flush(timeout)
 
     def write_backlog(self) -> WriteBacklog:
         """Lower-tier writes written, pending and lost so far: what a drain reports."""
-        return self.storage.write_backlog()
+        return self._storage.write_backlog()
 
     def chunk_keys(self, token_ids: TokenIds, salt: str = "") -> list[ChunkKey]:
         """The keys `store` puts `token_ids` under (whole chunks, then the partial one per
@@ -315,10 +319,21 @@ class CacheEngine:
         this engine's tiers and keys; `ValueError` for MLA."""
         from kvtier.engine.segments import SegmentStore
 
-        return SegmentStore(self.storage, self.keys, self.layout, write_down=self._writes_down)
+        return SegmentStore(self._storage, self.keys, self.layout, write_down=self._writes_down)
 
     def stats(self) -> dict[str, float]:
-        return self.storage.stats()
+        """The counters, and every tier's stats as `tier.stat` entries (`StorageManager.stats`)."""
+        return self._storage.stats()
+
+    @property
+    def storage(self) -> StorageManager:
+        """Deprecated (issue 73; removed in the next release): the storage manager is the
+        engine's own. `DeprecationWarning` at each read (shown once per calling line)."""
+        warnings.warn("CacheEngine.storage is deprecated and goes in the next release: use "
+                      "engine.stats(), engine.flush(), engine.tiers (names, attach, detach, "
+                      "remove, watch), or build a StorageManager and pass it as storage= to "
+                      "each engine that shares it", DeprecationWarning, stacklevel=2)
+        return self._storage
 
     def close(self) -> None:
         """Drain background writes, then release the tiers and the arena. Idempotent."""
@@ -328,7 +343,7 @@ class CacheEngine:
         if self._device is not None:  # loads still copying hold arena objects
             self._device.close(self.config.blocking_timeout_secs)
         if self._owns_storage:
-            self.storage.close()
+            self._storage.close()
             self._saver.close()  # its writers drained: nothing holds the write-around buffer
 
     def __enter__(self) -> CacheEngine:

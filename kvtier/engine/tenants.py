@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from kvtier.backends.cpu import CPUBackend
 from kvtier.keys import TAG_PREFIX, tenant_tag
 from kvtier.keys.record_keys import name_salt
 
@@ -59,16 +58,9 @@ def forget_tenant(engine: CacheEngine, salt: str) -> dict[str, int]:
     A lower tier's count is of those same keys (see the module's note on what is not reached).
     Raises ValueError as `tag_of_tenant`; a tier that fails counts 0 (its guard logs it)."""
     tag = tag_of_tenant(engine, salt)
-    storage = engine.storage
-    hot = getattr(storage.hot, "inner", storage.hot)  # the guard's tier
-    keys = hot.keys_of(salt) if isinstance(hot, CPUBackend) else []
-    counts = dict.fromkeys((t.name for t in storage.tiers), 0)
-    if keys:
-        # Each lower tier first, for its own count; then the manager's removal, which takes
-        # them from the CPU tier and tells the watchers of every tier.
-        for tier in storage.lower_tiers:
-            counts[tier.name] = tier.remove(keys)
-        counts[storage.hot.name] = storage.remove(keys)
+    keys = engine.tiers.tenant_chunks(salt)
+    # every tier, slowest first (`TierControl.remove`), and their watchers told
+    counts = engine.tiers.remove(keys) if keys else dict.fromkeys(engine.tiers.names, 0)
     logger.info("kvtier: tenant %s%s forgotten: %s", TAG_PREFIX, tag,
                 ", ".join(f"{n} {t}" for t, n in counts.items()))
     return counts

@@ -1,10 +1,13 @@
-"""`CacheEngine.tiers`: the engine's lower tiers while it serves."""
+"""`CacheEngine.tiers`: the engine's tiers while it serves."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from kvtier.backends.cpu import CPUBackend
 from kvtier.config import Config
+from kvtier.keys import ChunkKey
 from kvtier.storage import StorageManager
 from kvtier.storage.watch import Watcher
 
@@ -20,7 +23,8 @@ class TierControl:
     stores and loads run: in one call, or in two halves (`build`, then `publish` or
     `discard`) so that a server builds a tier (connect, index: seconds) off its serving
     thread and publishes it there. What each call guarantees: `StorageManager.attach_tier`
-    and friends."""
+    and friends. Also: chunks removed from the tiers (`remove`), the chunks a tenant holds in
+    the CPU tier (`tenant_chunks`), and watchers of what each tier gains and loses."""
 
     def __init__(self, storage: StorageManager):
         self._storage = storage
@@ -29,6 +33,34 @@ class TierControl:
     def names(self) -> list[str]:
         """The attached tiers' names, fastest first (the CPU or staging tier first)."""
         return [t.name for t in self._storage.tiers]
+
+    def remove(self, keys: Sequence[ChunkKey], tier: str | None = None) -> dict[str, int]:
+        """Delete the chunks `keys` from tier `tier` alone (the tiers after it keep them: what
+        a restarted CPU tier, or a read from a slower tier, looks like), or from every tier;
+        `{tier name: chunks deleted there}`, fastest first. Watchers are told (`watch`).
+
+        Raises:
+            ValueError: `tier` is not attached (the message names those that are).
+        """
+        tiers = [t for t in self._storage.tiers if tier is None or t.name == tier]
+        if not tiers:
+            raise ValueError(f"tier: {tier!r} is not attached; the tiers are {self.names}")
+        counts = dict.fromkeys((t.name for t in tiers), 0)
+        names = [key.key for key in keys]
+        # Slowest first: a load running meanwhile cannot promote a chunk back into a faster
+        # tier from a slower one not yet reached.
+        for t in reversed(tiers):
+            counts[t.name] = t.remove(keys)
+            self._storage.watch.removed(t.name, names)
+        return counts
+
+    def tenant_chunks(self, salt: str) -> list[ChunkKey]:
+        """The keys of the chunks tenant `salt` (a request's salt) holds in the CPU tier (or
+        the staging tier of `local_cpu: false`), a snapshot: the tiers this process lists
+        itself (a lower tier's records are listed by its inventory)."""
+        hot = self._storage.hot
+        inner = getattr(hot, "inner", hot)  # behind its failure guard
+        return inner.keys_of(salt) if isinstance(inner, CPUBackend) else []
 
     def attach(self, name: str, config: Config | None = None) -> None:
         """Build lower tier `name` from `config` (default the engine's) and serve from it."""

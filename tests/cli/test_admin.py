@@ -25,7 +25,7 @@ def _store(cfg_path: Path, model: str, seeds: range) -> None:
         for seed in seeds:
             ids = torch.randint(0, 30_000, (64,), generator=torch.Generator().manual_seed(seed))
             assert engine.store(ids, torch.arange(1, 65)) == 64
-        assert engine.storage.flush()
+        assert engine.flush()
 
 
 def _config(tmp_path: Path, url: str, disk: bool = True) -> Path:

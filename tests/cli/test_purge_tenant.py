@@ -58,7 +58,7 @@ def test_purge_tenant_removes_its_records_and_no_others(
         for salt, seeds in PROMPTS.items():
             for seed in seeds:
                 assert engine.store(_ids(seed), torch.arange(1, 65), salt=salt) == 64
-        assert engine.storage.flush()
+        assert engine.flush()
         a_key = engine.chunk_keys(_ids(0), salt="tenant-a")[0].key
         # One tenant's lookup never finds another's prompt: the CPU tier here, ...
         assert engine.lookup(_ids(0), salt="tenant-b") == engine.lookup(_ids(0)) == 0

@@ -378,7 +378,7 @@ def test_resp_url_and_extra_config_credentials_reach_redis(
         stats = reader.stats()
         assert not any(k.startswith("cpu") for k in stats), sorted(stats)  # no CPU tier
         # ... but a transfer arena of the size the warning names
-        assert reader.storage.allocator.size == pytest.approx(TRANSFER_ARENA_GB * 1e9, rel=1e-3)
+        assert reader.stats()["arena_bytes"] == pytest.approx(TRANSFER_ARENA_GB * 1e9, rel=1e-3)
     finally:
         reader.close()
     assert redis_auth_server.client().dbsize() == 2

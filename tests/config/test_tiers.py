@@ -99,7 +99,7 @@ def test_one_row_makes_a_tier_configurable_listable_and_purgeable(
     with CacheEngine(load_config(path), model_name="toy-model", layout=SMALL_MHA,
                      connector=SGLangMHAConnector(pool[:2], pool[2:])) as engine:
         assert engine.store(ids, torch.arange(1, 65)) == 64
-        assert engine.storage.flush()
+        assert engine.flush()
     assert len(SHELF) == 4  # written down to the toy tier, one record a chunk
 
     assert main(["ls", str(path)]) == 0

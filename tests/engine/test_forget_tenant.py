@@ -56,7 +56,7 @@ def test_forgetting_a_tenant_leaves_the_others_whole(
             assert eng.lookup(tokens, salt=SALT_A) == 0  # no tier has it, the disk included
         for tokens, salt in ((b, SALT_B), (a1, SALT_B), (plain, "")):
             assert eng.lookup(tokens, hot_only=True, salt=salt) == SLOTS
-        disk = next(t for t in eng.storage.tiers if t.name == "disk")
+        disk = next(t for t in eng._storage.tiers if t.name == "disk")
         for tokens, salt in ((b, SALT_B), (a1, SALT_B), (plain, "")):
             assert disk.batch_contains(eng.chunk_keys(tokens, salt=salt)) == CHUNKS
         # Forgetting again finds nothing; the log names the tag, never the salt.

@@ -44,7 +44,7 @@ def test_an_agents_prefix_retained_across_a_tool_call_survives_other_traffic(
         for seed in range(100, 100 + 3 * TIER_CHUNKS // PROMPT_CHUNKS):
             assert eng.store(_tokens(seed), slots) == SLOTS
         held = eng.lookup(agent, hot_only=True)
-        stats = eng.storage.stats()
+        stats = eng.stats()
         if retain:
             assert held == SLOTS
             assert stats["retained_prefixes"] == 1
@@ -58,9 +58,9 @@ def test_retaining_the_same_prefix_again_renews_one_pin() -> None:
     with _engine() as eng:
         for _ in range(3):
             eng.store(_tokens(1), slots, hints=Hints(retain_s=30.0))
-        assert eng.storage.stats()["retained_prefixes"] == 1
+        assert eng.stats()["retained_prefixes"] == 1
         eng.store(_tokens(2), slots, hints=Hints(retain_s=30.0))
-        assert eng.storage.stats()["retained_prefixes"] == 2
+        assert eng.stats()["retained_prefixes"] == 2
 
 
 def test_an_ephemeral_span_and_what_follows_it_are_never_stored() -> None:

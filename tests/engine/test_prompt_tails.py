@@ -38,7 +38,7 @@ def _config(**kw: object) -> Config:
 def _engine(conn: SGLangMHAConnector, cfg: Config, page: int, *,
             shares: CacheEngine | None = None) -> CacheEngine:
     return CacheEngine(cfg, model_name="m", layout=conn.layout, connector=conn, page_size=page,
-                       storage=None if shares is None else shares.storage)
+                       storage=None if shares is None else shares._storage)
 
 
 def _tokens(n: int, seed: int) -> torch.Tensor:
@@ -116,7 +116,7 @@ def test_the_prompts_tail_reaches_the_lower_tier_after_its_chunk(
     seq = _tokens(n + 20, 13)
     slots = _slots(len(seq), 14)
     a.store(seq, slots, also_prefix=n - 1)
-    assert a.storage.flush(10)
+    assert a.flush(10)
     assert a.stats().get("disk.writes_lost", 0) == 0
     dst = _pool(None)
     c = _engine(dst, cfg, 4)  # its own, empty CPU tier: only the disk has the records

@@ -60,7 +60,7 @@ def test_a_tenants_verification_purge_leaves_anothers_same_prompt(tmp_path: Path
         assert eng.flush(30)
         assert eng.lookup(tokens, salt=A) == 0
         assert eng.lookup(tokens, hot_only=True, salt=B) == 4 * CHUNK
-        disk = eng.storage.lower_tiers[0]
+        disk = eng._storage.lower_tiers[0]
         assert disk.batch_contains(eng.key_chain(tokens, B)) == 4
         assert disk.batch_contains(eng.key_chain(tokens, A)) == 0
 
@@ -140,7 +140,7 @@ def test_a_tenants_probe_reads_make_room_from_its_own_chunks(tmp_path: Path) -> 
         for tokens in noisy:  # 3x the CPU tier, each written down
             assert eng.store(tokens, slots, salt=A) == 4 * CHUNK
             assert eng.flush(30)
-        disk = eng.storage.lower_tiers[0]
+        disk = eng._storage.lower_tiers[0]
         before = eng.stats()["cpu.evictions"]
         for tokens in noisy[:8]:  # chunks the CPU tier no longer holds, read from disk
             probe_reads(disk, list(eng.key_chain(tokens, A)))

@@ -50,7 +50,7 @@ def test_a_noisy_tenant_leaves_a_quiet_tenants_prompt_in_the_cpu_tier(
             assert eng.flush(30)
         assert eng.lookup(noisy[-1], hot_only=True, salt="a") == len(noisy[-1])
         held = eng.lookup(quiet, hot_only=True, salt="b")
-        cpu = eng.storage.stats()
+        cpu = eng.stats()
         if fraction < 1:
             assert held == len(quiet), "tenant b lost its prompt to a tenant over its share"
             assert cpu["cpu.share_evictions"] > 0
@@ -75,7 +75,7 @@ def test_a_noisy_tenant_leaves_a_quiet_tenants_prompt_on_disk(
     with _engine(tmp_path, 1.0) as probe:  # a record's size (salted keys: one length)
         record = expected_header_len(probe.chunk_keys(quiet, salt="b")[0]) + 4096
     with _engine(tmp_path, fraction, disk_bytes=DISK_CHUNKS * record) as eng:
-        disk = next(t for t in eng.storage.tiers if t.name == "disk")
+        disk = next(t for t in eng._storage.tiers if t.name == "disk")
         assert eng.store(quiet, slots[:len(quiet)], salt="b") == len(quiet)
         assert eng.flush(30)
         for tokens in noisy:  # 3x the disk tier, each prompt written down before the next

@@ -136,7 +136,7 @@ def test_a_quarantine_is_announced_to_the_tier_watch(
     bad[[CHUNK + 3, CHUNK + 4]] = bad[[CHUNK + 4, CHUNK + 3]]
     _stored(mha, tokens, bad)
     seen = Seen()
-    mha.storage.watch.add(seen)
+    mha.tiers.watch(seen)
     chunk1 = mha.chunk_keys(tokens)[1].key
     result = mha.verify(tokens, slots)
     assert {v.tier for v in result.mismatches} == {"cpu", "disk"}
@@ -194,7 +194,7 @@ def test_a_tail_that_matches_no_tier_takes_the_loaded_prefix_out_of_every_tier(
                                                                      ("disk", 3, 2)}
     assert result.stored == 0 and result.purged == 2 * 3  # chunk 3 went in the quarantine
     assert mha.flush(30) and mha.lookup(tokens) == 0
-    assert mha.storage.contains(mha.key_chain(tokens)) == 0  # disk too
+    assert mha._storage.contains(mha.key_chain(tokens)) == 0  # disk too
 
 
 def test_a_tail_that_one_tier_vouches_for_keeps_the_prefix(
@@ -204,7 +204,7 @@ def test_a_tail_that_one_tier_vouches_for_keeps_the_prefix(
     bad = slots.clone()
     bad[[3 * CHUNK + 1, 3 * CHUNK + 2]] = bad[[3 * CHUNK + 2, 3 * CHUNK + 1]]
     _stored(mha, tokens, bad)
-    assert mha.storage.hot.remove([mha.key_chain(tokens)[3]]) == 1
+    assert mha.tiers.remove([mha.key_chain(tokens)[3]], "cpu") == {"cpu": 1}
     assert mha.store(tokens, slots) == CHUNK  # the CPU tier's chunk 3 is honest again
     assert mha.flush(30)
     result = mha.verify(tokens, slots, start=3 * CHUNK, loaded=True)
@@ -212,7 +212,7 @@ def test_a_tail_that_one_tier_vouches_for_keeps_the_prefix(
                                                                        ("disk", 3, False)]
     assert result.purged == 0 and result.stored == 0  # the CPU tier holds every chunk
     assert mha.flush(30) and mha.lookup(tokens) == 4 * CHUNK
-    assert mha.storage.lower_tiers[0].batch_contains(mha.key_chain(tokens)) == 3
+    assert mha._storage.lower_tiers[0].batch_contains(mha.key_chain(tokens)) == 3
 
 
 def test_nothing_is_compared_without_a_record(mha: CacheEngine, tokens: torch.Tensor,

@@ -54,7 +54,7 @@ def slots() -> torch.Tensor:
 def _tiers(engine: CacheEngine, tokens: torch.Tensor) -> dict[str, int]:
     """How many leading chunks of `tokens` each tier holds."""
     keys = engine.key_chain(tokens)
-    return {t.name: t.batch_contains(keys) for t in engine.storage.tiers}
+    return {t.name: t.batch_contains(keys) for t in engine._storage.tiers}
 
 
 @pytest.fixture
@@ -106,7 +106,7 @@ def test_a_forged_tail_record_loses_its_records_and_the_prefix_stays(
 def test_a_forged_tail_that_only_redis_holds_is_blamed_on_redis(
         served: CacheEngine, tokens: torch.Tensor, slots: torch.Tensor) -> None:
     """The reported case with the CPU tier's copy of the forged chunk gone (evicted)."""
-    assert served.storage.hot.remove([served.key_chain(tokens)[3]]) == 1
+    assert served.tiers.remove([served.key_chain(tokens)[3]], "cpu") == {"cpu": 1}
     result = served.verify(tokens, slots[:TOKENS], start=TAIL, loaded=True)
     assert [(v.tier, v.chunk, v.matched) for v in result.verdicts] == [("redis", 3, False)]
     assert result.purged == 0 and served.flush(30)
@@ -123,7 +123,7 @@ def test_a_changed_model_whose_prefix_came_from_disk_is_still_purged(
     try:
         rows = slots[:TOKENS]
         assert engine.store(tokens, rows) == 4 * CHUNK and engine.flush(30)
-        assert engine.storage.hot.remove(engine.key_chain(tokens)) == 4  # a restart
+        assert engine.tiers.remove(engine.key_chain(tokens), "cpu") == {"cpu": 4}  # a restart
         assert engine.retrieve(tokens, slots[TOKENS:]) == 4 * CHUNK  # read from disk
         for layer in range(2, LAYERS):
             pool.v[layer][rows[TAIL:]] *= 1.05

@@ -59,7 +59,7 @@ def test_a_refused_prefix_reaches_the_disk_and_a_second_server(
         kept, refused = _fill_then_refuse(eng)
         assert eng.lookup(refused, hot_only=True) == 0
         assert all(eng.lookup(t, hot_only=True) == SLOTS for t in kept)  # admission's point
-        stats = eng.storage.stats()
+        stats = eng.stats()
         assert stats["admission_refused_chunks"] == PROMPT_CHUNKS
         assert stats["written_around"] == PROMPT_CHUNKS
         assert stats.get("write_around_no_memory", 0) == 0
@@ -74,12 +74,12 @@ def test_a_refused_prefix_reaches_the_disk_and_a_second_server(
 def test_without_a_lower_tier_nothing_is_copied_around(tmp_path: Path) -> None:
     with _engine(tmp_path, local_disk=None) as eng:
         _fill_then_refuse(eng)
-        stats = eng.storage.stats()
+        stats = eng.stats()
         assert stats["admission_refused_chunks"] == PROMPT_CHUNKS
         assert stats.get("written_around", 0) == 0
-        assert "written_around" in eng.storage.counters.snapshot(declared=True)
+        assert "written_around" in eng._storage.counters.snapshot(declared=True)
 
 
 def test_always_has_no_write_around_buffer(tmp_path: Path) -> None:
     with _engine(tmp_path, policy="always") as eng:
-        assert "written_around" not in eng.storage.counters.snapshot(declared=True)
+        assert "written_around" not in eng._storage.counters.snapshot(declared=True)

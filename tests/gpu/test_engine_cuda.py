@@ -41,7 +41,7 @@ def pair(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
     src, dst = make(1), make(2)
     cfg = Config(chunk_size=CHUNK, max_local_cpu_size=0.5, save_unfull_chunk=True)
     a = CacheEngine(cfg, model_name="m", layout=src.layout, connector=src)
-    b = CacheEngine(cfg, model_name="m", layout=dst.layout, connector=dst, storage=a.storage)
+    b = CacheEngine(cfg, model_name="m", layout=dst.layout, connector=dst, storage=a._storage)
     yield a, b
     b.close()
     a.close()
@@ -145,6 +145,6 @@ def test_loads_release_their_arena_objects_once_copied(
     for _ in range(3):
         b.retrieve(toks, torch.arange(n, 2 * n, device="cuda"))
     assert b._device is not None and b._device.drain(10)
-    held = a.storage.allocator.used_bytes
-    assert held == a.storage.stats()["cpu.bytes"]
-    a.storage.allocator.check_integrity()
+    held = a.stats()["arena_used_bytes"]
+    assert held == a.stats()["cpu.bytes"]
+    a._storage.allocator.check_integrity()

@@ -42,8 +42,8 @@ def _stored(cfg: Config, kind: str, tokens: torch.Tensor, slots: torch.Tensor,
     """A writer's pool, its `tokens` stored to disk (and not kept in memory)."""
     src = _connector(kind, 1)
     with CacheEngine(cfg, model_name="m", layout=src.layout, connector=src) as writer:
-        assert writer.store(tokens, slots) == len(tokens) and writer.storage.flush()
-        assert writer.storage.allocator.used_bytes == 0
+        assert writer.store(tokens, slots) == len(tokens) and writer.flush()
+        assert writer.stats()["arena_used_bytes"] == 0
     return src
 
 
@@ -68,7 +68,7 @@ def test_a_prefetched_load_from_disk_reaches_the_gpu_and_leaves_nothing_staged(
         torch.cuda.synchronize()
         assert _same(src, src_slots, dst, dst_slots)
         assert engine._device is not None and engine._device.drain(10)
-        assert engine.storage.allocator.used_bytes == 0
+        assert engine.stats()["arena_used_bytes"] == 0
     finally:
         kv.close()
         engine.close()
@@ -88,4 +88,4 @@ def test_a_direct_load_from_disk_with_a_tail_is_byte_exact(tmp_path: Path) -> No
         torch.cuda.synchronize()
         assert _same(src, src_slots, dst, dst_slots)
         assert engine._device is not None and engine._device.drain(10)
-        assert engine.storage.allocator.used_bytes == 0
+        assert engine.stats()["arena_used_bytes"] == 0

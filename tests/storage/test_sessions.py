@@ -47,7 +47,7 @@ def _engine(fraction: float) -> Iterator[CacheEngine]:
 def engine() -> Iterator[CacheEngine]:
     """Pins capped at 16 chunks, 4 chunks per session."""
     with _engine(0.5) as eng:
-        assert eng.storage.sessions.quota_bytes == 4 * PAGE
+        assert eng._storage.sessions.quota_bytes == 4 * PAGE
         yield eng
 
 
@@ -115,7 +115,7 @@ def test_a_session_longer_than_its_quota_keeps_its_leading_chunks(engine: CacheE
     big = _prompt(5, 12)
     engine.store(big, _slots(12 * CHUNK), session_id="big")
     stats = engine.stats()
-    assert stats["session_pinned_bytes"] == engine.storage.sessions.quota_bytes
+    assert stats["session_pinned_bytes"] == engine._storage.sessions.quota_bytes
     assert stats["session_unpins_quota"] == 1
     _flood(engine)
     assert engine.lookup(big, hot_only=True) == 4 * CHUNK  # its quota, from the front
@@ -126,7 +126,7 @@ def test_a_long_prompt_costs_neither_the_other_session_nor_ordinary_requests() -
     # session and left ordinary requests without room. At the largest fraction allowed (0.8:
     # 25.6 chunks of 32), each session pins at most a quarter of that (6 chunks).
     with _engine(MAX_PINNED_FRACTION) as engine:
-        assert engine.storage.sessions.quota_bytes // PAGE == 6
+        assert engine._storage.sessions.quota_bytes // PAGE == 6
         chat, agent = _prompt(1, 6), _prompt(2, 20)
         engine.store(chat, _slots(6 * CHUNK), session_id="chat")
         engine.store(agent, _slots(20 * CHUNK), session_id="agent")  # the long prompt

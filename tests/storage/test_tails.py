@@ -210,7 +210,7 @@ def test_a_page_size_that_does_not_divide_the_chunk_is_refused() -> None:
 def test_the_next_turn_hits_the_whole_previous_turn_down_to_the_page() -> None:
     src, dst = _mha(True), _mha(False)
     a = _engine(src, _config())
-    b = _engine(dst, a.config, storage=a.storage)
+    b = _engine(dst, a.config, storage=a._storage)
     turns = _tokens(200, 3)
     rows = _slots(200, 10)  # one KV per token position, as a model computes it every turn
     prev = 0
@@ -230,7 +230,7 @@ def test_the_next_turn_hits_the_whole_previous_turn_down_to_the_page() -> None:
 def test_the_same_prompt_again_finds_the_tail_stored_for_it_beside_its_answers() -> None:
     src, dst = _mha(True), _mha(False)
     a = _engine(src, _config(), page=1)
-    b = _engine(dst, a.config, storage=a.storage, page=1)
+    b = _engine(dst, a.config, storage=a._storage, page=1)
     answered = _tokens(47, 13)  # a 40-token prompt and its answer: 2 chunks and a 15-token tail
     slots_a = _slots(47, 9)
     assert a.store(answered, slots_a) == 47
@@ -251,7 +251,7 @@ def test_the_same_prompt_again_finds_the_tail_stored_for_it_beside_its_answers()
 def test_a_tail_is_never_served_to_a_prompt_that_diverges_inside_it() -> None:
     src, dst = _mha(True), _mha(False)
     a = _engine(src, _config(), page=1)
-    b = _engine(dst, a.config, storage=a.storage, page=1)
+    b = _engine(dst, a.config, storage=a._storage, page=1)
     first = _tokens(40, 4)  # 2 chunks and an 8-token tail
     assert a.store(first, _slots(40, 1)) == 40
     other = first.clone()
@@ -282,7 +282,7 @@ def test_with_a_salt_only_the_same_salt_finds_a_tail() -> None:
 def test_tails_go_before_the_chunks_they_hang_off_and_never_outlive_them() -> None:
     cfg = _config(max_local_cpu_size=0.0006)  # ~14 chunks of 16 tokens x 3 layers x 2 x 32 B
     a = _engine(_mha(True), cfg, page=1)
-    cpu = a.storage.hot
+    cpu = a._storage.hot
     prompts = [_tokens(40, 100 + seed) for seed in range(40)]
     for seed, prompt in enumerate(prompts):  # 2 chunks and a tail each: the arena overflows
         a.store(prompt, _slots(40, seed))
@@ -299,7 +299,7 @@ def test_mla_tails_round_trip() -> None:
     src = _mla([torch.randn(SLOTS, 1, 24, generator=gen) for _ in range(2)])
     dst = _mla([torch.zeros(SLOTS, 1, 24) for _ in range(2)])
     a = _engine(src, _config())
-    b = _engine(dst, a.config, storage=a.storage)
+    b = _engine(dst, a.config, storage=a._storage)
     prompt = _tokens(45, 9)
     slots_a, slots_b = _slots(45, 4), _slots(60, 5)
     assert a.store(prompt, slots_a) == 44
@@ -326,7 +326,7 @@ def test_a_second_server_finds_the_tail_in_a_lower_tier(shared_config: Config) -
     prompt = _tokens(70, 11)
     slots_a = _slots(70, 6)
     assert a.store(prompt, slots_a) == 68
-    assert a.storage.flush(10)
+    assert a.flush(10)
     b = _engine(dst, shared_config)  # its own, empty CPU tier: only the lower tier has it
     longer = torch.cat([prompt, _tokens(40, 12)])
     assert b.lookup(longer, hot_only=True) == 0
@@ -357,7 +357,7 @@ def test_adaptive_prefetch_reads_a_tail_only_when_it_beats_recomputing_it(
                   prefetch_policy="adaptive")
     a = _engine(_mha(True), cfg)
     prompt = _tokens(10, 14)  # shorter than a chunk: only a tail (8 tokens, 2 pages)
-    assert a.store(prompt, _slots(10, 11)) == 8 and a.storage.flush(10)
+    assert a.store(prompt, _slots(10, 11)) == 8 and a.flush(10)
     a.close()
     b = _engine(_mha(False), cfg)  # an empty CPU tier: the tail is on disk only
     tokens_per_s = 1e12 if recompute_is_free else 1.0
@@ -374,7 +374,7 @@ def test_a_bad_limit_is_refused_before_anything_is_written() -> None:
     prompt = _tokens(20, 16)
     a.store(prompt, _slots(20, 12))
     dst = _mha(False)
-    b = _engine(dst, a.config, storage=a.storage)
+    b = _engine(dst, a.config, storage=a._storage)
     slots = _slots(20, 13)
     for bad in (-1, 2.5):
         with pytest.raises(ValueError, match="limit"):

@@ -54,7 +54,7 @@ def cfg(tmp_path: Path) -> Config:
 def cpu_only(cfg: Config) -> Iterator[CacheEngine]:
     engine = _engine(dataclasses.replace(cfg, local_disk=None))
     yield engine
-    arena = engine.storage.allocator
+    arena = engine._storage.allocator
     engine.close()
     arena.check_integrity()
     assert arena.used_bytes == 0
@@ -63,10 +63,10 @@ def cpu_only(cfg: Config) -> Iterator[CacheEngine]:
 def test_attached_disk_takes_writes_and_serves_hits(cpu_only: CacheEngine, cfg: Config) -> None:
     ids, slots = _prompt(1), torch.arange(1, 65)
     cpu_only.tiers.attach("disk", cfg)
-    assert [t.name for t in cpu_only.storage.tiers] == ["cpu", "disk"]
+    assert cpu_only.tiers.names == ["cpu", "disk"]
     want = _rows(cpu_only, slots)
-    assert cpu_only.store(ids, slots) == 64 and cpu_only.storage.flush()
-    cpu_only.storage.hot.remove(cpu_only.chunk_keys(ids))
+    assert cpu_only.store(ids, slots) == 64 and cpu_only.flush()
+    cpu_only.tiers.remove(cpu_only.chunk_keys(ids), "cpu")
     target = torch.arange(500, 564)
     assert cpu_only.retrieve(ids, target) == 64
     assert all(torch.equal(a, b) for a, b in zip(_rows(cpu_only, target), want))
@@ -78,7 +78,7 @@ def test_attached_redis_serves_what_another_instance_stored(
     remote = dataclasses.replace(cfg, local_disk=None, remote_url=redis_server.url)
     ids = _prompt(2)
     with _engine(remote, seed=0) as writer:
-        assert writer.store(ids, torch.arange(1, 65)) == 64 and writer.storage.flush()
+        assert writer.store(ids, torch.arange(1, 65)) == 64 and writer.flush()
     assert cpu_only.lookup(ids) == 0
     cpu_only.tiers.attach("redis", remote)
     assert cpu_only.lookup(ids) == 64  # at once
@@ -109,11 +109,11 @@ def test_detach_under_load_raises_nothing_and_corrupts_nothing(
     for t in threads:
         t.start()
     try:
-        while engine.stats().get("disk.hit_chunks", 0) + engine.storage.tiers[1].stats()[
+        while engine.stats().get("disk.hit_chunks", 0) + engine._storage.tiers[1].stats()[
                 "puts"] < 8:
             stop.wait(0.001)
         engine.tiers.detach("disk", drain=drain)
-        assert [t.name for t in engine.storage.tiers] == ["cpu"]
+        assert engine.tiers.names == ["cpu"]
         stop.wait(0.05)  # keep storing and loading on the CPU tier alone for a moment
     finally:
         stop.set()
@@ -121,11 +121,11 @@ def test_detach_under_load_raises_nothing_and_corrupts_nothing(
             t.join(30)
     assert errors == []
     engine.close()
-    engine.storage.allocator.check_integrity()
-    assert engine.storage.allocator.used_bytes == 0
+    engine._storage.allocator.check_integrity()
+    assert engine.stats()["arena_used_bytes"] == 0
     # Every record the detached tier left on disk is whole: a fresh tier reads them all back.
     with _engine(dataclasses.replace(cfg, local_cpu=True), seed=1) as again:
-        disk = again.storage.tiers[1]
+        disk = again._storage.tiers[1]
         for ids in prompts:
             keys = again.chunk_keys(ids)
             n = disk.batch_contains(keys)
@@ -148,4 +148,4 @@ def test_bad_attach_and_detach_are_errors(cpu_only: CacheEngine, cfg: Config) ->
     cpu_only.tiers.attach("disk", cfg)
     with pytest.raises(ValueError, match="already attached"):
         cpu_only.tiers.attach("disk", cfg)
-    assert [t.name for t in cpu_only.storage.tiers] == ["cpu", "disk"]
+    assert cpu_only.tiers.names == ["cpu", "disk"]

@@ -32,7 +32,7 @@ def _pool() -> list[torch.Tensor]:
 
 def _spy_threads(engine: CacheEngine) -> list[str]:
     """The threads that call into the lower tier from now on."""
-    (tier,) = engine.storage.lower_tiers
+    (tier,) = engine._storage.lower_tiers
     inner: Any = tier.inner
     seen: list[str] = []
     contains, iter_get = inner.batch_contains, inner.iter_get
@@ -58,8 +58,8 @@ def test_without_a_cpu_tier_loads_run_off_the_scheduler_thread(tmp_path: Path) -
     source = _pool()
     writer = CacheEngine(cfg, model_name="m", layout=SMALL_MHA,
                          connector=SGLangMHAConnector(source[::2], source[1::2]))
-    assert writer.store(tokens, slots) == TOKENS and writer.storage.flush()
-    assert writer.storage.allocator.used_bytes == 0  # stored, and not kept in memory
+    assert writer.store(tokens, slots) == TOKENS and writer.flush()
+    assert writer.stats()["arena_used_bytes"] == 0  # stored, and not kept in memory
     writer.close()
 
     pool = _pool()
@@ -78,7 +78,7 @@ def test_without_a_cpu_tier_loads_run_off_the_scheduler_thread(tmp_path: Path) -
         assert kv.retrieve("req", tokens.numpy(), slots, 0) == TOKENS
         assert all(torch.equal(a[1:], b[1:]) for a, b in zip(pool, source))
         assert seen and scheduler not in seen  # every lower-tier call ran on a worker
-        assert engine.storage.allocator.used_bytes == 0  # delivered, so no longer held
+        assert engine.stats()["arena_used_bytes"] == 0  # delivered, so no longer held
     finally:
         kv.close()
         engine.close()
@@ -92,13 +92,13 @@ def test_without_a_cpu_tier_a_direct_retrieve_keeps_nothing_staged(tmp_path: Pat
     source = _pool()
     with CacheEngine(cfg, model_name="m", layout=SMALL_MHA,
                      connector=SGLangMHAConnector(source[::2], source[1::2])) as writer:
-        assert writer.store(tokens, slots) == n and writer.storage.flush()
+        assert writer.store(tokens, slots) == n and writer.flush()
     pool = _pool()
     with CacheEngine(cfg, model_name="m", layout=SMALL_MHA,
                      connector=SGLangMHAConnector(pool[::2], pool[1::2])) as engine:
         assert engine.retrieve(tokens, slots) == n  # read through the staging tier, tail too
         assert all(torch.equal(a[1:n + 1], b[1:n + 1]) for a, b in zip(pool, source))
-        assert engine.storage.allocator.used_bytes == 0  # nothing left staged
+        assert engine.stats()["arena_used_bytes"] == 0  # nothing left staged
 
 
 def test_without_a_cpu_tier_a_hits_store_queues_only_what_it_did_not_find(
@@ -112,25 +112,25 @@ def test_without_a_cpu_tier_a_hits_store_queues_only_what_it_did_not_find(
     source = _pool()
     with CacheEngine(cfg, model_name="m", layout=SMALL_MHA,
                      connector=SGLangMHAConnector(source[::2], source[1::2])) as writer:
-        assert writer.store(tokens[:found], slots[:found]) == found and writer.storage.flush()
+        assert writer.store(tokens[:found], slots[:found]) == found and writer.flush()
     pool = _pool()
     engine = CacheEngine(cfg, model_name="m", layout=SMALL_MHA,
                          connector=SGLangMHAConnector(pool[::2], pool[1::2]))
     kv = SGLangKVTier(engine, page_size=1)
-    counters = engine.storage.counters
+    counters = engine._storage.counters
     try:
         kv.start_prefetch("req", tokens.numpy())  # staged from the disk, as SGLang admits
         assert kv.requests.get("req").prefetch.wait_done(HANG_BOUND_S) and kv.prefetch_ready("req")
         assert kv.retrieve("req", tokens.numpy(), slots, 0) == found
         job_slots = slots.clone()
         assert kv.submit_store(tokens.numpy(), job_slots, "handle", rid="req")
-        assert kv.settle() and engine.storage.flush()
+        assert kv.settle() and engine.flush()
         snap = counters.snapshot(declared=True)
         assert snap["disk.writes"] == 1 and snap["disk.write_present"] == 0  # the 4th chunk
         # Without the load to go by (another request), every chunk is queued again, and the
         # writer finds them there.
         assert kv.submit_store(tokens.numpy(), job_slots, "handle", rid="other")
-        assert kv.settle() and engine.storage.flush()
+        assert kv.settle() and engine.flush()
         assert counters.snapshot(declared=True)["disk.write_present"] == 4
     finally:
         kv.close()

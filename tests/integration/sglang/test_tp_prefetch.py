@@ -50,8 +50,8 @@ def _rank(rank: int, port: int, root: str, out: Any) -> None:
                          rank=rank)
     tokens = torch.arange(100, 100 + TOKENS)
     slots = torch.arange(1, TOKENS + 1)
-    assert engine.store(tokens, slots) == TOKENS and engine.storage.flush()
-    engine.storage.hot.remove(engine.chunk_keys(tokens))
+    assert engine.store(tokens, slots) == TOKENS and engine.flush()
+    engine.tiers.remove(engine.chunk_keys(tokens), "cpu")
 
     def reduce_min(t: torch.Tensor) -> None:
         dist.all_reduce(t, op=dist.ReduceOp.MIN)

@@ -78,7 +78,7 @@ def test_an_engine_plans_on_its_models_prior() -> None:
     conn = SGLangMHAConnector(k, [t.clone() for t in k])
     cfg = Config(chunk_size=16, max_local_cpu_size=0.01)
     with CacheEngine(cfg, model_name="m", layout=conn.layout, connector=conn) as engine:
-        prefill = engine.storage.prefill
+        prefill = engine._storage.prefill
         engine.prefill.plan_from({"architectures": ["LlamaForCausalLM"]})  # unreadable: as is
         assert prefill.prior == PRIOR_PREFILL_TOKENS_PER_S
         engine.prefill.plan_from(LLAMA3_8B)

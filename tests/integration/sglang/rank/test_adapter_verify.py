@@ -60,7 +60,7 @@ def test_a_verified_request_counts_the_tokens_a_hit_would_have_loaded(
     assert counts["sglang.verified_requests"] == 1
     assert counts["sglang.verified_tokens"] == HELD  # the 4th chunk was held by no tier
     assert counts["sglang.tokens_stored"] == TOKENS - HELD
-    checked = engine.storage.counters.snapshot(declared=True)
+    checked = engine._storage.counters.snapshot(declared=True)
     assert checked.get("cpu.verify_checked", 0) == HELD // CHUNK, checked
 
 
@@ -180,7 +180,7 @@ def test_a_forged_redis_tail_loses_only_its_records_through_the_scheduler_s_call
         assert counts["sglang.tokens_stored"] == CHUNK  # not a purge: the fresh chunk 3
         assert engine.flush(30)
         keys = engine.key_chain(tokens)
-        assert [t.batch_contains(keys) for t in engine.storage.tiers] == [4, 4, 4]
+        assert [t.batch_contains(keys) for t in engine._storage.tiers] == [4, 4, 4]
         assert not engine.verify(tokens, slots).mismatches  # every record honest now
     finally:
         kv.close()

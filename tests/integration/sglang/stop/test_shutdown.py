@@ -79,7 +79,7 @@ def test_the_stop_counts_the_writes_a_paused_redis_lost(
         _store(kv, prompt)
     done = shutdown.drain(kv, BOUND_S)
     # The first call times out and marks the tier down; the others are skipped: nothing lands.
-    stats = kv.engine.storage.stats()
+    stats = kv.engine.stats()
     (loss,) = done.lost
     assert loss.tier == "redis" and done.dropped == 0 and done.written == 0, done
     assert loss.total == stats["redis.writes_lost"] == 12, (done, stats)
