@@ -18,7 +18,9 @@
 #include "kv_codec.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "kv_codec_avx2.h"  // and kv_codec_rows.h
@@ -120,10 +122,41 @@ void encode_as(const Shape& s, const at::Tensor& chunk, uint8_t* p, bool simd) {
   encode_chunk<ScalarRows, T, Q>(s, x, p);
 }
 
+#if defined(__x86_64__)
+bool avx512_bf16() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") != 0 && __builtin_cpu_supports("avx512vl") != 0;
+  }();
+  return has;
+}
+#endif
+
+// Whether every scale of the payload, times Q::kUnit, is 0 or finite with |c| >= 2**-109: then
+// each product (a stored level, at least 2**-17 in magnitude unless 0, times c) is 0, normal or
+// infinite, never NaN or subnormal, where Bf16Rows rounds exactly as narrow() does.
+template <typename Q>
+bool bf16_safe(const Shape& s, const uint8_t* p) {
+  const int64_t count = s.layers * s.hidden + (s.planes == 2 ? s.layers * s.tokens : 0);
+  const uint8_t* at = p + s.values();
+  for (int64_t i = 0; i < count; ++i, at += 4) {
+    float c;
+    std::memcpy(&c, at, 4);
+    c = std::fabs(c * Q::kUnit);
+    if (c != 0.0f && !(c >= 0x1p-109f && c <= std::numeric_limits<float>::max())) return false;
+  }
+  return true;
+}
+
 template <typename Q, typename T>
 void decode_as(const Shape& s, const uint8_t* p, at::Tensor& out, bool simd) {
   T* o = reinterpret_cast<T*>(out.data_ptr());
 #if defined(__x86_64__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (use_avx2(simd) && avx512_bf16() && bf16_safe<Q>(s, p)) {
+      return decode_chunk<Bf16Rows, T, Q>(s, p, o);
+    }
+  }
   if (use_avx2(simd)) return decode_chunk<Avx2Rows, T, Q>(s, p, o);
 #endif
   decode_chunk<ScalarRows, T, Q>(s, p, o);

@@ -247,6 +247,54 @@ struct Avx2Rows {
   }
 };
 
+// Where the CPU also has AVX512-BF16 (and VL): decoding into a bf16 pool rounds each product
+// with one VCVTNEPS2BF16 instead of store8's eight operations. That instruction rounds to
+// nearest even as narrow() does, but reads float32 subnormals as zero, flushes its subnormal
+// results and returns NaNs as they are: kv_codec.cpp takes these rows only for payloads whose
+// scales keep every product finite and either zero or normal (`bf16_safe`), where it is exact.
+#define KV_BF16 inline __attribute__((always_inline, target("avx2,f16c,fma,avx512f,avx512vl,avx512bf16")))
+#define KV_BF16_ROW __attribute__((target("avx2,f16c,fma,avx512f,avx512vl,avx512bf16")))
+
+KV_BF16 void store8_bf16(__m256 v, c10::BFloat16* out) {
+  const __m128bh r = _mm256_cvtneps_pbh(v);
+  std::memcpy(out, &r, 16);
+}
+
+template <typename Q, bool kEach>
+KV_BF16 void dequantize_row_bf16(const uint8_t* q, const float* scales, c10::BFloat16* out,
+                                 int64_t n) {
+  int64_t h = 0;
+  if constexpr (std::is_same_v<Q, Fp8>) {
+    for (; h + 16 <= n; h += 16) {
+      __m256 lo, hi;
+      fp8_levels16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + h)), &lo, &hi);
+      store8_bf16(_mm256_mul_ps(lo, scales8<kEach>(scales, h)), out + h);
+      store8_bf16(_mm256_mul_ps(hi, scales8<kEach>(scales, h + 8)), out + h + 8);
+    }
+  } else {
+    for (; h + 8 <= n; h += 8) {
+      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + h));
+      store8_bf16(_mm256_mul_ps(int8_levels8(bytes), scales8<kEach>(scales, h)), out + h);
+    }
+  }
+  ScalarRows::dequantize_row<Q>(q + h, kEach ? scales + h : nullptr, scales[0], out + h, n - h);
+}
+
+// Avx2Rows' dequantize into bf16 with the rounding above (decode only).
+struct Bf16Rows {
+  template <typename Q>
+  static KV_BF16_ROW void dequantize(const uint8_t* q, int64_t rows, int64_t n,
+                                     const float* scales, bool per_row, c10::BFloat16* out) {
+    for (int64_t t = 0; t < rows; ++t, q += n, out += n) {
+      if (per_row) {
+        dequantize_row_bf16<Q, false>(q, scales + t, out, n);
+      } else {
+        dequantize_row_bf16<Q, true>(q, scales, out, n);
+      }
+    }
+  }
+};
+
 }  // namespace codec_cpu
 }  // namespace kvtier
 #endif  // __x86_64__
