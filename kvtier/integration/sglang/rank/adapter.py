@@ -41,6 +41,7 @@ from kvtier.integration.sglang.boundary.sglang_views import MHAPoolView, MLAPool
 from kvtier.integration.sglang.launch.preflight import page_size_problem
 from kvtier.integration.sglang.rank.budget import SchedulerBudget
 from kvtier.integration.sglang.rank.request_state import RankRequests, VerifyCut
+from kvtier.integration.sglang.rank.store_work import StoreWork
 from kvtier.integration.sglang.rank.stores import StoreJob, StoreWorker
 from kvtier.metrics import Counters
 
@@ -105,12 +106,12 @@ class SGLangKVTier:
             "prefetches_skipped_hot", "verified_requests", "verified_tokens",
             *BLEND_COUNTERS)))
         self.budget = SchedulerBudget(self.counters)
-        self._closed_sessions: set[str] = set()  # a store finishing late must not re-pin
+        self._work = StoreWork(engine, self.counters)  # what the store thread does
         # every request kvtier was asked about, alike on every rank (scheduler thread)
         self.requests = RankRequests()
         self._exported = _AdapterStats(self.counters)
         prometheus.register(self._exported)  # the engine's own stats are exported by storage
-        self.stores = StoreWorker(self._store, self.counters)
+        self.stores = StoreWorker(self._work.run, self.counters)
         self.attachments = Attachments(engine)  # tiers attached over HTTP
         self._closed = False
 
@@ -247,9 +248,10 @@ class SGLangKVTier:
 
     def release_session(self, session_id: str) -> None:
         """SGLang closed the session: unpin its prefix (scheduler thread)."""
-        if len(self._closed_sessions) > 10_000:
-            self._closed_sessions.clear()
-        self._closed_sessions.add(session_id)
+        closed = self._work.closed_sessions
+        if len(closed) > 10_000:
+            closed.clear()
+        closed.add(session_id)
         self.engine.release_session(session_id)  # logs the release
 
     def observe_prefill(self, tokens: int, seconds: float, prompt_len: int) -> None:
@@ -293,12 +295,10 @@ class SGLangKVTier:
             ready.record()
         # the request is done: its store is the last thing kvtier does for it
         state = self.requests.forget(rid) if rid is not None else None
-        shadow = state.verify if state is not None else None
-        known = state.found if state is not None else 0
         return self.stores.submit(StoreJob(
             token_ids, slots, handle, ready, session_id, salt=salt, prompt_len=prompt_len,
-            verify_from=None if shadow is None else shadow.start,
-            verify_loaded=shadow is not None and shadow.loaded, known=known, hints=hints))
+            verify=None if state is None else state.verify,
+            known=0 if state is None else state.found, hints=hints))
 
     def poll_done(self) -> list[StoreJob]:
         """Stores whose slots are free, whose handles the caller may now release (scheduler
@@ -310,46 +310,6 @@ class SGLangKVTier:
         slots, cancelling those still queued after that; returns what is done, for the caller
         to release."""
         return self.stores.collect(wait=True, timeout=self.engine.config.blocking_timeout_secs)
-
-    def _store(self, job: StoreJob) -> int:
-        """The store thread's work for one job."""
-        sid = job.session_id if job.session_id not in self._closed_sessions else None
-        # A repeat of the prompt loads all but its last token (a whole chunk it ends needs no tail)
-        also = job.prompt_len - 1 if job.prompt_len and job.prompt_len % self.chunk_size else None
-        # On a GPU the copy waits for `job.ready` on kvtier's stream, which releases the slots.
-        if job.verify_from is not None:
-            return self._verify(job, sid, also)
-        stored = self.engine.store(job.token_ids, job.slots, session_id=sid,
-                                   on_read=job.release_slots, salt=job.salt, also_prefix=also,
-                                   ready=job.ready, known=job.known, hints=job.hints)
-        self.counters.inc("sglang.stores")
-        self.counters.inc("sglang.tokens_stored", stored)
-        logger.debug("kvtier: stored %d new tokens of a %d-token prefix", stored,
-                     len(job.token_ids))
-        return int(stored)
-
-    def _verify(self, job: StoreJob, sid: str | None, also: int | None) -> int:
-        """The store of a verified request: the comparison, then the store itself."""
-        assert job.verify_from is not None
-        result = self.engine.verify(job.token_ids, job.slots, start=job.verify_from,
-                                    loaded=job.verify_loaded, session_id=sid,
-                                    on_read=job.release_slots, salt=job.salt,
-                                    also_prefix=also, ready=job.ready, hints=job.hints)
-        chunks = len({v.chunk for v in result.verdicts})
-        self.counters.inc("sglang.verified_requests")
-        # What verification cost: the tokens a tier held, which a hit would have loaded.
-        self.counters.inc("sglang.verified_tokens", chunks * self.chunk_size)
-        self.counters.inc("sglang.stores")
-        self.counters.inc("sglang.tokens_stored", result.stored)
-        worst = max((v.error for v in result.verdicts), default=0.0)
-        logger.info("kvtier: verified %d chunks of a %d-token prefix against %s: %d mismatched "
-                    "(largest relative error %.3g)%s",
-                    chunks, len(job.token_ids),
-                    sorted({v.tier for v in result.verdicts}) or "no tier (nothing held)",
-                    len(result.mismatches), worst,
-                    f"; {result.purged} records of its loaded prefix removed"
-                    if result.purged else "")
-        return result.stored
 
     # ---- lifecycle ----
 

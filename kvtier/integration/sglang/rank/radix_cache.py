@@ -15,9 +15,9 @@ slots, copies the chunks in and inserts them into the tree like computed KV, all
 promised tokens or none. A load that is evicted before its request used it is counted in
 `kvtier_sglang_loads_discarded_total`.
 
-Store, `checkpoint` of a finished request (aborted ones too: what they prefilled): once SGLang
-has inserted the request's KV, the tree node ending its prefix is locked and the prefix is
-queued for a background store.
+Store, `checkpoint` of a finished request (aborted ones too: what they prefilled;
+`store_hooks.StoreHooks`): once SGLang has inserted the request's KV, the tree node ending its
+prefix is locked and the prefix is queued for a background store.
 The lock is released on the scheduler thread at the next tree call after the store has read the
 slots (`match_prefix`, `checkpoint`, `evict*`, `has_pending_cache_operations`), or when the
 store missed its deadline; so `/flush_cache` on an idle server succeeds at the first call.
@@ -68,11 +68,10 @@ from kvtier.integration.sglang.rank.prefetch_hooks import StoragePrefetchHooks
 from kvtier.integration.sglang.rank.request_state import Loaded, Promise
 from kvtier.integration.sglang.rank.requests import (
     full_ids,
-    hints_of,
     multimodal,
     salt_of,
-    token_array,
 )
+from kvtier.integration.sglang.rank.store_hooks import StoreHooks
 from kvtier.integration.sglang.rank.tier_events import TierEvents
 
 __all__ = ["KVTierRadixCache"]
@@ -80,7 +79,7 @@ __all__ = ["KVTierRadixCache"]
 logger = logging.getLogger(__name__)
 
 
-class KVTierRadixCache(StoragePrefetchHooks, BlendHooks, UnifiedRadixCache):
+class KVTierRadixCache(StoragePrefetchHooks, BlendHooks, StoreHooks, UnifiedRadixCache):
     """`UnifiedRadixCache` that loads prefixes from kvtier and stores finished requests."""
 
     kvtier: SGLangKVTier | None = None
@@ -297,57 +296,6 @@ class KVTierRadixCache(StoragePrefetchHooks, BlendHooks, UnifiedRadixCache):
             kv.cancel_prefetch(request.rid)  # forgets its promise and load too
         logger.info("kvtier: request %s aborted; the tree protects %d tokens", request.rid,
                     self.protected_size())
-
-    # ---- store ----
-
-    def checkpoint(self, req: ReqView, *, up_to: int, **kwargs: Opaque) -> None:
-        kv = self.kvtier
-        if kv is None:
-            return super().checkpoint(req, up_to=up_to, **kwargs)
-        with kv.budget.timed("checkpoint", req.rid):
-            self._release_finished_stores()
-            state = kv.requests.get(req.rid)
-            if state is not None:
-                state.loaded = None  # its prefill ran: the load was used
-            super().checkpoint(req, up_to=up_to, **kwargs)
-            if req.finished():
-                # An aborted request too (a client gone, a server's stop): what it prefilled
-                # is exact KV the tree now holds (SGLang inserts only the committed tokens).
-                self._submit_store(req)
-                kv.requests.forget(req.rid)  # the one place a finished request is forgotten
-
-    def _submit_store(self, req: ReqView) -> None:
-        kv = self.kvtier
-        assert kv is not None
-        node = req.last_node
-        if node is None or self.disable or req.extra_key is not None or multimodal(req):
-            return
-        slots = self.path_device_indices(node)
-        if self._blended is not None:  # stop before blended KV (it is approximate)
-            slots = slots[:self._blended.exact_prefix(slots)]
-        keyed = kv.engine.keys.num_keyed_tokens(len(slots))
-        if keyed == 0:
-            return
-        tokens = token_array(req.full_untruncated_fill_ids)[:keyed]
-        if len(tokens) < keyed:
-            return
-        lock = self.lock(node)
-        session = getattr(req, "session", None)  # SGLang's session API: pin between turns
-        sid = getattr(session, "session_id", None)
-        if not kv.submit_store(tokens, slots[:keyed].to(torch.int64), lock, sid,
-                               salt_of(req.cache_salt), len(req.origin_input_ids), req.rid,
-                               hints_of(req)):
-            self.unlock(lock)
-
-    def _release_finished_stores(self) -> None:
-        if self.kvtier is not None:
-            for job in self.kvtier.poll_done():
-                self.unlock(job.handle)
-
-    def release_session(self, session_id: str) -> None:
-        super().release_session(session_id)
-        if self.kvtier is not None:
-            self.kvtier.release_session(session_id)
 
     # ---- eviction and reset ----
 

@@ -31,6 +31,7 @@ from kvtier.metrics import Counters, RateLimitedLog
 if TYPE_CHECKING:
     from kvtier.engine.hints import Hints
     from kvtier.integration.sglang.boundary.sglang_views import Opaque
+    from kvtier.integration.sglang.rank.request_state import VerifyCut
 
 __all__ = ["StoreJob", "StoreWorker", "MAX_PENDING_STORES", "STORE_DEADLINE_S"]
 
@@ -55,8 +56,7 @@ class StoreJob:
     session_id: str | None = None  # pin the prefix for this SGLang session
     salt: str = ""  # the request's cache_salt
     prompt_len: int | None = None  # the prompt alone, whose tail is stored too
-    verify_from: int | None = None  # shadow verification: compare from this token on, then store
-    verify_loaded: bool = False  # the tokens before `verify_from` were loaded from the tiers
+    verify: VerifyCut | None = None  # shadow verification: compare from its start, then store
     known: int = 0  # leading tokens the request found in the tiers (`CacheEngine.store`)
     hints: Hints | None = None  # the request's lifecycle hints (`kvtier.engine.hints`)
     deadline: float = 0.0  # monotonic; a job still queued then is cancelled

@@ -49,8 +49,9 @@ def test_kvtier_subclasses_shadow_nothing_of_sglang() -> None:
     from tests.integration.sglang.boundary.test_sglang_boundary import scan_integration
 
     subclasses = scan_integration().subclasses
-    # the HiCache backend, the tree, and its bases for prefetch hooks and the blender's release
-    assert len(subclasses) == 4
+    # the HiCache backend, the tree, and its bases for prefetch hooks, the blender's release
+    # and the store
+    assert len(subclasses) == 5
     for sub in subclasses:
         base = sglang_canary._resolve(sub.base)
         own = sorted(n for n in sub.own - set(sglang_api.SURFACE[sub.base])
