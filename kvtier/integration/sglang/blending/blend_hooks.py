@@ -25,7 +25,8 @@ import torch
 from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-from kvtier.integration.sglang.blending.blender import BlendedSlots, SegmentHits, SGLangBlender
+from kvtier.integration.sglang.blending.blended_slots import BlendedSlots
+from kvtier.integration.sglang.blending.blender import SegmentHits, SGLangBlender
 from kvtier.integration.sglang.boundary.sglang_views import (
     MatchPrefixParamsView,
     MatchResultView,

@@ -46,6 +46,7 @@ from kvtier.integration.sglang.blending.blend_jobs import POLL_WAIT_S, BlendJobs
 from kvtier.integration.sglang.blending.blend_model import separator_ids, served_weights
 from kvtier.integration.sglang.blending.blend_state import blend_requests
 from kvtier.integration.sglang.blending.blend_worker import WORKER_COUNTERS, SegmentWorker
+from kvtier.integration.sglang.blending.blended_slots import BlendedSlots
 from kvtier.integration.sglang.boundary.sglang_views import Opaque
 from kvtier.keys import KeyChain
 from kvtier.metrics import Counters
@@ -57,32 +58,6 @@ logger = logging.getLogger(__name__)
 BLEND_COUNTERS = ("blend_requests", "blend_segments_hit", "blend_tokens_loaded",
                   "blend_tokens_recomputed", *WORKER_COUNTERS, "blend_segments_capped",
                   "blend_failures", "blend_fallbacks_slower", "blend_probes")
-
-class BlendedSlots:
-    """Which pool slots hold blended KV. A mark is set when a blend writes a slot and cleared
-    when the allocator frees it (its `free` is wrapped) or the pool is reset."""
-
-    def __init__(self, allocator: Opaque, num_slots: int, device: torch.device):
-        self._marks = torch.zeros(num_slots, dtype=torch.bool, device=device)
-        original: Callable[[torch.Tensor], Opaque] = allocator.free
-
-        def free(free_index: torch.Tensor) -> Opaque:
-            self._marks[free_index.to(self._marks.device, torch.int64)] = False
-            return original(free_index)
-
-        allocator.free = free
-
-    def mark(self, slots: torch.Tensor) -> None:
-        self._marks[slots.to(self._marks.device, torch.int64)] = True
-
-    def exact_prefix(self, slots: torch.Tensor) -> int:
-        """How many leading `slots` hold no blended KV."""
-        marked = self._marks[slots.to(self._marks.device, torch.int64)].nonzero()
-        return int(marked[0, 0]) if len(marked) else len(slots)
-
-    def clear(self) -> None:
-        self._marks.zero_()
-
 
 class SGLangBlender:
     """Blends for one TP-1 scheduler. Built by `from_scheduler` after SGLang loaded the model.

@@ -52,7 +52,8 @@ from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
 from kvtier import prometheus
 from kvtier.integration.sglang.blending.blend_hooks import BlendHooks
-from kvtier.integration.sglang.blending.blender import BlendedSlots, SegmentHits, SGLangBlender
+from kvtier.integration.sglang.blending.blended_slots import BlendedSlots
+from kvtier.integration.sglang.blending.blender import SegmentHits, SGLangBlender
 from kvtier.integration.sglang.boundary.sglang_views import (
     InitLoadBackParamsView,
     KVAllocatorView,

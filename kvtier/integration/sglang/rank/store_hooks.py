@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-from kvtier.integration.sglang.blending.blender import BlendedSlots
+from kvtier.integration.sglang.blending.blended_slots import BlendedSlots
 from kvtier.integration.sglang.boundary.sglang_views import Opaque, ReqView
 from kvtier.integration.sglang.rank.adapter import SGLangKVTier
 from kvtier.integration.sglang.rank.requests import hints_of, multimodal, salt_of, token_array

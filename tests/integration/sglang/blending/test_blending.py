@@ -18,7 +18,7 @@ from kvtier.config import Config
 from kvtier.demo import texts
 from kvtier.errors import ConfigError
 from kvtier.integration.sglang.blending.blend_model import separator_ids
-from kvtier.integration.sglang.blending.blender import BlendedSlots
+from kvtier.integration.sglang.blending.blended_slots import BlendedSlots
 from kvtier.integration.sglang.rank.adapter import build_connector
 from kvtier.integration.sglang.rank.requests import wants_blend
 from tests.integration.sglang.test_sglang_pools import make_allocator, make_pool
