@@ -19,3 +19,18 @@ def test_hicache_module_path_of_an_earlier_config_names_the_same_class() -> None
     old = importlib.import_module("kvtier.integration.sglang.hicache_storage")
     new = importlib.import_module("kvtier.integration.sglang.hicache.storage")
     assert old.KVTierHiCacheStorage is new.KVTierHiCacheStorage
+
+
+def test_the_plugins_hooks_keep_their_names_there_after_the_split() -> None:
+    """launch/plugin.py's hooks moved to flags.py and scheduler_hooks.py (issue 73); the names
+    it had still import from it, as the same functions."""
+    from kvtier.integration.sglang.launch import flags, plugin, scheduler_hooks
+
+    assert plugin._check_launch is flags.check_launch
+    assert (plugin._add_cli_args, plugin._from_cli_args) == (
+        flags.around_add_cli_args, flags.around_from_cli_args)
+    assert (plugin._enable_prefetch_hooks, plugin._run_batch, plugin._batch_result,
+            plugin._on_idle) == (scheduler_hooks.after_scheduler_init,
+                                 scheduler_hooks.before_run_batch,
+                                 scheduler_hooks.before_batch_result, scheduler_hooks.before_idle)
+    assert plugin.BACKEND_NAME == flags.BACKEND_NAME == "kvtier"

@@ -116,18 +116,18 @@ def test_a_scheduler_with_queued_requests_keeps_the_writers_waiting(
     from types import SimpleNamespace
 
     from kvtier.background import QUIET_S, EngineActivity
-    from kvtier.integration.sglang.launch import plugin
+    from kvtier.integration.sglang.launch import scheduler_hooks as hooks
 
     engine = EngineActivity()
     engine.enabled = True
-    monkeypatch.setattr(plugin, "ENGINE", engine)
+    monkeypatch.setattr(hooks, "ENGINE", engine)
     scheduler = SimpleNamespace(waiting_queue=["a queued request"], tree_cache=None)
-    plugin._run_batch(scheduler)
-    plugin._batch_result(scheduler, None)
-    plugin._on_idle(scheduler)  # waiting for a store's slots, say
+    hooks.before_run_batch(scheduler)
+    hooks.before_batch_result(scheduler, None)
+    hooks.before_idle(scheduler)  # waiting for a store's slots, say
     assert engine.busy(time.monotonic() + QUIET_S)
     scheduler.waiting_queue.clear()
-    plugin._on_idle(scheduler)
+    hooks.before_idle(scheduler)
     assert not engine.busy(time.monotonic() + QUIET_S)
 
 

@@ -70,7 +70,7 @@ SURFACE: dict[str, tuple[str, ...]] = {
     "sglang.srt.server_args.ServerArgs": (
         "add_cli_args", "from_cli_args",  # hook targets
         "radix_cache_backend", "device", "page_size", "tp_size", "dp_size", "load_format",
-        "enable_hierarchical_cache", "disable_radix_cache",  # launch checks (plugin.py)
+        "enable_hierarchical_cache", "disable_radix_cache",  # launch checks (flags.py)
         "served_model_name", "model_path", "revision", "quantization", "dtype",
         "json_model_override_args", "kv_cache_dtype",  # the model identity (identity.py)
         "max_total_tokens",  # the CPU engine's memory at launch (preflight.py)
@@ -194,7 +194,8 @@ CALLED_BY_SGLANG: dict[str, str] = {
 # cannot tell whose object a `getattr` reads): name -> whose it is.
 NOT_SGLANG: dict[str, str] = {
     "attach_kvtier": "kvtier's own method on its tree (plugin.build_radix_cache calls it)",
-    "attach_blender": "kvtier's own method on its tree (plugin._enable_blending calls it)",
+    "attach_blender": "kvtier's own method on its tree (scheduler_hooks._enable_blending "
+                      "calls it)",
     "publish_tier_events": "kvtier's own method on its tree (plugin.build_radix_cache calls "
                            "it with --kv-events-config)",
     "sliding_window": "the model's Hugging Face config (blending refuses sliding windows)",
@@ -202,7 +203,8 @@ NOT_SGLANG: dict[str, str] = {
     "weight": "PyTorch's name for a layer's parameter (SGLang's linear layers register theirs "
               "under it: REACH_INS)",
     "kvtier": "kvtier's own: the engine on its tree, and the mark on its excepthook",
-    "enable_kvtier": "kvtier's own flag on SGLang's parsed arguments (plugin._add_cli_args)",
+    "enable_kvtier": "kvtier's own flag on SGLang's parsed arguments "
+                     "(flags.around_add_cli_args)",
     "kvtier_config_file": "kvtier's own flag on SGLang's parsed arguments",
     "path": "FastAPI's routes (`app.routes`: is /kvtier/tiers there already)",
     "uncancel": "asyncio's Task.uncancel (Python 3.11+; http_stop: a request the stop cut)",

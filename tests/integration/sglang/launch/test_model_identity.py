@@ -14,8 +14,8 @@ import pytest
 
 from kvtier.config import Config
 from kvtier.errors import ConfigError
+from kvtier.integration.sglang.launch.flags import check_launch
 from kvtier.integration.sglang.launch.identity import model_fingerprint, weights_digest
-from kvtier.integration.sglang.launch.plugin import _check_launch
 
 
 def _checkpoint(path: Path, seed: int) -> None:
@@ -92,19 +92,19 @@ def test_random_weights_never_reach_a_shared_tier(tmp_path: Path) -> None:
     shared = Config(max_local_cpu_size=0.01, local_disk=str(tmp_path / "d"),
                     max_local_disk_size=0.01)
     with pytest.raises(ConfigError, match="load-format dummy.*disk"):
-        _check_launch(shared, _launch_args(load_format="dummy"))
-    _check_launch(shared, _launch_args())  # real weights: fine
-    _check_launch(Config(max_local_cpu_size=0.01), _launch_args(load_format="dummy"))
+        check_launch(shared, _launch_args(load_format="dummy"))
+    check_launch(shared, _launch_args())  # real weights: fine
+    check_launch(Config(max_local_cpu_size=0.01), _launch_args(load_format="dummy"))
 
 
 def test_a_bad_record_key_file_stops_the_launch(tmp_path: Path) -> None:
     key = tmp_path / "record.key"
     cfg = Config(max_local_cpu_size=0.01, record_key_file=str(key))
     with pytest.raises(ConfigError, match="record_key_file.*cannot read"):
-        _check_launch(cfg, _launch_args())
+        check_launch(cfg, _launch_args())
     key.write_bytes(os.urandom(32).hex().encode())
     key.chmod(0o644)
     with pytest.raises(ConfigError, match="record_key_file.*chmod 600"):
-        _check_launch(cfg, _launch_args())
+        check_launch(cfg, _launch_args())
     key.chmod(0o600)
-    _check_launch(cfg, _launch_args())
+    check_launch(cfg, _launch_args())

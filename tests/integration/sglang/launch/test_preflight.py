@@ -15,7 +15,7 @@ import yaml
 from kvtier.cli import main
 from kvtier.config import Config, load_config
 from kvtier.errors import ConfigError
-from kvtier.integration.sglang.launch.plugin import _check_launch
+from kvtier.integration.sglang.launch.flags import check_launch
 from kvtier.integration.sglang.launch.preflight import engine_host_bytes, preflight
 
 README = Path(__file__).resolve().parents[4] / "README.md"
@@ -69,7 +69,7 @@ def test_every_problem_is_reported_at_once_by_the_launch_and_check_config(
     assert "for SGLang's CPU KV pool (--max-total-tokens 4096)" in found.problems[-1]
 
     with pytest.raises(ConfigError) as info:  # the launcher: one error, every problem listed
-        _check_launch(config, _args(**flags))
+        check_launch(config, _args(**flags))
     assert "7 problems stop the launch" in str(info.value)
     for problem in found.problems:
         assert problem in str(info.value)
