@@ -169,9 +169,8 @@ def test_a_forged_redis_tail_loses_only_its_records_through_the_scheduler_s_call
         assert forger.store(tokens, slots) == TOKENS and forger.flush(30)
         ids = tokens.numpy()
         kv.start_prefetch("r", ids)
-        for _ in range(10_000):
-            if kv.prefetch_ready("r"):
-                break
+        # wait for the load itself (a busy host may take longer than any number of polls)
+        assert kv.requests.get("r").prefetch.wait_done(30) and kv.prefetch_ready("r")
         hit = kv.lookup("r", ids, limit=kv.loadable_end(len(ids)))
         assert hit == TOKENS  # chunk 3 came from Redis
         cut = kv.shadow_tail("r", device_len=0, hit=hit)
