@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -113,10 +114,28 @@ bool use_avx2(bool simd) {
 #endif
 }
 
+#if defined(__x86_64__)
+// KVTIER_CODEC_AVX512=0 keeps the kernel on its AVX2 rows where the CPU has AVX-512 too (read
+// at each call, a getenv: the tests compare the two).
+bool avx512_allowed() {
+  const char* env = std::getenv("KVTIER_CODEC_AVX512");
+  return env == nullptr || std::strcmp(env, "0") != 0;
+}
+
+bool avx512() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") != 0 && __builtin_cpu_supports("avx512bw") != 0;
+  }();
+  return has && avx512_allowed();
+}
+#endif
+
 template <typename T, typename Q>
 void encode_as(const Shape& s, const at::Tensor& chunk, uint8_t* p, bool simd) {
   const T* x = reinterpret_cast<const T*>(chunk.data_ptr());
 #if defined(__x86_64__)
+  if (use_avx2(simd) && avx512()) return encode_chunk<Avx512Rows, T, Q>(s, x, p);
   if (use_avx2(simd)) return encode_chunk<Avx2Rows, T, Q>(s, x, p);
 #endif
   encode_chunk<ScalarRows, T, Q>(s, x, p);
@@ -128,7 +147,7 @@ bool avx512_bf16() {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512bf16") != 0 && __builtin_cpu_supports("avx512vl") != 0;
   }();
-  return has;
+  return has && avx512_allowed();
 }
 #endif
 
