@@ -13,8 +13,8 @@
 //   `_widen` reads it.
 //
 // Inputs are finite (KV); a NaN in a chunk gives unspecified bytes, not a crash. The row
-// operations live in kv_codec_rows.h (plain C++) and kv_codec_avx2.h (intrinsics); this file
-// has the chunk loops, the dispatch between the two and the argument checks.
+// operations live in kv_codec_rows.h (plain C++), kv_codec_avx2.h and kv_codec_avx512.h
+// (intrinsics); this file has the chunk loops, the dispatch between them and the checks.
 #include "kv_codec.h"
 
 #include <algorithm>
@@ -24,12 +24,12 @@
 #include <limits>
 #include <vector>
 
-#include "kv_codec_avx2.h"  // and kv_codec_rows.h
+#include "kv_codec_avx512.h"  // and kv_codec_avx2.h, kv_codec_rows.h
 
 namespace kvtier {
 namespace {
 
-using namespace codec_cpu;  // NOLINT: the rows and quantizers of kv_codec_rows.h / _avx2.h
+using namespace codec_cpu;  // NOLINT: the rows and quantizers of kv_codec_rows.h / _avx*.h
 
 #if defined(__x86_64__)
 bool avx2() {
@@ -105,7 +105,9 @@ KV_INLINE void decode_chunk(const Shape& s, const uint8_t* payload, T* out) {
 
 // Each kernel runs with the plain C++ rows or (where the CPU has them, unless `simd` is false)
 // the AVX2 + F16C + FMA rows (FMA only where `divide8` wants it: ISO C++ builds contract
-// nothing themselves, and a fused multiply-add elsewhere would round differently from torch).
+// nothing themselves, and a fused multiply-add elsewhere would round differently from torch),
+// and where it also has AVX-512 the encode's Avx512Rows and the bf16 decode's Bf16Rows
+// (kv_codec_avx512.h).
 bool use_avx2(bool simd) {
 #if defined(__x86_64__)
   return simd && avx2();

@@ -1,0 +1,170 @@
+// The record codecs' AVX-512 rows (kv_codec_avx2.h's AVX2 rows finish each row's tail and do
+// what these do not): the encode's scales and quantizers sixteen lanes at a time (AVX-512 F and
+// BW), and the decode's rounding into bf16 with AVX512-BF16. Compiled with target attributes
+// and picked at run time by kv_codec.cpp, like the AVX2 rows. Included by kv_codec.cpp only.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "kv_codec_avx2.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+namespace kvtier {
+namespace codec_cpu {
+
+// Where the CPU also has AVX512-BF16 (and VL): decoding into a bf16 pool rounds each product
+// with one VCVTNEPS2BF16 instead of store8's eight operations. That instruction rounds to
+// nearest even as narrow() does, but reads float32 subnormals as zero, flushes its subnormal
+// results and returns NaNs as they are: kv_codec.cpp takes these rows only for payloads whose
+// scales keep every product finite and either zero or normal (`bf16_safe`), where it is exact.
+#define KV_BF16 inline __attribute__((always_inline, target("avx2,f16c,fma,avx512f,avx512vl,avx512bf16")))
+#define KV_BF16_ROW __attribute__((target("avx2,f16c,fma,avx512f,avx512vl,avx512bf16")))
+
+KV_BF16 void store8_bf16(__m256 v, c10::BFloat16* out) {
+  const __m128bh r = _mm256_cvtneps_pbh(v);
+  std::memcpy(out, &r, 16);
+}
+
+template <typename Q, bool kEach>
+KV_BF16 void dequantize_row_bf16(const uint8_t* q, const float* scales, c10::BFloat16* out,
+                                 int64_t n) {
+  int64_t h = 0;
+  if constexpr (std::is_same_v<Q, Fp8>) {
+    for (; h + 16 <= n; h += 16) {
+      __m256 lo, hi;
+      fp8_levels16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + h)), &lo, &hi);
+      store8_bf16(_mm256_mul_ps(lo, scales8<kEach>(scales, h)), out + h);
+      store8_bf16(_mm256_mul_ps(hi, scales8<kEach>(scales, h + 8)), out + h + 8);
+    }
+  } else {
+    for (; h + 8 <= n; h += 8) {
+      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + h));
+      store8_bf16(_mm256_mul_ps(int8_levels8(bytes), scales8<kEach>(scales, h)), out + h);
+    }
+  }
+  ScalarRows::dequantize_row<Q>(q + h, kEach ? scales + h : nullptr, scales[0], out + h, n - h);
+}
+
+// Avx2Rows' dequantize into bf16 with the rounding above (decode only).
+struct Bf16Rows {
+  template <typename Q>
+  static KV_BF16_ROW void dequantize(const uint8_t* q, int64_t rows, int64_t n,
+                                     const float* scales, bool per_row, c10::BFloat16* out) {
+    for (int64_t t = 0; t < rows; ++t, q += n, out += n) {
+      if (per_row) {
+        dequantize_row_bf16<Q, false>(q, scales + t, out, n);
+      } else {
+        dequantize_row_bf16<Q, true>(q, scales, out, n);
+      }
+    }
+  }
+};
+
+// Where the CPU has AVX-512 F and BW: the quantizers sixteen lanes at a time, with mask
+// registers for the selects and vpmov narrowing (fp8's bits truncated, int8's values with
+// signed saturation, which clamps 128 to 127 as store_bytes* do); the same operations lane by
+// lane as fp8_8 / int8_8, so the same bytes. The scales' passes stay Avx2Rows'.
+#define KV_512 inline __attribute__((always_inline, target("avx2,f16c,fma,avx512f,avx512bw")))
+#define KV_512_ROW __attribute__((target("avx2,f16c,fma,avx512f,avx512bw")))
+
+KV_512 __m512 load16(const float* x) { return _mm512_loadu_ps(x); }
+KV_512 __m512 load16(const c10::Half* x) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+}
+KV_512 __m512 load16(const c10::BFloat16* x) {
+  const __m512i wide =
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+template <bool kEach>
+KV_512 __m512 scales16(const float* p, int64_t at) {
+  return kEach ? _mm512_loadu_ps(p + at) : _mm512_set1_ps(p[0]);
+}
+
+template <typename Q, bool kEach, typename T>
+KV_512 __m128i bytes16(const T* x, int64_t at, const float* scales, const float* recips) {
+  const __m512 v = load16(x + at);
+  const __m512 s = scales16<kEach>(scales, at), r = scales16<kEach>(recips, at);
+  const __m512 q0 = _mm512_mul_ps(v, r);
+  const __m512 y = _mm512_fmadd_ps(_mm512_fnmadd_ps(q0, s, v), r, q0);  // divide8's
+  if constexpr (std::is_same_v<Q, Fp8>) {  // fp8_8's
+    const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(v), 24),
+                                          _mm512_set1_epi32(0x80));
+    const __m512i mag = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32(0x7FFFFFFF));
+    const __m512 magf = _mm512_castsi512_ps(mag);
+    const __m512i denorm = _mm512_set1_epi32(141 << 23);
+    const __m512i sub = _mm512_sub_epi32(
+        _mm512_castps_si512(_mm512_add_ps(magf, _mm512_castsi512_ps(denorm))), denorm);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(mag, 20), _mm512_set1_epi32(1));
+    const __m512i norm = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(mag, _mm512_set1_epi32(
+                                                   static_cast<int>(0x7FFFFu - (120u << 23)))),
+                         odd), 20);
+    const __mmask16 small = _mm512_cmp_ps_mask(magf, _mm512_set1_ps(0x1p-6f), _CMP_LT_OQ);
+    const __m512i bits = _mm512_min_epu32(_mm512_mask_blend_epi32(small, norm, sub),
+                                          _mm512_set1_epi32(0x7F));
+    return _mm512_cvtepi32_epi8(_mm512_or_si512(bits, sign));
+  } else {  // int8_8's
+    const __m512 round = _mm512_set1_ps(12582912.0f);
+    __m512 r8 = _mm512_min_ps(_mm512_max_ps(y, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(128.0f));
+    r8 = _mm512_sub_ps(_mm512_add_ps(r8, round), round);
+    return _mm512_cvtsepi32_epi8(_mm512_cvttps_epi32(r8));
+  }
+}
+
+template <typename Q, bool kEach, typename T>
+KV_512 void quantize_row16(const T* x, const float* scales, const float* recips, uint8_t* q,
+                           int64_t n) {
+  int64_t h = 0;
+  for (; h + 16 <= n; h += 16) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + h),
+                     bytes16<Q, kEach>(x, h, scales, recips));
+  }
+  // the rest (n % 16) on the AVX2 row: a row scale stays scales[0]
+  quantize_row<Q, kEach>(x + h, kEach ? scales + h : scales, kEach ? recips + h : recips,
+                         q + h, n - h);
+}
+
+struct Avx512Rows : Avx2Rows {
+  template <typename T>
+  static KV_512_ROW void amax_columns(const T* x, int64_t rows, int64_t n, float* amax) {
+    for (int64_t t = 0; t < rows; ++t, x += n) {
+      int64_t h = 0;
+      for (; h + 16 <= n; h += 16) {
+        _mm512_storeu_ps(amax + h,
+                         _mm512_max_ps(_mm512_loadu_ps(amax + h), _mm512_abs_ps(load16(x + h))));
+      }
+      Avx2Rows::amax_columns(x + h, 1, n - h, amax + h);
+    }
+  }
+  template <typename T>
+  static KV_512_ROW void amax_rows(const T* x, int64_t rows, int64_t n, float* amax) {
+    for (int64_t t = 0; t < rows; ++t, x += n) {
+      __m512 m = _mm512_setzero_ps();
+      int64_t h = 0;
+      for (; h + 16 <= n; h += 16) m = _mm512_max_ps(m, _mm512_abs_ps(load16(x + h)));
+      Avx2Rows::amax_rows(x + h, 1, n - h, amax + t);  // a max of finite values: any order
+      amax[t] = std::max(amax[t], _mm512_reduce_max_ps(m));
+    }
+  }
+  template <typename Q, typename T>
+  static KV_512_ROW void quantize(const T* x, int64_t rows, int64_t n, const float* scales,
+                                  const float* recips, bool per_row, uint8_t* q) {
+    for (int64_t t = 0; t < rows; ++t, x += n, q += n) {
+      if (per_row) {
+        quantize_row16<Q, false>(x, scales + t, recips + t, q, n);
+      } else {
+        quantize_row16<Q, true>(x, scales, recips, q, n);
+      }
+    }
+  }
+};
+
+}  // namespace codec_cpu
+}  // namespace kvtier
+#endif  // __x86_64__
