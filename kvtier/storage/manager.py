@@ -85,7 +85,8 @@ class StorageManager:
                                 self.watch, lambda: self._gate.closed)
         self.sessions = SessionPins(
             hot, int(config.max_session_pinned_fraction * self.allocator.size),
-            config.session_ttl_secs, self.counters, arena_bytes=self.allocator.size)
+            config.session_ttl_secs, self.counters, arena_bytes=self.allocator.size,
+            tenant_share=config.tenant_max_fraction)
         self.prefill = PrefillSpeed()  # fed by the serving engine's prefills
         self._planner = LoadPlanner(lambda: self._set.tiers, self.prefill, layout.nbytes,
                                     self.allocator.size, self.counters)

@@ -16,6 +16,11 @@ A prefix can also be *retained* (a lifecycle hint, `kvtier.engine.hints`): pinne
 name for a fixed time from its store, not an idle time, within the same quota; when pins pass
 the cap, sessions are unpinned first, then retained prefixes, the soonest to expire first.
 
+Tenants (a pin's salt, SGLang's `cache_salt`) share the cap as they share the tier
+(`tenant_max_fraction`): while two or more hold pins, the cap unpins, in the order above, the
+pins of tenants holding more than their share of it first, so one tenant's flood of sessions or
+retain hints cannot unpin another tenant's pins while that tenant is within its share.
+
 So pins never take more than the cap: at least 1 - `max_session_pinned_fraction` (at least a
 fifth) of the CPU tier stays evictable for stores and prefetches, and what is unpinned becomes
 ordinary LRU data. A store larger than that headroom (plus memory other work holds) can still
@@ -85,16 +90,19 @@ class SessionPins:
         arena_bytes: the CPU tier's size; when given, the cap is clamped to
             `MAX_PINNED_FRACTION` of it (config validation already refuses a larger fraction).
         session_share: the fraction of the cap one session may pin, in (0, 1].
+        tenant_share: the fraction of the cap one tenant may keep against others, in (0, 1]
+            (`tenant_max_fraction`; 1: tenants are not told apart).
     """
 
     def __init__(self, cpu: HotTier, cap_bytes: int, ttl_s: float, counters: Counters,
                  clock: Callable[[], float] = time.monotonic, *, arena_bytes: int | None = None,
-                 session_share: float = SESSION_SHARE):
+                 session_share: float = SESSION_SHARE, tenant_share: float = 1.0):
         if arena_bytes is not None:
             cap_bytes = min(cap_bytes, int(MAX_PINNED_FRACTION * arena_bytes))
         self._cpu = cpu
         self._cap = max(0, cap_bytes)
         self._quota = int(self._cap * min(max(session_share, 0.0), 1.0))
+        self._tenant_cap = self._cap * min(max(tenant_share, 0.0), 1.0)
         self._ttl = ttl_s
         self._counters = counters
         counters.declare("session_releases", "session_unpins_ttl", "session_unpins_cap",
@@ -280,9 +288,36 @@ class SessionPins:
 
     def _cap_victims(self, current: str, own: dict[str, _Pinned],
                      ) -> Iterator[tuple[dict[str, _Pinned], str]]:
-        """What the cap unpins, in order (lazily: the retained are sorted only if reached)."""
+        """What the cap unpins, in order: pins of tenants over their share of the cap first
+        (while they are over it), then the rest, each in `_victims_in_order`'s order."""
+        ordered = self._victims_in_order(current, own)
+        held: Counter[str] = Counter()
+        for entry in (*self._sessions.values(), *self._retained.values()):
+            held[_tenant(entry)] += entry.nbytes
+        if self._tenant_cap >= self._cap or len(held) < 2:
+            yield from ordered
+            return
+        later = []
+        for table, name in ordered:
+            tenant = _tenant(table[name])
+            if held[tenant] > self._tenant_cap:
+                held[tenant] -= table[name].nbytes
+                yield table, name
+            else:
+                later.append((table, name))
+        yield from ((t, n) for t, n in later if n in t)
+
+    def _victims_in_order(self, current: str, own: dict[str, _Pinned],
+                          ) -> Iterator[tuple[dict[str, _Pinned], str]]:
+        """Sessions, least recently used first, then retained prefixes, the soonest to expire
+        first (lazily: the retained are sorted only if reached); never `current`."""
         yield from ((self._sessions, s) for s in list(self._sessions)
                     if not (own is self._sessions and s == current))
         yield from ((self._retained, n) for _, n in sorted(
             (e.used, n) for n, e in self._retained.items()
             if not (own is self._retained and n == current)))
+
+
+def _tenant(entry: _Pinned) -> str:
+    """The tenant a pin belongs to: its chunks' salt."""
+    return entry.keys[0].salt if entry.keys else ""

@@ -226,3 +226,24 @@ def test_over_the_cap_sessions_go_before_retained_prefixes() -> None:
     stats = pins.stats()
     assert stats["sessions_pinned"] == 0 and stats["retained_prefixes"] == 2
     assert counters.snapshot()["session_unpins_cap"] == 1
+
+
+@pytest.mark.parametrize("tenant_share", [0.5, 1.0])
+def test_a_tenants_flood_of_retain_hints_unpins_its_own_pins_first(tenant_share: float) -> None:
+    """A tenant over its share of the pin cap loses its own pins to the cap before a tenant
+    within its share loses any; with the share off, sessions go first, whoever holds them."""
+    cpu, arena, keys = _cpu_with(64)
+    pins = SessionPins(cpu, cap_bytes=4 * SMALL_MHA.nbytes(CHUNK), ttl_s=600.0,
+                       counters=Counters(), session_share=1.0, tenant_share=tenant_share)
+    quiet = [k._replace(salt="quiet") for k in keys[:2]]
+    assert pins.pin("chat", quiet) == 2  # within its share: 2 of the 4 chunks
+    for seed in (77, 78):
+        noisy = [k._replace(salt="noisy") for k in make_keys(2 * CHUNK, seed=seed)]
+        with lease([make_obj(arena, SMALL_MHA, CHUNK, i) for i in range(2)]) as objs:
+            cpu.batch_put(noisy, objs)
+        assert pins.retain(f"agent-{seed}", noisy, 60.0) == 2
+    stats = pins.stats()
+    if tenant_share < 1.0:  # the noisy tenant's older retained prefix went
+        assert stats["sessions_pinned"] == 1 and stats["retained_prefixes"] == 1
+    else:
+        assert stats["sessions_pinned"] == 0 and stats["retained_prefixes"] == 2
