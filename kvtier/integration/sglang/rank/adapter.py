@@ -208,7 +208,7 @@ class SGLangKVTier:
         prefetch = self.engine.start_prefetch(self.prefix(rid, token_ids, salt), limit=end)
         # Registered on every rank, done or not: `prefetch_ready` agrees across ranks, so one
         # rank whose CPU tier held it all (a done handle, nothing to load) waits for the rest.
-        self.requests.open(rid).prefetch = prefetch
+        self.requests.add_prefetch(rid, prefetch)
         self.counters.inc("sglang.prefetches" if prefetch.keys else "sglang.prefetches_skipped_hot")
 
     def prefetch_ready(self, rid: str) -> bool:
@@ -228,8 +228,7 @@ class SGLangKVTier:
         if not self.agree_min(int(prefetch.ready())):
             self.counters.inc("sglang.prefetch_waits")
             return False
-        state.prefetch = None
-        state.checked = False
+        self.requests.end_prefetch(rid)
         prefetch.cancel()
         prometheus.observe_hit("gate", time.monotonic() - prefetch.started)
         return True

@@ -127,24 +127,43 @@ class RequestTable(Generic[S]):
 
 
 class RankRequests(RequestTable[RequestState]):
-    """The adapter's and the radix cache's `RequestState`s; a running prefetch holds one."""
+    """The adapter's and the radix cache's `RequestState`s; a running prefetch holds one.
+    Prefetches are set and taken through `add_prefetch` / `end_prefetch`, so the idle loop's
+    `prefetching()` is a count, not a scan."""
 
     def __init__(self, limit: int = MAX_REQUESTS):
         super().__init__(RequestState, lambda s: s.prefetch is not None, limit)
+        self._prefetching: set[str] = set()  # request ids whose state holds a prefetch
+
+    def add_prefetch(self, rid: str, prefetch: Prefetch) -> None:
+        """Request `rid`'s prefetch started: its admission waits for it."""
+        self.open(rid).prefetch = prefetch
+        self._prefetching.add(rid)
+
+    def end_prefetch(self, rid: str) -> Prefetch | None:
+        """Take request `rid`'s prefetch from its state (it was admitted), if it has one."""
+        state = self.get(rid)
+        prefetch = None if state is None else state.prefetch
+        if state is not None:
+            state.prefetch, state.checked = None, False
+        self._prefetching.discard(rid)
+        return prefetch
+
+    def forget(self, rid: str) -> RequestState | None:
+        self._prefetching.discard(rid)
+        return super().forget(rid)
+
+    def clear(self) -> None:
+        self._prefetching.clear()
+        super().clear()
 
     def prefetching(self) -> int:
         """Requests whose prefetch still decides their admission."""
-        return sum(s.prefetch is not None for s in self)
+        return len(self._prefetching)
 
     def take_prefetches(self) -> list[Prefetch]:
-        """Every running prefetch, each forgotten by its state (the rank closes)."""
-        out = []
-        for state in self:
-            if state.prefetch is not None:
-                out.append(state.prefetch)
-                state.prefetch = None
-                state.checked = False
-        return out
+        """Every running prefetch, each taken from its state (the rank closes)."""
+        return [p for rid in list(self._prefetching) if (p := self.end_prefetch(rid))]
 
     def drop_loads(self) -> None:
         """Forget every promise and load (SGLang emptied its pool: `/flush_cache`)."""

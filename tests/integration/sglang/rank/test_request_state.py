@@ -28,7 +28,7 @@ def test_a_state_is_made_once_and_forgotten_whole() -> None:
 def test_past_its_bound_the_table_sheds_idle_requests_never_a_running_prefetch() -> None:
     table = RankRequests(limit=8)
     for i in range(4):
-        table.open(f"p{i}").prefetch = Prefetch([])
+        table.add_prefetch(f"p{i}", Prefetch([]))
     for i in range(100):
         table.open(f"idle{i}")
         assert len(table) <= 8
@@ -41,7 +41,8 @@ def test_past_its_bound_the_table_sheds_idle_requests_never_a_running_prefetch()
 def test_a_flush_drops_promises_and_loads_not_prefetches() -> None:
     table = RankRequests()
     state = table.open("a")
-    state.loaded, state.prefetch = Loaded(32, 0), Prefetch([])
+    state.loaded = Loaded(32, 0)
+    table.add_prefetch("a", Prefetch([]))
     table.drop_loads()
     assert state.loaded is None and state.promise is None and state.prefetch is not None
     taken = table.take_prefetches()
