@@ -358,6 +358,9 @@ class CacheEngine:
             return self.prefix(token_ids, salt)
         if salt:
             raise ValueError("salt: a Prefix carries its own; give it to prefix(), not here")
+        if not token_ids.named_by(self.keys):  # its keys name another model, layout or rank
+            raise ValueError("token_ids: a Prefix made by another engine; use this engine's "
+                             "prefix()")
         return token_ids
 
     def _named(self, token_ids: TokenIds | Prefix, keys: Sequence[ChunkKey] | None,

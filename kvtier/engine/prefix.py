@@ -53,6 +53,10 @@ class Prefix:
             self._keys = self._builder.keys(self.token_ids, self.salt)
         return self._keys
 
+    def named_by(self, builder: KeyBuilder) -> bool:
+        """Whether this prefix's keys are `builder`'s (one engine's model, layout and rank)."""
+        return self._builder is builder
+
     def covers(self, token_ids: TokenIds) -> bool:
         """Whether this prefix's chain names `token_ids`' loads too: the same sequence, or a
         prefix of it this chain's tails reach (tokens past a load's `limit` name nothing)."""

@@ -101,3 +101,12 @@ def test_a_prefix_shares_its_chain_only_where_it_names_the_tokens() -> None:
         assert p.reuse(tokens.clone()).chain is chain
         with pytest.raises(ValueError, match="salt"):
             Prefix(tokens, "other", eng.keys, chain=chain)
+
+
+def test_a_prefix_of_another_engine_is_refused() -> None:
+    with _engine() as eng, _engine() as other:
+        p = other.prefix(_tokens(7))
+        with pytest.raises(ValueError, match="token_ids"):
+            eng.lookup(p)
+        with pytest.raises(ValueError, match="token_ids"):
+            eng.store(p, torch.arange(SLOTS))
