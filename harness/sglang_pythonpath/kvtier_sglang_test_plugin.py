@@ -11,6 +11,12 @@ the MLA method (which torch_native implements) makes tiny DeepSeek-style models 
 SGLang's SIGTERM watchdog looks at its flag every 5 s, so a stopped server idles 2.5 s on
 average before its stop begins: about two minutes over the suite's 50 servers. Here it looks
 every 0.1 s; what the stop then does is SGLang's own, unchanged.
+
+`KVTIER_TEST_SKEW_SEGMENTS=PATH`: while the file PATH exists, kvtier's standalone segment
+forward (the one that computes segment records and checks them, `blend_worker.prefill`) gives
+layer 2's values 5% off: a bug in that forward that computes the same wrong KV every time,
+which only a comparison with SGLang's own KV can see (read per call: a zygote's servers get
+their environment after the plugin loaded).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from typing import Any
 
 WATCHDOG_POLL_S = 0.1
 FORK_ENV = "KVTIER_TEST_FORK_CHILDREN"
+SKEW_ENV = "KVTIER_TEST_SKEW_SEGMENTS"
 
 
 def _fork_children() -> None:
@@ -64,6 +71,23 @@ def register() -> None:
 
     tokenizer_manager.asyncio = _QuickWatchdogAsyncio()  # type: ignore[assignment]
     _register_mla_dispatch()
+    _skewable_segment_forward()
+
+
+def _skewable_segment_forward() -> None:
+    """kvtier's segment forward with a fault switched by `SKEW_ENV`'s file (see above)."""
+    from kvtier.integration.sglang.blending import blend_worker
+
+    real = blend_worker.prefill
+
+    def prefill(*args: Any, **kwargs: Any) -> Any:
+        out = real(*args, **kwargs)
+        flag = os.environ.get(SKEW_ENV)
+        if flag and os.path.exists(flag):
+            out.kv[1, 2] *= 1.05
+        return out
+
+    blend_worker.prefill = prefill  # type: ignore[assignment]
 
 
 def _register_mla_dispatch() -> None:

@@ -68,6 +68,7 @@ def _enable_blending(scheduler: SchedulerView, kvtier: SGLangKVTier) -> None:
     """`enable_blending`: a blender over the served model (loaded by now); `ConfigError`
     naming why this server cannot blend."""
     from kvtier.integration.sglang.blending.blender import SGLangBlender
+    from kvtier.integration.sglang.blending.engine_check import EngineSegmentCheck
 
     config = kvtier.engine.config
     try:
@@ -78,6 +79,12 @@ def _enable_blending(scheduler: SchedulerView, kvtier: SGLangKVTier) -> None:
     blender = SGLangBlender.from_scheduler(scheduler, store, config.blend, kvtier.page_size,
                                            kvtier.counters, kvtier.engine.prefill.recompute_s)
     cache = cast("KVTierRadixCache", scheduler.tree_cache)
+    # A verified request's first segment, as SGLang computed it, checks that segment's records
+    kv_pool = cast("Opaque", scheduler).tp_worker.model_runner.token_to_kv_pool
+    check = EngineSegmentCheck(store, (list(kv_pool.k_buffer), list(kv_pool.v_buffer)),
+                               blender.separator, config.blend.min_tokens, kvtier.counters)
+    kvtier.check_segments(lambda job: check.check(job.token_ids, job.slots, job.salt,
+                                                  job.prompt_len, job.ready))
     pool = blender.pool_k[0]
     cache.attach_blender(blender, pool.shape[0], pool.device)
     logger.info("kvtier: blending on: segments end at %r (%d tokens), check layers %s, "

@@ -37,6 +37,7 @@ from kvtier.engine.verify import agreed_sampling_key
 from kvtier.errors import ConfigError
 from kvtier.integration.sglang.admin.attach import Attachments
 from kvtier.integration.sglang.blending.blender import BLEND_COUNTERS
+from kvtier.integration.sglang.blending.engine_check import ENGINE_CHECK_COUNTERS
 from kvtier.integration.sglang.boundary.sglang_views import MHAPoolView, MLAPoolView, Opaque
 from kvtier.integration.sglang.launch.preflight import page_size_problem
 from kvtier.integration.sglang.rank.budget import SchedulerBudget
@@ -104,7 +105,7 @@ class SGLangKVTier:
             "loads_discarded", "stores", "tokens_stored", "stores_skipped_busy", "store_errors",
             "prefetches", "prefetches_cancelled", "prefetch_waits",
             "prefetches_skipped_hot", "verified_requests", "verified_tokens",
-            *BLEND_COUNTERS)))
+            *BLEND_COUNTERS, *ENGINE_CHECK_COUNTERS)))
         self.budget = SchedulerBudget(self.counters)
         self._work = StoreWork(engine, self.counters)  # what the store thread does
         # every request kvtier was asked about, alike on every rank (scheduler thread)
@@ -134,6 +135,11 @@ class SGLangKVTier:
         if state is not None:
             state.prefix = prefix
         return prefix
+
+    def check_segments(self, check: Callable[[StoreJob], object]) -> None:
+        """Blending: `check` sees every verified request's store job first, on the store
+        thread, while its slots are still the request's (`StoreWork.segment_check`)."""
+        self._work.segment_check = check
 
     def shadowed(self, rid: str, device_len: int) -> bool:
         """Whether request `rid` is verified in full (`verify_fraction`, `verify_scope: full`;

@@ -4,6 +4,7 @@ request computed to verify the tiers, the comparison and then the store."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from kvtier.engine import CacheEngine
 from kvtier.integration.sglang.rank.stores import StoreJob
@@ -18,7 +19,9 @@ class StoreWork:
     """`run(job)` stores a finished request (the store thread calls it, `stores.StoreWorker`).
 
     `closed_sessions`: sessions SGLang closed (the scheduler thread adds to it); a store
-    finishing late must not pin their prefix again.
+    finishing late must not pin their prefix again. `segment_check` (blending): called with a
+    verified request's job before its comparison, while its slots are still the request's
+    (`blending.engine_check`: its first segment's records against the pool's KV).
     """
 
     def __init__(self, engine: CacheEngine, counters: Counters):
@@ -26,6 +29,7 @@ class StoreWork:
         self.counters = counters
         self.chunk_size: int = engine.config.chunk_size
         self.closed_sessions: set[str] = set()
+        self.segment_check: Callable[[StoreJob], object] | None = None
 
     def run(self, job: StoreJob) -> int:
         """The store thread's work for one job."""
@@ -47,6 +51,12 @@ class StoreWork:
     def _verify(self, job: StoreJob, sid: str | None, also: int | None) -> int:
         """The store of a verified request: the comparison, then the store itself."""
         assert job.verify is not None
+        if self.segment_check is not None:
+            try:
+                self.segment_check(job)
+            except Exception:  # a cache never takes serving down: the prefix check still runs
+                self.counters.inc("sglang.store_errors")
+                logger.exception("kvtier: checking a verified request's segment failed")
         result = self.engine.verify(job.token_ids, job.slots, start=job.verify.start,
                                     loaded=job.verify.loaded, session_id=sid,
                                     on_read=job.release_slots, salt=job.salt,
