@@ -17,11 +17,14 @@ into the pool (a decoded chunk has the pool's dtype and shape).
   scales `[layers, tokens]`. A pool already one byte a value (fp8 / uint8 pools) is stored
   `naive` by every codec: there is nothing to gain.
 
-A record is encoded on the tier's writer thread and decoded on the load path, after the whole
-payload was verified (checksum, or GCM tag) in a scratch buffer: nothing unverified reaches
-the arena. Both run in the C++ kernel when it is built (`kvtier.kernels.ops.codec_encode` /
-`codec_decode`: single-threaded, without the GIL, decoding straight into the arena), else in
-torch (`encode_torch` / `decode_torch`, the reference the kernel matches bit for bit).
+A record is encoded on the tier's writer thread and decoded on the load path: a plain disk
+record a piece of whole blocks at a time as it is read (`blocks` / `decode_blocks`, the scales
+read first), into the arena object the load hands out only once the whole payload's checksum
+holds (as a naive read lands in it); an encrypted one, or a Redis one, after the whole payload
+was verified (checksum, or GCM tag) in a scratch buffer. Both run in the C++ kernel when it is
+built (`kvtier.kernels.ops.codec_encode` / `codec_decode` / `codec_decode_blocks`:
+single-threaded, without the GIL, decoding straight into the arena), else in torch
+(`encode_torch` / `decode_torch`, the reference the kernel matches bit for bit).
 """
 
 from __future__ import annotations
@@ -74,6 +77,19 @@ class Codec(ABC):
         Raises:
             ValueError: naming `payload` when its length does not fit `obj`.
         """
+
+    def blocks(self, obj: MemoryObj) -> tuple[int, int] | None:
+        """How a payload for `obj` is decoded a piece at a time (`decode_blocks`): (bytes of
+        one block's values, how many blocks; block b is plane `b // layers`, layer `b % layers`,
+        `tokens * hidden` one-byte values), the scales following the values as the payload's
+        tail; None when it is not (naive, or the kernel does not take `obj`: decode it whole)."""
+        return None
+
+    def decode_blocks(self, values: memoryview, scales: memoryview, obj: MemoryObj,
+                      first: int) -> None:
+        """Decode blocks `[first, ...)` from their `values` and the payload's tail `scales` into
+        those blocks of `obj`, as `decode` would. Only where `blocks(obj)` is not None."""
+        raise NotImplementedError
 
 
 class Encoded:
@@ -195,6 +211,19 @@ class _FP8(Codec):
         out = obj.tensor
         if not (_kernel_takes(out) and ops.codec_decode(_bytes(payload), out, self.name)):
             self.decode_torch(payload, out)
+
+    def blocks(self, obj: MemoryObj) -> tuple[int, int] | None:
+        x = obj.tensor
+        if x.dtype.itemsize == 1 or not (_kernel_takes(x) and ops.codec_blocks()):
+            return None
+        planes, layers, tokens, hidden = x.shape
+        return tokens * hidden, planes * layers
+
+    def decode_blocks(self, values: memoryview, scales: memoryview, obj: MemoryObj,
+                      first: int) -> None:
+        if not ops.codec_decode_blocks(_bytes(values), _bytes(scales), obj.tensor, first,
+                                       self.name):
+            raise RuntimeError("codec: the kernel's block calls went away")
 
     def decode_torch(self, payload: memoryview, out: torch.Tensor) -> None:
         """The torch decoder of `payload` (checked) into `out`: the kernel's reference."""

@@ -38,7 +38,8 @@ from kvtier.kernels.reference import reference_gather, reference_scatter
 
 __all__ = ["gather", "scatter", "gather_chunks", "scatter_chunks", "prepare", "kernel_name",
            "kernel_status", "reference_gather", "reference_scatter", "CheckedLayers",
-           "slot_bounds", "token_bytes", "check_result", "codec_encode", "codec_decode"]
+           "slot_bounds", "token_bytes", "check_result", "codec_encode", "codec_decode",
+           "codec_decode_blocks", "codec_blocks"]
 
 
 def gather(layers: Sequence[torch.Tensor], slots: torch.Tensor, out: torch.Tensor) -> None:
@@ -190,3 +191,29 @@ def codec_decode(payload: torch.Tensor, out: torch.Tensor, codec: str, *,
         return False
     check_result(ext.codec_decode(payload, out, codec, simd))
     return True
+
+
+def codec_decode_blocks(values: torch.Tensor, scales: torch.Tensor, out: torch.Tensor,
+                        first: int, codec: str, *, simd: bool = True) -> bool:
+    """`codec_decode` of blocks `[first, first + len(values) // block)` of `out` only (block b:
+    plane `b // layers`, layer `b % layers`; `tokens * hidden` bytes of values), from their
+    values (1-D uint8, whole blocks: the payload's bytes from `first * block`) and `scales`
+    (1-D uint8, the payload's tail: its length less the values), bit for bit as `codec_decode`
+    writes them. Returns False, writing nothing, when the compiled kernel is not used (or
+    predates this call). `simd` as in `codec_encode`.
+
+    Raises:
+        ValueError: naming the bad argument; nothing has been written.
+    """
+    ext = _kernel(torch.device("cpu"))
+    if ext is None or not hasattr(ext, "codec_decode_blocks"):
+        return False
+    check_result(ext.codec_decode_blocks(values, scales, out, first, codec, simd))
+    return True
+
+
+def codec_blocks() -> bool:
+    """Whether `codec_decode_blocks` runs now (the compiled kernel is in use and has it), for a
+    caller that plans its pieces before decoding any."""
+    ext = _kernel(torch.device("cpu"))
+    return ext is not None and hasattr(ext, "codec_decode_blocks")

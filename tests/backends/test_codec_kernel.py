@@ -1,6 +1,6 @@
 """The C++ record codecs (kvtier/kernels/csrc/kv_codec.cpp) against codec.py's torch path, bit
-for bit: encode, decode, both round trips, the edge values of e4m3 and int8 rounding, the
-fallback to torch, and the kernel's argument checks.
+for bit: encode, decode (whole, and a load's piece by piece), both round trips, the edge values
+of e4m3 and int8 rounding, the fallback to torch, and the kernel's argument checks.
 
 The compiled kernels are prepared (built on first use) before each test, as tests/kernels loads
 them: a machine that cannot build them fails these tests (the kernel calls return False)
@@ -235,6 +235,40 @@ def test_decode_into_bf16_under_tiny_or_huge_scales_reads_as_torch(simd: bool) -
                                bits(torch_decoded(codec, payload, like))), (codec.name, odd)
 
 
+def pieces_decoded(codec: ScaledCodec, payload: bytes, like: torch.Tensor, step: int,
+                   simd: bool = True) -> torch.Tensor:
+    """`payload` decoded as a load does: `step` whole blocks of values a call, with the tail."""
+    planes, layers, tokens, hidden = like.shape
+    block, count = tokens * hidden, planes * layers
+    raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    out = torch.full_like(like, 7.0)
+    for first in range(0, count, step):
+        part = raw[first * block : min(first + step, count) * block]
+        assert ops.codec_decode_blocks(part, raw[block * count :], out, first, codec.name,
+                                       simd=simd)
+    return out
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decoding_piece_by_piece_gives_the_torch_decode_of_the_whole(
+        alloc: MemoryAllocator, dtype: torch.dtype, layout: str, codec: ScaledCodec,
+        simd: bool) -> None:
+    """In pieces of one block, of two (V's first layer after K's last, for MHA) or all: an
+    encoded chunk, and a payload whose scales would make some products subnormal (where the
+    CPU has AVX512-BF16, only some pieces may take its bf16 rows)."""
+    lay = LAYOUTS[layout](dtype)
+    x = chunk(alloc, lay, 37, 2).tensor
+    odd = bytearray(torch_payload(codec, x))
+    tail = torch.frombuffer(odd, dtype=torch.uint8)[x.numel():].view(torch.float32)
+    tail[-3] = 1e-40  # the last block's scales only
+    for payload in (torch_payload(codec, x), bytes(odd)):
+        want = bits(torch_decoded(codec, payload, x))
+        for step in (1, 2, x.shape[0] * x.shape[1]):
+            assert torch.equal(bits(pieces_decoded(codec, payload, x, step, simd)), want), step
+
+
 def test_without_the_kernel_the_codecs_use_torch(alloc: MemoryAllocator,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     obj = chunk(alloc, LAYOUTS["mha"](torch.bfloat16), 32, 4)
@@ -294,6 +328,11 @@ def test_bad_arguments_raise_value_error_naming_them_and_write_nothing() -> None
         (lambda: ops.codec_decode(payload, x.transpose(2, 3), "int8"), "out"),
         (lambda: ops.codec_decode(payload[1:], x, "int8"), "payload"),
         (lambda: ops.codec_decode(payload, x, "nf4"), "codec"),
+        (lambda: ops.codec_decode_blocks(payload[:31], payload[-96:], x, 0, "fp8"), "values"),
+        (lambda: ops.codec_decode_blocks(payload[:32], payload[-96:], x, 4, "fp8"), "first"),
+        (lambda: ops.codec_decode_blocks(payload[:64], payload[-96:], x, 3, "fp8"), "first"),
+        (lambda: ops.codec_decode_blocks(payload[:32], payload[-95:], x, 0, "fp8"), "scales"),
+        (lambda: ops.codec_decode_blocks(payload[:32], payload[-96:], x[0], 0, "fp8"), "out"),
     ]
     before = x.clone()
     for call, name in cases:

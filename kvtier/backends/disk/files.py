@@ -8,7 +8,8 @@ The disk tier (`disk.py`) owns the policy (index, size cap, LRU); this module ow
   the caller `os.replace`s it. Whether a temp file is garbage is told by its lock, never by
   its name (`inflight`: the pid means nothing in another PID namespace).
 - It is read with the header first, validated in full, then the payload straight into arena
-  memory (encrypted: through a piece of scratch; compressed: a scratch, `codec`), verified.
+  memory (encrypted: through a piece of scratch; compressed: decoded into it a piece at a time,
+  or, encrypted, after a scratch of the whole verified), verified before it is handed out.
 - Privacy: the tree holds every user's prompts. Directories kvtier creates are 0700, records
   0600; a root is refused if it is another user's, writable by others, or reached through a
   symlink (`prepare_root`), and an `ab/cd` directory is used only once checked the same way
@@ -40,7 +41,9 @@ from kvtier.backends.disk.dirs import (
 )
 from kvtier.backends.disk.paths import SUFFIX, is_temp_name, record_stem
 from kvtier.backends.record import (
+    RecordHeader,
     RecordKeys,
+    Unseal,
     encode_header,
     expected_header_len,
     open_payload,
@@ -63,6 +66,10 @@ PIECE = 1 << 20
 # An encrypted read lands each piece in a scratch buffer and decrypts it into the arena: the
 # page cache's copy, the scratch and the arena's piece must stay in a core's L2 together.
 SEALED_PIECE = 1 << 19
+# A plain coded record is read this much of its one-byte values at a time (whole blocks,
+# `Codec.blocks`), each decoded into the arena while in the CPU cache (measured here against
+# 256 KiB and the whole payload at once: 1 MiB read fastest).
+CODED_PIECE = 1 << 20
 # From a random start: a server with the same pid in another PID namespace, writing the same
 # record, does not pick the same temp name (its O_EXCL would fail: a dropped write).
 _SEQ = itertools.count(secrets.randbelow(1 << 48))
@@ -206,6 +213,10 @@ def read_record(fd: int, size: int, key: ChunkKey, layout: KVLayout,
     if obj is None:
         return None
     try:
+        blocks = None if header.codec is NAIVE or unseal.encrypted else header.codec.blocks(obj)
+        if blocks is not None:
+            _read_coded(fd, header, unseal, obj, blocks)
+            return obj
         view = obj.byte_view() if header.codec is NAIVE else scratch(header.payload_len)
         pos, step = 0, SEALED_PIECE if unseal.encrypted else PIECE
         while pos < len(view):  # piece by piece, each verified while still in the cache
@@ -223,6 +234,36 @@ def read_record(fd: int, size: int, key: ChunkKey, layout: KVLayout,
         obj.release()
         raise
     return obj
+
+
+def _read_coded(fd: int, header: RecordHeader, unseal: Unseal, obj: MemoryObj,
+                blocks: tuple[int, int]) -> None:
+    """Read the plain coded payload of `header` from `fd` and decode it into `obj`: the scales
+    (the payload's tail) first, then a piece of whole blocks at a time, checksummed and decoded
+    while in the CPU cache, then verified whole (`unseal.finish`). Until then `obj` holds
+    unverified KV: the caller releases it on any exception, as a naive read does."""
+    block, count = blocks
+    step = max(1, CODED_PIECE // block)
+    base, values = header.header_len, block * count
+    tail = scratch(header.payload_len - values, "scales")
+    _pread_all(fd, tail, base + values)
+    buf = scratch(step * block)
+    for first in range(0, count, step):
+        piece = buf[: min(step, count - first) * block]
+        _pread_all(fd, piece, base + first * block)
+        unseal.update(piece)
+        header.codec.decode_blocks(piece, tail, obj, first)
+    unseal.update(tail)
+    unseal.finish(header.checksum)
+
+
+def _pread_all(fd: int, view: memoryview, offset: int) -> None:
+    pos = 0
+    while pos < len(view):
+        n = os.preadv(fd, [view[pos:]], offset + pos)
+        if n <= 0:
+            raise CorruptEntry(f"truncated: {len(view) - pos} bytes missing at {offset + pos}")
+        pos += n
 
 
 def _private(entry: os.DirEntry[str]) -> bool:

@@ -51,56 +51,50 @@ struct Shape {
 };
 
 
-// Layer by layer: a layer's block (tokens x hidden values, in L2) is read twice, for its
-// scales and for its values, one call each.
+// Blocks [first, first + count) of the chunk, block b = plane * layers + layer (tokens x hidden
+// values, in L2): each is read twice, for its scales and for its values, one call each. Its
+// values go to values[(b - first) * block...], its scales to their place in `scales` (the
+// payload's tail, unaligned). Encode always runs every block (a writer encoding piece by
+// piece, each written out while in cache, measured no faster: the encode is compute-bound);
+// decode runs a load's pieces (codec_decode_blocks).
 template <typename R, typename T, typename Q>
-KV_INLINE void encode_chunk(const Shape& s, const T* x, uint8_t* payload) {
+KV_INLINE void encode_blocks(const Shape& s, const T* x, int64_t first, int64_t count,
+                             uint8_t* values, uint8_t* scales) {
   const int64_t L = s.layers, T_ = s.tokens, H = s.hidden, block = T_ * H;
-  std::vector<float> chan(L * H, 0.0f);  // plane 0: a scale per (layer, channel)
-  std::vector<float> recips(std::max(H, T_));
-  for (int64_t l = 0; l < L; ++l) {
-    float* scale = chan.data() + l * H;
-    R::amax_columns(x + l * block, T_, H, scale);
-    for (int64_t h = 0; h < H; ++h) {
-      scale[h] = std::max(scale[h], kTiny) / Q::kMax;
-      recips[h] = 1.0f / scale[h];
+  std::vector<float> scale(std::max(H, T_)), recips(std::max(H, T_));
+  for (int64_t b = first; b < first + count; ++b) {
+    const T* src = x + b * block;
+    uint8_t* dst = values + (b - first) * block;
+    const bool per_row = b >= L;  // plane 1 (V): a scale per (layer, token)
+    const int64_t n = per_row ? T_ : H, l = b % L;
+    if (per_row) {
+      R::amax_rows(src, T_, H, scale.data());
+    } else {
+      std::fill(scale.begin(), scale.end(), 0.0f);
+      R::amax_columns(src, T_, H, scale.data());
     }
-    R::template quantize<Q>(x + l * block, T_, H, scale, recips.data(), false,
-                            payload + l * block);
-  }
-  std::memcpy(payload + s.values(), chan.data(), 4 * L * H);  // unaligned in the payload
-  if (s.planes != 2) return;
-  std::vector<float> tok(L * T_, 0.0f);  // plane 1: a scale per (layer, token)
-  const int64_t plane = L * block;
-  for (int64_t l = 0; l < L; ++l) {
-    float* scale = tok.data() + l * T_;
-    R::amax_rows(x + plane + l * block, T_, H, scale);
-    for (int64_t t = 0; t < T_; ++t) {
-      scale[t] = std::max(scale[t], kTiny) / Q::kMax;
-      recips[t] = 1.0f / scale[t];
+    for (int64_t i = 0; i < n; ++i) {
+      scale[i] = std::max(scale[i], kTiny) / Q::kMax;
+      recips[i] = 1.0f / scale[i];
     }
-    R::template quantize<Q>(x + plane + l * block, T_, H, scale, recips.data(), true,
-                            payload + plane + l * block);
+    R::template quantize<Q>(src, T_, H, scale.data(), recips.data(), per_row, dst);
+    std::memcpy(scales + 4 * (per_row ? L * H + l * T_ : l * H), scale.data(), 4 * n);
   }
-  std::memcpy(payload + s.values() + 4 * L * H, tok.data(), 4 * L * T_);
 }
 
 template <typename R, typename T, typename Q>
-KV_INLINE void decode_chunk(const Shape& s, const uint8_t* payload, T* out) {
+KV_INLINE void decode_blocks(const Shape& s, const uint8_t* values, const uint8_t* scales,
+                             int64_t first, int64_t count, T* out) {
   const int64_t L = s.layers, T_ = s.tokens, H = s.hidden, block = T_ * H;
-  std::vector<float> chan(L * H);
-  std::memcpy(chan.data(), payload + s.values(), 4 * L * H);  // unaligned in the payload
-  for (float& c : chan) c *= Q::kUnit;
-  for (int64_t l = 0; l < L; ++l) {
-    R::template dequantize<Q>(payload + l * block, T_, H, chan.data() + l * H, false,
-                              out + l * block);
+  std::vector<float> scale(std::max(H, T_));
+  for (int64_t b = first; b < first + count; ++b) {
+    const bool per_row = b >= L;
+    const int64_t n = per_row ? T_ : H, l = b % L;
+    std::memcpy(scale.data(), scales + 4 * (per_row ? L * H + l * T_ : l * H), 4 * n);
+    for (int64_t i = 0; i < n; ++i) scale[i] *= Q::kUnit;
+    R::template dequantize<Q>(values + (b - first) * block, T_, H, scale.data(), per_row,
+                              out + b * block);
   }
-  if (s.planes != 2) return;
-  std::vector<float> tok(L * T_);
-  std::memcpy(tok.data(), payload + s.values() + 4 * L * H, 4 * L * T_);
-  for (float& t : tok) t *= Q::kUnit;
-  const int64_t plane = L * block;
-  R::template dequantize<Q>(payload + plane, L * T_, H, tok.data(), true, out + plane);
 }
 
 // Each kernel runs with the plain C++ rows or (where the CPU has them, unless `simd` is false)
@@ -133,14 +127,25 @@ bool avx512() {
 }
 #endif
 
+// The blocks a call codes and where their bytes are (`Blocks::of` checks them).
+struct Blocks {
+  uint8_t* values;  // blocks [first, first + count)'s one-byte values
+  uint8_t* scales;  // the payload's whole tail: every scale, at its place
+  int64_t first, count;
+};
+
 template <typename T, typename Q>
-void encode_as(const Shape& s, const at::Tensor& chunk, uint8_t* p, bool simd) {
+void encode_as(const Shape& s, const at::Tensor& chunk, const Blocks& b, bool simd) {
   const T* x = reinterpret_cast<const T*>(chunk.data_ptr());
 #if defined(__x86_64__)
-  if (use_avx2(simd) && avx512()) return encode_chunk<Avx512Rows, T, Q>(s, x, p);
-  if (use_avx2(simd)) return encode_chunk<Avx2Rows, T, Q>(s, x, p);
+  if (use_avx2(simd) && avx512()) {
+    return encode_blocks<Avx512Rows, T, Q>(s, x, b.first, b.count, b.values, b.scales);
+  }
+  if (use_avx2(simd)) {
+    return encode_blocks<Avx2Rows, T, Q>(s, x, b.first, b.count, b.values, b.scales);
+  }
 #endif
-  encode_chunk<ScalarRows, T, Q>(s, x, p);
+  encode_blocks<ScalarRows, T, Q>(s, x, b.first, b.count, b.values, b.scales);
 }
 
 #if defined(__x86_64__)
@@ -153,57 +158,62 @@ bool avx512_bf16() {
 }
 #endif
 
-// Whether every scale of the payload, times Q::kUnit, is 0 or finite with |c| >= 2**-109: then
+// Whether every scale of blocks `b`, times Q::kUnit, is 0 or finite with |c| >= 2**-109: then
 // each product (a stored level, at least 2**-17 in magnitude unless 0, times c) is 0, normal or
 // infinite, never NaN or subnormal, where Bf16Rows rounds exactly as narrow() does.
 template <typename Q>
-bool bf16_safe(const Shape& s, const uint8_t* p) {
-  const int64_t count = s.layers * s.hidden + (s.planes == 2 ? s.layers * s.tokens : 0);
-  const uint8_t* at = p + s.values();
-  for (int64_t i = 0; i < count; ++i, at += 4) {
-    float c;
-    std::memcpy(&c, at, 4);
-    c = std::fabs(c * Q::kUnit);
-    if (c != 0.0f && !(c >= 0x1p-109f && c <= std::numeric_limits<float>::max())) return false;
+bool bf16_safe(const Shape& s, const Blocks& b) {
+  for (int64_t k = b.first; k < b.first + b.count; ++k) {
+    const bool per_row = k >= s.layers;
+    const int64_t n = per_row ? s.tokens : s.hidden, l = k % s.layers;
+    const uint8_t* at = b.scales + 4 * (per_row ? s.layers * s.hidden + l * s.tokens : l * s.hidden);
+    for (int64_t i = 0; i < n; ++i, at += 4) {
+      float c;
+      std::memcpy(&c, at, 4);
+      c = std::fabs(c * Q::kUnit);
+      if (c != 0.0f && !(c >= 0x1p-109f && c <= std::numeric_limits<float>::max())) return false;
+    }
   }
   return true;
 }
 
 template <typename Q, typename T>
-void decode_as(const Shape& s, const uint8_t* p, at::Tensor& out, bool simd) {
+void decode_as(const Shape& s, const Blocks& b, at::Tensor& out, bool simd) {
   T* o = reinterpret_cast<T*>(out.data_ptr());
 #if defined(__x86_64__)
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (use_avx2(simd) && avx512_bf16() && bf16_safe<Q>(s, p)) {
-      return decode_chunk<Bf16Rows, T, Q>(s, p, o);
+    if (use_avx2(simd) && avx512_bf16() && bf16_safe<Q>(s, b)) {
+      return decode_blocks<Bf16Rows, T, Q>(s, b.values, b.scales, b.first, b.count, o);
     }
   }
-  if (use_avx2(simd)) return decode_chunk<Avx2Rows, T, Q>(s, p, o);
+  if (use_avx2(simd)) {
+    return decode_blocks<Avx2Rows, T, Q>(s, b.values, b.scales, b.first, b.count, o);
+  }
 #endif
-  decode_chunk<ScalarRows, T, Q>(s, p, o);
+  decode_blocks<ScalarRows, T, Q>(s, b.values, b.scales, b.first, b.count, o);
 }
 
 template <typename Q>
-void decode_with(const Shape& s, const uint8_t* p, at::Tensor& out, bool simd) {
+void decode_with(const Shape& s, const Blocks& b, at::Tensor& out, bool simd) {
   switch (out.scalar_type()) {
     case at::kBFloat16:
-      return decode_as<Q, c10::BFloat16>(s, p, out, simd);
+      return decode_as<Q, c10::BFloat16>(s, b, out, simd);
     case at::kHalf:
-      return decode_as<Q, c10::Half>(s, p, out, simd);
+      return decode_as<Q, c10::Half>(s, b, out, simd);
     default:
-      return decode_as<Q, float>(s, p, out, simd);
+      return decode_as<Q, float>(s, b, out, simd);
   }
 }
 
 template <typename Q>
-void encode_with(const Shape& s, const at::Tensor& chunk, uint8_t* p, bool simd) {
+void encode_with(const Shape& s, const at::Tensor& chunk, const Blocks& b, bool simd) {
   switch (chunk.scalar_type()) {
     case at::kBFloat16:
-      return encode_as<c10::BFloat16, Q>(s, chunk, p, simd);
+      return encode_as<c10::BFloat16, Q>(s, chunk, b, simd);
     case at::kHalf:
-      return encode_as<c10::Half, Q>(s, chunk, p, simd);
+      return encode_as<c10::Half, Q>(s, chunk, b, simd);
     default:
-      return encode_as<float, Q>(s, chunk, p, simd);
+      return encode_as<float, Q>(s, chunk, b, simd);
   }
 }
 
@@ -214,8 +224,8 @@ bool is_fp8(const std::string& codec) {
 }
 
 // The chunk's shape, once `chunk` (named `name`) is a contiguous CPU [1 or 2, L, T, H] tensor
-// of a pool dtype the codecs take and `payload` a contiguous CPU uint8 vector of its length.
-Shape check(const at::Tensor& chunk, const char* name, const at::Tensor& payload) {
+// of a pool dtype the codecs take.
+Shape check_chunk(const at::Tensor& chunk, const char* name) {
   KV_CHECK(chunk.is_cpu() && chunk.dim() == 4 && chunk.is_contiguous(), name,
            " must be a contiguous 4-D [planes, layers, tokens, hidden] CPU tensor");
   const auto type = chunk.scalar_type();
@@ -224,12 +234,50 @@ Shape check(const at::Tensor& chunk, const char* name, const at::Tensor& payload
   const Shape s{chunk.size(0), chunk.size(1), chunk.size(2), chunk.size(3)};
   KV_CHECK(s.planes == 1 || s.planes == 2, name, " must have 1 or 2 planes, got ", s.planes);
   KV_CHECK(s.values() > 0, name, " must not be empty");
-  KV_CHECK(payload.is_cpu() && payload.dim() == 1 && payload.scalar_type() == at::kByte &&
-               payload.is_contiguous(),
-           "payload must be a contiguous 1-D uint8 CPU tensor");
-  KV_CHECK(payload.numel() == s.payload_bytes(), "payload: ", payload.numel(),
-           " bytes for a chunk of ", s.payload_bytes());
   return s;
+}
+
+// `bytes` (named `name`) as a contiguous CPU uint8 vector of `n` bytes.
+uint8_t* check_bytes(const at::Tensor& bytes, const char* name, int64_t n) {
+  KV_CHECK(bytes.is_cpu() && bytes.dim() == 1 && bytes.scalar_type() == at::kByte &&
+               bytes.is_contiguous(),
+           name, " must be a contiguous 1-D uint8 CPU tensor");
+  KV_CHECK(bytes.numel() == n, name, ": ", bytes.numel(), " bytes for a chunk of ", n);
+  return bytes.data_ptr<uint8_t>();
+}
+
+// The whole payload: every block, then the scales.
+Blocks whole(const Shape& s, const at::Tensor& payload) {
+  uint8_t* p = check_bytes(payload, "payload", s.payload_bytes());
+  return Blocks{p, p + s.values(), 0, s.planes * s.layers};
+}
+
+// Whole blocks from `first` (values: a positive multiple of a block's bytes, within the chunk)
+// and the payload's tail (scales).
+Blocks part(const Shape& s, const at::Tensor& values, const at::Tensor& scales, int64_t first) {
+  const int64_t block = s.tokens * s.hidden, blocks = s.planes * s.layers;
+  KV_CHECK(values.is_cpu() && values.dim() == 1 && values.scalar_type() == at::kByte &&
+               values.is_contiguous(),
+           "values must be a contiguous 1-D uint8 CPU tensor");
+  const int64_t count = values.numel() / block;
+  KV_CHECK(values.numel() % block == 0 && count > 0, "values: ", values.numel(),
+           " bytes are not whole blocks of ", block);
+  KV_CHECK(first >= 0 && first + count <= blocks, "first: blocks ", first, "..", first + count,
+           " outside the chunk's ", blocks);
+  uint8_t* t = check_bytes(scales, "scales", s.payload_bytes() - s.values());
+  return Blocks{values.data_ptr<uint8_t>(), t, first, count};
+}
+
+void encode(const Checked& checked, const at::Tensor& chunk, const Shape& s, const Blocks& b,
+            bool fp8, bool simd) {
+  checked();
+  return fp8 ? encode_with<Fp8>(s, chunk, b, simd) : encode_with<Int8>(s, chunk, b, simd);
+}
+
+void decode(const Checked& checked, at::Tensor& out, const Shape& s, const Blocks& b, bool fp8,
+            bool simd) {
+  checked();
+  return fp8 ? decode_with<Fp8>(s, b, out, simd) : decode_with<Int8>(s, b, out, simd);
 }
 
 }  // namespace
@@ -237,19 +285,23 @@ Shape check(const at::Tensor& chunk, const char* name, const at::Tensor& payload
 void codec_encode(const Checked& checked, const at::Tensor& chunk, at::Tensor payload,
                   const std::string& codec, bool simd) {
   const bool fp8 = is_fp8(codec);
-  const Shape s = check(chunk, "chunk", payload);
-  checked();
-  auto* p = payload.data_ptr<uint8_t>();
-  return fp8 ? encode_with<Fp8>(s, chunk, p, simd) : encode_with<Int8>(s, chunk, p, simd);
+  const Shape s = check_chunk(chunk, "chunk");
+  encode(checked, chunk, s, whole(s, payload), fp8, simd);
 }
 
 void codec_decode(const Checked& checked, const at::Tensor& payload, at::Tensor out,
                   const std::string& codec, bool simd) {
   const bool fp8 = is_fp8(codec);
-  const Shape s = check(out, "out", payload);
-  checked();
-  const auto* p = payload.data_ptr<uint8_t>();
-  return fp8 ? decode_with<Fp8>(s, p, out, simd) : decode_with<Int8>(s, p, out, simd);
+  const Shape s = check_chunk(out, "out");
+  decode(checked, out, s, whole(s, payload), fp8, simd);
+}
+
+void codec_decode_blocks(const Checked& checked, const at::Tensor& values,
+                         const at::Tensor& scales, at::Tensor out, int64_t first,
+                         const std::string& codec, bool simd) {
+  const bool fp8 = is_fp8(codec);
+  const Shape s = check_chunk(out, "out");
+  decode(checked, out, s, part(s, values, scales, first), fp8, simd);
 }
 
 }  // namespace kvtier

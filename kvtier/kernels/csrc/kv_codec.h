@@ -28,4 +28,13 @@ void codec_encode(const Checked& checked, const at::Tensor& chunk, at::Tensor pa
 void codec_decode(const Checked& checked, const at::Tensor& payload, at::Tensor out,
                   const std::string& codec, bool simd);
 
+// A payload's values piece by piece, the same bytes as `codec_decode`: block b = plane * layers +
+// layer of the chunk, a block's values tokens x hidden bytes. `values` (1-D uint8) holds whole
+// blocks from `first`; `scales` (1-D uint8) is the payload's tail (every scale, after the
+// values). Decodes those blocks into `out`: a load reads the tail first, then decodes each
+// piece as it is read, while it is in cache.
+void codec_decode_blocks(const Checked& checked, const at::Tensor& values,
+                         const at::Tensor& scales, at::Tensor out, int64_t first,
+                         const std::string& codec, bool simd);
+
 }  // namespace kvtier

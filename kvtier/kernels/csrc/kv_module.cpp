@@ -115,6 +115,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("codec_decode", kvtier::reporting(&kvtier::codec_decode),
         "an fp8/int8 record payload -> out [planes, layers, tokens, hidden] (codec.py)",
         py::arg("payload"), py::arg("out"), py::arg("codec"), py::arg("simd") = true);
+  m.def("codec_decode_blocks", kvtier::reporting(&kvtier::codec_decode_blocks),
+        "a payload's blocks [first, ...) and its tail of scales -> those blocks of out",
+        py::arg("values"), py::arg("scales"), py::arg("out"), py::arg("first"),
+        py::arg("codec"), py::arg("simd") = true);
   m.def("gather_host", kvtier::reporting(&kvtier::gather_host),
         "outs[c][l, t] = layers[l][slots[first_c + t]] for CUDA layers and pinned host chunks, "
         "enqueued on the current stream; slots checked on the GPU into status",

@@ -1,6 +1,6 @@
 """`remote_serde` in the disk tier: fp8 record files are small and close, naive stays exact,
-either codec's reader loads both (also after a restart), sealed fp8 round-trips and a
-tampered record is a counted miss."""
+either codec's reader loads both (also after a restart), sealed fp8 round-trips, a plain one
+is decoded piece by piece as a whole payload decodes, and a tampered record is a counted miss."""
 
 from __future__ import annotations
 
@@ -11,7 +11,10 @@ import pytest
 import torch
 
 from kvtier.backends import BackendContext
+from kvtier.backends.codec import FP8, ScaledCodec
 from kvtier.backends.disk import DiskBackend
+from kvtier.backends.disk import files as record_files
+from kvtier.backends.record import expected_header_len
 from kvtier.config import Config
 from kvtier.keys import ChunkKey
 from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj, lease
@@ -117,3 +120,40 @@ def test_sealed_fp8_round_trips_and_a_tampered_file_is_a_counted_miss(
     corrupt = tier.stats()["corrupt"]
     assert _load(tier, keys) == []  # the checksum over the stored bytes fails: a miss
     assert tier.stats()["corrupt"] == corrupt + 1 and not path.exists()  # deleted
+
+
+def test_a_plain_fp8_record_is_decoded_piece_by_piece_and_a_flipped_byte_is_a_miss(
+        open_tier: Open, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plain coded record is read a few blocks at a time, each decoded into the arena object
+    before the checksum of the whole is known: what loads is bit for bit torch's decode of the
+    file's payload, and a byte flipped in the values or in the scales (read first) is a counted
+    corrupt miss that leaves nothing allocated (the fixture checks the arena)."""
+    monkeypatch.setattr(record_files, "CODED_PIECE", 100_000)  # two blocks: 4 pieces of 8
+    calls: list[int] = []
+    decode_blocks = ScaledCodec.decode_blocks
+
+    def counted(self: ScaledCodec, values: memoryview, *args: object) -> None:
+        calls.append(len(values))
+        decode_blocks(self, values, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ScaledCodec, "decode_blocks", counted)
+    tier = open_tier(tmp_path / "disk", serde="fp8")
+    keys = make_keys(TOKENS, chunk_size=TOKENS, layout=BF16)
+    for flip in (None, 1000, -1):  # nothing; a value of layer 0's K; the last V scale's top
+        _store(tier, keys)
+        path = tier.path_for(keys[0].key)
+        payload = bytearray(path.read_bytes()[expected_header_len(keys[0]):])
+        if flip is None:
+            want = torch.empty(BF16.shape(TOKENS), dtype=BF16.dtype)
+            assert isinstance(FP8, ScaledCodec)
+            FP8.decode_torch(memoryview(payload), want)
+            got = _load(tier, keys)
+            assert len(got) == 1 and same_bytes(got[0], want)
+            assert calls == [2 * TOKENS * 192] * 4
+            continue
+        data = bytearray(path.read_bytes())
+        data[flip] ^= 0x40
+        path.write_bytes(bytes(data))
+        corrupt = tier.stats()["corrupt"]
+        assert _load(tier, keys) == []
+        assert tier.stats()["corrupt"] == corrupt + 1 and not path.exists()
