@@ -88,6 +88,11 @@ class EngineSegmentCheck:
         verdicts = self.store.verify(chain, kv)
         self.counters.inc("sglang.blend_segments_engine_checked")
         wrong = [v for v in verdicts if not v.matched]
+        logger.info("kvtier: checked the %d-token segment that starts a verified prompt "
+                    "against SGLang's KV of it: %d records in %s, %d differed (largest "
+                    "relative error %.3g)", segment.num_tokens, len(verdicts),
+                    sorted({v.tier for v in verdicts}), len(wrong),
+                    max((v.error for v in verdicts), default=0.0))
         if wrong:
             self.counters.inc("sglang.blend_segments_engine_mismatched")
             first = wrong[0]
