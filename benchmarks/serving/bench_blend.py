@@ -278,6 +278,9 @@ def main() -> None:
                          "stream's worst gap against its median (blend_stall.py)")
     ap.add_argument("--stream-tokens", type=int, default=600,
                     help="with --stall: the stream's length (it must outlast a query)")
+    ap.add_argument("--max-prefill-ratio", type=float, default=1.0,
+                    help="with --engine sglang: blend_max_prefill_ratio (0.01: every request "
+                         "but the first and the probes is computed, as on a busy host)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--work-dir", type=Path, default=None,
                     help="keep the sglang engine's config and server log here")

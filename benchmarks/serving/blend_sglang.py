@@ -46,7 +46,8 @@ def server_for(model: Path, work: Path, args: argparse.Namespace, separator: str
     config.write_text(yaml.safe_dump({
         "chunk_size": 256, "max_local_cpu_size": 2.0, "enable_blending": blending,
         "blend_special_str": separator, "blend_recompute_ratios": args.ratios,
-        "blend_check_layers": args.check_layers, "blend_min_tokens": 64}))
+        "blend_check_layers": args.check_layers, "blend_min_tokens": 64,
+        "blend_max_prefill_ratio": getattr(args, "max_prefill_ratio", 1.0)}))
     flags = ["--enable-kvtier", "--kvtier-config-file", str(config), "--max-total-tokens",
              "16384", "--enable-metrics"]
     return SGLangServer(model, work / f"{name}-server.log", args=flags,

@@ -10,7 +10,9 @@ prefix cache, SGLang's own radix tree included, saves.
 
 `extend_over_prefix` runs such an extend with the extension's queries only, against the
 prefix's and the extension's keys, under the causal mask shifted by the prefix length: the
-same attention, row for row. An extend without a prefix, and every case it does not cover
+same attention, row for row. That computes every block of the mask, so where the extension
+is longer than the prefix SGLang's way (causal, the blocks above the diagonal skipped) costs
+less and is taken (`_over_prefix`). An extend without a prefix, and every case it does not cover
 (encoder-decoder, cross attention, sliding windows, non-causal), runs SGLang's code unchanged.
 
 The launcher of a `--device cpu --enable-kvtier` server sets `HOOK_ENV` for its workers
@@ -87,7 +89,6 @@ def _extend(query: torch.Tensor, output: torch.Tensor, k_cache: torch.Tensor,
             v_cache: torch.Tensor, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
             seq_lens: torch.Tensor, prefix_lens: torch.Tensor, extend_lens: torch.Tensor,
             scaling: float | None, enable_gqa: bool) -> torch.Tensor:
-    import torch
     from torch.nn.functional import scaled_dot_product_attention
 
     heads_first = query.movedim(0, query.dim() - 2)  # [heads, tokens, dim]
@@ -98,15 +99,42 @@ def _extend(query: torch.Tensor, output: torch.Tensor, k_cache: torch.Tensor,
         slots = req_to_token[req_pool_indices[i], :n_kv]
         k = k_cache[slots].movedim(0, query.dim() - 2).to(q.dtype)
         v = v_cache[slots].movedim(0, query.dim() - 2).to(q.dtype)
-        if prefix == 0:
-            mask, is_causal = None, True  # SGLang's own computation for a fresh sequence
+        if prefix == 0:  # SGLang's own computation for a fresh sequence
+            out = scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                               enable_gqa=enable_gqa, scale=scaling,
+                                               is_causal=True)
         else:
-            # Query j sits at position prefix + j and sees keys 0 .. prefix + j.
-            rows = torch.arange(n_q, device=q.device).unsqueeze(1) + prefix
-            mask, is_causal = torch.arange(n_kv, device=q.device).unsqueeze(0) <= rows, False
-        out = scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
-                                           attn_mask=mask, enable_gqa=enable_gqa,
-                                           scale=scaling, is_causal=is_causal)
+            out = _over_prefix(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), prefix, scaling,
+                               enable_gqa)
         output[start:start + n_q] = out.squeeze(0).movedim(query.dim() - 2, 0)
         start += n_q
     return output
+
+
+def _over_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int,
+                 scaling: float | None, enable_gqa: bool) -> torch.Tensor:
+    """Attention of the extension's queries `q` (`[1, heads, n, dim]`, query j at position
+    `prefix + j`) over keys `k`, `v` (`[1, kv_heads, prefix + n, dim]`): every key up to
+    its own position.
+
+    Two ways, the cheaper one by the blocks computed: the extension's queries alone under a
+    mask shifted by the prefix, which computes every block (`n x (prefix + n)`), or SGLang's
+    way, zero queries for the prefix's rows under the causal mask, whose blocks above the
+    diagonal the kernel skips (`(prefix + n)^2 / 2`). The mask wins while the prefix is the
+    longer part (a long hit, a short question), SGLang's way while the extension is. Always
+    masked, a 2,500-token prompt with a 256-token hit took longer than the same prompt with
+    no hit (its attention 1.7x: issue 75's blends that fell back to a full prefill)."""
+    import torch
+    from torch.nn.functional import scaled_dot_product_attention
+
+    n = q.shape[-2]
+    if n >= prefix:
+        padded = q.new_zeros(*q.shape[:-2], prefix + n, q.shape[-1])
+        padded[..., prefix:, :] = q
+        out = scaled_dot_product_attention(padded, k, v, enable_gqa=enable_gqa, scale=scaling,
+                                           is_causal=True)
+        return out[..., prefix:, :]
+    rows = torch.arange(n, device=q.device).unsqueeze(1) + prefix
+    mask = torch.arange(k.shape[-2], device=q.device).unsqueeze(0) <= rows
+    return scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa,
+                                        scale=scaling)
