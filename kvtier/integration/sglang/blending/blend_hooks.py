@@ -97,7 +97,7 @@ class BlendHooks(UnifiedRadixCache):
             return None
         hits = blender.look(req.rid, full_ids(req, key), device_len, salt_of(key.cache_salt))
         if hits.cached <= hit or hits.end <= device_len + hit \
-                or not blender.worth(req.rid, hits, device_len):
+                or not blender.worth(req.rid, hits.end, device_len):
             return None
         return hits
 

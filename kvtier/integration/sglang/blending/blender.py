@@ -44,7 +44,7 @@ from kvtier.errors import ConfigError
 from kvtier.integration.sglang.blending.blend_chains import SegmentChains, SegmentHits
 from kvtier.integration.sglang.blending.blend_jobs import POLL_WAIT_S, BlendJobs, Computed, compute
 from kvtier.integration.sglang.blending.blend_model import separator_ids, served_weights
-from kvtier.integration.sglang.blending.blend_state import blend_requests
+from kvtier.integration.sglang.blending.blend_state import BlendRequest, blend_requests
 from kvtier.integration.sglang.blending.blend_worker import WORKER_COUNTERS, SegmentWorker
 from kvtier.integration.sglang.blending.blended_slots import BlendedSlots
 from kvtier.integration.sglang.boundary.sglang_views import Opaque
@@ -135,18 +135,16 @@ class SGLangBlender:
         self.requests.open(rid).hits = hits
         return hits
 
-    def worth(self, rid: str, hits: SegmentHits, device_len: int) -> bool:
-        """Whether request `rid` should blend `hits` rather than have SGLang compute tokens
-        `[device_len, hits.end)`: decided once (at its blend job's start, or its first match)
-        and kept, as SGLang matches a waiting request again; a fallback is counted once, and
-        logged."""
+    def worth(self, rid: str, end: int, device_len: int) -> bool:
+        """Whether request `rid` should blend tokens `[device_len, end)` rather than have
+        SGLang compute them: decided once (at its first match that finds held segments, or
+        its prefetch: before any of them is read) and kept, as SGLang matches a waiting
+        request again; a fallback is counted once, and logged."""
         request = self.requests.open(rid)
         choice = request.choice
         if choice is None:
-            tokens = hits.end - device_len
-            prefill_s = math.inf if self._prefill_s is None else \
-                self._prefill_s(tokens, hits.end)
-            choice = request.choice = self.planner.choose(tokens, prefill_s)
+            tokens = end - device_len
+            choice = request.choice = self.planner.choose(tokens, self._prefill(end, device_len))
             if choice.reason == "probe":
                 self.counters.inc("sglang.blend_probes")
             if not choice.blend:
@@ -187,13 +185,39 @@ class SGLangBlender:
         or Redis hold into the CPU tier, where its match looks for them, and once they are
         in, its blend (`prefetch_ready`)."""
         request = self.requests.open(rid)
-        if request.declined:
-            return
+        if request.declined or not self._may_blend(rid, request, tokens, salt):
+            return  # computed: no segment read, no blend job, no wait
         loads = [load for chain in self.chains.of(rid, tokens, salt).chains
                  if (load := self.store.start_prefetch(chain))]
         request.waiting = (tokens, salt)  # its blend starts once its loads are in
         if loads:
             request.loads = loads
+
+    def _may_blend(self, rid: str, request: BlendRequest, tokens: np.ndarray,
+                   salt: str) -> bool:
+        """Whether request `rid` may still blend, decided before any of its segments is read:
+        its match chose already (the CPU tier held segments), or, for segments that only disk
+        or Redis hold, the planner chooses now when its estimate says the blend loses. Such
+        a request is computed at once: before, it first waited in the queue for loads of
+        segments it then never used."""
+        if request.choice is not None:
+            return request.choice.blend
+        if request.hits is not None and request.hits.held:
+            return True  # the match weighed them against its prefix hit: as before
+        n = len(tokens)  # the prompt less its last token, which SGLang computes
+        end = n - n % self.page_size
+        device = 0 if request.hits is None else request.hits.device_len
+        blend_s = self.planner.estimate_s(end - device)
+        if blend_s is None or blend_s <= self.planner.max_ratio * self._prefill(end, device):
+            return True  # unmeasured, or faster: read them, choose once they are in
+        prompt = self.chains.of(rid, tokens, salt)
+        if not any(self.store.lookup(chain) for chain in prompt.chains):
+            return True  # nothing to blend: no choice made, no fallback counted
+        return self.worth(rid, end, device)
+
+    def _prefill(self, end: int, device_len: int) -> float:
+        """The seconds SGLang is expected to take to compute tokens `[device_len, end)`."""
+        return math.inf if self._prefill_s is None else self._prefill_s(end - device_len, end)
 
     def prefetch_ready(self, rid: str) -> bool:
         """Whether request `rid` may be admitted: its segment loads are done (per
@@ -216,7 +240,7 @@ class SGLangBlender:
             seen = request.hits
             device = 0 if seen is None else seen.device_len
             hits = self.look(rid, tokens, device, salt, prompt_len=len(tokens) + 1)
-            if hits.held and self.worth(rid, hits, device):
+            if hits.held and self.worth(rid, hits.end, device):
                 self.jobs.start(rid, tokens, hits, salt)
         return not self.jobs.running(rid, POLL_WAIT_S)
 

@@ -137,7 +137,7 @@ def test_a_blend_that_would_lose_starts_no_job() -> None:
         _hold_segments(b, tokens)
         b.prefetch("r", tokens[:-1], "")
         assert b.prefetch_ready("r") and not b.jobs.running("r")
-        assert not b.worth("r", b.look("r", tokens, 0, ""), 0)  # the match keeps the choice
+        assert not b.worth("r", b.look("r", tokens, 0, "").end, 0)  # the match keeps the choice
         assert b.counters.snapshot()["sglang.blend_fallbacks_slower"] == 1
     finally:
         b.close()
