@@ -189,14 +189,18 @@ def run_demo(opts: DemoOptions, note: Callable[[str], None] | None = None,
             with tqdm(total=steps, desc="kvtier demo", unit="req", disable=not opts.progress,
                       file=sys.stderr) as bar:
                 phases["multi-turn"] = _multi_turn(run, base, kv, show, bar)
-                kv.stop()
+                kv.stop()  # drains its writes: the disk and Redis now hold what it stored
+                # Both replay servers start together (one start's wait instead of two): each
+                # measures while the other is idle (--sleep-on-idle); the second instance has
+                # no disk, and its hits are what the kvtier server wrote to Redis.
                 restarted = run.server("kvtier-restarted", run.kvtier_config(True))
-                _start([restarted], run.warmup, bar.write, opts.out_dir / "logs")
+                second = (run.server("second-instance", run.kvtier_config(False))
+                          if opts.redis_url else None)
+                _start([s for s in (restarted, second) if s is not None], run.warmup,
+                       bar.write, opts.out_dir / "logs")
                 phases["restart"] = _replay(run, restarted, "restart", DISK, show, bar)
                 restarted.stop()
-                if opts.redis_url:
-                    second = run.server("second-instance", run.kvtier_config(False))
-                    _start([second], run.warmup, bar.write, opts.out_dir / "logs")
+                if second is not None:
                     phases["second-instance"] = _replay(run, second, "second-instance",
                                                         REDIS, show, bar)
                     second.stop()
