@@ -46,7 +46,7 @@ def alloc() -> MemoryAllocator:
 
 def chunk(alloc: MemoryAllocator, layout: KVLayout, tokens: int, seed: int) -> MemoryObj:
     """KV-like values over many magnitudes: outlier channels, an all-zero channel, a channel
-    of values far below the others (flushed by its scale), loud V tokens."""
+    of values far below the others (flushed by its scale), loud V tokens, a silent one."""
     obj = alloc.allocate(layout, tokens)
     assert obj is not None
     gen = torch.Generator().manual_seed(seed)
@@ -56,6 +56,7 @@ def chunk(alloc: MemoryAllocator, layout: KVLayout, tokens: int, seed: int) -> M
     x[..., 2] *= 1e-30
     if layout.planes == 2:
         x[1] *= 1 + 5 * (torch.rand(tokens, 1, generator=gen) > 0.9)
+        x[1, -1, 0] = 0.0  # a silent V token after a loud layer: its scale is the tiny one
     obj.tensor.copy_(x)
     return obj
 

@@ -67,10 +67,10 @@ KV_INLINE void encode_blocks(const Shape& s, const T* x, int64_t first, int64_t 
     uint8_t* dst = values + (b - first) * block;
     const bool per_row = b >= L;  // plane 1 (V): a scale per (layer, token)
     const int64_t n = per_row ? T_ : H, l = b % L;
+    std::fill(scale.begin(), scale.end(), 0.0f);  // both passes max into what is there
     if (per_row) {
       R::amax_rows(src, T_, H, scale.data());
     } else {
-      std::fill(scale.begin(), scale.end(), 0.0f);
       R::amax_columns(src, T_, H, scale.data());
     }
     for (int64_t i = 0; i < n; ++i) {
