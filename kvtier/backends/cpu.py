@@ -95,20 +95,26 @@ class CPUBackend(HotTier):
         with self._lock:
             if self._closed:
                 return 0
+            # Tenants' bytes added once per tenant a batch (`_over` is read by evictions only,
+            # none of which happens in here).
+            added: dict[str, int] | None = None if self._share is None else {}
             for k, obj in zip(reversed(keys), reversed(objs)):
                 old = self._drop_locked(k.key)
                 if old is not None:
                     old[1].release()
                 self._entries[k.key] = (k, obj.retain())
                 self._bytes += obj.nbytes
-                if self._share is not None:
-                    self._tenant_held(k.salt, -(-obj.nbytes // ALIGN) * ALIGN)
+                if added is not None:
+                    added[k.salt] = added.get(k.salt, 0) - (-obj.nbytes // ALIGN) * ALIGN
                 if k.key in self._pins:
                     self._pinned_bytes += obj.nbytes
                 self._sync_leaf(k.key)
                 if k.prev is not None:
                     self._children[k.prev] = self._children.get(k.prev, 0) + 1
                     self._leaves.pop(k.prev, None)
+            if added:
+                for salt, nbytes in added.items():
+                    self._tenant_held(salt, nbytes)
             self._on_put(keys)
             self._counts.inc("puts", len(keys))
             return len(keys)
@@ -163,7 +169,9 @@ class CPUBackend(HotTier):
             while freed < nbytes:
                 # Leaves only (no holes, nothing pinned), least recent first, skipping chunks
                 # in use right now; evicting a leaf makes its parent the next one.
-                victim = self._over_share_leaf()
+                # A share walk only while a tenant is over its share beside another.
+                victim = (self._over_share_leaf()
+                          if self._over and len(self._tenant_bytes) > 1 else None)
                 if victim is None:
                     victim = self._first_leaf()
                 else:
@@ -202,7 +210,8 @@ class CPUBackend(HotTier):
                      if entries[n][0].salt in over and entries[n][1].refs == 1), None)
 
     def _tenant_held(self, salt: str, nbytes: int) -> None:
-        """Tenant `salt` holds `nbytes` more (or fewer, when negative); keeps `_over` exact."""
+        """Tenant `salt` holds `nbytes` more (or fewer, when negative); keeps `_over` exact.
+        Only while a share is kept (`_share` set)."""
         assert self._share is not None
         held = self._tenant_bytes.get(salt, 0) + nbytes
         if held:
@@ -239,8 +248,15 @@ class CPUBackend(HotTier):
             self._on_drop(name, evicted)
             self._leaves.pop(name, None)
             self._bytes -= entry[1].nbytes
-            if self._share is not None:
-                self._tenant_held(entry[0].salt, -(-entry[1].nbytes // ALIGN) * -ALIGN)
+            if self._share is not None:  # `_tenant_held`, inlined: a drop only lowers
+                salt = entry[0].salt
+                held = self._tenant_bytes.get(salt, 0) + (-entry[1].nbytes // ALIGN) * ALIGN
+                if held:
+                    self._tenant_bytes[salt] = held
+                else:
+                    del self._tenant_bytes[salt]
+                if held <= self._share and self._over:
+                    self._over.discard(salt)
             if name in self._pins:  # removed while pinned: its pins now hold nothing
                 self._pinned_bytes -= entry[1].nbytes
             prev = entry[0].prev
@@ -272,7 +288,7 @@ class CPUBackend(HotTier):
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            entries, self._entries = self._entries, OrderedDict()
+            entries, self._entries = self._entries, type(self._entries)()
             self._children.clear()
             self._leaves.clear()
             self._bytes = 0

@@ -39,9 +39,16 @@ MAX_GHOST = 1 << 18  # at most this many (about 30 MB of strings, ints and links
 
 
 class FrequencyLeaves:
-    """The tier's leaves in a heap by priority (age + count), with the calls the tier makes on
-    its queue: `in`, iteration (eviction order), `pop`, `setdefault`, `move_to_end`, `clear`.
-    Also holds every held chunk's count (`counted`, `served`, `dropped`).
+    """The tier's leaves queued by priority (age + count), with the calls the tier makes on its
+    queue: `in`, iteration (eviction order), `pop`, `setdefault`, `move_to_end`, `clear`. Also
+    holds every held chunk's count (`counted`, `served`, `dropped`).
+
+    The queue is a bucket per priority (an `OrderedDict` of leaves, in the order they were
+    queued at it) and a heap of the buckets' priorities: priorities are whole numbers near the
+    age, so the heap holds a few numbers where a heap of leaves held every leaf, and taking
+    the first leaf costs a dict read instead of a heap pop's dozens of tuple comparisons.
+    A leaf popped stays in its bucket, stale (`_live` says where it is queued), until it
+    reaches the front or a compaction; queued again at the same priority it moves to the end.
 
     Not thread-safe: the tier's lock serializes every call.
 
@@ -55,13 +62,12 @@ class FrequencyLeaves:
         self._prio: dict[str, float] = {}  # held chunk -> age + uses at its last store or hit
         self._ghost: OrderedDict[str, int] = OrderedDict()  # evicted chunk -> uses
         self._ghost_cap = max(0, ghost_cap)
-        self._heap: list[tuple[float, int, str]] = []  # stale entries skipped, compacted
-        # Leaf -> its live heap entry, the same object: an entry is live iff `is` it (a cheaper
-        # test than comparing tuples, on every eviction).
-        self._live: dict[str, tuple[float, int, str]] = {}
-        self._seq = 0
+        self._buckets: dict[float, OrderedDict[str, None]] = {}  # priority -> leaves queued
+        self._order: list[float] = []  # a heap of the buckets' priorities, each once
+        self._live: dict[str, float] = {}  # leaf -> the priority it is queued at
+        self._queued = 0  # names in the buckets, stale ones included (compacted when many)
         # The tier calls `pop` per chunk stored and evicted: the dict's own method, no Python
-        # frame (a leaf's heap entry is stale once it is out of `_live`).
+        # frame (a leaf out of `_live` is stale in its bucket from then on).
         self.pop = self._live.pop  # type: ignore[method-assign,assignment]
 
     def __contains__(self, name: object) -> bool:
@@ -71,33 +77,37 @@ class FrequencyLeaves:
         return len(self._live)
 
     def __iter__(self) -> Iterator[str]:
-        heap, live = self._heap, self._live
-        while heap and live.get(heap[0][2]) is not heap[0]:
-            heapq.heappop(heap)
-        if not heap:
-            return
-        yield heap[0][2]
-        # The caller went on (the first leaf was in use, or a tenant share walk): the rest in
-        # order, sorted once; rare, so the heap's top stays the common path's only cost.
-        rest = sorted(e for e in heap if live.get(e[2]) is e)
-        for entry in rest[1:]:
-            yield entry[2]
+        # Eviction order. Rare (the first leaf was in use, or a tenant share walk): the tier
+        # reads the first leaf itself (`LFUDABackend._first_leaf`).
+        live, buckets = self._live, self._buckets
+        for prio in sorted(self._order):
+            for name in buckets[prio]:
+                if live.get(name) == prio:
+                    yield name
 
     def pop(self, name: str, default: None = None) -> None:  # replaced by `_live.pop`
-        self._live.pop(name, None)  # its heap entry is stale from now on
+        self._live.pop(name, None)
 
     def setdefault(self, name: str, value: None = None) -> None:
-        if name not in self._live:
+        live = self._live
+        if name not in live:
             prio = self._prio.get(name)
             if prio is None:
                 self.counted(name)
                 prio = self._prio[name]
             # `_push`, inlined: once per chunk evicted (its parent becomes a leaf).
-            self._seq += 1
-            entry = self._live[name] = (prio, self._seq, name)
-            heapq.heappush(self._heap, entry)
-            if len(self._heap) > 2 * len(self._live) + 1024:
-                self._compact()
+            live[name] = prio
+            bucket = self._buckets.get(prio)
+            if bucket is None:
+                bucket = self._buckets[prio] = OrderedDict()
+                heapq.heappush(self._order, prio)
+            if name in bucket:
+                bucket.move_to_end(name)
+            else:
+                bucket[name] = None
+                self._queued += 1
+                if self._queued > 2 * len(live) + 1024:
+                    self._compact()
 
     def move_to_end(self, name: str, last: bool = True) -> None:
         """Recency is the age's business: a served leaf is requeued by `served`, and a parent
@@ -154,25 +164,40 @@ class FrequencyLeaves:
         self._counts.clear()
         self._prio.clear()
         self._ghost.clear()
-        self._heap.clear()
+        self._buckets.clear()
+        self._order.clear()
         self._live.clear()
+        self._queued = 0
 
     def ghost_keys(self) -> int:
         return len(self._ghost)
 
     def _push(self, name: str, prio: float) -> None:
-        self._seq += 1
-        entry = (prio, self._seq, name)
-        self._live[name] = entry
-        heapq.heappush(self._heap, entry)
-        if len(self._heap) > 2 * len(self._live) + 1024:
-            self._compact()
+        """Queue `name` last at `prio` (moved there if a stale entry of it is in that bucket)."""
+        self._live[name] = prio  # first: a compaction keeps the live names only
+        bucket = self._buckets.get(prio)
+        if bucket is None:
+            bucket = self._buckets[prio] = OrderedDict()
+            heapq.heappush(self._order, prio)
+        if name in bucket:
+            bucket.move_to_end(name)
+        else:
+            bucket[name] = None
+            self._queued += 1
+            if self._queued > 2 * len(self._live) + 1024:
+                self._compact()
 
     def _compact(self) -> None:
-        """Drop the heap's stale entries (now and then: they are skipped until then)."""
-        live = self._live
-        self._heap = [e for e in self._heap if live.get(e[2]) is e]
-        heapq.heapify(self._heap)
+        """Drop the buckets' stale names (now and then: they are skipped until then)."""
+        live, kept = self._live, {}
+        for prio, bucket in self._buckets.items():
+            names = [n for n in bucket if live.get(n) == prio]
+            if names:
+                kept[prio] = OrderedDict.fromkeys(names)
+        self._buckets = kept
+        self._order = list(kept)
+        heapq.heapify(self._order)
+        self._queued = sum(map(len, kept.values()))
 
 
 class LFUDABackend(CPUBackend):
@@ -182,33 +207,51 @@ class LFUDABackend(CPUBackend):
 
     def __init__(self, ctx: BackendContext, *, name: str | None = None):
         super().__init__(ctx, name=name)
+        # Insertion order only (no decision reads recency here): a dict's, cheaper to add to
+        # and pop from than an `OrderedDict`, once per chunk stored and evicted.
+        self._entries = {}  # type: ignore[assignment]
         chunk = -(-ctx.layout.nbytes(ctx.config.chunk_size) // ALIGN) * ALIGN
         chunks = max(1, ctx.allocator.size // chunk)
         self._freq = FrequencyLeaves(min(MAX_GHOST, GHOST_PER_CHUNK * chunks))
         self._leaves = self._freq
-        # Called per chunk evicted or removed: the counts' own method, one Python frame fewer.
+        # The hooks are the counts' own methods, one Python frame fewer a call.
         self._on_drop = self._freq.dropped  # type: ignore[method-assign]
+        self._on_put = self._freq.stored  # type: ignore[method-assign]
+        self._on_hit = self._freq.served  # type: ignore[method-assign]
 
-    def _on_put(self, keys: Sequence[ChunkKey]) -> None:
+    def _on_put(self, keys: Sequence[ChunkKey]) -> None:  # replaced by `stored` in __init__
         # Leaves were counted as they were queued; the chunks stored under a child are now.
         self._freq.stored(keys)
 
-    def _on_hit(self, keys: Sequence[ChunkKey]) -> None:
+    def _on_hit(self, keys: Sequence[ChunkKey]) -> None:  # replaced by `served` in __init__
         # Served chunks are requeued by their counts; the entries' order (LRU's recency) is
         # read by no decision here, so it is not kept.
         self._freq.served(keys)
 
     def _first_leaf(self) -> str | None:
-        # The heap's first live leaf, read here: once per chunk evicted, one frame.
-        heap, live = self._freq._heap, self._freq._live
-        while heap:
-            entry = heap[0]
-            if live.get(entry[2]) is entry:
-                if self._entries[entry[2]][1].refs == 1:
-                    return entry[2]
-                break
-            heapq.heappop(heap)
-        return super()._first_leaf()  # the first leaf is in use: walk on, in order
+        # The first live leaf of the lowest priority's bucket, read here: once per chunk
+        # evicted, one frame. It leaves its bucket now (`pop_lru` evicts it); stale names met
+        # at a bucket's front go too, and empty buckets.
+        freq = self._freq
+        order, buckets, live = freq._order, freq._buckets, freq._live
+        while order:
+            prio = order[0]
+            bucket = buckets[prio]
+            if not bucket:
+                heapq.heappop(order)
+                del buckets[prio]
+                continue
+            name = bucket.popitem(last=False)[0]
+            if live.get(name) != prio:  # stale
+                freq._queued -= 1
+                continue
+            if self._entries[name][1].refs == 1:
+                freq._queued -= 1
+                return name
+            bucket[name] = None  # in use right now: back to the front, and walk on in order
+            bucket.move_to_end(name, last=False)
+            return super()._first_leaf()
+        return None
 
     def _on_drop(self, name: str, evicted: bool) -> None:  # replaced by `dropped` in __init__
         self._freq.dropped(name, evicted)
