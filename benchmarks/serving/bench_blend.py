@@ -223,11 +223,16 @@ def _table(s: dict[str, Any]) -> None:
 
         return table(s)
     if s.get("stall"):
-        print(f"\nstream beside the query: worst gap / median gap (median, p99 over "
-              f"{len(s['rows'])} queries)")
+        print(f"\nstream beside the query, medians over {len(s['rows'])} queries: gap before "
+              "it, p99 and worst gap while it waits; worst / median gap (median, p99)")
         for arm in ("full", "blend"):
-            print(f"{arm:8s} {s[f'worst_over_median_{arm}']:>8.1f}x "
-                  f"{s[f'worst_over_median_{arm}_p99']:>8.1f}x")
+            print(f"{arm:8s} {s[f'median_gap_ms_{arm}']:>7.0f} ms {s[f'p99_gap_ms_{arm}']:>7.0f} "
+                  f"ms {s[f'worst_gap_ms_{arm}']:>7.0f} ms {s[f'worst_over_median_{arm}']:>7.1f}x "
+                  f"{s[f'worst_over_median_{arm}_p99']:>7.1f}x")
+        worst = s["worst_over_median_blended"]
+        print(f"{s['blended']} of {len(s['rows'])} blend-arm queries blended; worst / median "
+              f"beside a blended admission: {'-' if worst is None else f'{worst:.1f}x'}; "
+              f"slowest kvtier scheduler call logged: {s['slowest_call_ms']} ms")
         print(f"query TTFT blend/full: median {s['ttft_ratio']:.3f}, p99 "
               f"{s['ttft_ratio_p99']:.3f}; {s['fallbacks']} requests computed (the blend would "
               "have lost)")
