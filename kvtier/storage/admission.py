@@ -27,6 +27,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
+from itertools import repeat
 
 from kvtier.config.names import ADAPTIVE, ADMISSION_POLICIES, ALWAYS, SECOND_HIT
 from kvtier.errors import ConfigError
@@ -177,8 +178,7 @@ class AdaptiveSecondHit(Admission):
                     move(name)
                 else:
                     gone[name] = None
-            while len(gone) > self._capacity:
-                gone.popitem(last=False)
+            _trim(gone, self._capacity)
 
     def stats(self) -> dict[str, float]:
         with self._lock:
@@ -196,8 +196,14 @@ def _remember(ghost: OrderedDict[str, None], keys: Sequence[ChunkKey], capacity:
             move(name)
         else:
             ghost[name] = None
-    while len(ghost) > capacity:
-        ghost.popitem(last=False)
+    _trim(ghost, capacity)
+
+
+def _trim(ghost: OrderedDict[str, None], capacity: int) -> None:
+    """Forget the oldest keys over `capacity` (the pops looped in C: one a key added, once
+    the list is full, on every store)."""
+    if (over := len(ghost) - capacity) > 0:
+        deque(map(ghost.popitem, repeat(False, over)), 0)
 
 
 def make_admission(name: str, arena_bytes: int, chunk_bytes: int) -> Admission:
