@@ -16,6 +16,7 @@ from kvtier.backends.disk import DiskBackend
 from kvtier.backends.disk import files as record_files
 from kvtier.backends.record import expected_header_len
 from kvtier.config import Config
+from kvtier.kernels import ops
 from kvtier.keys import ChunkKey
 from kvtier.memory import KVLayout, MemoryAllocator, MemoryObj, lease
 from tests.backends.disk.disk_helpers import _files
@@ -128,6 +129,10 @@ def test_a_plain_fp8_record_is_decoded_piece_by_piece_and_a_flipped_byte_is_a_mi
     before the checksum of the whole is known: what loads is bit for bit torch's decode of the
     file's payload, and a byte flipped in the values or in the scales (read first) is a counted
     corrupt miss that leaves nothing allocated (the fixture checks the arena)."""
+    # Pieces need the compiled kernel, which a load never builds: build it here, as a server
+    # does at start, so the test does not depend on an earlier test of this process doing so.
+    monkeypatch.delenv("KVTIER_KERNEL", raising=False)
+    ops.prepare()
     monkeypatch.setattr(record_files, "CODED_PIECE", 100_000)  # two blocks: 4 pieces of 8
     calls: list[int] = []
     decode_blocks = ScaledCodec.decode_blocks
