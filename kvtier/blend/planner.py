@@ -82,6 +82,13 @@ class BlendPlanner:
         with self._lock:
             return median(self._per_token) * tokens if self._per_token else None
 
+    def loses(self, tokens: int, prefill_s: float) -> bool:
+        """Whether a blend writing `tokens` tokens is, once measured, estimated to lose to a
+        full prefill of `prefill_s` (`choose` would compute it, but for a probe). No choice
+        is made or counted."""
+        blend_s = self.estimate_s(tokens)
+        return blend_s is not None and blend_s > self.max_ratio * prefill_s
+
     def choose(self, tokens: int, prefill_s: float) -> Choice:
         """Whether a blend writing `tokens` tokens should run instead of a full prefill the
         serving engine is expected to take `prefill_s` for."""

@@ -31,6 +31,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 import torch
@@ -99,6 +100,7 @@ class SGLangBlender:
         self._prefill_s = prefill_s
         self.jobs = BlendJobs(self._compute, counters)  # blends off the scheduler thread
         self._hinted = False  # the preamble hint (`_hint_preamble`) was logged
+        self._asks = ThreadPoolExecutor(1, thread_name_prefix="kvtier-blend-ask")  # `prefetch`
 
     # ---- admission (scheduler thread) ----
 
@@ -183,37 +185,46 @@ class SGLangBlender:
     def prefetch(self, rid: str, tokens: np.ndarray, salt: str) -> None:
         """Request `rid` joined the waiting queue: start loading its segments that only disk
         or Redis hold into the CPU tier, where its match looks for them, and once they are
-        in, its blend (`prefetch_ready`)."""
+        in, its blend (`prefetch_ready`). While blends lose, it is chosen before any segment
+        is read, once the lower tiers answered (off the scheduler thread; it waits in the
+        queue for that as for a load) whether they hold one: computed, it reads none."""
         request = self.requests.open(rid)
-        if request.declined or not self._may_blend(rid, request, tokens, salt):
+        if request.declined or (request.choice is not None and not request.choice.blend):
             return  # computed: no segment read, no blend job, no wait
-        loads = [load for chain in self.chains.of(rid, tokens, salt).chains
-                 if (load := self.store.start_prefetch(chain))]
         request.waiting = (tokens, salt)  # its blend starts once its loads are in
+        end, device = self._span(tokens, request)
+        chains = self.chains.of(rid, tokens, salt).chains
+        if request.choice is None and not (request.hits is not None and request.hits.held) \
+                and self.planner.loses(end - device, self._prefill(end, device)):
+            if any(self.store.lookup(chain, hot_only=True) for chain in chains):
+                self._chosen(rid, request, held=True)
+            else:
+                request.asked = self._asks.submit(
+                    lambda: any(self.store.lookup(chain) for chain in chains))
+        else:
+            self._start_loads(request, chains)
+
+    def _start_loads(self, request: BlendRequest, chains: Sequence[KeyChain]) -> None:
+        loads = [load for chain in chains if (load := self.store.start_prefetch(chain))]
         if loads:
             request.loads = loads
 
-    def _may_blend(self, rid: str, request: BlendRequest, tokens: np.ndarray,
-                   salt: str) -> bool:
-        """Whether request `rid` may still blend, decided before any of its segments is read:
-        its match chose already (the CPU tier held segments), or, for segments that only disk
-        or Redis hold, the planner chooses now when its estimate says the blend loses. Such
-        a request is computed at once: before, it first waited in the queue for loads of
-        segments it then never used."""
-        if request.choice is not None:
-            return request.choice.blend
-        if request.hits is not None and request.hits.held:
-            return True  # the match weighed them against its prefix hit: as before
-        n = len(tokens)  # the prompt less its last token, which SGLang computes
-        end = n - n % self.page_size
-        device = 0 if request.hits is None else request.hits.device_len
-        blend_s = self.planner.estimate_s(end - device)
-        if blend_s is None or blend_s <= self.planner.max_ratio * self._prefill(end, device):
-            return True  # unmeasured, or faster: read them, choose once they are in
-        prompt = self.chains.of(rid, tokens, salt)
-        if not any(self.store.lookup(chain) for chain in prompt.chains):
-            return True  # nothing to blend: no choice made, no fallback counted
-        return self.worth(rid, end, device)
+    def _span(self, tokens: np.ndarray, request: BlendRequest) -> tuple[int, int]:
+        """(End, start) of what a blend of prompt `tokens` would write: whole pages, past
+        the device prefix its match found."""
+        n = len(tokens)
+        return n - n % self.page_size, 0 if request.hits is None else request.hits.device_len
+
+    def _chosen(self, rid: str, request: BlendRequest, held: bool) -> bool:
+        """Whether waiting request `rid` (some tier `held` a segment of it) is computed now,
+        by the planner's choice; else its segment loads start."""
+        assert request.waiting is not None
+        tokens, salt = request.waiting
+        if held and not self.worth(rid, *self._span(tokens, request)):
+            request.waiting = None
+            return True
+        self._start_loads(request, self.chains.of(rid, tokens, salt).chains)
+        return False
 
     def _prefill(self, end: int, device_len: int) -> float:
         """The seconds SGLang is expected to take to compute tokens `[device_len, end)`."""
@@ -224,6 +235,15 @@ class SGLangBlender:
         `prefetch_policy`; they stop then, what arrived stays in the CPU tier), and its blend,
         started then if it is worth it, has been computed (`blend_jobs`)."""
         request = self.requests.get(rid)
+        if request is not None and (asked := request.asked) is not None:
+            if not asked.done():
+                wait([asked], timeout=POLL_WAIT_S)
+            if not asked.done():
+                return False
+            request.asked = None  # a tier that failed to answer holds nothing (a miss)
+            held = not asked.cancelled() and asked.exception() is None and asked.result()
+            if request.waiting is not None and self._chosen(rid, request, held):
+                return True
         if request is not None and request.loads is not None:
             if not all(load.ready() for load in request.loads):
                 return False
@@ -250,7 +270,9 @@ class SGLangBlender:
         if request is not None:
             for load in request.loads or []:
                 load.cancel(drop=True)
-            request.loads = None
+            if request.asked is not None:
+                request.asked.cancel()
+            request.loads = request.asked = None
             request.waiting = None
         self.jobs.drop(rid)
 
@@ -347,6 +369,7 @@ class SGLangBlender:
         return loaded, recomputed, kept
 
     def close(self) -> None:
+        self._asks.shutdown(wait=False, cancel_futures=True)
         self.jobs.close()
         self.worker.close()
 

@@ -5,6 +5,7 @@ drives it, without a server."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
@@ -18,6 +19,7 @@ from kvtier.config import Config
 from kvtier.connectors import SGLangMHAConnector
 from kvtier.engine import CacheEngine
 from kvtier.integration.sglang.blending.blender import BLEND_COUNTERS, SGLangBlender
+from kvtier.keys import KeyChain
 from kvtier.memory import KVLayout
 from kvtier.metrics import Counters
 from tests.blend.conftest import tiny_llama
@@ -140,6 +142,39 @@ def test_a_blend_that_would_lose_starts_no_job() -> None:
         assert not b.worth("r", b.look("r", tokens, 0, "").end, 0)  # the match keeps the choice
         assert b.counters.snapshot()["sglang.blend_fallbacks_slower"] == 1
     finally:
+        b.close()
+        engine.close()
+
+
+def test_while_blends_lose_the_lower_tiers_are_asked_off_the_scheduler_thread() -> None:
+    """A request whose segments the CPU tier lacks asks disk and Redis whether they hold
+    them (a round trip each) before it reads any: on a thread of kvtier's, never the
+    scheduler's; it waits in the queue until answered, then is computed, reading none."""
+    b, engine = _make(prefill_s=1e-9)  # blends lose
+    asked, answer = [], threading.Event()
+    lookup = b.store.lookup
+
+    def slow_lookup(chain: KeyChain, *, hot_only: bool = False) -> int:
+        if hot_only:
+            return lookup(chain, hot_only=True)  # the CPU tier's index: the scheduler's own
+        asked.append(threading.current_thread())
+        assert answer.wait(60)  # a slow Redis
+        return 16  # held there
+
+    try:
+        b.planner.observe(100, 1.0)
+        b.store.lookup = slow_lookup  # type: ignore[method-assign]
+        b.prefetch("r", _prompt(7)[:-1], "")  # returns at once: nothing asked on this thread
+        assert not b.prefetch_ready("r") and not b.prefetch_ready("r")
+        assert asked and all(t is not threading.current_thread() for t in asked)
+        answer.set()
+        _admitted(b, "r", _prompt(7))
+        assert b.counters.snapshot()["sglang.blend_fallbacks_slower"] == 1
+        state = b.requests.get("r")
+        assert state is None or state.loads is None  # it read none
+        assert not b.jobs.running("r")
+    finally:
+        answer.set()
         b.close()
         engine.close()
 
