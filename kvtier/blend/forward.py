@@ -105,7 +105,8 @@ def prefill(w: LlamaWeights, tokens: torch.Tensor, *, logits: bool = True) -> Bl
 
 def blend(w: LlamaWeights, tokens: torch.Tensor, cached_kv: torch.Tensor,
           cached: torch.Tensor, plan: BlendPlan = DEFAULT_PLAN, *,
-          must: torch.Tensor | None = None, logits: bool = True) -> Blended:
+          must: torch.Tensor | None = None, logits: bool = True,
+          upto: int | None = None) -> Blended:
     """`tokens` computed over the known KV of the tokens where `cached` ([T] bool) is set.
 
     Args:
@@ -114,6 +115,9 @@ def blend(w: LlamaWeights, tokens: torch.Tensor, cached_kv: torch.Tensor,
         cached: which tokens `cached_kv` holds.
         plan: the shares to recompute and the layers that pick them.
         must: tokens to compute in every layer whether cached or not (the last token always is).
+        upto: stop after this layer's KV (a check layer or later): layers past it keep
+            `cached_kv`, and `computed` names the tokens still to compute there. SGLang's
+            forward computes them (`integration/sglang/blending/in_forward.py`); no logits.
 
     Raises:
         ValueError: shapes that do not match `w` and `tokens`, a ratio outside [0, 1], a check
@@ -128,12 +132,15 @@ def blend(w: LlamaWeights, tokens: torch.Tensor, cached_kv: torch.Tensor,
     if must is not None and (must.shape != (T,) or must.dtype != torch.bool):
         raise ValueError(f"must must be a bool tensor of shape ({T},)")
     _check_plan(plan, w.num_layers)
-    return _forward(w, tokens, cached_kv, cached, must, plan, logits)
+    if upto is not None and not max(plan.check_layers) <= upto < w.num_layers:
+        raise ValueError(f"upto must be a layer from the last check layer "
+                         f"{max(plan.check_layers)} to {w.num_layers - 1}, got {upto}")
+    return _forward(w, tokens, cached_kv, cached, must, plan, logits and upto is None, upto)
 
 
 def _forward(w: LlamaWeights, tokens: torch.Tensor, cached_kv: torch.Tensor | None,
              cached: torch.Tensor | None, must: torch.Tensor | None, plan: BlendPlan,
-             want_logits: bool) -> Blended:
+             want_logits: bool, upto: int | None = None) -> Blended:
     if tokens.dim() != 1 or tokens.numel() == 0:
         raise ValueError(f"tokens must be a non-empty 1-D tensor, got {tuple(tokens.shape)}")
     dev = w.embed.device
@@ -154,7 +161,7 @@ def _forward(w: LlamaWeights, tokens: torch.Tensor, cached_kv: torch.Tensor | No
         total = int(cached.sum())
     mask = _mask(active)
     with torch.inference_mode():
-        for layer, lw in enumerate(w.layers):
+        for layer, lw in enumerate(w.layers if upto is None else w.layers[:upto + 1]):
             q, k, v = _qkv(w, lw, _rms(h, lw.ln_in, w.eps), positions[active])
             kv[0, layer, active] = k
             kv[1, layer, active] = v
@@ -163,6 +170,8 @@ def _forward(w: LlamaWeights, tokens: torch.Tensor, cached_kv: torch.Tensor | No
                                math.ceil(steps[layer] * total))
                 q, h, active = q[keep], h[keep], active[keep]
                 mask = _mask(active)
+            if layer == upto:
+                break
             attn = _attend(q, kv[0, layer], kv[1, layer], active, mask, w)
             h = h + F.linear(attn, lw.o)
             gate, up = F.linear(_rms(h, lw.ln_post, w.eps), lw.gate_up).chunk(2, dim=-1)

@@ -95,6 +95,28 @@ def test_blend_is_exact_where_the_contract_says(llama: LlamaWeights) -> None:
     assert set(torch.topk(dev, 8).indices.tolist()) <= set(kept.tolist())
 
 
+@pytest.mark.parametrize("plan", [BlendPlan.one(0.25, 1), BlendPlan((1, 2), (0.5, 0.25)), NAIVE])
+def test_a_blend_stopped_after_its_check_layers_leaves_the_rest_to_the_engine(
+        llama: LlamaWeights, plan: BlendPlan) -> None:
+    """`upto`: what SGLang's forward is handed (in_forward.py): the KV up to the last check
+    layer as the whole blend computes it, the cached KV past it, and the same tokens to
+    compute there."""
+    toks = _tokens(2)
+    stale = _stale_cache(llama, toks)
+    cached = torch.zeros(T, dtype=torch.bool)
+    cached[8:40] = True
+    must = torch.zeros(T, dtype=torch.bool)
+    must[8] = True
+    whole = blend(llama, toks, stale, cached, plan, must=must)
+    last = max(plan.check_layers)
+    part = blend(llama, toks, stale, cached, plan, must=must, upto=last)
+    assert torch.equal(part.computed, whole.computed) and part.logits is None
+    assert torch.allclose(part.kv[:, :last + 1], whole.kv[:, :last + 1], atol=1e-6)
+    assert torch.equal(part.kv[:, last + 1:], stale[:, last + 1:])
+    with pytest.raises(ValueError, match="upto"):
+        blend(llama, toks, stale, cached, plan, upto=llama.num_layers)
+
+
 def test_check_layers_narrow_in_steps(llama: LlamaWeights) -> None:
     toks = _tokens(1)
     full = prefill(llama, toks).kv

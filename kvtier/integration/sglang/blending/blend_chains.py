@@ -118,3 +118,21 @@ class SegmentChains:
                                len(found), len(kept))
         chains = tuple(self._store.chain(ids, seg, salt) for seg in kept)
         return PromptSegments(tuple(kept), chains)
+
+
+def hint_preamble(rid: str, first: Segment, hits: SegmentHits, device_len: int,
+                  separator: str) -> bool:
+    """Warn (and return True) when the run that starts a prompt (no separator before it)
+    missed while later segments hit: a preamble that no separator ends is one segment with
+    the first document, which then misses wherever that document stands elsewhere
+    (docs/blending.md, "Turning it on"). The blender warns once per server."""
+    if first.start != 0 or first.end <= device_len or first in hits.held \
+            or first not in hits.missed:
+        return False
+    logger.warning("kvtier: %s: the %d tokens before the first separator were not found as a "
+                   "segment, while %d later segments were. If a preamble (a system prompt, a "
+                   "chat template's opening) stands before the first document, end it with the "
+                   "separator too (%r): otherwise that document is cached only together with "
+                   "the preamble (logged once; docs/blending.md, \"Turning it on\")", rid,
+                   first.num_tokens, len(hits.held), separator)
+    return True

@@ -62,6 +62,19 @@ class Computed(NamedTuple):
     compute_s: float
     threads: int
 
+    def tally(self, device_len: int) -> tuple[int, int, int]:
+        """Of the tokens past `device_len` (what the pool held stays; what the blend wrote):
+        those loaded, those of them recomputed (the share), and those that kept their
+        cached KV (loaded, and not computed in the last layer: neither the share nor a
+        segment's first token)."""
+        new = torch.zeros_like(self.cached)
+        new[device_len:] = True
+        loaded = int((self.cached & new).sum())
+        recomputed = int((self.cached & new & ~self.must)[self.computed].sum())
+        last = torch.zeros_like(new)
+        last[self.computed] = True
+        return loaded, recomputed, int((self.cached & new & ~last).sum())
+
 
 Compute = Callable[[np.ndarray, SegmentHits, str], "Computed | None"]
 Pool = tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]  # per-layer K and V buffers
@@ -70,9 +83,11 @@ Pool = tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]  # per-layer K and 
 @torch.inference_mode()
 def compute(w: LlamaWeights, store: SegmentStore, plan: BlendPlan, pool: Pool,
             tokens: np.ndarray, hits: SegmentHits, salt: str,
-            prefix: tuple[int, torch.Tensor] | None = None) -> Computed | None:
+            prefix: tuple[int, torch.Tensor] | None = None,
+            upto: int | None = None) -> Computed | None:
     """Blend tokens `[0, hits.end)` from the held segments of `hits` (read from `store`)
-    with plan `plan` over weights `w`. With `prefix` (the device prefix's length and pool
+    with plan `plan` over weights `w`; with `upto`, only up to that layer (the rest is
+    SGLang's forward's: `in_forward`). With `prefix` (the device prefix's length and pool
     slots: at admission) the device prefix's KV is read from `pool`, else computed. None
     when no held segment could be read any more. Thread-safe (a blend job runs it)."""
     start = time.perf_counter()
@@ -93,7 +108,7 @@ def compute(w: LlamaWeights, store: SegmentStore, plan: BlendPlan, pool: Pool,
         cached[:device_len] = True
     loaded_at = time.perf_counter()
     with _compute_threads(dev) as threads:
-        out = blend(w, ids, known.kv, cached, plan, must=known.must, logits=False)
+        out = blend(w, ids, known.kv, cached, plan, must=known.must, logits=False, upto=upto)
     if dev.type == "cuda":  # the result may be read on another thread's stream
         torch.cuda.current_stream(dev).synchronize()
     return Computed(end, out.kv, known.cached, known.must, known.segments_hit, out.computed,

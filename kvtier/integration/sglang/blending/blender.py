@@ -42,7 +42,12 @@ from kvtier.blend.segments import Segment
 from kvtier.config.schema import BlendSection
 from kvtier.engine.segments import SegmentStore
 from kvtier.errors import ConfigError
-from kvtier.integration.sglang.blending.blend_chains import SegmentChains, SegmentHits
+from kvtier.integration.sglang.blending import in_forward
+from kvtier.integration.sglang.blending.blend_chains import (
+    SegmentChains,
+    SegmentHits,
+    hint_preamble,
+)
 from kvtier.integration.sglang.blending.blend_jobs import POLL_WAIT_S, BlendJobs, Computed, compute
 from kvtier.integration.sglang.blending.blend_model import separator_ids, served_weights
 from kvtier.integration.sglang.blending.blend_state import BlendRequest, blend_requests
@@ -73,13 +78,15 @@ class SGLangBlender:
         counters: where `BLEND_COUNTERS` are counted (the adapter's).
         prefill_s: `(tokens, prompt_len) -> seconds` SGLang is expected to take to prefill
             them (`CacheEngine.prefill.recompute_s`); None: a blend is always worth it.
+        in_forward: SGLang's forward computes the tokens past the check layers (`in_forward`);
+            else kvtier's forward computes every layer.
     """
 
     def __init__(self, weights: LlamaWeights, store: SegmentStore, section: BlendSection,
                  separator: Sequence[int], pool: tuple[Sequence[torch.Tensor],
                                                        Sequence[torch.Tensor]],
                  page_size: int, counters: Counters,
-                 prefill_s: Callable[[int, int], float] | None = None):
+                 prefill_s: Callable[[int, int], float] | None = None, in_forward: bool = False):
         last = max(section.check_layers)
         if last >= weights.num_layers:
             raise ConfigError(f"blend_check_layers: {list(section.check_layers)} reaches past "
@@ -98,8 +105,9 @@ class SGLangBlender:
         self.requests = blend_requests()  # request id -> its BlendRequest
         self.planner = BlendPlanner(section.max_prefill_ratio)
         self._prefill_s = prefill_s
+        self.in_forward = in_forward
         self.jobs = BlendJobs(self._compute, counters)  # blends off the scheduler thread
-        self._hinted = False  # the preamble hint (`_hint_preamble`) was logged
+        self._hinted = False  # the preamble hint (`hint_preamble`) was logged
         self._asks = ThreadPoolExecutor(1, thread_name_prefix="kvtier-blend-ask")  # `prefetch`
 
     # ---- admission (scheduler thread) ----
@@ -133,7 +141,8 @@ class SGLangBlender:
             cached += max(0, seg.start + got - max(seg.start, device_len))
         hits = SegmentHits(end, tuple(held), tuple(missed), cached, tuple(chains), device_len)
         if held and not self._hinted and prompt.segments:
-            self._hint_preamble(rid, prompt.segments[0], hits, device_len)
+            self._hinted = hint_preamble(rid, prompt.segments[0], hits, device_len,
+                                         self.section.separator)
         self.requests.open(rid).hits = hits
         return hits
 
@@ -155,24 +164,6 @@ class SGLangBlender:
                             "%.2fs, the full prefill %.2fs (blend_max_prefill_ratio %g)", rid,
                             tokens, choice.blend_s, choice.prefill_s, self.planner.max_ratio)
         return choice.blend
-
-    def _hint_preamble(self, rid: str, first: Segment, hits: SegmentHits,
-                       device_len: int) -> None:
-        """Once per server: the run that starts a prompt (no separator before it) missed while
-        later segments hit. A preamble that no separator ends is one segment with the first
-        document, which then misses wherever that document stands elsewhere
-        (docs/blending.md, "Turning it on")."""
-        if first.start != 0 or first.end <= device_len or first in hits.held \
-                or first not in hits.missed:
-            return
-        self._hinted = True
-        logger.warning("kvtier: %s: the %d tokens before the first separator were not found as "
-                       "a segment, while %d later segments were. If a preamble (a system "
-                       "prompt, a chat template's opening) stands before the first document, "
-                       "end it with the separator too (%r): otherwise that document is cached "
-                       "only together with the preamble (logged once; docs/blending.md, "
-                       "\"Turning it on\")", rid, first.num_tokens, len(hits.held),
-                       self.section.separator)
 
     def decline(self, rid: str) -> None:
         """Request `rid` may not blend (opted out), as its match found: its prefetch loads
@@ -299,9 +290,11 @@ class SGLangBlender:
             for request in self.requests:
                 request.hits, request.choice, request.declined = None, None, False
             self.jobs.clear()
+            in_forward.drop()
         else:
             self.requests.forget(rid)
             self.jobs.drop(rid)
+            in_forward.drop(rid)
 
     @torch.inference_mode()
     def fill(self, rid: str, tokens: np.ndarray, hits: SegmentHits, device_len: int,
@@ -330,13 +323,17 @@ class SGLangBlender:
         if dst.device.type == "cuda":  # SGLang's forward reads the slots on a stream of its own
             torch.cuda.current_stream(dst.device).synchronize()
         loaded, recomputed, kept = self._account(done, device_len)
+        rows = done.computed[done.computed >= device_len].cpu()
+        if self.in_forward:  # SGLang computes them, past the check layers, in the extend
+            in_forward.add(rid, in_forward.Splice(end, rows))
         logger.info("kvtier: blended %s: %d tokens from %d segments at new positions, %d of them "
                     "recomputed from layer %d, %d computed (device prefix %d); cached_tokens "
                     "%d (the device prefix and the %d kept from the cache); read %.2fs, "
-                    "computed %.2fs (%d threads, %s)", rid, loaded, done.segments_hit,
+                    "computed %.2fs%s (%d threads, %s)", rid, loaded, done.segments_hit,
                     recomputed, self.plan.check_layers[0], end - device_len - loaded,
                     device_len, device_len + kept, kept, done.read_s, done.compute_s,
-                    done.threads, where)
+                    f" up to layer {max(self.plan.check_layers)}, {len(rows)} tokens past it "
+                    "in SGLang's forward" if self.in_forward else "", done.threads, where)
         return kept
 
     def _compute(self, tokens: np.ndarray, hits: SegmentHits, salt: str,
@@ -344,24 +341,19 @@ class SGLangBlender:
         """`blend_jobs.compute` over this blender's model, segments and pool, timed for the
         planner. Thread-safe: a blend job runs it."""
         start = time.perf_counter()
+        upto = max(self.plan.check_layers) if self.in_forward else None
         done = compute(self.w, self.store, self.plan, (self.pool_k, self._v), tokens, hits,
-                       salt, prefix)
+                       salt, prefix, upto)
         if done is not None:
-            self.planner.observe(hits.end - (prefix[0] if prefix else 0),
-                                 time.perf_counter() - start)
+            took = time.perf_counter() - start  # + SGLang's share, as it expects to take it
+            if self.in_forward and self._prefill_s is not None:
+                took += self._prefill_s(len(done.computed), hits.end)
+            self.planner.observe(hits.end - (prefix[0] if prefix else 0), took)
         return done
 
     def _account(self, done: Computed, device_len: int) -> tuple[int, int, int]:
-        """Count a blend (`BLEND_COUNTERS`). Returns the tokens past `device_len` it loaded,
-        those of them recomputed (the share), and those that kept their cached KV (loaded,
-        and not computed in the last layer: neither the share nor a segment's first token)."""
-        new = torch.zeros_like(done.cached)
-        new[device_len:] = True  # what the pool held stays; count what the blend wrote
-        loaded = int((done.cached & new).sum())
-        recomputed = int((done.cached & new & ~done.must)[done.computed].sum())
-        last = torch.zeros_like(new)
-        last[done.computed] = True
-        kept = int((done.cached & new & ~last).sum())
+        """Count a blend (`BLEND_COUNTERS`); returns `Computed.tally`."""
+        loaded, recomputed, kept = done.tally(device_len)
         self.counters.inc("sglang.blend_requests")
         self.counters.inc("sglang.blend_segments_hit", done.segments_hit)
         self.counters.inc("sglang.blend_tokens_loaded", loaded)
@@ -396,4 +388,5 @@ class SGLangBlender:
             raise ConfigError("enable_blending: the server has no tokenizer to find "
                               "blend_special_str with (--skip-tokenizer-init)")
         separator = separator_ids(scheduler.tokenizer, section.separator)
-        return cls(weights, store, section, separator, (k, v), page_size, counters, prefill_s)
+        return cls(weights, store, section, separator, (k, v), page_size, counters, prefill_s,
+                   in_forward=in_forward.runs_in(scheduler.tp_worker.model_runner))

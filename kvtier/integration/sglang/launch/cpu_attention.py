@@ -52,7 +52,10 @@ def install() -> bool:
         return False
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    from kvtier.integration.sglang.blending import in_forward
+
     HookRegistry.register(TARGET, extend_over_prefix, HookType.AROUND)
+    in_forward.install()  # a blend's recompute runs in SGLang's forward through this attention
     _installed.append(True)
     return True
 
@@ -74,9 +77,11 @@ def extend_over_prefix(
 ) -> torch.Tensor:
     """AROUND `TorchNativeAttnBackend._run_sdpa_forward_extend`: the same output, computed
     with the extension's queries only where a request has a cached prefix."""
+    from kvtier.integration.sglang.blending.in_forward import folding
+
     windowed = sliding_window_size is not None and sliding_window_size > -1
     if (encoder_lens is not None or is_cross_attn or windowed or not causal
-            or int(extend_prefix_lens.max()) == 0):
+            or int(extend_prefix_lens.max()) == 0) and not folding():
         return original(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices,
                         seq_lens, extend_prefix_lens, extend_seq_lens, encoder_lens,
                         scaling=scaling, enable_gqa=enable_gqa, causal=causal,
@@ -91,6 +96,8 @@ def _extend(query: torch.Tensor, output: torch.Tensor, k_cache: torch.Tensor,
             scaling: float | None, enable_gqa: bool) -> torch.Tensor:
     from torch.nn.functional import scaled_dot_product_attention
 
+    from kvtier.integration.sglang.blending.in_forward import query_positions
+
     heads_first = query.movedim(0, query.dim() - 2)  # [heads, tokens, dim]
     start = 0
     for i in range(seq_lens.shape[0]):
@@ -99,7 +106,11 @@ def _extend(query: torch.Tensor, output: torch.Tensor, k_cache: torch.Tensor,
         slots = req_to_token[req_pool_indices[i], :n_kv]
         k = k_cache[slots].movedim(0, query.dim() - 2).to(q.dtype)
         v = v_cache[slots].movedim(0, query.dim() - 2).to(q.dtype)
-        if prefix == 0:  # SGLang's own computation for a fresh sequence
+        rows = query_positions(i)  # a blend's rows folded into this extend (in_forward.py)
+        if rows is not None:
+            out = _at_positions(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), rows, scaling,
+                                enable_gqa)
+        elif prefix == 0:  # SGLang's own computation for a fresh sequence
             out = scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
                                                enable_gqa=enable_gqa, scale=scaling,
                                                is_causal=True)
@@ -109,6 +120,20 @@ def _extend(query: torch.Tensor, output: torch.Tensor, k_cache: torch.Tensor,
         output[start:start + n_q] = out.squeeze(0).movedim(query.dim() - 2, 0)
         start += n_q
     return output
+
+
+def _at_positions(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor,
+                  scaling: float | None, enable_gqa: bool) -> torch.Tensor:
+    """Attention of queries `q` (`[1, heads, n, dim]`) at positions `rows` (`[n]`, any
+    order) over the sequence's keys `k`, `v` in position order: each sees the keys up to its
+    own position (a blend's rows stand before the extend's own tokens, not after them)."""
+    import torch
+    from torch.nn.functional import scaled_dot_product_attention
+
+    positions = torch.arange(k.shape[-2], device=q.device).unsqueeze(0)
+    mask = positions <= rows.to(q.device).unsqueeze(1)
+    return scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa,
+                                        scale=scaling)
 
 
 def _over_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int,

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvtier.integration.sglang.blending import in_forward
 from kvtier.integration.sglang.launch import cpu_attention
 from kvtier.integration.sglang.launch.cpu import prepare_cpu_engine
 
@@ -114,6 +115,7 @@ def test_the_launcher_asks_its_workers_for_the_hook_unless_the_config_says_no(
     prepare_cpu_engine(env, prefix_attention=False)  # an inherited variable is dropped too
     assert cpu_attention.HOOK_ENV not in env
     monkeypatch.setattr(cpu_attention, "_installed", [])
+    monkeypatch.setattr(in_forward, "_installed", [])
     registered: list[str] = []
     from sglang.srt.plugins.hook_registry import HookRegistry
 
@@ -125,4 +127,30 @@ def test_the_launcher_asks_its_workers_for_the_hook_unless_the_config_says_no(
     monkeypatch.setitem(os.environ, cpu_attention.HOOK_ENV, "1")
     cpu_attention.install_if_asked()
     cpu_attention.install()  # the demo's plugin too: once per process
-    assert registered == [cpu_attention.TARGET] and cpu_attention.installed()
+    # the attention and the blend's fold into SGLang's forward (in_forward.py), once
+    assert registered == [cpu_attention.TARGET, *in_forward.TARGETS.values()]
+    assert cpu_attention.installed()
+
+
+def test_a_blends_rows_folded_into_an_extend_attend_up_to_their_own_positions() -> None:
+    """in_forward.py: a blend's rows (positions 2, 5, 9, all below the extend's own 18, 19)
+    run in one extend with the last tokens; each row gives the output SGLang's full causal
+    prefill gives that position, over the same keys. A request beside it is not folded."""
+    full = _batch((0, 0), (20, 12), seed=3)
+    flags: dict[str, Any] = {"scaling": DIM ** -0.5, "enable_gqa": True, "causal": True}
+    expected = _sglangs()(None, **{**full, "output": full["output"].clone()}, **flags)
+    rows = torch.tensor([2, 5, 9, 18, 19])
+    beside = torch.arange(20, 32)  # the second request's rows in the full batch
+    folded = {**full, "query": full["query"][torch.cat([rows, beside])],
+              "output": torch.full((len(rows) + 12, HEADS, DIM), float("nan")),
+              "extend_prefix_lens": torch.tensor([20 - len(rows), 0]),
+              "extend_seq_lens": torch.tensor([len(rows), 12])}
+    in_forward._active.fold = in_forward._Fold(torch.cat([rows, torch.arange(12)]), {0: rows})
+    try:
+        assert in_forward.folding() and in_forward.query_positions(1) is None
+        got = cpu_attention.extend_over_prefix(_sglangs(), None, **folded, **flags)
+    finally:
+        in_forward._active.fold = None
+    assert torch.allclose(got[:len(rows)], expected[rows], atol=1e-5)
+    assert torch.allclose(got[len(rows):], expected[beside], atol=1e-5)
+    assert not in_forward.folding()
