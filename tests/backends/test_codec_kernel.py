@@ -188,6 +188,38 @@ def test_fp8_rounds_edge_values_as_torch(simd: bool) -> None:
     assert torch.equal(bits(back), bits(torch_decoded(FP8, payload, x)))
 
 
+def _every_bf16(hidden: int) -> torch.Tensor:
+    """A bf16 KV chunk [2, 2, tokens, hidden] holding every finite bf16 value of magnitude at
+    most 448 (zeros padding it), token 0 and channel 0 all 448: every scale is exactly 1, so
+    each value is quantized as it is (every e4m3 value, tie and subnormal tie is a bf16)."""
+    every = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    every = every[every.float().abs() <= 448.0]
+    width = hidden - 1
+    pad = (-every.numel()) % (2 * 2 * width)
+    body = torch.cat([every, torch.zeros(pad, dtype=torch.bfloat16)]).view(2, 2, -1, width)
+    body = torch.cat([torch.full((2, 2, body.shape[2], 1), 448.0, dtype=torch.bfloat16), body],
+                     dim=3)
+    lead = torch.full((2, 2, 1, hidden), 448.0, dtype=torch.bfloat16)
+    return torch.cat([lead, body], dim=2).contiguous()
+
+
+@pytest.mark.parametrize("hidden", [96, 100, 48])  # 64 + 32; 64 + 32 + a tail; 32 + a tail
+def test_fp8_from_bf16_rounds_every_bf16_value_as_torch(simd: bool, hidden: int) -> None:
+    """The AVX-512 rows' bf16 -> fp8 path (64 and 32 values a step, its own rounding) gives
+    torch's bytes for every bf16 input, under unit scales and under scales of every size."""
+    x = _every_bf16(hidden)
+    payload = kernel_payload(FP8, x, simd)
+    assert payload == torch_payload(FP8, x)
+    q = torch.frombuffer(bytearray(payload), dtype=torch.uint8)[:x.numel()]
+    assert torch.equal(q, x.flatten().float().to(torch.float8_e4m3fn).view(torch.uint8))
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(3):  # per-channel and per-token factors from 2**-40 to 2**40
+        f = torch.exp2(torch.randint(-40, 41, (1, 1, 1, hidden), generator=gen).float()) * \
+            torch.exp2(torch.randint(-40, 41, (1, 1, x.shape[2], 1), generator=gen).float())
+        y = (x.float() * f * (1 + torch.rand(f.shape, generator=gen))).to(torch.bfloat16)
+        assert kernel_payload(FP8, y.contiguous(), simd) == torch_payload(FP8, y.contiguous())
+
+
 def test_int8_rounds_ties_to_even_and_clamps_as_torch(simd: bool) -> None:
     halves = torch.arange(-254, 255, dtype=torch.float32) / 2  # every .5 tie in [-127, 127]
     near = torch.cat([torch.nextafter(halves, torch.tensor(1e9)),

@@ -55,8 +55,9 @@ struct Shape {
 // values, in L2): each is read twice, for its scales and for its values, one call each. Its
 // values go to values[(b - first) * block...], its scales to their place in `scales` (the
 // payload's tail, unaligned). Encode always runs every block (a writer encoding piece by
-// piece, each written out while in cache, measured no faster: the encode is compute-bound);
-// decode runs a load's pieces (codec_decode_blocks).
+// piece, each written out while in cache, measured no faster: see benchmarks/LOG.md); decode
+// runs a load's pieces (codec_decode_blocks). Each quantizer call is told the next block, which
+// the AVX-512 rows fetch into L2 while they quantize this one.
 template <typename R, typename T, typename Q>
 KV_INLINE void encode_blocks(const Shape& s, const T* x, int64_t first, int64_t count,
                              uint8_t* values, uint8_t* scales) {
@@ -77,7 +78,8 @@ KV_INLINE void encode_blocks(const Shape& s, const T* x, int64_t first, int64_t 
       scale[i] = std::max(scale[i], kTiny) / Q::kMax;
       recips[i] = 1.0f / scale[i];
     }
-    R::template quantize<Q>(src, T_, H, scale.data(), recips.data(), per_row, dst);
+    const T* next = b + 1 < first + count ? src + block : nullptr;
+    R::template quantize<Q>(src, T_, H, scale.data(), recips.data(), per_row, dst, next);
     std::memcpy(scales + 4 * (per_row ? L * H + l * T_ : l * H), scale.data(), 4 * n);
   }
 }

@@ -225,7 +225,8 @@ struct Avx2Rows {
   }
   template <typename Q, typename T>
   static KV_AVX2_ROW void quantize(const T* x, int64_t rows, int64_t n, const float* scales,
-                                   const float* recips, bool per_row, uint8_t* q) {
+                                   const float* recips, bool per_row, uint8_t* q,
+                                   const T* /*next*/) {
     for (int64_t t = 0; t < rows; ++t, x += n, q += n) {
       if (per_row) {
         quantize_row<Q, false>(x, scales + t, recips + t, q, n);

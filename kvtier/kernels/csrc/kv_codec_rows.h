@@ -136,10 +136,12 @@ struct ScalarRows {
     for (int64_t h = 0; h < n; ++h) q[h] = Q::quantize(widen(x[h]) / (scales ? scales[h] : scale));
   }
   // The block quantized under scales per column (scales[h]) or, `per_row`, per row
-  // (scales[t]); `recips` are the scales' reciprocals, for the AVX2 rows
+  // (scales[t]); `recips` are the scales' reciprocals, for the AVX2 rows; `next` the block
+  // after it (or nullptr), which the AVX-512 rows fetch into L2 meanwhile
   template <typename Q, typename T>
   static KV_INLINE void quantize(const T* x, int64_t rows, int64_t n, const float* scales,
-                                 const float* /*recips*/, bool per_row, uint8_t* q) {
+                                 const float* /*recips*/, bool per_row, uint8_t* q,
+                                 const T* /*next*/) {
     for (int64_t t = 0; t < rows; ++t, x += n, q += n) {
       quantize_row<Q>(x, per_row ? nullptr : scales, per_row ? scales[t] : 0.0f, q, n);
     }
