@@ -138,19 +138,19 @@ KV_512 void quantize_row16(const T* x, const float* scales, const float* recips,
 // undoes: no widening shift, no per-half narrowing), each half's quotient |x| / scale rounded
 // to its e4m3 code in one float add, and the sign and the clamp to 0x7F applied to 16-bit codes.
 // The rounding: with 2**E the exponent of max(|y|, 2**-6) (a power of two, from a max and an
-// and), |y| + 2**(E+20) rounds |y| to a multiple of 2**(E-3), to nearest even, as e4m3 rounds
-// at exponent E (subnormals: E = -6, steps of 2**-9); its bits less 2**(E+20)'s count those
-// steps, and the code is that count plus 8 (E + 6) (0 for subnormals), 0x7F from 480 up.
+// and), s = |y| + 2**(E+20) rounds |y| to a multiple of 2**(E-3), to nearest even, as e4m3
+// rounds at exponent E (subnormals: E = -6, steps of 2**-9). s's mantissa counts those steps
+// (at most 16) and its exponent is E + 20 + 127, so the code, count + 8 (E + 6), is
+// (low 16 bits + high 16 bits / 16) - 8 * 141 of s's bits: one multiply-add of the two halves
+// (16 low + high, = 16 (code + 1128), under 2**15) here, the rest on 16-bit lanes; 0x7F from
+// 480 up (the clamp).
 KV_512 __m512i fp8_codes16(__m512 mag, __m512 s, __m512 r) {
   const __m512 q0 = _mm512_mul_ps(mag, r);
   const __m512 y = _mm512_fmadd_ps(_mm512_fnmadd_ps(q0, s, mag), r, q0);  // divide8's
   const __m512i e = _mm512_and_si512(_mm512_castps_si512(_mm512_max_ps(y, _mm512_set1_ps(0x1p-6f))),
                                      _mm512_set1_epi32(0x7F800000));
   const __m512 sum = _mm512_fmadd_ps(_mm512_castsi512_ps(e), _mm512_set1_ps(0x1p20f), y);
-  // bits(sum) - bits(2**(E+20)) + 8 (E + 6) = bits(sum) - bits(2**E) + bits(2**E) / 2**20 - C
-  const __m512i steps = _mm512_sub_epi32(_mm512_castps_si512(sum), e);
-  return _mm512_add_epi32(_mm512_add_epi32(steps, _mm512_srli_epi32(e, 20)),
-                          _mm512_set1_epi32(-((20 << 23) + 8 * 121)));
+  return _mm512_madd_epi16(_mm512_castps_si512(sum), _mm512_set1_epi32((1 << 16) | 16));
 }
 
 // 32 bf16 values at x to their fp8 bytes, as 16-bit codes in x's order (sign included);
@@ -166,7 +166,10 @@ KV_512 __m512i fp8_words32(const c10::BFloat16* x, const float* scales, const fl
   const __m512i clo = fp8_codes16(lo, scales16<kEach>(scales, 0), scales16<kEach>(recips, 0));
   const __m512i chi = fp8_codes16(hi, scales16<kEach>(scales, kEach ? 16 : 0),
                                   scales16<kEach>(recips, kEach ? 16 : 0));
-  const __m512i codes = _mm512_min_epi16(_mm512_packs_epi32(clo, chi), _mm512_set1_epi16(0x7F));
+  const __m512i sixteen = _mm512_packs_epi32(clo, chi);  // 16 (code + 1128), in x's order
+  const __m512i codes = _mm512_min_epi16(
+      _mm512_sub_epi16(_mm512_srli_epi16(sixteen, 4), _mm512_set1_epi16(8 * 141)),
+      _mm512_set1_epi16(0x7F));
   // codes | (raw >> 8 & 0x80): the sign
   return _mm512_ternarylogic_epi32(codes, _mm512_srli_epi16(raw, 8), _mm512_set1_epi16(0x80),
                                    0xF8);
