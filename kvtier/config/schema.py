@@ -137,6 +137,9 @@ class Config:
     blend_min_tokens: int = 256  # a segment shorter than this is computed, never loaded
     # a blend runs only while measured to take at most this share of the full prefill's time
     blend_max_prefill_ratio: float = 1.0
+    # SGLang's forward computes the recomputed tokens past the check layers (its CPU engine);
+    # false: kvtier's forward computes every layer, off the scheduler thread
+    blend_in_forward: bool = True
     log_level: str | None = None
     metrics_port: int | None = None  # serve Prometheus metrics on this port
     # With SGLang's --kv-events-config, kvtier's tiers publish what they gain and lose too.
@@ -163,7 +166,8 @@ class Config:
     def blend(self) -> BlendSection:
         return BlendSection(self.enable_blending, self.blend_special_str,
                             self.blend_check_layers, self.blend_recompute_ratios,
-                            self.blend_min_tokens, self.blend_max_prefill_ratio)
+                            self.blend_min_tokens, self.blend_max_prefill_ratio,
+                            self.blend_in_forward)
 
     @property
     def writes(self) -> WriteSection:

@@ -30,7 +30,8 @@ class WriteSection:
 class BlendSection:
     """What blending reads (`Config.blend`): on or off, the separator text, the check layers
     and the share of cached tokens recomputed at each, the shortest segment worth loading,
-    and how fast a blend must be against the full prefill to be chosen."""
+    how fast a blend must be against the full prefill to be chosen, and whether SGLang's
+    forward computes the recomputed tokens past the check layers."""
 
     enabled: bool
     separator: str
@@ -38,3 +39,4 @@ class BlendSection:
     ratios: tuple[float, ...]
     min_tokens: int
     max_prefill_ratio: float = 1.0
+    in_forward: bool = True

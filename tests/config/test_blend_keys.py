@@ -25,6 +25,9 @@ def test_blend_keys_load_lists_and_name_the_bad_key(tmp_path: Path) -> None:
     assert cfg.blend.max_prefill_ratio == 1.0  # the default: a blend must not lose
     assert load_config(_write(tmp_path, "blend_max_prefill_ratio: 0.5\n"),
                        env={}).blend.max_prefill_ratio == 0.5
+    assert cfg.blend.in_forward  # the default: SGLang's forward recomputes past the check layers
+    assert not load_config(_write(tmp_path, "blend_in_forward: false\n"),
+                           env={}).blend.in_forward
     assert load_config(_write(tmp_path, "blend_recompute_ratios: 0.2\n"), env={}).blend.ratios \
         == (0.2,)  # one value is a list of one
     env = {"LMCACHE_BLEND_CHECK_LAYERS": "[2]", "LMCACHE_BLEND_RECOMPUTE_RATIOS": "[0.5]"}
@@ -40,6 +43,7 @@ def test_blend_keys_load_lists_and_name_the_bad_key(tmp_path: Path) -> None:
                       ("blend_min_tokens: 0", "blend_min_tokens"),
                       ("blend_max_prefill_ratio: 0", "blend_max_prefill_ratio"),
                       ("blend_max_prefill_ratio: .inf", "blend_max_prefill_ratio"),
+                      ("blend_in_forward: maybe", "blend_in_forward"),
                       ("enable_blending: true\nblend_special_str: ''", "blend_special_str")):
         with pytest.raises(ConfigError, match=f": {key}: "):
             load_config(_write(tmp_path, text + "\n"), env={})

@@ -389,4 +389,5 @@ class SGLangBlender:
                               "blend_special_str with (--skip-tokenizer-init)")
         separator = separator_ids(scheduler.tokenizer, section.separator)
         return cls(weights, store, section, separator, (k, v), page_size, counters, prefill_s,
-                   in_forward=in_forward.runs_in(scheduler.tp_worker.model_runner))
+                   in_forward=section.in_forward
+                   and in_forward.runs_in(scheduler.tp_worker.model_runner))
