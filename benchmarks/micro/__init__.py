@@ -10,4 +10,5 @@ the same run.
     bench_policies.py   the CPU tier's store and lookup under each eviction/admission policy vs lru
     bench_sealing.py    record sealing (AES-GCM) per tenant key vs the record key alone
     bench_codec.py      the lower tiers' codecs (remote_serde): fp8 vs naive, codec vs memcpy
+    bench_codec_writes.py  fp8 vs naive disk writers and loads per chunk, quiet and busy
 """
