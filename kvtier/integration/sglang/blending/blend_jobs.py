@@ -99,6 +99,9 @@ def compute(w: LlamaWeights, store: SegmentStore, plan: BlendPlan, pool: Pool,
                      chains=hits.chains or None)
     if not known.segments_hit:
         return None
+    # Rows no segment gave are computed only up to `upto` here, the rest by SGLang's extend
+    # (in_forward): finite until then, never the buffer's leftovers.
+    known.kv[:, :, ~known.cached] = 0
     cached = known.cached.clone()
     if prefix is not None:
         device_len, rows = prefix[0], prefix[1].to(dev, torch.int64)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ from kvtier.blend.segments import Segment, find_segments
 from kvtier.config import Config
 from kvtier.connectors import SGLangMHAConnector
 from kvtier.engine import CacheEngine
+from kvtier.integration.sglang.blending import in_forward
 from kvtier.integration.sglang.blending.blender import BLEND_COUNTERS, SGLangBlender
 from kvtier.keys import KeyChain
 from kvtier.memory import KVLayout
@@ -28,7 +30,8 @@ SEP = 100  # tiny_llama's last token id: the separator
 DOC = 24
 
 
-def _make(prefill_s: float | None = None) -> tuple[SGLangBlender, CacheEngine]:
+def _make(prefill_s: float | None = None, *,
+          in_forward: bool = False) -> tuple[SGLangBlender, CacheEngine]:
     w = tiny_llama()
     layout = KVLayout.mha(num_layers=w.num_layers, num_kv_heads=w.num_kv_heads,
                           head_dim=w.head_dim, dtype=torch.float32)
@@ -41,7 +44,7 @@ def _make(prefill_s: float | None = None) -> tuple[SGLangBlender, CacheEngine]:
     counters = Counters(*(f"sglang.{name}" for name in BLEND_COUNTERS))
     estimate = None if prefill_s is None else (lambda tokens, prompt_len: prefill_s)
     blender = SGLangBlender(w, engine.segments(), cfg.blend, [SEP], (k, v), 4, counters,
-                            estimate)
+                            estimate, in_forward=in_forward)
     return blender, engine
 
 
@@ -100,6 +103,50 @@ def test_the_blend_is_computed_while_the_request_waits_and_copied_at_admission(
     assert "on the scheduler thread" in caplog.text
     for a, b in zip(off_thread, _pool(blender, other), strict=True):
         assert torch.equal(a, b)
+
+
+def test_in_forward_the_admission_leaves_the_picked_rows_to_sglangs_extend(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """in_forward.py: the job stops after the check layer; the admission writes its KV and
+    registers the rows SGLang must compute past it (the last token, every token no segment
+    gave, the share); the other rows keep the loaded KV, and none holds the buffer's
+    leftovers. The rows equal what the whole blend computes in the last layer."""
+    whole, engine = _make()
+    part, engine2 = _make(in_forward=True)
+    try:
+        tokens = _prompt(3)
+        for b in (whole, part):
+            _hold_segments(b, tokens)
+        hits = part.look("p", tokens, 0, "")
+        assert whole.look("w", tokens, 0, "") == hits
+        slots = torch.arange(hits.end)
+        assert whole.fill("w", tokens, hits, 0, slots[:0], slots, "")  # no job: at admission
+        empty = torch.empty
+
+        def poisoned(*args: Any, **kwargs: Any) -> torch.Tensor:  # leftovers show as NaN
+            t = empty(*args, **kwargs)
+            return t.fill_(float("nan")) if t.is_floating_point() else t
+
+        monkeypatch.setattr(torch, "empty", poisoned)
+        assert part.fill("p", tokens, hits, 0, slots[:0], slots, "")
+        monkeypatch.undo()
+        splice = in_forward._pending.pop("p")
+        assert splice.end == hits.end and int(splice.rows[-1]) == hits.end - 1
+        rows = splice.rows.tolist()
+        assert rows == sorted(rows) and set(range(5)) <= set(rows)  # the uncached preamble
+        blended, handed = _pool(whole, slots), _pool(part, slots)
+        check = max(part.plan.check_layers)
+        for layer in range(len(blended)):
+            assert torch.isfinite(handed[layer]).all()
+            if layer <= check:  # the job's layers: the whole blend's
+                assert torch.allclose(handed[layer], blended[layer], atol=1e-5)
+        kept = torch.tensor([i for i in range(hits.end) if i not in set(rows)])
+        assert len(kept) and torch.allclose(_pool(part, kept)[-1], _pool(whole, kept)[-1])
+    finally:
+        in_forward.drop()
+        for b, e in ((whole, engine), (part, engine2)):
+            b.close()
+            e.close()
 
 
 def test_a_device_prefix_at_admission_is_left_as_it_is(blender: SGLangBlender) -> None:
