@@ -35,8 +35,7 @@ from kvtier.integration.sglang.boundary.sglang_views import Opaque
 from kvtier.metrics import RateLimitedLog
 
 __all__ = ["TARGETS", "Splice", "add", "around_forward_batch_generation",
-           "around_model_forward", "drop", "folding", "install", "pending", "query_positions",
-           "runs_in"]
+           "around_model_forward", "drop", "folding", "install", "query_positions", "runs_in"]
 
 logger = logging.getLogger(__name__)
 
@@ -107,11 +106,6 @@ def drop(rid: str | None = None) -> None:
             _pending.pop(rid, None)
 
 
-def pending() -> int:
-    """Splices registered and not yet run."""
-    return len(_pending)
-
-
 def folding() -> bool:
     """Whether a forward on this thread runs a folded extend."""
     return _active.fold is not None
@@ -164,8 +158,8 @@ def _take(reqs: list[Opaque], prefix_lens: list[int]) -> dict[int, Splice]:
                 continue
             if prefix_lens[i] != splice.end or not len(splice.rows):
                 _warn.warning("mismatch", "kvtier: %s's extend starts at %d, its blend ended at "
-                            "%d: %d blended rows were not computed by SGLang", req.rid,
-                            prefix_lens[i], splice.end, len(splice.rows))
+                              "%d: %d blended rows were not computed by SGLang", req.rid,
+                              prefix_lens[i], splice.end, len(splice.rows))
                 continue
             found[i] = splice
     return found
