@@ -270,6 +270,8 @@ def main() -> None:
                     help="greedy tokens compared (the answer is about 14)")
     ap.add_argument("--kl-tokens", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--tp", type=int, default=1,
+                    help="--engine sglang: the server's tensor parallel size")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plain", action="store_true",
                     help="with --engine sglang: the prompts without separators, on a server "

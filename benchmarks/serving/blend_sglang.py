@@ -50,6 +50,8 @@ def server_for(model: Path, work: Path, args: argparse.Namespace, separator: str
         "blend_max_prefill_ratio": getattr(args, "max_prefill_ratio", 1.0)}))
     flags = ["--enable-kvtier", "--kvtier-config-file", str(config), "--max-total-tokens",
              "16384", "--enable-metrics"]
+    if getattr(args, "tp", 1) > 1:  # every rank blends in step (blend_ranks.py)
+        flags += ["--tp", str(args.tp)]
     return SGLangServer(model, work / f"{name}-server.log", args=flags,
                         pythonpath=[cpu_shims_dir()], cpu_flags=CPU_FLAGS)
 
@@ -93,13 +95,14 @@ def answer_kl(full: Answer, blend: Answer, full_tops: list[Any], blend_tops: lis
 
 
 def _warm(server: SGLangServer, docs: list[list[int]], sep: list[int], system: list[int],
-          ask: list[int]) -> None:
+          ask: list[int], ranks: int = 1) -> None:
     for doc in docs:
         generate(server, system + sep + doc + sep + ask, 1, full=False, salt=None)
     deadline = time.monotonic() + 60 * len(docs)
-    while _stored(server) < len(docs):
+    want = len(docs) * ranks  # each TP rank stores its columns of each
+    while _stored(server) < want:
         if time.monotonic() > deadline:
-            raise RuntimeError(f"only {_stored(server):.0f} of {len(docs)} documents stored; "
+            raise RuntimeError(f"only {_stored(server):.0f} of {want} documents stored; "
                                f"see {server.log_path}")
         time.sleep(1.0)
 
@@ -117,7 +120,7 @@ def run_sglang(args: argparse.Namespace, model: Path, docs: list[list[int]],
     server.start()
     rows = []
     try:
-        _warm(server, docs, sep, system, ask)
+        _warm(server, docs, sep, system, ask, getattr(args, "tp", 1))
         for q, ids in enumerate(queries):
             row: dict[str, Any] = {"tokens": len(ids)}
             blends = len(BLENDED.findall(server.log()))
@@ -154,6 +157,7 @@ def run_sglang(args: argparse.Namespace, model: Path, docs: list[list[int]],
     ratio = [r["blend_s"] / r["full_s"] for r in rows]
     return {
         "engine": "sglang", "model": "SmolLM2-135M-Instruct float32", "args": vars(args),
+        "tp": getattr(args, "tp", 1),
         "ttft_ratio": statistics.median(ratio), "ttft_ratio_p99": p99(ratio),
         "kl_blend": statistics.fmean(r["kl_blend"] for r in rows),
         "blended": sum(r["blend_loaded"] > 0 for r in rows),

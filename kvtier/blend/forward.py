@@ -28,7 +28,8 @@ import torch.nn.functional as F
 
 from kvtier.blend.rope import RotaryTable
 
-__all__ = ["BlendPlan", "Blended", "LayerWeights", "LlamaWeights", "NAIVE", "blend", "prefill"]
+__all__ = ["BlendPlan", "Blended", "LayerWeights", "LlamaWeights", "NAIVE", "blend", "pick",
+           "prefill"]
 
 
 @dataclass(frozen=True)
@@ -98,9 +99,14 @@ class Blended(NamedTuple):
     computed: torch.Tensor  # sorted token indices
 
 
-def prefill(w: LlamaWeights, tokens: torch.Tensor, *, logits: bool = True) -> Blended:
-    """Every token of `tokens` ([T] ids) at positions 0..T-1, in every layer."""
-    return _forward(w, tokens, None, None, None, BlendPlan((), ()), logits)
+def prefill(w: LlamaWeights, tokens: torch.Tensor, *, logits: bool = True,
+            upto: int | None = None) -> Blended:
+    """Every token of `tokens` ([T] ids) at positions 0..T-1, in every layer (with `upto`:
+    in the layers up to that one only; the later layers' KV is left undefined, no logits)."""
+    if upto is not None and not 0 <= upto < w.num_layers:
+        raise ValueError(f"upto must be a layer in [0, {w.num_layers}), got {upto}")
+    return _forward(w, tokens, None, None, None, BlendPlan((), ()), logits and upto is None,
+                    upto)
 
 
 def blend(w: LlamaWeights, tokens: torch.Tensor, cached_kv: torch.Tensor,
@@ -207,10 +213,17 @@ def _select(fresh_v: torch.Tensor, cached_v: torch.Tensor, must: torch.Tensor,
     layer 1), ranking by value deviation left 0.22-0.48 of naive reuse's KL, keys and values
     0.42-0.61, keys alone 0.41-0.61, each normalized by its mean norm 0.31-0.61
     (benchmarks/LOG.md)."""
+    return pick((fresh_v.float() - cached_v.float()).pow(2).sum(dim=-1), must, budget)
+
+
+def pick(deviation: torch.Tensor, must: torch.Tensor, budget: int) -> torch.Tensor:
+    """Indices (sorted) of every `must` token and of the `budget` others of largest
+    `deviation` ([n] each): `_select`'s choice, from deviations summed elsewhere (the ranks
+    of a tensor-parallel server each hold some heads' values)."""
     keep = must.clone()
     free = int((~keep).sum())
     if budget and free:
-        dev = (fresh_v.float() - cached_v.float()).pow(2).sum(dim=-1)
+        dev = deviation.clone()
         dev[keep] = -1.0  # already kept: never spend the budget on them
         keep[torch.topk(dev, min(budget, free)).indices] = True
     return keep.nonzero().squeeze(1)

@@ -223,3 +223,34 @@ def test_a_reordered_rag_prompt_with_a_preamble_reuses_every_document(
     assert computed["output_ids"] == _generate(server, joined, opt_out=True,
                                                salt="joined")["output_ids"]
     assert "Traceback" not in server.log()
+
+
+# A bound on a hang (two ranks on two cores), not a timing.
+@pytest.mark.timeout(900)
+def test_tensor_parallel_ranks_blend_the_same_rows_and_answer_as_a_full_prefill(
+        real_model: Path, start_server: Callable[..., SGLangServer], tmp_path: Path) -> None:
+    # At --tp 2 each rank holds its own KV heads (SmolLM2's 3 padded to 4 by SGLang): its
+    # segment records hold its columns of the model's KV, its check layer is computed from
+    # the whole model's weights (gathered at start), and the ranks agree on every choice. A
+    # share of 1 makes any slip (a rank's columns misplaced, weights gathered out of order,
+    # ranks folding different rows) show as another answer, or a hang.
+    config = write_config(tmp_path / "tp2.yaml", enable_blending=True,
+                          blend_recompute_ratios=[1.0], blend_min_tokens=64, chunk_size=64,
+                          max_local_cpu_size=0.2)
+    server = start_server(real_model, config, "--tp", "2", "--max-total-tokens", "8192",
+                          "--enable-metrics")
+    assert _generate(server, _prompt([0, 1, 2, 3]))["meta_info"]["cached_tokens"] == 0
+    # each rank computes the four documents alone and stores its columns of them
+    assert _metric(server, "blend_segments_stored", at_least=8) == 8
+
+    shuffled = _prompt([2, 0, 3, 1])
+    reference = _generate(server, shuffled, opt_out=True, salt="reference")
+    blended = _generate(server, shuffled)
+    lines = BLENDED.findall(server.log())
+    assert len(lines) == 2 and lines[0] == lines[1], lines  # one per rank, the same rows
+    loaded, segments = int(lines[0][0]), int(lines[0][1])
+    assert segments == 4 and 4 * 200 < loaded < len(shuffled)
+    assert blended["output_ids"] == reference["output_ids"], (blended["text"],
+                                                              reference["text"])
+    assert server.log().count(" tokens past it in SGLang's forward") == 2
+    assert "Traceback" not in server.log()

@@ -29,8 +29,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from kvtier.blend.assemble import assemble
-from kvtier.blend.forward import BlendPlan, LlamaWeights, blend
+from kvtier.blend.assemble import Assembled, assemble
+from kvtier.blend.forward import BlendPlan, LlamaWeights, blend, prefill
 from kvtier.engine.segments import SegmentStore
 from kvtier.integration.sglang.blending.blend_chains import SegmentHits
 from kvtier.metrics import Counters, RateLimitedLog
@@ -61,6 +61,10 @@ class Computed(NamedTuple):
     read_s: float
     compute_s: float
     threads: int
+    # On a tensor-parallel server (`compute(..., cols=)`): per token, how far this rank's
+    # heads' loaded values at the check layer are from the fresh ones. `computed` is then
+    # every token, until the ranks' sum picks the share at admission (`blend_ranks`).
+    deviation: torch.Tensor | None = None
 
     def tally(self, device_len: int) -> tuple[int, int, int]:
         """Of the tokens past `device_len` (what the pool held stays; what the blend wrote):
@@ -84,17 +88,22 @@ Pool = tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]  # per-layer K and 
 def compute(w: LlamaWeights, store: SegmentStore, plan: BlendPlan, pool: Pool,
             tokens: np.ndarray, hits: SegmentHits, salt: str,
             prefix: tuple[int, torch.Tensor] | None = None,
-            upto: int | None = None) -> Computed | None:
+            upto: int | None = None, cols: slice | None = None) -> Computed | None:
     """Blend tokens `[0, hits.end)` from the held segments of `hits` (read from `store`)
     with plan `plan` over weights `w`; with `upto`, only up to that layer (the rest is
     SGLang's forward's: `in_forward`). With `prefix` (the device prefix's length and pool
     slots: at admission) the device prefix's KV is read from `pool`, else computed. None
-    when no held segment could be read any more. Thread-safe (a blend job runs it)."""
+    when no held segment could be read any more. Thread-safe (a blend job runs it).
+
+    With `cols` (a tensor-parallel server: `w` is the whole model, the segments and the pool
+    hold this rank's columns of it), the check layer (one, `upto`) is computed for every token
+    and the result holds this rank's columns and its `deviation` (`blend_ranks`)."""
     start = time.perf_counter()
     end, dev = hits.end, w.embed.device
     ids = torch.from_numpy(np.ascontiguousarray(tokens[:end])).to(dev)
+    width = w.kv_width if cols is None else cols.stop - cols.start
     known = assemble(store, w.rope, tokens[:end].tolist(), hits.held,
-                     num_layers=w.num_layers, num_kv_heads=w.num_kv_heads,
+                     num_layers=w.num_layers, num_kv_heads=width // w.head_dim,
                      head_dim=w.head_dim, dtype=w.embed.dtype, device=dev, salt=salt,
                      chains=hits.chains or None)
     if not known.segments_hit:
@@ -102,6 +111,9 @@ def compute(w: LlamaWeights, store: SegmentStore, plan: BlendPlan, pool: Pool,
     # Rows no segment gave are computed only up to `upto` here, the rest by SGLang's extend
     # (in_forward): finite until then, never the buffer's leftovers.
     known.kv[:, :, ~known.cached] = 0
+    if cols is not None:
+        assert upto is not None
+        return _check_columns(w, ids, known, upto, cols, start)
     cached = known.cached.clone()
     if prefix is not None:
         device_len, rows = prefix[0], prefix[1].to(dev, torch.int64)
@@ -116,6 +128,23 @@ def compute(w: LlamaWeights, store: SegmentStore, plan: BlendPlan, pool: Pool,
         torch.cuda.current_stream(dev).synchronize()
     return Computed(end, out.kv, known.cached, known.must, known.segments_hit, out.computed,
                     loaded_at - start, time.perf_counter() - loaded_at, threads)
+
+
+def _check_columns(w: LlamaWeights, ids: torch.Tensor, known: Assembled, layer: int,
+                   cols: slice, start: float) -> Computed:
+    """`compute` on a tensor-parallel rank: every token through the check `layer`, this
+    rank's columns of it written over the loaded KV, and the deviation of its loaded values
+    there."""
+    loaded_at = time.perf_counter()
+    with _compute_threads(ids.device) as threads:
+        fresh = prefill(w, ids, logits=False, upto=layer).kv
+    deviation = (fresh[1, layer][:, cols].float() - known.kv[1, layer].float()).pow(2).sum(-1)
+    known.kv[:, :layer + 1] = fresh[:, :layer + 1, :, cols]
+    if ids.device.type == "cuda":
+        torch.cuda.current_stream(ids.device).synchronize()
+    every = torch.arange(len(ids), device=ids.device)
+    return Computed(len(ids), known.kv, known.cached, known.must, known.segments_hit, every,
+                    loaded_at - start, time.perf_counter() - loaded_at, threads, deviation)
 
 
 @contextlib.contextmanager

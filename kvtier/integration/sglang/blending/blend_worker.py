@@ -53,11 +53,15 @@ class SegmentWorker:
         separator: `blend_special_str` as token ids; `min_tokens`, `max_segments`: which of a
             prompt's segments are verified (those a blend would read).
         counters: where `WORKER_COUNTERS` and `blend_failures` are counted (`sglang.` names).
+        cols: on a tensor-parallel rank, its columns of the KV `weights` compute (what its
+            records hold).
     """
 
     def __init__(self, weights: LlamaWeights, store: SegmentStore, separator: Sequence[int],
-                 min_tokens: int, max_segments: int, counters: Counters):
+                 min_tokens: int, max_segments: int, counters: Counters,
+                 cols: slice | None = None):
         self.w = weights
+        self._cols = cols  # a tensor-parallel rank's columns of the whole model's KV
         self.store = store
         self._separator = tuple(separator)
         self._min_tokens = min_tokens
@@ -155,7 +159,8 @@ class SegmentWorker:
             ENGINE.wait_quiet(HOLD_S)  # on a CPU engine, compute between batches
         dev = self.w.embed.device
         with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
-            return prefill(self.w, torch.from_numpy(ids).to(dev), logits=False).kv
+            kv = prefill(self.w, torch.from_numpy(ids).to(dev), logits=False).kv
+        return kv if self._cols is None else kv[..., self._cols].contiguous()
 
 
 def _marker(ids: np.ndarray, salt: str) -> tuple[int, ...]:

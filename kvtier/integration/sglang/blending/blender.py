@@ -21,8 +21,8 @@ engine is quiet (`background.ENGINE`), and put in the tiers for the next prompt 
 a request that verification samples has its segments' records compared with them computed
 alone again there (`blend_worker.SegmentWorker`).
 
-Limits, refused at launch by name: tensor parallel above 1, MLA, models other than Llama-family
-decoders with linear RoPE, packed or quantized weights, a KV pool of another dtype.
+Every TP rank blends the same tokens and recomputes the same rows (`blend_ranks`). What cannot
+blend is refused at launch by name (`blend_setup`).
 """
 
 from __future__ import annotations
@@ -49,11 +49,10 @@ from kvtier.integration.sglang.blending.blend_chains import (
     hint_preamble,
 )
 from kvtier.integration.sglang.blending.blend_jobs import POLL_WAIT_S, BlendJobs, Computed, compute
-from kvtier.integration.sglang.blending.blend_model import separator_ids, served_weights
+from kvtier.integration.sglang.blending.blend_ranks import Ranks, agreed_rows
 from kvtier.integration.sglang.blending.blend_state import BlendRequest, blend_requests
 from kvtier.integration.sglang.blending.blend_worker import WORKER_COUNTERS, SegmentWorker
 from kvtier.integration.sglang.blending.blended_slots import BlendedSlots
-from kvtier.integration.sglang.boundary.sglang_views import Opaque
 from kvtier.keys import KeyChain
 from kvtier.metrics import Counters
 
@@ -66,7 +65,8 @@ BLEND_COUNTERS = ("blend_requests", "blend_segments_hit", "blend_tokens_loaded",
                   "blend_failures", "blend_fallbacks_slower", "blend_probes")
 
 class SGLangBlender:
-    """Blends for one TP-1 scheduler. Built by `from_scheduler` after SGLang loaded the model.
+    """Blends for one scheduler (one TP rank). Built by `blend_setup.blender_for` after SGLang
+    loaded the model.
 
     Args:
         weights: the served model's tensors (`blend_model.served_weights`).
@@ -80,13 +80,16 @@ class SGLangBlender:
             them (`CacheEngine.prefill.recompute_s`); None: a blend is always worth it.
         in_forward: SGLang's forward computes the tokens past the check layers (`in_forward`);
             else kvtier's forward computes every layer.
+        ranks: on a tensor-parallel server, this rank and its group (`blend_ranks`; then
+            `weights` are the whole model's, `pool` this rank's heads, and `in_forward` holds).
     """
 
     def __init__(self, weights: LlamaWeights, store: SegmentStore, section: BlendSection,
                  separator: Sequence[int], pool: tuple[Sequence[torch.Tensor],
                                                        Sequence[torch.Tensor]],
                  page_size: int, counters: Counters,
-                 prefill_s: Callable[[int, int], float] | None = None, in_forward: bool = False):
+                 prefill_s: Callable[[int, int], float] | None = None, in_forward: bool = False,
+                 ranks: Ranks | None = None):
         last = max(section.check_layers)
         if last >= weights.num_layers:
             raise ConfigError(f"blend_check_layers: {list(section.check_layers)} reaches past "
@@ -97,11 +100,14 @@ class SGLangBlender:
         self.plan = BlendPlan(section.check_layers, section.ratios)
         self.separator = tuple(separator)
         self.pool_k, self._v = pool
+        self.ranks = ranks
+        heads = self.pool_k[0].shape[1]  # this rank's
+        self.cols = None if ranks is None else ranks.columns(heads * weights.head_dim)
         self.page_size = page_size
         self.counters = counters
         self.chains = SegmentChains(store, self.separator, section.min_tokens, counters)
         self.worker = SegmentWorker(weights, store, self.separator, section.min_tokens,
-                                    self.chains.max_segments, counters)
+                                    self.chains.max_segments, counters, self.cols)
         self.requests = blend_requests()  # request id -> its BlendRequest
         self.planner = BlendPlanner(section.max_prefill_ratio)
         self._prefill_s = prefill_s
@@ -126,12 +132,16 @@ class SGLangBlender:
         missed: list[Segment] = []
         cached = 0
         prompt = self.chains.of(rid, tokens, salt)
+        looked = []
         for seg, chain in zip(prompt.segments, prompt.chains):
             if seg.end + len(self.separator) > end:
                 break  # its separator is not computed by the blend: the rest are not either
-            if seg.end <= device_len:
-                continue  # in the pool already, exact
-            got = self.store.lookup(chain, hot_only=True)
+            if seg.end > device_len:  # else in the pool already, exact
+                looked.append((seg, chain))
+        gots = [self.store.lookup(chain, hot_only=True) for _, chain in looked]
+        if self.ranks is not None:  # what every rank's CPU tier holds
+            gots = self.ranks.least(gots)
+        for (seg, chain), got in zip(looked, gots):
             (held if got else missed).append(seg)
             if got:
                 chains.append(chain)
@@ -155,7 +165,10 @@ class SGLangBlender:
         choice = request.choice
         if choice is None:
             tokens = end - device_len
-            choice = request.choice = self.planner.choose(tokens, self._prefill(end, device_len))
+            choice = self.planner.choose(tokens, self._prefill(end, device_len))
+            if self.ranks is not None and self.ranks.agree(choice.blend) != choice.blend:
+                choice = choice._replace(blend=False, reason="slower on another rank")
+            request.choice = choice
             if choice.reason == "probe":
                 self.counters.inc("sglang.blend_probes")
             if not choice.blend:
@@ -185,7 +198,8 @@ class SGLangBlender:
         request.waiting = (tokens, salt)  # its blend starts once its loads are in
         end, device = self._span(tokens, request)
         chains = self.chains.of(rid, tokens, salt).chains
-        if request.choice is None and not (request.hits is not None and request.hits.held) \
+        if self.ranks is None and request.choice is None \
+                and not (request.hits is not None and request.hits.held) \
                 and self.planner.loses(end - device, self._prefill(end, device)):
             if any(self.store.lookup(chain, hot_only=True) for chain in chains):
                 self._chosen(rid, request, held=True)
@@ -197,7 +211,7 @@ class SGLangBlender:
 
     def _start_loads(self, request: BlendRequest, chains: Sequence[KeyChain]) -> None:
         loads = [load for chain in chains if (load := self.store.start_prefetch(chain))]
-        if loads:
+        if loads or self.ranks is not None:  # every rank waits at the same steps
             request.loads = loads
 
     def _span(self, tokens: np.ndarray, request: BlendRequest) -> tuple[int, int]:
@@ -236,7 +250,8 @@ class SGLangBlender:
             if request.waiting is not None and self._chosen(rid, request, held):
                 return True
         if request is not None and request.loads is not None:
-            if not all(load.ready() for load in request.loads):
+            ready = all(load.ready() for load in request.loads)
+            if not (ready if self.ranks is None else self.ranks.agree(ready)):
                 return False
             for load in request.loads:
                 load.cancel()
@@ -253,7 +268,8 @@ class SGLangBlender:
             hits = self.look(rid, tokens, device, salt, prompt_len=len(tokens) + 1)
             if hits.held and self.worth(rid, hits.end, device):
                 self.jobs.start(rid, tokens, hits, salt)
-        return not self.jobs.running(rid, POLL_WAIT_S)
+        done = not self.jobs.running(rid, POLL_WAIT_S)
+        return done if self.ranks is None else self.ranks.agree(done)
 
     def cancel_prefetch(self, rid: str) -> None:
         """Request `rid` went away before admission: stop its segment loads and its blend."""
@@ -308,20 +324,26 @@ class SGLangBlender:
             computed), or None (nothing written) when no held segment could be read any more.
         """
         done, where = self.jobs.take(rid, hits.end), "off the scheduler thread"
-        if done is None:
+        if self.ranks is not None:  # the same rows on every rank, or none blends
+            done = agreed_rows(done, self.ranks, self.plan)
+        elif done is None:
             prefix = (device_len, prefix_slots) if device_len else None
             done, where = self._compute(tokens, hits, salt, prefix), "on the scheduler thread"
         if done is None:
             self.counters.inc("sglang.blend_failures")
             return None
-        w, end = self.w, hits.end
-        dst = slots.to(self.pool_k[0].device, torch.int64)
-        shape = (end - device_len, w.num_kv_heads, w.head_dim)
-        for layer in range(w.num_layers):
-            self.pool_k[layer][dst] = done.kv[0, layer, device_len:end].reshape(shape)
-            self._v[layer][dst] = done.kv[1, layer, device_len:end].reshape(shape)
-        if dst.device.type == "cuda":  # SGLang's forward reads the slots on a stream of its own
-            torch.cuda.current_stream(dst.device).synchronize()
+        end = hits.end
+        try:
+            self._write(done, device_len, end, slots)
+        except Exception:
+            if self.ranks is None:
+                raise  # the tree computes the request (`_blend_into`)
+            logger.exception("kvtier: writing %s's blend failed on this rank", rid)
+            done = None
+        if self.ranks is not None and not self.ranks.agree(done is not None):
+            self.counters.inc("sglang.blend_failures")  # every rank computes it
+            return None
+        assert done is not None
         loaded, recomputed, kept = self._account(done, device_len)
         rows = done.computed[done.computed >= device_len].cpu()
         if self.in_forward:  # SGLang computes them, past the check layers, in the extend
@@ -336,6 +358,16 @@ class SGLangBlender:
                     "in SGLang's forward" if self.in_forward else "", done.threads, where)
         return kept
 
+    def _write(self, done: Computed, device_len: int, end: int, slots: torch.Tensor) -> None:
+        """Tokens `[device_len, end)` of `done` into pool `slots`."""
+        dst = slots.to(self.pool_k[0].device, torch.int64)
+        shape = (end - device_len, *self.pool_k[0].shape[1:])
+        for layer in range(self.w.num_layers):
+            self.pool_k[layer][dst] = done.kv[0, layer, device_len:end].reshape(shape)
+            self._v[layer][dst] = done.kv[1, layer, device_len:end].reshape(shape)
+        if dst.device.type == "cuda":  # SGLang's forward reads the slots on a stream of its own
+            torch.cuda.current_stream(dst.device).synchronize()
+
     def _compute(self, tokens: np.ndarray, hits: SegmentHits, salt: str,
                  prefix: tuple[int, torch.Tensor] | None = None) -> Computed | None:
         """`blend_jobs.compute` over this blender's model, segments and pool, timed for the
@@ -343,7 +375,7 @@ class SGLangBlender:
         start = time.perf_counter()
         upto = max(self.plan.check_layers) if self.in_forward else None
         done = compute(self.w, self.store, self.plan, (self.pool_k, self._v), tokens, hits,
-                       salt, prefix, upto)
+                       salt, prefix, upto, self.cols)
         if done is not None:
             took = time.perf_counter() - start  # + SGLang's share, as it expects to take it
             if self.in_forward and self._prefill_s is not None:
@@ -364,30 +396,3 @@ class SGLangBlender:
         self._asks.shutdown(wait=False, cancel_futures=True)
         self.jobs.close()
         self.worker.close()
-
-    @classmethod
-    def from_scheduler(cls, scheduler: Opaque, store: SegmentStore, section: BlendSection,
-                       page_size: int, counters: Counters,
-                       prefill_s: Callable[[int, int], float] | None = None) -> SGLangBlender:
-        """The blender over `scheduler`'s served model; `ConfigError` naming why this server
-        cannot blend."""
-        args = scheduler.server_args
-        if int(getattr(args, "tp_size", 1)) > 1 or int(getattr(args, "dp_size", 1)) > 1:
-            raise ConfigError("enable_blending: blending runs at tensor and data parallel 1 "
-                              "only (each rank would blend its own shard apart); drop --tp/--dp "
-                              "or enable_blending")
-        model = scheduler.tp_worker.model_runner.model
-        weights = served_weights(model)
-        pool = scheduler.tp_worker.model_runner.token_to_kv_pool
-        k, v = list(pool.k_buffer), list(pool.v_buffer)
-        if k[0].dtype != weights.embed.dtype:
-            raise ConfigError(f"enable_blending: the KV pool holds {k[0].dtype} and the model "
-                              f"computes in {weights.embed.dtype}; blending needs one dtype "
-                              "(drop --kv-cache-dtype)")
-        if getattr(scheduler, "tokenizer", None) is None:
-            raise ConfigError("enable_blending: the server has no tokenizer to find "
-                              "blend_special_str with (--skip-tokenizer-init)")
-        separator = separator_ids(scheduler.tokenizer, section.separator)
-        return cls(weights, store, section, separator, (k, v), page_size, counters, prefill_s,
-                   in_forward=section.in_forward
-                   and in_forward.runs_in(scheduler.tp_worker.model_runner))

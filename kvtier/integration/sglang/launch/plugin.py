@@ -126,7 +126,8 @@ def build_radix_cache(ctx: TreeCacheBuildContextView) -> KVTierRadixCache:
             all_reduce(cache, t, dist.ReduceOp.MIN)
 
         # MLA: every rank stores into its own CPU tier, rank 0 alone writes down (engine.py)
-        kvtier = SGLangKVTier(engine, page_size, reduce_min if ctx.tp_size > 1 else None)
+        kvtier = SGLangKVTier(engine, page_size, reduce_min if ctx.tp_size > 1 else None,
+                              rank=int(ctx.tp_rank))
     except BaseException:
         engine.close()
         raise

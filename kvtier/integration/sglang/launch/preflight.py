@@ -72,21 +72,31 @@ def preflight(config: Config, args: ServerArgsView, *,
                         f"passes 65535: each rank serves on metrics_port + rank; use at most "
                         f"{65536 - tp_size}")
     problems += filter(None, [_memory_now(config, args, tp_size * dp_size, available, notes)])
-    problems += filter(None, [blend_problem(config, args, tp_size * dp_size)])
+    problems += filter(None, [blend_problem(config, args, tp_size, dp_size)])
     return Preflight(problems, notes)
 
 
-def blend_problem(config: Config, args: ServerArgsView, ranks: int) -> str | None:
+def blend_problem(config: Config, args: ServerArgsView, tp_size: int,
+                  dp_size: int = 1) -> str | None:
     """What stops `enable_blending` on this launch, read from the flags and config.json (the
-    served model's tensors are checked again once loaded, `blend_model.served_weights`)."""
+    served model's tensors are checked again once loaded, `blend_model.served_weights`, and
+    at tensor parallel above 1 `blend_setup` checks the attention backend)."""
     if not config.enable_blending:
         return None
     from kvtier.integration.sglang.blending.blend_model import BLENDABLE
     from kvtier.integration.sglang.launch.identity import model_config
 
-    if ranks > 1:
-        return ("enable_blending: blending runs at --tp 1 and --dp 1 only (each rank would "
-                "blend its own shard apart); drop enable_blending or the parallelism")
+    if dp_size > 1:
+        return ("enable_blending: blending runs at --dp 1 only (each replica would blend "
+                "apart); drop enable_blending or --dp")
+    if tp_size > 1 and not (config.blend.in_forward and config.cpu_prefix_attention
+                            and str(getattr(args, "device", "")) == "cpu"):
+        return (f"enable_blending at --tp {tp_size}: the recompute must run in SGLang's "
+                "forward, on its CPU engine (--device cpu, blend_in_forward and "
+                "cpu_prefix_attention true); drop enable_blending or --tp")
+    if tp_size > 1 and (len(config.blend.check_layers) != 1 or config.blend.check_layers[0] < 0):
+        return (f"blend_check_layers: {list(config.blend.check_layers)}: at --tp {tp_size} "
+                "blending takes one check layer, from 0")
     model = model_config(args)
     archs = model.get("architectures")
     arch = archs[0] if isinstance(archs, list) and archs else None

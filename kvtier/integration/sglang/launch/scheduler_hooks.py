@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, cast
 
 from kvtier.background import BUSY_SHARE, ENGINE, HOLD_S
 from kvtier.errors import ConfigError
-from kvtier.integration.sglang.boundary.sglang_api import enable_storage_prefetch
+from kvtier.integration.sglang.boundary.sglang_api import all_reduce, enable_storage_prefetch
 from kvtier.integration.sglang.boundary.sglang_views import (
     Opaque,
     ScheduleBatchView,
@@ -30,6 +30,8 @@ from kvtier.integration.sglang.boundary.sglang_views import (
 from kvtier.integration.sglang.stop.shutdown import note_batch
 
 if TYPE_CHECKING:
+    import torch
+
     from kvtier.integration.sglang.rank.adapter import SGLangKVTier
     from kvtier.integration.sglang.rank.radix_cache import KVTierRadixCache
 
@@ -67,7 +69,7 @@ def after_scheduler_init(result: Opaque, scheduler: SchedulerView, *args: Opaque
 def _enable_blending(scheduler: SchedulerView, kvtier: SGLangKVTier) -> None:
     """`enable_blending`: a blender over the served model (loaded by now); `ConfigError`
     naming why this server cannot blend."""
-    from kvtier.integration.sglang.blending.blender import SGLangBlender
+    from kvtier.integration.sglang.blending.blend_setup import blender_for
     from kvtier.integration.sglang.blending.engine_check import EngineSegmentCheck
 
     config = kvtier.engine.config
@@ -76,9 +78,15 @@ def _enable_blending(scheduler: SchedulerView, kvtier: SGLangKVTier) -> None:
     except ValueError as exc:
         raise ConfigError(f"enable_blending: {exc} (MLA models have no keys to re-rotate); "
                           "drop enable_blending for this model") from None
-    blender = SGLangBlender.from_scheduler(scheduler, store, config.blend, kvtier.page_size,
-                                           kvtier.counters, kvtier.engine.prefill.recompute_s)
     cache = cast("KVTierRadixCache", scheduler.tree_cache)
+
+    def reduce(t: torch.Tensor, op: str) -> None:
+        import torch.distributed as dist
+
+        all_reduce(cache, t, dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.SUM)
+
+    blender = blender_for(scheduler, store, config.blend, kvtier.page_size, kvtier.counters,
+                          kvtier.engine.prefill.recompute_s, (kvtier.rank, reduce))
     # A verified request's first segment, as SGLang computed it, checks that segment's records
     kv_pool = cast("Opaque", scheduler).tp_worker.model_runner.token_to_kv_pool
     check = EngineSegmentCheck(store, (list(kv_pool.k_buffer), list(kv_pool.v_buffer)),

@@ -84,15 +84,17 @@ class SGLangKVTier:
         reduce_min: all-reduces a 1-element int64 tensor with MIN across the TP group, so that
             every rank loads as many tokens and verifies the same requests (a secret agreed
             here, so every rank constructs its adapter in step; ranks must agree on the tree).
+        rank: this rank's place in the TP group (a blender's columns of the KV heads).
         stores: whether this rank stores (an MLA rank other than 0 keeps its CPU tier only:
             the engine decides what reaches the lower tiers).
     """
 
     def __init__(self, engine: CacheEngine, page_size: int,
                  reduce_min: Callable[[torch.Tensor], None] | None = None, *,
-                 stores: bool = True):
+                 stores: bool = True, rank: int = 0):
         check_page_size(engine.config, page_size)
         self.engine = engine
+        self.rank = rank
         self.stores_enabled = stores
         self.page_size = page_size
         self.chunk_size: int = engine.config.chunk_size

@@ -154,8 +154,17 @@ def test_blending_is_refused_at_launch_where_it_cannot_compute_exactly(tmp_path:
     assert preflight(on, _args(model_path=str(llama))).problems == []
     assert preflight(Config(max_local_cpu_size=0.01), _args(model_path=str(llama),
                                                             tp_size=2)).problems == []
+    # At --tp 2 the ranks blend in step on SGLang's CPU engine (blend_ranks.py), one check layer
+    cpu_tp = _args(model_path=str(llama), tp_size=2, device="cpu")
+    assert not [p for p in preflight(on, cpu_tp).problems if "blend" in p]
+    [problem] = [p for p in preflight(Config(max_local_cpu_size=0.01, enable_blending=True,
+                                             blend_check_layers=[1, 2],
+                                             blend_recompute_ratios=[0.3, 0.1]),
+                                      cpu_tp).problems if "blend" in p]
+    assert problem.startswith("blend_check_layers: [1, 2]: at --tp 2 "), problem
     refused = {
-        "--tp 1 and --dp 1 only": _args(model_path=str(llama), tp_size=2),
+        "--dp 1 only": _args(model_path=str(llama), dp_size=2),
+        "must run in SGLang's forward": _args(model_path=str(llama), tp_size=2),
         "an MLA model": _args(model_path=str(_model(tmp_path / "mla", kv_lora_rank=32))),
         "not GPT2LMHeadModel": _args(model_path=str(_model(tmp_path / "gpt2",
                                                            architectures=["GPT2LMHeadModel"]))),
@@ -164,7 +173,7 @@ def test_blending_is_refused_at_launch_where_it_cannot_compute_exactly(tmp_path:
     }
     for reason, args in refused.items():
         [problem] = preflight(on, args).problems
-        assert problem.startswith("enable_blending: ") and reason in problem, problem
+        assert problem.startswith("enable_blending") and reason in problem, problem
 
 
 def _steady(problem: str) -> str:
