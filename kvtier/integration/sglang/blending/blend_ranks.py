@@ -31,7 +31,7 @@ import torch
 from kvtier.blend.forward import BlendPlan, LayerWeights, LlamaWeights, pick
 from kvtier.integration.sglang.blending.blend_jobs import Computed
 
-__all__ = ["Ranks", "agreed_rows", "gather_weights"]
+__all__ = ["Ranks", "agreed_rows", "gather_weights", "rows_to_come"]
 
 Reduce = Callable[[torch.Tensor, str], None]  # all-reduce in place over the TP group: min, sum
 
@@ -128,3 +128,13 @@ def agreed_rows(done: Computed | None, ranks: Ranks, plan: BlendPlan) -> Compute
     budget = math.ceil(plan.ratios[0] * int(cached.sum()))
     rows = pick(deviation, must, budget).to(done.cached.device)
     return done._replace(cached=cached.to(done.cached.device), computed=rows, deviation=None)
+
+
+def rows_to_come(done: Computed, plan: BlendPlan) -> int:
+    """The rows SGLang's extend will compute for `done` (the planner counts their time): known
+    at tensor parallel 1; on a tensor-parallel rank, before `agreed_rows` picks them, those that
+    must be computed and the plan's share of the rest."""
+    if done.deviation is None:
+        return len(done.computed)
+    cached = int(done.cached.sum())
+    return int((done.must | ~done.cached).sum()) + min(cached, math.ceil(plan.ratios[0] * cached))

@@ -49,7 +49,7 @@ from kvtier.integration.sglang.blending.blend_chains import (
     hint_preamble,
 )
 from kvtier.integration.sglang.blending.blend_jobs import POLL_WAIT_S, BlendJobs, Computed, compute
-from kvtier.integration.sglang.blending.blend_ranks import Ranks, agreed_rows
+from kvtier.integration.sglang.blending.blend_ranks import Ranks, agreed_rows, rows_to_come
 from kvtier.integration.sglang.blending.blend_state import BlendRequest, blend_requests
 from kvtier.integration.sglang.blending.blend_worker import WORKER_COUNTERS, SegmentWorker
 from kvtier.integration.sglang.blending.blended_slots import BlendedSlots
@@ -379,7 +379,7 @@ class SGLangBlender:
         if done is not None:
             took = time.perf_counter() - start  # + SGLang's share, as it expects to take it
             if self.in_forward and self._prefill_s is not None:
-                took += self._prefill_s(len(done.computed), hits.end)
+                took += self._prefill_s(rows_to_come(done, self.plan), hits.end)
             self.planner.observe(hits.end - (prefix[0] if prefix else 0), took)
         return done
 

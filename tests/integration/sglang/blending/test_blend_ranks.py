@@ -20,7 +20,8 @@ from kvtier.config import Config
 from kvtier.connectors import SGLangMHAConnector
 from kvtier.engine import CacheEngine
 from kvtier.integration.sglang.blending import in_forward
-from kvtier.integration.sglang.blending.blend_ranks import Ranks, gather_weights
+from kvtier.integration.sglang.blending.blend_jobs import compute
+from kvtier.integration.sglang.blending.blend_ranks import Ranks, gather_weights, rows_to_come
 from kvtier.integration.sglang.blending.blender import BLEND_COUNTERS, SGLangBlender
 from kvtier.memory import KVLayout
 from kvtier.metrics import Counters
@@ -179,6 +180,12 @@ def test_ranks_blend_the_rows_one_blender_of_the_whole_model_blends(
             else:  # loaded, re-rotated: equal where kept (SGLang computes the rows it folds)
                 rows = torch.tensor([i for i in range(hits.end) if i not in set(want.tolist())])
                 assert torch.allclose(mine[:, rows], theirs[:, rows], atol=1e-5)
+    # The planner counts SGLang's share of a job before the rows are picked: as many
+    first = ranks[0]
+    done = compute(first.w, first.store, first.plan, (first.pool_k, first._v), tokens,
+                   got[0][0], "", upto=check, cols=first.cols)
+    assert done is not None and done.deviation is not None
+    assert rows_to_come(done, first.plan) == len(want)
 
 
 def test_a_segment_one_rank_lost_is_computed_on_every_rank(
