@@ -26,9 +26,8 @@ from kvtier.integration.sglang.blending.blender import BLEND_COUNTERS, SGLangBle
 from kvtier.memory import KVLayout
 from kvtier.metrics import Counters
 from tests.blend.conftest import tiny_llama
+from tests.integration.sglang.blending.test_blend_jobs import SEP, _prompt
 
-SEP = 100  # tiny_llama's last token id: the separator
-DOC = 24
 TP = 2
 
 
@@ -120,14 +119,6 @@ def fleet() -> Iterator[tuple[SGLangBlender, list[SGLangBlender]]]:
     for b, e in made:
         b.close()
         e.close()
-
-
-def _prompt(seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    parts: list[object] = [rng.integers(1, SEP, 5), [SEP]]
-    for _ in range(3):
-        parts += [rng.integers(1, SEP, DOC), [SEP]]
-    return np.concatenate([*parts, rng.integers(1, SEP, 7)]).astype(np.int64)
 
 
 def _hold(b: SGLangBlender, tokens: np.ndarray, skip: int | None = None) -> None:
