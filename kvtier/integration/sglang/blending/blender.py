@@ -62,7 +62,8 @@ logger = logging.getLogger(__name__)
 
 BLEND_COUNTERS = ("blend_requests", "blend_segments_hit", "blend_tokens_loaded",
                   "blend_tokens_recomputed", *WORKER_COUNTERS, "blend_segments_capped",
-                  "blend_failures", "blend_fallbacks_slower", "blend_probes")
+                  "blend_failures", "blend_fallbacks_slower", "blend_probes",
+                  "blend_fold_mismatches")
 
 class SGLangBlender:
     """Blends for one scheduler (one TP rank). Built by `blend_setup.blender_for` after SGLang
@@ -347,7 +348,7 @@ class SGLangBlender:
         loaded, recomputed, kept = self._account(done, device_len)
         rows = done.computed[done.computed >= device_len].cpu()
         if self.in_forward:  # SGLang computes them, past the check layers, in the extend
-            in_forward.add(rid, in_forward.Splice(end, rows))
+            in_forward.add(rid, in_forward.Splice(end, rows, self.counters))
         logger.info("kvtier: blended %s: %d tokens from %d segments at new positions, %d of them "
                     "recomputed from layer %d, %d computed (device prefix %d); cached_tokens "
                     "%d (the device prefix and the %d kept from the cache); read %.2fs, "

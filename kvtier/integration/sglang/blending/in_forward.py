@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 
 from kvtier.integration.sglang.boundary.sglang_views import Opaque
-from kvtier.metrics import RateLimitedLog
+from kvtier.metrics import Counters, RateLimitedLog
 
 __all__ = ["TARGETS", "Splice", "add", "around_forward_batch_generation",
            "around_model_forward", "drop", "folding", "install", "query_positions", "runs_in"]
@@ -53,6 +53,7 @@ class Splice(NamedTuple):
 
     end: int
     rows: torch.Tensor
+    counters: Counters | None = None  # counts `sglang.blend_fold_mismatches`
 
 
 class _Fold(NamedTuple):
@@ -157,6 +158,8 @@ def _take(reqs: list[Opaque], prefix_lens: list[int]) -> dict[int, Splice]:
             if splice is None:
                 continue
             if prefix_lens[i] != splice.end or not len(splice.rows):
+                if splice.counters is not None:
+                    splice.counters.inc("sglang.blend_fold_mismatches")
                 _warn.warning("mismatch", "kvtier: %s's extend starts at %d, its blend ended at "
                               "%d: %d blended rows were not computed by SGLang", req.rid,
                               prefix_lens[i], splice.end, len(splice.rows))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -248,3 +249,23 @@ def test_a_prompt_the_device_holds_starts_no_blend(blender: SGLangBlender) -> No
     blender.prefetch("s", tokens[:-1], "")
     blender.prefetch_ready("s")
     assert "s" in blender.jobs
+
+
+def test_a_splice_whose_extend_starts_elsewhere_is_dropped_and_counted(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Never expected (the extend follows the admission that wrote the rows), but counted and
+    logged: SGLang's extend of a request that starts at another prefix computes none of the
+    blend's rows, and the other requests' splices still fold."""
+    counters = Counters("sglang.blend_fold_mismatches")
+    rows = torch.tensor([3, 7])
+    in_forward.add("late", in_forward.Splice(16, rows, counters))
+    in_forward.add("fine", in_forward.Splice(16, rows, counters))
+    reqs = [SimpleNamespace(rid="late"), SimpleNamespace(rid="fine")]
+    try:
+        with caplog.at_level("WARNING", "kvtier"):
+            found = in_forward._take(reqs, [12, 16])
+    finally:
+        in_forward.drop()
+    assert list(found) == [1] and torch.equal(found[1].rows, rows)
+    assert counters.snapshot()["sglang.blend_fold_mismatches"] == 1
+    assert "late's extend starts at 12, its blend ended at 16" in caplog.text
