@@ -97,7 +97,7 @@ def _blender(w: LlamaWeights, kv_heads: int, ranks: Ranks | None
     k = [torch.zeros(256, kv_heads, w.head_dim) for _ in range(w.num_layers)]
     v = [torch.zeros(256, kv_heads, w.head_dim) for _ in range(w.num_layers)]
     cfg = Config(chunk_size=16, max_local_cpu_size=0.05, save_tails=True, enable_blending=True,
-                 blend_min_tokens=16, blend_recompute_ratios=[0.3])
+                 blend_min_tokens=16, blend_recompute_ratios=(0.3,))
     engine = CacheEngine(cfg, model_name="m", layout=layout, connector=SGLangMHAConnector(k, v),
                          world_size=1 if ranks is None else TP,
                          rank=0 if ranks is None else ranks.rank)
@@ -132,7 +132,8 @@ def _hold(b: SGLangBlender, tokens: np.ndarray, skip: int | None = None) -> None
                      kv if b.cols is None else kv[..., b.cols].contiguous())
 
 
-def _admit(b: SGLangBlender, rid: str, tokens: np.ndarray) -> tuple[Any, torch.Tensor, int]:
+def _admit(b: SGLangBlender, rid: str, tokens: np.ndarray
+           ) -> tuple[Any, torch.Tensor, int | None]:
     """Drive `b` as SGLang's scheduler does (prefetch, wait, match, admission)."""
     b.prefetch(rid, tokens[:-1], "")
     deadline = time.monotonic() + 120  # a bound on a hang, not a timing
@@ -189,3 +190,50 @@ def test_a_segment_one_rank_lost_is_computed_on_every_rank(
                      for r, b in enumerate(ranks)))
     assert got[0]._replace(chains=()) == got[1]._replace(chains=())
     assert len(got[0].held) == 2 and len(got[0].missed) == 1
+
+
+def test_a_blend_one_rank_expects_to_lose_is_computed_on_every_rank(
+        fleet: tuple[SGLangBlender, list[SGLangBlender]]) -> None:
+    """The planners measure apart: where one rank's says the blend loses, no rank blends
+    (else one rank would fold rows the other's extend lacks)."""
+    _, ranks = fleet
+    ranks[1]._prefill_s = lambda tokens, prompt_len: 1e-9  # SGLang prefills anything at once
+    ranks[1].planner.observe(100, 1.0)  # as an earlier blend measured it
+    tokens = _prompt(7)
+    for b in ranks:
+        _hold(b, tokens)
+
+    def admitted(b: SGLangBlender, rid: str) -> bool:
+        b.prefetch(rid, tokens[:-1], "")
+        while not b.prefetch_ready(rid):
+            pass  # every call agrees: both ranks loop in step
+        return b.worth(rid, b.look(rid, tokens, 0, "").end, 0)
+
+    got = _in_step(*(lambda b=b, r=r: admitted(b, f"rank{r}") for r, b in enumerate(ranks)))
+    assert got == [False, False]
+    for r, b in enumerate(ranks):
+        assert f"rank{r}" not in b.jobs
+        assert b.counters.snapshot()["sglang.blend_fallbacks_slower"] == 1
+
+
+def test_a_blend_one_rank_failed_to_write_is_computed_on_every_rank(
+        fleet: tuple[SGLangBlender, list[SGLangBlender]],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A rank whose copy into its pool fails makes every rank report no blend (the tree
+    computes the request), with nothing registered for SGLang's extend."""
+    _, ranks = fleet
+    tokens = _prompt(8)
+    for b in ranks:
+        _hold(b, tokens)
+
+    def broken(*args: Any) -> None:
+        raise RuntimeError("the pool went away")
+
+    ranks[1]._write = broken  # type: ignore[method-assign,assignment]
+    with caplog.at_level("ERROR", "kvtier"):
+        got = _in_step(*(lambda b=b, r=r: _admit(b, f"rank{r}", tokens)
+                         for r, b in enumerate(ranks)))
+    assert [kept for *_, kept in got] == [None, None]
+    assert not in_forward._pending
+    assert all(b.counters.snapshot()["sglang.blend_failures"] == 1 for b in ranks)
+    assert "writing rank1's blend failed on this rank" in caplog.text
