@@ -174,9 +174,10 @@ class SGLangBlender:
                 self.counters.inc("sglang.blend_probes")
             if not choice.blend:
                 self.counters.inc("sglang.blend_fallbacks_slower")
+                took = "unmeasured here" if choice.blend_s is None else f"{choice.blend_s:.2f}s"
                 logger.info("kvtier: %s computed, not blended: a blend of %d tokens would take "
-                            "%.2fs, the full prefill %.2fs (blend_max_prefill_ratio %g)", rid,
-                            tokens, choice.blend_s, choice.prefill_s, self.planner.max_ratio)
+                            "%s, the full prefill %.2fs (blend_max_prefill_ratio %g; %s)", rid,
+                            tokens, took, choice.prefill_s, self.planner.max_ratio, choice.reason)
         return choice.blend
 
     def decline(self, rid: str) -> None:

@@ -193,7 +193,8 @@ def test_a_segment_one_rank_lost_is_computed_on_every_rank(
 
 
 def test_a_blend_one_rank_expects_to_lose_is_computed_on_every_rank(
-        fleet: tuple[SGLangBlender, list[SGLangBlender]]) -> None:
+        fleet: tuple[SGLangBlender, list[SGLangBlender]],
+        caplog: pytest.LogCaptureFixture) -> None:
     """The planners measure apart: where one rank's says the blend loses, no rank blends
     (else one rank would fold rows the other's extend lacks)."""
     _, ranks = fleet
@@ -209,8 +210,12 @@ def test_a_blend_one_rank_expects_to_lose_is_computed_on_every_rank(
             pass  # every call agrees: both ranks loop in step
         return b.worth(rid, b.look(rid, tokens, 0, "").end, 0)
 
-    got = _in_step(*(lambda b=b, r=r: admitted(b, f"rank{r}") for r, b in enumerate(ranks)))
+    with caplog.at_level("INFO", "kvtier"):
+        got = _in_step(*(lambda b=b, r=r: admitted(b, f"rank{r}") for r, b in enumerate(ranks)))
     assert got == [False, False]
+    # rank 0 measured no blend yet: its log line says why it computes anyway
+    assert "rank0 computed, not blended: a blend of" in caplog.text
+    assert "would take unmeasured here" in caplog.text and "slower on another rank" in caplog.text
     for r, b in enumerate(ranks):
         assert f"rank{r}" not in b.jobs
         assert b.counters.snapshot()["sglang.blend_fallbacks_slower"] == 1
