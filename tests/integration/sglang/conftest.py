@@ -234,9 +234,18 @@ def check_conversation(servers: Sequence[SGLangServer], seed: int, turns: int = 
         missing = page_size(server)
         if server in planned:
             missing = CHUNK + int(_recomputed_since(server, chosen, before - cached - CHUNK))
-        assert before - missing <= cached <= len(history) - 1, (turn + 1, cached, missing)
+        assert before - missing <= cached <= len(history) - 1, (
+            turn + 1, cached, missing, _why_short(server, planned), server.log()[-3000:])
         before = len(history) + len(expected)
         history = history + expected + prompt(seed * 100 + turn, 23)
+
+
+def _why_short(server: SGLangServer, planned: Sequence[SGLangServer]) -> dict[str, float]:
+    """A failed turn's clues: the planner's counts and the tiers' write and failure counts."""
+    if server not in planned:
+        return {}
+    return {k: v for k, v in kvtier_metrics(server).items()
+            if any(word in k for word in ("adaptive", "write", "fail", "error", "down"))}
 
 
 def _recomputed_since(server: SGLangServer, before: float, short: int) -> float:

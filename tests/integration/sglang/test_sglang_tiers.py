@@ -56,10 +56,13 @@ def servers_ab(start_server: Callable[..., SGLangServer], tiny_llama: Path, disk
     """A and B, started back to back on an empty Redis before either serves a request."""
     assert int(redis.client().dbsize()) == 0
     cfg = tmp_path_factory.mktemp("cfg-ab")
+    # A Redis call may take seconds on a busy host: a write that timed out is a chunk lost (a
+    # counted miss for the other server), which this test would read as a broken share. Down
+    # is refused at once on loopback, so the long timeout costs the Redis-down part nothing.
     config_a = write_config(cfg / "a.yaml", local_disk=str(disk_dir), max_local_disk_size=0.1,
-                            remote_url=redis.url, remote_timeout_secs=0.5)
+                            remote_url=redis.url, remote_timeout_secs=10.0)
     config_b = write_config(cfg / "b.yaml", local_cpu=False, remote_url=redis.url,
-                            remote_timeout_secs=0.5, prefetch_policy="adaptive")
+                            remote_timeout_secs=10.0, prefetch_policy="adaptive")
     a = start_server(tiny_llama, config_a, "--page-size", "4", ready=False)
     b = start_server(tiny_llama, config_b, "--page-size", "4", "--enable-metrics", ready=False)
     a.wait_ready()  # started side by side

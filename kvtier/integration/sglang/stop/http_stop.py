@@ -164,6 +164,8 @@ def bound_http_grace(server_class: Any) -> None:
                            signal.Signals(sig).name, self.config.timeout_graceful_shutdown,
                            shutdown.DRAIN_S, signal.Signals(sig).name)
             _STOP.begin(sig, float(self.config.timeout_graceful_shutdown))
+            if shutdown.is_launcher():
+                shutdown.stop_child_watchdog()
         if sig == signal.SIGINT and shutdown.is_launcher():
             # 130 as a shell reports an interrupted program, also where uvicorn does not
             # re-raise the SIGINT it stopped on (a CI run saw it end with status 0)

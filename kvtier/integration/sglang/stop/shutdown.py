@@ -9,6 +9,8 @@ every store and disk/Redis write kvtier still had queued. Here:
   `GRACE_S` seconds; shortly before it ends, each request still running is aborted in the
   scheduler and ends with an error its client sees (`http_stop.cut_requests_at_stop`); a
   second SIGINT forces, as before.
+- In the launcher, SGLang's subprocess watchdog stops at the first signal
+  (`stop_child_watchdog`): a child that exits during a stop did not crash.
 - In the launcher (`drain_then_kill`, around SGLang's HTTP `launch_server`), before the
   SIGKILL each child is sent SIGTERM and given `DRAIN_S` seconds to exit; a second SIGINT
   cuts the wait short.
@@ -53,7 +55,7 @@ __all__ = ["GRACE_S", "DRAIN_S", "LAUNCHER_ENV", "Drained", "drain", "drain_and_
            "drain_then_kill", "install_scheduler_handlers", "around_launch_server",
            "in_server", "is_launcher", "set_exit_code", "prepare_launcher",
            "leave_sigint_to_launcher", "exit_unfinalized_at_exit", "note_batch",
-           "set_up_server_child"]
+           "set_up_server_child", "stop_child_watchdog"]
 
 logger = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -309,18 +311,29 @@ def around_launch_server(original: Callable[..., R], *args: object, **kwargs: ob
             _let_children_drain()
 
 
+def stop_child_watchdog() -> None:
+    """Stop SGLang's subprocess watchdog in this launcher, which SIGQUITs it (a crash's
+    diagnostics) when a child exits with an error. Called at a stop's first signal: from then
+    on a child's exit is the stop's (a second Ctrl-C ends the children at once, and the
+    watchdog's next poll, up to a second later, used to race the launcher's own exit).
+    Idempotent; never raises."""
+    if "sglang.srt.entrypoints.http_server" not in sys.modules:
+        return  # no HTTP server ever ran in this process (a test's), so no watchdog
+    try:
+        from kvtier.integration.sglang.boundary.sglang_api import tokenizer_manager
+
+        watchdog = getattr(tokenizer_manager(), "_subprocess_watchdog", None)
+        if watchdog is not None:
+            watchdog.stop()  # its thread wakes at once: the join is short
+    except Exception:  # no HTTP server state (it never started)
+        logger.debug("kvtier: no subprocess watchdog to stop", exc_info=True)
+
+
 def _let_children_drain() -> None:
     try:
         import psutil
 
-        from kvtier.integration.sglang.boundary.sglang_api import tokenizer_manager
-
-        try:
-            watchdog = getattr(tokenizer_manager(), "_subprocess_watchdog", None)
-        except Exception:  # no HTTP server state (it never started)
-            watchdog = None
-        if watchdog is not None:
-            watchdog.stop()
+        stop_child_watchdog()
         drain_then_kill(psutil.Process().children(recursive=True),
                         Path(os.environ[LAUNCHER_ENV]))
     except Exception:  # SGLang's own stop must run whatever this hit
