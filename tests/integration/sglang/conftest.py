@@ -235,36 +235,58 @@ def check_conversation(servers: Sequence[SGLangServer], seed: int, turns: int = 
         if server in planned:
             missing = CHUNK + int(_recomputed_since(server, chosen, before - cached - CHUNK))
         assert before - missing <= cached <= len(history) - 1, (
-            turn + 1, cached, missing, _why_short(server, planned), server.log()[-3000:])
+            turn + 1, cached, missing, server in planned and planner_counts(server),
+            server.log()[-3000:])
         before = len(history) + len(expected)
         history = history + expected + prompt(seed * 100 + turn, 23)
 
 
-def _why_short(server: SGLangServer, planned: Sequence[SGLangServer]) -> dict[str, float]:
-    """A failed turn's clues: the planner's counts and the tiers' write and failure counts."""
-    if server not in planned:
-        return {}
+def planner_counts(server: SGLangServer) -> dict[str, float]:
+    """A short hit's clues on an `adaptive` server (`--enable-metrics`): the planner's counts,
+    and the tiers' writes and failures."""
     return {k: v for k, v in kvtier_metrics(server).items()
             if any(word in k for word in ("adaptive", "write", "fail", "error", "down"))}
 
 
-def _recomputed_since(server: SGLangServer, before: float, short: int) -> float:
+CHOSEN = ("slower_than_recompute", "deadline", "unmeasured")  # the planner's own choices
+
+
+def planned_hit(server: SGLangServer, ids: list[int], reasons: Sequence[str] = CHOSEN,
+                ) -> tuple[dict[str, Any], int]:
+    """`server.generate(ids)` on an `adaptive` server (`--enable-metrics`), and the tokens its
+    hit fell short of `full_hit` by that its planner did not count as recomputed by choice for
+    one of `reasons` (0: a full hit, or every missing token chosen: on a busy host a short
+    prompt of the tiny model recomputes sooner than a round trip to a tier answers)."""
+    before = _timed_recomputes(server, reasons, started=False)  # maybe not exported yet: 0
+    got = server.generate(ids)
+    short = full_hit(server, len(ids)) - got["meta_info"]["cached_tokens"]
+    if short <= 0:
+        return got, 0
+    return got, short - int(_recomputed_since(server, before, short, reasons))
+
+
+def _recomputed_since(server: SGLangServer, before: float, short: int,
+                      reasons: Sequence[str] = CHOSEN) -> float:
     """The tokens an `adaptive` server chose to recompute since it had counted `before`, read
     until they reach `short` (the tokens a hit fell short by): its exporter syncs once a
     second, so a choice just made may not show yet (a CI run read it too soon). A bound on
     waiting for the count, not a timing the test asserts."""
     deadline = time.monotonic() + 10
-    while (done := _timed_recomputes(server) - before) < short and time.monotonic() < deadline:
+    while (done := _timed_recomputes(server, reasons) - before) < short and \
+            time.monotonic() < deadline:
         time.sleep(0.25)
     return done
 
 
-def _timed_recomputes(server: SGLangServer) -> float:
-    """Prompt tokens an `adaptive` server recomputed because loading them looked slower."""
+def _timed_recomputes(server: SGLangServer, reasons: Sequence[str] = CHOSEN,
+                      started: bool = True) -> float:
+    """Prompt tokens an `adaptive` server recomputed by choice, for one of `reasons`; a server
+    not `started` (before its first request) may not export its planner's counts yet."""
     metrics = kvtier_metrics(server)
-    assert "kvtier_adaptive_tokens_loaded_total" in metrics, "an adaptive server's metrics"
+    assert not started or "kvtier_adaptive_tokens_loaded_total" in metrics, \
+        "an adaptive server's metrics"
     return sum(metrics.get(f"kvtier_adaptive_tokens_recomputed_{reason}_total", 0.0)
-               for reason in ("slower_than_recompute", "deadline", "unmeasured"))
+               for reason in reasons)
 
 
 def check_partial_hit(server: SGLangServer, seed: int) -> None:

@@ -30,6 +30,8 @@ from tests.integration.sglang.conftest import (
     check_unrelated_miss,
     cold,
     full_hit,
+    planned_hit,
+    planner_counts,
     prompt,
     write_config,
 )
@@ -119,13 +121,15 @@ def test_second_instance_hits_through_shared_redis_then_redis_goes_down(
     server_a, server_b = servers_ab
     ids = prompt(SHARED_SEED, PROMPT_LEN)
     # B's very first request: its Redis was empty when B started, and was timed all the same.
-    first = server_b.generate(ids)
-    assert first["meta_info"]["cached_tokens"] == full_hit(server_b), server_b.log()[-3000:]
+    # Not recomputed as unmeasured; the planner may still find a round trip to Redis slower
+    # than recomputing the tiny model's 80 tokens, on a busy host (a CI run saw it).
+    first, short = planned_hit(server_b, ids, ("slower_than_recompute", "deadline"))
+    assert short <= 0, (first["meta_info"], planner_counts(server_b), server_b.log()[-3000:])
     assert first["output_ids"] == served_by_a[SHARED_SEED]
     assert "kvtier: tier redis measured at start" in server_b.log()
     server_b.flush_cache()
-    got = server_b.generate(ids)
-    assert got["meta_info"]["cached_tokens"] == full_hit(server_b)
+    got, short = planned_hit(server_b, ids)
+    assert short <= 0, (got["meta_info"], planner_counts(server_b), server_b.log()[-3000:])
     assert got["output_ids"] == served_by_a[SHARED_SEED]
     # Turns alternate: B (no CPU tier) loads A's chunks from Redis at admission, and A's tails
     # where they beat recomputing their few tokens; A prefetches B's into its CPU tier.
