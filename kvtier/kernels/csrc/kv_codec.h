@@ -8,8 +8,6 @@
 // scales and one for the values; decode writes straight into the destination tensor.
 #pragma once
 
-#include <ATen/ATen.h>
-
 #include <cstdint>
 #include <string>
 

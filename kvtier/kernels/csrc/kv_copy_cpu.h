@@ -3,8 +3,7 @@
 // Included by kv_ops.cpp only.
 #pragma once
 
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
+#include "kv_ops.h"  // its ATen headers
 
 #include <algorithm>
 #include <atomic>

@@ -51,9 +51,13 @@ void check_range(const std::vector<at::Tensor>& layers, const at::Tensor& slots,
     if (slots.is_cpu()) {
       std::tie(lo, hi) = value_bounds(slots);
     } else {
+#ifdef KVTIER_WITH_CUDA
       auto [lo_t, hi_t] = at::aminmax(slots);
       lo = lo_t.item<int64_t>();
       hi = hi_t.item<int64_t>();
+#else
+      KV_CHECK(false, "slots must be on the CPU: kvtier._C was built without CUDA");
+#endif
     }
     const int64_t min_ok = allow_skip ? kSkipSlot : 0;
     KV_CHECK(lo >= min_ok && hi < first.size(0), "slots must be in [", min_ok, ", ",

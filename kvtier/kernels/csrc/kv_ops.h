@@ -14,7 +14,15 @@
 #include <utility>
 #include <vector>
 
+// ATen/ATen.h declares every operator: ~14 s of compile for each file that includes it, most of
+// a user's first-use build of the CPU kernel. The CPU code needs the Tensor class and
+// parallel_for; the CUDA build keeps the whole header.
+#if defined(__CUDACC__) || defined(KVTIER_WITH_CUDA)
 #include <ATen/ATen.h>
+#else
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#endif
 #include <c10/util/StringUtil.h>
 
 #ifdef __CUDACC__
