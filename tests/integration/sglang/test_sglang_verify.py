@@ -6,10 +6,10 @@ and answers with its own model. Verified by their tails (`verify_scope: tail`), 
 load and match, and the changed model's tail takes the whole prompt out of every tier.
 
 Records another server wrote (disk after a restart, Redis from a second instance, with and
-without a CPU tier, at TP 1 and 2 and page sizes 1, 16 and 32 between them), verified with verification
-switched on at run time: the quality gate (test_sglang_quality.py). A writer bug (two token
-rows swapped under valid checksums): the engine's tests (tests/engine/test_verify.py), on real
-CPU and disk tiers.
+without a CPU tier, at TP 1 and 2, at page sizes 1, 16 and 32 between them), verified with
+verification switched on at run time: the quality gate (test_sglang_quality.py). A writer bug
+(two token rows swapped under valid checksums): the engine's tests (tests/engine/test_verify.py),
+on real CPU and disk tiers.
 """
 
 from __future__ import annotations
