@@ -13,7 +13,10 @@ disk directory and Redis: the first prompt hits from disk after a restart, the s
 as a second instance would (without a CPU tier where the setup says so). Then shadow
 verification is switched on while it runs (`kvtier verify`): every rank computes the prompts
 again and finds the records the first server wrote equal to what it computed. At TP 2, page 32,
-rank 1's records are then deleted and the ranks agree to load nothing.
+rank 1's records are then deleted and the ranks agree to load nothing. At TP 1 page 16 and TP 2
+page 1 the first server blends too (a recompute share of 1): documents stored alone when a first
+prompt missed them are loaded at new positions into a reordered prompt, and its answer is held
+to the same gate.
 
 The reference server runs without kvtier and without SGLang's own prefix cache, so every
 reference answer is computed from scratch. Each test launches the server of the test after it
@@ -25,6 +28,8 @@ own, so no server finds another setup's records.
 
 from __future__ import annotations
 
+import random
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -35,8 +40,9 @@ import yaml
 from harness.redis import RedisProcess
 from harness.sglang_server import SGLangServer
 from kvtier.cli.main import main as kvtier_main
+from kvtier.demo import texts
 from kvtier.demo.quality import Answer, ask, compare, documents
-from tests.integration.sglang.conftest import _LIVE, logged
+from tests.integration.sglang.conftest import _LIVE, kvtier_metrics, logged
 
 pytestmark = pytest.mark.sglang
 
@@ -45,23 +51,38 @@ ADMIN = "kvtier-quality-admin"
 
 
 class Setup(NamedTuple):
-    """What the paths run at; `cpu_tier`: whether the second server has a CPU tier."""
+    """What the paths run at; `cpu_tier`: whether the second server has a CPU tier; `blend`:
+    whether the first server blends too (`enable_blending`, a recompute share of 1)."""
 
     tp: int
     page: int
     chunk: int
     cpu_tier: bool
+    blend: bool = False
 
 
 # Page 1 at each TP (SGLang's default), a larger page at each; both chunk sizes at each TP, a
 # second server with and without a CPU tier at each. Each setup costs two servers and a minute
 # or two of the suite: page 16 at TP 2 and page 32 at TP 1 add no path the four lack.
 SETUPS = {"tp1-page1-chunk256": Setup(1, 1, 256, cpu_tier=False),
-          "tp1-page16-chunk64": Setup(1, 16, 64, cpu_tier=True),
-          "tp2-page1-chunk64": Setup(2, 1, 64, cpu_tier=True),
+          "tp1-page16-chunk64": Setup(1, 16, 64, cpu_tier=True, blend=True),
+          "tp2-page1-chunk64": Setup(2, 1, 64, cpu_tier=True, blend=True),
           "tp2-page32-chunk256": Setup(2, 32, 256, cpu_tier=False)}
 FOLLOW_UP = "\nQuestion: Which depot is listed first?\nAnswer:"
 PROMPTS = documents(2, facts=24)  # about 530 tokens each
+# Blending: a preamble and three documents of about 115 tokens, each ended by LMCache's default
+# separator, then a question; asked in one order, then in another (docs/blending.md).
+SEPARATOR = " # # "
+_rng = random.Random(3)
+_DOCS = [" ".join(texts.record(i, f) for i, f in enumerate(texts.facts(_rng, 6)))
+         for _ in range(3)]
+BLEND = {"enable_blending": True, "blend_recompute_ratios": [1.0], "blend_min_tokens": 64}
+
+
+def blend_prompt(order: list[int]) -> str:
+    return ("Answer from the inventory records." + SEPARATOR
+            + "".join(_DOCS[i] + SEPARATOR for i in order)
+            + "Question: Which depot is listed first?\nAnswer:")
 
 
 class Servers:
@@ -75,13 +96,15 @@ class Servers:
     def make(self, name: str, setup: str | None, **tiers: object) -> SGLangServer:
         args: list[str] = [*POOL]
         if setup is not None:
-            tp, page, chunk, _ = SETUPS[setup]
+            tp, page, chunk = SETUPS[setup][:3]
             config = self.root / f"{name}.yaml"
             config.write_text(yaml.safe_dump({"chunk_size": chunk, "max_local_cpu_size": 0.5,
                                               "prefetch_policy": "wait_complete",
                                               "key_namespace": setup, **tiers}))
             args += ["--enable-kvtier", "--kvtier-config-file", str(config),
                      "--tp", str(tp), "--page-size", str(page), "--admin-api-key", ADMIN]
+            if tiers.get("enable_blending"):
+                args.append("--enable-metrics")  # the segments' stores are counted there
         else:
             args.append("--disable-radix-cache")  # every reference computed from scratch
         # at TP 2, kvtier's plugin names each rank's cores (SGLANG_CPU_OMP_THREADS_BIND)
@@ -176,7 +199,7 @@ def take_server(servers: Servers, setup: str, second: bool, disks: dict[str, str
                                     "remote_url": redis.url}
         if second:  # on the first server's disk directory and Redis, started after it stopped
             return f"{setup}-second", {"local_cpu": SETUPS[setup].cpu_tier, **tiers}
-        return setup, tiers
+        return setup, {**tiers, **(BLEND if SETUPS[setup].blend else {})}
 
     name, tiers = spec(setup, second)
     server = servers.take(name, setup, **tiers)
@@ -221,7 +244,27 @@ def test_hits_from_the_cpu_tier_and_a_next_turn_answer_as_computed_from_scratch(
     assert turn.cached_tokens >= hit_floor(reference(PROMPTS[0]), page) - page, turn
     gate(reference(follow), turn, "a conversation's next turn")
     assert server.log().count("kvtier: loaded ") >= (len(PROMPTS) + 1) * tp  # every rank
+    if SETUPS[setup].blend:
+        blended_as_computed(server, tp, reference)
     servers.stop(server)  # a SIGTERM: kvtier drains its queued Redis writes
+
+
+def blended_as_computed(server: SGLangServer, tp: int,
+                        reference: Callable[[str], Answer]) -> None:
+    """Blending (issue 75) at a share of 1: the documents, stored alone as segments when a
+    first prompt missed them, load at new positions in a reordered prompt, SGLang's forward
+    recomputes every loaded token on every rank, and the answer is the reference's."""
+    first = ask(server, blend_prompt([0, 1, 2]))
+    gate(reference(blend_prompt([0, 1, 2])), first, "blending: every segment missed")
+    deadline = time.monotonic() + 120  # a bound on a hang, not a timing assertion
+    while kvtier_metrics(server).get("kvtier_sglang_blend_segments_stored_total", 0) < 3 * tp:
+        assert time.monotonic() < deadline, server.log()[-3000:]
+        time.sleep(0.5)
+    server.flush_cache()
+    blended = blend_prompt([2, 0, 1])
+    got = ask(server, blended)
+    logged(server, r"kvtier: blended \S+: \d+ tokens from 3 segments at new positions", tp)
+    gate(reference(blended), got, f"blended at new positions, TP {tp}")
 
 
 def verified_at_run_time(server: SGLangServer, setup: Setup,
@@ -252,7 +295,7 @@ def test_a_restart_hits_from_disk_and_a_second_instance_from_redis(
     """A server on the disk directory and Redis of the setup's first server, started after it
     stopped: the first prompt hits from disk, the second (never written to disk) from Redis."""
     assert any(Path(disks[setup]).iterdir()), "the setup's first server stores first"
-    tp, page, _, cpu_tier = SETUPS[setup]
+    tp, page, _, cpu_tier, _ = SETUPS[setup]
     server = take_server(servers, setup, True, disks, redis)
     for text, path in zip(PROMPTS, ("disk after a restart", "Redis from a second instance")):
         hit = ask(server, text)
