@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from harness.sglang_server import SGLangServer
-from kvtier.demo.server import free_port
 from tests.integration.sglang.conftest import CHUNK, cold, prompt, write_config
 
 # A fresh server as users launch it: its children spawned, each loading kvtier's plugin and
@@ -29,15 +28,16 @@ SERVING = "Uvicorn running on"
 
 @pytest.fixture(scope="module")
 def fresh(start_server: Callable[..., SGLangServer], tiny_llama: Path,
-          tmp_path_factory: pytest.TempPathFactory) -> tuple[SGLangServer, int]:
+          tmp_path_factory: pytest.TempPathFactory) -> SGLangServer:
     """A kvtier server on a host that has never built the kernel (empty KVTIER_CACHE_DIR),
-    with a pool that holds about one 1200-token prompt next to a running request."""
+    with a pool that holds about one 1200-token prompt next to a running request. Its metrics
+    are read on SGLang's own port (`--enable-metrics`): a `metrics_port` picked free before
+    the start was taken by another process during the kernel's compile in a CI run (kvtier
+    warned and served none; the test read the other process's port)."""
     work = tmp_path_factory.mktemp("fresh")
-    port = free_port()
-    config = write_config(work / "kvtier.yaml", metrics_port=port)
-    server = start_server(tiny_llama, config, "--max-total-tokens", "2048",
-                          env={"KVTIER_CACHE_DIR": str(work / "empty-cache")})
-    return server, port
+    config = write_config(work / "kvtier.yaml")
+    return start_server(tiny_llama, config, "--max-total-tokens", "2048", "--enable-metrics",
+                        env={"KVTIER_CACHE_DIR": str(work / "empty-cache")})
 
 
 def _generate(server: SGLangServer, ids: list[int], rid: str, max_new: int = 8) -> list[int]:
@@ -48,20 +48,22 @@ def _generate(server: SGLangServer, ids: list[int], rid: str, max_new: int = 8) 
     return list(out["output_ids"])
 
 
-def _metrics(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as resp:
-        return str(resp.read().decode())
+def _sample(server: SGLangServer, name: str, **labels: str) -> float:
+    """kvtier's sample `name` with `labels` on the server's /metrics, summed over processes."""
+    from prometheus_client.parser import text_string_to_metric_families
 
-
-def _sample(text: str, name: str) -> float:
-    found = re.findall(rf"^{re.escape(name)} ([\d.e+-]+)$", text, re.M)
-    assert found, f"{name} not exported"
-    return float(found[0])
+    with urllib.request.urlopen(f"{server.url}/metrics", timeout=30) as resp:
+        text = resp.read().decode()
+    found = [s.value for family in text_string_to_metric_families(text)
+             for s in family.samples
+             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+    assert found, f"{name} {labels} not exported"
+    return sum(found)
 
 
 def test_kernel_is_built_before_serving_and_flush_works_at_once(
-        fresh: tuple[SGLangServer, int]) -> None:
-    server, _ = fresh
+        fresh: SGLangServer) -> None:
+    server = fresh
     log = server.log()
     builds = COMPILED.findall(log)
     assert len(builds) == 1, builds  # the empty cache made this server compile, once
@@ -74,8 +76,8 @@ def test_kernel_is_built_before_serving_and_flush_works_at_once(
     assert len(COMPILED.findall(server.log())) == 1  # no copy compiled anything later
 
 
-def test_queued_request_is_loaded_once_at_admission(fresh: tuple[SGLangServer, int]) -> None:
-    server, port = fresh
+def test_queued_request_is_loaded_once_at_admission(fresh: SGLangServer) -> None:
+    server = fresh
     long_ids = prompt(32, 1200)
     expected = cold(server, long_ids)
     assert _generate(server, long_ids, "store-it") == expected
@@ -94,7 +96,6 @@ def test_queued_request_is_loaded_once_at_admission(fresh: tuple[SGLangServer, i
     assert got == expected
     loads = re.findall(r"kvtier: loaded (\d+) tokens at admission of queued\b", server.log())
     assert loads == [str(len(long_ids) - 1)]  # all but the last token (SGLang computes it)
-    metrics = _metrics(port)
-    assert _sample(metrics, "kvtier_sglang_loads_discarded_total") == 0
+    assert _sample(server, "kvtier_sglang_loads_discarded_total") == 0
     for call in ("match_prefix", "init_load_back", "checkpoint"):
-        assert _sample(metrics, f'kvtier_scheduler_seconds_count{{call="{call}"}}') >= 1
+        assert _sample(server, "kvtier_scheduler_seconds_count", call=call) >= 1
