@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 from kvtier.demo.models import LlamaSpec
 from kvtier.demo.quiet import HostMeter, WriteWaits, load_average
-from kvtier.demo.server import SGLangServer, cpu_shims_dir, free_port, gpu_available
+from kvtier.demo.server import SGLangServer, cpu_shims_dir, gpu_available
 from kvtier.demo.workload import Prompts, TextPrompts, Workload
 
 __all__ = ["CHUNK_SIZE", "DemoOptions", "DemoRun", "FULL_MODEL", "SMALL_MODEL", "demo_config",
@@ -46,14 +46,13 @@ class DemoOptions:
 
 
 def demo_config(disk_dir: Path | None, redis_url: str | None, salt: str,
-                arena_gb: float, metrics_port: int | None = None) -> str:
+                arena_gb: float) -> str:
     """The kvtier YAML the demo's servers run with (embedded; written to a temp file).
 
     The default `prefetch_policy: adaptive` makes a request wait for the part of its load from
     disk or Redis that arrives sooner than it could be recomputed, so its TTFT includes that
     load. The salt keeps this run's keys apart from anything an earlier run left in a shared
-    Redis. `metrics_port`: kvtier's metrics endpoint, whose write-queue gauge the demo waits
-    on before the baseline measures (quiet.WriteWaits).
+    Redis.
     """
     lines = [f"chunk_size: {CHUNK_SIZE}", "local_cpu: true",
              f"max_local_cpu_size: {arena_gb:.3f}", f"hash_salt: {json.dumps(salt)}"]
@@ -61,8 +60,6 @@ def demo_config(disk_dir: Path | None, redis_url: str | None, salt: str,
         lines += [f"local_disk: {json.dumps(str(disk_dir))}", "max_local_disk_size: 4.0"]
     if redis_url:
         lines += [f"remote_url: {json.dumps(redis_url)}", "remote_serde: naive"]
-    if metrics_port is not None:
-        lines.append(f"metrics_port: {metrics_port}")
     return "\n".join(lines) + "\n"
 
 
@@ -113,11 +110,15 @@ class DemoRun:
         self.meter = HostMeter(groups=lambda: [s.proc.pid for s in self.servers if s.proc])
         self.load_first: tuple[float, float, float] | None = None  # at the first measurement
         self.writes = WriteWaits()
-        self.metrics_port = free_port()
 
-    def server(self, name: str, config: str | None) -> SGLangServer:
+    def server(self, name: str, config: str | None, metrics: bool = False) -> SGLangServer:
+        """A server of the demo's; with `metrics`, kvtier's samples are on its own port
+        (`--enable-metrics`: a port picked ahead for `metrics_port` could be taken by another
+        process while the server starts), for the write-queue gauge the demo waits on before
+        the baseline measures (quiet.WriteWaits)."""
         args = ["--max-total-tokens", str(self.max_tokens),
-                "--context-length", str(self.context), "--sleep-on-idle"]
+                "--context-length", str(self.context), "--sleep-on-idle",
+                *(["--enable-metrics"] if metrics else [])]
         if config is not None:
             path = self.work / f"{name}.yaml"
             path.write_text(config)
@@ -129,9 +130,9 @@ class DemoRun:
         self.servers.append(server)
         return server
 
-    def kvtier_config(self, disk: bool, metrics: bool = False) -> str:
+    def kvtier_config(self, disk: bool) -> str:
         return demo_config(self.work / "disk" if disk else None, self.opts.redis_url,
-                           self.salt, self.arena_gb, self.metrics_port if metrics else None)
+                           self.salt, self.arena_gb)
 
     def measure(self, server: SGLangServer, prompt: list[int], max_new: int) -> Any:
         server.flush_cache()  # nothing may come from the device cache

@@ -9,7 +9,7 @@ when others took a notable share (`BUSY_CORES`).
 
 The arms: the kvtier server writes its lower tiers (disk, Redis) in its idle moments, which are
 exactly when the baseline server measures. `wait_for_writes` waits until its background writes
-are done, from kvtier's own gauge (`kvtier_write_queue{tier}` on its metrics endpoint).
+are done, from kvtier's own gauge (`kvtier_write_queue{tier}`, on the server's own port).
 """
 
 from __future__ import annotations
@@ -157,22 +157,22 @@ class Quiesce(NamedTuple):
     left: int | None  # chunks still queued when the wait ended (0: done); None: no gauge
 
 
-def write_queue(port: int) -> int | None:
-    """Chunks waiting for a background write, every tier together, from the kvtier metrics
-    endpoint on `port`; None if it does not answer."""
-    text = metrics_text(port)
+def write_queue(url: str) -> int | None:
+    """Chunks waiting for a background write, every tier together, from the metrics of the
+    server at `url` (SGLang's `--enable-metrics`); None if it does not answer."""
+    text = metrics_text(url)
     if not text:
         return None
     return int(sum(float(v) for v in _QUEUE.findall(text)))
 
 
-def wait_for_writes(port: int, timeout: float = WRITE_WAIT_S, poll_s: float = 0.1) -> Quiesce:
-    """Wait until the kvtier process serving metrics on `port` has no background write queued
-    or running, `timeout` seconds at most. Returns at once (left None) if the endpoint does not
-    answer: the demo then measures as it did without the wait."""
+def wait_for_writes(url: str, timeout: float = WRITE_WAIT_S, poll_s: float = 0.1) -> Quiesce:
+    """Wait until the kvtier server at `url` has no background write queued or running,
+    `timeout` seconds at most. Returns at once (left None) if its metrics do not answer: the
+    demo then measures as it did without the wait."""
     start = time.monotonic()
     while True:
-        left = write_queue(port)
+        left = write_queue(url)
         waited = time.monotonic() - start
         if not left or waited >= timeout:
             return Quiesce(round(waited, 3), left)
@@ -191,13 +191,13 @@ class WriteWaits:
     timed_out: int = 0  # waits that ended with writes still queued
     no_gauge: int = 0  # waits whose metrics endpoint did not answer (the flush alone waited)
 
-    def wait(self, server: SGLangServer, metrics_port: int) -> None:
+    def wait(self, server: SGLangServer) -> None:
         """Quiesce `server`: its `/flush_cache` hands every finished request's store to the
         writers and waits for them (`blocking_timeout_secs`, 10 s by default); the gauge then
         says whether they are done, and is polled until they are (`timeout` in all)."""
         start = time.monotonic()
         server.flush_cache()
-        left = wait_for_writes(metrics_port,
+        left = wait_for_writes(server.url,
                                max(0.0, self.timeout - (time.monotonic() - start))).left
         waited = time.monotonic() - start
         self.waits += 1

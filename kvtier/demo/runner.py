@@ -124,7 +124,7 @@ def _multi_turn(run: DemoRun, base: SGLangServer, kv: SGLangServer,
         for conv in convs:
             prompt = conv.next_prompt(run.prompts, turn)
             # The kvtier server writes disk and Redis while it is idle: not while this measures.
-            run.writes.wait(kv, run.metrics_port)
+            run.writes.wait(kv)
             without = run.measure(base, prompt, wl.answer_tokens)
             log.loaded_since()
             with_kv = run.measure(kv, prompt, wl.answer_tokens)
@@ -181,7 +181,7 @@ def run_demo(opts: DemoOptions, note: Callable[[str], None] | None = None,
         wl = opts.workload
         steps = wl.turns * wl.conversations + wl.conversations * (2 if opts.redis_url else 1)
         base = run.server("baseline", None)
-        kv = run.server("kvtier", run.kvtier_config(True, metrics=True))
+        kv = run.server("kvtier", run.kvtier_config(True), metrics=True)
         phases: dict[str, list[dict[str, Any]]] = {}
         start = _host_start(before, started, say)
         try:

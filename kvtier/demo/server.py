@@ -55,10 +55,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def metrics_text(port: int) -> str:
-    """The Prometheus text a local metrics endpoint serves; "" if it does not answer."""
+def metrics_text(endpoint: int | str) -> str:
+    """The Prometheus text a local metrics endpoint serves (`endpoint`: kvtier's
+    `metrics_port`, or a server's URL, such as SGLang's with `--enable-metrics`); "" if it
+    does not answer."""
+    base = f"http://127.0.0.1:{endpoint}" if isinstance(endpoint, int) else endpoint
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
+        with urllib.request.urlopen(f"{base}/metrics", timeout=10) as resp:
             return str(resp.read().decode())
     except OSError:
         return ""

@@ -91,6 +91,6 @@ def test_the_demo_config_keeps_any_salt_a_string(tmp_path: Path, salt: str) -> N
     from kvtier.demo.runner import demo_config
 
     path = tmp_path / "kvtier.yaml"
-    path.write_text(demo_config(tmp_path / "disk", "redis://127.0.0.1:1", salt, 0.1, 9400))
+    path.write_text(demo_config(tmp_path / "disk", "redis://127.0.0.1:1", salt, 0.1))
     config = load_config(path, env={})
-    assert config.hash_salt == salt and config.metrics_port == 9400
+    assert config.hash_salt == salt and config.local_disk == str(tmp_path / "disk")
