@@ -117,6 +117,29 @@ def test_a_blend_stopped_after_its_check_layers_leaves_the_rest_to_the_engine(
         blend(llama, toks, stale, cached, plan, upto=llama.num_layers)
 
 
+@pytest.mark.parametrize("upto", [None, 2])
+def test_a_blend_in_place_writes_the_callers_buffer_and_picks_the_same_tokens(
+        llama: LlamaWeights, upto: int | None) -> None:
+    """`in_place`: the result is the caller's `cached_kv`, equal to the copying blend's, and
+    the check layers still rank tokens by their loaded values (read before they are
+    overwritten: the same picks); by default the caller's buffer is left as it was."""
+    toks = _tokens(3)
+    stale = _stale_cache(llama, toks)
+    cached = torch.zeros(T, dtype=torch.bool)
+    cached[4:44] = True
+    plan = BlendPlan((1, 2), (0.5, 0.25))
+    copied = blend(llama, toks, stale, cached, plan, upto=upto)
+    assert torch.equal(stale, _stale_cache(llama, toks))  # the default copies
+    buffer = stale.clone()
+    own = blend(llama, toks, buffer, cached, plan, upto=upto, in_place=True)
+    assert own.kv.data_ptr() == buffer.data_ptr()
+    assert torch.equal(own.computed, copied.computed)
+    assert torch.equal(own.kv, copied.kv)
+    assert (own.logits is None) == (upto is not None)
+    if own.logits is not None and copied.logits is not None:
+        assert torch.equal(own.logits, copied.logits)
+
+
 def test_check_layers_narrow_in_steps(llama: LlamaWeights) -> None:
     toks = _tokens(1)
     full = prefill(llama, toks).kv

@@ -123,7 +123,8 @@ def compute(w: LlamaWeights, store: SegmentStore, plan: BlendPlan, pool: Pool,
         cached[:device_len] = True
     loaded_at = time.perf_counter()
     with _compute_threads(dev) as threads:
-        out = blend(w, ids, known.kv, cached, plan, must=known.must, logits=False, upto=upto)
+        out = blend(w, ids, known.kv, cached, plan, must=known.must, logits=False, upto=upto,
+                    in_place=True)  # known.kv is this job's own
     if dev.type == "cuda":  # the result may be read on another thread's stream
         torch.cuda.current_stream(dev).synchronize()
     return Computed(end, out.kv, known.cached, known.must, known.segments_hit, out.computed,
