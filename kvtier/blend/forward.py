@@ -174,13 +174,15 @@ def _forward(w: LlamaWeights, tokens: torch.Tensor, cached_kv: torch.Tensor | No
     with torch.inference_mode():
         for layer, lw in enumerate(w.layers if upto is None else w.layers[:upto + 1]):
             q, k, v = _qkv(w, lw, _rms(h, lw.ln_in, w.eps), positions[active])
-            checked = layer in steps and cached_kv is not None and must is not None
-            # Read before the write below: `kv` may be `cached_kv` itself (in_place).
-            loaded_v = cached_kv[1, layer, active].to(dev) if checked else None
+            # A check layer's loaded values, read before the write below: `kv` may be
+            # `cached_kv` itself (in_place).
+            loaded_v = (cached_kv[1, layer, active].to(dev)
+                        if layer in steps and cached_kv is not None and must is not None
+                        else None)
             kv[0, layer, active] = k
             kv[1, layer, active] = v
-            if checked:
-                assert loaded_v is not None and must is not None
+            if loaded_v is not None:
+                assert must is not None
                 keep = _select(v, loaded_v, must[active], math.ceil(steps[layer] * total))
                 q, h, active = q[keep], h[keep], active[keep]
                 mask = _mask(active)
