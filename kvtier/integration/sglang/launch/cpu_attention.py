@@ -35,6 +35,7 @@ __all__ = ["HOOK_ENV", "TARGET", "install", "install_if_asked", "installed", "ex
 logger = logging.getLogger(__name__)
 
 HOOK_ENV = "KVTIER_CPU_PREFIX_ATTENTION_HOOK"
+FOLD_BLOCKS = 8  # blocks of a blend's folded rows (`_at_positions`)
 TARGET = ("sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend."
           "_run_sdpa_forward_extend")
 _installed: list[bool] = []
@@ -126,14 +127,29 @@ def _at_positions(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch
                   scaling: float | None, enable_gqa: bool) -> torch.Tensor:
     """Attention of queries `q` (`[1, heads, n, dim]`) at positions `rows` (`[n]`, any
     order) over the sequence's keys `k`, `v` in position order: each sees the keys up to its
-    own position (a blend's rows stand before the extend's own tokens, not after them)."""
+    own position (a blend's rows stand before the extend's own tokens, not after them).
+
+    In `FOLD_BLOCKS` blocks of rows by position, each over the keys up to its last row only:
+    one mask over every key computes every score, the half past each row's position too (a
+    blend's ~410 rows over 2,500 keys, SmolLM2's 9 heads, one thread: 19.0 ms a layer in one
+    block, 12.5 ms in 8)."""
     import torch
     from torch.nn.functional import scaled_dot_product_attention
 
-    positions = torch.arange(k.shape[-2], device=q.device).unsqueeze(0)
-    mask = positions <= rows.to(q.device).unsqueeze(1)
-    return scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=enable_gqa,
-                                        scale=scaling)
+    rows = rows.to(q.device)
+    order = torch.argsort(rows)
+    ordered = rows[order]
+    n = rows.shape[0]
+    out = q.new_empty(q.shape)
+    step = -(-n // FOLD_BLOCKS)
+    for start in range(0, n, step):
+        block, upto = order[start:start + step], ordered[start:start + step]
+        end = int(upto[-1]) + 1
+        mask = torch.arange(end, device=q.device).unsqueeze(0) <= upto.unsqueeze(1)
+        out[..., block, :] = scaled_dot_product_attention(
+            q[..., block, :], k[..., :end, :], v[..., :end, :], attn_mask=mask,
+            enable_gqa=enable_gqa, scale=scaling)
+    return out
 
 
 def _over_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int,

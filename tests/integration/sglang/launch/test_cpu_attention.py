@@ -154,3 +154,21 @@ def test_a_blends_rows_folded_into_an_extend_attend_up_to_their_own_positions() 
     assert torch.allclose(got[:len(rows)], expected[rows], atol=1e-5)
     assert torch.allclose(got[len(rows):], expected[beside], atol=1e-5)
     assert not in_forward.folding()
+
+
+@pytest.mark.parametrize("n", [1, 7, 40])
+def test_folded_rows_in_any_order_attend_in_blocks_as_under_one_mask(n: int) -> None:
+    """`_at_positions` computes rows in blocks by position, each over the keys up to its
+    last row: the same outputs, in the rows' own order, as one mask over every key."""
+    from torch.nn.functional import scaled_dot_product_attention
+
+    gen = torch.Generator().manual_seed(n)
+    keys = 64
+    rows = torch.randperm(keys, generator=gen)[:n]  # shuffled: any order
+    q = torch.randn(1, HEADS, n, DIM, generator=gen)
+    k, v = (torch.randn(1, KV_HEADS, keys, DIM, generator=gen) for _ in range(2))
+    mask = torch.arange(keys).unsqueeze(0) <= rows.unsqueeze(1)
+    expected = scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True,
+                                            scale=DIM ** -0.5)
+    got = cpu_attention._at_positions(q, k, v, rows, DIM ** -0.5, True)
+    assert torch.allclose(got, expected, atol=1e-5)
