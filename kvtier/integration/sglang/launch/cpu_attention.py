@@ -141,7 +141,7 @@ def _at_positions(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rows: torch
     ordered = rows[order]
     n = rows.shape[0]
     out = q.new_empty(q.shape)
-    step = -(-n // FOLD_BLOCKS)
+    step = max(1, -(-n // FOLD_BLOCKS))  # no rows: no block, an empty output
     for start in range(0, n, step):
         block, upto = order[start:start + step], ordered[start:start + step]
         end = int(upto[-1]) + 1

@@ -156,7 +156,7 @@ def test_a_blends_rows_folded_into_an_extend_attend_up_to_their_own_positions() 
     assert not in_forward.folding()
 
 
-@pytest.mark.parametrize("n", [1, 7, 40])
+@pytest.mark.parametrize("n", [0, 1, 7, 40])
 def test_folded_rows_in_any_order_attend_in_blocks_as_under_one_mask(n: int) -> None:
     """`_at_positions` computes rows in blocks by position, each over the keys up to its
     last row: the same outputs, in the rows' own order, as one mask over every key."""
