@@ -4,6 +4,10 @@ slower in wall time per chunk than naive at the same tier"), an in-process A/B.
 Two disk tiers, `naive` and the codec (`--codec`, default fp8), on the page cache: each round
 puts one chunk into each (`batch_put`, what a writer thread does) and loads it back
 (`batch_get`), the order alternating round by round, so both see the same machine state.
+`--reads device` loads each record from the disk itself: before its get, the record is synced
+and dropped from the page cache (`posix_fadvise(DONTNEED)`, untimed), as a record read long
+after it was written would be (its puts, which follow the last round's sync, are kept in the
+JSON but not printed); `page_cache` (default) loads it from the page cache.
 
 Per codec and op: wall ms per chunk (median, p25, p99) and process CPU ms per chunk (median),
 and the codec's over naive's at each quantile. `--busy N` runs the rounds beside a process
@@ -11,7 +15,8 @@ doing N-thread float32 matmuls (a busy host), stopped by pid; 0 beside nothing o
 `--busy 0,2` (default) both, one after the other.
 
     .venv/bin/python -m benchmarks.micro.bench_codec_writes [--rounds 200] [--layout smollm2]
-        [--codec fp8] [--busy 0,2] [--tokens 256] [--name codec_writes]
+        [--codec fp8] [--busy 0,2] [--reads page_cache,device] [--tokens 256]
+        [--name codec_writes]
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from benchmarks.common import write_results
 from benchmarks.micro.bench_codec import LAYOUTS, _keys, _p, _tier, kv_like
 from kvtier.backends import StorageBackend
 from kvtier.backends.codec import CODECS, NAIVE
+from kvtier.backends.disk.files import file_name, record_path
 from kvtier.kernels import ops
 from kvtier.keys import ChunkKey
 from kvtier.memory import MemoryAllocator, MemoryObj
@@ -41,11 +47,27 @@ while True:
 """
 
 
-def _run(tier: StorageBackend, keys: list[ChunkKey], src: MemoryObj) -> tuple[float, ...]:
-    """One put then one get: (put wall, put CPU, get wall, get CPU) seconds."""
+def _evict(tier: StorageBackend, key: ChunkKey) -> None:
+    """Write `key`'s record to the disk and drop it from the page cache (its next read comes
+    from the device)."""
+    fd = os.open(record_path(tier.root, file_name(key.key)), os.O_RDONLY)  # type: ignore[attr-defined]
+    try:
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _run(tier: StorageBackend, keys: list[ChunkKey], src: MemoryObj,
+         device: bool) -> tuple[float, ...]:
+    """One put then one get (from the device when `device`): (put wall, put CPU, get wall,
+    get CPU) seconds."""
     c0, t0 = time.process_time(), time.perf_counter()
     assert tier.batch_put(keys, [src]) == 1, tier.stats()
     c1, t1 = time.process_time(), time.perf_counter()
+    if device:
+        _evict(tier, keys[0])
+        c1, t1 = time.process_time(), time.perf_counter()
     got = tier.batch_get(keys)
     c2, t2 = time.process_time(), time.perf_counter()
     assert len(got) == 1, tier.stats()
@@ -54,7 +76,7 @@ def _run(tier: StorageBackend, keys: list[ChunkKey], src: MemoryObj) -> tuple[fl
 
 
 def measure(layout_name: str, codec: str, tokens: int, rounds: int, where: str,
-            ) -> dict[str, float]:
+            device: bool = False) -> dict[str, float]:
     layout = LAYOUTS[layout_name]
     alloc = MemoryAllocator(4 * layout.nbytes(tokens) + (8 << 20))
     arms = [NAIVE.name, codec]
@@ -68,7 +90,7 @@ def measure(layout_name: str, codec: str, tokens: int, rounds: int, where: str,
         for r in range(rounds + 1):  # round 0 warms up (the directories, the scratch)
             for i, arm in enumerate(arms[:: 1 if r % 2 else -1]):
                 keys = _keys(layout, 1, tokens, 2 * r + i)
-                got = _run(tiers[arm], keys, src)
+                got = _run(tiers[arm], keys, src, device)
                 tiers[arm].remove(keys)
                 if r:
                     for m, v in zip(("put", "put_cpu", "get", "get_cpu"), got, strict=True):
@@ -91,9 +113,11 @@ def measure(layout_name: str, codec: str, tokens: int, rounds: int, where: str,
     return out
 
 
-def _print(label: str, res: dict[str, float], codec: str) -> None:
+def _print(label: str, res: dict[str, float], codec: str, puts: bool) -> None:
+    """The run's table; `puts` false for reads from the device, whose puts follow the last
+    round's sync (the journal's commits), not a writer's usual state."""
     print(label)
-    for op in ("put", "get"):
+    for op in ("put", "get") if puts else ("get",):
         for arm in (NAIVE.name, codec):
             line = (f"  {op} {arm:12} wall ms median {res[f'{arm}_{op}_ms_median']:.3f} p25 "
                     f"{res[f'{arm}_{op}_ms_p25']:.3f} p99 {res[f'{arm}_{op}_ms_p99']:.3f}; "
@@ -114,28 +138,36 @@ def main(argv: list[str] | None = None) -> None:
                         default="fp8")
     parser.add_argument("--busy", default="0,2",
                         help="threads of a matmul process beside each run (0: none)")
+    parser.add_argument("--reads", default="page_cache",
+                        help="where loads read records: page_cache, device (dropped from the "
+                             "page cache first), or both (page_cache,device)")
     parser.add_argument("--name", default="codec_writes", help="results file (no .json)")
     args = parser.parse_args(argv)
+    reads = args.reads.split(",")
+    if not reads or set(reads) - {"page_cache", "device"}:
+        parser.error(f"--reads must name page_cache and/or device, got {args.reads!r}")
     kernel = ops.prepare()
     results: dict[str, object] = {"kernel": kernel, "codec": args.codec, "layout": args.layout,
                                   "rounds": args.rounds, "runs": {}}
     print(f"codec {args.codec} ({kernel}), layout {args.layout}, {args.rounds} rounds")
-    for busy in (int(b) for b in args.busy.split(",")):
+    for busy, where in ((int(b), r) for b in args.busy.split(",") for r in reads):
         proc = subprocess.Popen([sys.executable, "-c", _BUSY, str(busy)]) if busy else None
         try:
             if proc is not None:
                 time.sleep(1.0)  # its threads running
             load0 = os.getloadavg()[0]
             with tempfile.TemporaryDirectory(prefix="kvtier-bench-writes-") as tmp:
-                res = measure(args.layout, args.codec, args.tokens, args.rounds, tmp)
+                res = measure(args.layout, args.codec, args.tokens, args.rounds, tmp,
+                              device=where == "device")
             res["load_before"], res["load_after"] = load0, os.getloadavg()[0]
         finally:
             if proc is not None:
                 proc.kill()
                 proc.wait()
-        results["runs"][f"busy{busy}"] = res  # type: ignore[index]
-        _print(f"busy {busy} (load {res['load_before']:.1f} -> {res['load_after']:.1f})", res,
-               args.codec)
+        label = f"busy{busy}" + ("" if where == "page_cache" else f"_{where}")
+        results["runs"][label] = res  # type: ignore[index]
+        _print(f"busy {busy}, reads from the {where} (load {res['load_before']:.1f} -> "
+               f"{res['load_after']:.1f})", res, args.codec, where == "page_cache")
     write_results(args.name, results)
 
 
