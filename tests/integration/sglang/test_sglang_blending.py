@@ -119,9 +119,10 @@ def test_segments_load_at_new_positions_and_blend_exactly_at_a_share_of_one(
     assert blended["meta_info"]["cached_tokens"] == line["device"], (blended["meta_info"], line)
     assert blended["output_ids"] == reference["output_ids"], (blended["text"],
                                                               reference["text"])
-    # every token past the check layer computed by SGLang's forward, folded into the extend
-    assert f"{int(loaded) + line['computed']} tokens past it in SGLang's forward" in \
-        server.log(), server.log()[-3000:]
+    # every token past the check layer computed by SGLang's model in the blend's job, before
+    # admission (rows_forward): exact, as the answer shows
+    assert f"{int(loaded) + line['computed']} tokens past it in SGLang's model before " \
+        "admission" in server.log(), server.log()[-3000:]
 
     # An opted-out request reads no blended KV: its device match stops at the first blended
     # slot, after the system prompt, and it is kept out of the tree, so a second one does too.
@@ -205,9 +206,10 @@ def test_a_reordered_rag_prompt_with_a_preamble_reuses_every_document(
     assert line["segments"] == 3 and _metric(server, "blend_segments_hit", at_least=3) == 3, line
     assert line["device"] == 0, line
     # the check layers computed while the request waited, off the scheduler thread, and the
-    # share past them in SGLang's own forward (issue 75)
+    # share past them by SGLang's own model there too (issue 75: no stream waits for them)
     said = re.findall(r"kvtier: blended \S+: .*\)$", server.log(), re.M)[-1]
-    assert said.endswith("off the scheduler thread)") and "in SGLang's forward (" in said, said
+    assert said.endswith("off the scheduler thread)"), said
+    assert "in SGLang's model before admission (" in said, said
     assert line["loaded"] > 3 * DOC_TOKENS and line["computed"] < line["loaded"] / 4, line
     kept = line["loaded"] - line["recomputed"] - line["segments"]  # first tokens: computed
     assert 0 < kept < line["loaded"]

@@ -35,7 +35,7 @@ from kvtier.engine.segments import SegmentStore
 from kvtier.integration.sglang.blending.blend_chains import SegmentHits
 from kvtier.metrics import Counters, RateLimitedLog
 
-__all__ = ["BlendJobs", "Computed", "MAX_DONE", "POLL_WAIT_S", "compute"]
+__all__ = ["BlendJobs", "Computed", "MAX_DONE", "POLL_WAIT_S", "compute", "compute_threads"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +65,9 @@ class Computed(NamedTuple):
     # heads' loaded values at the check layer are from the fresh ones. `computed` is then
     # every token, until the ranks' sum picks the share at admission (`blend_ranks`).
     deviation: torch.Tensor | None = None
+    # Every layer computed: the rows past the check layers too (`rows_forward`, before the
+    # admission), so SGLang's extend computes the request's own tokens only.
+    whole: bool = False
 
     def tally(self, device_len: int) -> tuple[int, int, int]:
         """Of the tokens past `device_len` (what the pool held stays; what the blend wrote):
@@ -78,6 +81,15 @@ class Computed(NamedTuple):
         last = torch.zeros_like(new)
         last[self.computed] = True
         return loaded, recomputed, int((self.cached & new & ~last).sum())
+
+    def counted(self, counters: Counters, device_len: int) -> tuple[int, int, int]:
+        """Count this blend in `counters` (`blender.BLEND_COUNTERS`); returns `tally`."""
+        loaded, recomputed, kept = self.tally(device_len)
+        counters.inc("sglang.blend_requests")
+        counters.inc("sglang.blend_segments_hit", self.segments_hit)
+        counters.inc("sglang.blend_tokens_loaded", loaded)
+        counters.inc("sglang.blend_tokens_recomputed", recomputed)
+        return loaded, recomputed, kept
 
 
 Compute = Callable[[np.ndarray, SegmentHits, str], "Computed | None"]
@@ -122,7 +134,7 @@ def compute(w: LlamaWeights, store: SegmentStore, plan: BlendPlan, pool: Pool,
             known.kv[1, layer, :device_len] = pool[1][layer][rows].view(device_len, -1)
         cached[:device_len] = True
     loaded_at = time.perf_counter()
-    with _compute_threads(dev) as threads:
+    with compute_threads(dev) as threads:
         out = blend(w, ids, known.kv, cached, plan, must=known.must, logits=False, upto=upto,
                     in_place=True)  # known.kv is this job's own
     if dev.type == "cuda":  # the result may be read on another thread's stream
@@ -137,7 +149,7 @@ def _check_columns(w: LlamaWeights, ids: torch.Tensor, known: Assembled, layer: 
     rank's columns of it written over the loaded KV, and the deviation of its loaded values
     there."""
     loaded_at = time.perf_counter()
-    with _compute_threads(ids.device) as threads:
+    with compute_threads(ids.device) as threads:
         fresh = prefill(w, ids, logits=False, upto=layer).kv
     deviation = (fresh[1, layer][:, cols].float() - known.kv[1, layer].float()).pow(2).sum(-1)
     known.kv[:, :layer + 1] = fresh[:, :layer + 1, :, cols]
@@ -149,7 +161,7 @@ def _check_columns(w: LlamaWeights, ids: torch.Tensor, known: Assembled, layer: 
 
 
 @contextlib.contextmanager
-def _compute_threads(device: torch.device) -> Iterator[int]:
+def compute_threads(device: torch.device) -> Iterator[int]:
     """On a CPU, every core this process may use for the blend's forward, on the calling
     thread: SGLang's scheduler thread runs with one (its forward passes run on another
     thread), which made a blend take three times as long as the same forward offline."""

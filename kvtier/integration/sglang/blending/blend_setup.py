@@ -14,6 +14,7 @@ from kvtier.integration.sglang.blending import in_forward
 from kvtier.integration.sglang.blending.blend_model import separator_ids, served_weights
 from kvtier.integration.sglang.blending.blend_ranks import Ranks, Reduce, gather_weights
 from kvtier.integration.sglang.blending.blender import SGLangBlender
+from kvtier.integration.sglang.blending.rows_forward import RowsForward
 from kvtier.integration.sglang.boundary.sglang_views import Opaque
 from kvtier.metrics import Counters
 
@@ -51,8 +52,11 @@ def blender_for(scheduler: Opaque, store: SegmentStore, section: BlendSection, p
         assert group is not None
         ranks = Ranks(group[0], tp, group[1])
         weights = gather_weights(weights, ranks, int(runner.model.config.vocab_size))
+    # At TP 1 the rows past the check layers run through SGLang's model in the blend's job,
+    # before admission (no stream waits for them); above, collectives keep them in the extend.
+    rows = RowsForward(runner) if folds and tp == 1 else None
     return SGLangBlender(weights, store, section, separator, (k, v), page_size, counters,
-                         prefill_s, in_forward=folds, ranks=ranks)
+                         prefill_s, in_forward=folds, ranks=ranks, rows=rows)
 
 
 def _check_tp(section: BlendSection, tp: int, folds: bool,

@@ -53,6 +53,7 @@ from kvtier.integration.sglang.blending.blend_ranks import Ranks, agreed_rows, r
 from kvtier.integration.sglang.blending.blend_state import BlendRequest, blend_requests
 from kvtier.integration.sglang.blending.blend_worker import WORKER_COUNTERS, SegmentWorker
 from kvtier.integration.sglang.blending.blended_slots import BlendedSlots
+from kvtier.integration.sglang.blending.rows_forward import RowsForward
 from kvtier.keys import KeyChain
 from kvtier.metrics import Counters
 
@@ -83,6 +84,8 @@ class SGLangBlender:
             else kvtier's forward computes every layer.
         ranks: on a tensor-parallel server, this rank and its group (`blend_ranks`; then
             `weights` are the whole model's, `pool` this rank's heads, and `in_forward` holds).
+        rows: at TP 1, with `in_forward`: SGLang's model computes those tokens in the blend's
+            job, before admission (`rows_forward`), instead of in the request's extend.
     """
 
     def __init__(self, weights: LlamaWeights, store: SegmentStore, section: BlendSection,
@@ -90,7 +93,7 @@ class SGLangBlender:
                                                        Sequence[torch.Tensor]],
                  page_size: int, counters: Counters,
                  prefill_s: Callable[[int, int], float] | None = None, in_forward: bool = False,
-                 ranks: Ranks | None = None):
+                 ranks: Ranks | None = None, rows: RowsForward | None = None):
         last = max(section.check_layers)
         if last >= weights.num_layers:
             raise ConfigError(f"blend_check_layers: {list(section.check_layers)} reaches past "
@@ -113,6 +116,7 @@ class SGLangBlender:
         self.planner = BlendPlanner(section.max_prefill_ratio)
         self._prefill_s = prefill_s
         self.in_forward = in_forward
+        self.rows = rows  # computes the rows past the check layers in a blend's job
         self.jobs = BlendJobs(self._compute, counters)  # blends off the scheduler thread
         self._hinted = False  # the preamble hint (`hint_preamble`) was logged
         self._asks = ThreadPoolExecutor(1, thread_name_prefix="kvtier-blend-ask")  # `prefetch`
@@ -346,9 +350,9 @@ class SGLangBlender:
             self.counters.inc("sglang.blend_failures")  # every rank computes it
             return None
         assert done is not None
-        loaded, recomputed, kept = self._account(done, device_len)
+        loaded, recomputed, kept = done.counted(self.counters, device_len)
         rows = done.computed[done.computed >= device_len].cpu()
-        if self.in_forward:  # SGLang computes them, past the check layers, in the extend
+        if self.in_forward and not done.whole:  # SGLang computes them in the extend
             in_forward.add(rid, in_forward.Splice(end, rows, self.counters))
         logger.info("kvtier: blended %s: %d tokens from %d segments at new positions, %d of them "
                     "recomputed from layer %d, %d computed (device prefix %d); cached_tokens "
@@ -357,7 +361,8 @@ class SGLangBlender:
                     recomputed, self.plan.check_layers[0], end - device_len - loaded,
                     device_len, device_len + kept, kept, done.read_s, done.compute_s,
                     f" up to layer {max(self.plan.check_layers)}, {len(rows)} tokens past it "
-                    "in SGLang's forward" if self.in_forward else "", done.threads, where)
+                    f"in SGLang's {'model before admission' if done.whole else 'forward'}"
+                    if self.in_forward else "", done.threads, where)
         return kept
 
     def _write(self, done: Computed, device_len: int, end: int, slots: torch.Tensor) -> None:
@@ -378,21 +383,14 @@ class SGLangBlender:
         upto = max(self.plan.check_layers) if self.in_forward else None
         done = compute(self.w, self.store, self.plan, (self.pool_k, self._v), tokens, hits,
                        salt, prefix, upto, self.cols)
+        if done is not None and prefix is None and self.rows is not None:
+            done = self.rows.finish(done, tokens)
         if done is not None:
             took = time.perf_counter() - start  # + SGLang's share, as it expects to take it
-            if self.in_forward and self._prefill_s is not None:
+            if self.in_forward and not done.whole and self._prefill_s is not None:
                 took += self._prefill_s(rows_to_come(done, self.plan), hits.end)
             self.planner.observe(hits.end - (prefix[0] if prefix else 0), took)
         return done
-
-    def _account(self, done: Computed, device_len: int) -> tuple[int, int, int]:
-        """Count a blend (`BLEND_COUNTERS`); returns `Computed.tally`."""
-        loaded, recomputed, kept = done.tally(device_len)
-        self.counters.inc("sglang.blend_requests")
-        self.counters.inc("sglang.blend_segments_hit", done.segments_hit)
-        self.counters.inc("sglang.blend_tokens_loaded", loaded)
-        self.counters.inc("sglang.blend_tokens_recomputed", recomputed)
-        return loaded, recomputed, kept
 
     def close(self) -> None:
         self._asks.shutdown(wait=False, cancel_futures=True)

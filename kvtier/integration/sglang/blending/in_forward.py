@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from copy import copy
 from typing import NamedTuple
 
@@ -35,7 +36,8 @@ from kvtier.integration.sglang.boundary.sglang_views import Opaque
 from kvtier.metrics import Counters, RateLimitedLog
 
 __all__ = ["TARGETS", "Splice", "add", "around_forward_batch_generation",
-           "around_model_forward", "drop", "folding", "install", "query_positions", "runs_in"]
+           "around_model_forward", "drop", "folding", "install", "query_positions", "rows_at",
+           "runs_in"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +107,17 @@ def drop(rid: str | None = None) -> None:
             _pending.clear()
         else:
             _pending.pop(rid, None)
+
+
+@contextmanager
+def rows_at(rows: torch.Tensor) -> Iterator[None]:
+    """Within: a forward on this thread computes one request's `rows` (its whole extend) at
+    their own positions (`rows_forward`: a blend's rows before its admission)."""
+    _active.fold = _Fold(rows, {0: rows})
+    try:
+        yield
+    finally:
+        _active.fold = None
 
 
 def folding() -> bool:

@@ -87,7 +87,18 @@ SURFACE: dict[str, tuple[str, ...]] = {
         "tp_size", "tp_cpu_group",  # an admin op's answers gathered (tp_answers.py)
     ),
     f"{_SB}.ScheduleBatch": ("forward_mode", "extend_num_tokens", "launch_ts", "seq_lens_cpu"),
-    "sglang.srt.model_executor.forward_batch_info.ForwardMode": ("is_extend",),
+    "sglang.srt.model_executor.forward_batch_info.ForwardMode": ("is_extend", "EXTEND"),
+    # -- a blend's rows through SGLang's model before admission (rows_forward.py) --
+    "sglang.srt.model_executor": ("forward_context",),
+    "sglang.srt.model_executor.forward_context": ("ForwardContext", "get_forward_context"),
+    "sglang.srt.model_executor.forward_context.ForwardContext": ("attn_backend",),
+    "sglang.srt.model_executor.forward_batch_info": ("ForwardBatch", "ForwardMode"),
+    "sglang.srt.model_executor.forward_batch_info.ForwardBatch": (  # its fields
+        "forward_mode", "batch_size", "input_ids", "req_pool_indices", "seq_lens",
+        "out_cache_loc", "seq_lens_sum", "seq_lens_cpu", "positions", "extend_num_tokens",
+        "extend_seq_lens", "extend_prefix_lens", "extend_seq_lens_cpu",
+        "extend_prefix_lens_cpu", "extend_start_loc"),
+    "sglang.srt.mem_cache.memory_pool.KVWriteLoc": ("loc",),  # where set_kv_buffer writes
     "sglang.srt.mem_cache.registry": ("register_radix_cache_backend",
                                       "registered_radix_cache_backends",
                                       "create_unified_radix_cache"),

@@ -1,0 +1,112 @@
+"""A blend's rows through SGLang's model before admission (`rows_forward`), in process: the
+pool view over the blend's KV, the thread's own forward context, and the fallback to the fold.
+On a real server (exact at a share of 1, and what the log says): test_sglang_blending.py."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from kvtier.integration.sglang.blending import in_forward, rows_forward
+from kvtier.integration.sglang.blending.blend_jobs import Computed
+from kvtier.integration.sglang.blending.rows_forward import RowsForward, _BlendPool
+
+
+def test_the_pool_is_the_blends_kv_slot_i_token_i() -> None:
+    kv = torch.zeros(2, 3, 10, 8)  # [planes, layers, tokens, 2 heads x 4]
+    pool = _BlendPool(kv, heads=2, head_dim=4)
+    assert pool.get_key_buffer(1).shape == (10, 2, 4)
+    assert pool.get_key_buffer(1).data_ptr() == kv[0, 1].data_ptr()  # a view, no copy
+    k, v = torch.randn(3, 2, 4), torch.randn(3, 2, 4)
+    rows = torch.tensor([2, 5, 9])
+    pool.set_kv_buffer(SimpleNamespace(layer_id=1), SimpleNamespace(loc=rows), k, v)
+    assert torch.equal(kv[0, 1, rows], k.view(3, 8)) and torch.equal(kv[1, 1, rows], v.view(3, 8))
+    # nothing else moved: other tokens, other layers
+    kv[:, 1, rows] = 0
+    assert not kv.any()
+    # a plain tensor of slots (SGLang before KVWriteLoc) and another dtype are taken too
+    pool.set_kv_buffer(SimpleNamespace(layer_id=0), rows, k.double(), v.double())
+    assert torch.equal(kv[0, 0, rows], k.view(3, 8))
+
+
+def test_rows_at_is_this_threads_alone() -> None:
+    rows = torch.tensor([4, 1, 7])
+    seen: list[object] = []
+    with in_forward.rows_at(rows):
+        assert in_forward.folding() and torch.equal(in_forward.query_positions(0), rows)
+        assert in_forward.query_positions(1) is None
+        other = threading.Thread(target=lambda: seen.append(in_forward.query_positions(0)))
+        other.start()
+        other.join()
+    assert seen == [None] and not in_forward.folding()
+
+
+def _done(rows: list[int]) -> Computed:
+    kv = torch.arange(2 * 2 * 6 * 4, dtype=torch.float32).view(2, 2, 6, 4)
+    cached = torch.ones(6, dtype=torch.bool)
+    return Computed(6, kv, cached, torch.zeros(6, dtype=torch.bool), 1,
+                    torch.tensor(rows), 0.1, 0.2, 1)
+
+
+class _Runs(RowsForward):
+    """A RowsForward without a model: `run` records its calls, or fails."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.broken, self.fail, self.calls = False, fail, []  # type: ignore[assignment]
+
+    def run(self, kv: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        self.calls.append((ids.tolist(), rows.tolist()))
+        kv[:, :, rows] = -1.0  # a partial write, then the failure
+        if self.fail:
+            raise RuntimeError("this SGLang's model runs no other batch")
+
+
+def test_finish_runs_the_rows_in_order_and_marks_the_blend_whole() -> None:
+    forward, done = _Runs(), _done([5, 0, 3])
+    out = forward.finish(done, np.arange(100, 110))
+    assert out.whole and not done.whole
+    assert forward.calls == [(list(range(100, 106)), [0, 3, 5])]  # the prompt's tokens, sorted
+    assert out.compute_s >= done.compute_s
+
+
+def test_a_model_that_refuses_leaves_the_rows_to_the_fold(caplog: pytest.LogCaptureFixture,
+                                                         ) -> None:
+    forward, done = _Runs(fail=True), _done([1, 4])
+    out = forward.finish(done, np.arange(6))
+    # the fold recomputes those rows in every layer, so what the failed run wrote is harmless
+    assert not out.whole and out is done and forward.broken
+    assert "fold them into their extend from now on" in caplog.text
+    assert forward.finish(_done([2]), np.arange(6)).whole is False  # not tried again
+    assert len(forward.calls) == 1
+
+
+@pytest.mark.sglang
+def test_a_thread_with_its_own_context_reads_it_and_the_others_sglangs() -> None:
+    from sglang.srt.model_executor import forward_context as fc
+
+    rows_forward.install()
+    rows_forward.install()  # once per process
+    mine, theirs = fc.ForwardContext(attn_backend="mine"), fc.ForwardContext(attn_backend="theirs")
+    previous = fc.set_forward_context(theirs)
+    try:
+        seen: dict[str, object] = {}
+
+        def job() -> None:
+            rows_forward._local.ctx = mine
+            try:
+                seen["job"] = fc.get_attn_backend()
+            finally:
+                rows_forward._local.ctx = None
+            seen["after"] = fc.get_attn_backend()
+
+        thread = threading.Thread(target=job)
+        thread.start()
+        thread.join()
+        assert seen == {"job": "mine", "after": "theirs"}
+        assert fc.get_attn_backend() == "theirs"  # the scheduler's thread: SGLang's own
+    finally:
+        fc.set_forward_context(previous)
