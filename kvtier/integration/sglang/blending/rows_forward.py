@@ -17,6 +17,11 @@ context (`get_forward_context`, the attention backend its layers call) in one mo
 variable, safe while every forward runs on one thread; `install` lets a thread that set an
 override read its own (`_ThreadContext`), every other thread SGLang's, unchanged.
 
+The rows run on the job thread's own threads (one, as SGLang's CPU workers start), not every
+core as the check layers do: their forward is many small parallel regions, and beside a busy
+process a team of two waited at each barrier for the core that process held (a blend took 14.6 s
+against 2.5 s quiet; with one thread 0.77x the full prefill's TTFT there).
+
 Only at tensor parallel 1: a forward at TP > 1 runs collectives, which must be called by
 every rank in the same order as the scheduler's (`blend_ranks` folds there).
 """
@@ -34,7 +39,7 @@ import numpy as np
 import torch
 
 from kvtier.integration.sglang.blending import in_forward
-from kvtier.integration.sglang.blending.blend_jobs import Computed, compute_threads
+from kvtier.integration.sglang.blending.blend_jobs import Computed
 from kvtier.integration.sglang.boundary.sglang_views import Opaque
 
 __all__ = ["RowsForward", "install"]
@@ -152,8 +157,7 @@ class RowsForward:
         ids = torch.from_numpy(np.ascontiguousarray(tokens[:done.end])).to(torch.int64)
         rows = torch.sort(done.computed.cpu().to(torch.int64)).values
         try:
-            with compute_threads(done.kv.device):
-                self.run(done.kv, ids, rows)
+            self.run(done.kv, ids, rows)  # on the job thread's own threads: see the module doc
         except Exception:
             self.broken = True
             logger.exception("kvtier: SGLang's model did not compute a blend's rows before "
