@@ -35,7 +35,7 @@ from kvtier.engine.segments import SegmentStore
 from kvtier.integration.sglang.blending.blend_chains import SegmentHits
 from kvtier.metrics import Counters, RateLimitedLog
 
-__all__ = ["BlendJobs", "Computed", "MAX_DONE", "POLL_WAIT_S", "compute", "compute_threads"]
+__all__ = ["BlendJobs", "Computed", "MAX_DONE", "POLL_WAIT_S", "compute"]
 
 logger = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ def compute(w: LlamaWeights, store: SegmentStore, plan: BlendPlan, pool: Pool,
             known.kv[1, layer, :device_len] = pool[1][layer][rows].view(device_len, -1)
         cached[:device_len] = True
     loaded_at = time.perf_counter()
-    with compute_threads(dev) as threads:
+    with _compute_threads(dev) as threads:
         out = blend(w, ids, known.kv, cached, plan, must=known.must, logits=False, upto=upto,
                     in_place=True)  # known.kv is this job's own
     if dev.type == "cuda":  # the result may be read on another thread's stream
@@ -149,7 +149,7 @@ def _check_columns(w: LlamaWeights, ids: torch.Tensor, known: Assembled, layer: 
     rank's columns of it written over the loaded KV, and the deviation of its loaded values
     there."""
     loaded_at = time.perf_counter()
-    with compute_threads(ids.device) as threads:
+    with _compute_threads(ids.device) as threads:
         fresh = prefill(w, ids, logits=False, upto=layer).kv
     deviation = (fresh[1, layer][:, cols].float() - known.kv[1, layer].float()).pow(2).sum(-1)
     known.kv[:, :layer + 1] = fresh[:, :layer + 1, :, cols]
@@ -161,7 +161,7 @@ def _check_columns(w: LlamaWeights, ids: torch.Tensor, known: Assembled, layer: 
 
 
 @contextlib.contextmanager
-def compute_threads(device: torch.device) -> Iterator[int]:
+def _compute_threads(device: torch.device) -> Iterator[int]:
     """On a CPU, every core this process may use for the blend's forward, on the calling
     thread: SGLang's scheduler thread runs with one (its forward passes run on another
     thread), which made a blend take three times as long as the same forward offline."""

@@ -17,6 +17,10 @@ token up to its own position, not every token before the extend
 (`cpu_attention.extend_over_prefix` asks `query_positions`). The rows' fresh KV lands in their
 own slots, as each layer runs, so later rows and the decode read it.
 
+At `--tp 1` the same rows run before admission instead, on the blend job's thread
+(`rows_forward`, through `rows_at`): a folded extend is one prefill step every running stream
+waits for. Above it the fold stays, as every rank's forward must run in step.
+
 Hooked where kvtier installs its CPU prefix attention (`cpu_attention.install`), in every
 SGLang process; with nothing registered the hooks call SGLang's code unchanged.
 """
