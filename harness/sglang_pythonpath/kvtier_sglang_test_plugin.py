@@ -12,11 +12,14 @@ SGLang's SIGTERM watchdog looks at its flag every 5 s, so a stopped server idles
 average before its stop begins: about two minutes over the suite's 50 servers. Here it looks
 every 0.1 s; what the stop then does is SGLang's own, unchanged.
 
-`KVTIER_TEST_SKEW_SEGMENTS=PATH`: while the file PATH exists, kvtier's standalone segment
-forward (the one that computes segment records and checks them, `blend_worker.prefill`) gives
-layer 2's values 5% off: a bug in that forward that computes the same wrong KV every time,
-which only a comparison with SGLang's own KV can see (read per call: a zygote's servers get
-their environment after the plugin loaded).
+`KVTIER_TEST_SKEW_SEGMENTS=PATH`: while the file PATH exists, a fault that computes the same
+wrong KV every time, where the file says (read per call: a zygote's servers get their
+environment after the plugin loaded):
+- `records`: in whatever computes segments alone for the segment worker, its records and its
+  checks of them (`SegmentWorker._prefill`): layer 2's values 5% off. Only a comparison with
+  SGLang's KV of a prompt's first segment can see it (`engine_check`).
+- `kvtier`: in kvtier's own forward (`blend_worker.prefill`): layer 3's values 5% off. Where
+  SGLang's model computes the segments (TP 1, its CPU engine), no record or check reads it.
 """
 
 from __future__ import annotations
@@ -74,20 +77,38 @@ def register() -> None:
     _skewable_segment_forward()
 
 
+def _skew() -> str:
+    """Where the fault is on now (`SKEW_ENV`'s file's text), or ""."""
+    flag = os.environ.get(SKEW_ENV)
+    try:
+        return open(flag).read().strip() if flag else ""
+    except FileNotFoundError:
+        return ""
+
+
 def _skewable_segment_forward() -> None:
-    """kvtier's segment forward with a fault switched by `SKEW_ENV`'s file (see above)."""
+    """The segment worker's two forwards with faults switched by `SKEW_ENV`'s file (above)."""
+    import torch
+
     from kvtier.integration.sglang.blending import blend_worker
 
-    real = blend_worker.prefill
+    real_prefill, real_segment = blend_worker.prefill, blend_worker.SegmentWorker._prefill
 
     def prefill(*args: Any, **kwargs: Any) -> Any:
-        out = real(*args, **kwargs)
-        flag = os.environ.get(SKEW_ENV)
-        if flag and os.path.exists(flag):
-            out.kv[1, 2] *= 1.05
+        out = real_prefill(*args, **kwargs)
+        if _skew() == "kvtier":
+            out.kv[1, 3] *= 1.05
         return out
 
+    @torch.inference_mode()
+    def segment(self: Any, ids: Any) -> Any:
+        kv = real_segment(self, ids)
+        if _skew() == "records":
+            kv[1, 2] *= 1.05
+        return kv
+
     blend_worker.prefill = prefill  # type: ignore[assignment]
+    blend_worker.SegmentWorker._prefill = segment  # type: ignore[method-assign]
 
 
 def _register_mla_dispatch() -> None:

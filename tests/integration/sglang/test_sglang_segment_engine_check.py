@@ -1,13 +1,16 @@
 """Segment records checked against SGLang's own KV (issue 75 item 4), on a real SGLang server
-(SmolLM2-135M-Instruct, float32).
+(SmolLM2-135M-Instruct, float32, tensor parallel 1).
 
-kvtier computes segment records with its own forward and checks them with the same forward, so a
-bug in that forward that computes the same wrong KV every time passes that check. Here the test
-plugin puts such a bug in it (`KVTIER_TEST_SKEW_SEGMENTS`: layer 2's values 5% off, while a file
-exists): the records it writes are wrong, and the background check agrees with them. A verified
-request whose prompt starts with such a segment computes it with SGLang, at position 0, and that
-KV accuses the records: they leave the tier, counted and logged, so the next prompt holding
-that segment finds no record of it. A record that SGLang's KV confirms is kept.
+The test plugin puts a fault that computes the same wrong KV every time where a file says
+(`KVTIER_TEST_SKEW_SEGMENTS`):
+- in kvtier's own forward (`kvtier`): at TP 1 SGLang's model computes the segments alone, so
+  the records stored under that fault are SGLang's and pass every check, and a record it did
+  not compute (a non-leading segment's) is refuted by the background check;
+- in whatever computes the segments (`records`): the records are wrong, and the background
+  check, computed the same way, agrees with them. A verified request whose prompt starts with
+  such a segment computes it with SGLang's extend, at position 0, and that KV accuses the
+  records: they leave the tier, counted and logged, so the next prompt holding that segment
+  finds no record of it.
 """
 
 from __future__ import annotations
@@ -67,38 +70,49 @@ def test_a_segment_record_that_sglangs_own_kv_refutes_is_removed_and_a_true_one_
     server = start_server(real_model, config, "--max-total-tokens", "8192", "--enable-metrics",
                           "--admin-api-key", ADMIN,
                           env={"KVTIER_TEST_SKEW_SEGMENTS": str(skew)})
-    stored = "sglang_blend_segments_stored"
-    skew.touch()  # documents 0 and 1 stored by the faulty forward
+    assert "segments alone are computed by SGLang's model" in server.log()
+    stored, verified = "sglang_blend_segments_stored", "sglang_blend_segments_verified"
+    skew.write_text("records")  # documents 0 and 1 stored wrong
     _generate(server, _prompt([0, 1]))
     assert _metric(server, stored, at_least=2) == 2
-    skew.unlink()  # documents 2 and 3 stored by the forward as it is
+    skew.write_text("kvtier")  # documents 2 and 3 stored while kvtier's own forward is wrong
     _generate(server, _prompt([2, 3]))
     assert _metric(server, stored, at_least=4) == 4
 
-    # A verified request that starts with document 2: SGLang's KV confirms its records.
+    # A verified request that starts with document 2: SGLang's KV of it confirms its records,
+    # so they are not kvtier's forward's; the background check (SGLang's model) confirms them.
     server.flush_cache()  # nothing in the device tree: the prompt is computed from token 0
     _verify(server, 1)
     _generate(server, _prompt([2]))
     checked = "sglang_blend_segments_engine_checked"
     assert _metric(server, checked, at_least=1) == 1
     assert _metric(server, "sglang_blend_segments_engine_mismatched") == 0
-    # kvtier's own check of the same request (background, honest forward) confirms it too;
-    # waited for, so that it does not run under the fault switched on next.
-    assert _metric(server, "sglang_blend_segments_verified", at_least=1) == 1
+    assert _metric(server, verified, at_least=1) == 1
+    assert _metric(server, "sglang_blend_segments_mismatched") == 0
 
-    # One that starts with document 0, while the fault persists (so kvtier's own check, run on
-    # the same request, agrees with the wrong records): SGLang's KV refutes them.
-    skew.touch()
+    # Document 1 after document 2: no extend computes it alone, but the background check does,
+    # in SGLang's model, and refutes its wrong records (the fresh KV takes their place).
+    server.flush_cache()
+    _generate(server, _prompt([2, 1]))
+    assert _metric(server, verified, at_least=3) == 3  # waited for: the fault changes next
+    assert _metric(server, "sglang_blend_segments_mismatched", at_least=1) == 1
+    assert _metric(server, "sglang_blend_segments_engine_mismatched") == 0
+
+    # One that starts with document 0, while the records' fault persists (so the background
+    # check agrees with the wrong records): SGLang's KV of the prompt refutes them.
+    skew.write_text("records")
     server.flush_cache()
     _generate(server, _prompt([0]))
-    assert _metric(server, checked, at_least=2) == 2
+    assert _metric(server, checked, at_least=3) == 3
     assert _metric(server, "sglang_blend_segments_engine_mismatched", at_least=1) == 1
     assert _metric(server, "verify_mismatch", at_least=1) >= 1  # counted in the CPU tier's
     assert "differs from SGLang's own KV of it" in server.log()
+    assert _metric(server, verified, at_least=4) == 4
+    assert _metric(server, "sglang_blend_segments_mismatched") == 1
     skew.unlink()
 
     # The next prompt that starts with document 0 finds no record of it (a blend would find
-    # none either): it is computed, and the segment is stored again, by the forward as it is.
+    # none either): it is computed, and the segment is stored again, by SGLang's model.
     _verify(server, 0)
     server.flush_cache()
     _generate(server, _prompt([0]))

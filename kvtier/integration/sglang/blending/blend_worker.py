@@ -8,6 +8,12 @@ records of it (`kvtier.engine.segment_checks`); a record that differs leaves the
 holds it, and the fresh KV is stored in its place. Both read disk and Redis and compute a
 prefill: never on SGLang's scheduler thread. On a CPU engine they wait for quiet moments
 between batches.
+
+Where SGLang's model can run on this thread (`rows_forward`: tensor parallel 1, SGLang's CPU
+engine), it computes the segments: every record, and every check of one, is SGLang's own KV of
+the segment, so a fault in kvtier's second implementation of the model (`blend.forward`) can
+neither write a record nor vouch for one. Elsewhere kvtier's forward computes them, and only
+the segment that starts a prompt meets SGLang's KV (`engine_check`).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from kvtier.background import ENGINE, HOLD_S, lower_priority, name_os_thread
 from kvtier.blend.forward import LlamaWeights, prefill
 from kvtier.blend.segments import Segment, find_segments
 from kvtier.engine.segments import SegmentStore
+from kvtier.integration.sglang.blending.rows_forward import RowsForward
 from kvtier.keys import KeyChain
 from kvtier.metrics import Counters
 
@@ -55,12 +62,15 @@ class SegmentWorker:
         counters: where `WORKER_COUNTERS` and `blend_failures` are counted (`sglang.` names).
         cols: on a tensor-parallel rank, its columns of the KV `weights` compute (what its
             records hold).
+        engine: SGLang's model on this thread (`RowsForward.alone`), which then computes the
+            segments instead of kvtier's forward over `weights`.
     """
 
     def __init__(self, weights: LlamaWeights, store: SegmentStore, separator: Sequence[int],
                  min_tokens: int, max_segments: int, counters: Counters,
-                 cols: slice | None = None):
+                 cols: slice | None = None, engine: RowsForward | None = None):
         self.w = weights
+        self._engine = engine
         self._cols = cols  # a tensor-parallel rank's columns of the whole model's KV
         self.store = store
         self._separator = tuple(separator)
@@ -154,9 +164,17 @@ class SegmentWorker:
 
     @torch.inference_mode()
     def _prefill(self, ids: np.ndarray) -> torch.Tensor:
-        """The segment's KV computed alone, at position 0 (as a record holds it)."""
+        """The segment's KV computed alone, at position 0 (as a record holds it): by SGLang's
+        model where it runs here, else (or should it ever fail, from then on) kvtier's."""
         if ENGINE.enabled:
             ENGINE.wait_quiet(HOLD_S)  # on a CPU engine, compute between batches
+        if self._engine is not None:
+            try:
+                return self._engine.alone(torch.from_numpy(ids))
+            except Exception:
+                self._engine = None
+                logger.exception("kvtier: SGLang's model did not compute a segment alone; "
+                                 "kvtier's forward computes segments from now on")
         dev = self.w.embed.device
         with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
             kv = prefill(self.w, torch.from_numpy(ids).to(dev), logits=False).kv

@@ -85,7 +85,8 @@ class SGLangBlender:
         ranks: on a tensor-parallel server, this rank and its group (`blend_ranks`; then
             `weights` are the whole model's, `pool` this rank's heads, and `in_forward` holds).
         rows: at TP 1, with `in_forward`: SGLang's model computes those tokens in the blend's
-            job, before admission (`rows_forward`), instead of in the request's extend.
+            job, before admission (`rows_forward`), instead of in the request's extend, and
+            the segments alone (`SegmentWorker`).
     """
 
     def __init__(self, weights: LlamaWeights, store: SegmentStore, section: BlendSection,
@@ -111,7 +112,7 @@ class SGLangBlender:
         self.counters = counters
         self.chains = SegmentChains(store, self.separator, section.min_tokens, counters)
         self.worker = SegmentWorker(weights, store, self.separator, section.min_tokens,
-                                    self.chains.max_segments, counters, self.cols)
+                                    self.chains.max_segments, counters, self.cols, rows)
         self.requests = blend_requests()  # request id -> its BlendRequest
         self.planner = BlendPlanner(section.max_prefill_ratio)
         self._prefill_s = prefill_s

@@ -1,9 +1,10 @@
 """Segment records checked against SGLang's own KV of the segment, not only kvtier's.
 
-A segment record is the KV of the segment's tokens computed alone, at position 0, by kvtier's own
-forward (`kvtier.blend.forward.prefill`), and the background check of a sampled request's
-segments (`blend_worker`) computes it again with that same forward: a bug in it that computes
-the same wrong KV every time would pass, served by every blend. SGLang computes a segment alone
+A segment record is the KV of the segment's tokens computed alone, at position 0, and the
+background check of a sampled request's segments (`blend_worker`) computes it again the same
+way: by kvtier's own forward (`kvtier.blend.forward.prefill`), or at TP 1 on SGLang's CPU engine
+by SGLang's model on kvtier's thread (`rows_forward`). A bug there that computes the same wrong
+KV every time would pass, served by every blend. SGLang's extend computes a segment alone
 exactly where a prompt starts with it: the KV of a prompt's first tokens depends on nothing
 else, so the pool's KV of a prompt's first segment is SGLang's KV of that segment at position 0,
 what its record should hold.
@@ -49,12 +50,16 @@ class EngineSegmentCheck:
         pool: the KV pool's per-layer K and V buffers (`[slots, kv_heads, head_dim]`).
         separator: `blend_special_str` as token ids; `min_tokens`: the shortest segment.
         counters: where `ENGINE_CHECK_COUNTERS` are counted (`sglang.` names).
+        computed_by: what computes the segments' records and the background check of them
+            (named in the mismatch warning: a record that both passed points at it).
     """
 
     def __init__(self, store: SegmentStore,
                  pool: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]],
-                 separator: Sequence[int], min_tokens: int, counters: Counters):
+                 separator: Sequence[int], min_tokens: int, counters: Counters,
+                 computed_by: str = "kvtier's forward (kvtier/blend/forward.py)"):
         self.store = store
+        self.computed_by = computed_by
         self._k, self._v = pool
         self._separator = tuple(separator)
         self._min_tokens = min_tokens
@@ -100,9 +105,9 @@ class EngineSegmentCheck:
                           "starts a verified prompt (%d tokens, first key %s...) differs from "
                           "SGLang's own KV of it in %d records (tiers %s; first: tokens %d-%d "
                           "from layer %s on, relative error %.3g); removed, so no blend reads "
-                          "them. Records that every check with kvtier's forward passed point "
-                          "at that forward (kvtier/blend/forward.py): see docs/blending.md",
+                          "them. Records that every background check passed point at what "
+                          "computed them, %s: see docs/blending.md",
                           segment.num_tokens, chain[0].key[:16] if len(chain) else "-",
                           len(wrong), sorted({v.tier for v in wrong}), first.key.start,
-                          first.key.end, first.layer, first.error)
+                          first.key.end, first.layer, first.error, self.computed_by)
         return verdicts

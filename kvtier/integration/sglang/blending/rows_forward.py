@@ -22,6 +22,9 @@ core as the check layers do: their forward is many small parallel regions, and b
 process a team of two waited at each barrier for the core that process held (a blend took 14.6 s
 against 2.5 s quiet; with one thread 0.77x the full prefill's TTFT there).
 
+The same forward computes a segment alone for the blender's segment worker (`alone`): its
+records, and the check of them, are then SGLang's own KV, not kvtier's second implementation's.
+
 Only at tensor parallel 1: a forward at TP > 1 runs collectives, which must be called by
 every rank in the same order as the scheduler's (`blend_ranks` folds there).
 """
@@ -104,8 +107,9 @@ class _Tokens:
 
 class RowsForward:
     """SGLang's model over chosen rows of a blend, on the calling thread (see the module doc).
-    Built on the scheduler thread from its model runner; `run` is thread-safe for one caller
-    at a time (the blend job's thread)."""
+    Built on the scheduler thread from its model runner. `run` and `alone` may run on several
+    threads at once (the blend job's, the segment worker's): each call has its own pool,
+    backend copy and context, and the model's modules hold no state across a forward."""
 
     def __init__(self, model_runner: Opaque) -> None:
         install()
@@ -113,6 +117,7 @@ class RowsForward:
         self.backend = model_runner.attn_backend
         pool = model_runner.token_to_kv_pool
         self.heads, self.head_dim = pool.k_buffer[0].shape[1:]
+        self.layers, self.dtype = len(pool.k_buffer), pool.k_buffer[0].dtype
         self.broken = False  # `run` failed once: the rows fold into the extend (`finish`)
 
     @torch.inference_mode()
@@ -120,12 +125,28 @@ class RowsForward:
         """Compute tokens `rows` (int64 positions, sorted) of the prompt `ids` in every layer,
         each attending to the tokens up to its own position in `kv` (`[2, layers, len(ids),
         width]`), and write their fresh KV into `kv`."""
+        if len(rows):
+            with in_forward.rows_at(rows):
+                self._forward(kv, ids, rows)
+
+    @torch.inference_mode()
+    def alone(self, ids: torch.Tensor) -> torch.Tensor:
+        """The KV (`[2, layers, len(ids), width]`) of tokens `ids` computed alone from position
+        0 by SGLang's model and its own attention, as its prefill of a prompt that starts with
+        them computes it: what a segment record holds (`blend_worker`)."""
+        n = len(ids)
+        kv = torch.zeros(2, self.layers, n, self.heads * self.head_dim, dtype=self.dtype)
+        if n:
+            self._forward(kv, ids.to(torch.int64), torch.arange(n))
+        return kv
+
+    def _forward(self, kv: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        """SGLang's decoder stack over tokens `rows` of `ids` as one request's extend, its
+        pool `kv` (the tokens before `rows` are its cached prefix), on this thread."""
         from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
         from sglang.srt.model_executor.forward_context import ForwardContext
 
         n, end = len(rows), len(ids)
-        if n == 0:
-            return
         pool, tokens = _BlendPool(kv, self.heads, self.head_dim), _Tokens(end)
         backend = copy(self.backend)
         backend.token_to_kv_pool, backend.req_to_token_pool = pool, tokens
@@ -138,12 +159,11 @@ class RowsForward:
             extend_num_tokens=n, extend_seq_lens=torch.tensor([n]),
             extend_prefix_lens=torch.tensor([end - n]), extend_seq_lens_cpu=[n],
             extend_prefix_lens_cpu=[end - n], extend_start_loc=torch.zeros(1, dtype=torch.int64))
-        with in_forward.rows_at(rows):
-            _local.ctx = ForwardContext(attn_backend=backend)
-            try:
-                self.model(batch.input_ids, rows, batch)
-            finally:
-                _local.ctx = None
+        _local.ctx = ForwardContext(attn_backend=backend)
+        try:
+            self.model(batch.input_ids, rows, batch)
+        finally:
+            _local.ctx = None
 
     def finish(self, done: Computed, tokens: np.ndarray) -> Computed:
         """`done` (computed up to its check layers) with its rows past them computed here

@@ -89,16 +89,23 @@ def _enable_blending(scheduler: SchedulerView, kvtier: SGLangKVTier) -> None:
                           kvtier.engine.prefill.recompute_s, (kvtier.rank, reduce))
     # A verified request's first segment, as SGLang computed it, checks that segment's records
     kv_pool = cast("Opaque", scheduler).tp_worker.model_runner.token_to_kv_pool
+    by = ("SGLang's model on kvtier's segment thread (rows_forward.py)" if blender.rows
+          else "kvtier's forward (kvtier/blend/forward.py)")
     check = EngineSegmentCheck(store, (list(kv_pool.k_buffer), list(kv_pool.v_buffer)),
-                               blender.separator, config.blend.min_tokens, kvtier.counters)
+                               blender.separator, config.blend.min_tokens, kvtier.counters, by)
     kvtier.check_segments(lambda job: check.check(job.token_ids, job.slots, job.salt,
                                                   job.prompt_len, job.ready))
     pool = blender.pool_k[0]
     cache.attach_blender(blender, pool.shape[0], pool.device)
     logger.info("kvtier: blending on: segments end at %r (%d tokens), check layers %s, "
-                "recompute shares %s, segments of %d+ tokens", config.blend_special_str,
+                "recompute shares %s, segments of %d+ tokens; the rows past the check layers "
+                "run %s; segments alone are computed by %s", config.blend_special_str,
                 len(blender.separator), list(config.blend_check_layers),
-                list(config.blend_recompute_ratios), config.blend_min_tokens)
+                list(config.blend_recompute_ratios), config.blend_min_tokens,
+                "in SGLang's model before admission" if blender.rows else
+                "in SGLang's extend" if blender.in_forward else "in kvtier's forward",
+                "SGLang's model" if blender.rows else "kvtier's forward (the segment that "
+                "starts a verified prompt is checked against SGLang's KV)")
 
 
 def _device(scheduler: SchedulerView) -> str:

@@ -3,7 +3,9 @@ segment forged in a plain Redis (written by another client through kvtier's own 
 so every checksum and token digest holds) is served until a sampled request's segments are
 computed alone again; then the forged records leave Redis and the CPU tier that had loaded them,
 the fresh KV takes their place, and another instance reading Redis loads the model's own KV.
-The blender is driven as the radix cache drives it, over a real Redis, without a server."""
+The blender is driven as the radix cache drives it, over a real Redis, without a server.
+Where SGLang's model runs on the worker's thread (`RowsForward.alone`, stood in for here), it
+computes the segments: the records it stores and the KV it checks them against."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from kvtier.connectors import SGLangMHAConnector
 from kvtier.engine import CacheEngine
 from kvtier.engine.verify import Verdict
 from kvtier.integration.sglang.blending.blender import BLEND_COUNTERS, SGLangBlender
+from kvtier.integration.sglang.blending.rows_forward import RowsForward
 from kvtier.keys import KeyChain
 from kvtier.memory import KVLayout
 from kvtier.metrics import Counters
@@ -58,12 +61,13 @@ def engines(redis_url: str) -> Iterator[Callable[[], CacheEngine]]:
         engine.close()
 
 
-def _blender(engine: CacheEngine) -> SGLangBlender:
+def _blender(engine: CacheEngine, rows: RowsForward | None = None) -> SGLangBlender:
     w = tiny_llama()
     k = [torch.zeros(64, w.num_kv_heads, w.head_dim) for _ in range(w.num_layers)]
     v = [torch.zeros(64, w.num_kv_heads, w.head_dim) for _ in range(w.num_layers)]
     counters = Counters(*(f"sglang.{name}" for name in BLEND_COUNTERS))
-    return SGLangBlender(w, engine.segments(), engine.config.blend, [SEP], (k, v), 4, counters)
+    return SGLangBlender(w, engine.segments(), engine.config.blend, [SEP], (k, v), 4, counters,
+                         rows=rows)
 
 
 def _honest(w: LlamaWeights) -> torch.Tensor:
@@ -155,4 +159,65 @@ def test_a_missed_segment_is_computed_alone_and_stored_after_its_request(
     counts = _verify(blender, "r", sampled=False)
     assert counts["sglang.blend_segments_stored"] == 1
     torch.testing.assert_close(_served(server), _honest(tiny_llama()), rtol=0, atol=0)
+    blender.close()
+
+
+class _SGLangModel(RowsForward):
+    """SGLang's model as the segment worker calls it (`alone`): gives `kv` (anything but what
+    kvtier's forward computes), or fails when None; remembers its callers' threads."""
+
+    def __init__(self, kv: torch.Tensor | None) -> None:
+        self.kv, self.threads = kv, []  # type: ignore[assignment]
+
+    def alone(self, ids: torch.Tensor) -> torch.Tensor:
+        self.threads.append(threading.current_thread().name)
+        assert torch.equal(ids, torch.from_numpy(DOC))  # the segment's tokens, from position 0
+        if self.kv is None:
+            raise RuntimeError("this SGLang's model runs no other batch")
+        return self.kv.clone()
+
+
+def test_sglangs_model_computes_the_segments_records(engines: Callable[[], CacheEngine]) -> None:
+    theirs = _honest(tiny_llama()) * 1.01
+    model = _SGLangModel(theirs)
+    server = engines()
+    blender = _blender(server, model)
+    assert len(blender.look("r", PROMPT, 0, "").missed) == 1
+    assert _verify(blender, "r", sampled=False)["sglang.blend_segments_stored"] == 1
+    assert server.flush(30)
+    torch.testing.assert_close(_served(server), theirs, rtol=0, atol=0)
+    torch.testing.assert_close(_served(engines()), theirs, rtol=0, atol=0)  # Redis's too
+    assert model.threads == ["kvtier-segments"]
+    blender.close()
+
+
+def test_sglangs_model_refutes_a_record_that_kvtiers_forward_computed(
+        engines: Callable[[], CacheEngine]) -> None:
+    theirs = _honest(tiny_llama()) * 1.01  # a fault in kvtier's forward, seen from SGLang's
+    server = engines()
+    _write(server, _honest(tiny_llama()))
+    model = _SGLangModel(theirs)
+    blender = _blender(server, model)
+    counts = _verify(blender, "sampled", sampled=True)
+    assert counts["sglang.blend_segments_verified"] == 1
+    assert counts["sglang.blend_segments_mismatched"] == 1
+    assert server.flush(30)
+    torch.testing.assert_close(_served(server), theirs, rtol=0, atol=0)
+    assert model.threads == ["kvtier-segments"]
+    blender.close()
+
+
+def test_a_model_that_fails_leaves_the_segments_to_kvtiers_forward(
+        engines: Callable[[], CacheEngine], caplog: pytest.LogCaptureFixture) -> None:
+    model = _SGLangModel(None)
+    server = engines()
+    blender = _blender(server, model)
+    assert len(blender.look("r", PROMPT, 0, "").missed) == 1
+    assert _verify(blender, "r", sampled=False)["sglang.blend_segments_stored"] == 1
+    torch.testing.assert_close(_served(server), _honest(tiny_llama()), rtol=0, atol=0)
+    assert "kvtier's forward computes segments from now on" in caplog.text
+    counts = _verify(blender, "sampled", sampled=True)  # not tried again
+    assert counts["sglang.blend_segments_verified"] == 1
+    assert "sglang.blend_segments_mismatched" not in counts
+    assert model.threads == ["kvtier-segments"]
     blender.close()

@@ -110,3 +110,33 @@ def test_a_thread_with_its_own_context_reads_it_and_the_others_sglangs() -> None
         assert fc.get_attn_backend() == "theirs"  # the scheduler's thread: SGLang's own
     finally:
         fc.set_forward_context(previous)
+
+
+@pytest.mark.sglang
+def test_alone_computes_a_fresh_prompt_through_sglangs_context_into_its_own_kv() -> None:
+    """`alone` (a segment computed alone for the segment worker): one extend with no cached
+    prefix at positions 0..n-1, no fold (SGLang's own attention), the backend found where
+    SGLang's layers look for it, and each layer's KV landing in token order."""
+    from sglang.srt.model_executor import forward_context as fc
+
+    seen: list[dict[str, object]] = []
+
+    def model(input_ids: torch.Tensor, positions: torch.Tensor, batch: object) -> None:
+        backend = fc.get_attn_backend()  # what SGLang's attention layers call
+        seen.append({"ids": input_ids.tolist(), "positions": positions.tolist(),
+                     "prefix": batch.extend_prefix_lens_cpu,  # type: ignore[attr-defined]
+                     "folding": in_forward.folding()})
+        for layer in range(3):
+            k = (input_ids.double() + 10 * layer)[:, None, None].expand(-1, 2, 4)
+            backend.token_to_kv_pool.set_kv_buffer(  # type: ignore[attr-defined]
+                SimpleNamespace(layer_id=layer), batch.out_cache_loc, k, -k)  # type: ignore[attr-defined]
+
+    runner = SimpleNamespace(model=SimpleNamespace(model=model), attn_backend=SimpleNamespace(),
+                             token_to_kv_pool=SimpleNamespace(k_buffer=[torch.zeros(9, 2, 4)] * 3))
+    kv = RowsForward(runner).alone(torch.tensor([7, 8, 9, 10, 11]))
+    assert seen == [{"ids": [7, 8, 9, 10, 11], "positions": [0, 1, 2, 3, 4], "prefix": [0],
+                     "folding": False}]
+    assert kv.shape == (2, 3, 5, 8) and kv.dtype == torch.float32  # the pool's dtype
+    want = (torch.arange(7, 12)[None, :, None] + 10 * torch.arange(3)[:, None, None]).float()
+    assert torch.equal(kv[0], want.expand(3, 5, 8)) and torch.equal(kv[1], -kv[0])
+    assert rows_forward._local.ctx is None  # this thread reads SGLang's context again
