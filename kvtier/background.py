@@ -31,10 +31,11 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 __all__ = ["lower_priority", "copy_alone", "name_os_thread", "copy_threads", "NICE",
            "EngineActivity", "ENGINE", "QUIET_S", "STALE_S", "HOLD_S", "HOLD_SHARE",
-           "BUSY_SHARE", "URGENT_SHARE"]
+           "BUSY_SHARE", "URGENT_SHARE", "CpuTime"]
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +147,11 @@ class EngineActivity:
             with self._lock:
                 self._waiting_at = time.monotonic() if waiting else -math.inf
 
+    def ran_since(self, at: float) -> bool:
+        """A batch runs now, or one ended after `at` (`time.monotonic()`): whatever else waits."""
+        with self._lock:
+            return self._running > 0 or self._left > at
+
     def busy(self, now: float | None = None) -> bool:
         """Enabled, and a batch is running or ended less than `QUIET_S` ago, or requests wait
         to run. A batch whose result never came, or a queue the engine stopped reporting,
@@ -182,3 +188,37 @@ class EngineActivity:
 
 
 ENGINE = EngineActivity()  # the engine of this process (one serving engine per process)
+
+
+class CpuTime(NamedTuple):
+    """CPU seconds used so far on the cores this process may run on, by everything (`cores`)
+    and by this process (`own`), at `wall` (`time.monotonic()`): two of them tell how many of
+    those cores other processes kept busy in between (`others_since`)."""
+
+    wall: float
+    cores: float
+    own: float
+
+    @staticmethod
+    def now() -> CpuTime | None:
+        """The counts now, from /proc/stat; None where there is none (not Linux)."""
+        allowed = {f"cpu{i}" for i in os.sched_getaffinity(0)}
+        busy = 0
+        try:
+            with open("/proc/stat") as stat:
+                for line in stat:
+                    name, *fields = line.split()
+                    if name in allowed:  # user nice system idle iowait irq softirq steal
+                        ticks = [int(f) for f in fields[:8]]
+                        busy += sum(ticks) - ticks[3] - ticks[4]
+        except (OSError, ValueError, IndexError):
+            return None
+        times = os.times()
+        return CpuTime(time.monotonic(), busy / os.sysconf("SC_CLK_TCK"), times.user + times.system)
+
+    def others_since(self, before: CpuTime) -> float:
+        """How many of the cores other processes kept busy, on average, from `before` to this."""
+        wall = self.wall - before.wall
+        if wall <= 0:
+            return 0.0
+        return max(0.0, (self.cores - before.cores) - (self.own - before.own)) / wall

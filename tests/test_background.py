@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
-from kvtier.background import NICE, copy_alone, lower_priority
+from kvtier.background import NICE, CpuTime, EngineActivity, copy_alone, lower_priority
 from kvtier.config import Config, load_config
 from tests.helpers import os_thread_name
 
@@ -55,3 +56,23 @@ def test_kvtier_threads_show_their_names_to_the_os() -> None:
     thread.join()
     assert seen == ["kv-writer-redis"]
     assert Path("/proc/self/comm").read_text() == process_name  # the process keeps its own
+
+
+def test_cpu_time_tells_the_cores_other_processes_took() -> None:
+    before = CpuTime(wall=10.0, cores=100.0, own=4.0)
+    # 2 s: the cores did 3 CPU-seconds, this process 1 of them
+    assert CpuTime(12.0, 103.0, 5.0).others_since(before) == 1.0
+    assert CpuTime(12.0, 101.0, 5.0).others_since(before) == 0.0  # never below 0 (tick skew)
+    assert CpuTime(10.0, 101.0, 4.0).others_since(before) == 0.0  # no time passed
+    now = CpuTime.now()  # Linux: read from /proc/stat
+    assert now is not None and now.cores > 0 and now.own >= 0
+
+
+def test_ran_since_sees_a_running_batch_and_one_that_ended_later() -> None:
+    engine = EngineActivity()
+    start = time.monotonic()
+    assert not engine.ran_since(start)
+    engine.enter()
+    assert engine.ran_since(time.monotonic() + 1)  # running now
+    engine.leave()
+    assert engine.ran_since(start) and not engine.ran_since(time.monotonic() + 1)

@@ -209,7 +209,7 @@ def test_a_reordered_rag_prompt_with_a_preamble_reuses_every_document(
     # share past them by SGLang's own model there too (issue 75: no stream waits for them)
     said = re.findall(r"kvtier: blended \S+: .*\)$", server.log(), re.M)[-1]
     assert said.endswith("off the scheduler thread)"), said
-    assert "in SGLang's model before admission (" in said, said
+    assert "in SGLang's model before admission on " in said, said
     assert line["loaded"] > 3 * DOC_TOKENS and line["computed"] < line["loaded"] / 4, line
     kept = line["loaded"] - line["recomputed"] - line["segments"]  # first tokens: computed
     assert 0 < kept < line["loaded"]

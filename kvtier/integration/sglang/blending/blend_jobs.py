@@ -29,6 +29,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from kvtier.background import CpuTime
 from kvtier.blend.assemble import Assembled, assemble
 from kvtier.blend.forward import BlendPlan, LlamaWeights, blend, prefill
 from kvtier.engine.segments import SegmentStore
@@ -66,8 +67,14 @@ class Computed(NamedTuple):
     # every token, until the ranks' sum picks the share at admission (`blend_ranks`).
     deviation: torch.Tensor | None = None
     # Every layer computed: the rows past the check layers too (`rows_forward`, before the
-    # admission), so SGLang's extend computes the request's own tokens only.
+    # admission, on `rows_threads` threads), so SGLang's extend computes the request's own
+    # tokens only.
     whole: bool = False
+    rows_threads: int = 0
+    # How many of the cores other processes kept busy while the check layers ran (None:
+    # unknown), and when those started (`time.monotonic()`): `rows_forward` picks its threads.
+    others: float | None = None
+    computed_at: float = 0.0
 
     def tally(self, device_len: int) -> tuple[int, int, int]:
         """Of the tokens past `device_len` (what the pool held stays; what the blend wrote):
@@ -81,6 +88,11 @@ class Computed(NamedTuple):
         last = torch.zeros_like(new)
         last[self.computed] = True
         return loaded, recomputed, int((self.cached & new & ~last).sum())
+
+    def rows_where(self) -> str:
+        """Where SGLang ran the rows past the check layers, for the log."""
+        n = self.rows_threads
+        return f"model before admission on {n} thread{'s' * (n > 1)}" if self.whole else "forward"
 
     def counted(self, counters: Counters, device_len: int) -> tuple[int, int, int]:
         """Count this blend in `counters` (`blender.BLEND_COUNTERS`); returns `tally`."""
@@ -133,14 +145,17 @@ def compute(w: LlamaWeights, store: SegmentStore, plan: BlendPlan, pool: Pool,
             known.kv[0, layer, :device_len] = pool[0][layer][rows].view(device_len, -1)
             known.kv[1, layer, :device_len] = pool[1][layer][rows].view(device_len, -1)
         cached[:device_len] = True
-    loaded_at = time.perf_counter()
+    loaded_at, began, cpu = time.perf_counter(), time.monotonic(), CpuTime.now()
     with _compute_threads(dev) as threads:
         out = blend(w, ids, known.kv, cached, plan, must=known.must, logits=False, upto=upto,
                     in_place=True)  # known.kv is this job's own
     if dev.type == "cuda":  # the result may be read on another thread's stream
         torch.cuda.current_stream(dev).synchronize()
+    after = CpuTime.now()
     return Computed(end, out.kv, known.cached, known.must, known.segments_hit, out.computed,
-                    loaded_at - start, time.perf_counter() - loaded_at, threads)
+                    loaded_at - start, time.perf_counter() - loaded_at, threads,
+                    others=after.others_since(cpu) if cpu and after else None,
+                    computed_at=began)
 
 
 def _check_columns(w: LlamaWeights, ids: torch.Tensor, known: Assembled, layer: int,

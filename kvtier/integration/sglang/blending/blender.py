@@ -362,7 +362,7 @@ class SGLangBlender:
                     recomputed, self.plan.check_layers[0], end - device_len - loaded,
                     device_len, device_len + kept, kept, done.read_s, done.compute_s,
                     f" up to layer {max(self.plan.check_layers)}, {len(rows)} tokens past it "
-                    f"in SGLang's {'model before admission' if done.whole else 'forward'}"
+                    f"in SGLang's {done.rows_where()}"
                     if self.in_forward else "", done.threads, where)
         return kept
 

@@ -17,10 +17,13 @@ context (`get_forward_context`, the attention backend its layers call) in one mo
 variable, safe while every forward runs on one thread; `install` lets a thread that set an
 override read its own (`_ThreadContext`), every other thread SGLang's, unchanged.
 
-The rows run on the job thread's own threads (one, as SGLang's CPU workers start), not every
-core as the check layers do: their forward is many small parallel regions, and beside a busy
-process a team of two waited at each barrier for the core that process held (a blend took 14.6 s
-against 2.5 s quiet; with one thread 0.77x the full prefill's TTFT there).
+The rows run on the job thread, on every core only when the host was quiet while the check
+layers ran (`rows_threads`: no batch of SGLang's ran, and other processes kept less than
+`QUIET_CORES` of the cores busy), else on one thread, as SGLang's CPU workers start. The
+rows' forward is many small parallel regions: beside a busy process a team of two waited at
+each barrier for the core that process held (a blend took 14.6 s against 2.5 s quiet; with one
+thread 0.77x the full prefill's TTFT there), while on a quiet host two threads took 0.44x
+against one thread's 0.50x.
 
 The same forward computes a segment alone for the blender's segment worker (`alone`): its
 records, and the check of them, are then SGLang's own KV, not kvtier's second implementation's.
@@ -32,6 +35,7 @@ every rank in the same order as the scheduler's (`blend_ranks` folds there).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -41,13 +45,19 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvtier.background import ENGINE
 from kvtier.integration.sglang.blending import in_forward
 from kvtier.integration.sglang.blending.blend_jobs import Computed
 from kvtier.integration.sglang.boundary.sglang_views import Opaque
 
-__all__ = ["RowsForward", "install"]
+__all__ = ["QUIET_CORES", "RowsForward", "install", "rows_threads"]
 
 logger = logging.getLogger(__name__)
+
+# Other processes' use of the cores, while a blend's check layers ran, under which the host
+# counts as quiet: a busy process beside the server measures about 1 core on 2, an idle host
+# about 0.01.
+QUIET_CORES = 0.25
 
 
 class _ThreadContext(threading.local):
@@ -176,11 +186,25 @@ class RowsForward:
         start = time.perf_counter()
         ids = torch.from_numpy(np.ascontiguousarray(tokens[:done.end])).to(torch.int64)
         rows = torch.sort(done.computed.cpu().to(torch.int64)).values
+        threads, before = rows_threads(done), torch.get_num_threads()
+        torch.set_num_threads(threads)  # this thread's own team (see the module doc)
         try:
-            self.run(done.kv, ids, rows)  # on the job thread's own threads: see the module doc
+            self.run(done.kv, ids, rows)
         except Exception:
             self.broken = True
             logger.exception("kvtier: SGLang's model did not compute a blend's rows before "
                              "admission; blends fold them into their extend from now on")
             return done
-        return done._replace(whole=True, compute_s=done.compute_s + time.perf_counter() - start)
+        finally:
+            torch.set_num_threads(before)
+        return done._replace(whole=True, compute_s=done.compute_s + time.perf_counter() - start,
+                             rows_threads=threads)
+
+
+def rows_threads(done: Computed) -> int:
+    """Threads for `done`'s rows: every core this process may use if the host was quiet while
+    its check layers ran (no batch of SGLang's ran since they began, and other processes kept
+    less than `QUIET_CORES` of the cores busy), else one (see the module doc)."""
+    quiet = (done.others is not None and done.others < QUIET_CORES
+             and not ENGINE.ran_since(done.computed_at))
+    return len(os.sched_getaffinity(0)) if quiet else 1

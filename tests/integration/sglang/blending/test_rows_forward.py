@@ -4,16 +4,24 @@ On a real server (exact at a share of 1, and what the log says): test_sglang_ble
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+from kvtier.background import EngineActivity
 from kvtier.integration.sglang.blending import in_forward, rows_forward
 from kvtier.integration.sglang.blending.blend_jobs import Computed
-from kvtier.integration.sglang.blending.rows_forward import RowsForward, _BlendPool
+from kvtier.integration.sglang.blending.rows_forward import (
+    QUIET_CORES,
+    RowsForward,
+    _BlendPool,
+    rows_threads,
+)
 
 
 def test_the_pool_is_the_blends_kv_slot_i_token_i() -> None:
@@ -53,13 +61,15 @@ def _done(rows: list[int]) -> Computed:
 
 
 class _Runs(RowsForward):
-    """A RowsForward without a model: `run` records its calls, or fails."""
+    """A RowsForward without a model: `run` records its calls and threads, or fails."""
 
     def __init__(self, fail: bool = False) -> None:
         self.broken, self.fail, self.calls = False, fail, []  # type: ignore[assignment]
+        self.threads: list[int] = []
 
     def run(self, kv: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> None:
         self.calls.append((ids.tolist(), rows.tolist()))
+        self.threads.append(torch.get_num_threads())
         kv[:, :, rows] = -1.0  # a partial write, then the failure
         if self.fail:
             raise RuntimeError("this SGLang's model runs no other batch")
@@ -71,6 +81,33 @@ def test_finish_runs_the_rows_in_order_and_marks_the_blend_whole() -> None:
     assert out.whole and not done.whole
     assert forward.calls == [(list(range(100, 106)), [0, 3, 5])]  # the prompt's tokens, sorted
     assert out.compute_s >= done.compute_s
+
+
+@pytest.fixture
+def engine(monkeypatch: pytest.MonkeyPatch) -> EngineActivity:
+    """SGLang's engine as the rows see it (its batches), fresh: no batch ran."""
+    activity = EngineActivity()
+    monkeypatch.setattr(rows_forward, "ENGINE", activity)
+    return activity
+
+
+def test_the_rows_take_every_core_only_on_a_quiet_host(engine: EngineActivity) -> None:
+    cores, before = len(os.sched_getaffinity(0)), torch.get_num_threads()
+    began = time.monotonic()
+    quiet = _done([1, 2])._replace(others=0.01, computed_at=began)
+    assert rows_threads(quiet) == cores
+    assert rows_threads(quiet._replace(others=QUIET_CORES + 0.5)) == 1  # a busy process
+    assert rows_threads(quiet._replace(others=None)) == 1  # unknown: not quiet
+    forward = _Runs()
+    out = forward.finish(quiet, np.arange(6))
+    assert forward.threads == [cores] and out.rows_threads == cores
+    assert torch.get_num_threads() == before  # the thread's own team back as it was
+    engine.enter()  # SGLang runs a batch (a stream's decode step) beside the blend
+    engine.leave()
+    assert rows_threads(quiet) == 1
+    out = forward.finish(quiet, np.arange(6))
+    assert forward.threads == [cores, 1] and out.rows_threads == 1
+    assert out.rows_where().endswith("on 1 thread") and _done([1]).rows_where() == "forward"
 
 
 def test_a_model_that_refuses_leaves_the_rows_to_the_fold(caplog: pytest.LogCaptureFixture,
