@@ -291,8 +291,10 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, qpos: tor
     k = keys[:span].reshape(span, kvh, d).transpose(0, 1)
     v = values[:span].reshape(span, kvh, d).transpose(0, 1)
     if mask is None:  # every token up to the last: the plain causal mask
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k, v, is_causal=True,
-                                             enable_gqa=True)
+        # With a batch dimension: on a CPU, 3-d inputs take SDPA's math path, which computes
+        # every score (SmolLM2, 2,500 tokens, 2 threads: 0.37 s a layer against 0.045 s)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None],
+                                             is_causal=True, enable_gqa=True)[0]
         return out.transpose(0, 1).reshape(n, w.num_heads * d)
     kf, vf = k.float(), v.float()
     qh = q.float().reshape(n, kvh, groups, d).permute(1, 2, 0, 3)  # [kvh, groups, n, d]
