@@ -148,7 +148,7 @@ class EngineActivity:
                 self._waiting_at = time.monotonic() if waiting else -math.inf
 
     def ran_since(self, at: float) -> bool:
-        """A batch runs now, or one ended after `at` (`time.monotonic()`): whatever else waits."""
+        """A batch runs now, or one ended after `at` (`time.monotonic()`)."""
         with self._lock:
             return self._running > 0 or self._left > at
 
@@ -202,6 +202,8 @@ class CpuTime(NamedTuple):
     @staticmethod
     def now() -> CpuTime | None:
         """The counts now, from /proc/stat; None where there is none (not Linux)."""
+        if not hasattr(os, "sched_getaffinity"):
+            return None
         allowed = {f"cpu{i}" for i in os.sched_getaffinity(0)}
         busy = 0
         try:

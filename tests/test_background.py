@@ -76,3 +76,9 @@ def test_ran_since_sees_a_running_batch_and_one_that_ended_later() -> None:
     assert engine.ran_since(time.monotonic() + 1)  # running now
     engine.leave()
     assert engine.ran_since(start) and not engine.ran_since(time.monotonic() + 1)
+
+
+def test_cpu_time_is_unknown_where_the_os_has_no_cpu_affinity(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(os, "sched_getaffinity")
+    assert CpuTime.now() is None  # the rows then keep one thread (rows_forward.rows_threads)

@@ -145,13 +145,15 @@ def compute(w: LlamaWeights, store: SegmentStore, plan: BlendPlan, pool: Pool,
             known.kv[0, layer, :device_len] = pool[0][layer][rows].view(device_len, -1)
             known.kv[1, layer, :device_len] = pool[1][layer][rows].view(device_len, -1)
         cached[:device_len] = True
-    loaded_at, began, cpu = time.perf_counter(), time.monotonic(), CpuTime.now()
+    # the host's load, for the rows' threads (`rows_forward`: SGLang's CPU engine only)
+    cpu = CpuTime.now() if dev.type == "cpu" else None
+    loaded_at, began = time.perf_counter(), time.monotonic()
     with _compute_threads(dev) as threads:
         out = blend(w, ids, known.kv, cached, plan, must=known.must, logits=False, upto=upto,
                     in_place=True)  # known.kv is this job's own
     if dev.type == "cuda":  # the result may be read on another thread's stream
         torch.cuda.current_stream(dev).synchronize()
-    after = CpuTime.now()
+    after = CpuTime.now() if cpu else None
     return Computed(end, out.kv, known.cached, known.must, known.segments_hit, out.computed,
                     loaded_at - start, time.perf_counter() - loaded_at, threads,
                     others=after.others_since(cpu) if cpu and after else None,
