@@ -103,9 +103,7 @@ def _enable_blending(scheduler: SchedulerView, kvtier: SGLangKVTier) -> None:
                 len(blender.separator), list(config.blend_check_layers),
                 list(config.blend_recompute_ratios), config.blend_min_tokens,
                 "in SGLang's model before admission" if blender.rows else
-                "in SGLang's extend" if blender.in_forward else "in kvtier's forward",
-                "SGLang's model" if blender.rows else "kvtier's forward (the segment that "
-                "starts a verified prompt is checked against SGLang's KV)")
+                "in SGLang's extend" if blender.in_forward else "in kvtier's forward", by)
 
 
 def _device(scheduler: SchedulerView) -> str:
